@@ -1,0 +1,51 @@
+"""The `samebits` command line: parse, call one library function, print.
+
+Each subcommand lives in its own module in this package and exposes
+``register(subparsers)``, which adds its parser and sets ``func`` (taking the parsed
+arguments, returning the exit code).  Modules are discovered, so adding a command is
+adding a file.  Exit codes everywhere: 0 good verdict, 1 bad verdict, 2 could not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+from samebits.errors import SamebitsError
+
+EXIT_OK, EXIT_BAD_VERDICT, EXIT_CANNOT_RUN = 0, 1, 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="samebits",
+        description="Make PyTorch training bitwise deterministic, and prove it.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if info.name.startswith("_"):
+            continue
+        importlib.import_module(f"{__name__}.{info.name}").register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_CANNOT_RUN
+    try:
+        return int(args.func(args))
+    except SamebitsError as err:
+        print(f"samebits {args.command}: error: {err}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    except KeyboardInterrupt:
+        print(f"samebits {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

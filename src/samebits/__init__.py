@@ -1,13 +1,26 @@
 """samebits: make PyTorch pretraining bitwise deterministic, and prove it.
 
+    digest(t) / digest_many(ts)      64-bit fingerprints of tensors (docs/digest.md)
+    Recorder(dir, ...)               per-rank fingerprint streams (docs/stream.md)
+    diff(run_a, run_b)               the comparator: identical, or the first divergence
+
 The public API is what ``__all__`` lists; every other module is private.
 """
 
+from samebits.compare import DiffResult, diff
 from samebits.errors import DeterminismError, IncomparableRunsError, SamebitsError, StreamError
+from samebits.fingerprint import digest, digest_many
+from samebits.stream import Recorder, open_run
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "digest",
+    "digest_many",
+    "Recorder",
+    "open_run",
+    "diff",
+    "DiffResult",
     "SamebitsError",
     "StreamError",
     "IncomparableRunsError",

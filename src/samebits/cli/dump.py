@@ -1,0 +1,43 @@
+"""`samebits dump RUN --rank R --step S`: print one step's records as text."""
+
+from __future__ import annotations
+
+from samebits.cli._format import print_json, table
+from samebits.errors import SamebitsError
+from samebits.stream import open_run
+
+
+def register(sub) -> None:
+    parser = sub.add_parser("dump", help="print the records of one rank and step",
+                            description="Print the records of one rank at one step (or all steps).")
+    parser.add_argument("run", metavar="RUN")
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--step", type=int, default=None, help="the step to print (default: every step)")
+    parser.add_argument("--phase", default=None, help="only records of this phase")
+    parser.add_argument("--json", action="store_true", help="print records as JSON")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    reader = open_run(args.run).stream(args.rank)
+    out, found = [], False
+    for block in reader.steps():
+        if args.step is not None and block.step != args.step:
+            if block.step > args.step:
+                break
+            continue
+        found = True
+        records = [r for r in block.records() if args.phase is None or r.phase == args.phase]
+        out.append({"step": block.step, "root": f"{block.root:016x}", "records": records})
+    if args.step is not None and not found:
+        raise SamebitsError(f"{reader.path}: no step {args.step} on rank {args.rank}; "
+                            "`samebits show RUN` lists the recorded steps.")
+    if args.json:
+        print_json([{"step": s["step"], "root": s["root"], "records": [r.to_json() for r in s["records"]]} for s in out])
+        return 0
+    for s in out:
+        print(f"step {s['step']}  rank {args.rank}  root {s['root']}  ({len(s['records'])} records)")
+        print(table(["phase", "name", "#", "kind", "value"],
+                    [[r.phase, r.name, r.occurrence, r.kind, r.summary()] for r in s["records"]]))
+        print()
+    return 0

@@ -1,0 +1,148 @@
+"""Zero-code recording: fingerprint any training script without editing it.
+
+`samebits run --out DIR -- CMD ...` starts CMD with ``_inject/`` first on ``PYTHONPATH``;
+its ``sitecustomize`` calls `install()` in every Python process CMD starts (torchrun's
+workers included).  `install` adds three global hooks and creates no recorder until one
+fires, so launcher processes and data-loader workers record nothing:
+
+* an optimizer step post-hook (every optimizer): parameters, gradients and optimizer
+  state after each ``optimizer.step()``; the step is the count of optimizer steps;
+* a module forward hook: the outputs of *top-level* module forwards (where most scripts'
+  loss lives), under phase ``forward``;
+* the recorder's own atexit close.
+
+Parameter names come from the top-level modules that ran forward (their
+``named_parameters``); a parameter no module claims is named ``group{g}.param{i}``.
+Settings come from ``SAMEBITS_*`` variables (see `samebits.stream.settings`), plus
+``SAMEBITS_STEP_OFFSET`` (the first step number, for a resumed process) and
+``SAMEBITS_REFERENCE`` (a run to check each step against, live).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+INJECT_DIR = Path(__file__).resolve().parent / "_inject"
+ENV_ENABLE = "SAMEBITS_AUTORECORD"
+
+_state = None
+
+
+class _AutoRecorder:
+    def __init__(self):
+        self.recorder = None
+        self.step = int(os.environ.get("SAMEBITS_STEP_OFFSET", "0"))
+        self.first_optimizer = None
+        self.param_names: dict[int, str] = {}
+        self.depth = 0  # nesting of module forwards: 0 means a top-level call
+        self.top_level_seen: dict[int, torch.nn.Module] = {}
+        self.forward_counts: dict[str, int] = {}
+
+    def _rec(self):
+        if self.recorder is None:
+            from samebits.stream import Recorder
+
+            reference = os.environ.get("SAMEBITS_REFERENCE") or None
+            self.recorder = Recorder(
+                append=os.environ.get("SAMEBITS_APPEND") == "1",
+                reference=reference,
+                config={"command": os.environ.get("SAMEBITS_COMMAND", "")},
+            )
+        return self.recorder
+
+    # forward hooks: count nesting so only top-level outputs are recorded
+    def pre_forward(self, module, args):
+        self.depth += 1
+
+    def post_forward(self, module, args, output):
+        self.depth -= 1
+        if self.depth != 0:
+            return
+        if id(module) not in self.top_level_seen:
+            self.top_level_seen[id(module)] = module
+            prefix = ""
+            if any(m is not module for m in self.top_level_seen.values()):
+                prefix = type(module).__name__ + "."
+            for name, param in module.named_parameters():
+                self.param_names.setdefault(id(param), prefix + name)
+        label = type(module).__name__
+        leaves = list(_tensor_leaves(label, output))
+        if leaves:
+            self._rec().tensors(self.step, "forward", [(n, t.detach()) for n, t in leaves])
+
+    def after_optimizer_step(self, optimizer, args, kwargs):
+        if self.first_optimizer is None:
+            self.first_optimizer = optimizer
+        rec = self._rec()
+        phase_prefix = "" if optimizer is self.first_optimizer else f"optimizer{id(optimizer) & 0xFFFF:x}."
+        names = []
+        for g, group in enumerate(optimizer.param_groups):
+            for i, param in enumerate(group["params"]):
+                names.append((self.param_names.get(id(param), f"group{g}.param{i}"), param))
+        rec.tensors(self.step, phase_prefix + "grads", [(n, p.grad) for n, p in names])
+        rec.tensors(self.step, phase_prefix + "params", [(n, p.detach()) for n, p in names])
+        state = []
+        for name, param in names:
+            for key, value in sorted(optimizer.state.get(param, {}).items()):
+                if isinstance(value, torch.Tensor):
+                    state.append((f"{name}.{key}", value))
+        rec.tensors(self.step, phase_prefix + "optimizer", state)
+        if optimizer is self.first_optimizer:
+            rec.end_step(self.step)
+            self.step += 1
+
+
+def _tensor_leaves(prefix, value):
+    if isinstance(value, torch.Tensor):
+        yield prefix, value
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _tensor_leaves(f"{prefix}.{i}", item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _tensor_leaves(f"{prefix}.{key}", item)
+    elif hasattr(value, "__dataclass_fields__") or hasattr(value, "to_tuple"):  # ModelOutput-like
+        for key in getattr(value, "__dataclass_fields__", {}) or ():
+            yield from _tensor_leaves(f"{prefix}.{key}", getattr(value, key))
+
+
+def install() -> bool:
+    """Install the global hooks once (idempotent); True if recording is on."""
+    global _state
+    if _state is not None:
+        return True
+    if os.environ.get("SAMEBITS_DISABLE", "").strip() in ("1", "true", "yes"):
+        return False
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    _state = _AutoRecorder()
+    register_module_forward_pre_hook(_state.pre_forward)
+    register_module_forward_hook(_state.post_forward, always_call=True)
+    register_optimizer_step_post_hook(_state.after_optimizer_step)
+    return True
+
+
+def environment_for(out_dir, *, steps=None, ranks=None, max_tensor_bytes=None, reference=None,
+                    step_offset=None, append=False, command="") -> dict[str, str]:
+    """The environment variables that make every Python process of a command record."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(INJECT_DIR), env.get("PYTHONPATH", "")) if p)
+    env[ENV_ENABLE] = "1"
+    env["SAMEBITS_DIR"] = str(out_dir)
+    env["SAMEBITS_COMMAND"] = command
+    for key, value in (("SAMEBITS_STEPS", steps), ("SAMEBITS_RANKS", ranks),
+                       ("SAMEBITS_MAX_TENSOR_BYTES", max_tensor_bytes), ("SAMEBITS_REFERENCE", reference),
+                       ("SAMEBITS_STEP_OFFSET", step_offset)):
+        if value is not None:
+            env[key] = str(value)
+        else:
+            env.pop(key, None)
+    if append:
+        env["SAMEBITS_APPEND"] = "1"
+    else:
+        env.pop("SAMEBITS_APPEND", None)
+    return env

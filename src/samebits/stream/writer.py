@@ -93,6 +93,8 @@ class Recorder:
         self._pending: _PendingStep | None = None
         self._last_step: int | None = None
         self._names: dict[str, int] = {}
+        self._heads: dict[tuple, bytes] = {}
+        self._encoded: dict[tuple, tuple[bytes, bytes]] = {}
         self._new_names: list[str] = []
         self._buffer = bytearray()
         self._steps_since_flush = 0
@@ -163,19 +165,15 @@ class Recorder:
                     f"Recorder.tensors(step={step}, phase={phase!r}): {name!r} is a "
                     f"{type(tensor).__name__}, not a torch.Tensor; record numbers with metrics()."
                 )
-            code = dtype_code(tensor.dtype)
-            shape = tensor.shape
-            head = bytearray((code,))
-            capped = cap is not None and tensor.numel() * tensor.element_size() > cap
-            head.append(fmt.FLAG_CAPPED if capped else 0)
-            head.append(len(shape))
-            for size in shape:
-                fmt.encode_varint(size, head)
+            shape = tuple(tensor.shape)
+            num_bytes = tensor.numel() * tensor.element_size()
+            capped = cap is not None and num_bytes > cap
+            head = self._tensor_head(tensor.dtype, shape, capped)
             if capped:
-                self._add(pending, fmt.RECORD_TENSOR, phase, name, bytes(head), None)
+                self._add(pending, fmt.RECORD_TENSOR, phase, name, head, None)
                 continue
-            slot = [tensor.dtype, tuple(shape), tensor.numel() * tensor.element_size(), None]
-            self._add(pending, fmt.RECORD_TENSOR, phase, name, bytes(head), slot)
+            slot = [tensor.dtype, shape, num_bytes, None]
+            self._add(pending, fmt.RECORD_TENSOR, phase, name, head, slot)
             to_digest.append(tensor)
             slots.append(slot)
         if to_digest:
@@ -267,6 +265,32 @@ class Recorder:
         self._pending = _PendingStep(step)
         return self._pending
 
+    def _tensor_head(self, dtype, shape, capped) -> bytes:
+        """dtype code, flags, ndim, sizes: the same for a tensor every step, so cached."""
+        key = (dtype, shape, capped)
+        head = self._heads.get(key)
+        if head is None:
+            encoded = bytearray((dtype_code(dtype), fmt.FLAG_CAPPED if capped else 0, len(shape)))
+            for size in shape:
+                fmt.encode_varint(size, encoded)
+            head = self._heads[key] = bytes(encoded)
+        return head
+
+    def _encode_prefixes(self, kind, phase, name, occurrence, head, payload_length) -> tuple[bytes, bytes]:
+        """The record's bytes up to its payload, in the stream (ids) and for the root (strings)."""
+        tail = bytearray()
+        fmt.encode_varint(occurrence, tail)
+        tail += head
+        record = bytearray()
+        fmt.encode_varint(self._intern(phase), record)
+        fmt.encode_varint(self._intern(name), record)
+        record += tail
+        framed = bytearray((kind,))
+        fmt.encode_varint(len(record) + payload_length, framed)
+        framed += record
+        canonical = bytes((kind,)) + phase.encode() + b"\0" + name.encode() + b"\0" + bytes(tail)
+        return bytes(framed), canonical
+
     def _intern(self, text: str) -> int:
         ident = self._names.get(text)
         if ident is None:
@@ -313,36 +337,35 @@ class Recorder:
                 tensor_positions.append(index)
         digests = dict(zip(tensor_positions, fingerprint.finalize(tensor_sums, tensor_headers)))
         body = bytearray()
-        root = hashlib.blake2b(digest_size=8)
+        canonical = bytearray()  # what the step root hashes: records with strings, not ids
+        encoded = self._encoded
         for index, (kind, phase, name, occurrence, head, slot) in enumerate(pending.records):
-            tail = bytearray()
-            fmt.encode_varint(occurrence, tail)
-            tail += head
-            if slot is not None:
-                if kind == fmt.RECORD_METRIC:
-                    where = slot[3]
-                    tail += where if isinstance(where, bytes) else fetched[where[0]][where[1] : where[1] + slot[2]]
-                else:
-                    tail += fmt.pack_u64(digests[index])
-            root.update(bytes((kind,)) + phase.encode() + b"\0" + name.encode() + b"\0" + tail)
-            record = bytearray()
-            fmt.encode_varint(self._intern(phase), record)
-            fmt.encode_varint(self._intern(name), record)
-            record += tail
-            body.append(kind)
-            fmt.encode_varint(len(record), body)
-            body += record
+            if slot is None:
+                payload = b""
+            elif kind == fmt.RECORD_METRIC:
+                where = slot[3]
+                payload = where if isinstance(where, bytes) else fetched[where[0]][where[1] : where[1] + slot[2]]
+            else:
+                payload = fmt.pack_u64(digests[index])
+            key = (kind, phase, name, occurrence, head, len(payload))
+            prefixes = encoded.get(key)
+            if prefixes is None:
+                prefixes = encoded[key] = self._encode_prefixes(*key)
+            body += prefixes[0]
+            body += payload
+            canonical += prefixes[1]
+            canonical += payload
+        root_value = int.from_bytes(hashlib.blake2b(canonical, digest_size=8).digest(), "little")
         if self._new_names:
             names = bytearray()
             fmt.encode_varint(len(self._names) - len(self._new_names), names)
             fmt.encode_varint(len(self._new_names), names)
             for text in self._new_names:
-                encoded = text.encode()
-                fmt.encode_varint(len(encoded), names)
-                names += encoded
+                data = text.encode()
+                fmt.encode_varint(len(data), names)
+                names += data
             self._buffer += fmt.frame(fmt.FRAME_NAMES, names)
             self._new_names.clear()
-        root_value = int.from_bytes(root.digest(), "little")
         prefix = bytearray()
         fmt.encode_varint(pending.step, prefix)
         fmt.encode_varint(len(pending.records), prefix)

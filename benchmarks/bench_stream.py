@@ -53,14 +53,32 @@ def _write_rank0(directory: Path, num_steps: int, num_records: int, bump_last: b
 
 
 def _clone_for_ranks(rank0: Path, directory: Path, ranks: range) -> None:
-    """Copy rank 0's stream to other ranks, rewriting only the header frame's rank."""
+    """Copy rank 0's stream to other ranks: a new header frame, the same step frames, and
+    the step-index footer rebuilt for the shifted offsets."""
     reader = StreamReader(rank0)
     header_end = reader.end_offset
+    index = reader.step_index()
     data = rank0.read_bytes()
+    body = data[header_end : index[-1][3] + _frame_length(data, index[-1][3])]
     for rank in ranks:
         header = dict(reader.header, rank=rank)
         frame = fmt.frame(fmt.FRAME_HEADER, fmt.MAGIC + json.dumps(header, sort_keys=True).encode())
-        (directory / fmt.stream_filename(rank)).write_bytes(frame + data[header_end:])
+        shift = len(frame) - header_end
+        footer = bytearray()
+        fmt.encode_varint(len(index), footer)
+        for step, count, root, offset in index:
+            fmt.encode_varint(step, footer)
+            fmt.encode_varint(count, footer)
+            footer += fmt.pack_u64(root)
+            fmt.encode_varint(offset + shift, footer)
+        index_offset = len(frame) + len(body)
+        tail = fmt.frame(fmt.FRAME_INDEX, footer) + fmt.frame(fmt.FRAME_CLOSE, fmt.pack_u64(index_offset) + fmt.CLOSE_MAGIC)
+        (directory / fmt.stream_filename(rank)).write_bytes(frame + body + tail)
+
+
+def _frame_length(data: bytes, offset: int) -> int:
+    length, pos = fmt.decode_varint(data, offset + 1)
+    return pos - offset + length + 4
 
 
 def bench_compare(num_ranks=64, num_steps=200, num_records=600, repeat=3) -> dict:

@@ -122,14 +122,14 @@ def diff(
             divergences[rank] = found
             bound = found.step if bound is None else min(bound, found.step)
     notes.extend(_environment_notes(run_a, run_b))
+    run_a.close()
+    run_b.close()
     first, first_ranks = None, []
     if divergences:
         step = min(d.step for d in divergences.values())
         at_step = [d for d in divergences.values() if d.step == step]
         first = min(at_step, key=lambda d: (d.position, d.rank))
         first_ranks = sorted(d.rank for d in at_step)
-        # Ranks scanned after the bound was set stopped early: drop their later findings.
-        divergences = {r: d for r, d in divergences.items()}
     return DiffResult(
         a=str(a),
         b=str(b),
@@ -201,6 +201,16 @@ def _environment_notes(run_a: Run, run_b: Run) -> list[str]:
 def _compare_rank(rank, reader_a: StreamReader, reader_b: StreamReader, window, bound, verify, counts, names_checked):
     """Walk one rank's two streams in step order; return (first Divergence or None, steps)."""
     start, stop = window
+    steps_seen = 0
+    if not names_checked:
+        _check_names(rank, reader_a.path, reader_b.path, start, stop)
+    if not verify:
+        identical, first_unequal, steps_seen, records = _compare_indexes(reader_a, reader_b, window, bound)
+        counts["steps_identical_by_root"] += steps_seen
+        counts["records"] += records
+        if identical:
+            return None, steps_seen
+        start = first_unequal if first_unequal is not None else start
     steps_a, steps_b = reader_a.steps(verify), reader_b.steps(verify)
 
     def advance(iterator):
@@ -213,7 +223,6 @@ def _compare_rank(rank, reader_a: StreamReader, reader_b: StreamReader, window, 
         return None
 
     block_a, block_b = advance(steps_a), advance(steps_b)
-    steps_seen = 0
     while block_a is not None or block_b is not None:
         step = min(b.step for b in (block_a, block_b) if b is not None)
         if bound is not None and step > bound:
@@ -230,9 +239,6 @@ def _compare_rank(rank, reader_a: StreamReader, reader_b: StreamReader, window, 
             return Divergence(step=step, rank=rank, reason=f"ended_{missing_in}" if ended else f"only_in_{'a' if missing_in == 'b' else 'b'}",
                               records_differing=present.num_records, detail=detail), steps_seen
         steps_seen += 1
-        if not names_checked:
-            _check_names(rank, block_a, block_b)
-            names_checked = True
         if not verify and block_a.root == block_b.root and block_a.num_records == block_b.num_records:
             counts["steps_identical_by_root"] += 1
             counts["records"] += block_a.num_records
@@ -246,9 +252,50 @@ def _compare_rank(rank, reader_a: StreamReader, reader_b: StreamReader, window, 
     return None, steps_seen
 
 
-def _check_names(rank: int, block_a, block_b) -> None:
+def _compare_indexes(reader_a: StreamReader, reader_b: StreamReader, window, bound):
+    """Compare two cleanly closed streams through their step-index footers alone.
+
+    Returns (identical, first unequal step or None, steps equal, records in them).  When
+    either stream has no footer nothing is decided: (False, None, 0, 0)."""
+    index_a, index_b = reader_a.step_index(), reader_b.step_index()
+    if index_a is None or index_b is None:
+        return False, None, 0, 0
+    start, stop = window
+
+    def selected(index):
+        return [e for e in index if e[0] >= start and (stop is None or e[0] < stop)]
+
+    index_a, index_b = selected(index_a), selected(index_b)
+    steps = records = 0
+    for entry_a, entry_b in zip(index_a, index_b):
+        if entry_a[:3] != entry_b[:3]:
+            return False, min(entry_a[0], entry_b[0]), steps, records
+        if bound is not None and entry_a[0] > bound:
+            return True, None, steps, records
+        steps += 1
+        records += entry_a[1]
+    if len(index_a) != len(index_b):
+        longer = index_a if len(index_a) > len(index_b) else index_b
+        return False, longer[len(index_a if longer is index_b else index_b)][0], steps, records
+    return True, None, steps, records
+
+
+def _check_names(rank: int, path_a, path_b, start: int, stop: int | None) -> None:
+    """Refuse runs that record different names: compared at the first step both have."""
+    first = {}
+    for label, path in (("a", path_a), ("b", path_b)):
+        reader = StreamReader(path)
+        for block in reader.steps():
+            if block.step >= start and (stop is None or block.step < stop):
+                first[label] = block
+                break
+    if len(first) < 2 or first["a"].step != first["b"].step:
+        return  # nothing common to check here; the step walk reports missing steps
+    block_a, block_b = first["a"], first["b"]
     keys_a = {r.key[:3] for r in block_a.records()}
     keys_b = {r.key[:3] for r in block_b.records()}
+    block_a.reader.close()
+    block_b.reader.close()
     if keys_a != keys_b:
         only_a = sorted(f"{k[1]}/{k[2]}" for k in keys_a - keys_b)
         only_b = sorted(f"{k[1]}/{k[2]}" for k in keys_b - keys_a)

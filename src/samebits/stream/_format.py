@@ -13,7 +13,10 @@ Frame kinds:
   varint count, then count x (varint byte length, utf-8 bytes).  Ids are dense, per stream.
 * ``STEP``    one step's records: varint step, varint record count, u64 root, then the
   records.  The fixed prefix lets a reader compare roots and seek past the records.
-* ``CLOSE``   JSON with totals; present only when the writer closed cleanly.
+* ``INDEX``   written at a clean close: every step's (step, record count, root, frame
+  offset), so a comparer can check two whole streams by reading their footers alone.
+* ``CLOSE``   the last frame of a cleanly closed stream, of fixed size (``CLOSE_FRAME_SIZE``):
+  u64 offset of the INDEX frame, then ``CLOSE_MAGIC``.  Found by reading the file's tail.
 
 Records inside a STEP frame are ``u8 kind | varint length | body``:
 
@@ -35,8 +38,11 @@ SCHEMA_VERSION = 1
 MAGIC = b"SAMEBITS"  # the first bytes of the HEADER payload, before the JSON
 STREAM_SUFFIX = ".sbs"
 
-FRAME_HEADER, FRAME_NAMES, FRAME_STEP, FRAME_CLOSE = 1, 2, 3, 4
-FRAME_KINDS = {FRAME_HEADER: "header", FRAME_NAMES: "names", FRAME_STEP: "step", FRAME_CLOSE: "close"}
+FRAME_HEADER, FRAME_NAMES, FRAME_STEP, FRAME_CLOSE, FRAME_INDEX = 1, 2, 3, 4, 5
+FRAME_KINDS = {FRAME_HEADER: "header", FRAME_NAMES: "names", FRAME_STEP: "step", FRAME_CLOSE: "close",
+               FRAME_INDEX: "index"}
+CLOSE_MAGIC = b"SBCLOSE\0"
+CLOSE_FRAME_SIZE = 1 + 1 + 16 + 4  # kind, length (16), u64 index offset + magic, crc
 
 RECORD_TENSOR, RECORD_METRIC = 1, 2
 

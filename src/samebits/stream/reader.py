@@ -246,6 +246,8 @@ class StreamReader:
                 self._header(frame)
             elif kind == fmt.FRAME_CLOSE:
                 self.closed_cleanly = True
+            elif kind == fmt.FRAME_INDEX:
+                pass  # a footer for random access; sequential readers need nothing from it
             else:
                 step, pos = fmt.decode_varint(payload, 0)
                 count, pos = fmt.decode_varint(payload, pos)
@@ -256,6 +258,44 @@ class StreamReader:
                     )
                 last = step
                 yield StepBlock(step, count, root, self, offset, len(self.names))
+
+    def step_index(self) -> list[tuple[int, int, int, int]] | None:
+        """Every step's (step, record count, root, frame offset) from the footer of a cleanly
+        closed stream, reading only the file's tail; None when there is no valid footer
+        (the writer was killed or is still running: read sequentially with `steps`)."""
+        if self.size < fmt.CLOSE_FRAME_SIZE:
+            return None
+        here = self._file.tell()
+        saved = (self.end_offset, self.closed_cleanly, self.stop_reason)
+        try:
+            self._file.seek(self.size - fmt.CLOSE_FRAME_SIZE)
+            tail = self._file.read(fmt.CLOSE_FRAME_SIZE)
+            if tail[0] != fmt.FRAME_CLOSE or tail[1] != 16 or tail[10:18] != fmt.CLOSE_MAGIC:
+                return None
+            if zlib.crc32(tail[:18]) != fmt.unpack_u32(tail, 18):
+                return None
+            index_offset = fmt.unpack_u64(tail, 2)
+            if index_offset >= self.size:
+                return None
+            self._file.seek(index_offset)
+            frame = self._next_frame()
+            if frame is None or frame[0] != fmt.FRAME_INDEX:
+                return None
+            payload, pos = frame[2], 0
+            count, pos = fmt.decode_varint(payload, pos)
+            entries = []
+            for _ in range(count):
+                step, pos = fmt.decode_varint(payload, pos)
+                num_records, pos = fmt.decode_varint(payload, pos)
+                root = fmt.unpack_u64(payload, pos)
+                offset, pos = fmt.decode_varint(payload, pos + 8)
+                entries.append((step, num_records, root, offset))
+            return entries
+        except StreamError:
+            return None  # a damaged footer: sequential reading will say where and why
+        finally:
+            self._file.seek(here)
+            self.end_offset, self.closed_cleanly, self.stop_reason = saved
 
     def _add_names(self, payload: bytes, offset: int) -> None:
         first, pos = fmt.decode_varint(payload, 0)
@@ -337,7 +377,8 @@ class Run:
             )
         self.files = dict(sorted(files.items()))
         self.ranks = list(self.files)
-        self.headers = {rank: StreamReader(path).header for rank, path in self.files.items()}
+        self._unused = {rank: StreamReader(path) for rank, path in self.files.items()}
+        self.headers = {rank: reader.header for rank, reader in self._unused.items()}
         for rank, header in self.headers.items():
             if header["rank"] != rank:
                 raise StreamError(
@@ -355,7 +396,13 @@ class Run:
     def stream(self, rank: int) -> StreamReader:
         if rank not in self.files:
             raise StreamError(f"{self.path}: no stream for rank {rank} (recorded ranks: {self.ranks}).")
-        return StreamReader(self.files[rank])
+        unused = self._unused.pop(rank, None)  # the reader that read the header, if not yet handed out
+        return unused if unused is not None else StreamReader(self.files[rank])
+
+    def close(self) -> None:
+        for reader in self._unused.values():
+            reader.close()
+        self._unused.clear()
 
 
 def open_run(path: str | os.PathLike) -> Run:

@@ -94,6 +94,7 @@ class Recorder:
         self._last_step: int | None = None
         self._names: dict[str, int] = {}
         self._heads: dict[tuple, bytes] = {}
+        self._index: list[tuple[int, int, int, int]] = []  # (step, records, root, frame offset)
         self._encoded: dict[tuple, tuple[bytes, bytes]] = {}
         self._new_names: list[str] = []
         self._buffer = bytearray()
@@ -229,8 +230,17 @@ class Recorder:
             return
         if self._pending is not None:
             self.end_step()
-        summary = {"num_steps": self._num_steps, "num_records": self._num_records}
-        self._buffer += fmt.frame(fmt.FRAME_CLOSE, json.dumps(summary).encode())
+        self._flush()
+        index = bytearray()
+        fmt.encode_varint(len(self._index), index)
+        for step, count, root, offset in self._index:
+            fmt.encode_varint(step, index)
+            fmt.encode_varint(count, index)
+            index += fmt.pack_u64(root)
+            fmt.encode_varint(offset, index)
+        index_offset = self._file.tell()
+        self._buffer += fmt.frame(fmt.FRAME_INDEX, index)
+        self._buffer += fmt.frame(fmt.FRAME_CLOSE, fmt.pack_u64(index_offset) + fmt.CLOSE_MAGIC)
         self._flush()
         self._file.close()
         self._closed = True
@@ -370,6 +380,8 @@ class Recorder:
         fmt.encode_varint(pending.step, prefix)
         fmt.encode_varint(len(pending.records), prefix)
         prefix += fmt.pack_u64(root_value)
+        self._index.append((pending.step, len(pending.records), root_value,
+                            self._file.tell() + len(self._buffer)))
         self._buffer += fmt.frame(fmt.FRAME_STEP, prefix + body)
         self._last_step = pending.step
         self._num_steps += 1
@@ -407,8 +419,12 @@ class Recorder:
         last = None
         for block in existing.steps():
             last = block.step
-        if existing.stop_reason is not None and not existing.stop_reason.startswith("ended without a close"):
-            raise StreamError(f"cannot append to {self.path}: {existing.stop_reason}")
+            self._index.append((block.step, block.num_records, block.root, block.offset))
+        if existing.stop_reason is not None and existing.stop_reason.startswith("truncated"):
+            import warnings
+
+            warnings.warn(f"samebits: appending to {self.path}, which was {existing.stop_reason}; "
+                          "the torn frame is dropped.", stacklevel=3)
         self._last_step = last
         for text in existing.names:
             self._names[text] = len(self._names)

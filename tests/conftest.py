@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
+# Triton reads TRITON_INTERPRET once, at its first import, and any module may import it
+# (torch._inductor does): set it before anything else so the kernel tests run on the CPU.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 

@@ -1,0 +1,31 @@
+"""Exact resume: save and load everything a bitwise-identical continuation needs.
+
+    bundle = StateBundle(model=model, optimizer=opt, lr_scheduler=sched,
+                         progress={"step": step, "consumed_samples": n},
+                         generators={"dropout": gen}, layout={"dp": 2})
+    save("ckpt", bundle)          # collective; commits ckpt/step-<step> atomically
+    load("ckpt", bundle)          # collective; follows ckpt/latest, restores in place
+
+Per rank it stores model, optimizer (by parameter name), LR schedule, loop position and
+every random state (Python, NumPy, torch CPU, CUDA per device, the bundle's generators),
+with `torch.distributed.checkpoint` writing each rank's shards.  See docs/checkpoint.md.
+"""
+
+from samebits.checkpoint._bundle import StateBundle
+from samebits.checkpoint._errors import CheckpointError, CheckpointLayoutError
+from samebits.checkpoint._rng import GLOBAL_RNG_NAMES, capture_rng_state, restore_rng_state
+from samebits.checkpoint._storage import DROP_RNG_ENV, SAVE_PAUSE_ENV, load, resolve, save
+
+__all__ = [
+    "StateBundle",
+    "save",
+    "load",
+    "resolve",
+    "capture_rng_state",
+    "restore_rng_state",
+    "CheckpointError",
+    "CheckpointLayoutError",
+    "GLOBAL_RNG_NAMES",
+    "DROP_RNG_ENV",
+    "SAVE_PAUSE_ENV",
+]

@@ -1,0 +1,255 @@
+"""Configuration of the reference recipe: one dataclass, presets, and `--set` parsing.
+
+A preset is a function returning a `RecipeConfig`; `--set key=value` overrides apply
+on top of it.  Every field is validated in `__post_init__` (ValueError naming the field
+and the fix), so a config that exists is a config that runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+MOE_COMBINE_CHOICES = ("index_add", "index_put_accumulate", "triton_deterministic", "triton_atomic")
+MOE_GROUPED_GEMM_CHOICES = ("torch", "triton_deterministic", "triton_atomic")
+EMBEDDING_BACKWARD_CHOICES = ("dense", "index_put_accumulate")
+DATA_DTYPE_CHOICES = ("uint16", "uint32")
+DEVICE_CHOICES = ("cpu", "cuda")
+
+
+@dataclass(kw_only=True)
+class RecipeConfig:
+    """A small Nemotron-like MoE pretraining run; the defaults run a few steps/s on 2 CPU cores."""
+
+    # --- reproducibility -------------------------------------------------------------
+    seed: int = 0
+    """Seeds model init (same on every rank), data order and the per-rank training RNGs."""
+
+    deterministic: bool = True
+    """Promise bitwise run-to-run determinism: validate the config with
+    `samebits.determinism.validate` and turn on `torch.use_deterministic_algorithms`."""
+
+    device: str = "cpu"
+    """"cpu" (gloo between ranks) or "cuda" (one GPU per rank, cuda:LOCAL_RANK, NCCL)."""
+
+    num_threads: int = 1
+    """`torch.set_num_threads` per rank.  The thread count is part of what decides the bits
+    (CPU reductions split work by thread); the nondeterministic ops only show with >= 2."""
+
+    # --- model -----------------------------------------------------------------------
+    vocab_size: int = 512
+    """Number of token ids; data tokens must be below it."""
+
+    d_model: int = 64
+    """Hidden size of the residual stream."""
+
+    num_layers: int = 4
+    """Number of transformer blocks (dense and MoE together)."""
+
+    num_heads: int = 4
+    """Attention heads; must divide `d_model` into an even head size (RoPE rotates pairs)."""
+
+    ffn_hidden_size: int = 256
+    """Hidden size of the dense feed-forward layers (squared-ReLU MLP, as in Nemotron)."""
+
+    moe_layer_freq: int = 2
+    """Every `moe_layer_freq`-th block is MoE: block i is MoE when i % freq == freq - 1
+    (freq 2: blocks 1, 3, ...; freq 1: all).  0 makes every block dense."""
+
+    num_experts: int = 4
+    """Experts per MoE layer (global); must be divisible by the expert-parallel size."""
+
+    moe_top_k: int = 2
+    """Experts each token is routed to."""
+
+    moe_ffn_hidden_size: int = 128
+    """Hidden size of each expert's squared-ReLU MLP."""
+
+    moe_aux_loss_coeff: float = 0.01
+    """Weight of the load-balancing loss (Switch Transformer form) in the total loss."""
+
+    moe_jitter_eps: float = 0.01
+    """Router input jitter: multiply by U(1-eps, 1+eps) in training (0 disables).  Drawn
+    from the recipe's own per-rank `router_jitter` generator."""
+
+    moe_combine: str = "index_add"
+    """How expert outputs are summed back per token: "index_add" (deterministic),
+    "index_put_accumulate" (nondeterministic with >1 thread; the gather before dispatch then
+    also uses advanced indexing, whose backward is the same op), or the Triton kernels
+    "triton_deterministic" / "triton_atomic" from `samebits.kernels`."""
+
+    moe_grouped_gemm: str = "torch"
+    """Expert MLP computation: "torch" (a loop of matmuls) or the Triton grouped GEMM
+    "triton_deterministic" / "triton_atomic" from `samebits.kernels`."""
+
+    mtp_num_layers: int = 1
+    """Multi-token prediction depth (DeepSeek-V3 style): module d predicts token t+1+d.
+    0 disables MTP."""
+
+    mtp_loss_coeff: float = 0.3
+    """Weight of the mean MTP loss in the total loss."""
+
+    embedding_backward: str = "dense"
+    """Token embedding lookup: "dense" (`F.embedding`, deterministic backward on CPU) or
+    "index_put_accumulate" (`weight[tokens]`, whose backward accumulates with
+    `index_put_(accumulate=True)`: nondeterministic with >1 thread)."""
+
+    dropout: float = 0.1
+    """Residual dropout after attention and feed-forward; draws from torch's global CPU RNG."""
+
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+
+    init_std: float = 0.02
+    """Standard deviation of the normal init of weight matrices and embeddings."""
+
+    # --- data ------------------------------------------------------------------------
+    seq_len: int = 64
+    """Tokens per sample fed to the model (each sample holds seq_len + 1 tokens)."""
+
+    micro_batch_size: int = 4
+    """Samples per rank per step; the global batch is micro_batch_size * world_size."""
+
+    data_path: str | None = None
+    """Flat binary token file (nanoGPT / Megatron style) read with np.memmap; None uses the
+    seeded synthetic Markov-chain stream."""
+
+    data_dtype: str = "uint16"
+    """Element type of `data_path`: "uint16" or "uint32"."""
+
+    # --- optimisation ----------------------------------------------------------------
+    lr: float = 3e-3
+    """Peak learning rate (after warm-up)."""
+
+    min_lr: float = 3e-4
+    """Learning rate at the end of the cosine decay, kept afterwards."""
+
+    warmup_steps: int = 10
+    """Linear warm-up steps (step s uses lr * (s + 1) / warmup_steps)."""
+
+    lr_decay_steps: int = 1000
+    """Cosine decay length after warm-up."""
+
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay, applied to matrices and embeddings only."""
+
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+
+    adam_beta2: float = 0.95
+    """AdamW beta2."""
+
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 disables clipping; the norm is still reported)."""
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, message: str) -> None:
+            if not cond:
+                raise ValueError(message)
+
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "ffn_hidden_size",
+                     "num_experts", "moe_top_k", "moe_ffn_hidden_size", "seq_len",
+                     "micro_batch_size", "num_threads"):
+            need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("moe_layer_freq", "mtp_num_layers", "warmup_steps", "lr_decay_steps"):
+            need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("moe_aux_loss_coeff", "moe_jitter_eps", "mtp_loss_coeff", "lr", "min_lr",
+                     "weight_decay", "grad_clip", "norm_eps", "init_std", "adam_eps"):
+            need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
+        need(self.d_model % self.num_heads == 0 and (self.d_model // self.num_heads) % 2 == 0,
+             f"num_heads={self.num_heads} must split d_model={self.d_model} into an even head size")
+        need(self.moe_top_k <= self.num_experts,
+             f"moe_top_k={self.moe_top_k} must be <= num_experts={self.num_experts}")
+        need(self.moe_jitter_eps < 1, f"moe_jitter_eps must be < 1, got {self.moe_jitter_eps}")
+        need(0 <= self.dropout < 1, f"dropout must be in [0, 1), got {self.dropout}")
+        need(self.min_lr <= self.lr, f"min_lr={self.min_lr} must be <= lr={self.lr}")
+        need(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1,
+             "adam_beta1 and adam_beta2 must be in [0, 1)")
+        need(self.mtp_num_layers < self.seq_len,
+             f"mtp_num_layers={self.mtp_num_layers} must be < seq_len={self.seq_len}")
+        for name, choices in (("moe_combine", MOE_COMBINE_CHOICES),
+                              ("moe_grouped_gemm", MOE_GROUPED_GEMM_CHOICES),
+                              ("embedding_backward", EMBEDDING_BACKWARD_CHOICES),
+                              ("data_dtype", DATA_DTYPE_CHOICES),
+                              ("device", DEVICE_CHOICES)):
+            need(getattr(self, name) in choices,
+                 f"{name}={getattr(self, name)!r} is not one of {', '.join(choices)}")
+        need(self.data_dtype != "uint16" or self.vocab_size <= 2**16,
+             f"vocab_size={self.vocab_size} does not fit data_dtype='uint16'; use 'uint32'")
+
+    @property
+    def moe_layer_ids(self) -> list[int]:
+        """Indices of the MoE blocks."""
+        freq = self.moe_layer_freq
+        return [i for i in range(self.num_layers) if freq and i % freq == freq - 1]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict of every field (stored in streams and checkpoints)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> RecipeConfig:
+        """Inverse of `to_dict`; unknown keys are an error, missing keys take defaults."""
+        unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown config key(s) {', '.join(unknown)}; "
+                             f"valid keys: {', '.join(f.name for f in dataclasses.fields(cls))}")
+        return cls(**values)
+
+    def with_overrides(self, assignments: list[str]) -> RecipeConfig:
+        """Apply `key=value` strings (the CLI's `--set`), converting by field type."""
+        hints = typing.get_type_hints(type(self))
+        values = self.to_dict()
+        for assignment in assignments:
+            key, sep, text = assignment.partition("=")
+            key = key.strip()
+            if not sep or key not in values:
+                raise ValueError(f"--set {assignment!r}: expected key=value with key one of "
+                                 f"{', '.join(values)}")
+            values[key] = _parse_value(key, text.strip(), hints[key])
+        return type(self).from_dict(values)
+
+
+def _parse_value(key: str, text: str, hint: Any) -> Any:
+    optional = type(None) in typing.get_args(hint)
+    if optional and text.lower() in ("none", "null", ""):
+        return None
+    base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+    try:
+        if base is bool:
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(text)
+        return base(text)
+    except ValueError:
+        raise ValueError(f"--set {key}={text}: not a valid {base.__name__}") from None
+
+
+def default_config() -> RecipeConfig:
+    """The deterministic reference run."""
+    return RecipeConfig()
+
+
+def nondeterministic_config() -> RecipeConfig:
+    """The same run on the nondeterministic CPU path, sized so that it shows within a step.
+
+    `index_put_(accumulate=True)` only runs multi-threaded (and then adds in arrival order)
+    above ATen's grain size of 32768 elements, so the batch is made large enough that the
+    MoE combine, the gather backward and the embedding backward all cross it.
+    """
+    return RecipeConfig(deterministic=False, num_threads=2, micro_batch_size=8,
+                        moe_combine="index_put_accumulate",
+                        embedding_backward="index_put_accumulate")
+
+
+PRESETS = {"default": default_config, "nondeterministic": nondeterministic_config}

@@ -1,0 +1,250 @@
+"""The training loop of the reference recipe: `train(config, steps=...) -> TrainResult`.
+
+Each step runs the same phases in the same order: data, forward and losses, backward with
+DP reduction and clipping, update; a recorder (duck-typed, see docs/recipe.md) sees each
+phase.  The command line around it is `samebits.recipes.train`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from samebits import checkpoint
+from samebits.determinism import derive_seed, deterministic_mode, seed_all
+from samebits.recipes import parallel
+from samebits.recipes.config import RecipeConfig
+from samebits.recipes.data import Batches, build_token_source
+from samebits.recipes.model import ModelOutput, Transformer
+from samebits.recipes.optim import build_optimizer
+
+JITTER_GENERATOR = "router_jitter"
+
+
+@dataclass
+class TrainResult:
+    """What one call of `train` did on this rank."""
+
+    start_step: int  # first step run (0, or the resumed step)
+    end_step: int  # next step to run: steps, the save step, or stopped_at + 1
+    metrics: list[dict[str, float]] = field(default_factory=list)  # per step run, this rank
+    stopped_at: int | None = None  # step that diverged from the reference run
+    checkpoint: Path | None = None  # directory saved by save_at
+    params: dict[str, torch.Tensor] = field(default_factory=dict)  # final local parameters
+
+
+def train(config: RecipeConfig, *, steps: int, recorder: Any = None, save_at: int | None = None,
+          ckpt_dir: str | Path | None = None, resume_from: str | Path | None = None,
+          log: bool = False) -> TrainResult:
+    """Run optimizer steps [start, steps) on this rank; start is 0 or the resumed step.
+
+    Joins the torchrun process group when the environment names one (or uses one already
+    initialised); otherwise runs as world size 1.  `save_at=K` saves to `ckpt_dir` before
+    step K and returns.  `recorder` (duck-typed, see docs/recipe.md) receives the per-step
+    records; when its `end_step` returns False on any rank, every rank stops.
+    """
+    if save_at is not None and (ckpt_dir is None or not 0 <= save_at <= steps):
+        raise ValueError(f"save_at={save_at} needs ckpt_dir and 0 <= save_at <= steps={steps}")
+    with session(config) as (rank, world_size):
+        run = _Run(config, rank, world_size)
+        if resume_from is not None:
+            run.resume(resume_from)
+        return run.loop(steps, recorder=recorder, save_at=save_at, ckpt_dir=ckpt_dir,
+                        log=log and rank == 0)
+
+
+@contextlib.contextmanager
+def session(cfg: RecipeConfig):
+    """The process settings of a run, undone on exit: join the torchrun group (if the
+    environment names one and none is initialised), then deterministic mode or just the
+    thread count.  Yields (rank, world_size).  `train` opens one; callers that build
+    something under the same settings first (the CLI's Recorder, whose stream header holds
+    the determinism record) open one around it, and `train` nests inside.
+    """
+    rank, world_size, created = parallel.init_process_group(cfg.device)
+    try:
+        if cfg.deterministic:
+            # Fails closed with every violation at once (config rules included), then pins
+            # the thread count, torch flags and environment, and publishes its record.
+            with deterministic_mode(seed=cfg.seed, num_threads=cfg.num_threads, dp_rank=rank,
+                                    ep_rank=rank, config=cfg.to_dict()):
+                yield rank, world_size
+            return
+        threads = torch.get_num_threads()
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        torch.set_num_threads(cfg.num_threads)
+        torch.use_deterministic_algorithms(False)
+        try:
+            yield rank, world_size
+        finally:
+            torch.set_num_threads(threads)
+            torch.use_deterministic_algorithms(deterministic)
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+class _Run:
+    """Everything one rank trains with, built identically for a fresh and a resumed run."""
+
+    def __init__(self, cfg: RecipeConfig, rank: int, world_size: int):
+        self.cfg, self.rank = cfg, rank
+        if cfg.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but torch sees no CUDA device; use device=cpu")
+        device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" \
+            else torch.device("cpu")
+        model = Transformer(cfg)
+        # Initialised on the CPU from one generator: the same weights on every rank and device.
+        model.init_weights(torch.Generator().manual_seed(derive_seed(cfg.seed, purpose="init")))
+        self.layout = parallel.parallelize(model, rank, world_size, device)
+        self.model = model.to(device).train()
+        # Training randomness, different per rank (samebits' seed rule): dropout draws from
+        # the global torch RNG, router jitter from the recipe's own generator.  Python and
+        # NumPy are seeded too, though the recipe draws nothing from them (data is indexed).
+        seed_all(derive_seed(cfg.seed, purpose="data", dp_rank=rank))
+        torch.manual_seed(derive_seed(cfg.seed, purpose="dropout", dp_rank=rank))
+        self.jitter = torch.Generator(device).manual_seed(
+            derive_seed(cfg.seed, purpose="expert", dp_rank=rank, ep_rank=rank))
+        for moe in model.moe_layers():
+            moe.jitter_generator = self.jitter
+        self.optimizer, self.scheduler = build_optimizer(model, cfg)
+        self.data = Batches(build_token_source(cfg), cfg.micro_batch_size, rank, world_size)
+        self.step = 0
+
+    def bundle(self) -> checkpoint.StateBundle:
+        return checkpoint.StateBundle(
+            model=self.model, optimizer=self.optimizer, lr_scheduler=self.scheduler,
+            progress={"step": self.step, **self.data.state_dict()},
+            generators={JITTER_GENERATOR: self.jitter},
+            layout=self.layout.sizes, rank_local=self.layout.expert_param_names,
+            metadata={"config": self.cfg.to_dict()},
+        )
+
+    def resume(self, path: str | Path) -> None:
+        bundle = self.bundle()
+        checkpoint.load(path, bundle)
+        self.step = int(bundle.progress["step"])
+        self.data.load_state_dict(bundle.progress)
+        saved = bundle.metadata.get("config", {})
+        changed = sorted(k for k, v in self.cfg.to_dict().items() if saved.get(k) != v)
+        if changed and self.rank == 0:
+            warnings.warn(f"resuming from {path} with a different config ("
+                          + ", ".join(f"{k}: {saved.get(k)!r} -> {getattr(self.cfg, k)!r}"
+                                      for k in changed)
+                          + "); the run will not be bitwise equal to an uninterrupted one",
+                          stacklevel=3)
+
+    def loop(self, steps: int, *, recorder, save_at, ckpt_dir, log: bool) -> TrainResult:
+        result = TrainResult(start_step=self.step, end_step=self.step)
+        if save_at is not None and save_at < self.step:
+            raise ValueError(f"save_at={save_at} is before the resumed step {self.step}")
+        while True:
+            if self.step == save_at:
+                result.checkpoint = checkpoint.save(ckpt_dir, self.bundle())
+                break
+            if self.step >= steps:
+                break
+            metrics, ok = self.train_step(recorder)
+            result.metrics.append(metrics)
+            if log:
+                print(_format_line(metrics), flush=True)
+            self.step += 1
+            if parallel.any_rank(ok is False, self.layout):
+                result.stopped_at = self.step - 1
+                break
+        result.end_step = self.step
+        result.params = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        return result
+
+    def train_step(self, rec) -> tuple[dict[str, float], bool | None]:
+        cfg, step, model = self.cfg, self.step, self.model
+        start = time.perf_counter()
+
+        # Data: this rank's micro-batch of the global step batch.
+        tokens = self.data.next().to(self.layout.device)  # (B, T+1)
+        if rec is not None:
+            rec.tensors(step, "data", [("tokens", tokens)])
+
+        # Forward and losses.
+        with _block_outputs(model, enabled=rec is not None) as activations:
+            output = model(tokens[:, :-1])
+        losses = _losses(output, tokens, cfg)
+        if rec is not None:
+            rec.tensors(step, "forward", [*activations, ("logits", output.logits.detach())])
+
+        # Backward, DP reduction, clipping.
+        self.optimizer.zero_grad(set_to_none=True)
+        losses["loss"].backward()
+        parallel.reduce_gradients(model, self.layout)
+        grad_norm = parallel.clip_grad_norm(model, self.layout, cfg.grad_clip)
+        lr = self.scheduler.get_last_lr()[0]  # the rate this step's update uses
+        if rec is not None:
+            rec.metrics(step, **{k: v.detach() for k, v in losses.items()},
+                        grad_norm=grad_norm, lr=lr)
+            rec.tensors(step, "grads", [(n, p.grad) for n, p in model.named_parameters()
+                                        if p.grad is not None])
+
+        # Update.
+        self.optimizer.step()
+        self.scheduler.step()
+        ok = None
+        if rec is not None:
+            rec.tensors(step, "params", [(n, p.detach()) for n, p in model.named_parameters()])
+            ok = rec.end_step(step)
+
+        local = torch.stack([v.detach() for v in losses.values()])
+        mean = parallel.mean_over_ranks(local, self.layout)  # for the log line
+        metrics = {"step": step, **{k: float(v) for k, v in zip(losses, local)},
+                   **{f"mean_{k}": float(v) for k, v in zip(losses, mean)},
+                   "grad_norm": float(grad_norm), "lr": lr,
+                   "step_time_s": time.perf_counter() - start}
+        return metrics, ok
+
+
+def _losses(output: ModelOutput, tokens: torch.Tensor, cfg: RecipeConfig) -> dict:
+    """Total, LM, load-balancing and MTP losses (0-dim tensors), in that order."""
+    vocab = cfg.vocab_size
+    lm = F.cross_entropy(output.logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+    mtp = lm.new_zeros(())
+    for depth, logits in enumerate(output.mtp_logits, start=1):  # predicts token t+1+depth
+        mtp = mtp + F.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1 + depth:].reshape(-1))
+    if output.mtp_logits:
+        mtp = mtp / len(output.mtp_logits)
+    balance = output.load_balancing_loss
+    total = lm + cfg.moe_aux_loss_coeff * balance + cfg.mtp_loss_coeff * mtp
+    return {"loss": total, "lm_loss": lm, "load_balancing_loss": balance, "mtp_loss": mtp}
+
+
+@contextlib.contextmanager
+def _block_outputs(model: Transformer, enabled: bool):
+    """Collect (name, detached output) of every block during the forward."""
+    captured: list[tuple[str, torch.Tensor]] = []
+    handles = []
+    if enabled:
+        for i, layer in enumerate(model.layers):
+            def hook(_module, _inputs, output, name=f"layers.{i}"):
+                captured.append((name, output[0].detach()))
+            handles.append(layer.register_forward_hook(hook))
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _format_line(m: dict[str, float]) -> str:
+    """Rank 0's log line: losses averaged over ranks; the loss's float32 bits in brackets."""
+    bits = np.float32(m["mean_loss"]).view(np.uint32)
+    return (f"step {m['step']:>5} | loss {m['mean_loss']:.4f} [{bits:08x}] | "
+            f"lm {m['mean_lm_loss']:.4f} | lb {m['mean_load_balancing_loss']:.4f} | "
+            f"mtp {m['mean_mtp_loss']:.4f} | grad_norm {m['grad_norm']:.4f} | lr {m['lr']:.2e} | "
+            f"{1000 * m['step_time_s']:.0f} ms")

@@ -1,0 +1,375 @@
+"""Exact resume: bitwise equality of save/exit/resume with an uninterrupted run, per-rank
+random states, the atomic commit, layout checks and the no-pickle loading.
+
+Run as a script under torchrun, this file is also the 2-rank worker the tests launch:
+    torchrun --nproc_per_node 2 tests/test_checkpoint.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import shutil
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import samebits
+from samebits import checkpoint
+from samebits.checkpoint import CheckpointError, CheckpointLayoutError, StateBundle
+from samebits.errors import SamebitsError
+from samebits.recipes import RecipeConfig, train
+
+STEPS, SAVE_AT = 5, 2
+
+
+def _tiny() -> RecipeConfig:
+    return RecipeConfig(num_layers=2, seq_len=32, micro_batch_size=2)
+
+
+def _assert_same_run(a, b):
+    """Per-step metrics (except timings) and final parameters bitwise equal."""
+    strip = [{k: v for k, v in m.items() if k != "step_time_s"} for m in a]
+    assert strip == [{k: v for k, v in m.items() if k != "step_time_s"} for m in b]
+
+
+def _same_params(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a[n].view(torch.int32), b[n].view(torch.int32)) for n in a)
+
+
+# --- world size 1, in process ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def straight():
+    return train(_tiny(), steps=STEPS)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, straight):
+    root = tmp_path_factory.mktemp("ckpt")
+    result = train(_tiny(), steps=STEPS, save_at=SAVE_AT, ckpt_dir=root)
+    assert result.end_step == SAVE_AT and result.checkpoint == root / f"step-{SAVE_AT}"
+    _assert_same_run(result.metrics, straight.metrics[:SAVE_AT])
+    return root
+
+
+def test_resume_is_bitwise_equal_to_straight_run(straight, saved):
+    resumed = train(_tiny(), steps=STEPS, resume_from=saved)
+    assert resumed.start_step == SAVE_AT and resumed.end_step == STEPS
+    _assert_same_run(resumed.metrics, straight.metrics[SAVE_AT:])
+    assert _same_params(resumed.params, straight.params)
+    assert (saved / "latest").read_text().strip() == f"step-{SAVE_AT}"
+
+
+@pytest.mark.parametrize("dropped", ["torch_cpu", "router_jitter"])
+def test_dropping_a_consumed_random_state_breaks_resume_at_the_first_step(
+        straight, saved, dropped, monkeypatch):
+    monkeypatch.setenv(checkpoint.DROP_RNG_ENV, dropped)
+    resumed = train(_tiny(), steps=STEPS, resume_from=saved)
+    assert resumed.metrics[0]["step"] == SAVE_AT
+    # dropout (torch_cpu) and router jitter both act in the forward of the first step
+    assert resumed.metrics[0]["loss"] != straight.metrics[SAVE_AT]["loss"]
+    assert not _same_params(resumed.params, straight.params)
+
+
+@pytest.mark.parametrize("dropped", ["python", "numpy"])
+def test_states_the_recipe_does_not_draw_from_do_not_matter(straight, saved, dropped,
+                                                           monkeypatch):
+    monkeypatch.setenv(checkpoint.DROP_RNG_ENV, dropped)
+    resumed = train(_tiny(), steps=STEPS, resume_from=saved)
+    assert _same_params(resumed.params, straight.params)
+
+
+def test_drop_switch_rejects_unknown_names(saved, monkeypatch):
+    monkeypatch.setenv(checkpoint.DROP_RNG_ENV, "torch_cuda_typo")
+    with pytest.raises(ValueError, match="torch_cuda_typo"):
+        train(_tiny(), steps=STEPS, resume_from=saved)
+
+
+def test_resaving_a_step_replaces_it_and_damage_is_reported(tmp_path, saved, straight):
+    root = tmp_path / "copy"
+    shutil.copytree(saved, root)
+    again = train(_tiny(), steps=STEPS, resume_from=root, save_at=SAVE_AT, ckpt_dir=root)
+    assert again.checkpoint == root / f"step-{SAVE_AT}" and again.metrics == []
+    assert sorted(p.name for p in root.iterdir()) == ["latest", f"step-{SAVE_AT}"]
+    resumed = train(_tiny(), steps=STEPS, resume_from=root)
+    assert _same_params(resumed.params, straight.params)
+    (root / f"step-{SAVE_AT}" / "__0_0.distcp").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="rank 0 could not read its tensors"):
+        train(_tiny(), steps=STEPS, resume_from=root)
+
+
+def test_resume_continues_the_stream_and_a_lost_state_is_caught_live(tmp_path, monkeypatch):
+    """With samebits' Recorder: save/exit/resume records the same bits as the straight run;
+    a resume that loses the router-jitter state stops at the first step after the resume."""
+    if not hasattr(samebits, "Recorder"):
+        pytest.skip("samebits.Recorder is not in this install")
+    from samebits.recipes.train import main
+
+    tiny = ["--steps", str(STEPS), *_tiny_cli_args()]
+    a, b, lost, ckpt = (str(tmp_path / name) for name in ("a", "b", "lost", "ckpt"))
+    assert main([*tiny, "--out", a]) == 0
+    assert main([*tiny, "--out", b, "--reference", a, "--save-at", str(SAVE_AT),
+                 "--ckpt", ckpt]) == 0
+    assert main([*tiny, "--out", b, "--reference", a, "--resume-from", ckpt]) == 0
+    assert samebits.diff(a, b).identical
+    monkeypatch.setenv(checkpoint.DROP_RNG_ENV, "router_jitter")
+    assert main([*tiny, "--out", lost, "--reference", a, "--resume-from", ckpt]) == 3
+
+
+def test_load_under_another_layout_is_refused(saved):
+    cfg = dataclasses.replace(_tiny(), num_experts=4)
+    from samebits.recipes.model import Transformer
+
+    bundle = StateBundle(model=Transformer(cfg), layout={"dp": 2, "ep": 2})
+    with pytest.raises(CheckpointLayoutError, match=r"world_size=1 .*layout \{'dp': 1, 'ep': 1\}"):
+        checkpoint.load(saved, bundle)
+    assert issubclass(CheckpointLayoutError, SamebitsError)
+
+
+def test_missing_or_incomplete_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        checkpoint.resolve(tmp_path)
+    (tmp_path / "latest").write_text("step-9\n")
+    with pytest.raises(CheckpointError, match="incomplete"):
+        checkpoint.resolve(tmp_path)
+
+
+def test_resume_with_another_config_warns(saved):
+    with pytest.warns(UserWarning, match="dropout: 0.1 -> 0.2"):
+        train(dataclasses.replace(_tiny(), dropout=0.2), steps=SAVE_AT + 1, resume_from=saved)
+
+
+# --- the generic API a user adopts in their own loop ---------------------------------------
+
+
+def test_rng_capture_and_restore_round_trip():
+    torch_gen = torch.Generator().manual_seed(5)
+    numpy_gen = np.random.default_rng(7)
+    gens = {"torch_gen": torch_gen, "numpy_gen": numpy_gen}
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    random.gauss(0, 1)  # leaves a cached gaussian in Python's state
+    state = checkpoint.capture_rng_state(gens)
+
+    def draw():
+        return (random.random(), np.random.normal(), torch.rand(3).tolist(),
+                torch.rand(2, generator=torch_gen).tolist(), numpy_gen.random())
+
+    first = draw()
+    checkpoint.restore_rng_state(state, gens)
+    assert draw() == first
+    checkpoint.restore_rng_state(state, gens, skip=["torch_cpu"])
+    again = draw()
+    assert again[2] != first[2] and again[:2] == first[:2] and again[3:] == first[3:]
+    with pytest.raises(ValueError, match="same named generators"):
+        checkpoint.restore_rng_state(state, {"torch_gen": torch_gen})
+
+
+def test_user_bundle_round_trip(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    data_gen = np.random.default_rng(0)
+
+    def step():
+        x = torch.from_numpy(data_gen.normal(size=(3, 4)).astype(np.float32))
+        loss = nn.functional.dropout(model(x), 0.5).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        return loss.item()
+
+    for _ in range(3):
+        step()
+    bundle = StateBundle(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                         progress={"step": 3}, generators={"data": data_gen},
+                         metadata={"note": "hi", "pair": (1, 2.5)})
+    checkpoint.save(tmp_path, bundle)
+    expected = [step() for _ in range(3)]
+    expected_params = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    torch.manual_seed(123)
+    model2 = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    data_gen = np.random.default_rng(99)
+    model = model2
+    bundle = StateBundle(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                         generators={"data": data_gen})
+    assert checkpoint.load(tmp_path, bundle) == tmp_path / "step-3"
+    assert bundle.progress == {"step": 3} and bundle.metadata == {"note": "hi", "pair": (1, 2.5)}
+    assert [step() for _ in range(3)] == expected
+    assert _same_params({n: p.detach() for n, p in model.named_parameters()}, expected_params)
+
+
+def test_metadata_unpickler_refuses_foreign_globals(tmp_path):
+    torch.manual_seed(0)
+    bundle = StateBundle(model=nn.Linear(2, 2), progress={"step": 1})
+    directory = checkpoint.save(tmp_path, bundle)
+    metadata = directory / ".metadata"
+    evil = tmp_path / "evil-ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {evil}",))
+
+    metadata.write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(CheckpointError, match="not a DCP metadata type"):
+        checkpoint.load(tmp_path, StateBundle(model=nn.Linear(2, 2)))
+    assert not evil.exists()
+
+
+def _run_cli(*args, env=None, **kwargs):
+    return subprocess.run([sys.executable, "-m", "samebits.recipes.train", *args],
+                          capture_output=True, text=True, env={**os.environ, **(env or {})},
+                          timeout=120, **kwargs)
+
+
+def _tiny_cli_args():
+    return ["--set", "num_layers=2", "--set", "seq_len=32", "--set", "micro_batch_size=2"]
+
+
+def test_save_killed_mid_way_leaves_previous_checkpoint_loadable(tmp_path, straight):
+    root = tmp_path / "ckpt"
+    first = _run_cli("--steps", str(STEPS), "--save-at", "1", "--ckpt", str(root),
+                     *_tiny_cli_args())
+    assert first.returncode == 0, first.stderr
+    # Resume, then save before step 3 with a pause after the shards: kill it there.
+    log = open(tmp_path / "stderr.txt", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "samebits.recipes.train", "--steps", str(STEPS),
+         "--resume-from", str(root), "--save-at", "3", "--ckpt", str(root), *_tiny_cli_args()],
+        stdout=subprocess.DEVNULL, stderr=log, env={**os.environ, checkpoint.SAVE_PAUSE_ENV: "60"})
+    try:
+        deadline = time.monotonic() + 60
+        while "pausing" not in (tmp_path / "stderr.txt").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                (tmp_path / "stderr.txt").read_text()
+            time.sleep(0.05)
+        assert (root / ".tmp-step-3" / "__0_0.distcp").is_file()
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+        log.close()
+    assert (root / "latest").read_text().strip() == "step-1"
+    assert not (root / "step-3").exists()
+    resumed = train(_tiny(), steps=STEPS, resume_from=root)
+    assert resumed.start_step == 1
+    _assert_same_run(resumed.metrics, straight.metrics[1:])
+    assert _same_params(resumed.params, straight.params)
+    # The next save of that step replaces the leftover temporary directory.
+    again = train(_tiny(), steps=STEPS, resume_from=root, save_at=3, ckpt_dir=root)
+    assert again.checkpoint == root / "step-3" and not (root / ".tmp-step-3").exists()
+    assert (root / "latest").read_text().strip() == "step-3"
+
+
+# --- two ranks (gloo) under torchrun ---------------------------------------------------------
+
+
+def _torchrun(*args, timeout=180):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(29500 + os.getpid() % 1000), *args]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def _step_lines(stdout: str) -> dict[int, str]:
+    """step -> rank 0's log line without its timing (it holds the loss's float32 bits)."""
+    return {int(line.split()[1]): line.rsplit("|", 1)[0]
+            for line in stdout.splitlines() if line.startswith("step ")}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """The 2-rank worker's per-rank results (see `_worker`)."""
+    out = tmp_path_factory.mktemp("two-ranks")
+    _torchrun(__file__, str(out))
+    return [torch.load(out / f"rank-{r}.pt", weights_only=True) for r in range(2)]
+
+
+def test_two_ranks_rng_states_restored_on_their_own_rank(two_ranks):
+    for rank, result in enumerate(two_ranks):
+        assert result["rank"] == rank
+        assert result["rng_restored"], f"rank {rank} did not get its own random states back"
+        assert _same_params(result["resumed"], result["straight"]), f"rank {rank} params"
+        assert torch.equal(result["resumed_losses"], result["straight_losses"][SAVE_AT:])
+    # The ranks' states really differ, so a swap would have been caught.
+    assert not torch.equal(two_ranks[0]["torch_cpu"], two_ranks[1]["torch_cpu"])
+    assert not torch.equal(two_ranks[0]["jitter"], two_ranks[1]["jitter"])
+    # Expert shards are rank-local: different on the two ranks.
+    name = "layers.1.ffn.experts.w1"
+    assert not torch.equal(two_ranks[0]["straight"][name], two_ranks[1]["straight"][name])
+
+
+def test_two_ranks_save_exit_resume_cli_is_bitwise_equal(tmp_path, two_ranks):
+    module = ["-m", "samebits.recipes.train", "--steps", str(STEPS), *_tiny_cli_args()]
+    root = tmp_path / "ckpt"
+    saved = _step_lines(_torchrun(*module, "--save-at", str(SAVE_AT), "--ckpt", str(root)))
+    resumed = _step_lines(_torchrun(*module, "--resume-from", str(root)))
+    assert sorted(saved) == list(range(SAVE_AT)) and sorted(resumed) == list(range(SAVE_AT, STEPS))
+    # Rank 0 prints the rank-mean loss's float32 bits; the straight run is the worker's.
+    straight = {step: f"[{np.float32(loss).view(np.uint32):08x}]"
+                for step, loss in enumerate(two_ranks[0]["straight_mean_losses"].tolist())}
+    assert {s: line.split()[5] for s, line in {**saved, **resumed}.items()} == straight
+    # Saved by 2 ranks with expert parallelism: world size 1 may not load it.
+    from samebits.recipes.model import Transformer
+
+    with pytest.raises(CheckpointLayoutError, match="world_size=2"):
+        checkpoint.load(root, StateBundle(model=Transformer(_tiny()), layout={"dp": 1, "ep": 1}))
+    files = sorted(p.name for p in (root / f"step-{SAVE_AT}").iterdir())
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.json", "rank-0.json",
+                     "rank-1.json"]
+
+
+def _worker(out_dir: Path) -> None:
+    """Per rank: RNG save/scramble/load check, then straight vs save+resume via `train`."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    bundle = StateBundle(model=nn.Linear(2, 2), progress={"step": 0}, layout={"dp": 2})
+    random.seed(10 + rank), np.random.seed(20 + rank), torch.manual_seed(30 + rank)
+    jitter = torch.Generator().manual_seed(40 + rank)
+    bundle.generators = {"jitter": jitter}
+    expected = checkpoint.capture_rng_state({"jitter": jitter})
+    checkpoint.save(out_dir / "rng-ckpt", bundle)
+    random.seed(0), np.random.seed(0), torch.manual_seed(0), jitter.manual_seed(0)
+    checkpoint.load(out_dir / "rng-ckpt", bundle)
+    restored = checkpoint.capture_rng_state({"jitter": jitter})
+    rng_ok = (torch.equal(restored["torch_cpu"], expected["torch_cpu"])
+              and torch.equal(restored["generators"]["jitter"], expected["generators"]["jitter"])
+              and torch.equal(restored["numpy"]["key"], expected["numpy"]["key"])
+              and torch.equal(restored["python"]["state"], expected["python"]["state"]))
+
+    straight = train(_tiny(), steps=STEPS)
+    train(_tiny(), steps=STEPS, save_at=SAVE_AT, ckpt_dir=out_dir / "ckpt")
+    resumed = train(_tiny(), steps=STEPS, resume_from=out_dir / "ckpt")
+    torch.save({
+        "rank": rank, "rng_restored": rng_ok,
+        "torch_cpu": expected["torch_cpu"], "jitter": expected["generators"]["jitter"],
+        "straight": straight.params, "resumed": resumed.params,
+        "straight_losses": torch.tensor([m["loss"] for m in straight.metrics]),
+        "straight_mean_losses": torch.tensor([m["mean_loss"] for m in straight.metrics]),
+        "resumed_losses": torch.tensor([m["loss"] for m in resumed.metrics]),
+    }, out_dir / f"rank-{rank}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]))

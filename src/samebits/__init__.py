@@ -3,11 +3,14 @@
     digest(t) / digest_many(ts)      64-bit fingerprints of tensors (docs/digest.md)
     Recorder(dir, ...)               per-rank fingerprint streams (docs/stream.md)
     diff(run_a, run_b)               the comparator: identical, or the first divergence
+    deterministic_mode(seed=...)     one switch: set, validate (fail closed) and record
+    check(config) / probe(fn, ...)   rule violations / ops that really vary on this machine
 
 The public API is what ``__all__`` lists; every other module is private.
 """
 
 from samebits.compare import DiffResult, diff
+from samebits.determinism import check, deterministic_mode, probe
 from samebits.errors import DeterminismError, IncomparableRunsError, SamebitsError, StreamError
 from samebits.fingerprint import digest, digest_many
 from samebits.stream import Recorder, open_run
@@ -21,6 +24,9 @@ __all__ = [
     "open_run",
     "diff",
     "DiffResult",
+    "deterministic_mode",
+    "check",
+    "probe",
     "SamebitsError",
     "StreamError",
     "IncomparableRunsError",

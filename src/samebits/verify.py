@@ -25,6 +25,7 @@ from samebits.compare import DiffResult, diff
 from samebits.errors import SamebitsError
 
 EXIT_STOPPED_AT_DIVERGENCE = 3  # the recipe's exit code when its live check fails
+STOPPED_MARKER = "stopped.json"  # ... and the file it leaves, since torchrun hides that code
 
 
 @dataclass
@@ -124,9 +125,11 @@ def verify_recipe(
         log = out / "logs" / (name.split()[0].lower() + ("-resume" if "resume" in name else "") + ".log")
         code, seconds = _launch(argv, log)
         timings[name] = seconds
-        if code not in ok_codes:
+        marker = Path(argv[argv.index("--out") + 1]) / STOPPED_MARKER
+        stopped = code != 0 and EXIT_STOPPED_AT_DIVERGENCE in ok_codes and marker.exists()
+        if code not in ok_codes and not stopped:
             raise _failed(name, code, log)
-        stopped = " (stopped at its first divergent step)" if code == EXIT_STOPPED_AT_DIVERGENCE else ""
+        stopped = " (stopped at its first divergent step)" if stopped or code == EXIT_STOPPED_AT_DIVERGENCE else ""
         say(f"      done in {seconds:.1f} s{stopped}")
     say("comparing ...")
     checks = {

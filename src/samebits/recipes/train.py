@@ -17,6 +17,7 @@ step diverged from the `--reference` run.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import types
 from pathlib import Path
@@ -26,6 +27,7 @@ from samebits.recipes.config import PRESETS, RecipeConfig
 from samebits.recipes.loop import session, train
 
 EXIT_OK, EXIT_CANNOT_RUN, EXIT_DIVERGED = 0, 2, 3
+STOPPED_MARKER = "stopped.json"  # written into --out when the live check stopped the run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"saved {result.checkpoint} (before step {result.end_step}); exiting")
         if result.stopped_at is not None:
             print(f"stopped at step {result.stopped_at}: diverged from reference")
+            if args.out is not None:  # launchers (torchrun) replace exit code 3 by their own
+                (args.out / STOPPED_MARKER).write_text(
+                    json.dumps({"stopped_at": result.stopped_at, "reason": "diverged from reference"}) + "\n")
     return EXIT_DIVERGED if result.stopped_at is not None else EXIT_OK
 
 

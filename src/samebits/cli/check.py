@@ -1,0 +1,124 @@
+"""`samebits check`: list every setting that breaks bitwise determinism, with its fix.
+
+Exit 0 clean, 1 violations, 2 bad input (unreadable or malformed config, unknown rule id).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    tomllib = None
+
+from samebits.cli import EXIT_BAD_VERDICT, EXIT_OK
+from samebits.cli._format import print_json, table
+from samebits.determinism._rules import run_checks, rules
+from samebits.errors import SamebitsError
+
+_MAX_KEYS_SHOWN = 10
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "check", help="check the environment and a config for settings that break determinism",
+        description="Check environment variables and a recipe config against the determinism "
+                    "rules; every violation is listed with its fix.  Without --config, checks "
+                    "the environment.  Torch flags are process state: check them in your "
+                    "program with samebits.determinism.check().")
+    parser.add_argument("--config", metavar="FILE",
+                        help="recipe/config file to check (.json or .toml)")
+    parser.add_argument("--env", action="store_true",
+                        help="check environment variables (the default without --config)")
+    parser.add_argument("--ignore", metavar="RULE", action="append", default=[],
+                        help="skip a rule by id (repeatable); prove the setting harmless first")
+    parser.add_argument("--list-rules", action="store_true", help="print the rule catalog and exit")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.list_rules:
+        return _list_rules(args.json)
+    config = load_config(args.config) if args.config else None
+    check_env = args.env or config is None
+    try:
+        result = run_checks(config, env=check_env, torch_flags=False, ignore=args.ignore)
+    except ValueError as err:  # unknown --ignore id
+        raise SamebitsError(f"--ignore: {err}") from err
+    for name, known in result.near_misses.items():
+        print(f"samebits check: warning: config key {name!r} is read by no rule; "
+              f"did you mean {known!r}?", file=sys.stderr)
+    if args.json:
+        print_json({"clean": not result.violations,
+                    "violations": [v.to_dict() for v in result.violations],
+                    "rules_run": result.rules_run,
+                    "unchecked_keys": result.unread_keys,
+                    "suspicious_keys": result.near_misses})
+        return EXIT_BAD_VERDICT if result.violations else EXIT_OK
+    checked = " and ".join(filter(None, ["environment" if check_env else "",
+                                         f"config {args.config}" if config is not None else ""]))
+    if result.violations:
+        print(table(["RULE", "SETTING", "FOUND", "FIX"],
+                    [[v.rule, v.setting, _show(v.found), v.fix] for v in result.violations]))
+        print(f"\n{len(result.violations)} violation(s) in the {checked}; "
+              "details: samebits check --list-rules")
+    else:
+        print(f"clean: the {checked} pass(es) {len(result.rules_run)} determinism rules")
+    if result.unread_keys:
+        shown = ", ".join(result.unread_keys[:_MAX_KEYS_SHOWN])
+        more = len(result.unread_keys) - _MAX_KEYS_SHOWN
+        print(f"note: {len(result.unread_keys)} config key(s) read by no rule: {shown}"
+              + (f" and {more} more" if more > 0 else ""))
+    return EXIT_BAD_VERDICT if result.violations else EXIT_OK
+
+
+def load_config(path: str) -> dict:
+    """Read a JSON or TOML config file into a dict, with a clear error for each failure."""
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in (".json", ".toml"):
+        raise SamebitsError(f"--config {path}: unsupported format {ext or '(no extension)'!r}; "
+                            "use a .json or .toml file")
+    if ext == ".toml" and tomllib is None:
+        raise SamebitsError(f"--config {path}: TOML needs Python 3.11+ (tomllib); use JSON")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as err:
+        raise SamebitsError(f"--config {path}: cannot read it: {err.strerror or err}") from err
+    try:
+        if ext == ".json":
+            config = json.loads(raw.decode("utf-8"))
+        else:
+            config = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise SamebitsError(f"--config {path}: not UTF-8 text ({err.reason} at byte "
+                            f"{err.start})") from err
+    except json.JSONDecodeError as err:
+        raise SamebitsError(f"--config {path}: invalid JSON at line {err.lineno}, column "
+                            f"{err.colno}: {err.msg}") from err
+    except tomllib.TOMLDecodeError as err:
+        raise SamebitsError(f"--config {path}: invalid TOML: {err}") from err
+    if not isinstance(config, dict):
+        raise SamebitsError(f"--config {path}: must hold an object of options at top level, "
+                            f"found a {type(config).__name__}")
+    return config
+
+
+def _list_rules(as_json: bool) -> int:
+    catalog = rules()
+    if as_json:
+        print_json({"rules": [{"id": r.id, "category": r.category, "setting": r.setting,
+                               "checks": r.checks, "why": r.why, "fix": r.fix} for r in catalog]})
+    else:
+        print(table(["RULE", "CATEGORY", "CHECKS"],
+                    [[r.id, r.category, r.checks] for r in catalog]))
+    return EXIT_OK
+
+
+def _show(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value)

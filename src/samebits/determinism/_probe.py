@@ -1,0 +1,477 @@
+"""The empirical probe: run every op twice and report the ops whose outputs differ.
+
+Under `Probe`, a `TorchDispatchMode` executes each op once as a trial and once for real,
+then compares the two results bit for bit (integer views of the bits, so NaNs compare
+equal to themselves and -0.0 differs from 0.0).  Inputs the op writes (in-place and
+``out=`` ops) are cloned for the trial, keeping their strides (and storage sharing
+between them); read-only inputs are shared, since neither execution changes them.  The
+real execution runs last on the program's own tensors, so the program sees exactly one
+execution.  Random ops (tagged ``nondeterministic_seeded``) run with the generator
+states saved before the trial and put back before the real execution: both consume the
+same randomness and the program's RNG advances exactly as without the probe.
+
+Each finding names the op, the module scope (forward: global module hooks; backward:
+the module whose forward created the autograd node now running), the call site (first
+frame outside torch and samebits) and how many elements differed.  Differences are
+counted on the device and read back in batches, not once per op.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from samebits.determinism._ops import lookup_op
+
+DEFAULT_NAMESPACES = ("aten", "prims", "samebits")
+_FLUSH_EVERY = 512  # pending comparisons read back per host sync
+_MODULE_KEY = "samebits_module"
+
+# Outputs that are uninitialized memory by design: differences are expected and meaningless.
+_UNINITIALIZED = frozenset({"aten::empty", "aten::empty_like", "aten::empty_strided",
+                            "aten::new_empty", "aten::new_empty_strided", "aten::empty_permuted",
+                            "aten::resize_", "aten::resize_as_", "aten::_empty_affine_quantized",
+                            "aten::_empty_per_channel_affine_quantized"})
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_SAMEBITS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+@dataclass
+class ProbeFinding:
+    """An op (at one module scope and call site) whose two executions gave different bits."""
+
+    op: str
+    module: str | None
+    call_site: str | None
+    elements_differing: int  # in the worst call
+    numel: int  # elements compared in that call
+    calls: int = 0  # calls of this op at this scope and site that were compared
+    calls_differing: int = 0
+    known: str | None = None  # the op catalog's summary, when the op is listed
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class ProbeReport:
+    """What a probe saw.  `clean` is True when no op behaved nondeterministically."""
+
+    findings: list[ProbeFinding]
+    num_ops: int  # ops dispatched while probing
+    num_ops_compared: int  # ops executed twice and compared
+    seconds: float
+    result: Any = field(default=None, repr=False)  # the probed function's return value
+
+    @property
+    def clean(self) -> bool:
+        return not self.findings
+
+    def to_dict(self) -> dict:
+        return {"clean": self.clean, "num_ops": self.num_ops,
+                "num_ops_compared": self.num_ops_compared, "seconds": round(self.seconds, 3),
+                "findings": [f.to_dict() for f in self.findings]}
+
+
+class Probe:
+    """Context manager that probes every op run inside it (in this thread).
+
+    namespaces: op namespaces executed twice; ops of other namespaces (collectives in
+        ``c10d``/``_c10d_functional``, custom ops with side effects) run once, unprobed.
+    on_finding: called with each new `ProbeFinding` (used to save findings early).
+    """
+
+    def __init__(self, *, namespaces: tuple[str, ...] = DEFAULT_NAMESPACES,
+                 on_finding: Callable[[ProbeFinding], None] | None = None):
+        self.namespaces = frozenset(namespaces)
+        self.on_finding = on_finding
+        self._findings: dict[tuple, ProbeFinding] = {}
+        self._pending: list[tuple[tuple, torch.Tensor | int, int]] = []
+        self._module_stack: list[str] = []
+        self._root_names: dict[int, tuple[Any, dict[int, str]]] = {}
+        self._root: torch.nn.Module | None = None
+        self._calls: dict[tuple, int] = {}
+        self._hooks: list[Any] = []
+        self._mode: _ProbeMode | None = None
+        self.num_ops = 0
+        self.num_ops_compared = 0
+        self._started = 0.0
+        self._seconds = 0.0
+
+    # -- context manager ------------------------------------------------------------
+    def __enter__(self) -> "Probe":
+        modules = torch.nn.modules.module
+        self._hooks = [
+            modules.register_module_forward_pre_hook(self._forward_pre_hook),
+            modules.register_module_forward_hook(self._forward_hook, always_call=True),
+        ]
+        self._mode = _ProbeMode(self)
+        self._mode.__enter__()
+        self._started = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        try:
+            if self._mode is not None:
+                self._mode.__exit__(*exc_info)
+        finally:
+            self._mode = None
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks = []
+            self._seconds += time.perf_counter() - self._started
+            self.flush()
+
+    def report(self, result: Any = None) -> ProbeReport:
+        """The findings so far (reads back any pending comparisons)."""
+        self.flush()
+        seconds = self._seconds
+        if self._mode is not None:
+            seconds += time.perf_counter() - self._started
+        return ProbeReport(findings=list(self._findings.values()), num_ops=self.num_ops,
+                           num_ops_compared=self.num_ops_compared, seconds=seconds, result=result)
+
+    # -- module scope ---------------------------------------------------------------
+    def _module_name(self, module: torch.nn.Module) -> str:
+        """Qualified name under the outermost module being run (``GPT.layers.0.attn``)."""
+        if not self._module_stack:
+            self._root = module
+            return type(module).__name__
+        qualified = self._names_under(self._root).get(id(module))
+        if qualified is not None:
+            return f"{self._module_stack[0]}.{qualified}" if qualified else self._module_stack[0]
+        return f"{self._module_stack[-1]}.{type(module).__name__}"  # not a submodule of the root
+
+    def _names_under(self, root: torch.nn.Module | None) -> dict[int, str]:
+        if root is None:
+            return {}
+        cached = self._root_names.get(id(root))
+        if cached is None or cached[0] is not root:
+            cached = (root, {id(m): name for name, m in root.named_modules()})
+            self._root_names[id(root)] = cached
+        return cached[1]
+
+    def _forward_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
+        self._module_stack.append(self._module_name(module))
+
+    def _forward_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if not self._module_stack:
+            return
+        name = self._module_stack.pop()
+        if torch.is_grad_enabled():
+            _label_autograd_nodes(output, args, name)
+
+    def _scope(self) -> str | None:
+        if self._module_stack:
+            return self._module_stack[-1]
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            try:
+                name = node.metadata.get(_MODULE_KEY)
+            except (AttributeError, RuntimeError):
+                name = None
+            return f"{name} (backward)" if name else "(backward)"
+        return None
+
+    # -- comparisons ------------------------------------------------------------------
+    def _record(self, op_name: str, differing: torch.Tensor | int, numel: int) -> None:
+        key = (op_name, self._scope(), _call_site())
+        self._pending.append((key, differing, numel))
+        if len(self._pending) >= _FLUSH_EVERY or not isinstance(differing, torch.Tensor) \
+                or differing.device.type == "cpu":
+            self.flush()
+
+    def flush(self) -> None:
+        """Read back pending difference counts and fold them into the findings."""
+        pending, self._pending = self._pending, []
+        new_findings = []
+        for key, differing, numel in pending:
+            count = int(differing.item()) if isinstance(differing, torch.Tensor) else int(differing)
+            self._calls[key] = self._calls.get(key, 0) + 1
+            finding = self._findings.get(key)
+            if finding is None and count:
+                entries = lookup_op(key[0])
+                finding = ProbeFinding(op=key[0], module=key[1], call_site=key[2],
+                                       elements_differing=0, numel=numel,
+                                       known=entries[0].summary() if entries else None)
+                self._findings[key] = finding
+                new_findings.append(finding)
+            if finding is None:
+                continue
+            finding.calls = self._calls[key]
+            if count:
+                finding.calls_differing += 1
+                if count > finding.elements_differing:
+                    finding.elements_differing, finding.numel = count, numel
+        if self.on_finding is not None:
+            for finding in new_findings:
+                self.on_finding(finding)
+
+
+class _ProbeMode(TorchDispatchMode):
+    def __init__(self, probe: Probe):
+        super().__init__()
+        self.probe = probe
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        probe = self.probe
+        probe.num_ops += 1
+        schema = func._schema
+        name = schema.name
+        if (name.split("::", 1)[0] not in probe.namespaces or name in _UNINITIALIZED
+                or _returns_alias(schema)):
+            return func(*args, **kwargs)
+        flat_args, _ = tree_flatten((args, kwargs))
+        has_tensors = any(isinstance(a, torch.Tensor) for a in flat_args)
+        if not has_tensors and not _has_tensor_returns(schema):
+            return func(*args, **kwargs)
+        if not all(_comparable(a) for a in flat_args if isinstance(a, torch.Tensor)):
+            return func(*args, **kwargs)
+
+        mutated = _mutated_arg_positions(schema, args, kwargs)
+        trial_args, trial_kwargs, trial_mutated = _clone_mutated(args, kwargs, mutated)
+        seeded = torch.Tag.nondeterministic_seeded in func.tags
+        rng = _save_rng(kwargs) if seeded else None
+        trial_out = func(*trial_args, **trial_kwargs)
+        if rng is not None:
+            _restore_rng(rng)
+        real_out = func(*args, **kwargs)
+
+        # In-place and out= ops return the argument they wrote: compare it once.
+        real_mutated = [_get_arg(args, kwargs, pos) for pos in mutated]
+        if all(r.alias_info is not None and r.alias_info.is_write for r in schema.returns):
+            differing, numel = _count_differences(trial_mutated, real_mutated)
+        else:
+            differing, numel = _count_differences((trial_out, trial_mutated),
+                                                  (real_out, real_mutated))
+        if numel or differing:
+            probe.num_ops_compared += 1
+            probe._record(name, differing, numel)
+        return real_out
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+def _returns_alias(schema) -> bool:
+    """View ops (outputs alias an input without writing it): no computation to compare."""
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+def _has_tensor_returns(schema) -> bool:
+    return any("Tensor" in str(r.type) for r in schema.returns)
+
+
+def _comparable(t: torch.Tensor) -> bool:
+    return (t.layout == torch.strided and not t.is_quantized and not t.is_nested
+            and t.device.type != "meta" and type(t) in (torch.Tensor, torch.nn.Parameter))
+
+
+def _mutated_arg_positions(schema, args, kwargs) -> list[int | str]:
+    """Positions (int) or keyword names (str) of the arguments the op writes."""
+    positions: list[int | str] = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        if arg.kwarg_only or i >= len(args):
+            if arg.name in kwargs:
+                positions.append(arg.name)
+        else:
+            positions.append(i)
+    return positions
+
+
+def _get_arg(args, kwargs, pos):
+    return args[pos] if isinstance(pos, int) else kwargs[pos]
+
+
+def _clone_mutated(args, kwargs, mutated):
+    """Copies of args/kwargs where every written tensor is replaced by a clone.
+
+    Written tensors that share a storage are cloned through one cloned storage, so a
+    trial of ``a.add_(a[::2])``-like aliasing behaves like the real execution.
+    """
+    if not mutated:
+        return args, kwargs, []
+    written = [_get_arg(args, kwargs, pos) for pos in mutated]
+    flat, _ = tree_flatten(written)
+    by_storage: dict[int, list[torch.Tensor]] = {}
+    for t in flat:
+        if isinstance(t, torch.Tensor):
+            by_storage.setdefault(_storage_key(t), []).append(t)
+    replacement: dict[int, torch.Tensor] = {}
+    for tensors in by_storage.values():
+        if len(tensors) == 1 and not _may_overlap(tensors[0]):
+            t = tensors[0]  # same sizes and strides, only the viewed elements copied
+            replacement[id(t)] = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype,
+                                                     device=t.device).copy_(t)
+            continue
+        storage = tensors[0].untyped_storage()
+        copy = storage.clone() if hasattr(storage, "clone") else storage.copy_(storage)
+        for t in tensors:
+            replica = torch.empty(0, dtype=t.dtype, device=t.device)
+            replica.set_(copy, t.storage_offset(), t.size(), t.stride())
+            replacement[id(t)] = replica
+
+    def swap(x):
+        if isinstance(x, torch.Tensor):
+            return replacement.get(id(x), x)
+        if isinstance(x, (list, tuple)):
+            return type(x)(swap(v) for v in x)
+        return x
+
+    new_args = list(args)
+    new_kwargs = dict(kwargs)
+    for pos in mutated:
+        if isinstance(pos, int):
+            new_args[pos] = swap(args[pos])
+        else:
+            new_kwargs[pos] = swap(kwargs[pos])
+    trial_written = [_get_arg(new_args, new_kwargs, pos) for pos in mutated]
+    return tuple(new_args), new_kwargs, trial_written
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr() or id(t)
+    except RuntimeError:
+        return id(t)
+
+
+def _may_overlap(t: torch.Tensor) -> bool:
+    """Expanded (stride 0) tensors: elements share memory, so clone the whole storage."""
+    return any(stride == 0 and size > 1 for size, stride in zip(t.size(), t.stride()))
+
+
+def _save_rng(kwargs) -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    generator = kwargs.get("generator")
+    if isinstance(generator, torch.Generator):
+        state["generator"] = (generator, generator.get_state())
+    return state
+
+
+def _restore_rng(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "generator" in state:
+        generator, gen_state = state["generator"]
+        generator.set_state(gen_state)
+
+
+_BITS_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """An integer view of the tensor's bits: NaN-safe, and -0.0 differs from 0.0."""
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8)
+    if t.is_floating_point():
+        return t.view(_BITS_DTYPES[t.element_size()])
+    return t
+
+
+def _count_differences(trial: Any, real: Any) -> tuple[torch.Tensor | int, int]:
+    """(elements that differ, elements compared) over all tensors and scalars in the outputs."""
+    trial_flat, _ = tree_flatten(trial)
+    real_flat, _ = tree_flatten(real)
+    if len(trial_flat) != len(real_flat):
+        return 1, 1
+    differing: torch.Tensor | int = 0
+    numel = 0
+    synced = False
+    for a, b in zip(trial_flat, real_flat):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            if not (_comparable(a) and _comparable(b)):
+                continue
+            if a.shape != b.shape or a.dtype != b.dtype:
+                differing = differing + max(a.numel(), b.numel(), 1)
+                numel += max(a.numel(), b.numel(), 1)
+                continue
+            if not synced and a.device.type == "cpu" and torch.cuda.is_initialized():
+                torch.cuda.synchronize()  # a non_blocking device-to-host copy may be in flight
+                synced = True
+            numel += a.numel()
+            if not a.numel():
+                continue
+            bits_a, bits_b = _bits(a), _bits(b)
+            if a.device.type == "cpu":
+                # NumPy's comparison is several times faster than torch.equal here (measured
+                # on 4 MB tensors); count only when something differs.
+                np_a, np_b = bits_a.detach().numpy(), bits_b.detach().numpy()
+                if not np.array_equal(np_a, np_b):
+                    differing = differing + int(np.count_nonzero(np_a != np_b))
+            else:
+                # Stays on the device: read back in batches by Probe.flush, not per op.
+                differing = differing + (bits_a != bits_b).sum()
+        elif isinstance(a, float) and isinstance(b, float):
+            numel += 1
+            differing = differing + (0 if a == b or (a != a and b != b) else 1)
+        elif isinstance(a, (int, bool, complex)) and isinstance(b, type(a)):
+            numel += 1
+            differing = differing + (0 if a == b else 1)
+    return differing, numel
+
+
+def _label_autograd_nodes(output: Any, inputs: Any, name: str) -> None:
+    """Tag the autograd nodes this module's forward created with its name.
+
+    Walks from the outputs' grad_fn back to the inputs' grad_fn.  Inner modules finish
+    first and tag their nodes; an outer module walks through them (to reach its own ops
+    between submodules) without re-tagging, so each node keeps the innermost name.  Tags
+    live in the node's own metadata dict, so nothing here keeps the graph alive.
+    """
+    outs, _ = tree_flatten(output)
+    ins, _ = tree_flatten(inputs)
+    stop = {id(t.grad_fn) for t in ins if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+    stack = [t.grad_fn for t in outs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    visited: list[Any] = []  # keeps node wrappers alive so their ids stay unique
+    seen: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen or id(node) in stop:
+            continue
+        seen.add(id(node))
+        visited.append(node)
+        try:
+            node.metadata.setdefault(_MODULE_KEY, name)
+        except (AttributeError, RuntimeError):
+            continue
+        stack.extend(next_node for next_node, _ in node.next_functions)
+
+
+def _call_site() -> str | None:
+    """file:line of the innermost frame outside torch and samebits."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not (filename.startswith(_TORCH_DIR) or filename.startswith(_SAMEBITS_DIR)
+                or filename.startswith("<frozen")):
+            return f"{filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
+def probe(fn: Callable, *args, **kwargs) -> ProbeReport:
+    """Run ``fn(*args, **kwargs)`` (e.g. one training step) with every op executed twice.
+
+    Returns a `ProbeReport`; `report.findings` lists the ops that gave different bits on
+    this machine, `report.result` holds fn's return value.  Options: use `Probe` directly.
+    """
+    with Probe() as active:
+        result = fn(*args, **kwargs)
+    return active.report(result)

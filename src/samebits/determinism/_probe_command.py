@@ -1,0 +1,235 @@
+"""`samebits probe -- CMD`: run a command with the probe started in its Python processes.
+
+Why a subprocess with a generated ``sitecustomize`` rather than ``runpy`` in the CLI
+process: the command runs exactly as the user wrote it (its own interpreter, ``-m``,
+launchers such as torchrun, its exit code), every Python process it starts (each rank)
+is probed and writes its own findings, and the CLI never imports the user's code.
+
+Parent side (`probe_command`): make a temporary directory holding ``sitecustomize.py``,
+put it first on PYTHONPATH, run the command, then read one ``process-PID.json`` per
+probed process.  Child side (`start`, called from that sitecustomize): enter a `Probe`
+for the rest of the process, save findings as they appear (so a crash keeps them) and
+at exit, and with a step limit stop the program after N optimizer steps.  Forked
+children (DataLoader workers) run unprobed; spawned ones are probed like any process.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+from samebits.errors import SamebitsError
+
+ENV_DIR = "SAMEBITS_PROBE_DIR"
+ENV_STEPS = "SAMEBITS_PROBE_STEPS"
+ENV_NAMESPACES = "SAMEBITS_PROBE_NAMESPACES"
+
+_SITECUSTOMIZE = '''"""Written by `samebits probe`: run the sitecustomize this shadows, then the probe."""
+import os
+import sys
+
+
+def _samebits_chain():
+    import importlib.machinery
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
+    if spec is not None and spec.loader is not None:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+
+
+try:
+    _samebits_chain()
+except Exception as err:  # the user's own sitecustomize failed; say so, keep probing
+    print(f"samebits probe: the shadowed sitecustomize failed: {err!r}", file=sys.stderr)
+
+if os.environ.get("SAMEBITS_PROBE_DIR"):
+    try:
+        from samebits.determinism._probe_command import start
+        start()
+    except BaseException as err:
+        path = os.path.join(os.environ["SAMEBITS_PROBE_DIR"], f"boot-error-{os.getpid()}.txt")
+        with open(path, "w") as f:
+            f.write(f"{type(err).__name__}: {err}")
+'''
+
+
+class _StepLimitReached(SystemExit):
+    """Ends the probed program after the requested number of optimizer steps (exit 0)."""
+
+
+# -- child side ------------------------------------------------------------------------
+
+_child: dict[str, Any] = {}
+
+
+def start() -> None:
+    """Start probing this process until it exits (called by the generated sitecustomize)."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from samebits.determinism._probe import DEFAULT_NAMESPACES, Probe
+
+    namespaces = tuple(filter(None, os.environ.get(ENV_NAMESPACES, "").split(","))) \
+        or DEFAULT_NAMESPACES
+    steps = int(os.environ.get(ENV_STEPS) or 0) or None
+    probe = Probe(namespaces=namespaces, on_finding=lambda finding: _save(complete=False))
+    _child.update(probe=probe, dir=os.environ[ENV_DIR], steps_limit=steps, steps=0,
+                  limit_reached=False, pid=os.getpid(), saved_final=False)
+    _save(complete=False)
+    probe.__enter__()
+    atexit.register(_finish)
+    if steps:
+        register_optimizer_step_post_hook(_after_step)
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_stop_in_forked_child)
+
+
+def _after_step(optimizer, args, kwargs) -> None:
+    _child["steps"] += 1
+    if _child["steps"] >= _child["steps_limit"] and not _child["limit_reached"]:
+        _child["limit_reached"] = True
+        _finish()
+        raise _StepLimitReached(0)
+
+
+def _finish() -> None:
+    if _child.get("saved_final") or _child.get("pid") != os.getpid():
+        return
+    probe = _child["probe"]
+    try:
+        probe.__exit__(None, None, None)
+    finally:
+        _save(complete=True)
+        _child["saved_final"] = True
+
+
+def _stop_in_forked_child() -> None:
+    probe = _child.get("probe")
+    _child["pid"] = None  # never write the parent's file from the child
+    if probe is not None and probe._mode is not None:
+        try:
+            probe.__exit__(None, None, None)
+        except Exception:  # forked from a thread without the mode: nothing to undo there
+            pass
+
+
+def _save(*, complete: bool) -> None:
+    if _child.get("pid") != os.getpid():
+        return
+    probe = _child["probe"]
+    payload = {"pid": os.getpid(), "rank": os.environ.get("RANK"), "argv": sys.argv,
+               "complete": complete, "steps": _child["steps"],
+               "step_limit_reached": _child["limit_reached"], "report": probe.report().to_dict()}
+    path = os.path.join(_child["dir"], f"process-{os.getpid()}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(payload, f, default=str)
+    os.replace(path + ".tmp", path)
+
+
+# -- parent side -----------------------------------------------------------------------
+
+
+@dataclass
+class CommandProbeResult:
+    """What `samebits probe -- CMD` found across every probed process of the command."""
+
+    command: list[str]
+    returncode: int
+    processes: list[dict]
+    findings: list[dict]
+    problems: list[str] = field(default_factory=list)  # reasons the verdict is incomplete
+
+    @property
+    def ran(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict:
+        return {"command": self.command, "returncode": self.returncode,
+                "clean": self.ran and not self.findings, "problems": self.problems,
+                "processes": self.processes, "findings": self.findings}
+
+
+def probe_command(command: list[str], *, steps: int | None = None,
+                  namespaces: tuple[str, ...] | None = None,
+                  stdout: Any = None) -> CommandProbeResult:
+    """Run `command` with the probe in each of its Python processes and collect the findings.
+
+    stdout: where the command's standard output goes (None: inherited).  Raises
+    SamebitsError when the command cannot be started at all.
+    """
+    if not command:
+        raise SamebitsError("no command to probe: write it after '--', e.g. "
+                            "samebits probe -- python train.py --steps 1")
+    workdir = tempfile.mkdtemp(prefix="samebits-probe-")
+    try:
+        with open(os.path.join(workdir, "sitecustomize.py"), "w") as f:
+            f.write(_SITECUSTOMIZE)
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (workdir, package_root, os.environ.get("PYTHONPATH")) if p)
+        env[ENV_DIR] = workdir
+        env[ENV_STEPS] = str(steps or "")
+        env[ENV_NAMESPACES] = ",".join(namespaces or ())
+        forward = stdout is not None and not _has_fileno(stdout)
+        try:
+            completed = subprocess.run(command, env=env,
+                                       stdout=subprocess.PIPE if forward else stdout,
+                                       text=forward or None)
+        except OSError as err:
+            raise SamebitsError(f"cannot run {command[0]!r}: {err.strerror or err}; check the "
+                                "command after '--'") from err
+        if forward:
+            stdout.write(completed.stdout)
+        return _collect(command, completed.returncode, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _has_fileno(stream: Any) -> bool:
+    try:
+        stream.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError
+        return False
+    return True
+
+
+def _collect(command: list[str], returncode: int, workdir: str) -> CommandProbeResult:
+    processes, findings, problems = [], [], []
+    names = sorted(os.listdir(workdir))
+    for name in names:
+        path = os.path.join(workdir, name)
+        if name.startswith("boot-error-"):
+            with open(path) as f:
+                problems.append(f"the probe failed to start in process {name[11:-4]}: {f.read()}")
+        if not (name.startswith("process-") and name.endswith(".json")):
+            continue
+        with open(path) as f:
+            data = json.load(f)
+        report = data.pop("report")
+        data.update(num_ops=report["num_ops"], num_ops_compared=report["num_ops_compared"],
+                    seconds=report["seconds"])
+        processes.append(data)
+        for finding in report["findings"]:
+            findings.append({**finding, "pid": data["pid"], "rank": data["rank"]})
+        if not data["complete"]:
+            problems.append(f"process {data['pid']} ({' '.join(data['argv'])}) ended before the "
+                            "probe finished (killed or os._exit): its findings may be incomplete")
+    limit_reached = any(p["step_limit_reached"] for p in processes)
+    if not processes and not problems:
+        problems.append("the probe did not start in any process: the command must run Python "
+                        "without -I or -S (they skip sitecustomize), with torch importable")
+    if returncode != 0 and not limit_reached:
+        problems.append(f"the command exited with code {returncode}")
+    return CommandProbeResult(command=command, returncode=returncode, processes=processes,
+                              findings=findings, problems=problems)

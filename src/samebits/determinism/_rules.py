@@ -1,0 +1,311 @@
+"""The rule catalog: rule and violation types, the registry, and `check` / `validate`.
+
+A rule checks one thing that decides run-to-run bits (an environment variable, a torch
+flag, a config option), says why it matters and how to fix it.  Rules never change
+anything: `check` lists every violation at once and `validate` raises them together in
+one `DeterminismError` (fail closed).  Built-in rules live in `_builtin_rules`; users
+add their own with `@rule(...)` or `register_rule(Rule(...))`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
+
+from samebits.errors import DeterminismError
+
+CATEGORIES = ("env", "torch", "config")
+"""env: environment variables; torch: flags of the running process; config: recipe options."""
+
+UNSET = "<unset>"
+
+
+class Finding(NamedTuple):
+    """What a rule function yields for each offending setting it found.
+
+    `fix` overrides the rule's generic fix when the finding knows a more precise one.
+    """
+
+    setting: str
+    found: Any
+    fix: str | None = None
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One setting that breaks bitwise determinism, with the rule it breaks and the fix."""
+
+    rule: str
+    setting: str
+    found: Any
+    fix: str
+    why: str = ""
+
+    def to_dict(self) -> dict:
+        return {"rule": self.rule, "setting": self.setting, "found": _jsonable(self.found),
+                "fix": self.fix, "why": self.why}
+
+    def __str__(self) -> str:
+        return f"[{self.rule}] {self.setting} = {_show(self.found)}: {self.fix}"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A determinism rule.
+
+    `func(ctx)` receives a `CheckContext` and returns (or yields) `Finding`s, one per
+    offending setting; returning None or nothing means the rule passes.  Config rules are
+    only run when a config is given.  `keys` lists the config keys the rule reads (used to
+    tell the user which of their keys no rule looked at); rules that call
+    `ctx.config.find(...)` are tracked automatically.
+    """
+
+    id: str
+    category: str
+    setting: str
+    checks: str
+    why: str
+    fix: str
+    func: Callable[["CheckContext"], Iterable[Finding] | Finding | None] = field(repr=False)
+    keys: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.category not in CATEGORIES:
+            raise ValueError(f"rule {self.id!r}: category must be one of {CATEGORIES}, "
+                             f"got {self.category!r}")
+        if not self.id or any(c.isspace() for c in self.id):
+            raise ValueError(f"rule id must be a non-empty word without spaces, got {self.id!r}")
+
+
+class ConfigView(Mapping):
+    """A read-only view of a (possibly nested) config dict, keyed by dotted paths.
+
+    ``{"moe": {"combine": "index_add"}}`` is seen as ``{"moe.combine": "index_add"}``.
+    `find(name)` returns every ``(path, value)`` whose last path component is `name`, so
+    a rule for ``overlap_grad_reduce`` matches it at top level or inside any section.
+    Every name looked up is remembered, to report config keys that no rule read.
+    """
+
+    def __init__(self, config: Mapping):
+        self.raw = config
+        self._flat: dict[str, Any] = {}
+        self._flatten(config, "")
+        self.names_read: set[str] = set()
+
+    def _flatten(self, obj: Mapping, prefix: str) -> None:
+        for key, value in obj.items():
+            path = f"{prefix}{key}"
+            if isinstance(value, Mapping) and value:
+                self._flatten(value, path + ".")
+            else:
+                self._flat[path] = value
+
+    def find(self, name: str) -> list[tuple[str, Any]]:
+        self.names_read.add(name)
+        return [(p, v) for p, v in self._flat.items() if p.rsplit(".", 1)[-1] == name]
+
+    def __getitem__(self, path: str) -> Any:
+        self.names_read.add(path.rsplit(".", 1)[-1])
+        return self._flat[path]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._flat)
+
+    def __len__(self) -> int:
+        return len(self._flat)
+
+    def leaf_names(self) -> set[str]:
+        return {p.rsplit(".", 1)[-1] for p in self._flat}
+
+
+@dataclass
+class CheckContext:
+    """What a rule function sees: the config (None when not checking one) and the environment."""
+
+    config: ConfigView | None
+    environ: Mapping[str, str]
+
+
+@dataclass
+class CheckResult:
+    """Everything one check produced; `check` returns only `violations`, the CLI shows all."""
+
+    violations: list[Violation]
+    rules_run: list[str]
+    unread_keys: list[str] = field(default_factory=list)
+    near_misses: dict[str, str] = field(default_factory=dict)
+
+
+_REGISTRY: dict[str, Rule] = {}
+
+
+def register_rule(new_rule: Rule, *, replace: bool = False) -> Rule:
+    """Add a rule to the catalog; `replace=True` overrides a rule with the same id."""
+    if new_rule.id in _REGISTRY and not replace:
+        raise ValueError(f"a determinism rule with id {new_rule.id!r} is already registered; "
+                         "pick another id or pass replace=True")
+    _REGISTRY[new_rule.id] = new_rule
+    return new_rule
+
+
+def unregister_rule(rule_id: str) -> None:
+    """Remove a rule (mostly for tests and for replacing built-ins)."""
+    _REGISTRY.pop(rule_id, None)
+
+
+def rule(id: str, *, category: str, setting: str, checks: str, why: str, fix: str,
+         keys: Iterable[str] = ()) -> Callable:
+    """Decorator form of `register_rule`: the decorated function becomes the rule's check.
+
+    >>> @rule("team-no-foo", category="config", setting="foo", checks="foo is off",
+    ...       why="foo reduces with atomics", fix="set foo = false")
+    ... def _no_foo(ctx):
+    ...     for path, value in ctx.config.find("foo"):
+    ...         if value:
+    ...             yield Finding(path, value)
+    """
+    def decorate(func):
+        register_rule(Rule(id=id, category=category, setting=setting, checks=checks,
+                           why=why, fix=fix, func=func, keys=tuple(keys)))
+        return func
+    return decorate
+
+
+def rules(category: str | None = None) -> list[Rule]:
+    """The registered rules in registration order (built-ins first), optionally one category."""
+    _ensure_builtins()
+    return [r for r in _REGISTRY.values() if category is None or r.category == category]
+
+
+def _ensure_builtins() -> None:
+    importlib.import_module("samebits.determinism._builtin_rules")  # registers them on import
+
+
+def run_checks(config: Mapping | None = None, *, env: bool = True,
+               torch_flags: bool | None = None, ignore: Iterable[str] = (),
+               environ: Mapping[str, str] | None = None) -> CheckResult:
+    """Run every applicable rule and collect the full result (see `check`)."""
+    _ensure_builtins()
+    if config is not None and not isinstance(config, Mapping):
+        raise TypeError(f"config must be a dict (or None), got {type(config).__name__}")
+    ignore = set(ignore)
+    unknown = ignore - set(_REGISTRY)
+    if unknown:
+        raise ValueError(f"cannot ignore unknown rule id(s) {sorted(unknown)}; "
+                         f"known ids: {sorted(_REGISTRY)}")
+    torch_flags = env if torch_flags is None else torch_flags
+    enabled = {"env": env, "torch": torch_flags, "config": config is not None}
+    view = ConfigView(config) if config is not None else None
+    ctx = CheckContext(config=view, environ=os.environ if environ is None else environ)
+    result = CheckResult(violations=[], rules_run=[])
+    for r in list(_REGISTRY.values()):
+        if not enabled[r.category] or r.id in ignore:
+            continue
+        if view is not None:
+            view.names_read.update(r.keys)
+        result.rules_run.append(r.id)
+        for finding in _as_findings(r.func(ctx), r.id):
+            result.violations.append(Violation(rule=r.id, setting=finding.setting,
+                                               found=finding.found, fix=finding.fix or r.fix,
+                                               why=r.why))
+    if view is not None:
+        unread = sorted(view.leaf_names() - view.names_read)
+        result.unread_keys = unread
+        known = sorted(view.names_read)
+        for name in unread:
+            close = [k for k in known if _looks_like_typo(name, k)]
+            if close:
+                result.near_misses[name] = close[0]
+    return result
+
+
+def check(config: Mapping | None = None, *, env: bool = True, torch_flags: bool | None = None,
+          ignore: Iterable[str] = ()) -> list[Violation]:
+    """List every determinism violation; an empty list means clean.
+
+    config: a recipe/config dict (nested sections allowed) checked by the config rules;
+        None skips them.
+    env: check environment variables (and, unless `torch_flags` says otherwise, the torch
+        flags and thread count of this process).
+    torch_flags: check this process's torch flags; defaults to `env`.  The CLI passes
+        False, since a fresh CLI process's flags say nothing about the training process.
+    ignore: rule ids to skip (a waiver: prove the setting harmless with paired runs first).
+
+    Config keys that look like a misspelt known key (``moe_combin``) give a warning; keys
+    no rule reads are otherwise ignored, since a generic config holds many settings
+    (sizes, learning rates) that do not decide determinism.
+    """
+    result = run_checks(config, env=env, torch_flags=torch_flags, ignore=ignore)
+    if result.near_misses:
+        listed = ", ".join(f"{k!r} (did you mean {v!r}?)" for k, v in result.near_misses.items())
+        warnings.warn(f"config keys that no determinism rule reads look like known keys: {listed}",
+                      stacklevel=2)
+    return result.violations
+
+
+def validate(config: Mapping | None = None, *, env: bool = True,
+             torch_flags: bool | None = None, ignore: Iterable[str] = ()) -> None:
+    """Like `check`, but raise one `DeterminismError` listing every violation and its fix."""
+    violations = check(config, env=env, torch_flags=torch_flags, ignore=ignore)
+    if violations:
+        raise violation_error(violations)
+
+
+def violation_error(violations: list[Violation], context: str = "") -> DeterminismError:
+    """One `DeterminismError` that lists every violation with its fix."""
+    head = f"{len(violations)} setting(s) break bitwise determinism"
+    if context:
+        head += f" ({context})"
+    lines = [head + "; fix all of them and run again:"]
+    lines += [f"  - {v}" for v in violations]
+    return DeterminismError("\n".join(lines), violations)
+
+
+def _looks_like_typo(name: str, known: str) -> bool:
+    """One edit (insert, delete, substitute, swap) apart; two for long names.
+
+    Deliberately tight: `num_heads` is a real key, not a misspelt `num_threads`.
+    """
+    limit = 2 if min(len(name), len(known)) >= 12 else 1
+    if abs(len(name) - len(known)) > limit:
+        return False
+    # Optimal string alignment distance (Levenshtein plus adjacent transpositions).
+    prev2, prev = None, list(range(len(known) + 1))
+    for i, a in enumerate(name, 1):
+        row = [i] + [0] * len(known)
+        for j, b in enumerate(known, 1):
+            row[j] = min(prev[j] + 1, row[j - 1] + 1, prev[j - 1] + (a != b))
+            if prev2 is not None and i > 1 and j > 1 and a == known[j - 2] and name[i - 2] == b:
+                row[j] = min(row[j], prev2[j - 2] + 1)
+        prev2, prev = prev, row
+    return prev[-1] <= limit
+
+
+def _as_findings(returned: Any, rule_id: str) -> list[Finding]:
+    if returned is None:
+        return []
+    if isinstance(returned, Finding):
+        return [returned]
+    findings = list(returned)
+    for f in findings:
+        if not isinstance(f, Finding):
+            raise TypeError(f"determinism rule {rule_id!r} yielded {f!r}; rule functions must "
+                            "return or yield samebits.determinism.Finding(setting, found)")
+    return findings
+
+
+def _jsonable(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    return repr(value)
+
+
+def _show(value: Any) -> str:
+    return value if isinstance(value, str) and value == UNSET else repr(value)

@@ -1,0 +1,141 @@
+"""Tests for `samebits check`: output, JSON and exit codes (in-process and one subprocess)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from samebits.cli import main
+from samebits.determinism._environment import ENV_SETTINGS
+
+GOOD_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple",
+            "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", "FLASH_ATTENTION_DETERMINISTIC": "1",
+            "MAMBA_DETERMINISTIC": "1", "CAUSAL_CONV1D_DETERMINISTIC": "1",
+            "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "2"}
+
+BAD_TOML = """\
+seed = 0
+num_threads = 2
+moe_combine = "triton_atomic"
+moe_grouped_gemm = "torch"
+embedding_backward = "dense"
+d_model = 64
+
+[ddp]
+overlap_grad_reduce = true
+"""
+
+EXPECTED_BAD_TABLE = """\
+RULE                 SETTING                  FOUND          FIX
+-------------------  -----------------------  -------------  -------------------------------------------------------------
+config-comm-overlap  ddp.overlap_grad_reduce  true           set ddp.overlap_grad_reduce = false
+recipe-moe-combine   moe_combine              triton_atomic  set moe_combine to one of 'index_add', 'triton_deterministic'
+"""
+
+
+@pytest.fixture
+def good_env(monkeypatch):
+    for setting in ENV_SETTINGS:
+        monkeypatch.setenv(setting.name, GOOD_ENV[setting.name])
+    return monkeypatch
+
+
+def _write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_clean_config(tmp_path, capsys):
+    path = _write(tmp_path, "ok.json", json.dumps({"seed": 1, "num_threads": 1, "moe_combine": "index_add"}))
+    assert main(["check", "--config", path]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"clean: the config {path} pass(es) ")
+
+
+def test_bad_toml_config_table(tmp_path, capsys):
+    path = _write(tmp_path, "bad.toml", BAD_TOML)
+    assert main(["check", "--config", path]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(EXPECTED_BAD_TABLE)
+    assert f"2 violation(s) in the config {path}" in out
+    assert "note: 1 config key(s) read by no rule: d_model" in out
+
+
+def test_json_output(tmp_path, capsys):
+    path = _write(tmp_path, "bad.toml", BAD_TOML)
+    assert main(["check", "--config", path, "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["clean"] is False
+    assert [(v["rule"], v["setting"], v["found"]) for v in data["violations"]] == [
+        ("config-comm-overlap", "ddp.overlap_grad_reduce", True),
+        ("recipe-moe-combine", "moe_combine", "triton_atomic")]
+    assert all(v["fix"] for v in data["violations"])
+    assert data["unchecked_keys"] == ["d_model"]
+
+
+def test_ignore_waives_a_rule(tmp_path, capsys):
+    path = _write(tmp_path, "bad.toml", BAD_TOML)
+    assert main(["check", "--config", path, "--ignore", "config-comm-overlap",
+                 "--ignore", "recipe-moe-combine"]) == 0
+    assert main(["check", "--config", path, "--ignore", "no-such-rule"]) == 2
+    assert "--ignore: cannot ignore unknown rule id(s) ['no-such-rule']" in capsys.readouterr().err
+
+
+def test_env_check(good_env, capsys):
+    assert main(["check", "--env"]) == 0
+    assert main(["check"]) == 0  # without --config: the environment
+    good_env.setenv("NCCL_ALGO", "Tree")
+    good_env.delenv("PYTHONHASHSEED")
+    assert main(["check", "--env", "--json"]) == 1
+    capsys.readouterr()
+    assert main(["check"]) == 1
+    out = capsys.readouterr().out
+    assert "env-nccl-algo" in out and "Tree" in out and "<unset>" in out
+    assert "2 violation(s) in the environment" in out
+
+
+def test_config_and_env_together(good_env, tmp_path, capsys):
+    path = _write(tmp_path, "bad.toml", BAD_TOML)
+    good_env.setenv("NCCL_PROTO", "^LL")
+    assert main(["check", "--config", path, "--env", "--json"]) == 1
+    rules = [v["rule"] for v in json.loads(capsys.readouterr().out)["violations"]]
+    assert rules == ["env-nccl-proto", "config-comm-overlap", "recipe-moe-combine"]
+
+
+@pytest.mark.parametrize("name,text,message", [
+    ("missing.json", None, "cannot read it: No such file or directory"),
+    ("broken.json", '{"seed": 1,', "invalid JSON at line 1, column 12"),
+    ("broken.toml", "seed = = 1", "invalid TOML"),
+    ("list.json", "[1, 2]", "must hold an object of options at top level, found a list"),
+    ("config.yaml", "seed: 1", "unsupported format '.yaml'; use a .json or .toml file"),
+])
+def test_bad_input_exits_2_with_a_clear_message(tmp_path, capsys, name, text, message):
+    path = str(tmp_path / name) if text is None else _write(tmp_path, name, text)
+    assert main(["check", "--config", path]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"samebits check: error: --config {path}: ") and message in err
+
+
+def test_near_miss_key_warns(tmp_path, capsys):
+    path = _write(tmp_path, "typo.json", json.dumps({"moe_combin": "triton_atomic"}))
+    assert main(["check", "--config", path]) == 0
+    err = capsys.readouterr().err
+    assert "warning: config key 'moe_combin' is read by no rule; did you mean 'moe_combine'?" in err
+
+
+def test_list_rules(capsys):
+    assert main(["check", "--list-rules", "--json"]) == 0
+    ids = [r["id"] for r in json.loads(capsys.readouterr().out)["rules"]]
+    assert "recipe-moe-combine" in ids and "env-nccl-algo" in ids and len(ids) == len(set(ids))
+
+
+def test_real_subprocess(tmp_path):
+    path = _write(tmp_path, "bad.toml", BAD_TOML)
+    done = subprocess.run([sys.executable, "-m", "samebits", "check", "--config", path, "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert json.loads(done.stdout)["violations"][1]["rule"] == "recipe-moe-combine"

@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         if result.stopped_at is not None:
             print(f"stopped at step {result.stopped_at}: diverged from reference")
             if args.out is not None:  # launchers (torchrun) replace exit code 3 by their own
+                args.out.mkdir(parents=True, exist_ok=True)
                 (args.out / STOPPED_MARKER).write_text(
                     json.dumps({"stopped_at": result.stopped_at, "reason": "diverged from reference"}) + "\n")
     return EXIT_DIVERGED if result.stopped_at is not None else EXIT_OK

@@ -1,0 +1,37 @@
+"""64-bit digests of tensors: equal digests mean bitwise-equal dtype, shape and contents.
+
+The spec (byte order, constants, dtype codes, test vectors) is docs/digest.md.  Public API:
+
+    digest(t) -> int                   # unsigned 64-bit digest of one tensor
+    digest_many(ts) -> list[int]       # same for many: one native call on CPU, one
+                                       # device-to-host copy per accelerator
+
+A digest is computed in two parts, which callers that must not synchronise per tensor (the
+Recorder, the tracer) use separately:
+
+  device part, needs the data:  body_sums(ts) -> int64 tensor [n] on the tensors' device.
+      The body sum S of each tensor (spec step 3).  On a GPU this only queues kernels: call it
+      as soon as the tensors are ready, keep the returned tensor.  On CPU it computes at once.
+      Tensors in one call must share a device.
+  host part, needs metadata only:  header(dtype, shape) -> int   (spec step 4, cached)
+                                   finalize(sums, headers) -> list[int]   (spec step 5)
+      `finalize` reads the sums on the host; for a device tensor that is the one
+      synchronisation, so call it at step end, for all tensors of the step at once.
+
+    sums = body_sums(tensors)                              # launch now, no sync
+    headers = [header(t.dtype, t.shape) for t in tensors]  # metadata only
+    ...                                                    # rest of the step
+    digests = finalize(sums, headers)                      # one sync, at step end
+
+`body_sums`, `header`, `finalize` and `DTYPE_CODES` are internal but stable: other samebits
+packages may rely on them.  `_reference.body_sum(data_uint8_1d)` is the torch-ops oracle that
+every backend (the C library here, the CUDA kernel in samebits.kernels) must match bit for bit.
+"""
+
+from samebits.fingerprint._digest import digest, digest_many
+
+# Internal but stable, not in __all__: the Recorder and the tracer build on them.
+from samebits.fingerprint._digest import body_sums  # noqa: F401
+from samebits.fingerprint._spec import DTYPE_CODES, finalize, header  # noqa: F401
+
+__all__ = ["digest", "digest_many"]

@@ -1,0 +1,164 @@
+"""digest / digest_many / body_sums: turn tensors into bytes and route them to a backend.
+
+Backends for the body sum (the data-dependent part): the compiled library for CPU tensors,
+`samebits.kernels.digest_body` for CUDA tensors when Triton is usable, else the torch
+reference (any device).  All of them compute the same bits; tests hold them to it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from collections.abc import Callable, Iterable
+
+import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from samebits.fingerprint import _native, _reference
+from samebits.fingerprint._spec import finalize, header
+
+# Reinterpreting as an integer dtype of the same size makes .contiguous() a plain bit copy,
+# and works for dtypes whose own copy kernel is missing (torch.uint4 and other shell dtypes).
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _checked_header(t: object) -> int:
+    """Header of `t`, after checking it is a tensor whose bytes we can digest."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"samebits can only digest torch.Tensor objects, got {type(t).__name__}")
+    if t.layout is not torch.strided:
+        raise ValueError(
+            f"samebits digests dense tensors; this one has layout {t.layout}: digest "
+            "t.to_dense() (or its indices and values separately)"
+        )
+    if t.is_meta:
+        raise ValueError("samebits cannot digest a tensor on the meta device: it has no data")
+    if type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):
+        raise ValueError(
+            f"samebits cannot digest a {type(t).__name__} directly: it is a wrapper without its "
+            "own data; digest the tensors inside it (e.g. DTensor.to_local())"
+        )
+    return header(t.dtype, t.shape)
+
+
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s logical contents as row-major memory (possibly with another dtype of equal size)."""
+    if t.is_conj():  # lazy conjugate: memory still holds the unconjugated values
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if t.is_contiguous():
+        return t
+    t = t.detach()  # copying for autograd would only cost time
+    int_dtype = _INT_OF_SIZE.get(t.dtype.itemsize)
+    if int_dtype is not None:
+        t = t.view(int_dtype)
+    return t.contiguous()
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes B of the spec as a 1-D uint8 tensor on `t`'s device."""
+    t = _row_major(t).detach()
+    # Not reshape(-1): a contiguous tensor may have odd strides on size-1 dims, and so may
+    # its reshape; view(uint8) needs stride 1.
+    return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
+
+
+_cuda_body_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _body_sum_fn(device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Body-sum function for 1-D uint8 tensors on `device` (not CPU)."""
+    global _cuda_body_sum
+    if device.type != "cuda":
+        return _reference.body_sum
+    if _cuda_body_sum is None:
+        _cuda_body_sum = _reference.body_sum
+        if _triton_installed() and torch.cuda.is_available():
+            try:
+                # Imported lazily: the kernels package is optional and may not exist.
+                from samebits.kernels import digest_body
+
+                _cuda_body_sum = digest_body
+            except ImportError:
+                pass
+            except Exception as err:  # a broken kernels package must not break digests
+                warnings.warn(
+                    f"samebits: samebits.kernels failed to import ({err!r}); CUDA digests use "
+                    "the torch reference implementation",
+                    stacklevel=3,
+                )
+    return _cuda_body_sum
+
+
+def _body_sums_on(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Body sums of checked tensors that are all on `device`: int64 tensor [n] on `device`."""
+    if device.type == "cpu" and _native.available():
+        return _native.body_sums([_row_major(t) for t in tensors])  # one native call for all
+    if device.type == "cpu":
+        _native.warn_missing()
+        body_sum = _reference.body_sum
+    else:
+        body_sum = _body_sum_fn(device)
+    sums = []
+    for t in tensors:
+        data = _as_bytes(t)
+        if data.numel() == 0:  # S of no words is 0; spares kernels the empty case
+            sums.append(torch.zeros((), dtype=torch.int64, device=device))
+        else:
+            sums.append(body_sum(data))
+    return torch.stack(sums) if sums else torch.empty(0, dtype=torch.int64, device=device)
+
+
+def body_sums(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """Body sums S (spec step 3) of tensors on one device, as int64 tensor of shape [n] there.
+
+    Queues work without a host synchronisation on accelerators; on CPU it computes at once.
+    An empty list gives an empty CPU tensor.  Checks every tensor (TypeError / ValueError)
+    before computing anything.
+    """
+    tensors = list(tensors)
+    for t in tensors:
+        _checked_header(t)
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise ValueError(
+            f"body_sums takes tensors on one device, got {', '.join(sorted(map(str, devices)))}; "
+            "call it once per device (digest_many does this for you)"
+        )
+    return _body_sums_on(tensors, devices.pop() if devices else torch.device("cpu"))
+
+
+def digest_many(tensors: Iterable[torch.Tensor]) -> list[int]:
+    """64-bit digests of `tensors`, in order: one host synchronisation per device, not per tensor.
+
+    All CPU tensors go through one native call; each other device gets one body-sum launch
+    per tensor, one stack and one device-to-host copy.
+    """
+    tensors = list(tensors)
+    headers = [_checked_header(t) for t in tensors]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    if len(by_device) <= 1:  # the usual case: nothing to scatter
+        device = next(iter(by_device), torch.device("cpu"))
+        return finalize(_body_sums_on(tensors, device), headers)
+    sums = [0] * len(tensors)
+    for device, indices in by_device.items():
+        device_sums = _body_sums_on([tensors[i] for i in indices], device)
+        for i, s in zip(indices, device_sums.tolist()):  # this device's one synchronisation
+            sums[i] = s
+    return finalize(sums, headers)
+
+
+def digest(tensor: torch.Tensor) -> int:
+    """The 64-bit digest of one tensor's dtype, shape and bytes, as an unsigned int.
+
+    Equal digests mean bitwise-equal tensors (up to 64-bit hash collisions); see
+    docs/digest.md.  For many tensors use `digest_many`: one call, one synchronisation.
+    """
+    return digest_many([tensor])[0]

@@ -1,0 +1,95 @@
+"""Reference body sum of the digest in plain torch ops: runs on any device, defines the answer.
+
+This is the spec's step 3 written for clarity, not speed.  It is the fallback when the
+compiled CPU library is missing and on devices without a dedicated kernel, and the oracle
+that the C library and the CUDA kernel (`samebits.kernels.digest_body`) are tested against.
+
+torch has no uint64 arithmetic, so words are int64: +, * and sum wrap mod 2^64 exactly like
+unsigned arithmetic (two's complement), and the logical right shift x >> 33 is the arithmetic
+shift with the 33 sign-extended bits masked off.  No op here reads a value back to the host,
+so on a GPU the whole computation is queued without synchronising.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from samebits.fingerprint._spec import FMIX_MUL1, FMIX_MUL2, GOLDEN, MASK64
+
+# Words per batch of ops.  On CPU, small enough that the two int64 work buffers stay in cache
+# (each op of a batch then runs at memory speed instead of faulting in fresh pages); elsewhere,
+# big enough that kernel launches are few.
+_WORDS_PER_BATCH_CPU = 1 << 18
+_WORDS_PER_BATCH_DEVICE = 1 << 24
+
+
+def _as_int64(x: int) -> int:
+    """The int64 with the same 64 bits as unsigned `x`."""
+    x &= MASK64
+    return x - (1 << 64) if x >> 63 else x
+
+
+_MUL1 = _as_int64(FMIX_MUL1)
+_MUL2 = _as_int64(FMIX_MUL2)
+_GOLDEN = _as_int64(GOLDEN)
+_LOW_31_BITS = (1 << 31) - 1  # what survives a logical shift right by 33
+
+
+def _fmix64_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """The murmur3 64-bit finalizer, in place on int64 `x`; `scratch` is a buffer like `x`."""
+    for multiplier in (_MUL1, _MUL2, None):
+        torch.bitwise_right_shift(x, 33, out=scratch)
+        scratch &= _LOW_31_BITS  # arithmetic shift -> logical shift
+        x ^= scratch
+        if multiplier is not None:
+            x *= multiplier
+    return x
+
+
+def fmix64(x: torch.Tensor) -> torch.Tensor:
+    """The murmur3 64-bit finalizer, elementwise on an int64 tensor."""
+    return _fmix64_(x.clone(), torch.empty_like(x))
+
+
+def body_sum(data: torch.Tensor) -> torch.Tensor:
+    """Body sum S of a tensor's bytes: `data` is 1-D uint8; returns a 0-dim int64 on its device.
+
+    S = sum_j fmix64(w_j + (j+1)*G) mod 2^64 over the zero-padded little-endian words w_j,
+    as the int64 with the same bits.
+    """
+    if data.dtype != torch.uint8 or data.dim() != 1:
+        raise ValueError(
+            f"body_sum takes the 1-D uint8 bytes of a tensor, got dtype {data.dtype} with "
+            f"{data.dim()} dims; pass t.contiguous().reshape(-1).view(torch.uint8)"
+        )
+    return body_sum_at(data, 0)
+
+
+def body_sum_at(data: torch.Tensor, first_word: int) -> torch.Tensor:
+    """`body_sum` of `data` as if its first word had index `first_word` (< 2**62) in a larger
+    tensor.  Lets tests check the position arithmetic of tensors too big to allocate.
+    """
+    data = data.detach().contiguous()
+    device = data.device
+    num_bytes = data.numel()
+    num_full = num_bytes // 8
+    total = torch.zeros((), dtype=torch.int64, device=device)
+    batch = _WORDS_PER_BATCH_CPU if device.type == "cpu" else _WORDS_PER_BATCH_DEVICE
+    mixed = torch.empty(min(batch, num_full), dtype=torch.int64, device=device)
+    scratch = torch.empty_like(mixed)
+    for start in range(0, num_full, batch):
+        stop = min(start + batch, num_full)
+        chunk = data[8 * start : 8 * stop]
+        if chunk.storage_offset() % 8:  # view(int64) needs an 8-byte aligned offset
+            chunk = chunk.clone()
+        x = mixed[: stop - start]
+        torch.arange(first_word + start + 1, first_word + stop + 1, out=x)  # j + 1
+        x *= _GOLDEN
+        x += chunk.view(torch.int64)
+        total += _fmix64_(x, scratch[: stop - start]).sum()
+    if num_bytes % 8:  # the tail word, zero-padded
+        tail = torch.zeros(8, dtype=torch.uint8, device=device)
+        tail[: num_bytes % 8] = data[8 * num_full :]
+        offset = _as_int64((first_word + num_full + 1) * GOLDEN)
+        total += fmix64(tail.view(torch.int64) + offset).sum()
+    return total

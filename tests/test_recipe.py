@@ -199,9 +199,12 @@ def test_deterministic_path_is_bitwise_repeatable_with_two_threads(monkeypatch):
 
 @needs_two_cores
 def test_nondeterministic_path_differs_from_run_to_run():
+    # The race needs both threads running at once; on a loaded machine one pair of runs can
+    # come out equal by chance, so a few more runs are allowed before calling it repeatable.
     cfg = nondeterministic_config()
-    a, b = train(cfg, steps=3), train(cfg, steps=3)
-    assert _differing(a.params, b.params), "two nondeterministic runs gave the same bits"
+    first = train(cfg, steps=3)
+    assert any(_differing(first.params, train(cfg, steps=3).params) for _ in range(4)), \
+        "five nondeterministic runs gave the same bits"
 
 
 @needs_two_cores

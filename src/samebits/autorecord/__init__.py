@@ -15,7 +15,9 @@ Parameter names come from the top-level modules that ran forward (their
 ``named_parameters``); a parameter no module claims is named ``group{g}.param{i}``.
 Settings come from ``SAMEBITS_*`` variables (see `samebits.stream.settings`), plus
 ``SAMEBITS_STEP_OFFSET`` (the first step number, for a resumed process) and
-``SAMEBITS_REFERENCE`` (a run to check each step against, live).
+``SAMEBITS_REFERENCE`` (a run to check each step against, live).  When a
+``SAMEBITS_TRACE*`` variable is set, divergence tracing (`samebits.trace`) is installed
+too; its steps are the same optimizer-step counts.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class _AutoRecorder:
         self.depth = 0  # nesting of module forwards: 0 means a top-level call
         self.top_level_seen: dict[int, torch.nn.Module] = {}
         self.forward_counts: dict[str, int] = {}
+        self.tracer = None  # samebits.trace.Tracer when SAMEBITS_TRACE* asks for one
 
     def _rec(self):
         if self.recorder is None:
@@ -90,9 +93,17 @@ class _AutoRecorder:
                 if isinstance(value, torch.Tensor):
                     state.append((f"{name}.{key}", value))
         rec.tensors(self.step, phase_prefix + "optimizer", state)
+        tracer = self.tracer
+        if tracer is not None:
+            tracer.optimizer_post(optimizer)
         if optimizer is self.first_optimizer:
+            if tracer is not None:
+                tracer.finish_step(self.step)  # its records belong before the step is written
             rec.end_step(self.step)
             self.step += 1
+            if tracer is not None:
+                tracer.after_end_step(self.step - 1)  # may end the process (a bisect re-run)
+                tracer.begin_step(self.step)
 
 
 def _tensor_leaves(prefix, value):
@@ -119,11 +130,19 @@ def install() -> bool:
     from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    _state = _AutoRecorder()
+    state = _AutoRecorder()
+    if any(os.environ.get(name) for name in _TRACE_VARIABLES):
+        from samebits.trace import install_zero_code
+
+        state.tracer = install_zero_code(state._rec, state.step)  # a bad setting raises here, first
+    _state = state
     register_module_forward_pre_hook(_state.pre_forward)
     register_module_forward_hook(_state.post_forward, always_call=True)
     register_optimizer_step_post_hook(_state.after_optimizer_step)
     return True
+
+
+_TRACE_VARIABLES = ("SAMEBITS_TRACE", "SAMEBITS_TEST_PERTURB", "SAMEBITS_TRACE_DUMP_OP", "SAMEBITS_TRACE_STOP_AFTER")
 
 
 def environment_for(out_dir, *, steps=None, ranks=None, max_tensor_bytes=None, reference=None,

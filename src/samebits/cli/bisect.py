@@ -1,0 +1,105 @@
+"""`samebits bisect [-- CMD ...] | --a CMD --b CMD`: narrow a divergence to its origin op."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+
+from samebits.cli._format import print_json, table
+
+
+def register(sub) -> None:
+    parser = sub.add_parser(
+        "bisect",
+        help="find the op where two runs first part (origin, not symptom)",
+        description="Run twice at rung 1 (phases, collectives) to find the first divergent step and phase, "
+        "re-run that step at rung 2 (modules), then rung 3 (ATen ops) inside the module, then dump the "
+        "origin op's outputs. With no command: the reference recipe. With --a/--b: two commands (a code "
+        "change, an upgrade, a thread count), each first checked for repeatability. "
+        "Exit 0 identical, 1 diverged, 2 could not run.",
+    )
+    parser.add_argument("--a", dest="cmd_a", default=None, metavar="'CMD'", help="side A, a quoted command")
+    parser.add_argument("--b", dest="cmd_b", default=None, metavar="'CMD'", help="side B, a quoted command")
+    parser.add_argument("--out", default=None, help="output directory (default: samebits-out/bisect-TIME)")
+    parser.add_argument("--stop-after", type=int, default=None, metavar="STEP",
+                        help="end every run after this step (long commands)")
+    parser.add_argument("--run-timeout", type=float, default=1800, metavar="SECONDS",
+                        help="kill a run that takes longer and report a hang (default 1800)")
+    parser.add_argument("--steps", type=int, default=4, help="recipe: training steps per run (default 4)")
+    parser.add_argument("--nproc", type=int, default=2, help="recipe: ranks (default 2)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="recipe: config override, repeatable")
+    parser.add_argument("--nondeterministic", action="store_true",
+                        help="recipe: its nondeterministic path (index_put_ accumulate, 2 threads)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("cmd", nargs="*", metavar="-- CMD", help="a command to bisect against itself")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from samebits.errors import SamebitsError
+    from samebits.trace import bisect
+
+    if args.cmd and (args.cmd_a or args.cmd_b):
+        raise SamebitsError("give either a command after -- (bisected against itself) or --a and --b, not both.")
+    if bool(args.cmd_a) != bool(args.cmd_b):
+        raise SamebitsError("--a and --b go together: give both quoted commands, e.g. "
+                            "--a 'python train.py' --b 'python train.py --threads 2'.")
+    cmd_a = shlex.split(args.cmd_a) if args.cmd_a else (args.cmd or None)
+    cmd_b = shlex.split(args.cmd_b) if args.cmd_b else None
+
+    def progress(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    if cmd_a is None:
+        progress(f"samebits bisect: the reference recipe, {args.nproc} rank(s), {args.steps} steps"
+                 + (", nondeterministic path" if args.nondeterministic else ""))
+    else:
+        progress(f"samebits bisect: a = {shlex.join(cmd_a)}" + (f"\n                 b = {shlex.join(cmd_b)}"
+                                                                 if cmd_b else " (twice)"))
+    result = bisect(cmd_a, cmd_b, out=args.out, steps=args.steps, nproc=args.nproc,
+                    nondeterministic=args.nondeterministic, overrides=args.overrides,
+                    stop_after=args.stop_after, run_timeout=args.run_timeout, progress=progress)
+    if args.json:
+        print_json(result.to_json())
+    else:
+        print(render(result))
+    return 0 if result.verdict == "identical" else 1
+
+
+def render(result) -> str:
+    rows = [[f"{i}. {s.name}", s.rung, s.scope, " ".join(f"{k} {v:.1f}s" for k, v in s.runs.items()),
+             s.summary] for i, s in enumerate(result.stages, 1)]
+    lines = [f"samebits bisect: {result.verdict.upper()} ({result.compared})", "",
+             table(["stage", "rung", "traced", "runs", "finding"], rows), ""]
+    origin = result.origin
+    if result.control_flow is not None:
+        cf = result.control_flow
+        lines.append(f"control flow differs: rank {cf['rank']}, step {cf['step']}: {cf['detail']}")
+    if origin is not None and origin["classification"] != "control_flow":
+        kind = "origin" if origin["classification"] == "origin" else f"first difference ({origin['classification']})"
+        lines.append(f"{kind}: rank {origin['rank']}, step {origin['step']}, phase {origin['phase']}")
+        if origin["module"] is not None:
+            lines.append(f"  module     {origin['module'] or '(root)'}")
+        if origin["op"]:
+            lines.append(f"  op         {origin['op']}   (id {origin['id']})")
+        elif origin["id"]:
+            lines.append(f"  event      {origin['id']} ({origin['category']})")
+        if origin["call_site"]:
+            lines.append(f"  call site  {origin['call_site']}")
+        if origin["detail"]:
+            lines.append(f"  why        {origin['detail']}")
+        elements = origin.get("elements")
+        if elements:
+            lines.append(f"  elements   {elements['differing']} of {elements['total']} differ in output "
+                         f"{elements.get('output')} ({elements['dtype']} {elements['shape']}), max "
+                         f"{elements['max_ulp']} ulp")
+            for value in elements["values"]:
+                lines.append(f"             at {value['index']}: a = {value['a']!r}, b = {value['b']!r} "
+                             f"({value['ulp']} ulp)")
+        if origin.get("catalog"):
+            lines.append(f"  known op   {origin['catalog']}")
+    for note in result.notes:
+        lines.append(f"note: {note}")
+    lines.append(f"wall time {result.seconds:.1f} s; streams, logs and summary.json in {result.out}")
+    return "\n".join(lines)

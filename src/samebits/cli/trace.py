@@ -1,0 +1,54 @@
+"""`samebits trace A B`: classify the first difference of every rank of two traced runs."""
+
+from __future__ import annotations
+
+from samebits.cli._format import print_json, table
+
+
+def register(sub) -> None:
+    parser = sub.add_parser(
+        "trace",
+        help="origin or receiver: classify where two traced runs part",
+        description="For each rank, find the first differing record of two runs recorded with "
+        "SAMEBITS_TRACE=phases|modules|ops and say whether it is an origin (its inputs matched, its "
+        "output did not) or a receiver (an input already differed). Exit 0 identical, 1 diverged.",
+    )
+    parser.add_argument("a", help="run directory A")
+    parser.add_argument("b", help="run directory B")
+    parser.add_argument("--step", type=int, default=None, help="look only at this step")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from samebits.trace import find_origins
+
+    report = find_origins(args.a, args.b, step=args.step)
+    if args.json:
+        print_json(report.to_json())
+    else:
+        print(render(report))
+    return 0 if report.identical else 1
+
+
+def render(report) -> str:
+    if report.identical:
+        return f"samebits trace: IDENTICAL ({report.a} = {report.b})"
+    rows = []
+    for rank, finding in sorted(report.findings.items()):
+        what = finding.event_id or finding.record or ""
+        rows.append([rank, finding.step, finding.classification, finding.phase or "",
+                     "" if finding.module is None else (finding.module or "(root)"), finding.op or "", what])
+    lines = [f"samebits trace: DIVERGED ({report.a} vs {report.b})", "",
+             table(["rank", "step", "class", "phase", "module", "op", "event"], rows), ""]
+    if report.origins:
+        lines.append("origins, earliest first:")
+        for finding in report.origins:
+            lines.append(f"  {finding.where()}" + (f"  [{finding.call_site}]" if finding.call_site else ""))
+            lines.append(f"    {finding.detail}")
+    else:
+        first = report.first
+        lines.append(f"no origin among the traced records; first difference: {first.where()}: {first.detail}")
+    for note in report.notes:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)

@@ -1,0 +1,125 @@
+"""Divergence tracing: find the op where two runs first part, and say whether it is the origin.
+
+Rungs, cheapest first, all written into the run's ordinary per-rank streams
+(docs/tracing.md has the record layout, the ids and what each rung cannot see):
+
+    1 phases   forward/backward/reduce/optimizer boundaries, every torch.distributed
+               collective (inputs before, outputs after completion), gradients after
+               reduction, optimizer state after the step, the parameters at the first step
+    2 modules  forward and backward of every module by FQN and call number (recomputation
+               marked), parameter gradients as they are accumulated; probes (rung 4)
+    3 ops      every ATen op's inputs and outputs, ids ``scope/op:n`` (TorchDispatchMode)
+
+Explicit training loop (what the reference recipe does)::
+
+    tracer = samebits.trace.attach_from_env(model, recorder)   # off unless SAMEBITS_TRACE=...
+    for step in range(start, steps):
+        with tracer.step(step):
+            train_step(step)                                    # calls recorder.end_step(step)
+
+Zero-code recording (``samebits run``, ``samebits bisect -- CMD``) installs the same tracer
+from the same ``SAMEBITS_TRACE*`` variables.  Then compare two traced runs::
+
+    report = samebits.trace.find_origins("runs/a", "runs/b")   # origins, earliest first
+    result = samebits.trace.bisect(["python", "train.py"])     # narrows rung by rung
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+from samebits.trace._config import EventSpec, TraceConfig
+from samebits.trace._elements import compare_elements
+from samebits.trace._origin import Finding, OriginReport, find_origins
+from samebits.trace._probe import probe
+from samebits.trace._tracer import Tracer, active
+
+
+class _Off:
+    """The handle `attach_from_env` returns when tracing is off: every call is free."""
+
+    config = TraceConfig()
+
+    def step(self, step: int):
+        return contextlib.nullcontext(self)
+
+    def close(self) -> None:
+        pass
+
+
+OFF = _Off()
+
+
+def attach(model, recorder, config: TraceConfig | None = None) -> "Tracer | _Off":
+    """Trace `model`'s training into `recorder`'s streams according to `config`.
+
+    Returns a handle: wrap each training step in ``with handle.step(step):`` and call
+    ``handle.close()`` at the end (a later `attach` closes a tracer left open).  The tracer wraps ``recorder.end_step`` on
+    this recorder instance, to finish its records before the step is written, and
+    ``recorder.tensors``/``metrics``, so that their own tensor work is never traced.
+    """
+    config = config or TraceConfig()
+    if not config.enabled:
+        return OFF
+    if recorder is None or not getattr(recorder, "active", True):
+        warnings.warn("samebits.trace: tracing is configured but there is no active recorder to write "
+                      "into; tracing is off (give the run an output directory)", stacklevel=2)
+        return OFF
+    if active() is not None:  # one tracer per process: a loop that ended without close() left it
+        active().close()
+    tracer = Tracer(config, recorder=recorder)
+    if model is not None:
+        tracer.add_root(model)
+    tracer.install_permanent()
+    from samebits.trace import _tracer
+
+    _tracer._set_active(tracer)
+    tracer.recorder()  # guard the recorder's methods now
+    return tracer
+
+
+def attach_from_env(model, recorder) -> "Tracer | _Off":
+    """`attach` with the configuration of the ``SAMEBITS_TRACE*`` variables (off when unset,
+    or when `recorder` is None).  The rank comes from the recorder; collectives name their
+    process group themselves."""
+    return attach(model, recorder, TraceConfig.from_env())
+
+
+def install_zero_code(recorder_source, step: int) -> "Tracer | None":
+    """For `samebits.autorecord` (internal, stable): trace with the environment's
+    configuration into the recorder ``recorder_source()`` creates lazily; the caller drives
+    `Tracer.begin_step` / `optimizer_post` / `finish_step` / `after_end_step`."""
+    config = TraceConfig.from_env()
+    if not config.enabled or active() is not None:
+        return None
+    tracer = Tracer(config, recorder_source=recorder_source, zero_code=True)
+    tracer.install_permanent()
+    from samebits.trace import _tracer
+
+    _tracer._set_active(tracer)
+    tracer.begin_step(step)
+    return tracer
+
+
+def bisect(*args, **kwargs):
+    """Narrow a divergence to its origin op; see `samebits.trace._bisect.bisect`."""
+    from samebits.trace._bisect import bisect as run_bisect
+
+    return run_bisect(*args, **kwargs)
+
+
+__all__ = [
+    "TraceConfig",
+    "EventSpec",
+    "Tracer",
+    "attach",
+    "attach_from_env",
+    "probe",
+    "find_origins",
+    "OriginReport",
+    "Finding",
+    "compare_elements",
+    "bisect",
+    "active",
+]

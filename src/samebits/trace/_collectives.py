@@ -1,0 +1,166 @@
+"""Rung 1: every `torch.distributed` collective, recorded around the call.
+
+The functions of ``torch.distributed`` (and their aliases in ``distributed_c10d``) are
+replaced by wrappers while a tracer exists.  ``torch.distributed.nn.functional`` calls
+them through the module, so its differentiable collectives (forward and backward) are
+seen too.  A wrapper records the inputs *before* the call and the outputs *after it
+completes*: at return for a blocking call, at ``wait()`` for ``async_op=True`` (outputs
+read earlier would be in-flight buffers).  An in-place collective's input digest is taken
+before the call, so it sees the input; on an accelerator the digest kernel is queued on
+the current stream before the collective, which waits for that stream, so no copy is
+needed.  Code that imported a collective by name before tracing started (``from
+torch.distributed import all_reduce``) and collectives issued from C++ (DDP's reducer) are
+not seen; the gradients after reduction are recorded at the optimizer step anyway.
+
+Ids: ``<group>/<collective>:<n>``, group ``world`` or ``group<r0>-<r1>...``; n counts that
+collective on that group in the step, so every rank of the group gives it the same id.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+import torch.distributed as dist
+
+from samebits.trace import _tracer
+
+
+def _single(name):
+    return lambda a: [("0", a[name])] if isinstance(a.get(name), torch.Tensor) else []
+
+
+def _listed(name):
+    return lambda a: [(str(i), t) for i, t in enumerate(a.get(name) or ()) if isinstance(t, torch.Tensor)]
+
+
+# collective -> (inputs from bound arguments, outputs from bound arguments)
+_SPECS = {
+    "all_reduce": (_single("tensor"), _single("tensor")),
+    "broadcast": (_single("tensor"), _single("tensor")),
+    "reduce": (_single("tensor"), _single("tensor")),
+    "all_gather": (_single("tensor"), _listed("tensor_list")),
+    "all_gather_into_tensor": (_single("input_tensor"), _single("output_tensor")),
+    "reduce_scatter": (_listed("input_list"), _single("output")),
+    "reduce_scatter_tensor": (_single("input"), _single("output")),
+    "all_to_all": (_listed("input_tensor_list"), _listed("output_tensor_list")),
+    "all_to_all_single": (_single("input"), _single("output")),
+}
+_originals: dict = {}
+
+
+def group_name(group) -> str:
+    if group is None or group is dist.GroupMember.WORLD:
+        return "world"
+    try:
+        return "group" + "-".join(map(str, dist.get_process_group_ranks(group)))
+    except Exception:
+        return f"group{id(group):x}"
+
+
+class _TracedWork:
+    """An async collective's Work: records the outputs when the caller waits."""
+
+    def __init__(self, work, finish):
+        self._work, self._finish = work, finish
+
+    def wait(self, *args, **kwargs):
+        result = self._work.wait(*args, **kwargs)
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            finish()
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _wrap(name, original):
+    signature = inspect.signature(original)
+    get_inputs, get_outputs = _SPECS[name]
+
+    @functools.wraps(original)
+    def traced(*args, **kwargs):
+        tracer = _tracer.active()
+        if tracer is None or tracer.busy or not dist.is_initialized():
+            return original(*args, **kwargs)
+        if not tracer.armed:
+            tracer.arm()  # zero-code: a process issuing collectives is a worker
+        if not tracer.open or (tracer.level_now < 1 and not tracer.special):
+            return original(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        arguments = dict(bound.arguments)
+        phase = tracer.current_phase()
+        group = group_name(arguments.get("group"))
+        n = tracer._next(tracer.collective_counts, (group, name))
+        event_id = f"{group}/{name}:{n}"
+        perturb, dump = tracer.special_for(event_id, phase) if tracer.special else (False, False)
+        inputs = get_inputs(arguments)
+        if tracer.level_now >= 1:
+            tracer.record("collective", event_id, "in", inputs, phase)
+        dump_inputs = tracer.copies(inputs) if dump else None
+        step = tracer.step_now
+
+        def finish():
+            if not tracer.open or tracer.step_now != step:
+                return
+            outputs = get_outputs(arguments)
+            if perturb and outputs:
+                nudge_busy(tracer, outputs[0][1])
+            if tracer.level_now >= 1:
+                tracer.record("collective", event_id, "out", outputs, phase)
+            if dump:
+                tracer.dump(event_id, phase, name, dump_inputs, outputs, None)
+
+        tracer.busy = True  # the wrapper's own tensor work is not the program's
+        try:
+            result = original(*args, **kwargs)
+        finally:
+            tracer.busy = False
+        if arguments.get("async_op") and result is not None:
+            return _TracedWork(result, finish)
+        finish()
+        return result
+
+    traced._samebits_original = original
+    return traced
+
+
+def nudge_busy(tracer, t) -> None:
+    tracer.busy = True
+    try:
+        with torch.no_grad():
+            _tracer.nudge(t)
+    finally:
+        tracer.busy = False
+
+
+def patch() -> None:
+    """Replace the collectives of torch.distributed by tracing wrappers (idempotent)."""
+    if _originals or not dist.is_available():
+        return
+    from torch.distributed import distributed_c10d
+
+    for name in _SPECS:
+        original = getattr(dist, name, None)
+        if original is None:
+            continue
+        _originals[name] = original
+        traced = _wrap(name, original)
+        setattr(dist, name, traced)
+        if getattr(distributed_c10d, name, None) is original:
+            setattr(distributed_c10d, name, traced)
+
+
+def unpatch() -> None:
+    if not _originals:
+        return
+    from torch.distributed import distributed_c10d
+
+    for name, original in _originals.items():
+        if getattr(dist, name, None) is not original:
+            setattr(dist, name, original)
+        if getattr(getattr(distributed_c10d, name, None), "_samebits_original", None) is original:
+            setattr(distributed_c10d, name, original)
+    _originals.clear()

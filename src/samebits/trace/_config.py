@@ -1,0 +1,257 @@
+"""Tracing settings (`TraceConfig`), their environment variables, and the record naming scheme.
+
+Settings reach child processes (torchrun workers, zero-code recording) through these
+variables; `TraceConfig.from_env()` reads them, `TraceConfig.to_env()` writes them.
+
+==============================  ==============================================================
+``SAMEBITS_TRACE``              rung: ``off`` (default), ``phases``, ``modules``, ``ops``
+                                (each includes the ones before it)
+``SAMEBITS_TRACE_STEPS``        trace only steps START:STOP (``5`` is step 5 alone)
+``SAMEBITS_TRACE_RANKS``        trace only these ranks, e.g. ``0,2-3``
+``SAMEBITS_TRACE_MODULE``       trace modules and ops only inside this module subtree (an FQN)
+``SAMEBITS_TRACE_STACK=1``      remember each traced op's call site (``trace-rank-N.json``)
+``SAMEBITS_TRACE_DUMP_OP``      ``step=S,rank=R,id=ID[,phase=P]``: save that event's inputs and
+                                outputs with ``torch.save`` (``dump-rank-R-step-S.pt``)
+``SAMEBITS_TRACE_DUMP_DIR``     where dumps and call-site files go (default: the run directory)
+``SAMEBITS_TRACE_STOP_AFTER``   end the process (exit code 0) once step S is written
+``SAMEBITS_TEST_PERTURB``       test only: ``step=S,rank=R,op=ID[,phase=P]`` nudges the first
+                                output of that op or collective by one ulp (see docs/tracing.md)
+==============================  ==============================================================
+
+Record naming.  Every traced record has phase ``trace:<category>:<training phase>`` and name
+``<event id>|<role>:<label>``; role is ``in`` (recorded before or as the event starts) or
+``out``.  Categories: ``state``, ``phase``, ``collective``, ``module``, ``op``, ``probe``.
+Training phases: ``forward``, ``backward``, ``recompute``, ``reduce`` (after the last backward,
+before the optimizer: gradient reduction, clipping), ``optimizer``, ``post``, ``init``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import NamedTuple
+
+LEVELS = {"off": 0, "phases": 1, "modules": 2, "ops": 3}
+LEVEL_NAMES = {value: name for name, value in LEVELS.items()}
+PHASE_PREFIX = "trace:"
+CATEGORIES = ("state", "phase", "collective", "module", "op", "probe")
+TRAINING_PHASES = ("init", "forward", "backward", "recompute", "reduce", "optimizer", "post")
+
+ENV_VARS = ("SAMEBITS_TRACE", "SAMEBITS_TRACE_STEPS", "SAMEBITS_TRACE_RANKS", "SAMEBITS_TRACE_MODULE",
+            "SAMEBITS_TRACE_STACK", "SAMEBITS_TRACE_DUMP_OP", "SAMEBITS_TRACE_DUMP_DIR",
+            "SAMEBITS_TRACE_STOP_AFTER", "SAMEBITS_TEST_PERTURB")
+
+
+@dataclass(frozen=True)
+class EventSpec:
+    """One event on one rank at one step: what `SAMEBITS_TRACE_DUMP_OP` and
+    `SAMEBITS_TEST_PERTURB` name.  ``id`` is a full event id (``scope/aten::mm:0``, a
+    collective id ``world/all_reduce:1``) or, for ops, ``aten::mm:3``: the fourth call of
+    that op in the step, whatever its scope and phase."""
+
+    step: int
+    rank: int
+    id: str
+    phase: str | None = None
+
+    @property
+    def is_global_op_count(self) -> bool:
+        return "/" not in self.id
+
+    def matches(self, step: int, rank: int, event_id: str, phase: str) -> bool:
+        return (step == self.step and rank == self.rank and event_id == self.id
+                and (self.phase is None or phase == self.phase))
+
+    def to_env(self) -> str:
+        text = f"step={self.step},rank={self.rank},id={self.id}"
+        return text + (f",phase={self.phase}" if self.phase else "")
+
+    @classmethod
+    def parse(cls, text: str, source: str) -> "EventSpec":
+        fields = {}
+        for part in text.split(","):
+            key, sep, value = part.partition("=")
+            if not sep:
+                raise ValueError(f"{source}={text!r}: {part!r} is not KEY=VALUE; write e.g. "
+                                 "'step=2,rank=1,id=layers.0/aten::mm:0' (id may also be spelled op=).")
+            fields[key.strip()] = value.strip()
+        if "op" in fields and "id" not in fields:
+            fields["id"] = fields.pop("op")
+        unknown = set(fields) - {"step", "rank", "id", "phase"}
+        if unknown or not {"step", "rank", "id"} <= set(fields):
+            raise ValueError(f"{source}={text!r}: needs step=, rank= and id= (or op=), optionally "
+                             f"phase=; got {sorted(fields)}.")
+        try:
+            step, rank = int(fields["step"]), int(fields["rank"])
+        except ValueError:
+            raise ValueError(f"{source}={text!r}: step and rank must be integers.") from None
+        phase = fields.get("phase") or None
+        if phase is not None and phase not in TRAINING_PHASES:
+            raise ValueError(f"{source}={text!r}: phase must be one of {', '.join(TRAINING_PHASES)}.")
+        return cls(step, rank, fields["id"], phase)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TraceConfig:
+    """What to trace.  Build one directly, or from the environment with `from_env`."""
+
+    level: int = 0
+    """0 off, 1 phases (+ collectives, gradients, optimizer state), 2 modules, 3 ATen ops."""
+
+    step_start: int = 0
+    """First traced step."""
+
+    step_stop: int | None = None
+    """Traced steps are step_start <= step < step_stop (None: no end)."""
+
+    ranks: frozenset[int] | None = None
+    """Traced ranks (None: all)."""
+
+    module: str = ""
+    """Module subtree (an FQN) for rungs 2 and 3; "" is the whole model."""
+
+    call_sites: bool = False
+    """Remember the Python call site of each traced op (costs a stack walk per op)."""
+
+    dump: EventSpec | None = None
+    """Save this event's inputs and outputs (plain tensors, torch.save) into dump_dir."""
+
+    dump_dir: Path | None = None
+    """Where dumps and call-site files go; None: the recorder's run directory."""
+
+    stop_after: int | None = None
+    """Raise SystemExit(0) once this step has been written (bisect re-runs stop early)."""
+
+    perturb: EventSpec | None = None
+    """Test only: nudge this event's first output by one ulp."""
+
+    def __post_init__(self):
+        if self.level not in LEVEL_NAMES:
+            raise ValueError(f"trace level {self.level} must be one of 0-3 ({', '.join(LEVELS)}).")
+        if self.step_start < 0 or (self.step_stop is not None and self.step_stop <= self.step_start):
+            raise ValueError(f"trace steps {self.step_start}:{self.step_stop} is an empty window.")
+
+    @property
+    def enabled(self) -> bool:
+        """True when anything at all must be installed."""
+        return self.level > 0 or self.perturb is not None or self.dump is not None or self.stop_after is not None
+
+    def step_selected(self, step: int) -> bool:
+        return step >= self.step_start and (self.step_stop is None or step < self.step_stop)
+
+    def rank_selected(self, rank: int) -> bool:
+        return self.ranks is None or rank in self.ranks
+
+    def in_subtree(self, scope: str) -> bool:
+        m = self.module
+        return not m or scope == m or scope.startswith(m + ".")
+
+    def with_(self, **changes) -> "TraceConfig":
+        return replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, environ=None) -> "TraceConfig":
+        env = os.environ if environ is None else environ
+        from samebits.stream.settings import _parse_steps, parse_ranks
+
+        text = env.get("SAMEBITS_TRACE", "").strip().lower()
+        if text in ("", "0", "off", "none"):
+            level = 0
+        elif text in LEVELS:
+            level = LEVELS[text]
+        elif text.isdigit() and int(text) in LEVEL_NAMES:
+            level = int(text)
+        else:
+            raise ValueError(f"SAMEBITS_TRACE={text!r}: choose one of {', '.join(LEVELS)} (or 0-3).")
+        start, stop = _parse_steps(env.get("SAMEBITS_TRACE_STEPS"), "SAMEBITS_TRACE_STEPS")
+        ranks = parse_ranks(env.get("SAMEBITS_TRACE_RANKS"), "SAMEBITS_TRACE_RANKS")
+        dump = env.get("SAMEBITS_TRACE_DUMP_OP", "").strip()
+        perturb = env.get("SAMEBITS_TEST_PERTURB", "").strip()
+        stop_after = env.get("SAMEBITS_TRACE_STOP_AFTER", "").strip()
+        try:
+            stop_after_step = int(stop_after) if stop_after else None
+        except ValueError:
+            raise ValueError(f"SAMEBITS_TRACE_STOP_AFTER={stop_after!r} must be a step number.") from None
+        dump_dir = env.get("SAMEBITS_TRACE_DUMP_DIR", "").strip()
+        return cls(
+            level=level, step_start=start, step_stop=stop, ranks=ranks,
+            module=env.get("SAMEBITS_TRACE_MODULE", "").strip(),
+            call_sites=env.get("SAMEBITS_TRACE_STACK", "").strip() in ("1", "true", "yes"),
+            dump=EventSpec.parse(dump, "SAMEBITS_TRACE_DUMP_OP") if dump else None,
+            dump_dir=Path(dump_dir) if dump_dir else None,
+            stop_after=stop_after_step,
+            perturb=EventSpec.parse(perturb, "SAMEBITS_TEST_PERTURB") if perturb else None,
+        )
+
+    def to_env(self) -> dict[str, str]:
+        """The variables that make a child process trace like this (unset ones omitted)."""
+        env = {"SAMEBITS_TRACE": LEVEL_NAMES[self.level]}
+        if self.step_start or self.step_stop is not None:
+            env["SAMEBITS_TRACE_STEPS"] = f"{self.step_start}:{'' if self.step_stop is None else self.step_stop}"
+        if self.ranks is not None:
+            env["SAMEBITS_TRACE_RANKS"] = ",".join(map(str, sorted(self.ranks)))
+        if self.module:
+            env["SAMEBITS_TRACE_MODULE"] = self.module
+        if self.call_sites:
+            env["SAMEBITS_TRACE_STACK"] = "1"
+        if self.dump is not None:
+            env["SAMEBITS_TRACE_DUMP_OP"] = self.dump.to_env()
+        if self.dump_dir is not None:
+            env["SAMEBITS_TRACE_DUMP_DIR"] = str(self.dump_dir)
+        if self.stop_after is not None:
+            env["SAMEBITS_TRACE_STOP_AFTER"] = str(self.stop_after)
+        if self.perturb is not None:
+            env["SAMEBITS_TEST_PERTURB"] = self.perturb.to_env()
+        return env
+
+
+# -- record names ------------------------------------------------------------------------
+
+
+def record_phase(category: str, training_phase: str) -> str:
+    return f"{PHASE_PREFIX}{category}:{training_phase}"
+
+
+def record_name(event_id: str, role: str, label) -> str:
+    return f"{event_id}|{role}:{label}"
+
+
+class TraceRef(NamedTuple):
+    """A traced record's name and phase, parsed."""
+
+    category: str
+    training_phase: str
+    event_id: str
+    role: str  # "in" | "out"
+    label: str
+
+    @property
+    def event_key(self) -> tuple[str, str, str]:
+        return (self.category, self.training_phase, self.event_id)
+
+
+def parse_record(phase: str, name: str) -> TraceRef | None:
+    """The trace fields of a record, or None for a record the tracer did not write."""
+    if not phase.startswith(PHASE_PREFIX):
+        return None
+    category, _, training_phase = phase[len(PHASE_PREFIX):].partition(":")
+    event_id, sep, rest = name.rpartition("|")
+    if not sep:
+        return None
+    role, _, label = rest.partition(":")
+    return TraceRef(category, training_phase, event_id, role, label)
+
+
+def split_op_id(event_id: str) -> tuple[str, str, int | None]:
+    """``layers.1.ffn/aten::index_put:0`` -> (scope, op, occurrence)."""
+    scope, _, rest = event_id.rpartition("/")
+    op, sep, count = rest.rpartition(":")
+    if not sep or not count.isdigit():
+        return scope, rest, None
+    return scope, op, int(count)
+
+
+def parent_scope(fqn: str) -> str:
+    return fqn.rpartition(".")[0]
+

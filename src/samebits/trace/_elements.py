@@ -1,0 +1,79 @@
+"""Element detail of a divergence: which elements of two tensors differ, and by how many ulps.
+
+The distance in ulps between two floats of one dtype is the number of representable values
+between them: their bit patterns mapped to a monotonic integer order (negative floats
+reflected), subtracted.  +0 and -0 are 0 ulps apart; NaN payloads compare by bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _ordered(t: torch.Tensor) -> torch.Tensor:
+    """Floats as int64 in value order (one step per ulp); integers and bools as int64."""
+    if t.is_floating_point():
+        bits = t.contiguous().view(_INT_OF_SIZE[t.element_size()]).to(torch.int64)
+        magnitude = bits & ((1 << (8 * t.element_size() - 1)) - 1)
+        return torch.where(bits < 0, -magnitude, magnitude)
+    return t.to(torch.int64)
+
+
+def _bitwise_unequal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if a.is_complex():
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
+        return _bitwise_unequal(a, b).any(dim=-1)
+    if a.is_floating_point():
+        width = _INT_OF_SIZE[a.element_size()]
+        return a.contiguous().view(width) != b.contiguous().view(width)
+    return a != b
+
+
+def compare_elements(a: torch.Tensor, b: torch.Tensor, *, max_indices: int = 5) -> dict:
+    """How `a` and `b` differ element by element (same shape and dtype expected).
+
+    Returns ``{"differing", "total", "max_ulp", "first_indices", "values", "shape",
+    "dtype"}``; ``values`` lists ``{"index", "a", "b", "ulp"}`` for the first differing
+    elements (row-major order).
+    """
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return {"differing": None, "total": a.numel(), "max_ulp": None, "first_indices": [], "values": [],
+                "shape": list(a.shape), "dtype": str(a.dtype).removeprefix("torch."),
+                "note": f"shapes/dtypes differ: {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}"}
+    a, b = a.detach().cpu(), b.detach().cpu()
+    unequal = _bitwise_unequal(a, b).reshape(-1)
+    differing = int(unequal.sum())
+    flat_positions = unequal.nonzero().flatten()[:max_indices].tolist()
+    max_ulp = 0
+    values = []
+    if differing:
+        if a.is_complex():
+            ulps = (_ordered(torch.view_as_real(a)) - _ordered(torch.view_as_real(b))).abs().amax(dim=-1)
+        elif a.dtype is torch.bool:
+            ulps = (a != b).to(torch.int64)
+        else:
+            ulps = (_ordered(a).to(torch.float64) - _ordered(b).to(torch.float64)).abs()
+        ulps = ulps.reshape(-1)
+        max_ulp = int(ulps.max())
+        flat_a, flat_b = a.reshape(-1), b.reshape(-1)
+        for position in flat_positions:
+            index = list(torch.unravel_index(torch.tensor(position), a.shape)) if a.dim() else []
+            values.append({"index": [int(i) for i in index],
+                           "a": _py(flat_a[position]), "b": _py(flat_b[position]),
+                           "ulp": int(ulps[position])})
+    return {
+        "differing": differing,
+        "total": a.numel(),
+        "max_ulp": max_ulp,
+        "first_indices": [v["index"] for v in values],
+        "values": values,
+        "shape": list(a.shape),
+        "dtype": str(a.dtype).removeprefix("torch."),
+    }
+
+
+def _py(value: torch.Tensor):
+    item = value.item()
+    return repr(item) if isinstance(item, complex) else item

@@ -1,0 +1,373 @@
+"""Tracing rungs, ids, the noise filter and origin classification, in one process (fast).
+
+End-to-end bisection over subprocesses is in test_bisect.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import pytest
+
+import samebits
+from samebits.trace import EventSpec, TraceConfig, attach, attach_from_env, compare_elements, find_origins, probe
+from samebits.trace._config import parse_record, split_op_id
+from samebits.trace._tracer import active
+
+
+class Scale(torch.nn.Module):
+    def forward(self, x):
+        buffer = torch.empty_like(x)  # uninitialised: must never be recorded
+        buffer.fill_(0.5)
+        return x * buffer
+
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), Scale(), torch.nn.Linear(8, 2))
+
+
+def train(directory, config: TraceConfig | None, *, steps=3, model=None, extra=None):
+    """A tiny explicit training loop traced with `attach`; returns the run directory."""
+    model = model or make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    rec = samebits.Recorder(directory, rank=0, world_size=1)
+    tracer = attach(model, rec, config) if config is not None else attach_from_env(model, rec)
+    try:
+        for step in range(steps):
+            with tracer.step(step):
+                x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+                loss = model(x).square().mean()
+                if extra is not None:
+                    loss = extra(step, loss)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                rec.metrics(step, loss=loss.detach())
+                rec.end_step(step)
+    finally:
+        tracer.close()
+        rec.close()
+    return directory
+
+
+def records(directory, step=0, rank=0):
+    for block in samebits.open_run(directory).stream(rank).steps():
+        if block.step == step:
+            return block.records()
+    return []
+
+
+def traced(recs):
+    return [(parse_record(r.phase, r.name), r) for r in recs if parse_record(r.phase, r.name)]
+
+
+# -- configuration ---------------------------------------------------------------------------
+
+
+def test_config_from_environment_and_back():
+    env = {"SAMEBITS_TRACE": "ops", "SAMEBITS_TRACE_STEPS": "3", "SAMEBITS_TRACE_RANKS": "0,2-3",
+           "SAMEBITS_TRACE_MODULE": "layers.1", "SAMEBITS_TRACE_STACK": "1",
+           "SAMEBITS_TEST_PERTURB": "step=2,rank=1,op=aten::mm:3", "SAMEBITS_TRACE_STOP_AFTER": "3"}
+    config = TraceConfig.from_env(env)
+    assert (config.level, config.step_start, config.step_stop) == (3, 3, 4)
+    assert config.ranks == {0, 2, 3} and config.module == "layers.1" and config.call_sites
+    assert config.perturb == EventSpec(2, 1, "aten::mm:3") and config.perturb.is_global_op_count
+    assert TraceConfig.from_env(config.to_env()) == config
+    assert config.in_subtree("layers.1.ffn") and not config.in_subtree("layers.10")
+    assert not TraceConfig.from_env({}).enabled
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"SAMEBITS_TRACE": "everything"}, "phases, modules, ops"),
+    ({"SAMEBITS_TRACE": "ops", "SAMEBITS_TRACE_STEPS": "x"}, "START:STOP"),
+    ({"SAMEBITS_TEST_PERTURB": "step=1,rank=0"}, "needs step=, rank= and id="),
+    ({"SAMEBITS_TRACE_DUMP_OP": "step=1,rank=0,id=a/aten::mm:0,phase=sideways"}, "phase must be one of"),
+])
+def test_config_errors_name_the_variable_and_the_fix(env, words):
+    with pytest.raises(ValueError, match=words):
+        TraceConfig.from_env(env)
+
+
+def test_record_names_parse_back():
+    ref = parse_record("trace:op:backward", "layers.1.ffn/aten::index_put:0|out:0")
+    assert ref.category == "op" and ref.training_phase == "backward" and ref.role == "out"
+    assert split_op_id(ref.event_id) == ("layers.1.ffn", "aten::index_put", 0)
+    assert parse_record("grads", "w") is None
+
+
+# -- recording -------------------------------------------------------------------------------
+
+
+def test_tracing_off_installs_nothing(tmp_path, monkeypatch):
+    for name in ("SAMEBITS_TRACE", "SAMEBITS_TEST_PERTURB", "SAMEBITS_TRACE_DUMP_OP", "SAMEBITS_TRACE_STOP_AFTER"):
+        monkeypatch.delenv(name, raising=False)
+    backward = torch.autograd.backward
+    from torch.nn.modules import module
+
+    hooks = len(module._global_forward_pre_hooks)
+    run = train(tmp_path / "off", None)
+    assert torch.autograd.backward is backward and len(module._global_forward_pre_hooks) == hooks
+    assert not traced(records(run))
+
+
+def test_rung_three_records_every_phase_with_scoped_ids(tmp_path):
+    run = train(tmp_path / "a", TraceConfig(level=3))
+    refs = traced(records(run, step=0))
+    categories = {(ref.category, ref.training_phase) for ref, _ in refs}
+    assert {("state", "init"), ("phase", "forward"), ("phase", "backward"), ("phase", "reduce"),
+            ("phase", "optimizer"), ("module", "backward"), ("op", "forward"), ("op", "backward"),
+            ("op", "optimizer")} <= categories
+    # module forward records would repeat tensors the ops already recorded: none at rung 3
+    assert ("module", "forward") not in categories
+    ids = {ref.event_id for ref, _ in refs if ref.category == "op"}
+    assert {"0/aten::addmm:0", "1/aten::tanh:0", "2/aten::mul:0", "3/aten::addmm:0", "0/aten::mm:0"} <= ids
+    # the noise filter: empty_like's output is never recorded, nor fill_'s garbage input
+    assert not any("empty" in i for i in ids)
+    assert [ref.role for ref, _ in refs if ref.event_id == "2/aten::fill_:0"] == ["out"]
+    # each tensor version once: tanh's input is addmm's output, so tanh records no input
+    assert [ref.role for ref, _ in refs if ref.event_id == "1/aten::tanh:0"] == ["out"]
+    # later steps have no initial-state records, and their ids restart
+    later = {ref.event_id for ref, _ in traced(records(run, step=1))}
+    assert "params" not in later and "0/aten::addmm:0" in later
+
+
+def test_rung_two_records_modules_by_fqn_and_call(tmp_path):
+    model = make_model()
+    model.append(model[1])  # Tanh called twice: calls 0 and 1
+    run = train(tmp_path / "a", TraceConfig(level=2), model=model, steps=1)
+    ids = {(ref.event_id, ref.training_phase, ref.role) for ref, _ in traced(records(run))
+           if ref.category == "module"}
+    assert {("1:0", "forward", "out"), ("1:1", "forward", "out"), ("0:0", "forward", "out"),
+            ("3:0", "backward", "in"), ("3:0", "backward", "out"), ("3.weight@grad", "backward", "out")} <= ids
+    assert not any(ref.category == "op" for ref, _ in traced(records(run)))
+
+
+def test_gradient_accumulation_returns_to_forward(tmp_path):
+    model = make_model()
+
+    def second_micro_batch(step, loss):  # the first micro-batch's backward, then a forward again
+        loss.backward()
+        return model(torch.ones(5, 4)).sum()
+
+    run = train(tmp_path / "a", TraceConfig(level=1), model=model, extra=second_micro_batch, steps=1)
+    forwards = [(ref.event_id, ref.training_phase) for ref, _ in traced(records(run))
+                if ref.category == "phase" and ref.event_id.startswith("forward/") and ref.role == "out"]
+    assert forwards == [("forward/model:0", "forward"), ("forward/model:1", "forward")]
+
+
+def test_step_window_and_module_subtree(tmp_path):
+    run = train(tmp_path / "a", TraceConfig(level=3, step_start=1, step_stop=2, module="3"))
+    assert not traced(records(run, step=0)) and not traced(records(run, step=2))
+    refs = traced(records(run, step=1))
+    scopes = {split_op_id(ref.event_id)[0] for ref, _ in refs if ref.category == "op"}
+    assert scopes == {"3"}
+    assert {ref.event_id for ref, _ in refs if ref.category == "module"} >= {"3:0", "3.weight@grad"}
+
+
+def test_recomputation_is_marked(tmp_path):
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = make_model()
+
+        def forward(self, x):
+            return checkpoint(self.inner, x, use_reentrant=False)
+
+    run = train(tmp_path / "a", TraceConfig(level=3), model=Checkpointed(), steps=1)
+    phases = {ref.training_phase for ref, _ in traced(records(run)) if ref.category in ("op", "module")}
+    assert "recompute" in phases
+
+
+def test_probe_records_a_boundary(tmp_path):
+    @probe("custom_kernel")
+    def kernel(x):
+        return x.exp()
+
+    def extra(step, loss):
+        with probe("block", loss) as p:
+            out = kernel(loss) - 1
+            p.outputs(out)
+        return out
+
+    run = train(tmp_path / "a", TraceConfig(level=2), extra=extra, steps=1)
+    ids = {ref.event_id for ref, _ in traced(records(run)) if ref.category == "probe"}
+    assert ids == {"/probe:custom_kernel:0", "/probe:block:0"}
+
+
+class RawKernel(torch.nn.Module):
+    """Writes memory without an ATen op (as a Triton kernel does) on its `nudge_call`-th call."""
+
+    def __init__(self, nudge_call=None, probed=False):
+        super().__init__()
+        self.nudge_call, self.probed, self.calls = nudge_call, probed, 0
+
+    def kernel(self, y):
+        if self.calls == self.nudge_call:
+            y.detach().numpy()[0, 0] += 1e-3
+        return y
+
+    def forward(self, x):
+        self.calls += 1
+        y = x * 2
+        y = probe("raw_kernel")(self.kernel)(y) if self.probed else self.kernel(y)
+        return y + 1
+
+
+@pytest.mark.parametrize("probed, origin_id", [(False, "4/aten::add:0"), (True, "4/probe:raw_kernel:0")])
+def test_a_kernel_below_the_dispatcher_shows_one_hop_later_unless_probed(tmp_path, probed, origin_id):
+    def model(nudge):
+        net = make_model()
+        net.append(RawKernel(nudge_call=nudge, probed=probed))
+        return net
+
+    clean = train(tmp_path / "a", TraceConfig(level=3), model=model(None))
+    nudged = train(tmp_path / "b", TraceConfig(level=3), model=model(2))
+    origin = find_origins(clean, nudged).first
+    assert (origin.classification, origin.step, origin.event_id) == ("origin", 1, origin_id)
+
+
+# -- origins ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec, phase, op_id", [
+    ("step=1,rank=0,op=0/aten::addmm:0", "forward", "0/aten::addmm:0"),
+    ("step=1,rank=0,op=aten::mm:1", "backward", "3/aten::mm:1"),       # global count: 2nd mm of the step
+    ("step=2,rank=0,op=/aten::addcdiv_:1,phase=optimizer", "optimizer", "/aten::addcdiv_:1"),
+])
+def test_a_perturbed_op_is_the_origin(tmp_path, spec, phase, op_id):
+    clean = train(tmp_path / "a", TraceConfig(level=3))
+    nudged = train(tmp_path / "b", TraceConfig(level=3, perturb=EventSpec.parse(spec, "test")))
+    report = find_origins(clean, nudged)
+    origin = report.first
+    assert origin.classification == "origin" and report.origins == [origin]
+    assert (origin.step, origin.rank, origin.phase, origin.event_id) == (int(spec[5]), 0, phase, op_id)
+    assert origin.op == split_op_id(op_id)[1] and origin.module == split_op_id(op_id)[0]
+
+
+def test_trace_command_prints_origins(tmp_path, capsys):
+    from samebits.cli import main
+
+    clean = train(tmp_path / "a", TraceConfig(level=3))
+    nudged = train(tmp_path / "b", TraceConfig(level=3, perturb=EventSpec(1, 0, "0/aten::addmm:0")))
+    assert main(["trace", str(clean), str(clean)]) == 0
+    assert "IDENTICAL" in capsys.readouterr().out
+    assert main(["trace", str(clean), str(nudged)]) == 1
+    out = capsys.readouterr().out
+    assert "origins, earliest first:" in out and "rank 0, step 1, phase forward, module 0, op aten::addmm" in out
+
+
+def test_untraced_code_makes_a_receiver(tmp_path):
+    # Perturb an op in module 0 but trace only module 3's subtree: module 3's input already
+    # differs when it arrives.
+    config = TraceConfig(level=3, module="3")
+    clean = train(tmp_path / "a", config)
+    nudged = train(tmp_path / "b", config.with_(perturb=EventSpec(1, 0, "0/aten::addmm:0")))
+    finding = find_origins(clean, nudged).first
+    assert finding.classification == "receiver" and finding.role == "in"
+    assert (finding.category, finding.event_id, finding.module) == ("module", "3:0", "3")
+    assert not find_origins(clean, nudged).origins
+
+
+def test_identical_runs_and_a_different_initialisation(tmp_path):
+    a = train(tmp_path / "a", TraceConfig(level=1))
+    b = train(tmp_path / "b", TraceConfig(level=1))
+    assert find_origins(a, b).identical
+    model = make_model()
+    with torch.no_grad():
+        model[0].bias[0] += 1e-3
+    c = train(tmp_path / "c", TraceConfig(level=1), model=model)
+    origin = find_origins(a, c).first
+    assert (origin.classification, origin.category, origin.phase, origin.step) == ("origin", "state", "init", 0)
+    assert origin.label == "0.bias" and origin.module == "0"
+
+
+def test_different_op_sequences_report_where_they_part(tmp_path):
+    a = train(tmp_path / "a", TraceConfig(level=3))
+    b = train(tmp_path / "b", TraceConfig(level=3),
+              extra=lambda step, loss: loss * 1.5 if step == 1 else loss)
+    finding = find_origins(a, b).first
+    assert finding.classification == "control_flow" and finding.step == 1
+    assert "/aten::mul:0" in finding.detail and "part at record" in finding.detail
+
+
+def _write_traced(directory, rank, records_by_phase):
+    with samebits.Recorder(directory, rank=rank, world_size=2) as rec:
+        for phase, named in records_by_phase:
+            rec.tensors(0, phase, named)
+
+
+def test_a_collective_is_an_origin_only_if_every_ranks_inputs_matched(tmp_path):
+    same, other = torch.ones(3), torch.full((3,), 2.0)
+    ar = "world/all_reduce:0"
+    for run, rank0_input, rank1_output in (("a", same, same), ("b", other, other), ("c", same, other)):
+        _write_traced(tmp_path / run, 0, [("trace:collective:reduce", [(f"{ar}|in:0", rank0_input)]),
+                                           ("trace:collective:reduce", [(f"{ar}|out:0", same)])])
+        _write_traced(tmp_path / run, 1, [("trace:collective:reduce", [(f"{ar}|in:0", same)]),
+                                           ("trace:collective:reduce", [(f"{ar}|out:0", rank1_output)])])
+    # b: rank 0's input already differed, so rank 1 only received it
+    report = find_origins(tmp_path / "a", tmp_path / "b")
+    assert report.findings[0].classification == "receiver"
+    assert (report.findings[1].classification, report.findings[1].from_rank) == ("receiver", 0)
+    # c: every input matched, rank 1's output differs: the collective is the origin there
+    report = find_origins(tmp_path / "a", tmp_path / "c")
+    assert [(f.rank, f.op, f.classification) for f in report.origins] == [(1, "all_reduce", "origin")]
+
+
+@pytest.fixture(scope="module")
+def world_of_one(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pg") / "init"
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed.nn.functional:FutureWarning")
+def test_collectives_are_recorded_around_the_call(tmp_path, world_of_one):
+    import torch.distributed.nn.functional as dist_nn
+
+    def extra(step, loss):
+        flat = torch.ones(4)
+        dist.all_reduce(flat)
+        work = dist.all_reduce(flat, async_op=True)
+        work.wait()
+        gathered = [torch.zeros(4)]
+        dist.all_gather(gathered, flat)
+        return dist_nn.all_reduce(loss)
+
+    run = train(tmp_path / "a", TraceConfig(level=1), extra=extra, steps=1)
+    roles = [(ref.event_id, ref.role) for ref, _ in traced(records(run)) if ref.category == "collective"]
+    assert roles[:6] == [("world/all_reduce:0", "in"), ("world/all_reduce:0", "out"),
+                         ("world/all_reduce:1", "in"), ("world/all_reduce:1", "out"),
+                         ("world/all_gather:0", "in"), ("world/all_gather:0", "out")]
+    assert ("world/all_reduce:2", "out") in roles  # torch.distributed.nn.functional's, too
+    assert not hasattr(dist.all_reduce, "_samebits_original")  # closing the tracer unpatched it
+
+
+def test_dump_saves_the_named_op(tmp_path):
+    spec = EventSpec(1, 0, "3/aten::addmm:0")
+    run = train(tmp_path / "a", TraceConfig(level=3, dump=spec, call_sites=True))
+    saved = torch.load(run / "dump-rank-00000-step-1.pt", weights_only=True)
+    assert saved["id"] == "3/aten::addmm:0" and saved["outputs"]["0"].shape == (5, 2)
+    assert saved["call_site"].endswith("in train")
+    assert active() is None
+
+
+# -- element detail --------------------------------------------------------------------------
+
+
+def test_elements_count_differences_in_ulps():
+    a = torch.tensor([1.0, -2.0, 0.0, 3.0])
+    b = a.clone()
+    b[1] = torch.nextafter(b[1], torch.tensor(-10.0))
+    b[3] = torch.nextafter(torch.nextafter(b[3], torch.tensor(10.0)), torch.tensor(10.0))
+    b[2] = -0.0  # a different bit pattern, but no ulp apart
+    detail = compare_elements(a, b)
+    assert (detail["differing"], detail["total"], detail["max_ulp"]) == (3, 4, 2)
+    assert detail["first_indices"] == [[1], [2], [3]] and [v["ulp"] for v in detail["values"]] == [1, 0, 2]
+    half = compare_elements(torch.tensor([1.0], dtype=torch.bfloat16), torch.tensor([1.0078125], dtype=torch.bfloat16))
+    assert half["max_ulp"] == 1
+    ints = compare_elements(torch.tensor([[1, 5]]), torch.tensor([[1, 9]]))
+    assert (ints["differing"], ints["max_ulp"], ints["first_indices"]) == (1, 4, [[0, 1]])

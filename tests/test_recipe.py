@@ -221,12 +221,13 @@ def test_the_cpu_facts_behind_the_options():
             lookup(weight).backward(grad)
             return weight.grad.view(torch.int32)
 
-        def distinct(lookup):
-            return len({weight_grad(lookup).numpy().tobytes() for _ in range(10)})
+        def distinct(lookup, runs=10):
+            return len({weight_grad(lookup).numpy().tobytes() for _ in range(runs)})
 
         assert distinct(lambda w: F.embedding(index, w)) == 1
         assert distinct(lambda w: w.index_select(0, index)) == 1
-        assert distinct(lambda w: w[index]) > 1
+        # the race needs both threads at once: on a loaded machine allow more tries to show it
+        assert distinct(lambda w: w[index], runs=50) > 1
     finally:
         torch.set_num_threads(previous)
 

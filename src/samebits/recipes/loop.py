@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from samebits import checkpoint
+from samebits import checkpoint, trace
 from samebits.determinism import derive_seed, deterministic_mode, seed_all
 from samebits.recipes import parallel
 from samebits.recipes.config import RecipeConfig
@@ -147,13 +147,15 @@ class _Run:
         result = TrainResult(start_step=self.step, end_step=self.step)
         if save_at is not None and save_at < self.step:
             raise ValueError(f"save_at={save_at} is before the resumed step {self.step}")
+        tracer = trace.attach_from_env(self.model, recorder)  # off unless SAMEBITS_TRACE* is set
         while True:
             if self.step == save_at:
                 result.checkpoint = checkpoint.save(ckpt_dir, self.bundle())
                 break
             if self.step >= steps:
                 break
-            metrics, ok = self.train_step(recorder)
+            with tracer.step(self.step):  # encloses the whole step, the recorder's end_step too
+                metrics, ok = self.train_step(recorder)
             result.metrics.append(metrics)
             if log:
                 print(_format_line(metrics), flush=True)
@@ -161,6 +163,7 @@ class _Run:
             if parallel.any_rank(ok is False, self.layout):
                 result.stopped_at = self.step - 1
                 break
+        tracer.close()
         result.end_step = self.step
         result.params = {n: p.detach().clone() for n, p in self.model.named_parameters()}
         return result

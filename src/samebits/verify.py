@@ -12,20 +12,18 @@ built-in reference recipe or, through zero-code recording, on any command.
 
 from __future__ import annotations
 
-import os
 import shlex
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from samebits._launch import failed, run_logged, teardown_note
 from samebits.compare import DiffResult, diff
 from samebits.errors import SamebitsError
 
-EXIT_STOPPED_AT_DIVERGENCE = 3  # the recipe's exit code when its live check fails
-STOPPED_MARKER = "stopped.json"  # ... and the file it leaves, since torchrun hides that code
+STOPPED_MARKER = "stopped.json"  # the recipe leaves it when its live check stops the run
 
 
 @dataclass
@@ -66,20 +64,6 @@ def _prepare(out) -> Path:
     return out
 
 
-def _launch(argv: list[str], log: Path, env: dict | None = None) -> tuple[int, float]:
-    start = time.perf_counter()
-    with open(log, "w") as handle:
-        handle.write("$ " + shlex.join(argv) + "\n")
-        handle.flush()
-        code = subprocess.call(argv, stdout=handle, stderr=subprocess.STDOUT, env=env)
-    return code, time.perf_counter() - start
-
-
-def _failed(name: str, code: int, log: Path) -> SamebitsError:
-    tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:])
-    return SamebitsError(f"run {name} exited with code {code}; the end of its log ({log}):\n{tail}")
-
-
 def _recipe_argv(nproc: int) -> list[str]:
     if nproc == 1:
         return [sys.executable, "-m", "samebits.recipes.train"]
@@ -113,30 +97,35 @@ def verify_recipe(
     if nondeterministic:
         base += ["--preset", "nondeterministic"]
     stages = [
-        ("A", base + ["--out", str(out / "a")], {0}),
-        ("B", base + ["--out", str(out / "b"), "--reference", str(out / "a")], {0, EXIT_STOPPED_AT_DIVERGENCE}),
-        ("C (save)", base + ["--out", str(out / "c"), "--save-at", str(resume_at), "--ckpt", str(out / "ckpt")], {0}),
+        ("A", base + ["--out", str(out / "a")], False),
+        ("B", base + ["--out", str(out / "b"), "--reference", str(out / "a")], True),
+        ("C (save)", base + ["--out", str(out / "c"), "--save-at", str(resume_at), "--ckpt", str(out / "ckpt")], False),
         ("C (resume)", base + ["--out", str(out / "c"), "--resume-from", str(out / "ckpt"), "--reference",
-                               str(out / "a")], {0, EXIT_STOPPED_AT_DIVERGENCE}),
+                               str(out / "a")], True),
     ]
     timings: dict[str, float] = {}
-    for index, (name, argv, ok_codes) in enumerate(stages, 1):
+    notes: list[str] = []
+    for index, (name, argv, may_stop) in enumerate(stages, 1):
         say(f"[{index}/{len(stages)}] run {name}: {nproc} rank(s), {steps} steps ...")
+        run_dir = Path(argv[argv.index("--out") + 1])
         log = out / "logs" / (name.split()[0].lower() + ("-resume" if "resume" in name else "") + ".log")
-        code, seconds = _launch(argv, log)
+        code, seconds = run_logged(argv, log, label=name)
         timings[name] = seconds
-        marker = Path(argv[argv.index("--out") + 1]) / STOPPED_MARKER
-        stopped = code != 0 and EXIT_STOPPED_AT_DIVERGENCE in ok_codes and marker.exists()
-        if code not in ok_codes and not stopped:
-            raise _failed(name, code, log)
-        stopped = " (stopped at its first divergent step)" if stopped or code == EXIT_STOPPED_AT_DIVERGENCE else ""
-        say(f"      done in {seconds:.1f} s{stopped}")
+        # torchrun replaces the recipe's exit code 3 by its own: the marker file tells.
+        stopped = may_stop and (run_dir / STOPPED_MARKER).exists()
+        if code != 0 and not stopped:
+            saved = "save" not in name or (out / "ckpt" / "latest").exists()
+            note = teardown_note(name, code, run_dir, log) if saved else None
+            if note is None:
+                raise failed(name, argv, code, log)
+            notes.append(note)
+        say(f"      done in {seconds:.1f} s" + (" (stopped at its first divergent step)" if stopped else ""))
     say("comparing ...")
     checks = {
         "independent": diff(out / "a", out / "b"),
         "resume": diff(out / "a", out / "c", start_step=resume_at),
     }
-    result = VerifyResult(str(out), checks, timings, resume_at)
+    result = VerifyResult(str(out), checks, timings, resume_at, notes)
     _write_summary(out, result)
     return result
 
@@ -168,21 +157,21 @@ def verify_command(
         stages.append(("C (resume)", resumed,
                        environment_for(out / "c", command=command, steps=steps, step_offset=resume_at,
                                        reference=out / "a")))
-    timings = {}
+    timings, notes = {}, []
     for index, (name, argv, env) in enumerate(stages, 1):
         say(f"[{index}/{len(stages)}] run {name}: {shlex.join(argv)}")
         log = out / "logs" / (name.split()[0].lower() + ".log")
-        try:
-            code, seconds = _launch(argv, log, env)
-        except FileNotFoundError:
-            raise SamebitsError(f"cannot run {argv[0]!r}: no such program. Check the command.") from None
+        code, seconds = run_logged(argv, log, env=env, label=name)
         timings[name] = seconds
         if code != 0:
-            raise _failed(name, code, log)
+            note = teardown_note(name, code, Path(env["SAMEBITS_DIR"]), log)
+            if note is None:
+                raise failed(name, argv, code, log)
+            notes.append(note)
         say(f"      done in {seconds:.1f} s")
     checks = {"independent": diff(out / "a", out / "b"),
               "resume": diff(out / "a", out / "c", start_step=resume_at) if resume_with else None}
-    result = VerifyResult(str(out), checks, timings, resume_at)
+    result = VerifyResult(str(out), checks, timings, resume_at, notes)
     _write_summary(out, result)
     return result
 

@@ -25,9 +25,10 @@ from pathlib import Path
 from samebits.errors import SamebitsError
 from samebits.recipes.config import PRESETS, RecipeConfig
 from samebits.recipes.loop import session, train
+from samebits.verify import STOPPED_MARKER  # written into --out when the live check stopped the run
 
 EXIT_OK, EXIT_CANNOT_RUN, EXIT_DIVERGED = 0, 2, 3
-STOPPED_MARKER = "stopped.json"  # written into --out when the live check stopped the run
+
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -399,6 +399,12 @@ class Run:
         unused = self._unused.pop(rank, None)  # the reader that read the header, if not yet handed out
         return unused if unused is not None else StreamReader(self.files[rank])
 
+    def closed_cleanly(self) -> bool:
+        """True when every rank of the world wrote its stream and closed it cleanly."""
+        if len(self.ranks) != self.world_size:
+            return False
+        return all(self.stream(rank).step_index() is not None for rank in self.ranks)
+
     def close(self) -> None:
         for reader in self._unused.values():
             reader.close()

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -31,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from samebits._launch import failed, run_logged, teardown_note
 from samebits.errors import SamebitsError
 from samebits.trace._config import ENV_VARS, LEVEL_NAMES, EventSpec, TraceConfig, parent_scope
 from samebits.trace._elements import compare_elements
@@ -59,59 +58,19 @@ class Command:
         for name in ENV_VARS:
             env.pop(name, None)
         env.update(config.to_env())
-        start = time.perf_counter()
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "w") as handle:
-            handle.write("$ " + " ".join(f"{k}={v}" for k, v in sorted(config.to_env().items())) + " "
-                         + shlex.join(argv) + "\n")
-            handle.flush()
-            try:
-                process = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, env=env,
-                                           start_new_session=True)
-            except FileNotFoundError:
-                raise SamebitsError(f"cannot run {argv[0]!r}: no such program. Check the command.") from None
-            try:
-                code = process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)  # the run and every process it started
-                process.wait()
-                raise SamebitsError(f"run {self.label} ({shlex.join(self.argv)}) did not finish within "
-                                    f"{timeout:.0f} s (a hang, e.g. ranks waiting on each other); its log: "
-                                    f"{log}. Raise --run-timeout if it is merely slow.") from None
-        seconds = time.perf_counter() - start
+        header = " ".join(f"{k}={v}" for k, v in sorted(config.to_env().items()))
+        code, seconds = run_logged(argv, log, env=env, header=header, timeout=timeout, label=self.label)
         if not any(out_dir.glob("rank-*.sbs")):
             if code != 0:
-                raise _failed(self, code, log)
+                raise failed(self.label, self.argv, code, log)
             raise SamebitsError(f"run {self.label} recorded nothing into {out_dir}: is `{shlex.join(self.argv)}` "
                                 "a PyTorch training script that calls optimizer.step()?")
         if code != 0:
-            if not _closed_cleanly(out_dir):
-                raise _failed(self, code, log)
-            # Every stream was written and closed: the process failed while exiting (seen with
-            # gloo teardown), after everything bisect needs.  Keep the run, say so.
-            self.exit_notes.append(f"run {self.label} exited with code {code} after closing its streams "
-                                   f"(a crash at teardown); its records are complete. Log: {log}")
+            note = teardown_note(self.label, code, out_dir, log)
+            if note is None:
+                raise failed(self.label, self.argv, code, log)
+            self.exit_notes.append(note)
         return seconds
-
-
-def _failed(command: Command, code: int, log: Path) -> SamebitsError:
-    tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:])
-    return SamebitsError(f"run {command.label} ({shlex.join(command.argv)}) exited with code {code}; "
-                         f"the end of its log ({log}):\n{tail}")
-
-
-def _closed_cleanly(out_dir: Path) -> bool:
-    from samebits.stream.reader import open_run
-
-    run = open_run(out_dir)
-    for rank in run.ranks:
-        reader = run.stream(rank)
-        for _ in reader.steps():
-            pass
-        reader.close()
-        if not reader.closed_cleanly:
-            return False
-    return len(run.ranks) == run.world_size
 
 
 @dataclass

@@ -187,6 +187,12 @@ def test_controls_window_ranks_cap_and_off(tmp_path, monkeypatch):
     assert [b.step for b in blocks] == [2, 3]
     big, small = blocks[0].records()
     assert big.capped and big.digest is None and big.shape == (100,) and not small.capped
+    with samebits.Recorder(tmp_path / "ph", rank=0, world_size=1, phases="params") as rec:
+        rec.metrics(0, loss=1.0)
+        rec.tensors(0, "grads", [("x", t)])
+        rec.tensors(0, "params", [("x", t)])
+    (block,) = open_run(tmp_path / "ph").stream(0).steps()
+    assert [(r.phase, r.name) for r in block.records()] == [("params", "x")]
     monkeypatch.setenv("SAMEBITS_RANKS", "1")
     rec = samebits.Recorder(tmp_path / "r", rank=0, world_size=2)
     rec.tensors(0, "p", [("x", t)])

@@ -5,6 +5,7 @@
 ``SAMEBITS_DISABLE=1``         turn recording off (zero cost)
 ``SAMEBITS_STEPS=START:STOP``  record only steps START <= step < STOP (either may be empty)
 ``SAMEBITS_RANKS=0,2,4-7``     record only these ranks
+``SAMEBITS_PHASES=grads,params`` record only these phases (default: all)
 ``SAMEBITS_MAX_TENSOR_BYTES``  tensors larger than this keep shape/dtype but no digest
 ``SAMEBITS_FLUSH_STEPS``       write to the OS at least every N steps (default 1)
 =============================  ==========================================================
@@ -97,12 +98,15 @@ class RecorderSettings:
     max_tensor_bytes: int | None
     flush_every: int
     enabled: bool
+    phases: frozenset[str] | None = None  # None: every phase
 
-    def step_selected(self, step: int) -> bool:
-        return step >= self.step_start and (self.step_stop is None or step < self.step_stop)
+    def selected(self, step: int, phase: str) -> bool:
+        return (step >= self.step_start and (self.step_stop is None or step < self.step_stop)
+                and (self.phases is None or phase in self.phases))
 
     @classmethod
-    def resolve(cls, *, directory, rank, world_size, steps, ranks, max_tensor_bytes, flush_every, enabled):
+    def resolve(cls, *, directory, rank, world_size, steps, ranks, max_tensor_bytes, flush_every, enabled,
+                phases=None):
         if enabled is None:
             enabled = os.environ.get("SAMEBITS_DISABLE", "").strip() not in ("1", "true", "yes")
         if directory is None:
@@ -122,7 +126,12 @@ class RecorderSettings:
         flush = _int_setting(flush_every, "SAMEBITS_FLUSH_STEPS", 1)
         if flush < 1:
             raise ValueError(f"flush_every must be >= 1 step, got {flush}.")
+        if phases is None:
+            phases = os.environ.get("SAMEBITS_PHASES") or None
+        if isinstance(phases, str):
+            phases = [p.strip() for p in phases.split(",") if p.strip()]
         return cls(
+            phases=frozenset(phases) if phases is not None else None,
             directory=Path(directory) if directory is not None else Path("."),
             rank=rank,
             world_size=world_size,

@@ -13,14 +13,15 @@ import hashlib
 import json
 import math
 import os
+import struct
 import time
 import uuid
 import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from samebits import fingerprint
@@ -30,13 +31,29 @@ from samebits.stream import _format as fmt
 from samebits.stream.environment import environment_fingerprint
 from samebits.stream.settings import RecorderSettings
 
+_ABSENT_HEAD = bytes((0, fmt.FLAG_ABSENT, 0))  # dtype code 0 ("none"), flags, ndim 0
+_FLOAT64_CODE, _INT64_CODE = dtype_code(torch.float64), dtype_code(torch.int64)
+_F64, _I64 = struct.Struct("<d"), struct.Struct("<q")
+
+
+@dataclass
+class _DeviceQueue:
+    """What one device holds for the step until its end: body sums, then metric bytes."""
+
+    sums: list = field(default_factory=list)  # int64 tensors from fingerprint.body_sums
+    num_sums: int = 0
+    metrics: list = field(default_factory=list)  # uint8 tensors: each metric's raw bytes
+    num_metric_bytes: int = 0
+
 
 @dataclass
 class _PendingStep:
     step: int
-    records: list = field(default_factory=list)  # (kind, phase, name, head_bytes, digest slot | value)
-    device_parts: dict = field(default_factory=dict)  # device -> list of uint8 tensors
-    device_sizes: dict = field(default_factory=dict)  # device -> bytes queued so far
+    # (kind, phase, name, occurrence, head bytes, digest header, where): `where` is
+    # (device, sum index) for a digested tensor, (device, offset, size) for a device metric,
+    # bytes for a host metric, None for an absent or capped tensor.
+    records: list = field(default_factory=list)
+    devices: dict = field(default_factory=dict)  # device -> _DeviceQueue
     occurrences: dict = field(default_factory=dict)
 
 
@@ -73,6 +90,7 @@ class Recorder:
         max_tensor_bytes: int | None = None,
         flush_every: int | None = None,
         enabled: bool | None = None,
+        phases: str | Iterable[str] | None = None,
         append: bool = False,
         reference: str | os.PathLike | None = None,
     ):
@@ -85,6 +103,7 @@ class Recorder:
             max_tensor_bytes=max_tensor_bytes,
             flush_every=flush_every,
             enabled=enabled,
+            phases=phases,
         )
         s = self.settings
         self.rank, self.world_size = s.rank, s.world_size
@@ -114,6 +133,7 @@ class Recorder:
             "coords": dict(coords or {}),
             "config": _jsonable(dict(config or {})),
             "window": [s.step_start, s.step_stop],
+            "phases": sorted(s.phases) if s.phases is not None else None,
             "max_tensor_bytes": s.max_tensor_bytes,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "samebits": _samebits_version(),
@@ -149,43 +169,52 @@ class Recorder:
         ``None`` tensors are recorded as absent; tensors over the size cap keep shape and
         dtype but no digest.  Digests are computed now, fetched at the end of the step.
         """
-        if not self.active or not self.settings.step_selected(step):
+        if not self.active or not self.settings.selected(step, phase):
             return
         pending = self._step(step)
         if isinstance(named_tensors, Mapping):
             named_tensors = named_tensors.items()
         cap = self.settings.max_tensor_bytes
-        to_digest: list[torch.Tensor] = []
-        slots: list[list] = []
+        records, occurrences = pending.records, pending.occurrences
+        to_digest: dict[torch.device, tuple[int, list[torch.Tensor]]] = {}  # device -> (first index, tensors)
         for name, tensor in named_tensors:
+            name = str(name)
+            key = (fmt.RECORD_TENSOR, phase, name)
+            occurrence = occurrences.get(key, 0)
+            occurrences[key] = occurrence + 1
             if tensor is None:
-                self._add(pending, fmt.RECORD_TENSOR, phase, name, bytes((0, fmt.FLAG_ABSENT, 0)), None)
+                records.append((fmt.RECORD_TENSOR, phase, name, occurrence, _ABSENT_HEAD, 0, None))
                 continue
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(
                     f"Recorder.tensors(step={step}, phase={phase!r}): {name!r} is a "
                     f"{type(tensor).__name__}, not a torch.Tensor; record numbers with metrics()."
                 )
-            shape = tuple(tensor.shape)
-            num_bytes = tensor.numel() * tensor.element_size()
-            capped = cap is not None and num_bytes > cap
-            head = self._tensor_head(tensor.dtype, shape, capped)
+            capped = cap is not None and tensor.nbytes > cap
+            head, header = self._tensor_head(tensor.dtype, tensor.shape, capped)
             if capped:
-                self._add(pending, fmt.RECORD_TENSOR, phase, name, head, None)
+                records.append((fmt.RECORD_TENSOR, phase, name, occurrence, head, 0, None))
                 continue
-            slot = [tensor.dtype, shape, num_bytes, None]
-            self._add(pending, fmt.RECORD_TENSOR, phase, name, head, slot)
-            to_digest.append(tensor)
-            slots.append(slot)
-        if to_digest:
-            self._queue_body_sums(pending, to_digest, slots)
+            device = tensor.device
+            batch = to_digest.get(device)
+            if batch is None:
+                queue = pending.devices.get(device) or pending.devices.setdefault(device, _DeviceQueue())
+                batch = to_digest[device] = (queue.num_sums, [])
+            records.append((fmt.RECORD_TENSOR, phase, name, occurrence, head, header,
+                            (device, batch[0] + len(batch[1]))))
+            batch[1].append(tensor)
+        for device, (_, batch) in to_digest.items():
+            queue = pending.devices[device]
+            queue.sums.append(fingerprint.body_sums(batch))  # int64 [n] on the device: no sync
+            queue.num_sums += len(batch)
 
     def metrics(self, step: int, phase: str = "metrics", **values) -> None:
         """Record scalars with their exact bits: Python floats as float64, ints as int64,
         0-dim tensors in their own dtype (kept on the device until the step ends)."""
-        if not self.active or not self.settings.step_selected(step):
+        if not self.active or not self.settings.selected(step, phase):
             return
         pending = self._step(step)
+        records, occurrences = pending.records, pending.occurrences
         for name, value in values.items():
             if value is None:
                 continue
@@ -195,20 +224,24 @@ class Recorder:
                         f"Recorder.metrics(step={step}): {name!r} has {value.numel()} elements; "
                         "metrics are scalars. Record tensors with tensors()."
                     )
-                value = value.detach().reshape(1)
-                slot = [value.dtype, None, value.element_size(), None]
-                self._add(pending, fmt.RECORD_METRIC, phase, name, bytes((dtype_code(value.dtype),)), slot)
-                self._queue_bytes(pending, value.device, value.clone().view(torch.uint8), slot)
+                data = value.detach().reshape(1).clone().view(torch.uint8)  # a copy: values change
+                queue = pending.devices.get(value.device) or pending.devices.setdefault(value.device, _DeviceQueue())
+                where = (value.device, queue.num_metric_bytes, data.numel())
+                queue.metrics.append(data)
+                queue.num_metric_bytes += data.numel()
+                code = dtype_code(value.dtype)
             elif isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(
                     f"Recorder.metrics(step={step}): {name!r} is a {type(value).__name__}; "
                     "pass a float, an int or a one-element tensor."
                 )
             else:
-                dtype = torch.float64 if isinstance(value, float) else torch.int64
-                raw = torch.tensor([value], dtype=dtype).view(torch.uint8).numpy().tobytes()
-                slot = [dtype, None, 8, raw]
-                self._add(pending, fmt.RECORD_METRIC, phase, name, bytes((dtype_code(dtype),)), slot)
+                code, where = (_FLOAT64_CODE, _F64.pack(value)) if isinstance(value, float) else \
+                    (_INT64_CODE, _I64.pack(value))
+            key = (fmt.RECORD_METRIC, phase, name)
+            occurrence = occurrences.get(key, 0)
+            occurrences[key] = occurrence + 1
+            records.append((fmt.RECORD_METRIC, phase, name, occurrence, bytes((code,)), 0, where))
 
     def end_step(self, step: int | None = None) -> bool | None:
         """Finish the current step: fetch its digests, write it, and check it against the
@@ -275,16 +308,17 @@ class Recorder:
         self._pending = _PendingStep(step)
         return self._pending
 
-    def _tensor_head(self, dtype, shape, capped) -> bytes:
-        """dtype code, flags, ndim, sizes: the same for a tensor every step, so cached."""
+    def _tensor_head(self, dtype, shape, capped) -> tuple[bytes, int]:
+        """(dtype code, flags, ndim, sizes) as bytes, and the digest header of (dtype, shape):
+        the same for a tensor every step, so cached."""
         key = (dtype, shape, capped)
-        head = self._heads.get(key)
-        if head is None:
+        cached = self._heads.get(key)
+        if cached is None:
             encoded = bytearray((dtype_code(dtype), fmt.FLAG_CAPPED if capped else 0, len(shape)))
             for size in shape:
                 fmt.encode_varint(size, encoded)
-            head = self._heads[key] = bytes(encoded)
-        return head
+            cached = self._heads[key] = (bytes(encoded), fingerprint.header(dtype, shape))
+        return cached
 
     def _encode_prefixes(self, kind, phase, name, occurrence, head, payload_length) -> tuple[bytes, bytes]:
         """The record's bytes up to its payload, in the stream (ids) and for the root (strings)."""
@@ -308,55 +342,36 @@ class Recorder:
             self._new_names.append(text)
         return ident
 
-    def _add(self, pending, kind, phase, name, head, slot) -> None:
-        key = (kind, phase, name)
-        occurrence = pending.occurrences.get(key, 0)
-        pending.occurrences[key] = occurrence + 1
-        pending.records.append((kind, phase, str(name), occurrence, head, slot))
-
-    def _queue_body_sums(self, pending, tensors, slots) -> None:
-        by_device: dict[torch.device, list[int]] = {}
-        for index, tensor in enumerate(tensors):
-            by_device.setdefault(tensor.device, []).append(index)
-        for device, indices in by_device.items():
-            sums = fingerprint.body_sums([tensors[i] for i in indices])  # int64 [n], on device
-            parts = pending.device_parts.setdefault(device, [])
-            offset = pending.device_sizes.get(device, 0)
-            for position, i in enumerate(indices):
-                slots[i][3] = (device, offset + 8 * position)
-            parts.append(sums.view(torch.uint8))
-            pending.device_sizes[device] = offset + 8 * len(indices)
-
-    def _queue_bytes(self, pending, device, data, slot) -> None:
-        offset = pending.device_sizes.get(device, 0)
-        pending.device_parts.setdefault(device, []).append(data)
-        pending.device_sizes[device] = offset + data.numel()
-        slot[3] = (device, offset)
-
     def _write_step(self, pending: _PendingStep) -> tuple[int, int]:
-        fetched = {  # one device-to-host copy per device for the whole step
-            device: (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().numpy().tobytes()
-            for device, parts in pending.device_parts.items()
-        }
-        tensor_sums, tensor_headers, tensor_positions = [], [], []
-        for index, (kind, _, _, _, _, slot) in enumerate(pending.records):
-            if kind == fmt.RECORD_TENSOR and slot is not None:
-                device, offset = slot[3]
-                tensor_sums.append(fmt.unpack_u64(fetched[device], offset))
-                tensor_headers.append(fingerprint.header(slot[0], slot[1]))
-                tensor_positions.append(index)
-        digests = dict(zip(tensor_positions, fingerprint.finalize(tensor_sums, tensor_headers)))
+        sums, metric_bytes = {}, {}
+        for device, queue in pending.devices.items():  # one device-to-host copy per device
+            parts = [s.view(torch.uint8) for s in queue.sums] + queue.metrics
+            data = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().numpy()
+            sums[device] = data[: 8 * queue.num_sums].view(np.uint64)
+            metric_bytes[device] = data[8 * queue.num_sums :].tobytes()
+        digested = [r for r in pending.records if r[0] == fmt.RECORD_TENSOR and r[6] is not None]
+        body_sums = [0] * len(digested)
+        groups: dict = {}  # device -> (positions in `digested`, indices into that device's sums)
+        for position, record in enumerate(digested):
+            group = groups.get(record[6][0]) or groups.setdefault(record[6][0], ([], []))
+            group[0].append(position)
+            group[1].append(record[6][1])
+        for device, (positions, indices) in groups.items():
+            for position, value in zip(positions, sums[device][indices].tolist()):
+                body_sums[position] = value
+        digests = iter(fingerprint.finalize(body_sums, [r[5] for r in digested]))
         body = bytearray()
         canonical = bytearray()  # what the step root hashes: records with strings, not ids
         encoded = self._encoded
-        for index, (kind, phase, name, occurrence, head, slot) in enumerate(pending.records):
-            if slot is None:
+        for kind, phase, name, occurrence, head, _, where in pending.records:
+            if where is None:
                 payload = b""
-            elif kind == fmt.RECORD_METRIC:
-                where = slot[3]
-                payload = where if isinstance(where, bytes) else fetched[where[0]][where[1] : where[1] + slot[2]]
+            elif kind == fmt.RECORD_TENSOR:
+                payload = fmt.pack_u64(next(digests))
+            elif isinstance(where, bytes):
+                payload = where
             else:
-                payload = fmt.pack_u64(digests[index])
+                payload = metric_bytes[where[0]][where[1] : where[1] + where[2]]
             key = (kind, phase, name, occurrence, head, len(payload))
             prefixes = encoded.get(key)
             if prefixes is None:

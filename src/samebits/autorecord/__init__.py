@@ -41,7 +41,6 @@ class _AutoRecorder:
         self.param_names: dict[int, str] = {}
         self.depth = 0  # nesting of module forwards: 0 means a top-level call
         self.top_level_seen: dict[int, torch.nn.Module] = {}
-        self.forward_counts: dict[str, int] = {}
         self.tracer = None  # samebits.trace.Tracer when SAMEBITS_TRACE* asks for one
 
     def _rec(self):

@@ -1,7 +1,7 @@
 """Zero-code recording: fingerprint any training script without editing it.
 
-`samebits run --out DIR -- CMD ...` starts CMD with ``_inject/`` first on ``PYTHONPATH``;
-its ``sitecustomize`` calls `install()` in every Python process CMD starts (torchrun's
+`samebits run --out DIR -- CMD ...` starts CMD with `samebits._inject` first on
+``PYTHONPATH``; its ``sitecustomize`` calls `install()` in every Python process CMD starts (torchrun's
 workers included).  `install` adds three global hooks and creates no recorder until one
 fires, so launcher processes and data-loader workers record nothing:
 
@@ -23,11 +23,11 @@ too; its steps are the same optimizer-step counts.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 
-INJECT_DIR = Path(__file__).resolve().parent / "_inject"
+from samebits._inject import with_injection
+
 ENV_ENABLE = "SAMEBITS_AUTORECORD"
 
 _state = None
@@ -147,8 +147,7 @@ _TRACE_VARIABLES = ("SAMEBITS_TRACE", "SAMEBITS_TEST_PERTURB", "SAMEBITS_TRACE_D
 def environment_for(out_dir, *, steps=None, ranks=None, max_tensor_bytes=None, reference=None,
                     step_offset=None, append=False, command="") -> dict[str, str]:
     """The environment variables that make every Python process of a command record."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(INJECT_DIR), env.get("PYTHONPATH", "")) if p)
+    env = with_injection(os.environ)
     env[ENV_ENABLE] = "1"
     env["SAMEBITS_DIR"] = str(out_dir)
     env["SAMEBITS_COMMAND"] = command

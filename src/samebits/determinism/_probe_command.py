@@ -1,13 +1,14 @@
 """`samebits probe -- CMD`: run a command with the probe started in its Python processes.
 
-Why a subprocess with a generated ``sitecustomize`` rather than ``runpy`` in the CLI
+Why a subprocess with an injected ``sitecustomize`` rather than ``runpy`` in the CLI
 process: the command runs exactly as the user wrote it (its own interpreter, ``-m``,
 launchers such as torchrun, its exit code), every Python process it starts (each rank)
 is probed and writes its own findings, and the CLI never imports the user's code.
 
-Parent side (`probe_command`): make a temporary directory holding ``sitecustomize.py``,
-put it first on PYTHONPATH, run the command, then read one ``process-PID.json`` per
-probed process.  Child side (`start`, called from that sitecustomize): enter a `Probe`
+Parent side (`probe_command`): run the command with `samebits._inject` first on
+PYTHONPATH and a temporary findings directory in ``SAMEBITS_PROBE_DIR``, then read one
+``process-PID.json`` per probed process.  Child side (`start`, called from the injected
+sitecustomize): enter a `Probe`
 for the rest of the process, save findings as they appear (so a crash keeps them) and
 at exit, and with a step limit stop the program after N optimizer steps.  Forked
 children (DataLoader workers) run unprobed; spawned ones are probed like any process.
@@ -25,43 +26,13 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
+from samebits._inject import with_injection
 from samebits.errors import SamebitsError
 
 ENV_DIR = "SAMEBITS_PROBE_DIR"
 ENV_STEPS = "SAMEBITS_PROBE_STEPS"
 ENV_NAMESPACES = "SAMEBITS_PROBE_NAMESPACES"
 
-_SITECUSTOMIZE = '''"""Written by `samebits probe`: run the sitecustomize this shadows, then the probe."""
-import os
-import sys
-
-
-def _samebits_chain():
-    import importlib.machinery
-    import importlib.util
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = [p for p in sys.path if os.path.abspath(p or ".") != here]
-    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
-    if spec is not None and spec.loader is not None:
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-
-
-try:
-    _samebits_chain()
-except Exception as err:  # the user's own sitecustomize failed; say so, keep probing
-    print(f"samebits probe: the shadowed sitecustomize failed: {err!r}", file=sys.stderr)
-
-if os.environ.get("SAMEBITS_PROBE_DIR"):
-    try:
-        from samebits.determinism._probe_command import start
-        start()
-    except BaseException as err:
-        path = os.path.join(os.environ["SAMEBITS_PROBE_DIR"], f"boot-error-{os.getpid()}.txt")
-        with open(path, "w") as f:
-            f.write(f"{type(err).__name__}: {err}")
-'''
 
 
 class _StepLimitReached(SystemExit):
@@ -74,7 +45,7 @@ _child: dict[str, Any] = {}
 
 
 def start() -> None:
-    """Start probing this process until it exits (called by the generated sitecustomize)."""
+    """Start probing this process until it exits (called by the injected sitecustomize)."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     from samebits.determinism._probe import DEFAULT_NAMESPACES, Probe
@@ -172,12 +143,7 @@ def probe_command(command: list[str], *, steps: int | None = None,
                             "samebits probe -- python train.py --steps 1")
     workdir = tempfile.mkdtemp(prefix="samebits-probe-")
     try:
-        with open(os.path.join(workdir, "sitecustomize.py"), "w") as f:
-            f.write(_SITECUSTOMIZE)
-        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (workdir, package_root, os.environ.get("PYTHONPATH")) if p)
+        env = with_injection(os.environ)
         env[ENV_DIR] = workdir
         env[ENV_STEPS] = str(steps or "")
         env[ENV_NAMESPACES] = ",".join(namespaces or ())

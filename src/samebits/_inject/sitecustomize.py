@@ -1,0 +1,41 @@
+"""Injected by samebits (see samebits._inject): run the sitecustomize this one shadows, then
+start what the environment asks for.  Never breaks the user's program: a failure is reported
+and the program runs on without that feature."""
+
+import os
+import sys
+
+
+def _run_shadowed_sitecustomize() -> None:
+    import importlib.machinery
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
+    if spec is not None and spec.loader is not None:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+
+
+try:
+    _run_shadowed_sitecustomize()
+except Exception as err:  # the environment's own sitecustomize failed: say so, carry on
+    print(f"samebits: the shadowed sitecustomize failed in pid {os.getpid()}: {err!r}", file=sys.stderr)
+
+if os.environ.get("SAMEBITS_AUTORECORD") == "1":
+    try:
+        import samebits.autorecord
+
+        samebits.autorecord.install()
+    except Exception as err:
+        print(f"samebits: zero-code recording disabled in pid {os.getpid()}: {err}", file=sys.stderr)
+
+if os.environ.get("SAMEBITS_PROBE_DIR"):
+    try:
+        from samebits.determinism._probe_command import start
+
+        start()
+    except BaseException as err:  # the parent reads this file and reports it
+        with open(os.path.join(os.environ["SAMEBITS_PROBE_DIR"], f"boot-error-{os.getpid()}.txt"), "w") as f:
+            f.write(f"{type(err).__name__}: {err}")

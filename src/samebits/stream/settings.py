@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-def _parse_steps(spec: str | range | None, source: str) -> tuple[int, int | None]:
+def parse_steps(spec: str | range | None, source: str) -> tuple[int, int | None]:
     if spec is None or spec == "":
         return 0, None
     if isinstance(spec, range):
@@ -119,7 +119,7 @@ class RecorderSettings:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}.")
         step_source = "steps" if steps is not None else "SAMEBITS_STEPS"
-        start, stop = _parse_steps(steps if steps is not None else os.environ.get("SAMEBITS_STEPS"), step_source)
+        start, stop = parse_steps(steps if steps is not None else os.environ.get("SAMEBITS_STEPS"), step_source)
         rank_source = "ranks" if ranks is not None else "SAMEBITS_RANKS"
         selected = parse_ranks(ranks if ranks is not None else os.environ.get("SAMEBITS_RANKS"), rank_source)
         cap = _int_setting(max_tensor_bytes, "SAMEBITS_MAX_TENSOR_BYTES", None)

@@ -153,7 +153,7 @@ class TraceConfig:
     @classmethod
     def from_env(cls, environ=None) -> "TraceConfig":
         env = os.environ if environ is None else environ
-        from samebits.stream.settings import _parse_steps, parse_ranks
+        from samebits.stream.settings import parse_steps, parse_ranks
 
         text = env.get("SAMEBITS_TRACE", "").strip().lower()
         if text in ("", "0", "off", "none"):
@@ -164,7 +164,7 @@ class TraceConfig:
             level = int(text)
         else:
             raise ValueError(f"SAMEBITS_TRACE={text!r}: choose one of {', '.join(LEVELS)} (or 0-3).")
-        start, stop = _parse_steps(env.get("SAMEBITS_TRACE_STEPS"), "SAMEBITS_TRACE_STEPS")
+        start, stop = parse_steps(env.get("SAMEBITS_TRACE_STEPS"), "SAMEBITS_TRACE_STEPS")
         ranks = parse_ranks(env.get("SAMEBITS_TRACE_RANKS"), "SAMEBITS_TRACE_RANKS")
         dump = env.get("SAMEBITS_TRACE_DUMP_OP", "").strip()
         perturb = env.get("SAMEBITS_TEST_PERTURB", "").strip()

@@ -11,9 +11,10 @@ The public API is what ``__all__`` lists; every other module is private.
 
 from samebits.compare import DiffResult, diff
 from samebits.determinism import check, deterministic_mode, probe
-from samebits.errors import DeterminismError, IncomparableRunsError, SamebitsError, StreamError
+from samebits.errors import ConfigError, DeterminismError, IncomparableRunsError, SamebitsError, StreamError
 from samebits.fingerprint import digest, digest_many
 from samebits.stream import Recorder, open_run
+from samebits.verdicts import Verdict
 
 __version__ = "0.1.0"
 
@@ -24,10 +25,12 @@ __all__ = [
     "open_run",
     "diff",
     "DiffResult",
+    "Verdict",
     "deterministic_mode",
     "check",
     "probe",
     "SamebitsError",
+    "ConfigError",
     "StreamError",
     "IncomparableRunsError",
     "DeterminismError",

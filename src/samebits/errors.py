@@ -12,6 +12,12 @@ class SamebitsError(Exception):
     """Root of all samebits errors.  Catch this to handle any user-facing failure."""
 
 
+class ConfigError(SamebitsError, ValueError):
+    """A bad argument, option, environment value or config: the message names the setting,
+    the value given, what is allowed and how to fix it.  Also a `ValueError`, so code that
+    validates arguments the Python way keeps catching it."""
+
+
 class StreamError(SamebitsError):
     """A fingerprint stream is missing, unreadable, truncated, corrupt or of another schema.
 

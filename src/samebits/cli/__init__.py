@@ -14,8 +14,7 @@ import pkgutil
 import sys
 
 from samebits.errors import SamebitsError
-
-EXIT_OK, EXIT_BAD_VERDICT, EXIT_CANNOT_RUN = 0, 1, 2
+from samebits.verdicts import EXIT_BAD_VERDICT, EXIT_CANNOT_RUN, EXIT_OK
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,42 @@
+"""Verdicts and the exit codes they map to: one place for both.
+
+A verdict is proof or nothing.  ``IDENTICAL``/``PASS`` are only ever given when every
+byte that should have been compared was compared; a run that crashed, a stream that is
+damaged or missing, or a window that compared nothing is ``INCOMPLETE`` (exit 2), never a
+good verdict.  Members are strings, so ``result.verdict == "identical"`` and JSON output
+keep working unchanged.
+"""
+
+from __future__ import annotations
+
+import enum
+
+EXIT_OK, EXIT_BAD_VERDICT, EXIT_CANNOT_RUN = 0, 1, 2
+
+
+class Verdict(str, enum.Enum):
+    """The outcome of a comparison or a check; ``exit_code`` is what the CLI returns."""
+
+    IDENTICAL = "identical"  # every compared record equal, and something was compared
+    DIVERGED = "diverged"  # a difference, with its evidence
+    PASS = "pass"  # every guarantee checked held
+    FAIL = "fail"  # a guarantee checked did not hold
+    INCOMPLETE = "incomplete"  # could not decide: crashed run, damaged or missing data, empty window
+
+    @property
+    def exit_code(self) -> int:
+        if self in (Verdict.IDENTICAL, Verdict.PASS):
+            return EXIT_OK
+        if self in (Verdict.DIVERGED, Verdict.FAIL):
+            return EXIT_BAD_VERDICT
+        return EXIT_CANNOT_RUN
+
+    @property
+    def good(self) -> bool:
+        return self.exit_code == EXIT_OK
+
+    def __str__(self) -> str:  # print the word, not "Verdict.IDENTICAL"
+        return self.value
+
+
+__all__ = ["Verdict", "EXIT_OK", "EXIT_BAD_VERDICT", "EXIT_CANNOT_RUN"]

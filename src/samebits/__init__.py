@@ -16,6 +16,9 @@ from samebits.fingerprint import digest, digest_many
 from samebits.stream import Recorder, open_run
 from samebits.verdicts import Verdict
 
+# Registers the fused CUDA digest kernel with the fingerprint package (Triton imported on first use).
+import samebits.kernels  # noqa: E402,F401  isort: skip
+
 __version__ = "0.1.0"
 
 __all__ = [

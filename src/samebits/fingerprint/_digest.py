@@ -1,14 +1,13 @@
 """digest / digest_many / body_sums: turn tensors into bytes and route them to a backend.
 
 Backends for the body sum (the data-dependent part): the compiled library for CPU tensors,
-`samebits.kernels.digest_body` for CUDA tensors when Triton is usable, else the torch
-reference (any device).  All of them compute the same bits; tests hold them to it.
+a registered device backend (`samebits.kernels.digest_body` for CUDA tensors, when Triton is
+usable), else the torch reference (any device).  All of them compute the same bits; tests hold them to it.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import warnings
 from collections.abc import Callable, Iterable
 
 import torch
@@ -64,7 +63,18 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
 
 
-_cuda_body_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
+_cuda_body_sum: Callable[[torch.Tensor], torch.Tensor] | None = None  # chosen on first use
+_device_backends: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+
+
+def register_body_sum_backend(device_type: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Offer ``fn`` (1-D uint8 bytes -> int64 body sum, same bits as `_reference.body_sum`) for
+    tensors on ``device_type``.  `samebits.kernels` registers its Triton kernel for "cuda" when
+    it is imported (``import samebits`` does that): the digest never imports the layer above it.
+    """
+    global _cuda_body_sum
+    _device_backends[device_type] = fn
+    _cuda_body_sum = None  # choose again on next use
 
 
 def _triton_installed() -> bool:
@@ -77,21 +87,9 @@ def _body_sum_fn(device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]
     if device.type != "cuda":
         return _reference.body_sum
     if _cuda_body_sum is None:
-        _cuda_body_sum = _reference.body_sum
-        if _triton_installed() and torch.cuda.is_available():
-            try:
-                # Imported lazily: the kernels package is optional and may not exist.
-                from samebits.kernels import digest_body
-
-                _cuda_body_sum = digest_body
-            except ImportError:
-                pass
-            except Exception as err:  # a broken kernels package must not break digests
-                warnings.warn(
-                    f"samebits: samebits.kernels failed to import ({err!r}); CUDA digests use "
-                    "the torch reference implementation",
-                    stacklevel=3,
-                )
+        backend = _device_backends.get("cuda")
+        usable = backend is not None and _triton_installed() and torch.cuda.is_available()
+        _cuda_body_sum = backend if usable else _reference.body_sum
     return _cuda_body_sum
 
 

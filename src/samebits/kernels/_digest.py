@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from samebits.fingerprint._reference import body_sum
 from samebits.kernels import _backend
 
 
@@ -33,8 +34,6 @@ def digest_body(data: torch.Tensor) -> torch.Tensor:
             "t.contiguous().view(torch.uint8).reshape(-1)"
         )
     if not _backend.triton_runs_on(data.device):
-        from samebits.fingerprint._reference import body_sum
-
         return body_sum(data)
     from samebits.kernels import _triton_digest
 

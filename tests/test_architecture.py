@@ -1,0 +1,168 @@
+"""The import contract of docs/architecture.md, checked on the source: layers only point down.
+
+Every `import samebits...` in src/samebits is read with `ast` (module level and inside
+functions alike) and mapped to the component it names.  The test fails on an edge that points
+up a layer, on a cycle between components, on a library module importing the reference recipe,
+on the recipe importing a private module, and on a samebits import tucked inside a function
+(the usual way to dodge a cycle).  There is no list of exceptions: fix the edge instead.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "samebits"
+
+# Low to high.  A component may import components of its own layer (as long as no cycle
+# forms) and of the layers below it, never above.
+LAYERS: list[tuple[str, set[str]]] = [
+    ("foundation", {"errors", "verdicts", "settings"}),
+    ("digest", {"fingerprint"}),
+    ("bottom", {"kernels", "stream", "determinism", "checkpoint", "_inject"}),
+    ("comparison", {"compare"}),
+    ("middle", {"trace"}),
+    ("recording", {"autorecord"}),
+    ("runs", {"runs"}),
+    ("entry points", {"cli", "__main__", "_inject.sitecustomize", "samebits"}),
+]
+CLIENTS = {"recipes"}  # use the public API like a user's script; nothing in the library imports them
+LAYER_OF = {component: index for index, (_, members) in enumerate(LAYERS) for component in members}
+
+# Modules a function may import lazily: they import an optional heavy dependency (Triton) at
+# load time, so importing them at module level would make that dependency mandatory.
+LAZY_OK = {"samebits.kernels._triton_gemm", "samebits.kernels._triton_combine", "samebits.kernels._triton_digest"}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_module(name: str) -> bool:
+    relative = Path(*name.split(".")[1:]) if "." in name else Path()
+    return (SRC / relative).with_suffix(".py").is_file() or (SRC / relative / "__init__.py").is_file()
+
+
+def _component(module: str) -> str:
+    """The unit of the contract a module belongs to (`samebits.stream.reader` -> "stream")."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "samebits"
+    if parts[1] == "_inject" and len(parts) > 2 and parts[2] == "sitecustomize":
+        return "_inject.sitecustomize"  # run by Python at start-up, never imported by samebits
+    return parts[1]
+
+
+def _imports():
+    """Yield (importing file, imported samebits module, line, inside a function)."""
+    for path in sorted(SRC.rglob("*.py")):
+        module = _module_name(path)
+        where = str(path.relative_to(SRC.parent))
+        tree = ast.parse(path.read_text(), filename=str(path))
+        function_lines = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for inner in ast.walk(node):
+                    if isinstance(inner, (ast.Import, ast.ImportFrom)):
+                        function_lines.add(inner.lineno)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+                    base = package[: len(package) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                # `from samebits.kernels import _triton_gemm` imports a module: name it.
+                targets = [f"{target}.{a.name}" if _is_module(f"{target}.{a.name}") else target
+                           for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                if target == "samebits" or target.startswith("samebits."):
+                    yield (module, where), target, node.lineno, node.lineno in function_lines
+
+
+def _where(source: tuple[str, str], line: int) -> str:
+    return f"{source[1]}:{line}"
+
+
+def _graph():
+    edges: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for module, target, line, _ in _imports():
+        source = _component(module[0])
+        dest = _component(target)  # `samebits` alone (or a name from it) is the public facade
+        if dest != source:
+            edges[source][dest].append(_where(module, line))
+    return edges
+
+
+def test_every_component_has_a_layer():
+    components = {_component(_module_name(p)) for p in SRC.rglob("*.py")}
+    unplaced = sorted(c for c in components if c not in LAYER_OF and c not in CLIENTS)
+    assert not unplaced, f"components not placed in a layer of docs/architecture.md: {unplaced}"
+
+
+def test_layers_only_point_down():
+    upward = []
+    for source, targets in _graph().items():
+        if source in CLIENTS:
+            continue
+        for dest, where in targets.items():
+            if dest in CLIENTS:
+                upward.append(f"{source} -> {dest} (the recipe is a client, not a library part): {where[0]}")
+            elif source in LAYER_OF and dest in LAYER_OF and LAYER_OF[dest] > LAYER_OF[source]:
+                upward.append(f"{source} ({LAYERS[LAYER_OF[source]][0]}) -> {dest} "
+                              f"({LAYERS[LAYER_OF[dest]][0]}): {', '.join(where[:3])}")
+    assert not upward, "imports pointing up a layer:\n" + "\n".join(sorted(upward))
+
+
+def test_no_cycles_between_components():
+    graph = {source: set(targets) for source, targets in _graph().items()}
+    cycles = []
+    for start in sorted(graph):
+        stack = [(start, [start])]
+        while stack:
+            node, path = stack.pop()
+            for nxt in sorted(graph.get(node, ())):
+                if nxt == start:
+                    cycles.append(" -> ".join(path + [start]))
+                elif nxt not in path and nxt > start:  # report each cycle once, from its smallest node
+                    stack.append((nxt, path + [nxt]))
+    assert not cycles, "import cycles between components:\n" + "\n".join(cycles)
+
+
+def test_no_imports_inside_functions_to_dodge_cycles():
+    lazy = sorted({f"{_where(module, line)} imports {target}" for module, target, line, inside in _imports()
+                   if inside and target not in LAZY_OK})
+    assert not lazy, ("samebits imports inside functions (move them to the top of the module; if "
+                      "that makes a cycle, the layering is wrong):\n" + "\n".join(lazy))
+
+
+def test_recipes_use_only_the_public_api():
+    private = [f"{_where(module, line)} imports {target}" for module, target, line, _ in _imports()
+               if _component(module[0]) in CLIENTS and _component(target) not in CLIENTS
+               and any(part.startswith("_") for part in target.split(".")[1:])]
+    assert not private, "the reference recipe imports private modules:\n" + "\n".join(private)
+
+
+@pytest.mark.parametrize("bad", ["up", "cycle"])
+def test_the_checker_catches_violations(bad, monkeypatch):
+    """The contract test itself can fail: plant an upward edge or a cycle in the layer map."""
+    if bad == "up":  # pretend compare sat below stream: compare -> stream now points up
+        monkeypatch.setitem(LAYER_OF, "compare", LAYER_OF["stream"] - 1)
+        with pytest.raises(AssertionError, match="compare .* -> stream"):
+            test_layers_only_point_down()
+    else:
+        real = _graph()
+        monkeypatch.setitem(globals(), "_graph", lambda: {**real, "errors": {"compare": ["planted"]}})
+        with pytest.raises(AssertionError, match="errors"):
+            test_no_cycles_between_components()

@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from samebits.fingerprint import _native, _reference
 from samebits.fingerprint._spec import finalize, header
+from samebits.errors import ConfigError
 
 # Reinterpreting as an integer dtype of the same size makes .contiguous() a plain bit copy,
 # and works for dtypes whose own copy kernel is missing (torch.uint4 and other shell dtypes).
@@ -26,14 +27,14 @@ def _checked_header(t: object) -> int:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"samebits can only digest torch.Tensor objects, got {type(t).__name__}")
     if t.layout is not torch.strided:
-        raise ValueError(
+        raise ConfigError(
             f"samebits digests dense tensors; this one has layout {t.layout}: digest "
             "t.to_dense() (or its indices and values separately)"
         )
     if t.is_meta:
-        raise ValueError("samebits cannot digest a tensor on the meta device: it has no data")
+        raise ConfigError("samebits cannot digest a tensor on the meta device: it has no data")
     if type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):
-        raise ValueError(
+        raise ConfigError(
             f"samebits cannot digest a {type(t).__name__} directly: it is a wrapper without its "
             "own data; digest the tensors inside it (e.g. DTensor.to_local())"
         )
@@ -124,7 +125,7 @@ def body_sums(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
         _checked_header(t)
     devices = {t.device for t in tensors}
     if len(devices) > 1:
-        raise ValueError(
+        raise ConfigError(
             f"body_sums takes tensors on one device, got {', '.join(sorted(map(str, devices)))}; "
             "call it once per device (digest_many does this for you)"
         )

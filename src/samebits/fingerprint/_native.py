@@ -16,6 +16,8 @@ from array import array
 
 import torch  # noqa: F401  (loads torch's libgomp before ours; see the module docstring)
 
+from samebits.errors import ConfigError
+
 _ABI_VERSION = 1
 _BUILD_HINT = "build it with `pip install -e .` (or `pip install .`) from the samebits repository"
 
@@ -102,7 +104,7 @@ def body_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
     if 0 in data_ptrs:  # a tensor without storage: reading it would crash the process
         for t, ptr, size in zip(tensors, data_ptrs, num_bytes):
             if ptr == 0 and size > 0:
-                raise ValueError(
+                raise ConfigError(
                     f"samebits cannot digest this {type(t).__name__}: it has {size} bytes but "
                     "no data pointer (a tensor subclass without storage?)"
                 )

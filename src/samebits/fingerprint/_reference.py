@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from samebits.fingerprint._spec import FMIX_MUL1, FMIX_MUL2, GOLDEN, MASK64
+from samebits.errors import ConfigError
 
 # Words per batch of ops.  On CPU, small enough that the two int64 work buffers stay in cache
 # (each op of a batch then runs at memory speed instead of faulting in fresh pages); elsewhere,
@@ -58,7 +59,7 @@ def body_sum(data: torch.Tensor) -> torch.Tensor:
     as the int64 with the same bits.
     """
     if data.dtype != torch.uint8 or data.dim() != 1:
-        raise ValueError(
+        raise ConfigError(
             f"body_sum takes the 1-D uint8 bytes of a tensor, got dtype {data.dtype} with "
             f"{data.dim()} dims; pass t.contiguous().reshape(-1).view(torch.uint8)"
         )

@@ -13,6 +13,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from samebits.errors import ConfigError
+
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15  # G: word j is offset by (j+1)*G before mixing
 HEADER_SEED = 0x243F6A8885A308D3  # H starts here (the hex digits of pi)
@@ -93,7 +95,7 @@ def dtype_code(dtype: torch.dtype) -> int:
     if code is None:
         supported = ", ".join(str(d).removeprefix("torch.") for d in DTYPE_CODES)
         hint = f" ({_QUANTIZED_HINT})" if dtype in _QUANTIZED else ""
-        raise ValueError(
+        raise ConfigError(
             f"samebits cannot digest tensors of dtype {dtype}{hint}; supported dtypes: {supported}"
         )
     return code
@@ -139,7 +141,7 @@ def finalize(body_sums: torch.Tensor | Iterable[int], headers: Sequence[int]) ->
     else:
         body_sums = list(body_sums)
     if len(body_sums) != len(headers):
-        raise ValueError(
+        raise ConfigError(
             f"finalize got {len(body_sums)} body sums but {len(headers)} headers; pass one "
             "header per tensor, in the order given to body_sums()"
         )

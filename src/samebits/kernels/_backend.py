@@ -15,6 +15,8 @@ import warnings
 
 import torch
 
+from samebits.errors import ConfigError
+
 VARIANTS = ("deterministic", "atomic", "torch")
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -50,7 +52,7 @@ def triton_runs_on(device: torch.device) -> bool:
 
 def check_variant(variant: str, function: str) -> None:
     if variant not in VARIANTS:
-        raise ValueError(
+        raise ConfigError(
             f"{function}: variant={variant!r} is not one of {VARIANTS}; use 'deterministic' "
             "(private slots, fixed-order sum), 'atomic' (arrival-order atomics, for comparison) "
             "or 'torch' (the reference implementation)"
@@ -59,7 +61,7 @@ def check_variant(variant: str, function: str) -> None:
 
 def check_block(name: str, value: int, function: str, minimum: int = 1) -> None:
     if not isinstance(value, int) or value < minimum or value & (value - 1):
-        raise ValueError(
+        raise ConfigError(
             f"{function}: {name}={value!r} must be a power of two >= {minimum} "
             "(Triton block shapes are powers of two)"
         )

@@ -6,6 +6,7 @@ import torch
 
 from samebits.kernels import _backend
 from samebits.kernels._reference import reference_moe_combine
+from samebits.errors import ConfigError
 
 _NAME = "moe_combine"
 
@@ -65,19 +66,19 @@ def moe_combine(
     _backend.check_variant(variant, _NAME)
     _backend.check_block("block_h", block_h, _NAME, minimum=16)
     if expert_out.dim() != 2 or prob.dim() != 2 or slot_index.shape != prob.shape:
-        raise ValueError(
+        raise ConfigError(
             f"{_NAME}: expected expert_out (R, H), prob (T, K) and slot_index (T, K), got "
             f"{tuple(expert_out.shape)}, {tuple(prob.shape)} and {tuple(slot_index.shape)}"
         )
     if slot_index.is_floating_point():
-        raise ValueError(f"{_NAME}: slot_index must be an integer tensor, got {slot_index.dtype}")
+        raise ConfigError(f"{_NAME}: slot_index must be an integer tensor, got {slot_index.dtype}")
     if variant == "torch":
         return reference_moe_combine(expert_out, prob, slot_index)
     if not _backend.triton_runs_on(expert_out.device):
         _backend.warn_fallback(_NAME, variant, expert_out.device)
         return reference_moe_combine(expert_out, prob, slot_index)
     if expert_out.dtype not in _backend.TRITON_DTYPES:
-        raise ValueError(
+        raise ConfigError(
             f"{_NAME}: the Triton kernels take expert_out in fp16, bf16 or fp32, got "
             f"{expert_out.dtype}; cast it or pass variant='torch'"
         )

@@ -8,6 +8,7 @@ import torch
 
 from samebits.fingerprint._reference import body_sum
 from samebits.kernels import _backend
+from samebits.errors import ConfigError
 
 
 def digest_body(data: torch.Tensor) -> torch.Tensor:
@@ -28,7 +29,7 @@ def digest_body(data: torch.Tensor) -> torch.Tensor:
     when Triton cannot run on data.device.
     """
     if data.dtype != torch.uint8 or data.dim() != 1 or not data.is_contiguous():
-        raise ValueError(
+        raise ConfigError(
             f"digest_body: expected a contiguous 1-D uint8 tensor of bytes, got {data.dtype} "
             f"{tuple(data.shape)} (contiguous={data.is_contiguous()}); pass "
             "t.contiguous().view(torch.uint8).reshape(-1)"
@@ -51,7 +52,7 @@ def digest_body_many(datas: Sequence[torch.Tensor]) -> torch.Tensor:
     bodies = []
     for i, data in enumerate(datas):
         if data.device != device:
-            raise ValueError(
+            raise ConfigError(
                 f"digest_body_many: tensor {i} is on {data.device}, tensor 0 on {device}; "
                 "digest each device's tensors in its own call"
             )

@@ -7,6 +7,7 @@ import torch
 
 from samebits.kernels import _backend
 from samebits.kernels._reference import reference_grouped_gemm_dprob
+from samebits.errors import ConfigError
 
 _NAME = "grouped_gemm_dprob"
 
@@ -80,17 +81,17 @@ def grouped_gemm_dprob(
     for name, value in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         _backend.check_block(name, value, _NAME, minimum=16)
     if x.dim() != 2 or weight.dim() != 3 or weight.shape[1] != x.shape[1]:
-        raise ValueError(
+        raise ConfigError(
             f"{_NAME}: expected x (T, K) and weight (E, K, N), got x {tuple(x.shape)} and "
             f"weight {tuple(weight.shape)}"
         )
     if tokens_per_expert.shape != (weight.shape[0],) or tokens_per_expert.is_floating_point():
-        raise ValueError(
+        raise ConfigError(
             f"{_NAME}: tokens_per_expert must be an integer tensor of shape (E,) = "
             f"({weight.shape[0]},), got {tokens_per_expert.dtype} {tuple(tokens_per_expert.shape)}"
         )
     if prob.shape != (x.shape[0],):
-        raise ValueError(
+        raise ConfigError(
             f"{_NAME}: prob must have shape (T,) = ({x.shape[0]},), got {tuple(prob.shape)}; "
             "pass the probability of each expert-sorted row"
         )
@@ -100,7 +101,7 @@ def grouped_gemm_dprob(
         _backend.warn_fallback(_NAME, variant, x.device)
         return reference_grouped_gemm_dprob(x, weight, tokens_per_expert, prob)
     if x.dtype not in _backend.TRITON_DTYPES or weight.dtype != x.dtype:
-        raise ValueError(
+        raise ConfigError(
             f"{_NAME}: the Triton kernels take x and weight of one dtype among fp16, bf16, "
             f"fp32; got x {x.dtype} and weight {weight.dtype}; cast them or pass variant='torch'"
         )

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from samebits.errors import ConfigError
+
 
 def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
@@ -32,7 +34,7 @@ def reference_grouped_gemm_dprob(
     """
     counts = tokens_per_expert.tolist()
     if sum(counts) != x.shape[0]:
-        raise ValueError(
+        raise ConfigError(
             f"tokens_per_expert sums to {sum(counts)} but x has {x.shape[0]} rows; "
             "the rows of x must be exactly the tokens routed to each expert, sorted by expert"
         )

@@ -8,6 +8,8 @@ Run as a script under torchrun, this file is also the 2-rank worker the tests la
 from __future__ import annotations
 
 import dataclasses
+import io
+import json
 import os
 import pickle
 import shutil
@@ -230,6 +232,238 @@ def test_metadata_unpickler_refuses_foreign_globals(tmp_path):
     with pytest.raises(CheckpointError, match="not a DCP metadata type"):
         checkpoint.load(tmp_path, StateBundle(model=nn.Linear(2, 2)))
     assert not evil.exists()
+
+
+# --- hostile and damaged checkpoints ----------------------------------------------------------
+
+
+def _saved_linear(root: Path, seed: int, step: int = 1) -> tuple[Path, torch.Tensor]:
+    """Save an nn.Linear(2, 2) made with `seed` as ROOT/step-<step>; return it and its weight."""
+    torch.manual_seed(seed)
+    model = nn.Linear(2, 2)
+    directory = checkpoint.save(root, StateBundle(model=model, progress={"step": step}))
+    return directory, model.weight.detach().clone()
+
+
+def _loaded_weight(root: Path) -> torch.Tensor:
+    model = nn.Linear(2, 2)
+    checkpoint.load(root, StateBundle(model=model))
+    return model.weight.detach().clone()
+
+
+def _tamper_metadata(directory: Path, edit) -> None:
+    """Rewrite DCP's .metadata with `edit(metadata)` applied (a hostile or damaged file)."""
+    metadata = pickle.loads((directory / ".metadata").read_bytes())
+    edit(metadata)
+    (directory / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def test_bytes_entry_in_dcp_metadata_is_refused_and_never_unpickled(tmp_path):
+    """Only allow-listed DCP classes, but one entry declared as bytes: DCP's planner would
+    `torch.load(weights_only=False)` the file it names, running the payload."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    directory, _ = _saved_linear(tmp_path, seed=0)
+    marker = tmp_path / "payload-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    buffer = io.BytesIO()
+    torch.save(Payload(), buffer)
+    (directory / "__0_1.distcp").write_bytes(buffer.getvalue())
+
+    def declare_bytes(metadata):
+        metadata.state_dict_metadata["model/weight"] = BytesStorageMetadata()
+        metadata.storage_data = {k: v for k, v in metadata.storage_data.items()
+                                 if k.fqn != "model/weight"}
+        metadata.storage_data[MetadataIndex("model/weight")] = _StorageInfo(
+            "__0_1.distcp", 0, len(buffer.getvalue()))
+
+    _tamper_metadata(directory, declare_bytes)
+    with pytest.raises(CheckpointError, match=r"model/weight.*BytesStorageMetadata"):
+        _loaded_weight(tmp_path)
+    assert not marker.exists()
+
+
+def test_dcp_planner_refuses_bytes_reads_even_past_the_metadata_check():
+    """Second line of defence: the planner samebits hands DCP never unpickles bytes."""
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from samebits.checkpoint._storage import _tensor_only_planner
+
+    marker_payload = io.BytesIO(pickle.dumps(("not", "read")))
+    item = ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex("x"), dest_offsets=torch.Size([0]),
+                    storage_index=MetadataIndex("x"), storage_offsets=torch.Size([0]),
+                    lengths=torch.Size([0]))
+    with pytest.raises(CheckpointError, match="bytes"):
+        _tensor_only_planner().load_bytes(item, marker_payload)
+
+
+@pytest.mark.parametrize("relative_path", ["../outside.distcp", "/tmp/outside.distcp",
+                                           "sub/__0_0.distcp"])
+def test_dcp_shard_path_outside_the_checkpoint_is_refused(tmp_path, relative_path):
+    directory, _ = _saved_linear(tmp_path, seed=0)
+
+    def redirect(metadata):
+        for index, info in metadata.storage_data.items():
+            metadata.storage_data[index] = dataclasses.replace(info, relative_path=relative_path)
+
+    _tamper_metadata(directory, redirect)
+    with pytest.raises(CheckpointError, match="shard file"):
+        _loaded_weight(tmp_path)
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
+
+
+def _drop_world_size(path: Path) -> None:
+    meta = json.loads(path.read_text())
+    del meta["world_size"]
+    path.write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("name, damage, message", [
+    ("rank-0.json", _truncate, r"rank-0\.json is damaged"),
+    (".metadata", _truncate, r"\.metadata is damaged"),
+    ("meta.json", _truncate, r"meta\.json is damaged"),
+    ("meta.json", _drop_world_size, r"meta\.json has no 'world_size'"),
+    ("rank-0.json", lambda p: p.write_text('{"rank": 0}'), r"rank-0\.json lacks"),
+])
+def test_damaged_checkpoint_files_are_a_checkpoint_error_naming_the_file(
+        tmp_path, name, damage, message):
+    directory, _ = _saved_linear(tmp_path, seed=0)
+    damage(directory / name)
+    with pytest.raises(CheckpointError, match=message) as caught:
+        _loaded_weight(tmp_path)
+    assert str(directory / name) in str(caught.value)
+    assert "older" in str(caught.value) or "save" in str(caught.value)  # what to do
+
+
+@pytest.mark.parametrize("pointer", ["../elsewhere/step-1", "ABSOLUTE", "..", "step-1/../../elsewhere/step-1"])
+def test_latest_pointing_outside_the_root_is_refused(tmp_path, pointer):
+    elsewhere, _ = _saved_linear(tmp_path / "elsewhere", seed=0)
+    root = tmp_path / "root"
+    _saved_linear(root, seed=1)
+    (root / "latest").write_text(str(elsewhere) if pointer == "ABSOLUTE" else pointer)
+    with pytest.raises(CheckpointError, match="inside"):
+        checkpoint.resolve(root)
+
+
+def test_latest_symlinked_out_of_the_root_is_refused(tmp_path):
+    elsewhere, _ = _saved_linear(tmp_path / "elsewhere", seed=0)
+    root = tmp_path / "root"
+    _saved_linear(root, seed=1)
+    (root / "step-7").symlink_to(elsewhere)
+    (root / "latest").write_text("step-7\n")
+    with pytest.raises(CheckpointError, match="inside"):
+        checkpoint.resolve(root)
+
+
+_FS_OPS = (("os", "rename"), ("os", "replace"), ("os", "link"), ("shutil", "rmtree"))
+
+
+def _watch_fs_ops(monkeypatch, before_each):
+    """Call `before_each()` before and after every rename/replace/link/rmtree the save does."""
+    modules = {"os": os, "shutil": shutil}
+    busy = []
+
+    def wrap(original):
+        def watched(*args, **kwargs):
+            if busy:
+                return original(*args, **kwargs)
+            busy.append(1)
+            try:
+                before_each()
+                result = original(*args, **kwargs)
+                before_each()
+                return result
+            finally:
+                busy.pop()
+        return watched
+
+    for module, name in _FS_OPS:
+        monkeypatch.setattr(modules[module], name, wrap(getattr(modules[module], name)))
+
+
+def test_resaving_the_latest_step_keeps_latest_naming_a_complete_checkpoint(tmp_path, monkeypatch):
+    """At every instant of a re-save of the step `latest` names, loading gives the old or the
+    new checkpoint, whole."""
+    root = tmp_path / "ckpt"
+    _, old = _saved_linear(root, seed=0)
+    torch.manual_seed(1)
+    model = nn.Linear(2, 2)
+    new = model.weight.detach().clone()
+    seen = []
+
+    def check():
+        weight = _loaded_weight(root)
+        assert torch.equal(weight, old) or torch.equal(weight, new), "a mix of old and new"
+        seen.append("new" if torch.equal(weight, new) else "old")
+
+    _watch_fs_ops(monkeypatch, check)
+    checkpoint.save(root, StateBundle(model=model, progress={"step": 1}))
+    monkeypatch.undo()
+    assert seen[0] == "old" and seen[-1] == "new" and len(seen) >= 4
+    assert torch.equal(_loaded_weight(root), new)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-1"]
+
+
+class _Killed(BaseException):
+    """Stands for SIGKILL at one file-system operation of a save."""
+
+
+@pytest.mark.parametrize("step", [1, 2])
+def test_save_killed_at_any_operation_leaves_a_loadable_latest_and_the_next_save_recovers(
+        tmp_path, monkeypatch, step):
+    """Kill a save (re-save of the latest step, or a new step) before each of its file-system
+    operations in turn: `latest` loads the old or the new state, and the next save leaves a
+    clean root."""
+    base = tmp_path / "base"
+    _, old = _saved_linear(base, seed=0)
+    torch.manual_seed(1)
+    model = nn.Linear(2, 2)
+    new = model.weight.detach().clone()
+    modules = {"os": os, "shutil": shutil}
+    kill_at = 0
+    while True:
+        root = tmp_path / f"kill-{kill_at}"
+        shutil.copytree(base, root)
+        calls = []
+
+        def maybe_kill(original):
+            def op(*args, **kwargs):
+                calls.append(1)
+                if len(calls) == kill_at + 1:
+                    raise _Killed
+                return original(*args, **kwargs)
+            return op
+
+        for module, name in _FS_OPS:
+            monkeypatch.setattr(modules[module], name, maybe_kill(getattr(modules[module], name)))
+        try:
+            checkpoint.save(root, StateBundle(model=model, progress={"step": step}))
+        except BaseException:
+            if len(calls) <= kill_at:  # a real failure, not the simulated kill (DCP wraps it)
+                raise
+        finally:
+            monkeypatch.undo()
+        finished = len(calls) <= kill_at
+        weight = _loaded_weight(root)
+        assert torch.equal(weight, old) or torch.equal(weight, new), kill_at
+        torch.manual_seed(2)
+        third = nn.Linear(2, 2)
+        checkpoint.save(root, StateBundle(model=third, progress={"step": step}))
+        assert torch.equal(_loaded_weight(root), third.weight.detach())
+        expected = ["latest", "step-1"] + (["step-2"] if step == 2 else [])
+        assert sorted(p.name for p in root.iterdir()) == expected, kill_at
+        if finished:
+            break
+        kill_at += 1
+    assert kill_at >= 3
 
 
 def _run_cli(*args, env=None, **kwargs):

@@ -15,6 +15,8 @@ from typing import Any, Union
 import numpy as np
 import torch
 
+from samebits.errors import ConfigError
+
 Generator = Union[torch.Generator, np.random.Generator]
 
 #: Names of the global states; a bundle's own generators are named by the caller.
@@ -57,10 +59,10 @@ def restore_rng_state(state: Mapping[str, Any], generators: Mapping[str, Generat
     known = set(GLOBAL_RNG_NAMES) | saved_names
     unknown = sorted(set(skip) - known)
     if unknown:
-        raise ValueError(f"cannot skip unknown random state(s) {', '.join(unknown)}; "
+        raise ConfigError(f"cannot skip unknown random state(s) {', '.join(unknown)}; "
                          f"known: {', '.join(sorted(known))}")
     if saved_names != set(generators):
-        raise ValueError(f"the checkpoint holds generators {sorted(saved_names)} but the bundle "
+        raise ConfigError(f"the checkpoint holds generators {sorted(saved_names)} but the bundle "
                          f"passes {sorted(generators)}; pass the same named generators")
     if "python" not in skip:
         py = state["python"]
@@ -86,7 +88,7 @@ def _restore_cuda(saved: list[torch.Tensor] | None) -> None:
     if saved is None and present == 0:
         return
     if saved is None or len(saved) != present:
-        raise ValueError(f"the checkpoint holds CUDA random states for "
+        raise ConfigError(f"the checkpoint holds CUDA random states for "
                          f"{0 if saved is None else len(saved)} device(s) but this process sees "
                          f"{present}; resume with the same visible devices")
     torch.cuda.set_rng_state_all(saved)
@@ -97,14 +99,14 @@ def _generator_state(name: str, gen: Generator) -> Any:
         return gen.get_state()
     if isinstance(gen, np.random.Generator):
         return _plain(gen.bit_generator.state)
-    raise TypeError(f"generator {name!r} is a {type(gen).__name__}; pass a torch.Generator or "
+    raise ConfigError(f"generator {name!r} is a {type(gen).__name__}; pass a torch.Generator or "
                     "a numpy.random.Generator")
 
 
 def _set_generator_state(name: str, gen: Generator, value: Any) -> None:
     if isinstance(gen, torch.Generator):
         if not isinstance(value, torch.Tensor):
-            raise ValueError(f"generator {name!r}: the checkpoint holds a NumPy state for a "
+            raise ConfigError(f"generator {name!r}: the checkpoint holds a NumPy state for a "
                              "torch.Generator")
         gen.set_state(value)
     else:

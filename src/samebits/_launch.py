@@ -1,23 +1,47 @@
 """Running one training command for verify and bisect: logged, bounded, and judged.
 
 A run's output goes to a log file (its first line is the command); a run that hangs past
-its time limit is killed with every process it started; a run that fails says so with the
-end of its log.  A run that exits non-zero *after* closing every stream (seen with gloo
-at process teardown) keeps its records, with a note, since every bit we compare is there.
+its time limit is killed with every process it started; a run that fails says so, with what
+went wrong first (the exception each rank raised, the determinism violations that made it
+refuse) and then the end of its log.
+
+A run is judged by proof, never by how complete its streams look (the recorder's exit
+handler closes them even when the training raised):
+
+* the recipe: its own exit status (0 done, or the live check's stop marker);
+* a zero-code run: exit 0, or the live check's stop marker, or, for a non-zero exit, the
+  outcome file of every recording process (`samebits.autorecord`).  Only a run whose every
+  process's own code ended cleanly, with every stream closed, and whose non-zero exit came
+  from a signal after that (the C++ abort some builds hit at interpreter teardown) keeps its
+  records; it is shown as such in the verdict's table.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import signal
 import subprocess
 import time
 from pathlib import Path
 
-from samebits.errors import SamebitsError
+from samebits.autorecord import read_outcomes
+from samebits.errors import SamebitsError, StreamError
+from samebits.stream import open_run
 
 DEFAULT_TIMEOUT_S = 1800.0
+_TAIL_LINES = 15
+_VIOLATION = re.compile(r"^\s*- \[[a-z0-9][\w.-]*\] ")  # one line of a DeterminismError
+_WORKER_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)")  # torchrun's summary of a failed worker
+
+
+class RunFailed(SamebitsError):
+    """A launched run did not finish: ``reason`` is the first line of what went wrong."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
 
 
 def run_logged(argv: list[str], log: Path, *, env: dict | None = None, header: str = "",
@@ -44,21 +68,99 @@ def run_logged(argv: list[str], log: Path, *, env: dict | None = None, header: s
     return code, time.perf_counter() - start
 
 
-def failed(label: str, argv: list[str], code: int, log: Path) -> SamebitsError:
-    tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:])
-    return SamebitsError(f"run {label} ({shlex.join(argv)}) exited with code {code}; the end of its log "
-                         f"({log}):\n{tail}")
+def failed(label: str, argv: list[str], code: int, log: Path, *, why: str = "",
+           outcomes: list[dict] = ()) -> RunFailed:
+    """The error for a run that did not finish: what went wrong first, then its log's end."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    lines = text.splitlines()
+    first: list[str] = []
+    for outcome in outcomes:
+        if outcome.get("ended") in ("exception", "unreadable"):
+            where = f"rank {outcome.get('rank')}" + (f", step {outcome['step']}" if outcome.get("step") is not None else "")
+            first.append(f"{where}: {outcome.get('exception')}")
+            first += ["    " + line for line in outcome.get("traceback_tail", [])]
+    violations = list(dict.fromkeys(line.strip() for line in lines if _VIOLATION.match(line)))
+    if violations:
+        first.append("it refused to run: settings that break bitwise determinism:")
+        first += ["  " + line for line in violations]
+    reason = why or (first[0] if first else f"exited with code {code}")
+    message = [f"run {label} failed ({shlex.join(argv)}): {why or f'exited with code {code}'}."]
+    message += first
+    tail = lines[-_TAIL_LINES:]
+    message.append(f"the end of its log ({log}):")
+    message += tail
+    return RunFailed("\n".join(message), reason)
+
+
+def judge_recipe_run(label: str, argv: list[str], code: int, log: Path, stopped: bool) -> None:
+    """The recipe's runs are judged by their own exit status: raise `RunFailed` unless the run
+    finished (exit 0) or its live check stopped it (its marker; torchrun hides exit code 3)."""
+    if code != 0 and not stopped:
+        raise failed(label, argv, code, log)
+
+
+def judge_recorded_run(label: str, argv: list[str], code: int, run_dir: Path, log: Path) -> str | None:
+    """Judge a zero-code run that exited with ``code``: None if it finished (exit 0), a line
+    for the verdict's table if a crash after its code ended is tolerated, else `RunFailed`."""
+    if code == 0:
+        return None
+    outcomes = read_outcomes(run_dir)
+    if not outcomes:
+        raise failed(label, argv, code, log, why=f"exited with code {code} before any process recorded a step",
+                     outcomes=outcomes)
+    raised = [o for o in outcomes if o.get("ended") != "clean"]
+    if raised:
+        first = raised[0]
+        raise failed(label, argv, code, log, outcomes=outcomes,
+                     why=f"rank {first.get('rank')} ended with an uncaught exception" if first.get("ended") ==
+                     "exception" else f"rank {first.get('rank')}: {first.get('exception')}")
+    killed_by = _signal_exit(code, log)
+    if killed_by is None:
+        raise failed(label, argv, code, log, outcomes=outcomes,
+                     why=f"exited with code {code} after its code ended without an uncaught exception "
+                         f"(sys.exit({code})?): a run that reports failure is not a finished run")
+    try:
+        run = open_run(run_dir)
+        closed = run.closed_cleanly()
+        ranks = set(run.ranks)
+        run.close()
+    except StreamError as err:
+        raise failed(label, argv, code, log, why=f"killed by {killed_by} and its streams are unusable ({err})")
+    ended = {o.get("rank") for o in outcomes}
+    if not closed or not all(o.get("streams_closed") for o in outcomes) or not ranks <= ended:
+        raise failed(label, argv, code, log, why=f"killed by {killed_by} before every rank closed its streams")
+    return (f"crashed at teardown ({killed_by}) after its code ended cleanly and every stream closed: "
+            "records kept")
 
 
 def teardown_note(label: str, code: int, out_dir: Path, log: Path) -> str | None:
-    """A note if a run that exited with ``code`` still closed every stream, else None."""
-    from samebits.stream.reader import open_run
-
+    """`judge_recorded_run` for callers without the command: the tolerance line, or None when
+    the run must be reported as failed (then call `failed`)."""
     try:
-        complete = open_run(out_dir).closed_cleanly()
-    except SamebitsError:
+        return judge_recorded_run(label, [], code, Path(out_dir), log)
+    except RunFailed:
         return None
-    if not complete:
-        return None
-    return (f"run {label} exited with code {code} after closing all its streams (a crash at process "
-            f"teardown); its records are complete. Log: {log}")
+
+
+def _signal_exit(code: int, log: Path) -> str | None:
+    """The signal that ended the run, if its exit code says one did (directly, as a shell's
+    128+N, or in torchrun's summary where every failed worker's exitcode is negative)."""
+    if code < 0:
+        return _signal_name(-code)
+    if 128 < code < 128 + 65:
+        return _signal_name(code - 128)
+    worker_codes = [int(c) for c in _WORKER_EXIT.findall(log.read_text(errors="replace"))] if log.exists() else []
+    if worker_codes and all(c < 0 for c in worker_codes):
+        return ", ".join(sorted({_signal_name(-c) for c in worker_codes}))
+    return None
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+__all__ = ["run_logged", "failed", "judge_recipe_run", "judge_recorded_run", "RunFailed", "teardown_note",
+           "DEFAULT_TIMEOUT_S"]

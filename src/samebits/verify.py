@@ -1,17 +1,23 @@
 """`samebits verify`: check the two guarantees by running the training three times.
 
 * A and B: two independent runs from the same initial state must be bitwise identical
-  at every step (guarantee 1).
-* C: saves a checkpoint at step k, the process exits, a fresh process resumes and runs
-  to the end; from step k on it must be bitwise identical to A (guarantee 2).
+  at every step (guarantee 1, "independent").
+* C: a fresh process resumes from A's checkpoint at step k and runs to the end; from step
+  k on it must be bitwise identical to A (guarantee 2, "resume").
 
 B and C check themselves live against A's step roots and stop at the first divergent
 step, so no compute is spent after the answer is known.  The same check runs on the
 built-in reference recipe or, through zero-code recording, on any command.
+
+The verdict is proof or nothing: PASS only when every guarantee checked compared identical
+records and every run finished (a run that raised is a failed run, exit 2); the result names
+the guarantees it checked and those it did not.  When a resumed run differs, the state census
+recorded at each step start names the state the checkpoint did not restore.
 """
 
 from __future__ import annotations
 
+import json
 import shlex
 import sys
 import time
@@ -19,33 +25,76 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from samebits._launch import failed, run_logged, teardown_note
+from samebits._launch import judge_recipe_run, judge_recorded_run, run_logged
+from samebits.autorecord import STATE_DIR, environment_for, read_stop
 from samebits.compare import DiffResult, diff
-from samebits.errors import SamebitsError
+from samebits.errors import ConfigError, SamebitsError, StreamError
+from samebits.stream import open_run
+from samebits.verdicts import Verdict
 
-STOPPED_MARKER = "stopped.json"  # the recipe leaves it when its live check stops the run
+from samebits.checkpoint import STATE_PHASE, describe_state_record
+
+GUARANTEES = ("independent", "resume")
+PLACEHOLDERS = ("{out}", "{run}")  # in the command: this run's own work folder and its name
+RESUME_PLACEHOLDERS = ("{step}", "{from}")  # in --resume-with only: the resume step, A's work folder
+
+
+@dataclass
+class RunInfo:
+    """One launched run: its command, how it ended, and how long it took."""
+
+    name: str
+    command: str
+    exit_code: int
+    seconds: float
+    ended: str = "finished"  # "finished" | "stopped at step K (...)" | a tolerated crash
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "command": self.command, "exit_code": self.exit_code,
+                "seconds": round(self.seconds, 3), "ended": self.ended}
 
 
 @dataclass
 class VerifyResult:
-    """``verdict`` is "pass" when every check is identical, else "fail"."""
+    """What verify found.  ``checks`` maps each guarantee to its `DiffResult`, or None when it
+    was not checked; ``verdict`` is a `Verdict`: PASS (every check identical), FAIL (a check
+    diverged), INCOMPLETE (a check could not decide, or nothing was checked)."""
 
     out: str
     checks: dict[str, DiffResult | None]
     timings: dict[str, float]
     resume_at: int | None
     notes: list[str] = field(default_factory=list)
+    runs: list[RunInfo] = field(default_factory=list)
+    explanations: dict[str, list[str]] = field(default_factory=dict)  # check -> what state differed
 
     @property
-    def verdict(self) -> str:
-        return "pass" if all(r is None or r.identical for r in self.checks.values()) else "fail"
+    def checked(self) -> list[str]:
+        return [name for name, check in self.checks.items() if check is not None]
+
+    @property
+    def not_checked(self) -> list[str]:
+        return [name for name, check in self.checks.items() if check is None]
+
+    @property
+    def verdict(self) -> Verdict:
+        verdicts = [Verdict(check.verdict) for check in self.checks.values() if check is not None]
+        if Verdict.DIVERGED in verdicts:
+            return Verdict.FAIL  # a divergence is proof, whatever else could not be decided
+        if not verdicts or any(v is not Verdict.IDENTICAL for v in verdicts):
+            return Verdict.INCOMPLETE
+        return Verdict.PASS
 
     def to_json(self) -> dict:
         return {
-            "verdict": self.verdict,
+            "verdict": self.verdict.value,
+            "checked": self.checked,
+            "not_checked": self.not_checked,
             "out": self.out,
             "resume_at": self.resume_at,
             "checks": {name: (r.to_json() if r is not None else None) for name, r in self.checks.items()},
+            "explanations": self.explanations,
+            "runs": [run.to_json() for run in self.runs],
             "timings_s": {k: round(v, 3) for k, v in self.timings.items()},
             "notes": self.notes,
         }
@@ -57,9 +106,9 @@ def default_out_dir() -> Path:
 
 def _prepare(out) -> Path:
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise SamebitsError(f"{out} exists and is not empty: samebits never overwrites runs. "
-                            "Pass a new --out directory or delete the old one.")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--out {out} exists and is not an empty directory: samebits never overwrites "
+                          "runs. Pass a new --out directory or delete the old one.")
     (out / "logs").mkdir(parents=True, exist_ok=True)
     return out
 
@@ -81,14 +130,15 @@ def verify_recipe(
     nondeterministic: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> VerifyResult:
-    """Run the reference recipe A, B and C (save at ``resume_at``, resume) and compare."""
+    """Run the reference recipe A, B and C (save at ``resume_at``, default ``steps // 2``;
+    resume) and compare.  Both guarantees are always checked."""
     if steps < 2:
-        raise SamebitsError(f"--steps {steps}: verify needs at least 2 steps (one before and one after the resume).")
+        raise ConfigError(f"--steps {steps}: verify needs at least 2 steps (one before and one after the resume).")
     resume_at = steps // 2 if resume_at is None else resume_at
     if not 0 < resume_at < steps:
-        raise SamebitsError(f"--resume-at {resume_at} must be between 1 and {steps - 1} (inside the run).")
+        raise ConfigError(f"--resume-at {resume_at} must be between 1 and {steps - 1} (inside the run).")
     if nproc < 1:
-        raise SamebitsError(f"--nproc {nproc} must be at least 1.")
+        raise ConfigError(f"--nproc {nproc} must be at least 1.")
     out = _prepare(out or default_out_dir())
     say = progress or (lambda message: None)
     base = _recipe_argv(nproc) + ["--steps", str(steps)]
@@ -104,7 +154,7 @@ def verify_recipe(
                                str(out / "a")], True),
     ]
     timings: dict[str, float] = {}
-    notes: list[str] = []
+    runs: list[RunInfo] = []
     for index, (name, argv, may_stop) in enumerate(stages, 1):
         say(f"[{index}/{len(stages)}] run {name}: {nproc} rank(s), {steps} steps ...")
         run_dir = Path(argv[argv.index("--out") + 1])
@@ -112,20 +162,18 @@ def verify_recipe(
         code, seconds = run_logged(argv, log, label=name)
         timings[name] = seconds
         # torchrun replaces the recipe's exit code 3 by its own: the marker file tells.
-        stopped = may_stop and (run_dir / STOPPED_MARKER).exists()
-        if code != 0 and not stopped:
-            saved = "save" not in name or (out / "ckpt" / "latest").exists()
-            note = teardown_note(name, code, run_dir, log) if saved else None
-            if note is None:
-                raise failed(name, argv, code, log)
-            notes.append(note)
-        say(f"      done in {seconds:.1f} s" + (" (stopped at its first divergent step)" if stopped else ""))
+        stop = read_stop(run_dir) if may_stop else None
+        judge_recipe_run(name, argv, code, log, stopped=stop is not None)
+        ended = f"stopped at step {stop.get('stopped_at')} (differs from A)" if stop is not None else "finished"
+        runs.append(RunInfo(name, shlex.join(argv), code, seconds, ended))
+        say(f"      done in {seconds:.1f} s" + (" (stopped at its first divergent step)" if stop else ""))
     say("comparing ...")
     checks = {
         "independent": diff(out / "a", out / "b"),
         "resume": diff(out / "a", out / "c", start_step=resume_at),
     }
-    result = VerifyResult(str(out), checks, timings, resume_at, notes)
+    result = VerifyResult(str(out), checks, timings, resume_at, [], runs)
+    result.explanations = _explain(result, out / "a", out / "b", out / "c")
     _write_summary(out, result)
     return result
 
@@ -136,50 +184,153 @@ def verify_command(
     *,
     resume_with: str | None = None,
     resume_at: int | None = None,
+    require_resume: bool = False,
     progress: Callable[[str], None] | None = None,
     steps: str | None = None,
+    run_timeout: float | None = None,
 ) -> VerifyResult:
-    """Run ``cmd`` twice with zero-code recording and compare; with ``resume_with`` (a
-    command holding ``{step}``, run after A) also check a resumed run from ``resume_at``."""
-    from samebits.autorecord import environment_for
+    """Run ``cmd`` twice (A, B) with zero-code recording and compare; with ``resume_with``
+    (a command run after A, resuming A's checkpoint of step ``resume_at``) also run C and
+    check it equals A from that step on.
 
+    Placeholders, expanded per run so that no two runs share a folder: ``{out}`` (this run's
+    own empty work folder, OUT/work/a|b|c, for its checkpoints and outputs) and ``{run}``
+    (a, b or c) in both commands; ``{step}`` (``resume_at``) and ``{from}`` (A's work folder,
+    where A saved its checkpoints) in ``resume_with``.  C's steps are numbered from
+    ``resume_at``, like A's.  ``require_resume``: refuse to start without a resume check.
+    """
     if not cmd:
-        raise SamebitsError("no command given: write `samebits verify -- python train.py ...`.")
+        raise ConfigError("no command given: write `samebits verify -- python train.py ...`.")
+    if resume_with is None and require_resume:
+        raise ConfigError("--require-resume: no resume check asked for. Give --resume-with 'CMD' (how to resume "
+                          "your script from A's checkpoint: {from} is A's work folder, {step} the step) and "
+                          "--resume-at K; see docs/resume.md.")
     if resume_with is not None and resume_at is None:
-        raise SamebitsError("--resume-with needs --resume-at K: the step the resumed command starts from.")
+        raise ConfigError("--resume-with needs --resume-at K: the step the resumed command starts from "
+                          "(there is no default for a command: samebits cannot know where it checkpoints).")
+    if resume_at is not None and resume_at < 1:
+        raise ConfigError(f"--resume-at {resume_at}: must be a step >= 1 (a resume after at least one step).")
+    if resume_at is not None and resume_with is None:
+        raise ConfigError("--resume-at without --resume-with: give the command that resumes your script too.")
+    for placeholder in RESUME_PLACEHOLDERS:
+        if any(placeholder in part for part in cmd):
+            raise ConfigError(f"the command holds {placeholder}, which only --resume-with can use; use {{out}} "
+                              "for the run's own work folder.")
     out = _prepare(out or default_out_dir())
     say = progress or (lambda message: None)
     command = shlex.join(cmd)
-    stages = [("A", cmd, environment_for(out / "a", command=command, steps=steps)),
-              ("B", cmd, environment_for(out / "b", command=command, steps=steps, reference=out / "a"))]
+    notes: list[str] = []
+    stages = [("A", _expand(cmd, out, "a"), environment_for(out / "a", command=command, steps=steps)),
+              ("B", _expand(cmd, out, "b"),
+               environment_for(out / "b", command=command, steps=steps, reference=out / "a"))]
     if resume_with is not None:
-        resumed = shlex.split(resume_with.replace("{step}", str(resume_at)))
+        resumed = _expand(shlex.split(resume_with), out, "c", step=resume_at)
         stages.append(("C (resume)", resumed,
                        environment_for(out / "c", command=command, steps=steps, step_offset=resume_at,
                                        reference=out / "a")))
-    timings, notes = {}, []
+        if not any("{out}" in part for part in cmd):
+            notes.append("the command has no {out}: A and B write their checkpoints to the same place, so C may "
+                         "resume from B's; put {out} in the command's checkpoint folder and {from} in "
+                         "--resume-with (docs/resume.md)")
+    timings: dict[str, float] = {}
+    runs: list[RunInfo] = []
     for index, (name, argv, env) in enumerate(stages, 1):
         say(f"[{index}/{len(stages)}] run {name}: {shlex.join(argv)}")
         log = out / "logs" / (name.split()[0].lower() + ".log")
-        code, seconds = run_logged(argv, log, env=env, label=name)
+        run_dir = Path(env["SAMEBITS_DIR"])
+        kwargs = {"timeout": run_timeout} if run_timeout is not None else {}
+        code, seconds = run_logged(argv, log, env=env, label=name, **kwargs)
         timings[name] = seconds
-        if code != 0:
-            note = teardown_note(name, code, Path(env["SAMEBITS_DIR"]), log)
-            if note is None:
-                raise failed(name, argv, code, log)
-            notes.append(note)
-        say(f"      done in {seconds:.1f} s")
+        stop = read_stop(run_dir)
+        if stop is not None:
+            ended = f"stopped at step {stop.get('stopped_at')} (differs from A)"
+        else:
+            ended = judge_recorded_run(name, argv, code, run_dir, log) or "finished"
+        runs.append(RunInfo(name, shlex.join(argv), code, seconds, ended))
+        say(f"      done in {seconds:.1f} s: {ended}")
     checks = {"independent": diff(out / "a", out / "b"),
               "resume": diff(out / "a", out / "c", start_step=resume_at) if resume_with else None}
-    result = VerifyResult(str(out), checks, timings, resume_at, notes)
+    result = VerifyResult(str(out), checks, timings, resume_at, notes, runs)
+    result.explanations = _explain(result, out / "a" / STATE_DIR, out / "b" / STATE_DIR, out / "c" / STATE_DIR)
     _write_summary(out, result)
     return result
 
 
-def _write_summary(out: Path, result: VerifyResult) -> None:
-    import json
+def _expand(argv: list[str], out: Path, run: str, step: int | None = None) -> list[str]:
+    """``argv`` with the placeholders of run ``run`` filled in; its work folder is created."""
+    work = out / "work" / run
+    work.mkdir(parents=True, exist_ok=True)
+    values = {"{out}": str(work), "{run}": run}
+    if step is not None:
+        values.update({"{step}": str(step), "{from}": str(out / "work" / "a")})
+    expanded = []
+    for part in argv:
+        for placeholder, value in values.items():
+            part = part.replace(placeholder, value)
+        expanded.append(part)
+    return expanded
 
+
+def _explain(result: VerifyResult, state_a: Path, state_b: Path, state_c: Path) -> dict[str, list[str]]:
+    """For a resume that diverged: the state census records that differ between A and C at a
+    step start from the resume step up to the divergent step (and do not also differ between
+    the independent runs A and B, which would make them no evidence about the checkpoint)."""
+    check = result.checks.get("resume")
+    if check is None or check.identical or check.first_divergence is None:
+        return {}
+    first = check.first_divergence
+    try:
+        differing = _state_differences(state_a, state_c, result.resume_at, first.step)
+        ambient = _state_differences(state_a, state_b, result.resume_at, first.step, first_only=False) \
+            if state_b.exists() else {}
+    except StreamError as err:
+        return {"resume": [f"(the state census could not be read: {err})"]}
+    lines = []
+    for (step, rank), names in sorted(differing.items()):
+        for name in names:
+            if name in ambient.get((step, rank), ()):
+                continue
+            description = describe_state_record(name)
+            lines.append(f"step {step}, rank {rank}: {description} [state census record {name}]")
+    return {"resume": lines} if lines else {}
+
+
+def _state_differences(dir_a: Path, dir_b: Path, start: int | None, stop: int,
+                       first_only: bool = True) -> dict[tuple[int, int], list[str]]:
+    """Per (step, rank), the names of state census records present in both runs whose
+    content differs, for start <= step <= stop; with ``first_only`` only each rank's first
+    such step."""
+    if not (dir_a.exists() and dir_b.exists()):
+        return {}
+    try:
+        run_a, run_b = open_run(dir_a), open_run(dir_b)
+    except StreamError:
+        return {}  # no census recorded (e.g. a run that stopped before its first forward)
+    found: dict[tuple[int, int], list[str]] = {}
+    for rank in run_a.ranks:
+        if rank not in run_b.files:
+            continue
+        steps_b = {}
+        for block in run_b.stream(rank).steps():
+            if (start or 0) <= block.step <= stop:
+                steps_b[block.step] = block.records()
+        for block in run_a.stream(rank).steps():
+            if block.step not in steps_b:
+                continue
+            records_b = {r.key: r for r in steps_b[block.step] if r.phase == STATE_PHASE}
+            names = [r.name for r in block.records()
+                     if r.phase == STATE_PHASE and r.key in records_b and not r.same_content(records_b[r.key])]
+            if names:
+                found[(block.step, rank)] = names
+                if first_only:
+                    break
+    run_a.close()
+    run_b.close()
+    return found
+
+
+def _write_summary(out: Path, result: VerifyResult) -> None:
     (out / "summary.json").write_text(json.dumps(result.to_json(), indent=2, default=str) + "\n")
 
 
-__all__ = ["verify_recipe", "verify_command", "VerifyResult"]
+__all__ = ["verify_recipe", "verify_command", "VerifyResult", "RunInfo", "GUARANTEES"]

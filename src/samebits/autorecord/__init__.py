@@ -11,6 +11,18 @@ fires, so launcher processes and data-loader workers record nothing:
   loss lives), under phase ``forward``;
 * the recorder's own atexit close.
 
+Besides the records, every process that recorded leaves an outcome file saying how its own
+code ended (clean, an uncaught exception, or stopped by the live check; see `_outcome`), so
+that a launcher never takes a crashed training run for a finished one.  At the first
+top-level forward of each step it records the *state census* (every RNG state, the step
+counts and learning rates of the optimizers seen so far) into a second stream in
+``SAMEBITS_DIR/state``: not part of the verdict (an unused, unseeded Python RNG differs
+between any two runs), but what names the missing state when a resumed run differs.
+
+With ``SAMEBITS_REFERENCE`` set, each step's root is checked against the reference run as
+it is written; at the first step that differs the process says so on stderr, leaves
+``stopped.json`` in its run directory and exits with code 3 (`EXIT_STOPPED`).
+
 Parameter names come from the top-level modules that ran forward (their
 ``named_parameters``); a parameter no module claims is named ``group{g}.param{i}``.
 Settings come from ``SAMEBITS_*`` variables (see `samebits.stream.settings`), plus
@@ -22,13 +34,29 @@ too; its steps are the same optimizer-step counts.
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
+import traceback
+from pathlib import Path
 
 import torch
 
 from samebits._inject import with_injection
+from samebits.autorecord._outcome import (
+    STOPPED_MARKER,
+    TRACEBACK_LINES,
+    read_outcomes,
+    read_stop,
+    write_outcome,
+    write_stop,
+)
+from samebits.checkpoint import STATE_PHASE, state_census
+from samebits.stream import Recorder
 
 ENV_ENABLE = "SAMEBITS_AUTORECORD"
+STATE_DIR = "state"  # the census stream's folder inside a run directory
+EXIT_STOPPED = 3  # the live check stopped the run at a step that differs from the reference
 
 _state = None
 
@@ -42,21 +70,81 @@ class _AutoRecorder:
         self.depth = 0  # nesting of module forwards: 0 means a top-level call
         self.top_level_seen: dict[int, torch.nn.Module] = {}
         self.tracer = None  # samebits.trace.Tracer when SAMEBITS_TRACE* asks for one
+        self.optimizers: list[torch.optim.Optimizer] = []  # in the order their first step ran
+        self.census = None  # the state census Recorder (SAMEBITS_DIR/state)
+        self.census_step: int | None = None  # the last step whose census is recorded
+        self.exception: BaseException | None = None  # an uncaught one, seen by sys.excepthook
+        self.exception_tail: list[str] = []
 
     def _rec(self):
         if self.recorder is None:
-            from samebits.stream import Recorder
-
             reference = os.environ.get("SAMEBITS_REFERENCE") or None
-            self.recorder = Recorder(
-                append=os.environ.get("SAMEBITS_APPEND") == "1",
-                reference=reference,
-                config={"command": os.environ.get("SAMEBITS_COMMAND", "")},
-            )
+            config = {"command": os.environ.get("SAMEBITS_COMMAND", "")}
+            append = os.environ.get("SAMEBITS_APPEND") == "1"
+            self.recorder = Recorder(append=append, reference=reference, config=config)
+            if self.recorder.active:
+                self.census = Recorder(self.recorder.settings.directory / STATE_DIR, append=append,
+                                       rank=self.recorder.rank, world_size=self.recorder.world_size,
+                                       config=config)
         return self.recorder
+
+    def record_census(self) -> None:
+        """The state census at the start of ``self.step`` (once per step)."""
+        if self.census_step == self.step:
+            return
+        self.census_step = self.step
+        self._rec()
+        if self.census is not None:
+            self.census.tensors(self.step, STATE_PHASE, state_census(optimizers=self.optimizers))
+            self.census.end_step(self.step)
+
+    # how the user's code ended: the launcher reads it (see _outcome)
+    def excepthook(self, kind, value, tb) -> None:
+        self.exception = value
+        lines = "".join(traceback.format_exception(kind, value, tb)).rstrip().splitlines()
+        self.exception_tail = lines[-TRACEBACK_LINES:]
+
+    def at_exit(self) -> None:
+        if self.recorder is None and self.exception is None:
+            return  # a launcher or helper process: it recorded nothing
+        streams_closed = True
+        for recorder in (self.recorder, self.census):
+            if recorder is not None:
+                try:
+                    recorder.close()
+                except Exception:  # say so in the outcome rather than hide it
+                    streams_closed = False
+        directory = os.environ.get("SAMEBITS_DIR")
+        if not directory:
+            return
+        rank = self.recorder.rank if self.recorder is not None else _env_rank()
+        if self.exception is not None:
+            write_outcome(directory, rank=rank, ended="exception", streams_closed=streams_closed,
+                          exception=f"{type(self.exception).__name__}: {self.exception}",
+                          traceback_tail=self.exception_tail, step=self.step)
+        else:
+            write_outcome(directory, rank=rank, ended="clean", streams_closed=streams_closed, step=self.step)
+
+    def stop(self, step: int) -> None:
+        """The live check found ``step`` differs from the reference: say so and end the process."""
+        rec = self.recorder
+        reference = os.environ.get("SAMEBITS_REFERENCE", "")
+        print(f"samebits: step {step} on rank {rec.rank} differs from the reference run {reference} "
+              f"(its step root); stopping here, exit code {EXIT_STOPPED}. Details: samebits diff "
+              f"{reference} {rec.settings.directory} --to-step {step + 1}", file=sys.stderr, flush=True)
+        for recorder in (rec, self.census):
+            if recorder is not None:
+                recorder.close()
+        write_stop(rec.settings.directory, step=step, rank=rec.rank, reference=reference)
+        write_outcome(rec.settings.directory, rank=rec.rank, ended="stopped", streams_closed=True, step=step)
+        sys.stdout.flush()
+        # Not SystemExit: the script's own handlers would run on into collectives and hang.
+        os._exit(EXIT_STOPPED)
 
     # forward hooks: count nesting so only top-level outputs are recorded
     def pre_forward(self, module, args):
+        if self.depth == 0:
+            self.record_census()
         self.depth += 1
 
     def post_forward(self, module, args, output):
@@ -78,6 +166,8 @@ class _AutoRecorder:
     def after_optimizer_step(self, optimizer, args, kwargs):
         if self.first_optimizer is None:
             self.first_optimizer = optimizer
+        if not any(seen is optimizer for seen in self.optimizers):
+            self.optimizers.append(optimizer)
         rec = self._rec()
         phase_prefix = "" if optimizer is self.first_optimizer else f"optimizer{id(optimizer) & 0xFFFF:x}."
         names = []
@@ -98,7 +188,8 @@ class _AutoRecorder:
         if optimizer is self.first_optimizer:
             if tracer is not None:
                 tracer.finish_step(self.step)  # its records belong before the step is written
-            rec.end_step(self.step)
+            if rec.end_step(self.step) is False:
+                self.stop(self.step)
             self.step += 1
             if tracer is not None:
                 tracer.after_end_step(self.step - 1)  # may end the process (a bisect re-run)
@@ -130,6 +221,14 @@ def install() -> bool:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     state = _AutoRecorder()
+    previous_hook = sys.excepthook
+
+    def excepthook(kind, value, tb):
+        state.excepthook(kind, value, tb)
+        previous_hook(kind, value, tb)
+
+    sys.excepthook = excepthook
+    atexit.register(state.at_exit)  # registered first, so it runs after the script's own handlers
     if any(os.environ.get(name) for name in _TRACE_VARIABLES):
         from samebits.trace import install_zero_code
 
@@ -139,6 +238,11 @@ def install() -> bool:
     register_module_forward_hook(_state.post_forward, always_call=True)
     register_optimizer_step_post_hook(_state.after_optimizer_step)
     return True
+
+
+def _env_rank() -> int | None:
+    rank = os.environ.get("RANK")
+    return int(rank) if rank is not None and rank.isdigit() else None
 
 
 _TRACE_VARIABLES = ("SAMEBITS_TRACE", "SAMEBITS_TEST_PERTURB", "SAMEBITS_TRACE_DUMP_OP", "SAMEBITS_TRACE_STOP_AFTER")
@@ -163,3 +267,7 @@ def environment_for(out_dir, *, steps=None, ranks=None, max_tensor_bytes=None, r
     else:
         env.pop("SAMEBITS_APPEND", None)
     return env
+
+
+__all__ = ["install", "environment_for", "read_outcomes", "read_stop", "STOPPED_MARKER", "STATE_DIR",
+           "EXIT_STOPPED", "ENV_ENABLE"]

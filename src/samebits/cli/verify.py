@@ -6,6 +6,7 @@ import sys
 import time
 
 from samebits.cli._format import print_json, table
+from samebits.verdicts import Verdict
 from samebits.verify import VerifyResult, verify_command, verify_recipe
 
 
@@ -13,22 +14,33 @@ def register(sub) -> None:
     parser = sub.add_parser(
         "verify",
         help="check both guarantees on the reference recipe or any command",
-        description="Run A, B (independent) and C (checkpoint at --resume-at, fresh process resumes) and "
-        "compare bit for bit. With no command: the built-in reference recipe on 2 ranks. "
-        "Exit 0 both hold, 1 either fails, 2 could not run.",
+        description="Run A and B (independent runs: must be identical) and, for the recipe or with "
+        "--resume-with, C (resumes A's checkpoint of step --resume-at in a fresh process: must equal A from "
+        "there on), and compare bit for bit. With no command: the built-in reference recipe on 2 ranks. "
+        "The verdict names the guarantees it checked. Exit 0 PASS, 1 FAIL, 2 could not run or decide "
+        "(a run that raised, a damaged stream, --require-resume without a resume check). "
+        "Resume your own script: docs/resume.md.",
     )
     parser.add_argument("--out", default=None, help="output directory (default: samebits-out/verify-TIME)")
     parser.add_argument("--steps", type=int, default=8, help="training steps per run (recipe; default 8)")
-    parser.add_argument("--resume-at", type=int, default=None, help="checkpoint/resume step (default: steps/2)")
+    parser.add_argument("--resume-at", type=int, default=None, metavar="K",
+                        help="the resume step: recipe default steps/2; with a command it is required "
+                             "with --resume-with (samebits cannot know where your script checkpoints)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks (recipe; default 2)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="recipe config override, repeatable")
     parser.add_argument("--nondeterministic", action="store_true",
                         help="use the recipe's nondeterministic path: the verdict must show where it diverges")
-    parser.add_argument("--resume-with", default=None, metavar="'CMD {step}'",
-                        help="with a command: how to resume it from checkpoint step {step}")
+    parser.add_argument("--resume-with", default=None, metavar="'CMD'",
+                        help="with a command: how to resume it from A's checkpoint; {from} is A's work folder "
+                             "(the {out} A ran with), {step} the --resume-at step, {out} C's own work folder")
+    parser.add_argument("--require-resume", action="store_true",
+                        help="exit 2 unless the resume guarantee is checked too (for CI)")
+    parser.add_argument("--run-timeout", type=float, default=None, metavar="SECONDS",
+                        help="with a command: kill a run that takes longer and report a hang (default 1800)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    parser.add_argument("cmd", nargs="*", metavar="-- CMD", help="a command to check instead of the recipe")
+    parser.add_argument("cmd", nargs="*", metavar="-- CMD",
+                        help="a command to check instead of the recipe; {out} and {run} are filled in per run")
     parser.set_defaults(func=run)
 
 
@@ -39,6 +51,7 @@ def run(args) -> int:
     start = time.perf_counter()
     if args.cmd:
         result = verify_command(args.cmd, args.out, resume_with=args.resume_with, resume_at=args.resume_at,
+                                require_resume=args.require_resume, run_timeout=args.run_timeout,
                                 progress=progress)
     else:
         result = verify_recipe(args.out, steps=args.steps, resume_at=args.resume_at, nproc=args.nproc,
@@ -49,31 +62,65 @@ def run(args) -> int:
         print_json(result.to_json())
     else:
         print(render(result))
-    return 0 if result.verdict == "pass" else 1
+    return result.verdict.exit_code
+
+
+_LABELS = {"independent": "1. independent runs: A = B", "resume": "2. resume: A = C"}
 
 
 def render(result: VerifyResult) -> str:
     rows = []
-    labels = {"independent": "1. independent runs A = B",
-              "resume": f"2. resume at step {result.resume_at}: A = C"}
     for name, check in result.checks.items():
+        label = _LABELS[name] if name != "resume" or result.resume_at is None else \
+            f"2. resume at step {result.resume_at}: A = C"
         if check is None:
-            rows.append([labels[name], "not run", "-", "(give --resume-with to check resume)"])
+            rows.append([label, "NOT CHECKED", "-", "give --resume-with 'CMD' and --resume-at K (docs/resume.md)"])
             continue
         c = check.compared
         counts = f"{c['ranks']} x {c['steps']} x {c['records']:,}"
-        if check.identical:
-            rows.append([labels[name], "IDENTICAL", counts, "-"])
-        else:
+        verdict = Verdict(check.verdict)
+        if verdict is Verdict.IDENTICAL:
+            rows.append([label, "IDENTICAL", counts, "-"])
+        elif verdict is Verdict.DIVERGED:
             d = check.first_divergence
             where = f"step {d.step}, rank {d.rank}: " + (f"{d.phase}/{d.name}" if d.name else d.detail)
-            rows.append([labels[name], "DIVERGED", counts, where])
-    lines = [f"samebits verify: {'PASS' if result.verdict == 'pass' else 'FAIL'}", "",
-             table(["guarantee", "verdict", "ranks x steps x records", "first divergence"], rows), ""]
+            rows.append([label, "DIVERGED", counts, where])
+        else:
+            rows.append([label, verdict.value.upper(), counts, "; ".join(check.notes[:2]) or "-"])
+    checked = " and ".join(result.checked) or "nothing"
+    headline = f"samebits verify: {result.verdict.value.upper()} (checked: {checked}"
+    headline += f"; not checked: {', '.join(result.not_checked)})" if result.not_checked else ")"
+    lines = [headline, "", table(["guarantee", "verdict", "ranks x steps x records", "first divergence"], rows), ""]
+    if result.runs:
+        lines += [table(["run", "exit", "ended"], [[r.name, str(r.exit_code), r.ended] for r in result.runs]), ""]
+    for check, explanations in result.explanations.items():
+        lines += [f"{check}: what differs at step start:"] + [f"  {line}" for line in explanations]
+    for note in result.notes:
+        lines.append(f"note: {note}")
     times = ", ".join(f"{k} {v:.1f} s" for k, v in result.timings.items())
     lines.append(f"wall time: {times}")
     lines.append(f"streams, logs and summary.json in {result.out}")
-    if result.verdict == "fail":
-        lines.append(f"next: `samebits diff {result.out}/a {result.out}/b` for the details, "
-                     "or `samebits bisect` to find the origin op")
+    lines += next_steps(result)
     return "\n".join(lines)
+
+
+def next_steps(result: VerifyResult) -> list[str]:
+    """Hints that point at the failing comparison, never at one that held."""
+    out = result.out
+    hints = []
+    independent, resume = result.checks.get("independent"), result.checks.get("resume")
+    if independent is not None and Verdict(independent.verdict) is Verdict.DIVERGED:
+        runs = [r.command for r in result.runs if r.name == "A"]
+        hints.append(f"next: `samebits diff {out}/a {out}/b` for the details; to find the origin op, "
+                     + (f"`samebits bisect -- {runs[0]}`" if runs and "-m samebits.recipes.train" not in runs[0]
+                        else "`samebits bisect` (the recipe; add the same --set/--nondeterministic options)"))
+    if resume is not None and Verdict(resume.verdict) is Verdict.DIVERGED:
+        step = resume.first_divergence.step
+        hints.append(f"next: `samebits diff {out}/a {out}/c --from-step {result.resume_at}` shows A against the "
+                     f"resumed run C (first difference at step {step})")
+        if independent is not None and independent.identical:
+            hints.append("      A = B held, so the difference comes from what the checkpoint saves and restores")
+    if resume is None:
+        hints.append("resume was not checked: add --resume-with 'CMD' --resume-at K (docs/resume.md), "
+                     "and --require-resume in CI")
+    return hints

@@ -1,0 +1,94 @@
+"""How each recorded process's own code ended, written next to its stream for the launcher.
+
+A process's exit code alone cannot tell "the training raised at step 3" from "the training
+finished, then the interpreter crashed while tearing down": both are non-zero, and in both
+the recorder's atexit close leaves complete-looking streams.  So every process that recorded
+writes ``outcome-rank<R>-pid<P>.json`` into its run directory when its Python code ends:
+
+* ``"clean"``: the interpreter reached its exit handlers with no uncaught exception;
+* ``"exception"``: an uncaught exception ended it (its type, message and traceback tail);
+* ``"stopped"``: the live check stopped it at a step that differs from the reference.
+
+The launcher (`samebits._launch`) reads these files: only a run whose every process ended
+``clean`` with its streams closed, and whose non-zero exit came from a signal after that,
+may keep its records.  The file is written atomically (temp file, then rename).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+STOPPED_MARKER = "stopped.json"
+"""Left in a run directory when the live check (``--reference``) stopped the run at its first
+step that differs; launchers such as torchrun replace the process's own exit code."""
+
+OUTCOME_PREFIX = "outcome-"
+TRACEBACK_LINES = 8  # lines of the traceback's end kept in the outcome file
+
+
+def write_outcome(directory: str | os.PathLike, *, rank: int | None, ended: str,
+                  streams_closed: bool, exception: str = "", traceback_tail: list[str] = (),
+                  step: int | None = None) -> Path:
+    """Write this process's outcome file into ``directory`` and return its path."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    pid = os.getpid()
+    name = f"{OUTCOME_PREFIX}rank{rank if rank is not None else 'x'}-pid{pid}.json"
+    payload = {"pid": pid, "rank": rank, "ended": ended, "streams_closed": streams_closed,
+               "step": step, "exception": exception, "traceback_tail": list(traceback_tail)}
+    temporary = directory / (name + ".tmp")
+    temporary.write_text(json.dumps(payload) + "\n")
+    os.replace(temporary, directory / name)
+    return directory / name
+
+
+def read_outcomes(directory: str | os.PathLike) -> list[dict]:
+    """Every outcome file in ``directory`` (sorted by rank, then pid); an unreadable one is
+    returned as ``{"ended": "unreadable", ...}`` so that it is never taken for a clean end."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    outcomes = []
+    for path in sorted(directory.glob(OUTCOME_PREFIX + "*.json")):
+        try:
+            outcome = json.loads(path.read_text())
+            if not isinstance(outcome, dict):
+                raise ValueError("not an object")
+        except (OSError, ValueError) as err:
+            outcome = {"ended": "unreadable", "rank": None, "exception": f"{path.name}: {err}"}
+        outcome["file"] = str(path)
+        outcomes.append(outcome)
+    outcomes.sort(key=lambda o: (o.get("rank") if isinstance(o.get("rank"), int) else -1, o.get("pid") or 0))
+    return outcomes
+
+
+def read_stop(directory: str | os.PathLike) -> dict | None:
+    """The live check's stop marker in ``directory`` (step, rank, reason), or None."""
+    path = Path(directory) / STOPPED_MARKER
+    if not path.exists():
+        return None
+    try:
+        marker = json.loads(path.read_text())
+    except (OSError, ValueError):
+        marker = {}
+    return marker if isinstance(marker, dict) else {}
+
+
+def write_stop(directory: str | os.PathLike, *, step: int, rank: int | None, reference: str = "",
+               reason: str = "diverged from reference") -> None:
+    """Leave the stop marker (atomically; the first rank to stop wins, later ones keep it)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    temporary = directory / f"{STOPPED_MARKER}.{os.getpid()}.tmp"
+    temporary.write_text(json.dumps({"stopped_at": step, "rank": rank, "reference": str(reference),
+                                     "reason": reason}) + "\n")
+    try:
+        os.link(temporary, directory / STOPPED_MARKER)  # fails if another rank already wrote it
+    except FileExistsError:
+        pass
+    except OSError:  # a file system without hard links
+        os.replace(temporary, directory / STOPPED_MARKER)
+        return
+    temporary.unlink(missing_ok=True)

@@ -9,9 +9,13 @@
 Per rank it stores model, optimizer (by parameter name), LR schedule, loop position and
 every random state (Python, NumPy, torch CPU, CUDA per device, the bundle's generators),
 with `torch.distributed.checkpoint` writing each rank's shards.  See docs/checkpoint.md.
+
+`state_census(...)` lists the same states as named tensors, recorded at each step start in
+the `STATE_PHASE` phase, so a resume that lost one shows which (`describe_state_record`).
 """
 
 from samebits.checkpoint._bundle import StateBundle
+from samebits.checkpoint._census import STATE_PHASE, describe_state_record, state_census
 from samebits.checkpoint._errors import CheckpointError, CheckpointLayoutError
 from samebits.checkpoint._rng import GLOBAL_RNG_NAMES, capture_rng_state, restore_rng_state
 from samebits.checkpoint._storage import DROP_RNG_ENV, SAVE_PAUSE_ENV, load, resolve, save
@@ -28,4 +32,7 @@ __all__ = [
     "GLOBAL_RNG_NAMES",
     "DROP_RNG_ENV",
     "SAVE_PAUSE_ENV",
+    "state_census",
+    "describe_state_record",
+    "STATE_PHASE",
 ]

@@ -1,0 +1,260 @@
+"""The state census: the training state a resume must restore, as named CPU tensors.
+
+    rec.tensors(step, STATE_PHASE, state_census(optimizers=[opt], schedulers=[sched],
+                                                generators={"dropout": gen}))
+
+Recorded at the start of every step, in a "state" phase, the census turns a resume that
+lost some state into a named difference: the first differing record is the missing state
+("rng.torch_cpu", "optim0.step", ...), and `describe_state_record` says what that means.
+Each record holds the exact bits of one state, so equal digests mean equal state:
+
+    rng.python          Python `random`: version, the 625 Mersenne Twister words, cached gauss
+    rng.numpy           NumPy's global RandomState: the 624 key words, pos, has_gauss, cached
+    rng.torch_cpu       torch.get_rng_state()
+    rng.cuda:<i>        torch.cuda.get_rng_state(i), each visible device once CUDA is initialised
+    rng.user.<name>     each named generator's state (torch.Generator, numpy.random.Generator)
+    optim<i>.step       optimizer i's per-parameter "step" state, in param order (-1: no state)
+    optim<i>.lr         optimizer i's param-group learning rates
+    sched<i>.last_epoch LR scheduler i's position
+    sched<i>.lr         LR scheduler i's get_last_lr()
+
+It runs every step, so it reads states without copying more than they hold and syncs a
+device at most once per device (optimizer step counts kept on a GPU).
+"""
+
+from __future__ import annotations
+
+import random
+import struct
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from samebits.errors import ConfigError
+
+try:  # a dependency of samebits, but the census works without it (no rng.numpy record)
+    import numpy as _np
+except ImportError:  # pragma: no cover - exercised by loading this file with numpy blocked
+    _np = None
+
+#: The phase name under which the census is recorded at each step start.
+STATE_PHASE = "state"
+
+_NOT_RESTORED = "seeded from something that changes, or not restored on resume"
+_LR_NOT_RESTORED = "learning rate differs at step start: LR scheduler not restored on resume"
+
+
+def state_census(*, optimizers: Sequence[Any] = (), schedulers: Sequence[Any] = (),
+                 generators: Mapping[str, Any] | None = None,
+                 include_cuda: bool = True) -> list[tuple[str, torch.Tensor]]:
+    """Named CPU tensors whose bits are this process's RNG, optimizer-step and LR state.
+
+    Always in the same order: rng.python, rng.numpy, rng.torch_cpu, rng.cuda:<i> (when
+    `include_cuda` and CUDA is initialised; the census never initialises it), rng.user.<name>
+    (sorted by name), then per optimizer optim<i>.step and optim<i>.lr, then per scheduler
+    sched<i>.last_epoch and sched<i>.lr.  A bad argument is a ConfigError naming it.
+    """
+    optimizers = _checked_sequence("optimizers", optimizers, _is_optimizer,
+                                   "a torch.optim.Optimizer (param_groups and state)")
+    schedulers = _checked_sequence("schedulers", schedulers, _is_scheduler,
+                                   "an LR scheduler (last_epoch and get_last_lr())")
+    user = _checked_generators(generators)
+
+    records: list[tuple[str, torch.Tensor]] = [("rng.python", _python_state())]
+    if _np is not None:
+        records.append(("rng.numpy", _numpy_global_state()))
+    records.append(("rng.torch_cpu", torch.get_rng_state()))
+    if include_cuda and torch.cuda.is_initialized():  # is_available() alone would not do:
+        for index in range(torch.cuda.device_count()):  # reading a state must not init CUDA
+            records.append((f"rng.cuda:{index}", torch.cuda.get_rng_state(index)))
+    for name, generator in user:
+        records.append((f"rng.user.{name}", _generator_state(generator)))
+    for index, optimizer in enumerate(optimizers):
+        records.append((f"optim{index}.step", _optimizer_steps(optimizer)))
+        records.append((f"optim{index}.lr", _float64([group["lr"] for group in
+                                                      optimizer.param_groups])))
+    for index, scheduler in enumerate(schedulers):
+        records.append((f"sched{index}.last_epoch",
+                        torch.tensor([int(scheduler.last_epoch)], dtype=torch.int64)))
+        records.append((f"sched{index}.lr", _float64(scheduler.get_last_lr())))
+    return records
+
+
+def describe_state_record(name: str) -> str:
+    """The sentence a user needs when census record `name` differs between two runs."""
+    if name == "rng.python":
+        return f"Python `random` state differs at step start: {_NOT_RESTORED}"
+    if name == "rng.numpy":
+        return f"NumPy global random state (np.random) differs at step start: {_NOT_RESTORED}"
+    if name == "rng.torch_cpu":
+        return f"torch CPU RNG state differs at step start: {_NOT_RESTORED}"
+    if name.startswith("rng.cuda:"):
+        return (f"torch CUDA RNG state of device {name.removeprefix('rng.cuda:')} differs at "
+                f"step start: {_NOT_RESTORED}")
+    if name.startswith("rng.user."):
+        return f"generator '{name.removeprefix('rng.user.')}' state differs at step start: " \
+               f"{_NOT_RESTORED}"
+    index, _, field = name.partition(".")
+    if index.startswith("optim") and index[len("optim"):].isdigit():
+        number = index[len("optim"):]
+        if field == "step":
+            return (f"optimizer {number} step counts differ at step start: optimizer state not "
+                    "restored on resume, or a step skipped")
+        if field == "lr":
+            return f"{_LR_NOT_RESTORED} (optimizer {number}'s param-group lr)"
+    if index.startswith("sched") and index[len("sched"):].isdigit() and field:
+        return f"{_LR_NOT_RESTORED} (scheduler {index[len('sched'):]}'s {field})"
+    return (f"training state {name!r} differs at step start: some state was not restored on "
+            "resume, or was seeded from something that changes")
+
+
+# --- the records ---------------------------------------------------------------------------
+
+
+def _python_state() -> torch.Tensor:
+    """int64[628]: version, the 625 state words (624 + position), has_gauss, gauss bits."""
+    version, words, gauss = random.getstate()
+    values = torch.empty(len(words) + 3, dtype=torch.int64)
+    values[0] = version
+    values[1:len(words) + 1] = torch.as_tensor(words, dtype=torch.int64)
+    values[-2] = gauss is not None
+    values[-1] = _float_bits(gauss) if gauss is not None else 0
+    return values
+
+
+def _numpy_global_state() -> torch.Tensor:
+    """int64[627]: the 624 key words, pos, has_gauss, cached gaussian bits (legacy MT19937);
+    uint8 bytes of the full state for any other bit generator."""
+    state = _np.random.get_state()
+    if isinstance(state, dict):  # the global RandomState was given another bit generator
+        return _plain_bytes(state)
+    _, key, pos, has_gauss, cached = state
+    values = _np.empty(key.shape[0] + 3, dtype=_np.int64)
+    values[:-3] = key
+    values[-3:] = (pos, has_gauss, _float_bits(cached))
+    return torch.from_numpy(values)
+
+
+def _generator_state(generator: Any) -> torch.Tensor:
+    if isinstance(generator, torch.Generator):
+        return generator.get_state()  # uint8, on the CPU whatever the generator's device
+    return _plain_bytes(generator.bit_generator.state)
+
+
+def _optimizer_steps(optimizer: Any) -> torch.Tensor:
+    """float64 per parameter in param-group order: its "step" state, -1 without one."""
+    steps: list[float] = []
+    on_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    state = optimizer.state
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            entry = state.get(param)
+            step = None if entry is None else entry.get("step")
+            if isinstance(step, torch.Tensor) and step.device.type != "cpu":
+                on_device.setdefault(step.device, []).append((len(steps), step))
+                steps.append(0.0)
+            elif isinstance(step, torch.Tensor):
+                steps.append(step.item())  # exact: float32/int64 step counts fit a float64
+            else:
+                steps.append(-1.0 if step is None else float(step))
+    values = torch.tensor(steps, dtype=torch.float64)
+    # One stack and one copy per device: step counts on a GPU (capturable/fused Adam) cost
+    # one sync per step, not one per parameter.
+    for tensors in on_device.values():
+        positions = torch.tensor([position for position, _ in tensors])
+        stacked = torch.stack([t.detach().reshape(()) for _, t in tensors])
+        values[positions] = stacked.to(device="cpu", dtype=torch.float64)
+    return values
+
+
+def _float64(values: Sequence[Any]) -> torch.Tensor:
+    return torch.tensor([float(v) for v in values], dtype=torch.float64)
+
+
+def _float_bits(value: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", value))[0]
+
+
+def _plain_bytes(value: Any) -> torch.Tensor:
+    """A NumPy bit-generator state (dicts, strings, ints of any size, arrays) as uint8,
+    encoded without loss and in a fixed order."""
+    out = bytearray()
+    _encode(value, out)
+    return torch.frombuffer(out, dtype=torch.uint8).clone()
+
+
+def _encode(value: Any, out: bytearray) -> None:
+    if isinstance(value, Mapping):
+        out += b"d" + len(value).to_bytes(4, "little")
+        for key in sorted(value, key=str):
+            _encode(str(key), out)
+            _encode(value[key], out)
+    elif isinstance(value, str):
+        data = value.encode()
+        out += b"s" + len(data).to_bytes(4, "little") + data
+    elif isinstance(value, bool):
+        out += b"b" + bytes([value])
+    elif isinstance(value, int) or (_np is not None and isinstance(value, _np.integer)):
+        number = int(value)
+        data = number.to_bytes((number.bit_length() + 8) // 8, "little", signed=True)
+        out += b"i" + len(data).to_bytes(4, "little") + data
+    elif isinstance(value, float) or (_np is not None and isinstance(value, _np.floating)):
+        out += b"f" + struct.pack("<d", float(value))
+    elif _np is not None and isinstance(value, _np.ndarray):
+        _encode(str(value.dtype), out)
+        _encode(list(value.shape), out)
+        data = _np.ascontiguousarray(value).tobytes()
+        out += b"a" + len(data).to_bytes(8, "little") + data
+    elif isinstance(value, (list, tuple)):
+        out += b"l" + len(value).to_bytes(4, "little")
+        for item in value:
+            _encode(item, out)
+    elif value is None:
+        out += b"n"
+    else:
+        _encode(repr(value), out)  # not seen in NumPy's bit generators; kept comparable
+
+
+# --- argument checks -----------------------------------------------------------------------
+
+
+def _is_optimizer(value: Any) -> bool:
+    return isinstance(getattr(value, "param_groups", None), list) and \
+        isinstance(getattr(value, "state", None), Mapping)
+
+
+def _is_scheduler(value: Any) -> bool:
+    return hasattr(value, "last_epoch") and callable(getattr(value, "get_last_lr", None))
+
+
+def _checked_sequence(argument: str, values: Any, check, wanted: str) -> Sequence[Any]:
+    if check(values):  # one object passed where a sequence was meant
+        raise ConfigError(f"state_census({argument}=...) got one {type(values).__name__}; pass a "
+                          f"list or tuple of them, e.g. {argument}=[x]")
+    if not isinstance(values, (list, tuple)):
+        raise ConfigError(f"state_census({argument}=...) must be a list or tuple, not a "
+                          f"{type(values).__name__}")
+    for index, value in enumerate(values):
+        if not check(value):
+            raise ConfigError(f"state_census({argument}[{index}]) is a {type(value).__name__}, "
+                              f"not {wanted}")
+    return values
+
+
+def _checked_generators(generators: Mapping[str, Any] | None) -> list[tuple[str, Any]]:
+    if generators is None:
+        return []
+    if not isinstance(generators, Mapping):
+        raise ConfigError(f"state_census(generators=...) must be a dict of name -> "
+                          f"torch.Generator, not a {type(generators).__name__}")
+    numpy_generator = _np.random.Generator if _np is not None else ()
+    for name, generator in generators.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"state_census(generators=...): generator names must be non-empty "
+                              f"strings, got {name!r}")
+        if not isinstance(generator, (torch.Generator, numpy_generator)):
+            raise ConfigError(f"state_census(generators=...): {name!r} is a "
+                              f"{type(generator).__name__}, not a torch.Generator (or "
+                              "numpy.random.Generator); pass the generator object itself")
+    return sorted(generators.items(), key=lambda item: item[0])

@@ -1,0 +1,222 @@
+"""The state census: every record named, stable when nothing changes, changed by exactly
+its own state, equal again once that state is restored; and the sentence for each name."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import random
+import sys
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import samebits
+from samebits import checkpoint
+from samebits.checkpoint import STATE_PHASE, describe_state_record, state_census
+from samebits.checkpoint import _census
+from samebits.errors import ConfigError
+
+BASE_NAMES = ["rng.python", "rng.numpy", "rng.torch_cpu"]
+TRAINING_NAMES = ["rng.user.a_dropout", "rng.user.b_data", "optim0.step", "optim0.lr",
+                  "sched0.last_epoch", "sched0.lr"]
+
+
+class Training:
+    """AdamW over 10 parameters, a StepLR, and two named generators."""
+
+    def __init__(self):
+        torch.manual_seed(0)
+        self.params = [nn.Parameter(torch.randn(3)) for _ in range(10)]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": self.params[:6]}, {"params": self.params[6:], "lr": 0.01}], lr=0.1)
+        self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1, gamma=0.5)
+        self.generators = {"b_data": torch.Generator().manual_seed(1),
+                           "a_dropout": torch.Generator().manual_seed(2)}
+
+    def census(self):
+        return state_census(optimizers=[self.optimizer], schedulers=[self.scheduler],
+                            generators=self.generators, include_cuda=False)
+
+    def optimizer_step(self, params=None):
+        for param in params or self.params:
+            param.grad = torch.ones_like(param)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def _digests(records) -> dict[str, int]:
+    assert len({name for name, _ in records}) == len(records), "duplicate record names"
+    for name, tensor in records:
+        assert isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu", name
+    return {name: samebits.digest(tensor) for name, tensor in records}
+
+
+def _changed(before: dict[str, int], after: dict[str, int]) -> set[str]:
+    assert before.keys() == after.keys()
+    return {name for name in before if before[name] != after[name]}
+
+
+def test_every_record_is_named_in_a_fixed_order():
+    training = Training()
+    names = [name for name, _ in training.census()]
+    assert names == BASE_NAMES + TRAINING_NAMES
+    assert [name for name, _ in state_census(include_cuda=False)] == BASE_NAMES
+    assert STATE_PHASE == "state" and checkpoint.STATE_PHASE == "state"
+
+
+def test_two_identical_calls_give_equal_digests():
+    training = Training()
+    training.optimizer_step()
+    assert _digests(training.census()) == _digests(training.census())
+
+
+@pytest.mark.parametrize("change, expected", [
+    (lambda t: random.random(), {"rng.python"}),
+    (lambda t: np.random.rand(), {"rng.numpy"}),
+    (lambda t: torch.rand(1), {"rng.torch_cpu"}),
+    (lambda t: torch.rand(1, generator=t.generators["b_data"]), {"rng.user.b_data"}),
+    (lambda t: torch.rand(1, generator=t.generators["a_dropout"]), {"rng.user.a_dropout"}),
+    (lambda t: t.optimizer_step(), {"optim0.step"}),
+    (lambda t: t.scheduler.step(), {"sched0.last_epoch", "sched0.lr", "optim0.lr"}),
+])
+def test_each_change_alters_exactly_its_own_records(change, expected):
+    training = Training()
+    training.optimizer_step()  # state exists: the next step changes counts, not presence
+    before = _digests(training.census())
+    change(training)
+    assert _changed(before, _digests(training.census())) == expected
+
+
+def test_a_skipped_parameter_shows_in_the_step_counts():
+    training = Training()
+    before = dict(training.census())["optim0.step"]
+    assert before.tolist() == [-1.0] * 10 and before.dtype == torch.float64
+    training.optimizer_step(training.params[:3])  # only 3 params have grads: the rest skip
+    assert dict(training.census())["optim0.step"].tolist() == [1.0] * 3 + [-1.0] * 7
+    training.optimizer_step()
+    assert dict(training.census())["optim0.step"].tolist() == [2.0] * 3 + [1.0] * 7
+
+
+def test_restoring_every_state_makes_the_census_equal_again():
+    training = Training()
+    training.optimizer_step()
+    saved = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+             {name: gen.get_state() for name, gen in training.generators.items()},
+             copy.deepcopy(training.optimizer.state_dict()), training.scheduler.state_dict())
+    before = _digests(training.census())
+
+    random.random(), np.random.rand(), torch.rand(1)
+    for generator in training.generators.values():
+        torch.rand(1, generator=generator)
+    training.optimizer_step()
+    training.scheduler.step()
+    assert _changed(before, _digests(training.census())) == set(before)
+
+    python, numpy_state, torch_cpu, generators, optimizer, scheduler = saved
+    random.setstate(python)
+    np.random.set_state(numpy_state)
+    torch.set_rng_state(torch_cpu)
+    for name, state in generators.items():
+        training.generators[name].set_state(state)
+    training.optimizer.load_state_dict(optimizer)
+    training.scheduler.load_state_dict(scheduler)  # the optimizer's state dict held its lrs
+    assert _digests(training.census()) == before
+
+
+def test_rng_records_hold_the_cached_gaussians_and_positions():
+    """Lossless: parts of the states that getstate() keeps beside the twister words."""
+    random.seed(3)
+    version, words, _ = random.getstate()
+    random.setstate((version, words, None))
+    plain = _digests(state_census(include_cuda=False))["rng.python"]
+    random.setstate((version, words, 0.25))
+    cached = _digests(state_census(include_cuda=False))["rng.python"]
+    random.setstate((version, words, 0.5))
+    assert len({plain, cached, _digests(state_census(include_cuda=False))["rng.python"]}) == 3
+
+    np.random.seed(4)
+    name, key, pos, _, _ = np.random.get_state()
+    seen = set()
+    for state in [(name, key, pos, 0, 0.0), (name, key, pos, 1, 0.0), (name, key, pos, 1, 0.5),
+                  (name, key, (pos + 1) % 624, 0, 0.0)]:
+        np.random.set_state(state)
+        seen.add(_digests(state_census(include_cuda=False))["rng.numpy"])
+    assert len(seen) == 4
+
+
+def test_numpy_generators_are_accepted_and_tracked():
+    generator = np.random.default_rng(5)
+    before = _digests(state_census(generators={"np": generator}, include_cuda=False))
+    generator.random()
+    after = _digests(state_census(generators={"np": generator}, include_cuda=False))
+    assert _changed(before, after) == {"rng.user.np"}
+
+
+def test_cuda_states_are_listed_per_device_once_cuda_is_initialised(monkeypatch):
+    states = {0: torch.tensor([1], dtype=torch.uint8), 1: torch.tensor([2], dtype=torch.uint8)}
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: states[device])
+    records = dict(state_census())
+    assert [n for n in records if n.startswith("rng.cuda")] == ["rng.cuda:0", "rng.cuda:1"]
+    assert records["rng.cuda:1"] is states[1]
+    assert [n for n, _ in state_census(include_cuda=False)] == BASE_NAMES
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # never initialise it
+    assert [n for n, _ in state_census()] == BASE_NAMES
+
+
+def test_census_without_numpy_omits_its_record(monkeypatch):
+    """numpy is optional at import: load the module with numpy blocked."""
+    monkeypatch.setitem(sys.modules, "numpy", None)  # `import numpy` raises ImportError
+    spec = importlib.util.spec_from_file_location("census_without_numpy", _census.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module._np is None
+    assert [n for n, _ in module.state_census(include_cuda=False)] == \
+        ["rng.python", "rng.torch_cpu"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"generators": {"jitter": 42}}, "'jitter' is a int"),
+    ({"generators": {"": torch.Generator()}}, "non-empty"),
+    ({"generators": [torch.Generator()]}, "dict of name"),
+    ({"optimizers": [object()]}, r"optimizers\[0\]"),
+    ({"schedulers": [object()]}, r"schedulers\[0\]"),
+])
+def test_bad_arguments_are_config_errors_naming_them(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        state_census(**kwargs)
+
+
+def test_one_optimizer_not_in_a_list_is_a_config_error():
+    optimizer = Training().optimizer
+    with pytest.raises(ConfigError, match=r"optimizers=\[x\]"):
+        state_census(optimizers=optimizer)
+
+
+@pytest.mark.parametrize("name, sentence", [
+    ("rng.torch_cpu", "torch CPU RNG state differs at step start: seeded from something that "
+                      "changes, or not restored on resume"),
+    ("rng.python", "Python `random` state differs at step start: "),
+    ("rng.numpy", "NumPy global random state"),
+    ("rng.cuda:3", "torch CUDA RNG state of device 3 differs at step start"),
+    ("rng.user.router_jitter", "generator 'router_jitter' state differs at step start"),
+    ("optim1.step", "optimizer 1 step counts differ at step start: optimizer state not restored "
+                    "on resume, or a step skipped"),
+    ("optim0.lr", "learning rate differs at step start: LR scheduler not restored on resume"),
+    ("sched0.last_epoch", "learning rate differs at step start: LR scheduler not restored on "
+                          "resume"),
+    ("sched2.lr", "learning rate differs at step start: LR scheduler not restored on resume"),
+    ("params/w1", "training state 'params/w1' differs at step start"),
+])
+def test_each_record_name_has_its_sentence(name, sentence):
+    assert describe_state_record(name).startswith(sentence)
+
+
+def test_every_census_name_has_a_specific_sentence():
+    generic = describe_state_record("something.else")
+    for name, _ in Training().census():
+        assert describe_state_record(name) != generic, name

@@ -33,6 +33,7 @@ from samebits.stream import open_run
 DEFAULT_TIMEOUT_S = 1800.0
 _TAIL_LINES = 15
 _VIOLATION = re.compile(r"^\s*- \[[a-z0-9][\w.-]*\] ")  # one line of a DeterminismError
+_ERROR_LINE = re.compile(r"^samebits[\w.]*: (error|zero-code recording disabled)")  # samebits' own complaint
 _WORKER_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)")  # torchrun's summary of a failed worker
 
 
@@ -79,6 +80,8 @@ def failed(label: str, argv: list[str], code: int, log: Path, *, why: str = "",
             where = f"rank {outcome.get('rank')}" + (f", step {outcome['step']}" if outcome.get("step") is not None else "")
             first.append(f"{where}: {outcome.get('exception')}")
             first += ["    " + line for line in outcome.get("traceback_tail", [])]
+    errors = list(dict.fromkeys(line.strip() for line in lines if _ERROR_LINE.match(line)))
+    first += errors[:_TAIL_LINES]
     violations = list(dict.fromkeys(line.strip() for line in lines if _VIOLATION.match(line)))
     if violations:
         first.append("it refused to run: settings that break bitwise determinism:")

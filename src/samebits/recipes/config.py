@@ -8,9 +8,12 @@ and the fix), so a config that exists is a config that runs.
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from dataclasses import dataclass
 from typing import Any
+
+from samebits.errors import ConfigError
 
 MOE_COMBINE_CHOICES = ("index_add", "index_put_accumulate", "triton_deterministic", "triton_atomic")
 MOE_GROUPED_GEMM_CHOICES = ("torch", "triton_deterministic", "triton_atomic")
@@ -34,9 +37,11 @@ class RecipeConfig:
     device: str = "cpu"
     """"cpu" (gloo between ranks) or "cuda" (one GPU per rank, cuda:LOCAL_RANK, NCCL)."""
 
-    num_threads: int = 1
+    num_threads: int | None = None
     """`torch.set_num_threads` per rank.  The thread count is part of what decides the bits
-    (CPU reductions split work by thread); the nondeterministic ops only show with >= 2."""
+    (CPU reductions split work by thread); the nondeterministic ops only show with >= 2.
+    None (default): the launcher's ``OMP_NUM_THREADS`` when it is set (as on most clusters),
+    else 1; resolved when the config is built, so the stored config records the count used."""
 
     # --- model -----------------------------------------------------------------------
     vocab_size: int = 512
@@ -153,8 +158,10 @@ class RecipeConfig:
     def __post_init__(self) -> None:
         def need(cond: bool, message: str) -> None:
             if not cond:
-                raise ValueError(message)
+                raise ConfigError(message)
 
+        if self.num_threads is None:
+            self.num_threads = _threads_from_environment()
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "ffn_hidden_size",
                      "num_experts", "moe_top_k", "moe_ffn_hidden_size", "seq_len",
                      "micro_batch_size", "num_threads"):
@@ -200,7 +207,7 @@ class RecipeConfig:
         """Inverse of `to_dict`; unknown keys are an error, missing keys take defaults."""
         unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
-            raise ValueError(f"unknown config key(s) {', '.join(unknown)}; "
+            raise ConfigError(f"unknown config key(s) {', '.join(unknown)}; "
                              f"valid keys: {', '.join(f.name for f in dataclasses.fields(cls))}")
         return cls(**values)
 
@@ -212,7 +219,7 @@ class RecipeConfig:
             key, sep, text = assignment.partition("=")
             key = key.strip()
             if not sep or key not in values:
-                raise ValueError(f"--set {assignment!r}: expected key=value with key one of "
+                raise ConfigError(f"--set {assignment!r}: expected key=value with key one of "
                                  f"{', '.join(values)}")
             values[key] = _parse_value(key, text.strip(), hints[key])
         return type(self).from_dict(values)
@@ -229,10 +236,10 @@ def _parse_value(key: str, text: str, hint: Any) -> Any:
                 return True
             if text.lower() in ("0", "false", "no", "off"):
                 return False
-            raise ValueError(text)
+            raise ConfigError(text)
         return base(text)
     except ValueError:
-        raise ValueError(f"--set {key}={text}: not a valid {base.__name__}") from None
+        raise ConfigError(f"--set {key}={text}: not a valid {base.__name__}") from None
 
 
 def default_config() -> RecipeConfig:
@@ -253,3 +260,14 @@ def nondeterministic_config() -> RecipeConfig:
 
 
 PRESETS = {"default": default_config, "nondeterministic": nondeterministic_config}
+
+
+def _threads_from_environment() -> int:
+    """The thread count a default config uses: ``OMP_NUM_THREADS`` if set, else 1."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if not value:
+        return 1
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"OMP_NUM_THREADS={value!r} is not a positive integer: the recipe takes its default "
+                         "thread count from it. Export a count (e.g. OMP_NUM_THREADS=1) or unset it.")
+    return int(value)

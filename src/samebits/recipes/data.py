@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from samebits.errors import ConfigError
 from samebits.recipes.config import RecipeConfig
 
 _SUCCESSOR_PROBS = np.array([0.6, 0.25, 0.1, 0.05])  # skewed: entropy ~1.1 nats per token
@@ -58,12 +59,12 @@ class TokenFile:
     def __init__(self, path: str | Path, dtype: str, vocab_size: int, seq_len: int, seed: int):
         self.path, self.vocab_size, self.seq_len, self.seed = Path(path), vocab_size, seq_len, seed
         if not self.path.is_file():
-            raise ValueError(f"data_path={str(path)!r} is not a file; give a flat binary token "
+            raise ConfigError(f"data_path={str(path)!r} is not a file; give a flat binary token "
                              f"array ({dtype}) or leave data_path unset for synthetic data")
         self.data = np.memmap(self.path, dtype=np.dtype(dtype), mode="r")
         self.num_samples = (len(self.data) - 1) // seq_len
         if self.num_samples < 1:
-            raise ValueError(f"data_path={str(path)!r} holds {len(self.data)} {dtype} tokens, "
+            raise ConfigError(f"data_path={str(path)!r} holds {len(self.data)} {dtype} tokens, "
                              f"fewer than one sample of seq_len + 1 = {seq_len + 1}")
         self._cached_epoch, self._cached_order = -1, np.empty(0, dtype=np.int64)
 
@@ -83,7 +84,7 @@ class TokenFile:
         out = np.stack(rows)
         if out.max() >= self.vocab_size:
             bad = int(np.argwhere(out >= self.vocab_size)[0][0])
-            raise ValueError(f"{self.path}: sample {int(indices[bad])} holds token "
+            raise ConfigError(f"{self.path}: sample {int(indices[bad])} holds token "
                              f"{int(out[bad].max())} >= vocab_size={self.vocab_size}; "
                              "raise vocab_size or check data_dtype")
         return out

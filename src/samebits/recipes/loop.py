@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from samebits.errors import ConfigError
 from samebits import checkpoint, trace
 from samebits.determinism import derive_seed, deterministic_mode, seed_all
 from samebits.recipes import parallel
@@ -53,7 +54,7 @@ def train(config: RecipeConfig, *, steps: int, recorder: Any = None, save_at: in
     records; when its `end_step` returns False on any rank, every rank stops.
     """
     if save_at is not None and (ckpt_dir is None or not 0 <= save_at <= steps):
-        raise ValueError(f"save_at={save_at} needs ckpt_dir and 0 <= save_at <= steps={steps}")
+        raise ConfigError(f"save_at={save_at} needs ckpt_dir and 0 <= save_at <= steps={steps}")
     with session(config) as (rank, world_size):
         run = _Run(config, rank, world_size)
         if resume_from is not None:
@@ -99,7 +100,7 @@ class _Run:
     def __init__(self, cfg: RecipeConfig, rank: int, world_size: int):
         self.cfg, self.rank = cfg, rank
         if cfg.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' but torch sees no CUDA device; use device=cpu")
+            raise ConfigError("device='cuda' but torch sees no CUDA device; use device=cpu")
         device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" \
             else torch.device("cpu")
         model = Transformer(cfg)
@@ -146,7 +147,7 @@ class _Run:
     def loop(self, steps: int, *, recorder, save_at, ckpt_dir, log: bool) -> TrainResult:
         result = TrainResult(start_step=self.step, end_step=self.step)
         if save_at is not None and save_at < self.step:
-            raise ValueError(f"save_at={save_at} is before the resumed step {self.step}")
+            raise ConfigError(f"save_at={save_at} is before the resumed step {self.step}")
         tracer = trace.attach_from_env(self.model, recorder)  # off unless SAMEBITS_TRACE* is set
         while True:
             if self.step == save_at:
@@ -171,6 +172,13 @@ class _Run:
     def train_step(self, rec) -> tuple[dict[str, float], bool | None]:
         cfg, step, model = self.cfg, self.step, self.model
         start = time.perf_counter()
+
+        # State census at step start: every RNG, step counts, learning rates.  A resumed run
+        # that differs here names the state its checkpoint did not restore.
+        if rec is not None:
+            rec.tensors(step, checkpoint.STATE_PHASE, checkpoint.state_census(
+                optimizers=[self.optimizer], schedulers=[self.scheduler],
+                generators={JITTER_GENERATOR: self.jitter}))
 
         # Data: this rank's micro-batch of the global step batch.
         tokens = self.data.next().to(self.layout.device)  # (B, T+1)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from samebits.errors import ConfigError
 from samebits.recipes.config import RecipeConfig
 
 
@@ -129,7 +130,7 @@ def _kernel(name: str, option: str, value: str):
 
         return getattr(kernels, name)
     except (ImportError, AttributeError) as err:
-        raise ValueError(f"{option}={value!r} needs samebits.kernels.{name}, which could not be "
+        raise ConfigError(f"{option}={value!r} needs samebits.kernels.{name}, which could not be "
                          f"imported ({err}); use {option}="
                          f"{'index_add' if option == 'moe_combine' else 'torch'}") from err
 

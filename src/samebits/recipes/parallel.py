@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from samebits.errors import ConfigError
 from samebits.recipes.model import MoE, Transformer
 
 
@@ -138,7 +139,7 @@ def parallelize(model: Transformer, rank: int, world_size: int,
             continue
         experts = module.experts
         if module.num_experts % world_size:
-            raise ValueError(f"num_experts={module.num_experts} is not divisible by the "
+            raise ConfigError(f"num_experts={module.num_experts} is not divisible by the "
                              f"expert-parallel size {world_size}; choose a multiple")
         expert_names.update(f"{name}.experts.{p}" for p, _ in experts.named_parameters())
         if world_size == 1:

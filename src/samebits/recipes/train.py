@@ -23,10 +23,10 @@ import sys
 import types
 from pathlib import Path
 
-from samebits.errors import SamebitsError
+from samebits.errors import ConfigError, SamebitsError
 from samebits.recipes.config import PRESETS, RecipeConfig
 from samebits.recipes.loop import session, train
-from samebits.verify import STOPPED_MARKER  # written into --out when the live check stopped the run
+from samebits.autorecord import STOPPED_MARKER  # written into --out when the live check stopped the run
 
 EXIT_OK, EXIT_CANNOT_RUN, EXIT_DIVERGED = 0, 2, 3
 
@@ -56,9 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = PRESETS[args.preset]().with_overrides(args.overrides)
         if (args.save_at is None) != (args.ckpt is None):
-            raise ValueError("--save-at and --ckpt go together: give both or neither")
+            raise ConfigError("--save-at and --ckpt go together: give both or neither")
         if args.reference is not None and args.out is None:
-            raise ValueError("--reference needs --out (the live check runs in the recorder)")
+            raise ConfigError("--reference needs --out (the live check runs in the recorder)")
     except ValueError as err:
         print(f"samebits.recipes.train: error: {err}", file=sys.stderr)
         return EXIT_CANNOT_RUN

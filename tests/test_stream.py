@@ -25,7 +25,7 @@ def test_round_trip_records_and_header(tmp_path):
         rec.tensors(0, "params", [("w", t), ("w", t + 1), ("g", None)])
     reader = open_run(tmp_path).stream(0)
     header = reader.header
-    assert header["schema"] == 1 and header["rank"] == 0 and header["world_size"] == 1
+    assert header["schema"] == 2 and header["rank"] == 0 and header["world_size"] == 1
     assert header["coords"] == {"dp": 0, "tp": 0} and header["config"] == {"lr": 0.5}
     assert header["environment"]["torch"] == torch.__version__
     (block,) = list(reader.steps())

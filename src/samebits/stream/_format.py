@@ -1,4 +1,5 @@
-"""The on-disk layout of a fingerprint stream (schema version 1).  See docs/stream.md.
+"""The on-disk layout of a fingerprint stream (schema version 2; version 1 is still read).
+See docs/stream.md.
 
 A stream is a sequence of *frames*.  Every frame is::
 
@@ -25,16 +26,23 @@ Records inside a STEP frame are ``u8 kind | varint length | body``:
 * metric: varint phase id, varint name id, varint occurrence, u8 dtype code, raw value
   bytes (the exact bits of the scalar, little endian; 8 bytes for Python floats).
 
-The step root is a BLAKE2b-64 over the canonical form of the step's records in order
-(strings, not ids), so it is equal across streams whose intern tables differ.
+The step root (schema 2) is the first 8 bytes, little endian, of
+SHA-256(names key || the step's records exactly as stored), where the names key is the
+SHA-256 of every name interned so far, each as (varint byte length, utf-8 bytes), in id
+order.  Every field is length-prefixed, so no two different steps share an encoding, and a
+reader recomputes the root from the frame bytes in one hash call (no per-record work).
+Schema 1 hashed (kind, phase NUL name NUL, rest of the record) with BLAKE2b-64: names
+holding NUL made it ambiguous; it is still read and its roots are checked per record.
 """
 
 from __future__ import annotations
 
+import hashlib
 import struct
 import zlib
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, 2)  # a reader accepts these; the writer writes SCHEMA_VERSION
 MAGIC = b"SAMEBITS"  # the first bytes of the HEADER payload, before the JSON
 STREAM_SUFFIX = ".sbs"
 
@@ -48,6 +56,8 @@ RECORD_TENSOR, RECORD_METRIC = 1, 2
 
 FLAG_ABSENT = 1  # the tensor was None (e.g. a parameter without a gradient)
 FLAG_CAPPED = 2  # larger than the size cap: shape and dtype recorded, no digest
+
+MAX_STEP = 2**63 - 1  # steps are 0 <= step <= MAX_STEP (int64 everywhere they are used)
 
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
@@ -64,18 +74,24 @@ def encode_varint(value: int, out: bytearray) -> None:
     out.append(value)
 
 
-def decode_varint(buf, pos: int) -> tuple[int, int]:
-    """Return (value, next position); raise IndexError past the end, ValueError if too long."""
+def decode_varint(buf, pos: int, end: int | None = None) -> tuple[int, int]:
+    """Return (value, next position); raise IndexError past ``end`` (default: the buffer's
+    end), ValueError if longer than 10 bytes or above 2**64 - 1."""
+    limit = len(buf) if end is None else end
     result = shift = 0
     while True:
+        if pos >= limit:
+            raise IndexError("varint runs past the end")
         byte = buf[pos]
         pos += 1
         result |= (byte & 0x7F) << shift
         if not byte & 0x80:
+            if result >> 64:
+                raise ValueError("varint above 2**64 - 1")
             return result, pos
         shift += 7
         if shift > 63:
-            raise ValueError("varint longer than 64 bits")
+            raise ValueError("varint longer than 10 bytes")
 
 
 def frame(kind: int, payload: bytes | bytearray) -> bytes:
@@ -95,3 +111,28 @@ def unpack_u64(buf, pos: int) -> int:
 
 def unpack_u32(buf, pos: int) -> int:
     return _U32.unpack_from(buf, pos)[0]
+
+
+def name_bytes(text: str) -> bytes:
+    """A name as it is interned and hashed into the names key: varint length, utf-8."""
+    data = text.encode()
+    head = bytearray()
+    encode_varint(len(data), head)
+    return bytes(head) + data
+
+
+def new_names_hasher():
+    """The running hash behind the names key; `update` it with `name_bytes` of each new name."""
+    return hashlib.sha256()
+
+
+def step_root(names_key: bytes, records) -> int:
+    """The schema-2 step root: 8 bytes of SHA-256(names key || records as stored)."""
+    hasher = hashlib.sha256(names_key)
+    hasher.update(records)
+    return int.from_bytes(hasher.digest()[:8], "little")
+
+
+def step_root_v1(canonical) -> int:
+    """The schema-1 step root over the canonical records (strings joined by NUL)."""
+    return int.from_bytes(hashlib.blake2b(canonical, digest_size=8).digest(), "little")

@@ -1,19 +1,24 @@
 """Reading fingerprint streams: one rank (`StreamReader`) or a whole run directory (`Run`).
 
-Reading is streaming: a step's records are decoded only when asked for, and a comparer
-that only needs step roots seeks past the records, so memory stays flat however long
-the run.  A stream cut short by a killed writer reads back every complete frame, and
-`StreamReader.stop_reason` says where and why reading stopped.
+Nothing read is trusted: every frame's checksum is checked, every step root is recomputed
+from the step's records, the step-index footer must agree with the steps read, and any
+malformed byte is a `StreamError` naming the file, the byte offset and the frame.  Reading
+is streaming (the file is memory-mapped, a step's records are decoded only when asked for),
+so memory stays flat however long the run.  A stream cut short by a killed writer reads
+back every complete frame, and `StreamReader.stop_reason` says where and why reading
+stopped.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from struct import error as struct_error
 from typing import Iterator
 
 import torch
@@ -25,13 +30,27 @@ from samebits.stream import _format as fmt
 _STREAM_RE = re.compile(r"^rank-(\d{5,})\.sbs$")
 _DTYPE_NAMES = {code: str(dtype).removeprefix("torch.") for dtype, code in fingerprint.DTYPE_CODES.items()}
 _DTYPE_NAMES[0] = "none"  # an absent tensor (None)
+_ITEMSIZES = {code: dtype.itemsize for dtype, code in fingerprint.DTYPE_CODES.items()}
+_CORRUPT_HINT = ("Every frame before that byte is intact: compare up to the step before it "
+                 "(--to-step), or re-record the run.")
+
+
+class _Malformed(Exception):
+    """Internal: a frame's bytes do not parse; turned into a StreamError naming the frame."""
 
 
 def _dtype_name(code: int) -> str:
     name = _DTYPE_NAMES.get(code)
     if name is None:
-        raise ValueError(f"unknown dtype code {code} (written by a newer samebits?)")
+        raise _Malformed(f"unknown dtype code {code} (written by a newer samebits?)")
     return name
+
+
+def _varint(buf, pos: int, end: int) -> tuple[int, int]:
+    try:
+        return fmt.decode_varint(buf, pos, end)
+    except (IndexError, ValueError) as err:
+        raise _Malformed(f"bad varint at payload byte {pos}: {err}") from None
 
 
 @dataclass(frozen=True)
@@ -65,8 +84,11 @@ class Record:
         """A metric's value as a Python number (exact: decoded from the stored bits)."""
         if self.raw is None:
             return None
-        data = torch.frombuffer(bytearray(self.raw), dtype=torch.uint8)
-        return data.view(getattr(torch, self.dtype)).item()
+        try:
+            data = torch.frombuffer(bytearray(self.raw), dtype=torch.uint8)
+            return data.view(getattr(torch, self.dtype)).item()
+        except (AttributeError, RuntimeError, TypeError, ValueError):
+            return None  # a dtype without a Python scalar (e.g. packed 4-bit): `bits` is exact
 
     def same_content(self, other: "Record") -> bool:
         return (
@@ -80,7 +102,7 @@ class Record:
     def summary(self) -> str:
         """A short text of what the record holds: shape/dtype/digest or the metric value."""
         if self.kind == "metric":
-            return f"{self.value!r} ({self.dtype} 0x{self.raw[::-1].hex()})"
+            return f"{self.value!r} ({self.dtype} 0x{bytes(self.raw)[::-1].hex()})"
         shape = "x".join(map(str, self.shape)) if self.shape else "scalar"
         if self.absent:
             return "None"
@@ -113,33 +135,47 @@ def _numel(shape) -> int:
 
 @dataclass
 class StepBlock:
-    """One step of one rank, not yet decoded."""
+    """One step of one rank: checksum and root already verified, records not yet decoded."""
 
     step: int
     num_records: int
-    root: int
+    root: int  # recomputed from the records and equal to the stored root
     reader: "StreamReader"
     offset: int  # where the frame starts in the file
     names_count: int  # how many names were interned before this block
+    schema: int = fmt.SCHEMA_VERSION  # of the segment holding the step (decides the root encoding)
 
     def records(self) -> list[Record]:
         return self.reader.decode(self)
 
 
 class StreamReader:
-    """Sequential reader of one rank's stream file."""
+    """Sequential, verifying reader of one rank's stream file."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        if not self.path.is_file():
-            raise StreamError(f"{self.path}: no such stream file.")
-        self.size = self.path.stat().st_size
         self.names: list[str] = []
         self.segments: list[dict] = []
         self.stop_reason: str | None = None
         self.closed_cleanly = False
         self.end_offset = 0  # the end of the last complete frame
-        self._file = open(self.path, "rb")
+        self._data = b""
+        try:
+            with open(self.path, "rb") as file:
+                self.size = os.fstat(file.fileno()).st_size
+                if self.size:
+                    self._data = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+        except FileNotFoundError:
+            raise StreamError(f"{self.path}: no such stream file.") from None
+        except PermissionError:
+            raise StreamError(f"{self.path}: permission denied; make the stream readable "
+                              f"(e.g. chmod a+r {self.path}) and retry.") from None
+        except (OSError, ValueError) as err:
+            raise StreamError(f"{self.path}: cannot read the stream ({err}).") from None
+        self.size = len(self._data)
+        self._pos = 0
+        self._tail_closed = self._ends_with_close_frame()
+        self._reset_state()
         try:
             first = self._next_frame()
         except StreamError as err:
@@ -151,7 +187,17 @@ class StreamReader:
                 + "). Was it written by samebits.Recorder?"
             )
         self.header = self._header(first)
-        self._pending_frame = None
+        self._first_end = self._pos
+
+    def _reset_state(self) -> None:
+        self._names_hasher = fmt.new_names_hasher()
+        self._names_key = self._names_hasher.digest()
+        self._steps_hasher = fmt.new_names_hasher()  # what the INDEX footer must agree with
+        self._num_steps = 0
+        self._last_step: int | None = None
+        self._last_kind: int | None = None
+        self._last_offset = 0
+        self._schema = fmt.SCHEMA_VERSION
 
     @property
     def num_segments(self) -> int:
@@ -161,128 +207,243 @@ class StreamReader:
     def rank(self) -> int:
         return self.header["rank"]
 
+    # -- errors -------------------------------------------------------------------------
+
+    def _where(self, kind: int | None, offset: int) -> str:
+        what = f"the {fmt.FRAME_KINDS.get(kind, 'unknown')} frame at byte {offset} (of {self.size})"
+        if self._last_step is not None:
+            what += f", after step {self._last_step}"
+        return what
+
+    def _corrupt(self, kind: int | None, offset: int, problem: str) -> StreamError:
+        return StreamError(f"{self.path}: {problem} in {self._where(kind, offset)}: the file is corrupt. "
+                           + _CORRUPT_HINT)
+
+    # -- frames -------------------------------------------------------------------------
+
+    def _ends_with_close_frame(self) -> bool:
+        """Whether the file's last bytes are a valid CLOSE frame: then its writer finished,
+        and a frame that runs past the end is damage, not a killed writer's torn write."""
+        size = fmt.CLOSE_FRAME_SIZE
+        if self.size < size:
+            return False
+        tail = self._data[self.size - size:]
+        return (tail[0] == fmt.FRAME_CLOSE and tail[1] == 16 and tail[10:18] == fmt.CLOSE_MAGIC
+                and zlib.crc32(tail[:18]) == fmt.unpack_u32(tail, 18))
+
+    def _next_frame(self):
+        """(kind, offset, payload bytes) of the next frame, checksum verified; None at the
+        end of the file (with `stop_reason` set when the end is not a clean close)."""
+        data, offset, size = self._data, self._pos, self.size
+        if offset >= size:
+            if not self.closed_cleanly and self.stop_reason is None:
+                self.stop_reason = f"ended without a close frame at byte {offset} (writer killed, or still running)"
+            return None
+        kind = data[offset]
+        if kind not in fmt.FRAME_KINDS:
+            raise StreamError(
+                f"{self.path}: unknown frame kind {kind} at byte {offset} (of {size})"
+                + (f", after step {self._last_step}" if self._last_step is not None else "")
+                + ": the file is corrupt or was written by a newer samebits. " + _CORRUPT_HINT
+            )
+        try:
+            length, start = fmt.decode_varint(data, offset + 1, min(size, offset + 11))
+        except IndexError:
+            return self._torn(kind, offset, "an incomplete frame header")
+        except ValueError:
+            raise self._corrupt(kind, offset, "an invalid length field") from None
+        end = start + length + 4
+        if end > size:
+            return self._torn(kind, offset, f"a {fmt.FRAME_KINDS[kind]} frame of {length} bytes")
+        payload = data[start : start + length]
+        if zlib.crc32(payload, zlib.crc32(data[offset:start])) != fmt.unpack_u32(data, start + length):
+            raise self._corrupt(kind, offset, "checksum mismatch")
+        self._pos = self.end_offset = end
+        self.closed_cleanly = False
+        return kind, offset, payload
+
+    def _torn(self, kind: int, offset: int, what: str):
+        """The frame at ``offset`` runs past the end of the file: a killed writer's torn last
+        write, unless the file shows that more data follows (then it is damage)."""
+        if self._tail_closed:
+            raise self._corrupt(kind, offset, f"{what} runs past the end of the file although the stream "
+                                "ends in a valid close frame (its length field is damaged)")
+        following = self._valid_frame_after(offset)
+        if following is not None:
+            raise self._corrupt(kind, offset, f"{what} runs past the end of the file although a valid "
+                                f"frame follows at byte {following} (its length field is damaged)")
+        self.stop_reason = (
+            f"truncated at byte {offset} of {self.size}: {what} was cut short (writer killed "
+            "mid-write); every complete record before it was read"
+        )
+        self._pos = self.size
+        return None
+
+    def _valid_frame_after(self, offset: int, scan: int = 1 << 20) -> int | None:
+        """The first byte after ``offset`` (within ``scan`` bytes) where a complete frame with a
+        valid checksum starts, or None.  A torn write leaves nothing complete after it."""
+        data, size = self._data, self.size
+        for pos in range(offset + 1, min(size, offset + scan)):
+            kind = data[pos]
+            if kind not in fmt.FRAME_KINDS:
+                continue
+            try:
+                length, start = fmt.decode_varint(data, pos + 1, min(size, pos + 11))
+            except (IndexError, ValueError):
+                continue
+            end = start + length + 4
+            if end <= size and zlib.crc32(data[pos:start + length]) == fmt.unpack_u32(data, start + length):
+                return pos
+        return None
+
     def _header(self, frame) -> dict:
         _, offset, payload = frame
         if not payload.startswith(fmt.MAGIC):
             raise StreamError(f"{self.path}: header frame at byte {offset} lacks the samebits magic.")
         try:
             header = json.loads(payload[len(fmt.MAGIC):])
-        except ValueError as err:
+        except (ValueError, RecursionError) as err:
             raise StreamError(f"{self.path}: header at byte {offset} is not valid JSON ({err}).") from None
-        if header.get("schema") != fmt.SCHEMA_VERSION:
+        if not isinstance(header, dict):
+            raise StreamError(f"{self.path}: header at byte {offset} is not a JSON object: the file is corrupt.")
+        if header.get("schema") not in fmt.READABLE_SCHEMAS:
             raise StreamError(
                 f"{self.path}: stream schema version {header.get('schema')!r}, this samebits reads "
-                f"version {fmt.SCHEMA_VERSION}. Read it with the samebits version that wrote it "
-                f"({header.get('samebits', 'unknown')})."
+                f"versions {', '.join(map(str, fmt.READABLE_SCHEMAS))}. Read it with the samebits version that "
+                f"wrote it ({header.get('samebits', 'unknown')!s:.40})."
             )
+        problems = []
+        for key, minimum in (("rank", 0), ("world_size", 1)):
+            value = header.get(key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                problems.append(f"{key} = {value!r:.40}")
+        if not problems and header["rank"] >= header["world_size"]:
+            problems.append(f"rank {header['rank']} outside world size {header['world_size']}")
+        for key in ("config", "environment", "coords"):
+            if not isinstance(header.get(key, {}), dict):
+                problems.append(f"{key} is not an object")
+        if self.segments and not problems:
+            first = self.segments[0]
+            if (header["rank"], header["world_size"]) != (first["rank"], first["world_size"]):
+                problems.append(f"segment of rank {header['rank']}/{header['world_size']} appended to a stream "
+                                f"of rank {first['rank']}/{first['world_size']}")
+        if problems:
+            raise StreamError(f"{self.path}: header at byte {offset} is invalid ({'; '.join(problems)}): the file "
+                              "is corrupt or was not written by samebits.Recorder.")
         self.segments.append(header)
+        self._schema = header["schema"]
         return header
 
-    def _read_exact(self, count: int) -> bytes | None:
-        data = self._file.read(count)
-        return data if len(data) == count else None
-
-    def _next_frame(self, skip_steps: bool = False):
-        """Return (kind, offset, payload) or, for skipped step frames, (kind, offset, prefix
-        bytes).  None at the end (stop_reason set when the end is not a clean close)."""
-        offset = self._file.tell()
-        if offset >= self.size:
-            if not self.closed_cleanly and self.stop_reason is None:
-                self.stop_reason = f"ended without a close frame at byte {offset} (writer killed, or still running)"
-            return None
-        head = self._file.read(11)
-        try:
-            kind = head[0]
-            length, pos = fmt.decode_varint(head, 1)
-        except (IndexError, ValueError):
-            return self._torn(offset, "an incomplete frame header")
-        if kind not in fmt.FRAME_KINDS:
-            raise StreamError(
-                f"{self.path}: unknown frame kind {kind} at byte {offset}: the file is corrupt or "
-                "was written by a newer samebits."
-            )
-        end = offset + pos + length + 4
-        if end > self.size:
-            return self._torn(offset, f"a {fmt.FRAME_KINDS[kind]} frame of {length} bytes")
-        self.closed_cleanly = False
-        if skip_steps and kind == fmt.FRAME_STEP:
-            self._file.seek(offset + pos)
-            prefix = self._file.read(min(length, 28))  # step and count varints, u64 root
-            self._file.seek(end)
-            self.end_offset = end
-            return kind, offset, prefix
-        self._file.seek(offset)
-        data = self._file.read(pos + length + 4)
-        payload = data[pos : pos + length]
-        stored = fmt.unpack_u32(data, pos + length)
-        if zlib.crc32(data[: pos + length]) != stored:
-            raise StreamError(
-                f"{self.path}: checksum mismatch in the {fmt.FRAME_KINDS[kind]} frame at byte "
-                f"{offset} (of {self.size}): the file is corrupt. Records before that byte are intact."
-            )
-        self.end_offset = end
-        return kind, offset, payload
-
-    def _torn(self, offset: int, what: str):
-        self.stop_reason = (
-            f"truncated at byte {offset} of {self.size}: {what} was cut short (writer killed "
-            "mid-write); every complete record before it was read"
-        )
-        self._file.seek(self.size)
-        return None
-
     def steps(self, verify: bool = False) -> Iterator[StepBlock]:
-        """Yield the steps in order.  With ``verify`` every frame's checksum is checked;
-        otherwise step frames are skipped over (their records are read by `decode`)."""
-        last = None
+        """Yield the steps in order, each frame's checksum and each step's root verified.
+        (``verify`` is kept for compatibility: every read is verified now.)"""
+        self._pos = self._first_end
+        self.segments = self.segments[:1]
+        self._schema = self.header["schema"]
+        self.names = []
+        self.stop_reason = None
+        self.closed_cleanly = False
+        self._reset_state()
+        self._schema = self.header["schema"]
+        self._last_kind = fmt.FRAME_HEADER
         while True:
-            frame = self._next_frame(skip_steps=not verify)
+            frame = self._next_frame()
             if frame is None:
                 return
             kind, offset, payload = frame
-            if kind == fmt.FRAME_NAMES:
-                self._add_names(payload, offset)
-            elif kind == fmt.FRAME_HEADER:
-                self._header(frame)
-            elif kind == fmt.FRAME_CLOSE:
-                self.closed_cleanly = True
-            elif kind == fmt.FRAME_INDEX:
-                pass  # a footer for random access; sequential readers need nothing from it
-            else:
-                step, pos = fmt.decode_varint(payload, 0)
-                count, pos = fmt.decode_varint(payload, pos)
-                root = fmt.unpack_u64(payload, pos)
-                if last is not None and step <= last:
-                    raise StreamError(
-                        f"{self.path}: step {step} at byte {offset} follows step {last}; steps must increase."
-                    )
-                last = step
-                yield StepBlock(step, count, root, self, offset, len(self.names))
+            after_close = self._last_kind == fmt.FRAME_CLOSE
+            previous_kind, previous_offset = self._last_kind, self._last_offset
+            self._last_kind, self._last_offset = kind, offset
+            if after_close and kind != fmt.FRAME_HEADER:
+                raise self._corrupt(kind, offset, "a frame after the close frame that is not a new segment's header")
+            try:
+                if kind == fmt.FRAME_STEP:
+                    yield self._step(payload, offset)
+                elif kind == fmt.FRAME_NAMES:
+                    self._add_names(payload)
+                elif kind == fmt.FRAME_HEADER:
+                    self._header(frame)
+                elif kind == fmt.FRAME_INDEX:
+                    self._check_index(payload)
+                elif kind == fmt.FRAME_CLOSE:
+                    if len(payload) != 16 or previous_kind != fmt.FRAME_INDEX \
+                            or fmt.unpack_u64(payload, 0) != previous_offset or payload[8:] != fmt.CLOSE_MAGIC:
+                        raise _Malformed("the close frame does not point at the step index just before it")
+                    self.closed_cleanly = True
+            except _Malformed as err:
+                raise self._corrupt(kind, offset, str(err)) from None
+
+    def _step(self, payload: bytes, offset: int) -> StepBlock:
+        step, pos = _varint(payload, 0, len(payload))
+        count, pos = _varint(payload, pos, len(payload))
+        if pos + 8 > len(payload):
+            raise _Malformed("a step frame shorter than its fixed prefix")
+        stored = fmt.unpack_u64(payload, pos)
+        if self._schema >= 2:
+            root = fmt.step_root(self._names_key, payload[pos + 8:])
+        else:
+            root = fmt.step_root_v1(self._parse_records(payload, pos + 8, count, len(self.names), canonical=True))
+        if root != stored:
+            raise _Malformed(f"step {step}: stored root {stored:016x} but its records hash to {root:016x}")
+        if self._last_step is not None and step <= self._last_step:
+            raise _Malformed(f"step {step} follows step {self._last_step}; steps must increase")
+        self._last_step = step
+        self._num_steps += 1
+        self._steps_hasher.update(b"%d,%d,%d,%d;" % (step, count, root, offset))
+        return StepBlock(step, count, root, self, offset, len(self.names), self._schema)
+
+    def _add_names(self, payload: bytes) -> None:
+        first, pos = _varint(payload, 0, len(payload))
+        count, pos = _varint(payload, pos, len(payload))
+        if first != len(self.names):
+            raise _Malformed(f"name table out of order (first id {first}, {len(self.names)} names so far)")
+        names_start = pos
+        for _ in range(count):
+            length, pos = _varint(payload, pos, len(payload))
+            if pos + length > len(payload):
+                raise _Malformed("a name runs past the end of the frame")
+            try:
+                self.names.append(payload[pos : pos + length].decode())
+            except UnicodeDecodeError:
+                raise _Malformed(f"name {len(self.names)} is not valid utf-8") from None
+            pos += length
+        if pos != len(payload):
+            raise _Malformed(f"{len(payload) - pos} stray bytes after the names")
+        self._names_hasher.update(payload[names_start:])
+        self._names_key = self._names_hasher.digest()
+
+    def _check_index(self, payload: bytes) -> None:
+        """The footer must list exactly the steps read so far, with their roots and offsets."""
+        count, pos = _varint(payload, 0, len(payload))
+        hasher = fmt.new_names_hasher()
+        for _ in range(count):
+            step, pos = _varint(payload, pos, len(payload))
+            num_records, pos = _varint(payload, pos, len(payload))
+            if pos + 8 > len(payload):
+                raise _Malformed("the step index runs past the end of its frame")
+            root = fmt.unpack_u64(payload, pos)
+            offset, pos = _varint(payload, pos + 8, len(payload))
+            hasher.update(b"%d,%d,%d,%d;" % (step, num_records, root, offset))
+        if pos != len(payload) or count != self._num_steps or hasher.digest() != self._steps_hasher.digest():
+            raise _Malformed(f"the step index ({count} steps) disagrees with the {self._num_steps} steps read")
 
     def step_index(self) -> list[tuple[int, int, int, int]] | None:
         """Every step's (step, record count, root, frame offset) from the footer of a cleanly
-        closed stream, reading only the file's tail; None when there is no valid footer
-        (the writer was killed or is still running: read sequentially with `steps`)."""
-        if self.size < fmt.CLOSE_FRAME_SIZE:
+        closed stream, reading only the file's tail; None when there is no valid footer.
+        Not verified against the steps: comparisons read the steps themselves."""
+        if not self._tail_closed:
             return None
-        here = self._file.tell()
-        saved = (self.end_offset, self.closed_cleanly, self.stop_reason)
+        data, size = self._data, self.size
+        index_offset = fmt.unpack_u64(data, size - fmt.CLOSE_FRAME_SIZE + 2)
         try:
-            self._file.seek(self.size - fmt.CLOSE_FRAME_SIZE)
-            tail = self._file.read(fmt.CLOSE_FRAME_SIZE)
-            if tail[0] != fmt.FRAME_CLOSE or tail[1] != 16 or tail[10:18] != fmt.CLOSE_MAGIC:
+            if data[index_offset] != fmt.FRAME_INDEX:
                 return None
-            if zlib.crc32(tail[:18]) != fmt.unpack_u32(tail, 18):
+            length, start = fmt.decode_varint(data, index_offset + 1, size)
+            payload = data[start : start + length]
+            if start + length + 4 > size or zlib.crc32(data[index_offset : start + length]) != fmt.unpack_u32(
+                    data, start + length):
                 return None
-            index_offset = fmt.unpack_u64(tail, 2)
-            if index_offset >= self.size:
-                return None
-            self._file.seek(index_offset)
-            frame = self._next_frame()
-            if frame is None or frame[0] != fmt.FRAME_INDEX:
-                return None
-            payload, pos = frame[2], 0
-            count, pos = fmt.decode_varint(payload, pos)
+            count, pos = fmt.decode_varint(payload, 0)
             entries = []
             for _ in range(count):
                 step, pos = fmt.decode_varint(payload, pos)
@@ -291,69 +452,101 @@ class StreamReader:
                 offset, pos = fmt.decode_varint(payload, pos + 8)
                 entries.append((step, num_records, root, offset))
             return entries
-        except StreamError:
+        except (IndexError, ValueError, struct_error):
             return None  # a damaged footer: sequential reading will say where and why
-        finally:
-            self._file.seek(here)
-            self.end_offset, self.closed_cleanly, self.stop_reason = saved
 
-    def _add_names(self, payload: bytes, offset: int) -> None:
-        first, pos = fmt.decode_varint(payload, 0)
-        count, pos = fmt.decode_varint(payload, pos)
-        if first != len(self.names):
-            raise StreamError(f"{self.path}: name table out of order at byte {offset}.")
-        for _ in range(count):
-            length, pos = fmt.decode_varint(payload, pos)
-            self.names.append(payload[pos : pos + length].decode())
-            pos += length
+    def _frame_payload(self, offset: int) -> bytes:
+        """The payload of the (already verified) frame at ``offset``."""
+        length, start = fmt.decode_varint(self._data, offset + 1, self.size)
+        return self._data[start : start + length]
 
     def decode(self, block: StepBlock) -> list[Record]:
-        """Read and checksum one step frame and decode its records."""
-        here = self._file.tell()
+        """Decode one step's records (the frame was checksummed when the step was read)."""
+        payload = self._frame_payload(block.offset)
         try:
-            self._file.seek(block.offset)
-            frame = self._next_frame(skip_steps=False)
-        finally:
-            self._file.seek(here)
-        _, offset, payload = frame
-        names = self.names
-        pos = 0
-        _, pos = fmt.decode_varint(payload, pos)
-        _, pos = fmt.decode_varint(payload, pos)
-        pos += 8
-        records = []
-        try:
-            for _ in range(block.num_records):
-                kind = payload[pos]
-                length, pos = fmt.decode_varint(payload, pos + 1)
-                end = pos + length
-                phase_id, pos = fmt.decode_varint(payload, pos)
-                name_id, pos = fmt.decode_varint(payload, pos)
-                occurrence, pos = fmt.decode_varint(payload, pos)
-                dtype = _dtype_name(payload[pos])
-                pos += 1
-                if kind == fmt.RECORD_TENSOR:
-                    flags, ndim = payload[pos], payload[pos + 1]
-                    pos += 2
-                    shape = []
-                    for _ in range(ndim):
-                        size, pos = fmt.decode_varint(payload, pos)
-                        shape.append(size)
-                    digest = None if flags & (fmt.FLAG_ABSENT | fmt.FLAG_CAPPED) else fmt.unpack_u64(payload, pos)
-                    records.append(Record("tensor", names[phase_id], names[name_id], occurrence, dtype,
-                                          tuple(shape), flags, digest, None))
-                elif kind == fmt.RECORD_METRIC:
-                    records.append(Record("metric", names[phase_id], names[name_id], occurrence, dtype,
-                                          None, 0, None, bytes(payload[pos:end])))
-                pos = end  # unknown record kinds are skipped: forward compatible
-        except (IndexError, ValueError, KeyError) as err:
+            _, pos = _varint(payload, 0, len(payload))
+            _, pos = _varint(payload, pos, len(payload))
+            return self._parse_records(payload, pos + 8, block.num_records, block.names_count)
+        except _Malformed as err:
             raise StreamError(
-                f"{self.path}: step {block.step} (frame at byte {offset}) is malformed ({err!r})."
+                f"{self.path}: step {block.step} (the step frame at byte {block.offset}) is malformed ({err}): "
+                "the file is corrupt. " + _CORRUPT_HINT
             ) from None
-        return records
+
+    def _parse_records(self, payload: bytes, pos: int, count: int, names_count: int, canonical: bool = False):
+        """Decode ``count`` records from ``payload[pos:]``, checking every field; with
+        ``canonical`` return the schema-1 root input instead."""
+        names, size = self.names, len(payload)
+        records: list[Record] = []
+        out = bytearray()
+
+        def name(ident: int) -> str:
+            if ident >= names_count:
+                raise _Malformed(f"name id {ident} was never interned ({names_count} names)")
+            return names[ident]
+
+        for index in range(count):
+            if pos >= size:
+                raise _Malformed(f"record {index} of {count} starts past the end of the frame")
+            kind = payload[pos]
+            length, pos = _varint(payload, pos + 1, size)
+            end = pos + length
+            if end > size:
+                raise _Malformed(f"record {index} of {count} runs past the end of the frame")
+            if kind not in (fmt.RECORD_TENSOR, fmt.RECORD_METRIC):
+                pos = end  # unknown record kinds are skipped: forward compatible
+                continue
+            phase_id, pos = _varint(payload, pos, end)
+            name_id, pos = _varint(payload, pos, end)
+            phase, label = name(phase_id), name(name_id)
+            if canonical:
+                out += bytes((kind,)) + phase.encode() + b"\0" + label.encode() + b"\0" + payload[pos:end]
+            occurrence, pos = _varint(payload, pos, end)
+            if pos >= end:
+                raise _Malformed(f"record {index} ({phase}/{label}) ends before its dtype")
+            code = payload[pos]
+            dtype = _dtype_name(code)
+            pos += 1
+            if kind == fmt.RECORD_TENSOR:
+                if pos + 2 > end:
+                    raise _Malformed(f"record {index} ({phase}/{label}) ends before its shape")
+                flags, ndim = payload[pos], payload[pos + 1]
+                pos += 2
+                if flags & ~(fmt.FLAG_ABSENT | fmt.FLAG_CAPPED) or (code == 0) != bool(flags & fmt.FLAG_ABSENT):
+                    raise _Malformed(f"record {index} ({phase}/{label}) has flags {flags} with dtype {dtype}")
+                shape = []
+                for _ in range(ndim):
+                    dim, pos = _varint(payload, pos, end)
+                    shape.append(dim)
+                digest = None
+                if not flags & (fmt.FLAG_ABSENT | fmt.FLAG_CAPPED):
+                    if pos + 8 > end:
+                        raise _Malformed(f"record {index} ({phase}/{label}) ends before its digest")
+                    digest = fmt.unpack_u64(payload, pos)
+                    pos += 8
+                if pos != end:
+                    raise _Malformed(f"record {index} ({phase}/{label}) has {end - pos} stray bytes")
+                records.append(Record("tensor", phase, label, occurrence, dtype, tuple(shape), flags, digest, None))
+            else:
+                raw = bytes(payload[pos:end])
+                if code == 0 or len(raw) != _ITEMSIZES.get(code):
+                    raise _Malformed(f"metric {index} ({phase}/{label}) holds {len(raw)} bytes for dtype {dtype}")
+                records.append(Record("metric", phase, label, occurrence, dtype, None, 0, None, raw))
+            pos = end
+        if pos != size:
+            raise _Malformed(f"{size - pos} bytes after the last of {count} records")
+        return out if canonical else records
 
     def close(self) -> None:
-        self._file.close()
+        if isinstance(self._data, mmap.mmap):
+            self._data.close()
+        self._data = b""
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
 
 
 class Run:
@@ -361,15 +554,25 @@ class Run:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        if not self.path.exists():
+        try:
+            exists, is_dir = self.path.exists(), self.path.is_dir()
+        except OSError as err:
+            raise StreamError(f"{self.path}: cannot access the run directory ({err.strerror}).") from None
+        if not exists:
             raise StreamError(f"{self.path}: no such run directory.")
-        if not self.path.is_dir():
+        if not is_dir:
             raise StreamError(f"{self.path}: not a directory; pass the run directory holding rank-*.sbs files.")
         files = {}
-        for entry in self.path.iterdir():
-            match = _STREAM_RE.match(entry.name)
-            if match:
-                files[int(match.group(1))] = entry
+        try:
+            for entry in self.path.iterdir():
+                match = _STREAM_RE.match(entry.name)
+                if match:
+                    files[int(match.group(1))] = entry
+        except PermissionError:
+            raise StreamError(f"{self.path}: permission denied listing the run directory; make it readable "
+                              f"(e.g. chmod a+rx {self.path}) and retry.") from None
+        except OSError as err:
+            raise StreamError(f"{self.path}: cannot list the run directory ({err.strerror}).") from None
         if not files:
             raise StreamError(
                 f"{self.path}: no fingerprint streams (rank-NNNNN.sbs) in this directory. Was the run "
@@ -377,7 +580,13 @@ class Run:
             )
         self.files = dict(sorted(files.items()))
         self.ranks = list(self.files)
-        self._unused = {rank: StreamReader(path) for rank, path in self.files.items()}
+        self._unused = {}
+        try:
+            for rank, path in self.files.items():
+                self._unused[rank] = StreamReader(path)
+        except StreamError:
+            self.close()
+            raise
         self.headers = {rank: reader.header for rank, reader in self._unused.items()}
         for rank, header in self.headers.items():
             if header["rank"] != rank:

@@ -18,13 +18,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from samebits.errors import ConfigError
+
 
 def parse_steps(spec: str | range | None, source: str) -> tuple[int, int | None]:
     if spec is None or spec == "":
         return 0, None
     if isinstance(spec, range):
         if spec.step != 1:
-            raise ValueError(f"{source}: a step window must be contiguous, got {spec}")
+            raise ConfigError(f"{source}: a step window must be contiguous, got {spec}")
         return spec.start, spec.stop
     text = str(spec).strip()
     try:
@@ -36,12 +38,12 @@ def parse_steps(spec: str | range | None, source: str) -> tuple[int, int | None]
             start = int(text)
             stop = start + 1
     except ValueError:
-        raise ValueError(
+        raise ConfigError(
             f"{source}={spec!r} is not a step window; write START:STOP (stop exclusive, "
             "either side may be empty), e.g. '100:200' or '5'."
         ) from None
     if start < 0 or (stop is not None and stop <= start):
-        raise ValueError(f"{source}={spec!r} is an empty or negative step window.")
+        raise ConfigError(f"{source}={spec!r} is an empty or negative step window.")
     return start, stop
 
 
@@ -60,7 +62,7 @@ def parse_ranks(spec: str | Iterable[int] | None, source: str = "ranks") -> froz
             elif part:
                 ranks.add(int(part))
     except ValueError:
-        raise ValueError(f"{source}={spec!r} is not a rank list; write e.g. '0,2,4-7'.") from None
+        raise ConfigError(f"{source}={spec!r} is not a rank list; write e.g. '0,2,4-7'.") from None
     return frozenset(ranks)
 
 
@@ -73,7 +75,7 @@ def _int_setting(value, env_name: str, default):
     try:
         return int(text)
     except ValueError:
-        raise ValueError(f"{env_name}={text!r} must be an integer.") from None
+        raise ConfigError(f"{env_name}={text!r} must be an integer.") from None
 
 
 def _default_rank_world() -> tuple[int, int]:
@@ -99,6 +101,7 @@ class RecorderSettings:
     flush_every: int
     enabled: bool
     phases: frozenset[str] | None = None  # None: every phase
+    ranks: frozenset[int] | None = None  # the ranks selected for recording; None: every rank
 
     def selected(self, step: int, phase: str) -> bool:
         return (step >= self.step_start and (self.step_stop is None or step < self.step_stop)
@@ -112,12 +115,15 @@ class RecorderSettings:
         if directory is None:
             directory = os.environ.get("SAMEBITS_DIR")
         if directory is None and enabled:
-            raise ValueError("Recorder needs a directory: pass one or set SAMEBITS_DIR.")
+            raise ConfigError("Recorder needs a directory: pass one or set SAMEBITS_DIR.")
         default_rank, default_world = _default_rank_world()
-        rank = default_rank if rank is None else int(rank)
-        world_size = default_world if world_size is None else int(world_size)
+        try:
+            rank = default_rank if rank is None else int(rank)
+            world_size = default_world if world_size is None else int(world_size)
+        except (TypeError, ValueError):
+            raise ConfigError(f"rank={rank!r} and world_size={world_size!r} must be integers.") from None
         if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside world size {world_size}.")
+            raise ConfigError(f"rank {rank} is outside world size {world_size}.")
         step_source = "steps" if steps is not None else "SAMEBITS_STEPS"
         start, stop = parse_steps(steps if steps is not None else os.environ.get("SAMEBITS_STEPS"), step_source)
         rank_source = "ranks" if ranks is not None else "SAMEBITS_RANKS"
@@ -125,7 +131,7 @@ class RecorderSettings:
         cap = _int_setting(max_tensor_bytes, "SAMEBITS_MAX_TENSOR_BYTES", None)
         flush = _int_setting(flush_every, "SAMEBITS_FLUSH_STEPS", 1)
         if flush < 1:
-            raise ValueError(f"flush_every must be >= 1 step, got {flush}.")
+            raise ConfigError(f"flush_every must be >= 1 step, got {flush}.")
         if phases is None:
             phases = os.environ.get("SAMEBITS_PHASES") or None
         if isinstance(phases, str):
@@ -138,6 +144,7 @@ class RecorderSettings:
             step_start=start,
             step_stop=stop,
             rank_selected=selected is None or rank in selected,
+            ranks=selected,
             max_tensor_bytes=cap,
             flush_every=flush,
             enabled=bool(enabled),

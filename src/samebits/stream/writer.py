@@ -9,13 +9,17 @@ the host per tensor.
 from __future__ import annotations
 
 import atexit
-import hashlib
+import errno
+import fcntl
 import json
 import math
+import operator
 import os
+import socket
 import struct
 import time
 import uuid
+import warnings
 import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -26,9 +30,10 @@ import torch
 
 from samebits import fingerprint
 from samebits.fingerprint._spec import dtype_code
-from samebits.errors import StreamError
+from samebits.errors import ConfigError, StreamError
 from samebits.stream import _format as fmt
 from samebits.stream.environment import environment_fingerprint
+from samebits.stream.reader import StreamReader, open_run
 from samebits.stream.settings import RecorderSettings
 
 _ABSENT_HEAD = bytes((0, fmt.FLAG_ABSENT, 0))  # dtype code 0 ("none"), flags, ndim 0
@@ -74,6 +79,10 @@ class Recorder:
     root with the reference's and returns False on a mismatch (a live check).
     ``append``: continue an existing stream (a resumed process); otherwise an existing
     stream is an error, never overwritten.
+
+    One writer per stream: the stream file is locked (``flock``) while a Recorder has it
+    open, and a second Recorder on the same stream (another process, or this one) gets a
+    `StreamError` naming the file and the holder.
     """
 
     def __init__(
@@ -109,9 +118,12 @@ class Recorder:
         self.rank, self.world_size = s.rank, s.world_size
         self.active = s.enabled and s.rank_selected
         self._file = None
+        self._lock_note: Path | None = None
         self._pending: _PendingStep | None = None
         self._last_step: int | None = None
         self._names: dict[str, int] = {}
+        self._valid_names: set[str] = set()  # strings checked to be encodable
+        self._names_hasher = fmt.new_names_hasher()  # the names key of the step root
         self._heads: dict[tuple, bytes] = {}
         self._index: list[tuple[int, int, int, int]] = []  # (step, records, root, frame offset)
         self._encoded: dict[tuple, tuple[bytes, bytes]] = {}
@@ -134,6 +146,7 @@ class Recorder:
             "config": _jsonable(dict(config or {})),
             "window": [s.step_start, s.step_stop],
             "phases": sorted(s.phases) if s.phases is not None else None,
+            "ranks": sorted(s.ranks) if s.ranks is not None else None,
             "max_tensor_bytes": s.max_tensor_bytes,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "samebits": _samebits_version(),
@@ -151,12 +164,13 @@ class Recorder:
                     "Record into a new directory, delete the old run, or pass append=True "
                     "to continue it (a resumed run)."
                 ) from None
+            except OSError as err:
+                raise StreamError(f"{self.path}: cannot create the stream ({err.strerror}).") from None
+            self._lock()
             header["segment"] = 0
         self._buffer += fmt.frame(fmt.FRAME_HEADER, fmt.MAGIC + json.dumps(header, sort_keys=True).encode())
         self._flush()
         if reference is not None:
-            from samebits.stream.reader import open_run
-
             self._reference = open_run(reference).stream(s.rank).steps()
             self._reference_step = None
         _open_recorders.add(self)
@@ -175,12 +189,18 @@ class Recorder:
         if isinstance(named_tensors, Mapping):
             named_tensors = named_tensors.items()
         cap = self.settings.max_tensor_bytes
-        records, occurrences = pending.records, pending.occurrences
+        # Build this call's records apart and commit them at the end: a bad tensor raises
+        # before anything is added, so the open step stays consistent.
+        records, occurrences = [], {}
         to_digest: dict[torch.device, tuple[int, list[torch.Tensor]]] = {}  # device -> (first index, tensors)
+        self._check_text(phase, "phase", step)
         for name, tensor in named_tensors:
             name = str(name)
+            self._check_text(name, "name", step)
             key = (fmt.RECORD_TENSOR, phase, name)
-            occurrence = occurrences.get(key, 0)
+            occurrence = occurrences.get(key)
+            if occurrence is None:
+                occurrence = pending.occurrences.get(key, 0)
             occurrences[key] = occurrence + 1
             if tensor is None:
                 records.append((fmt.RECORD_TENSOR, phase, name, occurrence, _ABSENT_HEAD, 0, None))
@@ -190,6 +210,13 @@ class Recorder:
                     f"Recorder.tensors(step={step}, phase={phase!r}): {name!r} is a "
                     f"{type(tensor).__name__}, not a torch.Tensor; record numbers with metrics()."
                 )
+            if tensor.is_nested or tensor.layout != torch.strided:
+                kind = "a nested tensor" if tensor.is_nested else f"a {tensor.layout} tensor"
+                raise ConfigError(
+                    f"Recorder.tensors(step={step}, phase={phase!r}): {name!r} is {kind}; only dense "
+                    "(strided) tensors have a digest. Record its components (t.unbind() for nested, "
+                    "t.to_dense() for sparse) under their own names."
+                )
             capped = cap is not None and tensor.nbytes > cap
             head, header = self._tensor_head(tensor.dtype, tensor.shape, capped)
             if capped:
@@ -198,15 +225,18 @@ class Recorder:
             device = tensor.device
             batch = to_digest.get(device)
             if batch is None:
-                queue = pending.devices.get(device) or pending.devices.setdefault(device, _DeviceQueue())
-                batch = to_digest[device] = (queue.num_sums, [])
+                queue = pending.devices.get(device)
+                batch = to_digest[device] = (queue.num_sums if queue else 0, [])
             records.append((fmt.RECORD_TENSOR, phase, name, occurrence, head, header,
                             (device, batch[0] + len(batch[1]))))
             batch[1].append(tensor)
+        sums = {device: fingerprint.body_sums(batch) for device, (_, batch) in to_digest.items()}  # no sync
         for device, (_, batch) in to_digest.items():
-            queue = pending.devices[device]
-            queue.sums.append(fingerprint.body_sums(batch))  # int64 [n] on the device: no sync
+            queue = pending.devices.get(device) or pending.devices.setdefault(device, _DeviceQueue())
+            queue.sums.append(sums[device])
             queue.num_sums += len(batch)
+        pending.records.extend(records)
+        pending.occurrences.update(occurrences)
 
     def metrics(self, step: int, phase: str = "metrics", **values) -> None:
         """Record scalars with their exact bits: Python floats as float64, ints as int64,
@@ -214,30 +244,44 @@ class Recorder:
         if not self.active or not self.settings.selected(step, phase):
             return
         pending = self._step(step)
-        records, occurrences = pending.records, pending.occurrences
+        self._check_text(phase, "phase", step)
+        checked = []  # validate every value before recording any: a bad one leaves the step as it was
         for name, value in values.items():
             if value is None:
                 continue
+            self._check_text(name, "name", step)
             if isinstance(value, torch.Tensor):
-                if value.numel() != 1:
-                    raise ValueError(
-                        f"Recorder.metrics(step={step}): {name!r} has {value.numel()} elements; "
-                        "metrics are scalars. Record tensors with tensors()."
+                if value.is_nested or value.layout != torch.strided or value.numel() != 1:
+                    size = "a nested" if value.is_nested else f"a {value.layout}" if value.layout != torch.strided \
+                        else f"a {value.numel()}-element"
+                    raise ConfigError(
+                        f"Recorder.metrics(step={step}): {name!r} is {size} tensor; metrics are scalars "
+                        "(one-element dense tensors). Record tensors with tensors()."
                     )
-                data = value.detach().reshape(1).clone().view(torch.uint8)  # a copy: values change
-                queue = pending.devices.get(value.device) or pending.devices.setdefault(value.device, _DeviceQueue())
-                where = (value.device, queue.num_metric_bytes, data.numel())
-                queue.metrics.append(data)
-                queue.num_metric_bytes += data.numel()
-                code = dtype_code(value.dtype)
+                checked.append((name, value, dtype_code(value.dtype)))
             elif isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(
                     f"Recorder.metrics(step={step}): {name!r} is a {type(value).__name__}; "
                     "pass a float, an int or a one-element tensor."
                 )
+            elif isinstance(value, float):
+                checked.append((name, None, _F64.pack(value)))
+            elif -(2**63) <= value < 2**63:
+                checked.append((name, None, _I64.pack(value)))
             else:
-                code, where = (_FLOAT64_CODE, _F64.pack(value)) if isinstance(value, float) else \
-                    (_INT64_CODE, _I64.pack(value))
+                raise ConfigError(f"Recorder.metrics(step={step}): {name!r} = {value} does not fit in int64; "
+                                  "pass it as a float or a tensor.")
+        records, occurrences = pending.records, pending.occurrences
+        for name, value, encoded in checked:
+            if value is not None:
+                data = value.detach().reshape(1).clone().view(torch.uint8)  # a copy: values change
+                queue = pending.devices.get(value.device) or pending.devices.setdefault(value.device, _DeviceQueue())
+                where = (value.device, queue.num_metric_bytes, data.numel())
+                queue.metrics.append(data)
+                queue.num_metric_bytes += data.numel()
+                code = encoded
+            else:
+                code, where = (_FLOAT64_CODE if isinstance(values[name], float) else _INT64_CODE), encoded
             key = (fmt.RECORD_METRIC, phase, name)
             occurrence = occurrences.get(key, 0)
             occurrences[key] = occurrence + 1
@@ -251,7 +295,7 @@ class Recorder:
         if not self.active or self._pending is None:
             return None
         if step is not None and step != self._pending.step:
-            raise ValueError(f"end_step({step}) but the open step is {self._pending.step}")
+            raise ConfigError(f"end_step({step}) but the open step is {self._pending.step}")
         root, count = self._write_step(self._pending)
         self._pending = None
         return self._check_reference(self._last_step, root, count)
@@ -275,9 +319,18 @@ class Recorder:
         self._buffer += fmt.frame(fmt.FRAME_INDEX, index)
         self._buffer += fmt.frame(fmt.FRAME_CLOSE, fmt.pack_u64(index_offset) + fmt.CLOSE_MAGIC)
         self._flush()
-        self._file.close()
+        self._release()
         self._closed = True
         _open_recorders.discard(self)
+
+    def _release(self) -> None:
+        if self._lock_note is not None:
+            try:
+                self._lock_note.unlink()
+            except OSError:
+                pass
+            self._lock_note = None
+        self._file.close()  # releases the lock
 
     def __enter__(self) -> "Recorder":
         return self
@@ -293,15 +346,16 @@ class Recorder:
         pending = self._pending
         if pending is not None and pending.step == step:
             return pending
+        step = _check_step(step, self.rank)
         if pending is not None:
             if step < pending.step:
-                raise ValueError(
+                raise ConfigError(
                     f"step {step} recorded after step {pending.step} on rank {self.rank}: steps "
                     "must not decrease within a stream (count optimizer steps)."
                 )
             self.end_step()
         if self._last_step is not None and step <= self._last_step:
-            raise ValueError(
+            raise ConfigError(
                 f"step {step} on rank {self.rank} was already written to {self.path}; steps must "
                 "increase. A resumed run that replays steps should record into a new directory."
             )
@@ -320,8 +374,8 @@ class Recorder:
             cached = self._heads[key] = (bytes(encoded), fingerprint.header(dtype, shape))
         return cached
 
-    def _encode_prefixes(self, kind, phase, name, occurrence, head, payload_length) -> tuple[bytes, bytes]:
-        """The record's bytes up to its payload, in the stream (ids) and for the root (strings)."""
+    def _encode_prefixes(self, kind, phase, name, occurrence, head, payload_length) -> bytes:
+        """The record's bytes up to its payload, as stored (names as interned ids)."""
         tail = bytearray()
         fmt.encode_varint(occurrence, tail)
         tail += head
@@ -332,15 +386,29 @@ class Recorder:
         framed = bytearray((kind,))
         fmt.encode_varint(len(record) + payload_length, framed)
         framed += record
-        canonical = bytes((kind,)) + phase.encode() + b"\0" + name.encode() + b"\0" + bytes(tail)
-        return bytes(framed), canonical
+        return bytes(framed)
 
     def _intern(self, text: str) -> int:
         ident = self._names.get(text)
         if ident is None:
             ident = self._names[text] = len(self._names)
             self._new_names.append(text)
+            self._names_hasher.update(fmt.name_bytes(text))
         return ident
+
+    def _check_text(self, text, what: str, step) -> None:
+        """Names and phases must be strings that encode to utf-8 (checked once each)."""
+        if text in self._valid_names:
+            return
+        if not isinstance(text, str):
+            raise ConfigError(f"Recorder at step {step}: the {what} {text!r} is a {type(text).__name__}; "
+                              "pass a str.")
+        try:
+            text.encode()
+        except UnicodeEncodeError as err:
+            raise ConfigError(f"Recorder at step {step}: the {what} {text!r} cannot be stored as utf-8 ({err.reason} "
+                              f"at position {err.start}); pass a valid string.") from None
+        self._valid_names.add(text)
 
     def _write_step(self, pending: _PendingStep) -> tuple[int, int]:
         sums, metric_bytes = {}, {}
@@ -361,7 +429,6 @@ class Recorder:
                 body_sums[position] = value
         digests = iter(fingerprint.finalize(body_sums, [r[5] for r in digested]))
         body = bytearray()
-        canonical = bytearray()  # what the step root hashes: records with strings, not ids
         encoded = self._encoded
         for kind, phase, name, occurrence, head, _, where in pending.records:
             if where is None:
@@ -376,11 +443,9 @@ class Recorder:
             prefixes = encoded.get(key)
             if prefixes is None:
                 prefixes = encoded[key] = self._encode_prefixes(*key)
-            body += prefixes[0]
+            body += prefixes
             body += payload
-            canonical += prefixes[1]
-            canonical += payload
-        root_value = int.from_bytes(hashlib.blake2b(canonical, digest_size=8).digest(), "little")
+        root_value = fmt.step_root(self._names_hasher.digest(), body)
         if self._new_names:
             names = bytearray()
             fmt.encode_varint(len(self._names) - len(self._new_names), names)
@@ -428,26 +493,59 @@ class Recorder:
         return ref.root == root and ref.num_records == count
 
     def _open_for_append(self, header: dict) -> None:
-        from samebits.stream.reader import StreamReader
-
+        try:
+            self._file = open(self.path, "r+b")
+        except OSError as err:
+            raise StreamError(f"{self.path}: cannot open the stream to append ({err.strerror}).") from None
+        self._lock()  # before reading: a live writer may still be adding frames
         existing = StreamReader(self.path)
-        last = None
-        for block in existing.steps():
-            last = block.step
-            self._index.append((block.step, block.num_records, block.root, block.offset))
-        if existing.stop_reason is not None and existing.stop_reason.startswith("truncated"):
-            import warnings
-
-            warnings.warn(f"samebits: appending to {self.path}, which was {existing.stop_reason}; "
-                          "the torn frame is dropped.", stacklevel=3)
+        try:
+            last = None
+            for block in existing.steps():
+                last = block.step
+                self._index.append((block.step, block.num_records, block.root, block.offset))
+            if existing.stop_reason is not None and existing.stop_reason.startswith("truncated"):
+                warnings.warn(f"samebits: appending to {self.path}, which was {existing.stop_reason}; "
+                              "the torn frame is dropped.", stacklevel=3)
+            names, end_offset, num_segments = list(existing.names), existing.end_offset, existing.num_segments
+        finally:
+            existing.close()
         self._last_step = last
-        for text in existing.names:
+        for text in names:
             self._names[text] = len(self._names)
-        header["segment"] = existing.num_segments
-        self._file = open(self.path, "r+b")
-        self._file.truncate(existing.end_offset)  # drop a torn tail frame, never a complete one
-        self._file.seek(existing.end_offset)
+            self._names_hasher.update(fmt.name_bytes(text))
+        header["segment"] = num_segments
+        self._file.truncate(end_offset)  # drop a torn tail frame, never a complete one
+        self._file.seek(end_offset)
 
+    def _lock(self) -> None:
+        """Hold an exclusive lock on the stream file while this Recorder writes it, and leave
+        a note saying who holds it (read by the writer that is refused)."""
+        note = self.path.with_name(f".{self.path.name}.lock")
+        try:
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                warnings.warn(f"samebits: cannot lock {self.path} ({err.strerror}); make sure one process "
+                              "writes it.", stacklevel=4)
+                return
+            self._file.close()
+            self._file = None
+            try:
+                holder = note.read_text().strip()[:200] or "unknown"
+            except OSError:
+                holder = "unknown"
+            raise StreamError(
+                f"{self.path} is being written by another Recorder (holder: {holder}): one writer per "
+                "stream. Wait for it to close, give this process another rank or directory, or "
+                "append once the other writer has finished."
+            ) from None
+        try:
+            note.write_text(f"pid {os.getpid()} on {socket.gethostname()} since "
+                            f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n")
+            self._lock_note = note
+        except OSError:
+            pass  # the lock holds without the note; only the message is less specific
 
 _open_recorders: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
 
@@ -459,6 +557,19 @@ def _close_open_recorders() -> None:  # a script that forgot close() still gets 
             recorder.close()
         except Exception:
             pass
+
+
+def _check_step(step, rank: int) -> int:
+    """Steps are integers in [0, 2**63): refuse anything else at record time."""
+    try:
+        value = operator.index(step)
+    except TypeError:
+        raise ConfigError(f"step {step!r} on rank {rank} is a {type(step).__name__}; steps are integers "
+                          "(count optimizer steps from 0).") from None
+    if isinstance(step, bool) or not 0 <= value <= fmt.MAX_STEP:
+        raise ConfigError(f"step {step!r} on rank {rank} is outside 0..2**63-1; steps are non-negative "
+                          "integers (count optimizer steps from 0).")
+    return value
 
 
 def _jsonable(value):

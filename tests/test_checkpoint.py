@@ -288,6 +288,20 @@ def test_bytes_entry_in_dcp_metadata_is_refused_and_never_unpickled(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("name", ["Enum", "Metadata.__class__", "dataclass"])
+def test_metadata_unpickler_takes_only_classes_defined_by_dcp_metadata(name):
+    """The metadata module imports enum.Enum and dataclasses.dataclass; a global naming
+    them (or walking a dotted path) through that module is not one of DCP's classes."""
+    from samebits.checkpoint._storage import _MetadataUnpickler
+
+    module = b"torch.distributed.checkpoint.metadata"
+    payload = (b"\x80\x04" + pickle.SHORT_BINUNICODE + bytes([len(module)]) + module
+               + pickle.SHORT_BINUNICODE + bytes([len(name)]) + name.encode()
+               + pickle.STACK_GLOBAL + pickle.STOP)
+    with pytest.raises(CheckpointError, match="not a DCP metadata type"):
+        _MetadataUnpickler(io.BytesIO(payload)).load()
+
+
 def test_dcp_planner_refuses_bytes_reads_even_past_the_metadata_check():
     """Second line of defence: the planner samebits hands DCP never unpickles bytes."""
     from torch.distributed.checkpoint.planner import LoadItemType, ReadItem

@@ -367,10 +367,12 @@ class _MetadataUnpickler(pickle.Unpickler):
             obj = super().find_class(module, name)
         elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             obj = getattr(torch, name)
-        elif module == "torch.distributed.checkpoint.metadata":
+        elif module == "torch.distributed.checkpoint.metadata" and name.isidentifier():
+            # a class defined in that module (not one it imports, e.g. enum.Enum, nor a
+            # dotted path walked from one): its dataclasses and enums
             candidate = super().find_class(module, name)
-            if isinstance(candidate, type) and (dataclasses.is_dataclass(candidate)
-                                                or issubclass(candidate, enum.Enum)):
+            if (isinstance(candidate, type) and candidate.__module__ == module
+                    and (dataclasses.is_dataclass(candidate) or issubclass(candidate, enum.Enum))):
                 obj = candidate
         if obj is None:
             raise CheckpointError(f"DCP metadata refers to {module}.{name}, which is not a DCP "

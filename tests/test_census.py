@@ -185,6 +185,7 @@ def test_census_without_numpy_omits_its_record(monkeypatch):
     ({"generators": [torch.Generator()]}, "dict of name"),
     ({"optimizers": [object()]}, r"optimizers\[0\]"),
     ({"schedulers": [object()]}, r"schedulers\[0\]"),
+    ({"optimizers": {"adam": None}}, "must be a list or tuple"),
 ])
 def test_bad_arguments_are_config_errors_naming_them(kwargs, message):
     with pytest.raises(ConfigError, match=message):

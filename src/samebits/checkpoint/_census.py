@@ -232,7 +232,7 @@ def _checked_sequence(argument: str, values: Any, check, wanted: str) -> Sequenc
     if check(values):  # one object passed where a sequence was meant
         raise ConfigError(f"state_census({argument}=...) got one {type(values).__name__}; pass a "
                           f"list or tuple of them, e.g. {argument}=[x]")
-    if not isinstance(values, (list, tuple)):
+    if not isinstance(values, Sequence) or isinstance(values, (str, bytes)):
         raise ConfigError(f"state_census({argument}=...) must be a list or tuple, not a "
                           f"{type(values).__name__}")
     for index, value in enumerate(values):

@@ -6,6 +6,8 @@ import shlex
 import sys
 
 from samebits.cli._format import print_json, table
+from samebits.errors import ConfigError
+from samebits.trace import bisect
 
 
 def register(sub) -> None:
@@ -37,13 +39,10 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from samebits.errors import SamebitsError
-    from samebits.trace import bisect
-
     if args.cmd and (args.cmd_a or args.cmd_b):
-        raise SamebitsError("give either a command after -- (bisected against itself) or --a and --b, not both.")
+        raise ConfigError("give either a command after -- (bisected against itself) or --a and --b, not both.")
     if bool(args.cmd_a) != bool(args.cmd_b):
-        raise SamebitsError("--a and --b go together: give both quoted commands, e.g. "
+        raise ConfigError("--a and --b go together: give both quoted commands, e.g. "
                             "--a 'python train.py' --b 'python train.py --threads 2'.")
     cmd_a = shlex.split(args.cmd_a) if args.cmd_a else (args.cmd or None)
     cmd_b = shlex.split(args.cmd_b) if args.cmd_b else None
@@ -64,7 +63,7 @@ def run(args) -> int:
         print_json(result.to_json())
     else:
         print(render(result))
-    return 0 if result.verdict == "identical" else 1
+    return result.verdict.exit_code
 
 
 def render(result) -> str:
@@ -73,6 +72,9 @@ def render(result) -> str:
     lines = [f"samebits bisect: {result.verdict.upper()} ({result.compared})", "",
              table(["stage", "rung", "traced", "runs", "finding"], rows), ""]
     origin = result.origin
+    if result.conclusion:
+        lines.append(result.conclusion)
+        lines.append("")
     if result.control_flow is not None:
         cf = result.control_flow
         lines.append(f"control flow differs: rank {cf['rank']}, step {cf['step']}: {cf['detail']}")
@@ -89,11 +91,14 @@ def render(result) -> str:
             lines.append(f"  call site  {origin['call_site']}")
         if origin["detail"]:
             lines.append(f"  why        {origin['detail']}")
+        if origin.get("state_differs"):
+            lines.append(f"  state      differs at step start: {', '.join(origin['state_differs'])}")
         elements = origin.get("elements")
         if elements:
             lines.append(f"  elements   {elements['differing']} of {elements['total']} differ in output "
                          f"{elements.get('output')} ({elements['dtype']} {elements['shape']}), max "
-                         f"{elements['max_ulp']} ulp")
+                         f"{elements['max_ulp']} ulp"
+                         + ("; the same values in another order" if elements.get("same_values") else ""))
             for value in elements["values"]:
                 lines.append(f"             at {value['index']}: a = {value['a']!r}, b = {value['b']!r} "
                              f"({value['ulp']} ulp)")

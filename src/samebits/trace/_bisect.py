@@ -1,24 +1,34 @@
-"""`bisect`: narrow a divergence between two runs to its origin op, one rung at a time.
+"""`bisect`: narrow a divergence between two runs to its origin, one rung at a time.
 
-Stages (each runs side A and side B once, in this order, and stops as soon as it can):
+Stages (each runs side A and side B, in this order, and stops as soon as it can):
 
-1. ``steps``    rung 1 (phases, collectives, gradients, optimizer state) for the whole run:
-   the first divergent step and phase.  Identical runs stop here.  With two different
-   commands, each is first run twice (``repeat``) to separate run-to-run noise from the
-   intended change; a side that is not repeatable is bisected against itself.
-2. ``modules``  rung 2 for that step only, stopping after it: the first divergent module.
+1. ``steps``    rung 1 (phases, collectives, gradients, optimizer state, the model's inputs,
+   the state census at each step start) for the whole run: the first divergent step and
+   phase.  Identical runs stop here.  With two different commands, each is first run twice
+   to separate run-to-run noise from the intended change; a side that is not repeatable is
+   bisected against itself.
+2. ``modules``  rung 2 for that step, stopping after it: the first divergent module.
 3. ``ops``      rung 3 inside that module's subtree (its parent's for a backward finding,
    since a module's input gradient is the total of its consumers'), with call sites.
 4. ``dump``     the same run with the origin's inputs and outputs saved, compared element
-   by element (how many differ, where, by how many ulps).
+   by element (how many differ, where, by how many ulps, and whether the two outputs hold
+   the same values in another order).
 
-A collective origin found in stage 1 skips to the dump; an origin in the initial state
-(step 0 parameters) stops there; runs whose recorded event sequences part are reported
-where they part.
+Stages 2 and 3 re-run a step: when the re-run diverges *earlier* than the traced step (a
+nondeterminism that fires at a random step), they trace again from the earliest divergent
+step seen; when it does not diverge at all, they try again, a bounded number of times.
+
+The conclusion is proof or "not localised": a model input that already differs is the data
+pipeline; an RNG op whose inputs matched, with a generator whose state differed at the step
+start, is that generator; an origin op whose two outputs hold the same values in another
+order is an ordering problem; "below the dispatcher" needs a module whose inputs matched
+and whose output differs with no ATen op inside it to blame.  Anything else is reported as
+not localised, with what was ruled out.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import sys
@@ -29,12 +39,27 @@ from typing import Callable
 
 import torch
 
+from samebits import checkpoint
 from samebits._launch import failed, run_logged, teardown_note
-from samebits.errors import SamebitsError
+from samebits.autorecord import environment_for
+from samebits.errors import ConfigError, SamebitsError
+from samebits.stream.reader import open_run
 from samebits.trace._config import ENV_VARS, LEVEL_NAMES, EventSpec, TraceConfig, parent_scope
-from samebits.trace._elements import compare_elements
+from samebits.trace._elements import compare_elements, same_values
 from samebits.trace._origin import Finding, OriginReport, find_origins
 from samebits.trace._tracer import dump_filename
+from samebits.verdicts import Verdict
+
+MAX_RERUNS = 3  # pairs of runs a narrowing stage may take to see its divergence again
+
+# ATen ops that draw from a generator: an origin among them is a generator's state.
+RNG_OPS = frozenset({
+    "aten::bernoulli", "aten::bernoulli_", "aten::native_dropout", "aten::dropout", "aten::feature_dropout",
+    "aten::alpha_dropout", "aten::rand", "aten::rand_like", "aten::randn", "aten::randn_like", "aten::randint",
+    "aten::randint_like", "aten::randperm", "aten::normal", "aten::normal_", "aten::uniform_", "aten::random_",
+    "aten::exponential_", "aten::cauchy_", "aten::log_normal_", "aten::geometric_", "aten::multinomial",
+    "aten::poisson", "aten::rrelu_with_noise", "aten::_fused_dropout", "aten::_standard_gamma",
+})
 
 
 @dataclass
@@ -51,8 +76,6 @@ class Command:
         if self.recipe:
             argv = self.argv + ["--out", str(out_dir)]
         else:
-            from samebits.autorecord import environment_for
-
             env = environment_for(out_dir, command=shlex.join(self.argv))
             argv = self.argv
         for name in ENV_VARS:
@@ -66,7 +89,10 @@ class Command:
             raise SamebitsError(f"run {self.label} recorded nothing into {out_dir}: is `{shlex.join(self.argv)}` "
                                 "a PyTorch training script that calls optimizer.step()?")
         if code != 0:
-            note = teardown_note(self.label, code, out_dir, log)
+            # A Python exception is a crash, whatever the streams say: zero-code recording
+            # closes them at exit, so a run that died mid-training looks complete.
+            crashed = "Traceback (most recent call last)" in log.read_text(errors="replace")
+            note = None if crashed else teardown_note(self.label, code, out_dir, log)
             if note is None:
                 raise failed(self.label, self.argv, code, log)
             self.exit_notes.append(note)
@@ -91,7 +117,7 @@ class Stage:
 
 @dataclass
 class BisectResult:
-    verdict: str  # "identical" | "diverged"
+    verdict: Verdict  # IDENTICAL or DIVERGED (a run that could not be compared raises instead)
     origin: dict | None
     stages: list[Stage]
     out: str
@@ -100,16 +126,19 @@ class BisectResult:
     control_flow: dict | None = None
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    conclusion: str = ""  # one sentence: what differs and where the origin is (or why it is not known)
 
     def to_json(self) -> dict:
-        return {"verdict": self.verdict, "origin": self.origin, "stages": [s.to_json() for s in self.stages],
-                "compared": self.compared, "repeatable": self.repeatable, "control_flow": self.control_flow,
+        return {"verdict": str(self.verdict), "conclusion": self.conclusion, "origin": self.origin,
+                "stages": [s.to_json() for s in self.stages], "compared": self.compared,
+                "repeatable": self.repeatable, "control_flow": self.control_flow,
                 "out": self.out, "notes": self.notes, "seconds": round(self.seconds, 1)}
 
 
 def recipe_commands(*, steps: int = 4, nproc: int = 2, nondeterministic: bool = False,
                     overrides=()) -> tuple[Command, Command]:
-    """Both sides on the reference recipe (the same command twice)."""
+    """Both sides on the reference recipe (the same command twice).  The recipe records into
+    ``--out`` and traces itself from the ``SAMEBITS_TRACE*`` variables."""
     argv = [sys.executable, "-m", "samebits.recipes.train"] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
         "--nproc-per-node", str(nproc), "-m", "samebits.recipes.train"]
@@ -118,24 +147,22 @@ def recipe_commands(*, steps: int = 4, nproc: int = 2, nondeterministic: bool = 
         argv += ["--preset", "nondeterministic"]
     for item in overrides:
         argv += ["--set", item]
-    wired = _recipe_traces_itself()
-    return Command("a", argv, recipe=wired), Command("b", list(argv), recipe=wired)
-
-
-def _recipe_traces_itself() -> bool:
-    """True once the recipe's loop calls samebits.trace.attach_from_env; until then the
-    recipe is traced like any command, through zero-code recording."""
-    try:
-        import inspect
-
-        from samebits.recipes import loop
-    except ImportError as err:
-        raise SamebitsError(f"the reference recipe cannot be imported ({err}); pass a command instead.") from None
-    return "attach_from_env" in inspect.getsource(loop)
+    return Command("a", argv, recipe=True), Command("b", list(argv), recipe=True)
 
 
 def default_out_dir() -> Path:
     return Path("samebits-out") / time.strftime("bisect-%Y%m%d-%H%M%S")
+
+
+@dataclass
+class _Evidence:
+    """What the narrowing stages established, for the conclusion."""
+
+    module_origin: Finding | None = None  # a module whose inputs matched and whose output differs
+    subtree: str | None = None  # where rung 3 looked
+    ops_finding: Finding | None = None  # rung 3's first difference (when it was not an op origin)
+    reproduced: bool = True
+    ruled_out: list[str] = field(default_factory=list)
 
 
 class _Bisector:
@@ -149,11 +176,9 @@ class _Bisector:
         self.same_command = same_command
         self.stages: list[Stage] = []
         self.notes: list[str] = []
+        self._sides: dict[str, Command] = {"a": side_a, "b": side_b}
         perturb = os.environ.get("SAMEBITS_TEST_PERTURB", "").strip()
-        try:
-            self.perturb_b = EventSpec.parse(perturb, "SAMEBITS_TEST_PERTURB") if perturb else None
-        except ValueError as err:
-            raise SamebitsError(str(err)) from None
+        self.perturb_b = EventSpec.parse(perturb, "SAMEBITS_TEST_PERTURB") if perturb else None
         if self.perturb_b is not None:
             self.notes.append(f"test hook: SAMEBITS_TEST_PERTURB={perturb} applied to side b's runs only")
 
@@ -180,7 +205,7 @@ class _Bisector:
         return dirs
 
     def conclude(self, stage: Stage, report: OriginReport) -> Finding | None:
-        stage.verdict = report.verdict
+        stage.verdict = str(report.verdict)
         finding = report.first
         stage.finding = finding
         if finding is None:
@@ -196,6 +221,9 @@ class _Bisector:
         config = TraceConfig(level=1, stop_after=self.stop_after)
         return config.with_(**changes)
 
+    def sides(self) -> list[tuple[str, Command]]:
+        return [("a", self._sides["a"]), ("b", self._sides["b"])]
+
     # -- the stages ---------------------------------------------------------------------------
 
     def bisect(self) -> BisectResult:
@@ -205,12 +233,14 @@ class _Bisector:
         if self.same_command:
             stage = Stage("steps", "phases", "all steps, every rank")
             dirs = self.run_stage(stage, self.base_config(), [("a", a), ("b", b)])
+            _check_compared(dirs)
             report = find_origins(dirs["a"], dirs["b"])
         else:
             stage = Stage("steps", "phases", "all steps, every rank; each side twice (repeatability)")
             a2 = Command("a2", a.argv, a.recipe)
             b2 = Command("b2", b.argv, b.recipe)
             dirs = self.run_stage(stage, self.base_config(), [("a", a), ("a2", a2), ("b", b), ("b2", b2)])
+            _check_compared(dirs)
             noise_a = find_origins(dirs["a"], dirs["a2"])
             noise_b = find_origins(dirs["b"], dirs["b2"])
             repeatable = {"a": noise_a.identical, "b": noise_b.identical}
@@ -223,77 +253,169 @@ class _Bisector:
                 report = find_origins(dirs["a"], dirs["b"])
             if not (noise_a.identical and noise_b.identical):
                 self.notes.append(compared)
+        self._sides = {"a": a, "b": b}
         first = self.conclude(stage, report)
-        result = BisectResult("identical" if report.identical else "diverged", None, self.stages, str(self.out),
-                              compared, repeatable, notes=self.notes)
+        result = BisectResult(Verdict.IDENTICAL if report.identical else Verdict.DIVERGED, None, self.stages,
+                              str(self.out), compared, repeatable, notes=self.notes)
         if first is None:
+            result.conclusion = "identical: every recorded step matched bit for bit on every rank"
             result.seconds = time.perf_counter() - start
             return result
-        sides = [("a", a), ("b", b)]
-        self._sides = {"a": a, "b": b}
-        origin = self._narrow(first, sides, result)
-        result.origin = origin
+        result.origin = self._narrow(_earliest(report), result)
+        result.conclusion = result.origin.get("conclusion", "")
         parted = next((s.finding for s in reversed(self.stages) if s.finding is not None and s.finding.parted), None)
         if result.control_flow is None and parted is not None:
             result.control_flow = _control_flow_json(parted)
         result.seconds = time.perf_counter() - start
         return result
 
-    def _narrow(self, first: Finding, sides, result: BisectResult) -> dict | None:
+    def _narrow(self, first: Finding, result: BisectResult) -> dict:
         step = first.step
-        if first.classification == "control_flow":
-            result.control_flow = _control_flow_json(first)
-            return _origin_json(first, None)
-        if first.classification == "order":
-            self.notes.append("the runs recorded the same values in a different order; nothing to narrow")
-            return _origin_json(first, None)
-        if first.classification == "origin" and first.category == "state":
-            self.notes.append("the runs differ before their first step: initialisation (or the loaded "
-                              "checkpoint) differs, so no training op is the origin")
-            return _origin_json(first, None)
-        final = first
-        subtree = ""
-        if not (first.classification == "origin" and first.category == "collective"):
-            stage = Stage("modules", "modules", f"step {step} only, then stop")
-            dirs = self.run_stage(stage, self.base_config(level=2, step_start=step, step_stop=step + 1,
-                                                          stop_after=step), sides)
-            found = self.conclude(stage, find_origins(dirs["a"], dirs["b"], step=step))
-            if found is None:
-                self.notes.append(f"the modules stage did not reproduce the divergence at step {step}: "
-                                  "it is intermittent; reporting the steps stage's finding")
-                return _origin_json(final, None)
-            if found.classification == "control_flow":
-                result.control_flow = _control_flow_json(found)
-                return _origin_json(found, None)
-            final = found
-            if found.classification == "origin" and found.category == "collective":
-                subtree = None
-            else:
-                subtree = _subtree_for(found)
-            if subtree is not None:
-                stage = Stage("ops", "ops", f"step {step}, module {subtree or '(whole model)'}, with call sites")
-                config = self.base_config(level=3, step_start=step, step_stop=step + 1, stop_after=step,
-                                          module=subtree, call_sites=True)
-                dirs = self.run_stage(stage, config, sides)
-                found = self.conclude(stage, find_origins(dirs["a"], dirs["b"], step=step))
-                if found is not None and found.classification == "control_flow":
-                    result.control_flow = _control_flow_json(found)
-                    return _origin_json(found, None)
-                if found is None:
-                    self.notes.append("the ops stage did not reproduce the divergence (intermittent); "
-                                      "reporting the modules stage's finding")
-                    return _origin_json(final, None)
-                if found.classification == "origin" and found.category in ("op", "probe", "collective"):
-                    final = found
-                else:  # keep the module-level origin; say where the ops first show the difference
-                    self.notes.append(f"no ATen op inside {subtree or 'the model'} is an origin; the difference "
-                                      f"first shows at {found.where()} ({found.classification}: {found.detail}). "
-                                      "It arises below the dispatcher (a kernel or library call) and shows one "
-                                      "hop later: put a samebits.trace.probe around that call")
-        if final.classification != "origin" or final.category not in ("op", "collective", "probe"):
-            return _origin_json(final, None)
-        elements = self._dump(final, subtree)
-        return _origin_json(final, elements)
+        shortcut = self._shortcut(first, result)
+        if shortcut is not None:
+            return shortcut
+        evidence = _Evidence()
+        if first.classification == "origin" and first.category == "collective":
+            return self._finish(first, None, evidence)
+        found = self._traced_rerun("modules", 2, step, step, evidence)
+        if found is None:
+            evidence.reproduced = False
+            return self._finish(first, None, evidence)
+        shortcut = self._shortcut(found, result)
+        if shortcut is not None:
+            return shortcut
+        step = found.step
+        if found.classification == "origin" and found.category == "collective":
+            return self._finish(found, None, evidence)
+        if found.classification == "origin" and found.category == "module" and found.phase in ("forward", "recompute"):
+            evidence.module_origin = found
+        subtree = _subtree_for(found)
+        evidence.subtree = subtree
+        module_finding = found
+        found = self._traced_rerun("ops", 3, step, step, evidence, module=subtree, call_sites=True,
+                                   where=f"module {subtree or '(whole model)'}, with call sites")
+        if found is None:
+            evidence.reproduced = False
+            return self._finish(module_finding, None, evidence)
+        shortcut = self._shortcut(found, result)
+        if shortcut is not None:
+            return shortcut
+        if found.classification == "origin" and found.category in ("op", "probe", "collective"):
+            return self._finish(found, subtree, evidence)
+        evidence.ops_finding = found
+        return self._finish(found, None, evidence)
+
+    def _shortcut(self, found: Finding, result: BisectResult) -> dict | None:
+        """Findings that end the bisection where they are seen."""
+        if found.classification == "control_flow":
+            result.control_flow = _control_flow_json(found)
+            return _origin_json(found, None, "control_flow",
+                                f"the runs take different paths at step {found.step} on rank {found.rank}: "
+                                f"{found.parted or found.detail}")
+        if found.classification == "order":
+            return _origin_json(found, None, "order", "the runs recorded the same values in a different order "
+                                f"at step {found.step}: nothing to narrow")
+        if found.category == "phase" and found.role == "in" and (found.event_id or "").startswith("forward/"):
+            root = found.event_id.partition("/")[2].rpartition(":")[0]
+            model = "the model's forward" if root == "model" else f"the forward of top-level module {root}"
+            text = (f"the input batch differs at step {found.step} (input {found.label} of {model}, on rank "
+                    f"{found.rank}): the origin is before the model (data loader / dataset / sampler)")
+            return _origin_json(found, None, "input_batch", text + _state_sentence(found, " Also: "))
+        if found.classification == "origin" and found.category == "state":
+            return _origin_json(found, None, "initial_state",
+                                f"the parameters differ before step {found.step}, the first traced step "
+                                f"({found.label} on rank {found.rank}): initialisation (its seed) or the "
+                                "loaded checkpoint differs, so no training op is the origin")
+        return None
+
+    def _traced_rerun(self, name: str, level: int, first_step: int, last_step: int, evidence: _Evidence,
+                      where: str = "", **changes) -> Finding | None:
+        """Re-run both sides traced at ``level`` over steps first_step..last_step (stopping after
+        last_step) until the re-run diverges inside that window.  A re-run that diverges
+        earlier widens the window back to the earliest divergent step seen; one that does not
+        diverge is tried again.  None when no attempt reproduced a divergence."""
+        start = first_step
+        for attempt in range(MAX_RERUNS):
+            window = f"step {start}" if start == last_step else f"steps {start}..{last_step}"
+            stage = Stage(name, LEVEL_NAMES[level], ", ".join(filter(None, [window, where, "then stop"])))
+            config = self.base_config(level=level, step_start=start, step_stop=last_step + 1,
+                                      stop_after=last_step, **changes)
+            dirs = self.run_stage(stage, config, self.sides())
+            report = find_origins(dirs["a"], dirs["b"])
+            self.conclude(stage, report)
+            if report.identical:
+                self.notes.append(f"the {name} stage's re-run (attempt {attempt + 1}) did not diverge up to step "
+                                  f"{last_step}: the divergence is intermittent")
+                continue
+            found = _earliest(report)
+            stage.finding = found
+            if found.step < start:
+                self.notes.append(f"the {name} stage's re-run diverged at step {found.step}, before the traced "
+                                  f"step {start}: a nondeterminism that fires at a random step; tracing again "
+                                  f"from step {found.step}")
+                stage.summary = f"diverged earlier, at step {found.step} (untraced there)"
+                start = found.step
+                continue
+            return found
+        return None
+
+    def _finish(self, final: Finding, subtree: str | None, evidence: _Evidence) -> dict:
+        """The origin object and its conclusion, with the dump for an op, probe or collective."""
+        elements = None
+        if final.classification == "origin" and final.category in ("op", "collective", "probe"):
+            elements = self._dump(final, subtree)
+        if not evidence.reproduced:
+            return _origin_json(final, None, "not_localised",
+                                f"not localised: the runs first differ at step {final.step} ({final.where()}), "
+                                f"but {MAX_RERUNS} re-runs at a finer rung did not diverge again (a rare race); "
+                                "run the bisect again, or with more steps")
+        if final.classification == "origin" and final.category in ("op", "probe", "collective"):
+            return self._explain_origin(final, elements)
+        if evidence.module_origin is not None and evidence.ops_finding is not None:
+            module = evidence.module_origin
+            ops = evidence.ops_finding
+            return _origin_json(module, None, "below_dispatcher",
+                                f"below the dispatcher: module {module.module or '(root)'} (step {module.step}, "
+                                f"rank {module.rank}) received identical inputs and its output differs, yet no "
+                                f"ATen op inside it is an origin (rung 3's first difference there: {ops.where()}, "
+                                f"{ops.classification}: {ops.detail}). A call the dispatcher does not see inside "
+                                "it (a custom kernel, a C++ extension, a library call) made the difference: put "
+                                "a samebits.trace.probe around that call")
+        ruled_out = ["the initial parameters matched", "the model's inputs matched up to the divergent step"]
+        if evidence.subtree is not None:
+            ruled_out.append(f"no ATen op in {evidence.subtree or 'the whole model'} at step {final.step} has "
+                             "matching inputs and a differing output")
+        text = (f"not localised: the first difference is {final.where()} ({final.classification}: {final.detail}). "
+                "Ruled out: " + "; ".join(ruled_out) + ". The value was written by code the trace does not "
+                "cover here (outside the traced module subtree, or outside torch)")
+        return _origin_json(final, None, "not_localised", text + _state_sentence(final, " Also: "))
+
+    def _explain_origin(self, final: Finding, elements: dict | None) -> dict:
+        site = f" at {final.call_site}" if final.call_site else ""
+        what = f"{final.op or final.event_id}{site}"
+        if final.category == "op" and final.op in RNG_OPS:
+            generators = [name for name in final.state_differs if name.startswith("rng.")]
+            if generators:
+                text = "; ".join(_describe_state(name) for name in generators)
+                return _origin_json(final, elements, "generator",
+                                    f"{text} (step {final.step}, rank {final.rank}): the RNG op {what} drew "
+                                    "different numbers from identical inputs")
+            return _origin_json(final, elements, "generator",
+                                f"the RNG op {what} drew different numbers from identical inputs at step "
+                                f"{final.step} on rank {final.rank}: the generator it draws from was in another "
+                                "state (a torch.Generator passed to it, seeded from something that changes, or "
+                                "not restored on resume)")
+        if elements is not None and elements.get("same_values"):
+            return _origin_json(final, elements, "order",
+                                f"same values, different order: the output of {what} (step {final.step}, rank "
+                                f"{final.rank}) holds the same values in another order. Something iterated in an "
+                                "order that changes between runs feeds it (a Python set, a dict keyed by ids, "
+                                "PYTHONHASHSEED, a file listing)")
+        kind = {"op": "op", "probe": "probe", "collective": "collective"}[final.category]
+        text = f"origin: {what} (step {final.step}, phase {final.phase}, rank {final.rank}): {final.detail}"
+        if final.catalog:
+            text += f". Known: {final.catalog}"
+        return _origin_json(final, elements, kind, text + _state_sentence(final, " Also: "))
 
     def _dump(self, final: Finding, subtree: str | None) -> dict | None:
         step = final.step
@@ -307,19 +429,20 @@ class _Bisector:
         elements = None
         for attempt in range(2):  # an intermittent origin may not fire in one pair of runs
             stage = Stage("dump", LEVEL_NAMES[config.level], f"step {step}, save {final.event_id} on rank {final.rank}")
-            dirs = self.run_stage(stage, config, [("a", self.side_for("a")), ("b", self.side_for("b"))])
+            dirs = self.run_stage(stage, config, self.sides())
             for label in ("a", "b"):
                 path = dirs[label] / dump_filename(final.rank, step)
                 if path.exists():
                     dumps.append((f"{label}{attempt + 1}", path))
             elements = _first_difference(dumps)
-            stage.verdict = "diverged" if elements and elements.get("differing") else "identical"
+            stage.verdict = str(Verdict.DIVERGED if elements and elements.get("differing") else Verdict.IDENTICAL)
             if elements is None:
                 stage.summary = "no dump was written (the event did not run)"
             else:
                 stage.summary = (f"{elements['differing']} of {elements['total']} elements differ in output "
                                  f"{elements.get('output')} ({' vs '.join(elements['pair'])}), "
-                                 f"max {elements['max_ulp']} ulp")
+                                 f"max {elements['max_ulp']} ulp"
+                                 + (", same values in another order" if elements.get("same_values") else ""))
             self.say(f"      -> {stage.summary}")
             if elements is not None and elements.get("differing"):
                 return elements
@@ -327,8 +450,42 @@ class _Bisector:
                           "its element detail is empty")
         return elements
 
-    def side_for(self, label: str) -> Command:
-        return self._sides[label]
+
+def _earliest(report: OriginReport) -> Finding:
+    """The finding to narrow: the earliest step of any rank, and there the earliest origin
+    (or, without one, the earliest finding)."""
+    first_step = min(f.step for f in report.findings.values())
+    at_step = [f for f in report.findings.values() if f.step == first_step]
+    origins = [f for f in at_step if f.classification == "origin"]
+    return min(origins or at_step, key=Finding.sort_key)
+
+
+def _check_compared(dirs: dict[str, Path]) -> None:
+    """A verdict needs something compared: every run must have recorded at least one step."""
+    for label, directory in dirs.items():
+        run = open_run(directory)
+        for rank in run.ranks:
+            reader = run.stream(rank)
+            try:
+                has_step = next(iter(reader.steps()), None) is not None
+            finally:
+                reader.close()
+            if not has_step:
+                raise SamebitsError(f"run {label} recorded no step on rank {rank} ({directory}): nothing to compare. "
+                                    "Does the command reach optimizer.step()? Its log is under logs/.")
+
+
+def _describe_state(name: str) -> str:
+    describe = getattr(checkpoint, "describe_state_record", None)
+    if describe is not None:
+        return describe(name)
+    return f"state record {name} differs at step start"
+
+
+def _state_sentence(finding: Finding, prefix: str) -> str:
+    if not finding.state_differs:
+        return ""
+    return prefix + "; ".join(_describe_state(name) for name in finding.state_differs) + "."
 
 
 def _subtree_for(found: Finding) -> str:
@@ -359,6 +516,7 @@ def _first_difference(dumps: list[tuple[str, Path]]) -> dict | None:
             elements = compare_elements(out_a, out_b)
             elements["output"], elements["pair"] = label, [label_a, label_b]
             elements["dumps"] = [str(path_a), str(path_b)]
+            elements["same_values"] = bool(elements["differing"]) and same_values(out_a, out_b)
             elements["inputs_identical"] = all(
                 name in dump_b["inputs"] and compare_elements(t, dump_b["inputs"][name])["differing"] == 0
                 for name, t in dump_a["inputs"].items())
@@ -369,13 +527,16 @@ def _first_difference(dumps: list[tuple[str, Path]]) -> dict | None:
     return chosen
 
 
-def _origin_json(finding: Finding, elements: dict | None) -> dict:
-    """The spec'd ``origin`` object (plus id, category, classification, catalog, detail)."""
+def _origin_json(finding: Finding, elements: dict | None, kind: str, conclusion: str) -> dict:
+    """The spec'd ``origin`` object (plus id, category, classification, catalog, detail), with
+    ``kind`` (what the conclusion is about) and ``conclusion`` (one sentence for a person)."""
     return {
+        "kind": kind, "conclusion": conclusion,
         "step": finding.step, "rank": finding.rank, "phase": finding.phase, "module": finding.module,
         "op": finding.op, "id": finding.event_id, "category": finding.category,
         "classification": finding.classification, "call_site": finding.call_site,
         "elements": elements, "catalog": finding.catalog, "detail": finding.detail,
+        "state_differs": list(finding.state_differs),
     }
 
 
@@ -397,13 +558,14 @@ def bisect(cmd_a: list[str] | None = None, cmd_b: list[str] | None = None, *, ou
     ``stop_after``: end every run after that step (a long command).  ``run_timeout``: seconds
     one run may take before it is killed (with every process it started) and reported as a
     hang.  Output (streams, logs, dumps) goes under ``out``, which must be new or empty.
+    A run that crashes raises `SamebitsError` (the CLI exits 2): never a verdict.
     """
     if cmd_b is not None and not cmd_a:
-        raise SamebitsError("--b needs --a: give both commands to compare, or one command after --.")
+        raise ConfigError("--b needs --a: give both commands to compare, or one command after --.")
     out = Path(out) if out is not None else default_out_dir()
     if out.exists() and any(out.iterdir()):
-        raise SamebitsError(f"{out} exists and is not empty: samebits never overwrites runs. "
-                            "Pass a new --out directory or delete the old one.")
+        raise ConfigError(f"{out} exists and is not empty: samebits never overwrites runs. "
+                          "Pass a new --out directory or delete the old one.")
     out.mkdir(parents=True, exist_ok=True)
     if not cmd_a:
         side_a, side_b = recipe_commands(steps=steps, nproc=nproc, nondeterministic=nondeterministic,
@@ -420,6 +582,4 @@ def bisect(cmd_a: list[str] | None = None, cmd_b: list[str] | None = None, *, ou
 
 
 def _write_summary(out: Path, result: BisectResult) -> None:
-    import json
-
     (out / "summary.json").write_text(json.dumps(result.to_json(), indent=2, default=str) + "\n")

@@ -32,10 +32,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
+from samebits.errors import ConfigError
+
 LEVELS = {"off": 0, "phases": 1, "modules": 2, "ops": 3}
 LEVEL_NAMES = {value: name for name, value in LEVELS.items()}
 PHASE_PREFIX = "trace:"
-CATEGORIES = ("state", "phase", "collective", "module", "op", "probe")
+CATEGORIES = ("state", "phase", "collective", "module", "op", "probe", "census")
+# Context records: observed at a step's start, never events (never an origin on their own).
+CONTEXT_CATEGORIES = ("census",)
+CENSUS_EVENT, CENSUS_PHASE = "census", "start"  # trace:census:start / census|at:rng.torch_cpu
+STATE_RECORD_PHASE = "state"  # the census as zero-code recording writes it (plain records)
 TRAINING_PHASES = ("init", "forward", "backward", "recompute", "reduce", "optimizer", "post")
 
 ENV_VARS = ("SAMEBITS_TRACE", "SAMEBITS_TRACE_STEPS", "SAMEBITS_TRACE_RANKS", "SAMEBITS_TRACE_MODULE",
@@ -73,22 +79,22 @@ class EventSpec:
         for part in text.split(","):
             key, sep, value = part.partition("=")
             if not sep:
-                raise ValueError(f"{source}={text!r}: {part!r} is not KEY=VALUE; write e.g. "
+                raise ConfigError(f"{source}={text!r}: {part!r} is not KEY=VALUE; write e.g. "
                                  "'step=2,rank=1,id=layers.0/aten::mm:0' (id may also be spelled op=).")
             fields[key.strip()] = value.strip()
         if "op" in fields and "id" not in fields:
             fields["id"] = fields.pop("op")
         unknown = set(fields) - {"step", "rank", "id", "phase"}
         if unknown or not {"step", "rank", "id"} <= set(fields):
-            raise ValueError(f"{source}={text!r}: needs step=, rank= and id= (or op=), optionally "
+            raise ConfigError(f"{source}={text!r}: needs step=, rank= and id= (or op=), optionally "
                              f"phase=; got {sorted(fields)}.")
         try:
             step, rank = int(fields["step"]), int(fields["rank"])
         except ValueError:
-            raise ValueError(f"{source}={text!r}: step and rank must be integers.") from None
+            raise ConfigError(f"{source}={text!r}: step and rank must be integers.") from None
         phase = fields.get("phase") or None
         if phase is not None and phase not in TRAINING_PHASES:
-            raise ValueError(f"{source}={text!r}: phase must be one of {', '.join(TRAINING_PHASES)}.")
+            raise ConfigError(f"{source}={text!r}: phase must be one of {', '.join(TRAINING_PHASES)}.")
         return cls(step, rank, fields["id"], phase)
 
 
@@ -128,9 +134,9 @@ class TraceConfig:
 
     def __post_init__(self):
         if self.level not in LEVEL_NAMES:
-            raise ValueError(f"trace level {self.level} must be one of 0-3 ({', '.join(LEVELS)}).")
+            raise ConfigError(f"trace level {self.level} must be one of 0-3 ({', '.join(LEVELS)}).")
         if self.step_start < 0 or (self.step_stop is not None and self.step_stop <= self.step_start):
-            raise ValueError(f"trace steps {self.step_start}:{self.step_stop} is an empty window.")
+            raise ConfigError(f"trace steps {self.step_start}:{self.step_stop} is an empty window.")
 
     @property
     def enabled(self) -> bool:
@@ -163,7 +169,7 @@ class TraceConfig:
         elif text.isdigit() and int(text) in LEVEL_NAMES:
             level = int(text)
         else:
-            raise ValueError(f"SAMEBITS_TRACE={text!r}: choose one of {', '.join(LEVELS)} (or 0-3).")
+            raise ConfigError(f"SAMEBITS_TRACE={text!r}: choose one of {', '.join(LEVELS)} (or 0-3).")
         start, stop = parse_steps(env.get("SAMEBITS_TRACE_STEPS"), "SAMEBITS_TRACE_STEPS")
         ranks = parse_ranks(env.get("SAMEBITS_TRACE_RANKS"), "SAMEBITS_TRACE_RANKS")
         dump = env.get("SAMEBITS_TRACE_DUMP_OP", "").strip()
@@ -172,7 +178,7 @@ class TraceConfig:
         try:
             stop_after_step = int(stop_after) if stop_after else None
         except ValueError:
-            raise ValueError(f"SAMEBITS_TRACE_STOP_AFTER={stop_after!r} must be a step number.") from None
+            raise ConfigError(f"SAMEBITS_TRACE_STOP_AFTER={stop_after!r} must be a step number.") from None
         dump_dir = env.get("SAMEBITS_TRACE_DUMP_DIR", "").strip()
         return cls(
             level=level, step_start=start, step_stop=stop, ranks=ranks,

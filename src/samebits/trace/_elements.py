@@ -77,3 +77,19 @@ def compare_elements(a: torch.Tensor, b: torch.Tensor, *, max_indices: int = 5) 
 def _py(value: torch.Tensor):
     item = value.item()
     return repr(item) if isinstance(item, complex) else item
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when `a` and `b` hold the same multiset of element bit patterns (one is a
+    permutation of the other): "same values, different order"."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    a, b = a.detach().cpu().reshape(-1), b.detach().cpu().reshape(-1)
+    if a.is_complex():
+        a, b = torch.view_as_real(a).reshape(-1), torch.view_as_real(b).reshape(-1)
+    if a.dtype is torch.bool:
+        a, b = a.to(torch.int8), b.to(torch.int8)
+    if a.is_floating_point():  # sort bit patterns, so -0/+0 and NaN payloads count as distinct values
+        width = _INT_OF_SIZE[a.element_size()]
+        a, b = a.contiguous().view(width), b.contiguous().view(width)
+    return torch.equal(torch.sort(a).values, torch.sort(b).values)

@@ -31,7 +31,8 @@ from pathlib import Path
 
 from samebits.errors import IncomparableRunsError
 from samebits.stream.reader import Record, open_run
-from samebits.trace._config import PHASE_PREFIX, TRAINING_PHASES, parse_record, split_op_id
+from samebits.trace._config import (CONTEXT_CATEGORIES, PHASE_PREFIX, STATE_RECORD_PHASE, TRAINING_PHASES,
+                                    parse_record, split_op_id)
 from samebits.trace._tracer import call_sites_filename
 
 _PLAIN_PHASE_ORDER = {"data": 1, "forward": 1, "metrics": 4, "grads": 4, "params": 5, "optimizer": 5}
@@ -60,6 +61,7 @@ class Finding:
     catalog: str | None = None
     detail: str = ""
     parted: str | None = None  # where the recorded sequences part, when they do (control flow)
+    state_differs: list[str] = field(default_factory=list)  # census records that differ at the step's start
 
     def sort_key(self) -> tuple:
         if self.category in (None, "record"):
@@ -177,16 +179,14 @@ def find_origins(a: str | os.PathLike, b: str | os.PathLike, *, step: int | None
         notes.append(f"ranks recorded in only one run (not compared): {missing}")
     findings: dict[int, Finding] = {}
     for rank in common:
-        found = _first_divergent_step(side_a, side_b, rank, step)
-        if found is None:
-            continue
-        at_step, records_a, records_b, ended = found
-        if ended:
-            findings[rank] = Finding(rank, at_step, "control_flow", detail=ended)
-            continue
-        finding = _classify_step(rank, at_step, records_a, records_b)
-        if finding is not None:
-            findings[rank] = finding
+        for at_step, records_a, records_b, ended in _divergent_steps(side_a, side_b, rank, step):
+            if ended:
+                findings[rank] = Finding(rank, at_step, "control_flow", detail=ended)
+                break
+            finding = _classify_step(rank, at_step, records_a, records_b)
+            if finding is not None:  # None: only context (the state census) differs in that step
+                findings[rank] = finding
+                break
     for finding in findings.values():
         _annotate(finding, side_a, side_b)
     origins = sorted((f for f in findings.values() if f.classification == "origin"), key=Finding.sort_key)
@@ -195,8 +195,9 @@ def find_origins(a: str | os.PathLike, b: str | os.PathLike, *, step: int | None
                         origins, notes)
 
 
-def _first_divergent_step(side_a: _Side, side_b: _Side, rank: int, only_step: int | None):
-    """(step, records a, records b, ended-detail) of the rank's first differing step, or None."""
+def _divergent_steps(side_a: _Side, side_b: _Side, rank: int, only_step: int | None):
+    """Yield (step, records a, records b, ended-detail) for each of the rank's differing steps,
+    in order (a step whose streams part ends the sequence)."""
     reader_a, reader_b = side_a.run.stream(rank), side_b.run.stream(rank)
     try:
         steps_a, steps_b = reader_a.steps(), reader_b.steps()
@@ -208,27 +209,57 @@ def _first_divergent_step(side_a: _Side, side_b: _Side, rank: int, only_step: in
                 while block_b is not None and block_b.step < only_step:
                     block_b = next(steps_b, None)
                 if (block_a is None or block_a.step > only_step) and (block_b is None or block_b.step > only_step):
-                    return None
+                    return
             if block_a is None or block_b is None or block_a.step != block_b.step:
                 lacking = "b" if block_b is None or (block_a is not None and block_a.step < block_b.step) else "a"
                 present = block_a if lacking == "b" else block_b
                 reader = reader_b if lacking == "b" else reader_a
-                return (present.step, None, None,
-                        f"run {lacking} has no step {present.step} on rank {rank} "
-                        f"({reader.stop_reason or 'its stream skips it'}): the runs part in control flow "
-                        "(a crash, an early exit, or a different number of steps)")
+                yield (present.step, None, None,
+                       f"run {lacking} has no step {present.step} on rank {rank} "
+                       f"({reader.stop_reason or 'its stream skips it'}): the runs part in control flow "
+                       "(a crash, an early exit, or a different number of steps)")
+                return
             if block_a.root != block_b.root or block_a.num_records != block_b.num_records:
-                return block_a.step, block_a.records(), block_b.records(), None
+                yield block_a.step, block_a.records(), block_b.records(), None
             if only_step is not None:
-                return None
+                return
             block_a, block_b = next(steps_a, None), next(steps_b, None)
-        return None
     finally:
         reader_a.close()
         reader_b.close()
 
 
+def is_context(record: Record) -> bool:
+    """A record observed at a step's start (the state census), not an event of the step."""
+    if record.phase == STATE_RECORD_PHASE:
+        return True
+    ref = parse_record(record.phase, record.name)
+    return ref is not None and ref.category in CONTEXT_CATEGORIES
+
+
+def _context_name(record: Record) -> str:
+    ref = parse_record(record.phase, record.name)
+    return record.name if ref is None else ref.label
+
+
 def _classify_step(rank: int, step: int, records_a: list[Record], records_b: list[Record]) -> Finding | None:
+    """The step's first difference, classified; None when only context records differ."""
+    context_b = {r.key: r for r in records_b if is_context(r)}
+    state_differs = []
+    for record in records_a:
+        if is_context(record):
+            other = context_b.get(record.key)
+            if (other is None or not record.same_content(other)) and _context_name(record) not in state_differs:
+                state_differs.append(_context_name(record))
+    records_a = [r for r in records_a if not is_context(r)]
+    records_b = [r for r in records_b if not is_context(r)]
+    finding = _classify_events(rank, step, records_a, records_b)
+    if finding is not None:
+        finding.state_differs = state_differs
+    return finding
+
+
+def _classify_events(rank: int, step: int, records_a: list[Record], records_b: list[Record]) -> Finding | None:
     keys_a = [r.key for r in records_a]
     keys_b = [r.key for r in records_b]
     if set(keys_a) != set(keys_b):
@@ -253,6 +284,8 @@ def _classify_step(rank: int, step: int, records_a: list[Record], records_b: lis
                 first_plain = (position, ra, rb)
     if first_plain is not None:
         return _content(rank, step, *first_plain)
+    if keys_a == keys_b:
+        return None
     return Finding(rank, step, "order", detail="the same records with the same values, in a different order "
                    "(hooks or threads ran in another order)")
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 
+from samebits.errors import ConfigError
 from samebits.trace import _tracer
 
 
@@ -27,7 +28,7 @@ class probe:
 
     def __init__(self, name: str, *inputs, **named_inputs):
         if not name or "/" in name or "|" in name:
-            raise ValueError(f"probe name {name!r} must be non-empty without '/' or '|'.")
+            raise ConfigError(f"probe name {name!r} must be non-empty without '/' or '|'.")
         self.name = name
         self._inputs = list(_tracer.tensor_leaves(list(inputs))) + list(_tracer.tensor_leaves(named_inputs))
         self._event = None

@@ -25,7 +25,8 @@ from typing import Any, Callable
 
 import torch
 
-from samebits.trace._config import TraceConfig, record_name, record_phase
+from samebits import checkpoint
+from samebits.trace._config import CENSUS_EVENT, CENSUS_PHASE, TraceConfig, record_name, record_phase
 
 _active: "Tracer | None" = None
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -126,6 +127,8 @@ class Tracer:
         self.roots: list[torch.nn.Module] = []
         self._root_ids: set[int] = set()
         self._state_recorded = False
+        self._optimizers: list = []  # seen at their first step: their step counts and lrs go in the census
+        self._census_warned = False
         self._grad_hooks: list = []
         self._step_handles: list = []
         self._permanent_handles: list = []
@@ -237,6 +240,8 @@ class Tracer:
 
     def _activate(self) -> None:
         self.open = True
+        if self.level_now >= 1:
+            self._record_census()
         if self.level_now >= 1 or self.ops_needed:
             from torch.nn.modules.module import (register_module_forward_hook,
                                                  register_module_forward_pre_hook)
@@ -375,6 +380,26 @@ class Tracer:
         counts[key] = n + 1
         return n
 
+    def _record_census(self) -> None:
+        """Rung 1, every traced step: the state census at the step's start (every RNG state,
+        optimizer step counts and learning rates).  Context, not an event: `find_origins`
+        never calls it an origin, but names the generator that differs when an RNG op is one."""
+        census = getattr(checkpoint, "state_census", None)
+        if census is None:
+            return
+        was_busy, self.busy = self.busy, True
+        try:
+            pairs = census(optimizers=tuple(self._optimizers))
+        except Exception as err:  # the census must never break the traced program
+            if not self._census_warned:
+                self._census_warned = True
+                warnings.warn(f"samebits.trace: the state census failed ({err}); RNG state is not traced",
+                              stacklevel=2)
+            return
+        finally:
+            self.busy = was_busy
+        self.record("census", CENSUS_EVENT, "at", pairs, phase=CENSUS_PHASE)
+
     def _record_state(self) -> None:
         """Rung 1, first traced step: the parameters before it (initialisation, or a resume)."""
         if self._state_recorded or self.level_now < 1:
@@ -486,6 +511,8 @@ class Tracer:
                 yield self.param_names.get(id(param), f"group{g}.param{i}"), param
 
     def _optimizer_pre(self, optimizer, args, kwargs) -> None:
+        if not any(o is optimizer for o in self._optimizers):
+            self._optimizers.append(optimizer)
         if not self.open:
             return
         if self.level_now >= 1:

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from samebits.cli import main
+from samebits.determinism import _rules
 from samebits.determinism._environment import ENV_SETTINGS
 
 GOOD_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple",
@@ -40,6 +41,8 @@ recipe-moe-combine   moe_combine              triton_atomic  set moe_combine to 
 def good_env(monkeypatch):
     for setting in ENV_SETTINGS:
         monkeypatch.setenv(setting.name, GOOD_ENV[setting.name])
+    # a GPU machine with every library: every env rule applies, whatever this machine has
+    monkeypatch.setattr(_rules, "detect_platform", lambda: {feature: True for feature in _rules.FEATURES})
     return monkeypatch
 
 
@@ -122,7 +125,7 @@ def test_bad_input_exits_2_with_a_clear_message(tmp_path, capsys, name, text, me
 
 def test_near_miss_key_warns(tmp_path, capsys):
     path = _write(tmp_path, "typo.json", json.dumps({"moe_combin": "triton_atomic"}))
-    assert main(["check", "--config", path]) == 0
+    assert main(["check", "--config", path]) == 2  # its only key is misspelt: nothing was checked
     err = capsys.readouterr().err
     assert "warning: config key 'moe_combin' is read by no rule; did you mean 'moe_combine'?" in err
 
@@ -139,3 +142,39 @@ def test_real_subprocess(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stderr
     assert json.loads(done.stdout)["violations"][1]["rule"] == "recipe-moe-combine"
+
+
+def test_env_check_on_a_cpu_only_torch(monkeypatch, capsys):
+    for setting in ENV_SETTINGS:
+        monkeypatch.delenv(setting.name, raising=False)
+    monkeypatch.setattr(_rules, "detect_platform", lambda: {feature: False for feature in _rules.FEATURES})
+    assert main(["check", "--env", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert sorted(v["rule"] for v in data["violations"]) == ["env-omp-threads", "env-pythonhashseed"]
+    assert "env-cublas-workspace" in data["not_applicable"] and "env-nccl-algo" in data["not_applicable"]
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    assert main(["check", "--env"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("clean: the environment")
+    assert "not applicable on this machine (7 rule(s)): " in out and "without CUDA" in out
+
+
+@pytest.mark.parametrize("text", [json.dumps({"model": {"hidden": 4096}, "lr": 3e-4}), "{}"])
+def test_a_config_no_rule_can_read_is_not_called_clean(tmp_path, capsys, text):
+    path = _write(tmp_path, "other.json", text)
+    assert main(["check", "--config", path]) == 2
+    out = capsys.readouterr().out
+    assert "clean" not in out
+    assert f"config {path} read as JSON: no key any rule reads" in out
+    assert f"not checked: samebits could not interpret {path}" in out
+    assert main(["check", "--config", path, "--json"]) == 2
+    data = json.loads(capsys.readouterr().out)
+    assert data["clean"] is False and data["checked_keys"] == [] and data["config_format"] == "JSON"
+
+
+def test_config_check_names_the_keys_it_read(tmp_path, capsys):
+    path = _write(tmp_path, "ok.toml", "lr = 1\n[train]\nnum_threads = 4\n")
+    assert main(["check", "--config", path]) == 0
+    out = capsys.readouterr().out
+    assert f"config {path} read as TOML: 1 key(s) checked: num_threads" in out

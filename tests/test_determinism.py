@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 import samebits.determinism as det
 from samebits.determinism import _builtin_rules, _environment
-from samebits.determinism._rules import UNSET, run_checks
+from samebits.determinism._rules import FEATURES, UNSET, run_checks
+from samebits.determinism import _rules as _rules_module
 from samebits.errors import DeterminismError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,9 +69,12 @@ def _good_torch_flags():
     torch.set_num_threads(int(GOOD_ENV["OMP_NUM_THREADS"]))
 
 
+GPU_PLATFORM = {feature: True for feature in FEATURES}  # every rule applies, whatever this machine has
+
+
 def _violated(rule_id, config=None, environ=None, env=True, torch_flags=False):
     result = run_checks(config, env=env, torch_flags=torch_flags,
-                        environ=GOOD_ENV if environ is None else environ)
+                        environ=GOOD_ENV if environ is None else environ, platform=GPU_PLATFORM)
     return [v for v in result.violations if v.rule == rule_id]
 
 
@@ -643,3 +647,29 @@ def test_docs_tables_match_the_code():
 
 if __name__ == "__main__":
     print(rules_table(), ops_table(), sep="\n\n")
+
+
+# --- rules about software this machine lacks: not applicable, never violations ----------
+
+def test_cuda_and_library_rules_do_not_apply_without_that_software(clean_env):
+    cpu_only = {feature: False for feature in FEATURES}
+    result = run_checks(None, env=True, torch_flags=False, environ={}, platform=cpu_only)
+    violated = {v.rule for v in result.violations}
+    cuda_rules = {"env-cublas-workspace", "env-nccl-algo", "env-nccl-proto", "env-nvte-nondeterministic",
+                  "env-flash-attention", "env-mamba", "env-causal-conv1d"}
+    assert cuda_rules == set(result.not_applicable) and not violated & cuda_rules
+    assert violated == {"env-pythonhashseed", "env-omp-threads"}  # these matter on any machine
+    assert "without CUDA" in result.not_applicable["env-cublas-workspace"]
+    # CUDA and NCCL present, Transformer Engine absent: its rule alone stays out
+    gpu_without_te = {**cpu_only, "cuda": True, "nccl": True}
+    result = run_checks(None, env=True, torch_flags=False, environ={}, platform=gpu_without_te)
+    assert {"env-cublas-workspace", "env-nccl-algo"} <= {v.rule for v in result.violations}
+    assert result.not_applicable["env-nvte-nondeterministic"] == "Transformer Engine is not installed"
+
+
+def test_this_machines_platform_is_detected():
+    import torch
+
+    platform = _rules_module.detect_platform()
+    assert platform["cuda"] == (torch.version.cuda is not None or torch.version.hip is not None)
+    assert set(platform) == set(FEATURES)

@@ -1,6 +1,11 @@
 """`samebits check`: list every setting that breaks bitwise determinism, with its fix.
 
-Exit 0 clean, 1 violations, 2 bad input (unreadable or malformed config, unknown rule id).
+Rules about software this machine does not have (CUDA, NCCL, Transformer Engine, ...) are
+listed as "not applicable", never as violations.  A config in which no rule found a key it
+reads is not called clean: the output names the format assumed and the keys seen.
+
+Exit 0 clean, 1 violations, 2 bad input (unreadable or malformed config, unknown rule id,
+a config no rule could interpret).
 """
 
 from __future__ import annotations
@@ -15,10 +20,10 @@ try:
 except ImportError:  # Python 3.10
     tomllib = None
 
-from samebits.cli import EXIT_BAD_VERDICT, EXIT_OK
 from samebits.cli._format import print_json, table
 from samebits.determinism._rules import run_checks, rules
-from samebits.errors import SamebitsError
+from samebits.errors import ConfigError, SamebitsError
+from samebits.verdicts import EXIT_BAD_VERDICT, EXIT_CANNOT_RUN, EXIT_OK
 
 _MAX_KEYS_SHOWN = 10
 
@@ -48,18 +53,24 @@ def run(args: argparse.Namespace) -> int:
     check_env = args.env or config is None
     try:
         result = run_checks(config, env=check_env, torch_flags=False, ignore=args.ignore)
-    except ValueError as err:  # unknown --ignore id
-        raise SamebitsError(f"--ignore: {err}") from err
+    except ConfigError as err:  # unknown --ignore id
+        raise ConfigError(f"--ignore: {err}") from err
+    interpreted = config is None or bool(result.checked_keys)
+    fmt = os.path.splitext(args.config)[1].lstrip(".").upper() if config is not None else None
     for name, known in result.near_misses.items():
         print(f"samebits check: warning: config key {name!r} is read by no rule; "
               f"did you mean {known!r}?", file=sys.stderr)
+    code = EXIT_BAD_VERDICT if result.violations else EXIT_OK if interpreted else EXIT_CANNOT_RUN
     if args.json:
-        print_json({"clean": not result.violations,
+        print_json({"clean": not result.violations and interpreted,
                     "violations": [v.to_dict() for v in result.violations],
                     "rules_run": result.rules_run,
+                    "not_applicable": result.not_applicable,
+                    "config_format": fmt,
+                    "checked_keys": result.checked_keys,
                     "unchecked_keys": result.unread_keys,
                     "suspicious_keys": result.near_misses})
-        return EXIT_BAD_VERDICT if result.violations else EXIT_OK
+        return code
     checked = " and ".join(filter(None, ["environment" if check_env else "",
                                          f"config {args.config}" if config is not None else ""]))
     if result.violations:
@@ -67,44 +78,59 @@ def run(args: argparse.Namespace) -> int:
                     [[v.rule, v.setting, _show(v.found), v.fix] for v in result.violations]))
         print(f"\n{len(result.violations)} violation(s) in the {checked}; "
               "details: samebits check --list-rules")
-    else:
+    elif interpreted:
         print(f"clean: the {checked} pass(es) {len(result.rules_run)} determinism rules")
+    if config is not None:
+        print(f"config {args.config} read as {fmt}: "
+              + (f"{len(result.checked_keys)} key(s) checked: {', '.join(result.checked_keys)}"
+                 if result.checked_keys else "no key any rule reads"))
+    if not interpreted:
+        print(f"not checked: samebits could not interpret {args.config}: none of its "
+              f"{len(result.unread_keys)} key(s) is a setting a determinism rule reads, so nothing in it "
+              "was checked (the config rules read keys such as num_threads, seed, moe_combine, "
+              "overlap_grad_reduce at any nesting level; see samebits check --list-rules)")
+    if result.not_applicable:
+        by_reason: dict[str, list[str]] = {}
+        for rule_id, why in result.not_applicable.items():
+            by_reason.setdefault(why, []).append(rule_id)
+        print(f"not applicable on this machine ({len(result.not_applicable)} rule(s)): "
+              + "; ".join(f"{', '.join(ids)}: {why}" for why, ids in by_reason.items()))
     if result.unread_keys:
         shown = ", ".join(result.unread_keys[:_MAX_KEYS_SHOWN])
         more = len(result.unread_keys) - _MAX_KEYS_SHOWN
         print(f"note: {len(result.unread_keys)} config key(s) read by no rule: {shown}"
               + (f" and {more} more" if more > 0 else ""))
-    return EXIT_BAD_VERDICT if result.violations else EXIT_OK
+    return code
 
 
 def load_config(path: str) -> dict:
     """Read a JSON or TOML config file into a dict, with a clear error for each failure."""
     ext = os.path.splitext(path)[1].lower()
     if ext not in (".json", ".toml"):
-        raise SamebitsError(f"--config {path}: unsupported format {ext or '(no extension)'!r}; "
+        raise ConfigError(f"--config {path}: unsupported format {ext or '(no extension)'!r}; "
                             "use a .json or .toml file")
     if ext == ".toml" and tomllib is None:
-        raise SamebitsError(f"--config {path}: TOML needs Python 3.11+ (tomllib); use JSON")
+        raise ConfigError(f"--config {path}: TOML needs Python 3.11+ (tomllib); use JSON")
     try:
         with open(path, "rb") as f:
             raw = f.read()
     except OSError as err:
-        raise SamebitsError(f"--config {path}: cannot read it: {err.strerror or err}") from err
+        raise ConfigError(f"--config {path}: cannot read it: {err.strerror or err}") from err
     try:
         if ext == ".json":
             config = json.loads(raw.decode("utf-8"))
         else:
             config = tomllib.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as err:
-        raise SamebitsError(f"--config {path}: not UTF-8 text ({err.reason} at byte "
+        raise ConfigError(f"--config {path}: not UTF-8 text ({err.reason} at byte "
                             f"{err.start})") from err
     except json.JSONDecodeError as err:
-        raise SamebitsError(f"--config {path}: invalid JSON at line {err.lineno}, column "
+        raise ConfigError(f"--config {path}: invalid JSON at line {err.lineno}, column "
                             f"{err.colno}: {err.msg}") from err
     except tomllib.TOMLDecodeError as err:
-        raise SamebitsError(f"--config {path}: invalid TOML: {err}") from err
+        raise ConfigError(f"--config {path}: invalid TOML: {err}") from err
     if not isinstance(config, dict):
-        raise SamebitsError(f"--config {path}: must hold an object of options at top level, "
+        raise ConfigError(f"--config {path}: must hold an object of options at top level, "
                             f"found a {type(config).__name__}")
     return config
 

@@ -24,7 +24,7 @@ def _env_rule(setting: EnvSetting) -> Rule:
             if problem:
                 yield Finding(setting.name, value, f"{setting.name} {problem}; {setting.fix}")
     return Rule(id=setting.rule_id, category="env", setting=setting.name, checks=setting.checks,
-                why=setting.why, fix=setting.fix, func=check_env)
+                why=setting.why, fix=setting.fix, func=check_env, requires=setting.requires)
 
 
 for _setting in ENV_SETTINGS:

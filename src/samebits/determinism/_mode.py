@@ -29,6 +29,7 @@ from samebits.determinism._seeds import (
     derive_seed,
     seed_all,
 )
+from samebits.errors import ConfigError
 
 RECORD_SCHEMA = "samebits.determinism/1"
 
@@ -211,9 +212,9 @@ def deterministic_mode(*, seed: int | None = 0, num_threads: int | None = None,
 
     wanted = _wanted_env(nccl_algo, nccl_proto, cublas_workspace_config)
     if num_threads is not None and (not _is_int(num_threads) or num_threads < 1):
-        raise ValueError(f"num_threads must be a positive int or None, got {num_threads!r}")
+        raise ConfigError(f"num_threads must be a positive int or None, got {num_threads!r}")
     if seed is not None and not _is_int(seed):
-        raise ValueError(f"seed must be an int or None, got {seed!r}")
+        raise ConfigError(f"seed must be an int or None, got {seed!r}")
     ranks = {"dp_rank": dp_rank, "tp_rank": tp_rank, "pp_rank": pp_rank, "ep_rank": ep_rank}
     # derive_seed also validates the rank coordinates, before anything is changed.
     derived = {p: derive_seed(seed, purpose=p, **ranks) for p in SEED_PURPOSES} \
@@ -309,7 +310,7 @@ def _wanted_env(nccl_algo: str | None, nccl_proto: str | None,
             problem = ENV_BY_NAME[name].validate(value)
             if problem:
                 arg = name.lower()
-                raise ValueError(f"{arg}={value!r}: {name} {problem}")
+                raise ConfigError(f"{arg}={value!r}: {name} {problem}")
     return asked
 
 

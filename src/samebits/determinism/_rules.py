@@ -10,17 +10,41 @@ add their own with `@rule(...)` or `register_rule(Rule(...))`.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
 
-from samebits.errors import DeterminismError
+from samebits.errors import ConfigError, DeterminismError
 
 CATEGORIES = ("env", "torch", "config")
 """env: environment variables; torch: flags of the running process; config: recipe options."""
 
 UNSET = "<unset>"
+
+FEATURES = {
+    "cuda": "this torch is built without CUDA (torch.version.cuda is None)",
+    "nccl": "this torch has no NCCL (torch.distributed.is_nccl_available() is False)",
+    "transformer_engine": "Transformer Engine is not installed",
+    "flash_attn": "flash-attn is not installed",
+    "mamba_ssm": "mamba-ssm is not installed",
+    "causal_conv1d": "causal-conv1d is not installed",
+}
+"""What a rule may require of this machine's software (`Rule.requires`), and the reason
+given when it is missing: a rule about a library that is not there is "not applicable"."""
+
+
+def detect_platform() -> dict[str, bool]:
+    """Which `FEATURES` this Python environment has (packages are looked up, not imported)."""
+    import torch
+    import torch.distributed as dist
+
+    cuda = torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None
+    found = {"cuda": cuda, "nccl": cuda and dist.is_available() and dist.is_nccl_available()}
+    for package in ("transformer_engine", "flash_attn", "mamba_ssm", "causal_conv1d"):
+        found[package] = importlib.util.find_spec(package) is not None
+    return found
 
 
 class Finding(NamedTuple):
@@ -71,13 +95,18 @@ class Rule:
     fix: str
     func: Callable[["CheckContext"], Iterable[Finding] | Finding | None] = field(repr=False)
     keys: tuple[str, ...] = ()
+    requires: tuple[str, ...] = ()
+    """`FEATURES` the rule is about; on a machine without one it is reported "not applicable"."""
 
     def __post_init__(self):
         if self.category not in CATEGORIES:
-            raise ValueError(f"rule {self.id!r}: category must be one of {CATEGORIES}, "
-                             f"got {self.category!r}")
+            raise ConfigError(f"rule {self.id!r}: category must be one of {CATEGORIES}, "
+                              f"got {self.category!r}")
         if not self.id or any(c.isspace() for c in self.id):
-            raise ValueError(f"rule id must be a non-empty word without spaces, got {self.id!r}")
+            raise ConfigError(f"rule id must be a non-empty word without spaces, got {self.id!r}")
+        unknown = sorted(set(self.requires) - set(FEATURES))
+        if unknown:
+            raise ConfigError(f"rule {self.id!r}: requires {unknown}, known features: {sorted(FEATURES)}")
 
 
 class ConfigView(Mapping):
@@ -137,6 +166,8 @@ class CheckResult:
     rules_run: list[str]
     unread_keys: list[str] = field(default_factory=list)
     near_misses: dict[str, str] = field(default_factory=dict)
+    not_applicable: dict[str, str] = field(default_factory=dict)  # rule id -> why it does not apply here
+    checked_keys: list[str] = field(default_factory=list)  # config keys some rule read and found
 
 
 _REGISTRY: dict[str, Rule] = {}
@@ -145,8 +176,8 @@ _REGISTRY: dict[str, Rule] = {}
 def register_rule(new_rule: Rule, *, replace: bool = False) -> Rule:
     """Add a rule to the catalog; `replace=True` overrides a rule with the same id."""
     if new_rule.id in _REGISTRY and not replace:
-        raise ValueError(f"a determinism rule with id {new_rule.id!r} is already registered; "
-                         "pick another id or pass replace=True")
+        raise ConfigError(f"a determinism rule with id {new_rule.id!r} is already registered; "
+                          "pick another id or pass replace=True")
     _REGISTRY[new_rule.id] = new_rule
     return new_rule
 
@@ -157,7 +188,7 @@ def unregister_rule(rule_id: str) -> None:
 
 
 def rule(id: str, *, category: str, setting: str, checks: str, why: str, fix: str,
-         keys: Iterable[str] = ()) -> Callable:
+         keys: Iterable[str] = (), requires: Iterable[str] = ()) -> Callable:
     """Decorator form of `register_rule`: the decorated function becomes the rule's check.
 
     >>> @rule("team-no-foo", category="config", setting="foo", checks="foo is off",
@@ -169,7 +200,7 @@ def rule(id: str, *, category: str, setting: str, checks: str, why: str, fix: st
     """
     def decorate(func):
         register_rule(Rule(id=id, category=category, setting=setting, checks=checks,
-                           why=why, fix=fix, func=func, keys=tuple(keys)))
+                           why=why, fix=fix, func=func, keys=tuple(keys), requires=tuple(requires)))
         return func
     return decorate
 
@@ -186,16 +217,19 @@ def _ensure_builtins() -> None:
 
 def run_checks(config: Mapping | None = None, *, env: bool = True,
                torch_flags: bool | None = None, ignore: Iterable[str] = (),
-               environ: Mapping[str, str] | None = None) -> CheckResult:
-    """Run every applicable rule and collect the full result (see `check`)."""
+               environ: Mapping[str, str] | None = None,
+               platform: Mapping[str, bool] | None = None) -> CheckResult:
+    """Run every applicable rule and collect the full result (see `check`).  A rule whose
+    `Rule.requires` names software this machine lacks (``platform``, default
+    `detect_platform()`) is not run: it is listed in ``not_applicable`` with the reason."""
     _ensure_builtins()
     if config is not None and not isinstance(config, Mapping):
         raise TypeError(f"config must be a dict (or None), got {type(config).__name__}")
     ignore = set(ignore)
     unknown = ignore - set(_REGISTRY)
     if unknown:
-        raise ValueError(f"cannot ignore unknown rule id(s) {sorted(unknown)}; "
-                         f"known ids: {sorted(_REGISTRY)}")
+        raise ConfigError(f"cannot ignore unknown rule id(s) {sorted(unknown)}; "
+                          f"known ids: {sorted(_REGISTRY)}")
     torch_flags = env if torch_flags is None else torch_flags
     enabled = {"env": env, "torch": torch_flags, "config": config is not None}
     view = ConfigView(config) if config is not None else None
@@ -204,6 +238,13 @@ def run_checks(config: Mapping | None = None, *, env: bool = True,
     for r in list(_REGISTRY.values()):
         if not enabled[r.category] or r.id in ignore:
             continue
+        if r.requires:
+            if platform is None:
+                platform = detect_platform()
+            missing = [feature for feature in r.requires if not platform.get(feature, False)]
+            if missing:
+                result.not_applicable[r.id] = FEATURES[missing[0]]
+                continue
         if view is not None:
             view.names_read.update(r.keys)
         result.rules_run.append(r.id)
@@ -214,6 +255,7 @@ def run_checks(config: Mapping | None = None, *, env: bool = True,
     if view is not None:
         unread = sorted(view.leaf_names() - view.names_read)
         result.unread_keys = unread
+        result.checked_keys = sorted(view.leaf_names() & view.names_read)
         known = sorted(view.names_read)
         for name in unread:
             close = [k for k in known if _looks_like_typo(name, k)]

@@ -28,6 +28,8 @@ from __future__ import annotations
 import hashlib
 import random
 
+from samebits.errors import ConfigError
+
 SEED_RULE_VERSION = "samebits-seed/1"
 
 SEED_PURPOSES: dict[str, tuple[str, ...]] = {
@@ -45,14 +47,14 @@ def derive_seed(base: int, *, purpose: str, dp_rank: int = 0, tp_rank: int = 0,
     Returns an int in [0, 2**63), accepted by torch, NumPy (via `seed_all`) and `random`.
     """
     if isinstance(base, bool) or not isinstance(base, int):
-        raise ValueError(f"base seed must be an int, got {base!r}")
+        raise ConfigError(f"base seed must be an int, got {base!r}")
     if purpose not in SEED_PURPOSES:
-        raise ValueError(f"unknown seed purpose {purpose!r}; known purposes: "
+        raise ConfigError(f"unknown seed purpose {purpose!r}; known purposes: "
                          f"{', '.join(SEED_PURPOSES)}")
     ranks = {"dp_rank": dp_rank, "tp_rank": tp_rank, "pp_rank": pp_rank, "ep_rank": ep_rank}
     for name, value in ranks.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+            raise ConfigError(f"{name} must be a non-negative int, got {value!r}")
     used = ",".join(f"{name}={ranks[name]}" for name in SEED_PURPOSES[purpose])
     digest = hashlib.sha256(f"{SEED_RULE_VERSION}|{base}|{purpose}|{used}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1

@@ -10,11 +10,17 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
+import signal
 import sys
 
+from samebits.cli._format import escape
 from samebits.errors import SamebitsError
 from samebits.verdicts import EXIT_BAD_VERDICT, EXIT_CANNOT_RUN, EXIT_OK
+
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # what a shell reports for Ctrl-C
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # the reader of our output went away (`| head`)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,13 +43,25 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_CANNOT_RUN
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        # `samebits dump RUN | head`: stop quietly; point stdout at /dev/null so the
+        # interpreter's final flush does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
     except SamebitsError as err:
-        print(f"samebits {args.command}: error: {err}", file=sys.stderr)
+        print(f"samebits {args.command}: error: {escape(err, keep_newlines=True)}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    except OSError as err:  # a file the command needed could not be read or written
+        print(f"samebits {args.command}: error: {escape(err, keep_newlines=True)}", file=sys.stderr)
         return EXIT_CANNOT_RUN
     except KeyboardInterrupt:
         print(f"samebits {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":  # pragma: no cover

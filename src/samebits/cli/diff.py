@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-from samebits.cli._format import print_json, table
+from samebits.cli._format import escape, print_json, table
 from samebits.compare import DiffResult, diff
 from samebits.errors import IncomparableRunsError
+from samebits.verdicts import EXIT_CANNOT_RUN, Verdict
 
 
 def register(sub) -> None:
     parser = sub.add_parser(
         "diff",
         help="compare two recorded runs bit for bit",
-        description="Compare two run directories bit for bit. Exit 0 identical, 1 diverged, 2 could not compare.",
+        description="Compare two run directories bit for bit. Every frame's checksum is checked and every "
+                    "step root recomputed. Exit 0 identical, 1 diverged, 2 could not compare (a stream "
+                    "damaged, missing or cut short, or a window holding no step).",
     )
     parser.add_argument("run_a", metavar="RUN_A")
     parser.add_argument("run_b", metavar="RUN_B")
@@ -20,7 +23,7 @@ def register(sub) -> None:
     parser.add_argument("--allow-config-diff", action="store_true",
                         help="compare even if configs or recorded names differ (intended changes)")
     parser.add_argument("--verify", action="store_true",
-                        help="checksum and decode every step instead of trusting equal step roots")
+                        help="decode and compare every step's records, not only steps whose recomputed roots differ")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.set_defaults(func=run)
 
@@ -32,13 +35,13 @@ def run(args) -> int:
     except IncomparableRunsError as err:
         if args.json:
             print_json({"verdict": "incomparable", "error": str(err), "differences": err.differences})
-            return 2
+            return EXIT_CANNOT_RUN
         raise
     if args.json:
         print_json(result.to_json())
     else:
         print(render(result))
-    return 0 if result.identical else 1
+    return result.verdict.exit_code
 
 
 def render(result: DiffResult, title: str | None = None) -> str:
@@ -46,13 +49,18 @@ def render(result: DiffResult, title: str | None = None) -> str:
     c = result.compared
     counts = (f"{c['ranks']} rank(s) x {c['steps']} step(s), {c['records']:,} records compared"
               f" ({c['steps_identical_by_root']} step(s) equal by root)")
-    lines = [title or f"samebits diff {result.a} {result.b}"]
-    if result.identical:
+    lines = [escape(title or f"samebits diff {result.a} {result.b}")]
+    if result.verdict is Verdict.IDENTICAL:
         lines.append(f"IDENTICAL: bit for bit. {counts}")
+    elif result.verdict is Verdict.INCOMPLETE:
+        lines.append("INCOMPLETE: could not decide (no divergence found in what was compared, but not "
+                     "everything could be compared)")
+        lines.extend(f"  - {escape(reason)}" for reason in result.incomplete)
+        lines.append(f"compared: {counts}")
     else:
         d = result.first_divergence
         where = f"{d.phase}/{d.name}" if d.name is not None else d.detail
-        lines.append(f"DIVERGED at step {d.step}, rank {d.rank}: {where}")
+        lines.append(f"DIVERGED at step {d.step}, rank {d.rank}: {escape(where)}")
         rows = []
         for rank, div in sorted(result.divergences.items(), key=lambda kv: (kv[1].step, kv[1].position, kv[0])):
             rows.append([
@@ -66,10 +74,10 @@ def render(result: DiffResult, title: str | None = None) -> str:
         lines.append("")
         lines.append(f"ranks diverged first (step {d.step}): {', '.join(map(str, result.ranks_diverged_first))}")
         if d.reason.startswith("ended") or d.reason.startswith("only"):
-            lines.append(d.detail)
+            lines.append(escape(d.detail))
         lines.append(f"before it: {counts}")
     for note in result.notes:
-        lines.append(f"note: {note}")
+        lines.append(f"note: {escape(note)}")
     return "\n".join(lines)
 
 

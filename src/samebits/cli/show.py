@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from samebits.cli._format import print_json, table
+from samebits.cli._format import escape, print_json, table
 from samebits.stream import open_run
 
 
@@ -15,24 +15,27 @@ def register(sub) -> None:
 
 
 def summarise(path) -> dict:
+    """Per-rank counts and status; every frame is verified (a damaged stream raises)."""
     run_dir = open_run(path)
     ranks = []
     for rank in run_dir.ranks:
         reader = run_dir.stream(rank)
         num_steps = num_records = 0
         first = last = None
-        for block in reader.steps():
-            num_steps += 1
-            num_records += block.num_records
-            first = block.step if first is None else first
-            last = block.step
+        try:
+            for block in reader.steps():
+                num_steps += 1
+                num_records += block.num_records
+                first = block.step if first is None else first
+                last = block.step
+        finally:
+            reader.close()
         ranks.append({
             "rank": rank, "steps": num_steps, "first_step": first, "last_step": last,
             "records": num_records, "bytes": reader.size, "segments": reader.num_segments,
             "status": "closed" if reader.closed_cleanly else (reader.stop_reason or "open"),
             "coords": reader.header.get("coords", {}),
         })
-        reader.close()
     header = run_dir.header
     return {"run": str(path), "run_id": header.get("run_id"), "world_size": run_dir.world_size,
             "ranks": ranks, "config": header.get("config", {}), "environment": header.get("environment", {}),
@@ -45,17 +48,17 @@ def run(args) -> int:
         print_json(summary)
         return 0
     env = summary["environment"]
-    print(f"run {summary['run']}  (id {summary['run_id']}, world size {summary['world_size']}, "
-          f"{len(summary['ranks'])} rank(s) recorded)")
+    print(escape(f"run {summary['run']}  (id {summary['run_id']}, world size {summary['world_size']}, "
+                 f"{len(summary['ranks'])} rank(s) recorded)"))
     rows = [[r["rank"], r["steps"], f"{r['first_step']}..{r['last_step']}" if r["steps"] else "-",
              f"{r['records']:,}", f"{r['bytes']:,}",
              " ".join(f"{k}={v}" for k, v in r["coords"].items()) or "-", r["status"]]
             for r in summary["ranks"]]
     print(table(["rank", "steps", "range", "records", "bytes", "coords", "status"], rows))
-    print(f"environment: python {env.get('python')}, torch {env.get('torch')}, device {env.get('device')}, "
-          f"{env.get('num_threads')} thread(s), host {env.get('hostname')}")
+    print(escape(f"environment: python {env.get('python')}, torch {env.get('torch')}, device {env.get('device')}, "
+                 f"{env.get('num_threads')} thread(s), host {env.get('hostname')}"))
     if summary["config"]:
         config = ", ".join(f"{k}={v}" for k, v in list(summary["config"].items())[:12])
         more = len(summary["config"]) - 12
-        print(f"config: {config}" + (f", ... ({more} more; --json for all)" if more > 0 else ""))
+        print(escape(f"config: {config}" + (f", ... ({more} more; --json for all)" if more > 0 else "")))
     return 0

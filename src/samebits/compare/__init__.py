@@ -1,20 +1,27 @@
 """The comparator: are two runs bitwise identical, and if not, where did they first part?
 
-`diff(a, b)` streams both runs rank by rank.  Steps whose roots (and record counts)
-agree are skipped without decoding; the first step that differs on a rank is decoded
-and its records are matched by identity (kind, phase, name, occurrence), never by
-position.  The result is a `DiffResult`, the same object `samebits diff --json` prints.
+`diff(a, b)` streams both runs rank by rank.  Nothing stored is trusted: every frame's
+checksum is checked and every step root is recomputed from the step's records by the
+reader (a damaged stream is a `StreamError`, never a verdict).  Steps whose recomputed
+roots (and record counts) agree are equal without decoding; the first step that differs
+on a rank is decoded and its records are matched by identity (kind, phase, name,
+occurrence), never by position.  `divergent_steps` is that same walk, yielding each rank's
+first divergent step.  The result is a `DiffResult`, the same object `samebits diff
+--json` prints; its verdict is IDENTICAL only when every selected step of every rank of the
+world was compared in two complete streams.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
-from samebits.errors import IncomparableRunsError
+from samebits.errors import ConfigError, IncomparableRunsError
 from samebits.stream.reader import Record, Run, StreamReader, open_run
-
+from samebits.verdicts import Verdict
 
 @dataclass
 class Divergence:
@@ -50,21 +57,37 @@ class Divergence:
 
 
 @dataclass
+class RankStep:
+    """One rank's first divergent step: the decoded records of both runs there.  A side
+    whose stream has no such step (ended, or skipped it) has an empty list and is named in
+    ``missing``."""
+
+    rank: int
+    step: int
+    records_a: list[Record]
+    records_b: list[Record]
+    missing: str | None = None  # "a" or "b": that run has no such step
+    detail: str = ""
+
+
+@dataclass
 class DiffResult:
-    """What `diff` found.  ``verdict`` is "identical" or "diverged"."""
+    """What `diff` found.  ``verdict`` is a `Verdict`: IDENTICAL, DIVERGED or INCOMPLETE
+    (could not decide: a stream missing or cut short, or a window holding no step)."""
 
     a: str
     b: str
-    verdict: str
+    verdict: Verdict
     first_divergence: Divergence | None
     ranks_diverged_first: list[int]
     divergences: dict[int, Divergence]  # per rank, its first divergence (if any)
     compared: dict[str, Any]
     notes: list[str] = field(default_factory=list)
+    incomplete: list[str] = field(default_factory=list)  # why the verdict could not be IDENTICAL
 
     @property
     def identical(self) -> bool:
-        return self.verdict == "identical"
+        return self.verdict is Verdict.IDENTICAL
 
     def to_json(self) -> dict:
         first = None
@@ -72,12 +95,14 @@ class DiffResult:
             first = self.first_divergence.to_json()
             first["ranks"] = self.ranks_diverged_first
         return {
-            "verdict": self.verdict,
+            "verdict": self.verdict.value,
+            "exit_code": self.verdict.exit_code,
             "a": self.a,
             "b": self.b,
             "first_divergence": first,
             "divergences_by_rank": {str(r): d.to_json() for r, d in sorted(self.divergences.items())},
             "compared": self.compared,
+            "incomplete": self.incomplete,
             "notes": self.notes,
         }
 
@@ -95,51 +120,127 @@ def diff(
     """Compare run directories ``a`` and ``b`` bit for bit.
 
     ``start_step``/``stop_step`` restrict the comparison to ``start <= step < stop``
-    (e.g. a resumed run from its resume step on).  ``verify`` checksums and decodes every
-    step instead of trusting equal step roots.  Raises `IncomparableRunsError` when the
-    runs cannot be compared (world size, config, recorded names), `StreamError` when a
-    stream is unreadable.
+    (e.g. a resumed run from its resume step on).  ``verify`` decodes and compares every
+    step's records instead of deciding equal steps by their (recomputed) roots.  Raises
+    `ConfigError` for an empty window, `IncomparableRunsError` when the runs cannot be
+    compared (world size, config, recorded names), `StreamError` when a stream is
+    unreadable or damaged (naming file, byte offset and frame).
     """
+    start, stop = _window(start_step, stop_step)
     run_a, run_b = open_run(a), open_run(b)
-    notes: list[str] = []
-    _check_comparable(run_a, run_b, allow_config_diff, ignore_config_keys, notes)
-    ranks = [r for r in run_a.ranks if r in run_b.files]
-    window = (start_step or 0, stop_step)
-    divergences: dict[int, Divergence] = {}
-    counts = {"ranks": len(ranks), "steps": 0, "records": 0, "steps_identical_by_root": 0, "steps_decoded": 0}
-    names_checked = allow_config_diff
-    bound: int | None = None  # no need to look past the earliest divergence found so far
-    for rank in ranks:
-        reader_a, reader_b = run_a.stream(rank), run_b.stream(rank)
-        found, steps_seen = _compare_rank(rank, reader_a, reader_b, window, bound, verify, counts, names_checked)
-        names_checked = True
-        counts["steps"] = max(counts["steps"], steps_seen)
-        for reader, label in ((reader_a, "a"), (reader_b, "b")):
-            if reader.stop_reason and not reader.stop_reason.startswith("ended without"):
-                notes.append(f"run {label} rank {rank}: {reader.stop_reason}")
-            reader.close()
-        if found is not None:
-            divergences[rank] = found
-            bound = found.step if bound is None else min(bound, found.step)
-    notes.extend(_environment_notes(run_a, run_b))
-    run_a.close()
-    run_b.close()
+    try:
+        notes: list[str] = []
+        incomplete = _missing_ranks(run_a, run_b)
+        _check_comparable(run_a, run_b, allow_config_diff, ignore_config_keys, notes)
+        ranks = [r for r in run_a.ranks if r in run_b.files]
+        counts = {"ranks": len(ranks), "steps": 0, "records": 0, "steps_identical_by_root": 0, "steps_decoded": 0}
+        if not allow_config_diff and ranks:
+            _check_names(ranks[0], run_a.files[ranks[0]], run_b.files[ranks[0]], start, stop)
+        # Ranks are independent: walk them on a few threads (checksums and hashes release
+        # the GIL).  Once a rank diverges at step S, the others stop looking past S.
+        bound = _Bound()
+        jobs = [(rank, run_a.stream(rank), run_b.stream(rank)) for rank in ranks]
+
+        def walk_rank(job):
+            walk = _Walk(start, stop, verify, bound)
+            return walk, walk.rank(*job)
+
+        with ThreadPoolExecutor(max_workers=max(1, min(_MAX_THREADS, os.cpu_count() or 1, len(jobs)))) as pool:
+            results = list(pool.map(walk_rank, jobs))
+        divergences: dict[int, Divergence] = {}
+        steps_compared = 0
+        for (rank, _, _), (walk, found) in zip(jobs, results):
+            steps_compared += walk.steps_seen
+            counts["steps"] = max(counts["steps"], walk.steps_seen)
+            for key, value in walk.counts.items():
+                counts[key] += value
+            notes.extend(walk.notes)
+            incomplete.extend(walk.incomplete)
+            if found is not None and found[1].step == bound.step:  # every rank that diverged first
+                divergences[rank] = found[1]
+        notes.extend(_environment_notes(run_a, run_b))
+    finally:
+        run_a.close()
+        run_b.close()
     first, first_ranks = None, []
     if divergences:
         step = min(d.step for d in divergences.values())
         at_step = [d for d in divergences.values() if d.step == step]
         first = min(at_step, key=lambda d: (d.position, d.rank))
         first_ranks = sorted(d.rank for d in at_step)
+        verdict = Verdict.DIVERGED
+    elif incomplete:
+        verdict = Verdict.INCOMPLETE
+    elif steps_compared == 0:
+        verdict = Verdict.INCOMPLETE
+        window = f"[{start}, {stop if stop is not None else 'end'})"
+        incomplete.append(f"nothing to compare: neither run holds a step in the window {window}")
+    else:
+        verdict = Verdict.IDENTICAL
+    if divergences and incomplete:
+        notes.extend(incomplete)  # the divergence is proof; what could not be read is still said
+        incomplete = []
     return DiffResult(
         a=str(a),
         b=str(b),
-        verdict="diverged" if first else "identical",
+        verdict=verdict,
         first_divergence=first,
         ranks_diverged_first=first_ranks,
         divergences=divergences,
         compared=counts,
         notes=notes,
+        incomplete=incomplete,
     )
+
+
+def divergent_steps(a, b, *, start_step: int | None = None, stop_step: int | None = None) -> Iterator[RankStep]:
+    """Yield, for each rank both runs recorded (in rank order), its first divergent step as
+    a `RankStep` (both sides' decoded records).  Ranks with no divergence in the window are
+    not yielded.  ``a``/``b`` are run directories or open `Run` objects.  Streams are
+    verified as in `diff` (a damaged one raises `StreamError`); unlike `diff`, a stream
+    cut short or a missing rank is not reported here (use `diff` for the verdict)."""
+    start, stop = _window(start_step, stop_step)
+    run_a = a if isinstance(a, Run) else open_run(a)
+    run_b = b if isinstance(b, Run) else open_run(b)
+    try:
+        for rank in [r for r in run_a.ranks if r in run_b.files]:
+            found = _Walk(start, stop, False).rank(rank, run_a.stream(rank), run_b.stream(rank))
+            if found is not None:
+                yield found[0]
+    finally:
+        if run_a is not a:
+            run_a.close()
+        if run_b is not b:
+            run_b.close()
+
+
+def _window(start_step, stop_step) -> tuple[int, int | None]:
+    for name, value in (("start_step (--from-step)", start_step), ("stop_step (--to-step)", stop_step)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ConfigError(f"{name} = {value!r}: steps are non-negative integers.")
+    start = start_step or 0
+    if stop_step is not None and stop_step <= start:
+        raise ConfigError(f"nothing to compare: the window [{start}, {stop_step}) holds no step "
+                          "(--from-step must be below --to-step).")
+    return start, stop_step
+
+
+def _missing_ranks(run_a: Run, run_b: Run) -> list[str]:
+    """A rank of the world recorded by one run only, or by neither although selected for
+    recording, is missing data: the runs cannot be called identical."""
+    reasons = []
+    for rank in range(max(run_a.world_size, run_b.world_size)):
+        in_a, in_b = rank in run_a.files, rank in run_b.files
+        if in_a and in_b:
+            continue
+        for label, run, present in (("a", run_a, in_a), ("b", run_b, in_b)):
+            if present:
+                continue
+            selected = run.header.get("ranks")
+            if (in_a or in_b) or selected is None or rank in selected:
+                reasons.append(f"run {label} ({run.path}) has no stream for rank {rank} of world size "
+                               f"{run.world_size}: that rank's data is missing")
+    return reasons
 
 
 def _check_comparable(run_a: Run, run_b: Run, allow: bool, ignore_keys, notes: list[str]) -> None:
@@ -198,86 +299,130 @@ def _environment_notes(run_a: Run, run_b: Run) -> list[str]:
     return notes
 
 
-def _compare_rank(rank, reader_a: StreamReader, reader_b: StreamReader, window, bound, verify, counts, names_checked):
-    """Walk one rank's two streams in step order; return (first Divergence or None, steps)."""
-    start, stop = window
-    steps_seen = 0
-    if not names_checked:
-        _check_names(rank, reader_a.path, reader_b.path, start, stop)
-    if not verify:
-        identical, first_unequal, steps_seen, records = _compare_indexes(reader_a, reader_b, window, bound)
-        counts["steps_identical_by_root"] += steps_seen
-        counts["records"] += records
-        if identical:
-            return None, steps_seen
-        start = first_unequal if first_unequal is not None else start
-    steps_a, steps_b = reader_a.steps(verify), reader_b.steps(verify)
+_MAX_THREADS = 4
 
-    def advance(iterator):
-        for block in iterator:
-            if block.step < start:
-                continue
-            if stop is not None and block.step >= stop:
+
+class _Bound:
+    """The earliest step any rank has diverged at so far, shared by the rank walks."""
+
+    def __init__(self):
+        self.step: int | None = None
+        self._lock = threading.Lock()
+
+    def lower(self, step: int) -> None:
+        with self._lock:
+            if self.step is None or step < self.step:
+                self.step = step
+
+
+class _Walk:
+    """The one step walk over a rank's two streams, shared by `diff` and `divergent_steps`."""
+
+    def __init__(self, start: int, stop: int | None, verify: bool, bound: _Bound | None = None):
+        self.start, self.stop, self.verify = start, stop, verify
+        self.counts = {"records": 0, "steps_identical_by_root": 0, "steps_decoded": 0}
+        self.shared_bound = bound
+        self.steps_seen = 0
+        self.notes: list[str] = []
+        self.incomplete: list[str] = []
+
+    @property
+    def bound(self) -> int | None:
+        """No need to look past the earliest divergence found so far (on any rank)."""
+        return None if self.shared_bound is None else self.shared_bound.step
+
+    def rank(self, rank: int, reader_a: StreamReader, reader_b: StreamReader) -> tuple[RankStep, Divergence] | None:
+        """Walk one rank in step order: its first divergence, or None (then `incomplete`
+        says whether a stream ended without a clean close inside the window).  Closes both
+        readers."""
+        try:
+            found = self._walk(rank, reader_a, reader_b)
+            for reader, label in ((reader_a, "a"), (reader_b, "b")):
+                if reader.stop_reason and reader.stop_reason.startswith("truncated"):
+                    self.notes.append(f"run {label} rank {rank}: {reader.stop_reason}")
+            if found is not None and self.shared_bound is not None:
+                self.shared_bound.lower(found[1].step)
+            return found
+        finally:
+            reader_a.close()
+            reader_b.close()
+
+    def _walk(self, rank: int, reader_a: StreamReader, reader_b: StreamReader):
+        start, stop, counts = self.start, self.stop, self.counts
+        steps_a, steps_b = reader_a.step_frames(), reader_b.step_frames()
+        past_window = set()  # the sides that reached a step >= stop (rather than their end)
+
+        def advance(iterator, reader):
+            """The next frame inside the window; steps before it are verified and skipped."""
+            for frame in iterator:
+                block = frame[0]
+                if block.step < start:
+                    reader.check_root(*frame)
+                    continue
+                if stop is not None and block.step >= stop:
+                    past_window.add(iterator)
+                    return None
+                return frame
+            return None
+
+        frame_a, frame_b = advance(steps_a, reader_a), advance(steps_b, reader_b)
+        block_a = frame_a[0] if frame_a else None
+        block_b = frame_b[0] if frame_b else None
+        while block_a is not None and block_b is not None and block_a.step == block_b.step:
+            if self.bound is not None and block_a.step > self.bound:
                 return None
-            return block
-        return None
-
-    block_a, block_b = advance(steps_a), advance(steps_b)
-    while block_a is not None or block_b is not None:
+            self.steps_seen += 1
+            payload_a, payload_b = frame_a[1], frame_b[1]
+            if (block_a.schema == block_b.schema >= 2 and payload_a == payload_b
+                    and block_a.names_key == block_b.names_key):
+                # Byte-equal records under equal name tables: one hash recomputes both roots.
+                root = reader_a.root_of(*frame_a)
+                reader_a.check_root(*frame_a, root=root)
+                reader_b.check_root(*frame_b, root=root)
+            else:
+                reader_a.check_root(*frame_a)
+                reader_b.check_root(*frame_b)
+            if (not self.verify and block_a.root == block_b.root and block_a.num_records == block_b.num_records
+                    and block_a.schema == block_b.schema >= 2):
+                counts["steps_identical_by_root"] += 1
+                counts["records"] += block_a.num_records
+            else:
+                counts["steps_decoded"] += 1
+                records_a, records_b = block_a.records(), block_b.records()
+                found = _compare_step(rank, block_a.step, records_a, records_b)
+                if found is not None:
+                    return RankStep(rank, block_a.step, records_a, records_b, detail=found.detail), found
+                counts["records"] += block_a.num_records
+            frame_a, frame_b = advance(steps_a, reader_a), advance(steps_b, reader_b)
+            block_a = frame_a[0] if frame_a else None
+            block_b = frame_b[0] if frame_b else None
+        if block_a is None and block_b is None:  # both ended inside the window
+            for reader, label, iterator in ((reader_a, "a", steps_a), (reader_b, "b", steps_b)):
+                if not reader.closed_cleanly and iterator not in past_window:
+                    self.incomplete.append(
+                        f"run {label} rank {rank}: {reader.stop_reason or 'the stream did not close cleanly'}; "
+                        "the steps it holds are equal, but the run did not finish, so later steps are unknown")
+            return None
         step = min(b.step for b in (block_a, block_b) if b is not None)
-        if bound is not None and step > bound:
-            return None, steps_seen
-        if block_a is None or block_b is None or block_a.step != block_b.step:
-            missing_in = "b" if (block_b is None or (block_a is not None and block_a.step < block_b.step)) else "a"
-            present = block_a if missing_in == "b" else block_b
-            ended = (block_b if missing_in == "b" else block_a) is None
-            reader = reader_b if missing_in == "b" else reader_a
-            detail = (
-                f"run {missing_in} has no step {step} on rank {rank}: "
-                + (f"its stream ends before it ({reader.stop_reason or 'closed cleanly'})" if ended else "the step is missing")
-            )
-            return Divergence(step=step, rank=rank, reason=f"ended_{missing_in}" if ended else f"only_in_{'a' if missing_in == 'b' else 'b'}",
-                              records_differing=present.num_records, detail=detail), steps_seen
-        steps_seen += 1
-        if not verify and block_a.root == block_b.root and block_a.num_records == block_b.num_records:
-            counts["steps_identical_by_root"] += 1
-            counts["records"] += block_a.num_records
-        else:
-            counts["steps_decoded"] += 1
-            found = _compare_step(rank, block_a.step, block_a.records(), block_b.records())
-            if found is not None:
-                return found, steps_seen
-            counts["records"] += block_a.num_records
-        block_a, block_b = advance(steps_a), advance(steps_b)
-    return None, steps_seen
-
-
-def _compare_indexes(reader_a: StreamReader, reader_b: StreamReader, window, bound):
-    """Compare two cleanly closed streams through their step-index footers alone.
-
-    Returns (identical, first unequal step or None, steps equal, records in them).  When
-    either stream has no footer nothing is decided: (False, None, 0, 0)."""
-    index_a, index_b = reader_a.step_index(), reader_b.step_index()
-    if index_a is None or index_b is None:
-        return False, None, 0, 0
-    start, stop = window
-
-    def selected(index):
-        return [e for e in index if e[0] >= start and (stop is None or e[0] < stop)]
-
-    index_a, index_b = selected(index_a), selected(index_b)
-    steps = records = 0
-    for entry_a, entry_b in zip(index_a, index_b):
-        if entry_a[:3] != entry_b[:3]:
-            return False, min(entry_a[0], entry_b[0]), steps, records
-        if bound is not None and entry_a[0] > bound:
-            return True, None, steps, records
-        steps += 1
-        records += entry_a[1]
-    if len(index_a) != len(index_b):
-        longer = index_a if len(index_a) > len(index_b) else index_b
-        return False, longer[len(index_a if longer is index_b else index_b)][0], steps, records
-    return True, None, steps, records
+        if self.bound is not None and step > self.bound:
+            return None
+        missing_in = "b" if (block_b is None or (block_a is not None and block_a.step < block_b.step)) else "a"
+        present = block_a if missing_in == "b" else block_b
+        ended = (block_b if missing_in == "b" else block_a) is None and \
+            (steps_b if missing_in == "b" else steps_a) not in past_window
+        reader = reader_b if missing_in == "b" else reader_a
+        detail = (
+            f"run {missing_in} has no step {step} on rank {rank}: "
+            + (f"its stream ends before it ({reader.stop_reason or 'closed cleanly'})" if ended else "the step is missing")
+        )
+        present_frame = frame_a if missing_in == "b" else frame_b
+        (reader_a if missing_in == "b" else reader_b).check_root(*present_frame)
+        records = present.records()
+        found = Divergence(step=step, rank=rank,
+                           reason=f"ended_{missing_in}" if ended else f"only_in_{'a' if missing_in == 'b' else 'b'}",
+                           records_differing=present.num_records, detail=detail)
+        records_a, records_b = (records, []) if missing_in == "b" else ([], records)
+        return RankStep(rank, step, records_a, records_b, missing=missing_in, detail=detail), found
 
 
 def _check_names(rank: int, path_a, path_b, start: int, stop: int | None) -> None:
@@ -346,4 +491,4 @@ def _compare_step(rank: int, step: int, records_a: list[Record], records_b: list
     return first
 
 
-__all__ = ["diff", "DiffResult", "Divergence"]
+__all__ = ["diff", "divergent_steps", "DiffResult", "Divergence", "RankStep"]

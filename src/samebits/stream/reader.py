@@ -16,7 +16,7 @@ import mmap
 import os
 import re
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from struct import error as struct_error
 from typing import Iterator
@@ -44,6 +44,15 @@ def _dtype_name(code: int) -> str:
     if name is None:
         raise _Malformed(f"unknown dtype code {code} (written by a newer samebits?)")
     return name
+
+
+def _fast_varint(buf, pos: int) -> tuple[int, int]:
+    """`decode_varint` with a one-byte fast path; IndexError/ValueError on bad input (the
+    frame walk turns them into a StreamError naming the frame)."""
+    byte = buf[pos]
+    if byte < 0x80:
+        return byte, pos + 1
+    return fmt.decode_varint(buf, pos)
 
 
 def _varint(buf, pos: int, end: int) -> tuple[int, int]:
@@ -133,7 +142,7 @@ def _numel(shape) -> int:
     return n
 
 
-@dataclass
+@dataclass(slots=True)
 class StepBlock:
     """One step of one rank: checksum and root already verified, records not yet decoded."""
 
@@ -144,6 +153,7 @@ class StepBlock:
     offset: int  # where the frame starts in the file
     names_count: int  # how many names were interned before this block
     schema: int = fmt.SCHEMA_VERSION  # of the segment holding the step (decides the root encoding)
+    names_key: bytes = field(default=b"", repr=False)  # the names key of the step root (schema 2)
 
     def records(self) -> list[Record]:
         return self.reader.decode(self)
@@ -192,7 +202,7 @@ class StreamReader:
     def _reset_state(self) -> None:
         self._names_hasher = fmt.new_names_hasher()
         self._names_key = self._names_hasher.digest()
-        self._steps_hasher = fmt.new_names_hasher()  # what the INDEX footer must agree with
+        self._expected_index = bytearray()  # what the INDEX footer must hold (about 14 bytes per step)
         self._num_steps = 0
         self._last_step: int | None = None
         self._last_kind: int | None = None
@@ -247,7 +257,10 @@ class StreamReader:
                 + ": the file is corrupt or was written by a newer samebits. " + _CORRUPT_HINT
             )
         try:
-            length, start = fmt.decode_varint(data, offset + 1, min(size, offset + 11))
+            if offset + 1 < size and data[offset + 1] < 0x80:
+                length, start = data[offset + 1], offset + 2
+            else:
+                length, start = fmt.decode_varint(data, offset + 1, min(size, offset + 11))
         except IndexError:
             return self._torn(kind, offset, "an incomplete frame header")
         except ValueError:
@@ -337,6 +350,15 @@ class StreamReader:
     def steps(self, verify: bool = False) -> Iterator[StepBlock]:
         """Yield the steps in order, each frame's checksum and each step's root verified.
         (``verify`` is kept for compatibility: every read is verified now.)"""
+        for block, payload, records_at in self.step_frames():
+            self.check_root(block, payload, records_at)
+            yield block
+
+    def step_frames(self) -> Iterator[tuple[StepBlock, bytes, int]]:
+        """Yield (block, frame payload, where its records start) for each step in order:
+        every frame's checksum verified, the structure and the step-index footer checked,
+        but the step roots not yet recomputed: call `check_root` on each (a comparer that
+        finds two payloads byte-equal hashes them once).  ``block.root`` is the stored root."""
         self._pos = self._first_end
         self.segments = self.segments[:1]
         self._schema = self.header["schema"]
@@ -346,7 +368,45 @@ class StreamReader:
         self._reset_state()
         self._schema = self.header["schema"]
         self._last_kind = fmt.FRAME_HEADER
+        data, size, crc32 = self._data, self.size, zlib.crc32
+        unpack_u32, unpack_u64 = fmt._U32.unpack_from, fmt._U64.unpack_from
+        expected = self._expected_index
+        STEP = fmt.FRAME_STEP
         while True:
+            # Fast path, the bulk of every stream: a complete step frame with a short length
+            # field.  Anything else (other kinds, a torn or damaged frame) goes the general way.
+            offset = self._pos
+            if (offset + 3 < size and data[offset] == STEP and self._last_kind != fmt.FRAME_CLOSE
+                    and data[offset + 1] & 0x80 and data[offset + 2] & 0x80 == 0):
+                start = offset + 3
+                end = start + (data[offset + 1] & 0x7F | data[offset + 2] << 7)
+                if end + 4 <= size:
+                    payload = data[start:end]
+                    if crc32(payload, crc32(data[offset:start])) != unpack_u32(data, end)[0]:
+                        raise self._corrupt(STEP, offset, "checksum mismatch")
+                    self._pos = self.end_offset = end + 4
+                    self.closed_cleanly = False
+                    self._last_kind, self._last_offset = STEP, offset
+                    try:
+                        step, pos = _fast_varint(payload, 0)
+                        count, pos = _fast_varint(payload, pos)
+                        stored = unpack_u64(payload, pos)[0]
+                    except (IndexError, ValueError, struct_error) as err:
+                        raise self._corrupt(STEP, offset, f"a malformed step frame ({err})") from None
+                    if self._last_step is not None and step <= self._last_step:
+                        raise self._corrupt(STEP, offset, f"step {step} follows step {self._last_step}; "
+                                            "steps must increase")
+                    self._last_step = step
+                    self._num_steps += 1
+                    expected += payload[: pos + 8]
+                    value = offset
+                    while value > 0x7F:
+                        expected.append((value & 0x7F) | 0x80)
+                        value >>= 7
+                    expected.append(value)
+                    yield (StepBlock(step, count, stored, self, offset, len(self.names), self._schema, self._names_key),
+                           payload, pos + 8)
+                    continue
             frame = self._next_frame()
             if frame is None:
                 return
@@ -359,7 +419,8 @@ class StreamReader:
             try:
                 if kind == fmt.FRAME_STEP:
                     yield self._step(payload, offset)
-                elif kind == fmt.FRAME_NAMES:
+                    continue
+                if kind == fmt.FRAME_NAMES:
                     self._add_names(payload)
                 elif kind == fmt.FRAME_HEADER:
                     self._header(frame)
@@ -372,34 +433,60 @@ class StreamReader:
                     self.closed_cleanly = True
             except _Malformed as err:
                 raise self._corrupt(kind, offset, str(err)) from None
+            except (IndexError, ValueError, struct_error) as err:
+                raise self._corrupt(kind, offset, f"a malformed {fmt.FRAME_KINDS[kind]} frame ({err})") from None
 
-    def _step(self, payload: bytes, offset: int) -> StepBlock:
-        step, pos = _varint(payload, 0, len(payload))
-        count, pos = _varint(payload, pos, len(payload))
-        if pos + 8 > len(payload):
+    def _step(self, payload: bytes, offset: int) -> tuple[StepBlock, bytes, int]:
+        size = len(payload)
+        step, pos = _fast_varint(payload, 0)
+        count, pos = _fast_varint(payload, pos)
+        if pos + 8 > size:
             raise _Malformed("a step frame shorter than its fixed prefix")
         stored = fmt.unpack_u64(payload, pos)
-        if self._schema >= 2:
-            root = fmt.step_root(self._names_key, payload[pos + 8:])
-        else:
-            root = fmt.step_root_v1(self._parse_records(payload, pos + 8, count, len(self.names), canonical=True))
-        if root != stored:
-            raise _Malformed(f"step {step}: stored root {stored:016x} but its records hash to {root:016x}")
         if self._last_step is not None and step <= self._last_step:
             raise _Malformed(f"step {step} follows step {self._last_step}; steps must increase")
         self._last_step = step
         self._num_steps += 1
-        self._steps_hasher.update(b"%d,%d,%d,%d;" % (step, count, root, offset))
-        return StepBlock(step, count, root, self, offset, len(self.names), self._schema)
+        expected = self._expected_index  # what the INDEX footer must hold: prefix + offset
+        expected += payload[: pos + 8]
+        while offset > 0x7F:
+            expected.append((offset & 0x7F) | 0x80)
+            offset >>= 7
+        expected.append(offset)
+        block = StepBlock(step, count, stored, self, self._last_offset, len(self.names), self._schema,
+                          self._names_key)
+        return block, payload, pos + 8
+
+    def root_of(self, block: StepBlock, payload: bytes, records_at: int) -> int:
+        """Recompute a step's root from its records (``payload`` from `step_frames`)."""
+        if block.schema >= 2:
+            return fmt.step_root(block.names_key, payload[records_at:])
+        try:
+            return fmt.step_root_v1(self._parse_records(payload, records_at, block.num_records, block.names_count,
+                                                        canonical=True))
+        except _Malformed as err:
+            raise self._corrupt(fmt.FRAME_STEP, block.offset, f"step {block.step}: {err}") from None
+
+    def check_root(self, block: StepBlock, payload: bytes, records_at: int, root: int | None = None) -> None:
+        """Raise `StreamError` unless the stored root of ``block`` is its records' root
+        (``root``: already recomputed by the caller from the same bytes)."""
+        if root is None:
+            root = self.root_of(block, payload, records_at)
+        if root != block.root:
+            raise StreamError(
+                f"{self.path}: step {block.step} (the step frame at byte {block.offset} of {self.size}) stores root "
+                f"{block.root:016x} but its records hash to {root:016x}: the file is corrupt (its checksum "
+                "was recomputed after the damage, or the writer was faulty). " + _CORRUPT_HINT
+            )
 
     def _add_names(self, payload: bytes) -> None:
-        first, pos = _varint(payload, 0, len(payload))
-        count, pos = _varint(payload, pos, len(payload))
+        first, pos = _fast_varint(payload, 0)
+        count, pos = _fast_varint(payload, pos)
         if first != len(self.names):
             raise _Malformed(f"name table out of order (first id {first}, {len(self.names)} names so far)")
         names_start = pos
         for _ in range(count):
-            length, pos = _varint(payload, pos, len(payload))
+            length, pos = _fast_varint(payload, pos)
             if pos + length > len(payload):
                 raise _Malformed("a name runs past the end of the frame")
             try:
@@ -414,17 +501,8 @@ class StreamReader:
 
     def _check_index(self, payload: bytes) -> None:
         """The footer must list exactly the steps read so far, with their roots and offsets."""
-        count, pos = _varint(payload, 0, len(payload))
-        hasher = fmt.new_names_hasher()
-        for _ in range(count):
-            step, pos = _varint(payload, pos, len(payload))
-            num_records, pos = _varint(payload, pos, len(payload))
-            if pos + 8 > len(payload):
-                raise _Malformed("the step index runs past the end of its frame")
-            root = fmt.unpack_u64(payload, pos)
-            offset, pos = _varint(payload, pos + 8, len(payload))
-            hasher.update(b"%d,%d,%d,%d;" % (step, num_records, root, offset))
-        if pos != len(payload) or count != self._num_steps or hasher.digest() != self._steps_hasher.digest():
+        count, pos = _fast_varint(payload, 0)
+        if count != self._num_steps or payload[pos:] != self._expected_index:
             raise _Malformed(f"the step index ({count} steps) disagrees with the {self._num_steps} steps read")
 
     def step_index(self) -> list[tuple[int, int, int, int]] | None:

@@ -39,9 +39,9 @@ from typing import Callable
 
 import torch
 
-from samebits import checkpoint
 from samebits._launch import failed, run_logged, teardown_note
 from samebits.autorecord import environment_for
+from samebits.checkpoint import describe_state_record
 from samebits.errors import ConfigError, SamebitsError
 from samebits.stream.reader import open_run
 from samebits.trace._config import ENV_VARS, LEVEL_NAMES, EventSpec, TraceConfig, parent_scope
@@ -50,6 +50,7 @@ from samebits.trace._origin import Finding, OriginReport, find_origins
 from samebits.trace._tracer import dump_filename
 from samebits.verdicts import Verdict
 
+_TORCH_GENERATORS = ("rng.torch_cpu", "rng.cuda", "rng.user.")
 MAX_RERUNS = 3  # pairs of runs a narrowing stage may take to see its divergence again
 
 # ATen ops that draw from a generator: an origin among them is a generator's state.
@@ -394,9 +395,10 @@ class _Bisector:
         site = f" at {final.call_site}" if final.call_site else ""
         what = f"{final.op or final.event_id}{site}"
         if final.category == "op" and final.op in RNG_OPS:
-            generators = [name for name in final.state_differs if name.startswith("rng.")]
+            # ATen RNG ops draw from torch generators only (Python's and NumPy's never feed them)
+            generators = [name for name in final.state_differs if name.startswith(_TORCH_GENERATORS)]
             if generators:
-                text = "; ".join(_describe_state(name) for name in generators)
+                text = "; ".join(describe_state_record(name) for name in generators)
                 return _origin_json(final, elements, "generator",
                                     f"{text} (step {final.step}, rank {final.rank}): the RNG op {what} drew "
                                     "different numbers from identical inputs")
@@ -415,7 +417,7 @@ class _Bisector:
         text = f"origin: {what} (step {final.step}, phase {final.phase}, rank {final.rank}): {final.detail}"
         if final.catalog:
             text += f". Known: {final.catalog}"
-        return _origin_json(final, elements, kind, text + _state_sentence(final, " Also: "))
+        return _origin_json(final, elements, kind, text)
 
     def _dump(self, final: Finding, subtree: str | None) -> dict | None:
         step = final.step
@@ -475,17 +477,10 @@ def _check_compared(dirs: dict[str, Path]) -> None:
                                     "Does the command reach optimizer.step()? Its log is under logs/.")
 
 
-def _describe_state(name: str) -> str:
-    describe = getattr(checkpoint, "describe_state_record", None)
-    if describe is not None:
-        return describe(name)
-    return f"state record {name} differs at step start"
-
-
 def _state_sentence(finding: Finding, prefix: str) -> str:
     if not finding.state_differs:
         return ""
-    return prefix + "; ".join(_describe_state(name) for name in finding.state_differs) + "."
+    return prefix + "; ".join(describe_state_record(name) for name in finding.state_differs) + "."
 
 
 def _subtree_for(found: Finding) -> str:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
+from samebits.checkpoint import STATE_PHASE
 from samebits.errors import ConfigError
 
 LEVELS = {"off": 0, "phases": 1, "modules": 2, "ops": 3}
@@ -41,7 +42,7 @@ CATEGORIES = ("state", "phase", "collective", "module", "op", "probe", "census")
 # Context records: observed at a step's start, never events (never an origin on their own).
 CONTEXT_CATEGORIES = ("census",)
 CENSUS_EVENT, CENSUS_PHASE = "census", "start"  # trace:census:start / census|at:rng.torch_cpu
-STATE_RECORD_PHASE = "state"  # the census as zero-code recording writes it (plain records)
+STATE_RECORD_PHASE = STATE_PHASE  # the census as a training loop records it (plain records)
 TRAINING_PHASES = ("init", "forward", "backward", "recompute", "reduce", "optimizer", "post")
 
 ENV_VARS = ("SAMEBITS_TRACE", "SAMEBITS_TRACE_STEPS", "SAMEBITS_TRACE_RANKS", "SAMEBITS_TRACE_MODULE",

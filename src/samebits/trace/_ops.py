@@ -21,11 +21,17 @@ outputs count as seen, so their first consumer does not record the garbage eithe
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from samebits.trace._config import record_name
-from samebits.trace._tracer import call_site, digestable, nudge, version_of
+from samebits.trace._tracer import _TORCH_DIR, _TRACE_DIR, call_site, digestable, nudge, version_of
+
+_LIBRARY_DIR = os.path.dirname(_TRACE_DIR) + os.sep  # samebits itself ...
+_CLIENT_DIR = os.path.join(_LIBRARY_DIR, "recipes") + os.sep  # ... but the recipe is traced like a user's code
 
 NORMAL, SKIP, NOISE, VIEW = 0, 1, 2, 3
 _SKIP_NAMESPACES = {"c10d", "profiler", "record_function"}
@@ -81,6 +87,19 @@ def _flat_outputs(out) -> list:
     return []
 
 
+def _called_by_samebits() -> bool:
+    """True when the nearest Python caller outside torch is samebits' own code (zero-code
+    recording's state census, a recorder): its tensor work is never the program's."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if filename.startswith(_TORCH_DIR) or filename.startswith(_TRACE_DIR) or filename.startswith("<"):
+            frame = frame.f_back  # torch, or the tracer's own wrappers (torch.autograd.backward)
+            continue
+        return filename.startswith(_LIBRARY_DIR) and not filename.startswith(_CLIENT_DIR)
+    return False
+
+
 class OpMode(TorchDispatchMode):
     """The tracer's dispatch mode; pushed only for the steps rung 3 (or a test hook) needs."""
 
@@ -96,7 +115,7 @@ class OpMode(TorchDispatchMode):
         info = self._info.get(func)
         if info is None:
             info = self._info[func] = _OpInfo(func)
-        if t.busy or not t.open or info.kind == SKIP:
+        if t.busy or not t.open or info.kind == SKIP or _called_by_samebits():
             return func(*args, **kwargs)
         phase = t.current_phase()
         if phase == "backward":

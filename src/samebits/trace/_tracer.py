@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from samebits import checkpoint
+from samebits.checkpoint import state_census
 from samebits.trace._config import CENSUS_EVENT, CENSUS_PHASE, TraceConfig, record_name, record_phase
 
 _active: "Tracer | None" = None
@@ -384,12 +384,9 @@ class Tracer:
         """Rung 1, every traced step: the state census at the step's start (every RNG state,
         optimizer step counts and learning rates).  Context, not an event: `find_origins`
         never calls it an origin, but names the generator that differs when an RNG op is one."""
-        census = getattr(checkpoint, "state_census", None)
-        if census is None:
-            return
         was_busy, self.busy = self.busy, True
         try:
-            pairs = census(optimizers=tuple(self._optimizers))
+            pairs = state_census(optimizers=tuple(self._optimizers))
         except Exception as err:  # the census must never break the traced program
             if not self._census_warned:
                 self._census_warned = True

@@ -218,9 +218,14 @@ def _judge_bisect(case: dict, exp: dict, payload: dict) -> tuple[str, str]:
             return "miss", f"not localised ({kind}), not {want['class']}"
         named = GENERATOR_NAMES.get(want["class"])
         if named is not None:
-            said = " ".join(list(origin.get("state_differs") or []) + [origin.get("conclusion") or ""])
-            if not named.search(said):
-                return "miss", f"generator, but not named as {want['class'].partition(':')[2]}"
+            generators = [n for n in origin.get("state_differs") or [] if n.startswith("rng.")]
+            if not generators:  # no census: the conclusion must name it
+                if not named.search(origin.get("conclusion") or ""):
+                    return "miss", f"generator, but not named as {want['class'].partition(':')[2]}"
+            elif not any(named.search(n) for n in generators):
+                return "wrong", f"names generator(s) {', '.join(generators)}, not {want['class'].partition(':')[2]}"
+            elif len(generators) > 1:
+                return "miss", f"vague: names {len(generators)} generators ({', '.join(generators)}), not the one"
         if "file_line" in want and site != want["file_line"]:
             return ("wrong" if site else "miss"), f"{kind} right, call site {site}, expected {want['file_line']}"
         if want["class"] == "collective order" and "order" not in (origin.get("conclusion") or "").lower():

@@ -185,6 +185,8 @@ def test_matcher_classes():
     named = "torch CPU generator state differs at step start"
     assert bench.judge(gen, _bisect("generator", conclusion=named), 1, "")[0] == "hit"
     assert bench.judge(gen, _bisect("generator", state=["rng.torch_cpu"]), 1, "")[0] == "hit"
+    assert bench.judge(gen, _bisect("generator", state=["rng.python", "rng.torch_cpu"]), 1, "")[0] == "miss"
+    assert bench.judge(gen, _bisect("generator", state=["rng.numpy"]), 1, "")[0] == "wrong"
     assert bench.judge(gen, _bisect("generator", conclusion="the generator was in another state"), 1, "")[0] \
         == "miss"
     assert bench.judge(gen, _bisect("op", site="/x/dropout_time_seed.py:26 in <module>"), 1, "")[0] == "wrong"

@@ -45,7 +45,7 @@ model = DistributedDataParallel(BagClassifier())
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 data = torch.Generator().manual_seed(1 + rank)
 for step in range(args.steps):
-    tokens = torch.randint(0, 128, (64, 128), generator=data)
+    tokens = torch.randint(0, 128, (64, 256), generator=data)
     label = torch.randint(0, 8, (64,), generator=data)
     loss = nn.functional.cross_entropy(model(tokens), label)
     opt.zero_grad()

@@ -1,8 +1,9 @@
-"""Classifier with a histogram-balance penalty computed every third step.
+"""Classifier with a centroid-pull penalty that the model adds every third step.
 
-Planted fault: the penalty bins the predictions with `index_put_(accumulate=True)`, whose CPU
-kernel adds duplicated bins in thread arrival order with 2 threads; it runs only on steps 2,
-5, ...  so runs agree at first and part at step 2.  Run: python random_step_index_put.py
+Planted fault: on those steps the `CentroidPull` submodule looks its centroids up with
+advanced indexing, `self.centroids[label]`; the backward is index_put_ with accumulate=True,
+which on CPU with 2 threads adds in thread arrival order.  Steps 0 and 1 are bitwise equal
+run to run; step 2 is the first to differ.  Run: python random_step_index_put.py [--steps N]
 """
 import argparse
 
@@ -17,31 +18,35 @@ torch.set_num_threads(2)
 torch.manual_seed(0)
 
 
-class BalancedClassifier(nn.Module):
-    def __init__(self, dim=32, hidden=64, classes=16):
+class CentroidPull(nn.Module):
+    def __init__(self, classes=16, hidden=128):
         super().__init__()
-        self.body = nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, classes))
+        self.centroids = nn.Parameter(torch.zeros(classes, hidden))
 
-    def forward(self, x):
-        return self.body(x)
-
-
-def balance_penalty(logits, bins):
-    hist = logits.new_zeros(16, logits.shape[1])
-    hist = hist.index_put((bins,), logits.softmax(-1), accumulate=True)  # PLANTED
-    return hist.var()
+    def forward(self, h, label):
+        return (h - self.centroids[label]).square().mean()  # PLANTED
 
 
-model = BalancedClassifier()
+class Classifier(nn.Module):
+    def __init__(self, dim=64, hidden=128, classes=16):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(dim, hidden), nn.GELU())
+        self.head = nn.Linear(hidden, classes)
+        self.pull = CentroidPull(classes, hidden)
+
+    def forward(self, x, label, pull):
+        h = self.body(x)
+        loss = nn.functional.cross_entropy(self.head(h), label)
+        return loss + 0.01 * self.pull(h, label) if pull else loss
+
+
+model = Classifier()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 data = torch.Generator().manual_seed(1)
 for step in range(args.steps):
-    x = torch.randn(8192, 32, generator=data)
-    y = torch.randint(0, 16, (8192,), generator=data)
-    logits = model(x)
-    loss = nn.functional.cross_entropy(logits, y)
-    if step % 3 == 2:
-        loss = loss + 0.01 * balance_penalty(logits, y)
+    x = torch.randn(16384, 64, generator=data)
+    label = torch.randint(0, 16, (16384,), generator=data)
+    loss = model(x, label, pull=step % 3 == 2)
     opt.zero_grad()
     loss.backward()
     opt.step()

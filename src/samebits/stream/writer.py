@@ -183,7 +183,11 @@ class Recorder:
         ``None`` tensors are recorded as absent; tensors over the size cap keep shape and
         dtype but no digest.  Digests are computed now, fetched at the end of the step.
         """
-        if not self.active or not self.settings.selected(step, phase):
+        if not self.active:
+            return
+        if step.__class__ is not int or not 0 <= step <= fmt.MAX_STEP:  # before the window check:
+            step = _check_step(step, self.rank)  # a bad step is an error, never silently dropped
+        if not self.settings.selected(step, phase):
             return
         pending = self._step(step)
         if isinstance(named_tensors, Mapping):
@@ -241,7 +245,11 @@ class Recorder:
     def metrics(self, step: int, phase: str = "metrics", **values) -> None:
         """Record scalars with their exact bits: Python floats as float64, ints as int64,
         0-dim tensors in their own dtype (kept on the device until the step ends)."""
-        if not self.active or not self.settings.selected(step, phase):
+        if not self.active:
+            return
+        if step.__class__ is not int or not 0 <= step <= fmt.MAX_STEP:
+            step = _check_step(step, self.rank)
+        if not self.settings.selected(step, phase):
             return
         pending = self._step(step)
         self._check_text(phase, "phase", step)
@@ -346,7 +354,6 @@ class Recorder:
         pending = self._pending
         if pending is not None and pending.step == step:
             return pending
-        step = _check_step(step, self.rank)
         if pending is not None:
             if step < pending.step:
                 raise ConfigError(

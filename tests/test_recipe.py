@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import samebits
+from samebits.errors import ConfigError
 from samebits.recipes import RecipeConfig, nondeterministic_config, train
 from samebits.recipes.data import Batches, SyntheticTokens, TokenFile, build_token_source
 from samebits.recipes.train import main
@@ -173,9 +174,12 @@ def test_recorder_sees_each_phase_in_order():
     result = train(_tiny(), steps=2, recorder=recorder)
     assert result.stopped_at is None and result.end_step == 2
     phases = [(step, phase) for step, phase, _ in recorder.calls]
-    order = ["data", "forward", "metrics", "grads", "params", "end_step"]
+    order = ["state", "data", "forward", "metrics", "grads", "params", "end_step"]
     assert phases == [(s, p) for s in range(2) for p in order]
     names = {phase: names for step, phase, names in recorder.calls if step == 0}
+    # the state census first: every RNG (the router jitter generator too), optimizer and LR state
+    assert {"rng.python", "rng.numpy", "rng.torch_cpu", "rng.user.router_jitter", "optim0.step",
+            "optim0.lr", "sched0.last_epoch"} <= set(names["state"])
     assert names["data"] == ["tokens"]
     assert names["forward"] == ["layers.0", "layers.1", "logits"]
     assert names["metrics"] == sorted(["loss", "lm_loss", "load_balancing_loss", "mtp_loss",
@@ -367,3 +371,14 @@ def _worker(out_dir: Path) -> None:
 
 if __name__ == "__main__":
     _worker(Path(sys.argv[1]))
+
+
+def test_default_thread_count_honours_omp_num_threads(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert RecipeConfig().num_threads == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # exported by most cluster launchers
+    assert RecipeConfig().num_threads == 3 and RecipeConfig().to_dict()["num_threads"] == 3
+    assert RecipeConfig(num_threads=1).num_threads == 1  # an explicit choice wins (and is checked)
+    monkeypatch.setenv("OMP_NUM_THREADS", "many")
+    with pytest.raises(ConfigError, match="OMP_NUM_THREADS='many' is not a positive integer"):
+        RecipeConfig()

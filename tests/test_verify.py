@@ -4,12 +4,15 @@ failures each guarantee must catch (nondeterministic path; a random state lost o
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
 from samebits.cli import main
+from samebits.compare import DiffResult
 from samebits.errors import SamebitsError
-from samebits.verify import verify_recipe
+from samebits.verdicts import Verdict
+from samebits.verify import VerifyResult, verify_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -19,6 +22,7 @@ def test_both_guarantees_hold_on_the_recipe(tmp_path, capsys):
     payload = json.loads(capsys.readouterr().out)
     assert code == 0, payload
     assert payload["verdict"] == "pass"
+    assert payload["checked"] == ["independent", "resume"] and payload["not_checked"] == []
     independent, resume = payload["checks"]["independent"], payload["checks"]["resume"]
     assert independent["verdict"] == "identical" and independent["compared"]["ranks"] == 2
     assert independent["compared"]["steps"] == 4 and independent["compared"]["records"] > 0
@@ -40,8 +44,10 @@ def test_lost_random_state_breaks_resume_at_the_first_step_after_it(tmp_path, mo
     assert result.checks["independent"].identical
     d = result.checks["resume"].first_divergence
     assert result.verdict == "fail"
-    # router jitter is drawn in the MoE forward: the first record after resume that differs
-    assert (d.step, d.phase) == (2, "forward"), d
+    # the state census at the start of step 2 already differs: the router jitter generator
+    assert (d.step, d.phase, d.name) == (2, "state", "rng.user.router_jitter"), d
+    explained = result.explanations["resume"]
+    assert any("step 2" in line and "generator 'router_jitter' state differs" in line for line in explained)
 
 
 def test_bad_arguments_fail_clearly(tmp_path):
@@ -54,48 +60,153 @@ def test_bad_arguments_fail_clearly(tmp_path):
 
 
 RESUMABLE_SCRIPT = '''
-import sys, torch
-resume = int(sys.argv[sys.argv.index("--resume") + 1]) if "--resume" in sys.argv else None
-ckpt = sys.argv[1]
+import argparse, torch
+parser = argparse.ArgumentParser()
+parser.add_argument("--ckpt", required=True)          # where this run saves its checkpoints
+parser.add_argument("--resume-from", default=None)    # a checkpoint file to resume from
+parser.add_argument("--no-rng", action="store_true")  # a resume that forgets the RNG state
+parser.add_argument("--raise-at", type=int, default=None)
+parser.add_argument("--exit-code", type=int, default=None)
+parser.add_argument("--abort-at-teardown", action="store_true")
+args = parser.parse_args()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 1))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 start = 0
-if resume is not None:
-    state = torch.load(f"{ckpt}/step-{resume}.pt", weights_only=True)
+if args.resume_from:
+    state = torch.load(args.resume_from, weights_only=True)
     model.load_state_dict(state["model"]); opt.load_state_dict(state["opt"])
-    if "--no-rng" not in sys.argv:
+    if not args.no_rng:
         torch.set_rng_state(state["rng"])
-    start = resume
+    start = state["step"]
 for step in range(start, 4):
-    if resume is None:
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "rng": torch.get_rng_state()},
-                   f"{ckpt}/step-{step}.pt")
+    if step == args.raise_at:
+        raise RuntimeError(f"planted failure at step {step}")
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "rng": torch.get_rng_state(),
+                "step": step}, f"{args.ckpt}/step-{step}.pt")
     x = torch.randn(16, 8)
     loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
     opt.zero_grad(); loss.backward(); opt.step()
+if args.exit_code is not None:
+    raise SystemExit(args.exit_code)
+if args.abort_at_teardown:
+    import os, signal
+
+    class AbortAtTeardown:  # like a C++ destructor crashing after the interpreter's exit handlers
+        def __del__(self, kill=os.kill, pid=os.getpid(), sig=signal.SIGABRT):
+            kill(pid, sig)
+
+    keep = AbortAtTeardown()
 '''
 
 
-def test_verify_any_command_with_resume(tmp_path, capsys):
-    script = tmp_path / "train.py"
-    script.write_text(RESUMABLE_SCRIPT)
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    import sys
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text(RESUMABLE_SCRIPT)
+    return [sys.executable, str(path)]
 
-    cmd = [sys.executable, str(script), str(ckpt)]
-    resume = f"{sys.executable} {script} {ckpt} --resume {{step}}"
-    code = main(["verify", "--out", str(tmp_path / "v"), "--resume-with", resume, "--resume-at", "2",
-                 "--json", "--", *cmd])
+
+def test_verify_any_command_with_resume(tmp_path, script, capsys):
+    resume = " ".join(script) + " --ckpt {out} --resume-from {from}/step-{step}.pt"
+    out = tmp_path / "v"
+    code = main(["verify", "--out", str(out), "--resume-with", resume, "--resume-at", "2", "--json", "--",
+                 *script, "--ckpt", "{out}"])
     payload = json.loads(capsys.readouterr().out)
     assert code == 0, payload
+    assert payload["verdict"] == "pass" and payload["checked"] == ["independent", "resume"]
     assert payload["checks"]["independent"]["compared"]["steps"] == 4
     assert payload["checks"]["resume"]["verdict"] == "identical"
     assert payload["checks"]["resume"]["compared"]["steps"] == 2
-    # the same resume without restoring the RNG: caught at the first step after resume
-    code = main(["verify", "--out", str(tmp_path / "w"), "--resume-with", resume + " --no-rng",
-                 "--resume-at", "2", "--json", "--", *cmd])
+    # each run had its own work folder, and C resumed from A's checkpoint (not B's)
+    assert (out / "work" / "a" / "step-3.pt").exists() and (out / "work" / "b" / "step-3.pt").exists()
+    commands = {run["name"]: run["command"] for run in payload["runs"]}
+    assert f"--ckpt {out}/work/c --resume-from {out}/work/a/step-2.pt" in commands["C (resume)"]
+
+
+def test_a_resume_that_forgets_the_rng_names_it(tmp_path, script, capsys):
+    resume = " ".join(script) + " --ckpt {out} --resume-from {from}/step-{step}.pt --no-rng"
+    out = tmp_path / "w"
+    code = main(["verify", "--out", str(out), "--resume-with", resume, "--resume-at", "2", "--",
+                 *script, "--ckpt", "{out}"])
+    text = capsys.readouterr().out
+    assert code == 1, text
+    assert text.startswith("samebits verify: FAIL (checked: independent and resume)")
+    # the first difference is named from the state census, at the resume step
+    assert "step 2, rank 0: torch CPU RNG state differs at step start" in text
+    # hints point at the failing comparison (A against C from the resume step), never A against B
+    assert f"samebits diff {out}/a {out}/c --from-step 2" in text
+    assert f"samebits diff {out}/a {out}/b" not in text and "`samebits bisect`" not in text
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["checks"]["resume"]["first_divergence"]["step"] == 2
+    assert any("torch CPU RNG" in line for line in summary["explanations"]["resume"])
+
+
+def test_a_run_that_raises_is_a_failed_run_never_a_pass(tmp_path, script, capsys):
+    code = main(["verify", "--out", str(tmp_path / "v"), "--", *script, "--ckpt", "{out}", "--raise-at", "3"])
+    captured = capsys.readouterr()
+    assert code == 2 and "PASS" not in captured.out
+    assert "run A failed" in captured.err and "rank 0 ended with an uncaught exception" in captured.err
+    assert "rank 0, step 3: RuntimeError: planted failure at step 3" in captured.err
+    # a script that reports failure through its exit code is a failed run too
+    code = main(["verify", "--out", str(tmp_path / "w"), "--", *script, "--ckpt", "{out}", "--exit-code", "1"])
+    assert code == 2 and "exited with code 1 after its code ended" in capsys.readouterr().err
+
+
+def test_a_crash_after_the_code_ended_is_tolerated_and_shown(tmp_path, script, capsys):
+    code = main(["verify", "--out", str(tmp_path / "v"), "--json", "--", *script, "--ckpt", "{out}",
+                 "--abort-at-teardown"])
     payload = json.loads(capsys.readouterr().out)
-    assert code == 1 and payload["checks"]["independent"]["verdict"] == "identical"
-    assert payload["checks"]["resume"]["first_divergence"]["step"] == 2
+    assert code == 0, payload
+    assert [run["exit_code"] for run in payload["runs"]] == [-6, -6]
+    assert all(run["ended"].startswith("crashed at teardown (SIGABRT) after its code ended cleanly")
+               for run in payload["runs"])
+
+
+def test_the_verdict_says_what_was_not_checked(tmp_path, script, capsys):
+    code = main(["verify", "--out", str(tmp_path / "v"), "--", *script, "--ckpt", "{out}"])
+    text = capsys.readouterr().out
+    assert code == 0
+    assert text.startswith("samebits verify: PASS (checked: independent; not checked: resume)")
+    assert "None" not in text and "NOT CHECKED" in text
+    # CI that wants both guarantees: refused before anything runs, with the way to ask for resume
+    assert main(["verify", "--out", str(tmp_path / "w"), "--require-resume", "--", *script, "--ckpt", "{out}"]) == 2
+    assert "--require-resume: no resume check asked for. Give --resume-with" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()
+
+
+def _check(verdict: Verdict) -> DiffResult:
+    return DiffResult(a="a", b="b", verdict=verdict, first_divergence=None, ranks_diverged_first=[],
+                      divergences={}, compared={"ranks": 1, "steps": 0, "records": 0})
+
+
+@pytest.mark.parametrize("independent,resume,expected", [
+    (Verdict.IDENTICAL, Verdict.IDENTICAL, Verdict.PASS),
+    (Verdict.IDENTICAL, None, Verdict.PASS),
+    (Verdict.IDENTICAL, Verdict.INCOMPLETE, Verdict.INCOMPLETE),
+    (Verdict.INCOMPLETE, None, Verdict.INCOMPLETE),
+    (Verdict.DIVERGED, Verdict.INCOMPLETE, Verdict.FAIL),
+])
+def test_verdict_is_proof_or_incomplete(independent, resume, expected):
+    checks = {"independent": _check(independent), "resume": _check(resume) if resume else None}
+    result = VerifyResult("out", checks, {}, 2)
+    assert result.verdict is expected and result.to_json()["verdict"] == expected.value
+    assert result.verdict.exit_code == expected.exit_code
+
+
+def test_a_run_that_refuses_shows_its_violations_first(tmp_path, monkeypatch):
+    monkeypatch.setenv("NCCL_ALGO", "Tree")  # deterministic mode refuses a Tree all-reduce
+    with pytest.raises(SamebitsError) as caught:
+        verify_recipe(tmp_path / "v", steps=2, nproc=1)
+    message = str(caught.value)
+    assert "[env-nccl-algo] NCCL_ALGO = 'Tree'" in message
+    assert message.index("[env-nccl-algo]") < message.index("the end of its log")
+
+
+def test_the_recipe_honours_an_exported_thread_count(tmp_path, monkeypatch):
+    import samebits
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # as on most clusters
+    result = verify_recipe(tmp_path / "v", steps=2, resume_at=1)
+    assert result.verdict is Verdict.PASS
+    assert samebits.open_run(tmp_path / "v" / "a").header["config"]["num_threads"] == 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import errno
 import fcntl
+import importlib.metadata
 import json
 import math
 import operator
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 
 from samebits import fingerprint
+from samebits.determinism import active_record
 from samebits.fingerprint._spec import dtype_code
 from samebits.errors import ConfigError, StreamError
 from samebits.stream import _format as fmt
@@ -597,14 +599,11 @@ def _launcher_run_id() -> str | None:
 
 
 def _samebits_version() -> str:
-    from samebits import __version__
-
-    return __version__
+    try:
+        return importlib.metadata.version("samebits")  # not `samebits.__version__`: a layer up
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _determinism_record():
-    try:
-        from samebits.determinism import active_record
-    except ImportError:
-        return None
     return active_record()

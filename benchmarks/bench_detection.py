@@ -3,6 +3,7 @@
     python benchmarks/bench_detection.py                      # every case in tests/corpus/cases.json
     python benchmarks/bench_detection.py --case set_param_order --case sampler_time_seed
     python benchmarks/bench_detection.py --timeout 300 --json > detection.json
+    python benchmarks/bench_detection.py --from-json detection.json --markdown
 
 Each case is a small training script with one planted fault (tests/corpus/*.py, the line
 marked `# PLANTED`) and the samebits command that should find it.  The command runs with
@@ -294,6 +295,15 @@ def render(scores: list[Score]) -> str:
     return "\n".join(lines) + "\n\n" + totals_line(totals(scores))
 
 
+def render_markdown(scores: list[Score]) -> str:
+    """The same table for benchmarks/RESULTS.md."""
+    lines = ["| case | setting | expected | samebits said | result | s |", "|---|---|---|---|---|---:|"]
+    for s in scores:
+        cells = [s.name, s.setting, s.expected, s.got, f"**{s.outcome}**: {s.why}", f"{s.seconds:.0f}"]
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    return "\n".join(lines) + "\n\n" + totals_line(totals(scores))
+
+
 def totals(scores: list[Score]) -> dict:
     ran = [s for s in scores if s.outcome != "skipped"]
     count = {k: sum(s.outcome == k for s in ran) for k in ("hit", "miss", "wrong")}
@@ -318,7 +328,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per case before it counts as a miss")
     parser.add_argument("--keep", default=None, help="folder for each case's raw samebits output")
     parser.add_argument("--json", action="store_true", help="print the scores as JSON")
+    parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    parser.add_argument("--from-json", default=None, metavar="FILE",
+                        help="print the table of a previous --json output instead of running")
     args = parser.parse_args(argv)
+    if args.from_json:
+        saved = [Score(**row) for row in json.loads(Path(args.from_json).read_text())["scores"]]
+        print(render_markdown(saved) if args.markdown else render(saved))
+        return 0
     cases = load_cases()
     names = {c["name"] for c in cases}
     unknown = [n for n in args.case if n not in names]
@@ -336,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         scores.append(score)
     if args.json:
         print(json.dumps({"scores": [asdict(s) for s in scores], "totals": totals(scores)}, indent=1))
+    elif args.markdown:
+        print(render_markdown(scores))
     else:
         print(render(scores))
     return 0

@@ -219,7 +219,20 @@ def test_matcher_crash_and_verify():
 # --- end to end through samebits (the fastest cases) ----------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["crash_mid_run_verify", "resume_data_position"])
+@pytest.mark.parametrize("name", ["crash_mid_run_verify", "resume_data_position", "sampler_time_seed"])
 def test_case_end_to_end(name):
     score = bench.run_case(BY_NAME[name], timeout=240)
     assert score.outcome == "hit", (score.got, score.why, score.said)
+
+
+def test_totals_count_skipped_cases_apart(tmp_path):
+    rows = [("a", "hit"), ("b", "miss"), ("c", "wrong"), ("d", "skipped")]
+    scores = [bench.Score(name, "plain loop", "exp", "got", outcome, "why", 10.0, 1) for name, outcome in rows]
+    t = bench.totals(scores)
+    assert (t["ran"], t["hit"], t["miss"], t["wrong"], t["skipped"]) == (3, 1, 1, 1, 1)
+    assert t["accuracy"] == 0.333
+    assert "1/3 = 33%" in bench.render(scores) and "wrong 1" in bench.render(scores)
+    saved = tmp_path / "scores.json"
+    saved.write_text(json.dumps({"scores": [bench.asdict(s) for s in scores], "totals": t}))
+    assert bench.main(["--from-json", str(saved), "--markdown"]) == 0
+    assert bench.main(["--case", "no_such_case"]) == 2

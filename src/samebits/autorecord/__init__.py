@@ -53,6 +53,7 @@ from samebits.autorecord._outcome import (
 )
 from samebits.checkpoint import STATE_PHASE, state_census
 from samebits.stream import Recorder
+from samebits.trace import install_zero_code
 
 ENV_ENABLE = "SAMEBITS_AUTORECORD"
 STATE_DIR = "state"  # the census stream's folder inside a run directory
@@ -230,8 +231,6 @@ def install() -> bool:
     sys.excepthook = excepthook
     atexit.register(state.at_exit)  # registered first, so it runs after the script's own handlers
     if any(os.environ.get(name) for name in _TRACE_VARIABLES):
-        from samebits.trace import install_zero_code
-
         state.tracer = install_zero_code(state._rec, state.step)  # a bad setting raises here, first
     _state = state
     register_module_forward_pre_hook(_state.pre_forward)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from samebits._inject import with_injection
+from samebits.determinism._probe import DEFAULT_NAMESPACES, Probe
 from samebits.errors import SamebitsError
 
 ENV_DIR = "SAMEBITS_PROBE_DIR"
@@ -47,8 +48,6 @@ _child: dict[str, Any] = {}
 def start() -> None:
     """Start probing this process until it exits (called by the injected sitecustomize)."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    from samebits.determinism._probe import DEFAULT_NAMESPACES, Probe
 
     namespaces = tuple(filter(None, os.environ.get(ENV_NAMESPACES, "").split(","))) \
         or DEFAULT_NAMESPACES

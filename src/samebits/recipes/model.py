@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import samebits.kernels as kernels
 from samebits.errors import ConfigError
 from samebits.recipes.config import RecipeConfig
 
@@ -124,15 +125,14 @@ class GroupedExperts(nn.Module):
 
 
 def _kernel(name: str, option: str, value: str):
-    """Lazily import a `samebits.kernels` function; a missing one is a config error."""
+    """A `samebits.kernels` function (Triton loads on its first call); a missing one is a
+    config error."""
     try:
-        import samebits.kernels as kernels
-
         return getattr(kernels, name)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(f"{option}={value!r} needs samebits.kernels.{name}, which could not be "
-                         f"imported ({err}); use {option}="
-                         f"{'index_add' if option == 'moe_combine' else 'torch'}") from err
+    except AttributeError as err:
+        raise ConfigError(f"{option}={value!r} needs samebits.kernels.{name}, which this samebits does "
+                          f"not have ({err}); use {option}="
+                          f"{'index_add' if option == 'moe_combine' else 'torch'}") from err
 
 
 class MoE(nn.Module):

@@ -26,6 +26,7 @@ from pathlib import Path
 from samebits.errors import ConfigError, SamebitsError
 from samebits.recipes.config import PRESETS, RecipeConfig
 from samebits.recipes.loop import session, train
+import samebits
 from samebits.autorecord import STOPPED_MARKER  # written into --out when the live check stopped the run
 
 EXIT_OK, EXIT_CANNOT_RUN, EXIT_DIVERGED = 0, 2, 3
@@ -90,12 +91,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _make_recorder(args, cfg: RecipeConfig, rank: int, world_size: int):
-    from samebits import Recorder
-
     kwargs = {"reference": args.reference} if args.reference is not None else {}
     if args.resume_from is not None:
         kwargs["append"] = True  # a resumed run continues the stream of the run it resumes
-    return Recorder(args.out, rank=rank, world_size=world_size, config=cfg.to_dict(),
+    return samebits.Recorder(args.out, rank=rank, world_size=world_size, config=cfg.to_dict(),
                     coords={"dp": rank, "ep": rank}, **kwargs)
 
 

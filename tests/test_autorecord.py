@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import samebits
+from samebits.autorecord import STATE_DIR, read_outcomes
 from samebits.cli import main
 
 SCRIPT = textwrap.dedent("""
@@ -44,8 +45,66 @@ def test_zero_code_recording_of_a_plain_script(tmp_path):
     assert phases == {"forward", "grads", "params", "optimizer"}
     names = {r.name for r in next(iter(samebits.open_run(runs["a"]).stream(0).steps())).records()}
     assert {"0.weight", "2.bias", "0.weight.exp_avg"} <= names
+    # the state census of each step start, in its own stream (not part of the verdict)
+    census = samebits.open_run(runs["a"] / STATE_DIR).stream(0)
+    blocks = list(census.steps())
+    assert [b.step for b in blocks] == [0, 1, 2, 3]
+    first, second = ({r.name for r in b.records() if r.phase == "state"} for b in blocks[:2])
+    assert {"rng.python", "rng.torch_cpu"} <= first and "optim0.step" not in first
+    assert "optim0.step" in second  # the optimizer is known after its first step
+    (outcome,) = read_outcomes(runs["a"])
+    assert (outcome["ended"], outcome["rank"], outcome["streams_closed"]) == ("clean", 0, True)
 
 
 def test_run_reports_a_missing_program(tmp_path, capsys):
     assert main(["run", "--out", str(tmp_path / "x"), "--", "no-such-program-xyz"]) == 2
     assert "no such program" in capsys.readouterr().err
+
+
+def _samebits_run(*args):
+    return subprocess.run([sys.executable, "-m", "samebits", "run", *map(str, args)], capture_output=True,
+                          text=True)
+
+
+def test_run_refuses_a_used_out_before_starting_the_command(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT + "\nopen(sys.argv[0] + '.ran', 'w').close()\n")
+    assert _samebits_run("--out", tmp_path / "a", "--", sys.executable, script, 2).returncode == 0
+    (tmp_path / "train.py.ran").unlink()
+    for used in (tmp_path / "a", script):  # a directory holding streams; a file
+        done = _samebits_run("--out", used, "--", sys.executable, script, 2)
+        assert done.returncode == 2 and "samebits run: error: --out" in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
+        assert not (tmp_path / "train.py.ran").exists()  # the command never started
+
+
+def test_run_reference_stops_visibly_at_the_first_divergent_step(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    assert _samebits_run("--out", tmp_path / "a", "--", sys.executable, script, 5).returncode == 0
+    done = _samebits_run("--out", tmp_path / "b", "--reference", tmp_path / "a", "--",
+                         sys.executable, script, 5, 2)
+    assert done.returncode == 1, done.stderr
+    assert f"STOPPED at step 2 (rank 0): it differs from the reference {tmp_path / 'a'}" in done.stderr
+    assert "samebits: step 2 on rank 0 differs from the reference run" in done.stderr
+    steps = [b.step for b in samebits.open_run(tmp_path / "b").stream(0).steps()]
+    assert steps == [0, 1, 2]  # nothing computed after the answer was known
+
+
+def test_run_step_offset_numbers_a_resumed_run_like_the_original(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    done = _samebits_run("--out", tmp_path / "c", "--step-offset", 3, "--", sys.executable, script, 2)
+    assert done.returncode == 0, done.stderr
+    assert [b.step for b in samebits.open_run(tmp_path / "c").stream(0).steps()] == [3, 4]
+
+
+def test_an_uncaught_exception_is_written_to_the_outcome_file(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.replace("opt.zero_grad()", "assert step < 2, 'planted'\n    opt.zero_grad()"))
+    done = _samebits_run("--out", tmp_path / "a", "--", sys.executable, script, 4)
+    assert done.returncode == 1
+    assert "rank 0 raised AssertionError: planted at step 2" in done.stderr
+    (outcome,) = read_outcomes(tmp_path / "a")
+    assert outcome["ended"] == "exception" and outcome["step"] == 2
+    assert outcome["traceback_tail"][-1] == "AssertionError: planted"

@@ -371,3 +371,60 @@ def test_elements_count_differences_in_ulps():
     assert half["max_ulp"] == 1
     ints = compare_elements(torch.tensor([[1, 5]]), torch.tensor([[1, 9]]))
     assert (ints["differing"], ints["max_ulp"], ints["first_indices"]) == (1, 4, [[0, 1]])
+
+
+# -- the state census, same values in another order, nothing compared -------------------------
+
+
+def test_the_census_is_context_never_an_origin(tmp_path):
+    """An unused, differently seeded Python `random` changes the census at every step start:
+    that alone is no divergence; a dropout drawing from a reseeded torch generator is an
+    origin op, with the generator named as the state that differed."""
+    import random
+
+    def dropout(step, loss):
+        return torch.nn.functional.dropout(loss.expand(8), 0.5).sum()
+
+    runs = []
+    for seed in (1, 2):
+        random.seed(seed)
+        torch.manual_seed(0)
+        model = make_model()
+        torch.manual_seed(10)
+        runs.append(train(tmp_path / f"py{seed}", TraceConfig(level=1), model=model))
+    report = find_origins(*runs)
+    assert report.identical and report.verdict == "identical"
+    runs = []
+    for seed in (3, 4):
+        torch.manual_seed(0)
+        model = make_model()
+        torch.manual_seed(seed)  # the dropout masks come from here
+        runs.append(train(tmp_path / f"torch{seed}", TraceConfig(level=3), model=model, extra=dropout))
+    finding = find_origins(*runs).first
+    assert finding.classification == "origin" and finding.step == 0
+    assert finding.category == "op" and finding.op in ("aten::bernoulli_", "aten::native_dropout")
+    assert "rng.torch_cpu" in finding.state_differs and "rng.python" not in finding.state_differs
+
+
+def test_same_values_tells_a_permutation_from_other_values():
+    from samebits.trace._elements import same_values
+
+    a = torch.tensor([1.0, -0.0, 2.5, 3.0])
+    assert same_values(a, a.flip(0)) and same_values(a, a)
+    assert not same_values(a, torch.tensor([1.0, 0.0, 2.5, 3.0]))  # -0 and +0 are other bits
+    assert not same_values(a, torch.tensor([1.0, -0.0, 2.5, 3.0000002]))
+    assert not same_values(a, a.double())
+
+
+def test_nothing_compared_is_incomplete_never_identical(tmp_path, capsys):
+    from samebits.cli import main
+
+    empty = []
+    for name in ("a", "b"):
+        rec = samebits.Recorder(tmp_path / name, rank=0, world_size=1)
+        rec.close()
+        empty.append(tmp_path / name)
+    report = find_origins(*empty)
+    assert report.verdict == "incomplete" and not report.identical and "nothing was compared" in report.notes[0]
+    assert main(["trace", str(empty[0]), str(empty[1])]) == 2
+    assert "INCOMPLETE" in capsys.readouterr().out

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from samebits.cli._format import print_json, table
+from samebits.trace import find_origins
+from samebits.verdicts import Verdict
 
 
 def register(sub) -> None:
@@ -11,7 +13,8 @@ def register(sub) -> None:
         help="origin or receiver: classify where two traced runs part",
         description="For each rank, find the first differing record of two runs recorded with "
         "SAMEBITS_TRACE=phases|modules|ops and say whether it is an origin (its inputs matched, its "
-        "output did not) or a receiver (an input already differed). Exit 0 identical, 1 diverged.",
+        "output did not) or a receiver (an input already differed). Exit 0 identical, 1 diverged, "
+        "2 nothing compared.",
     )
     parser.add_argument("a", help="run directory A")
     parser.add_argument("b", help="run directory B")
@@ -21,17 +24,17 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from samebits.trace import find_origins
-
     report = find_origins(args.a, args.b, step=args.step)
     if args.json:
         print_json(report.to_json())
     else:
         print(render(report))
-    return 0 if report.identical else 1
+    return report.verdict.exit_code
 
 
 def render(report) -> str:
+    if report.verdict is Verdict.INCOMPLETE:
+        return f"samebits trace: INCOMPLETE ({report.a} vs {report.b}): " + "; ".join(report.notes)
     if report.identical:
         return f"samebits trace: IDENTICAL ({report.a} = {report.b})"
     rows = []
@@ -46,6 +49,8 @@ def render(report) -> str:
         for finding in report.origins:
             lines.append(f"  {finding.where()}" + (f"  [{finding.call_site}]" if finding.call_site else ""))
             lines.append(f"    {finding.detail}")
+            if finding.state_differs:
+                lines.append(f"    state differing at the step's start: {', '.join(finding.state_differs)}")
     else:
         first = report.first
         lines.append(f"no origin among the traced records; first difference: {first.where()}: {first.detail}")

@@ -255,6 +255,9 @@ class _Bisector:
             if not (noise_a.identical and noise_b.identical):
                 self.notes.append(compared)
         self._sides = {"a": a, "b": b}
+        if report.verdict is Verdict.INCOMPLETE:
+            raise SamebitsError(f"the steps stage compared nothing ({'; '.join(report.notes)}): no verdict. "
+                                f"Its runs and logs are in {self.out}.")
         first = self.conclude(stage, report)
         result = BisectResult(Verdict.IDENTICAL if report.identical else Verdict.DIVERGED, None, self.stages,
                               str(self.out), compared, repeatable, notes=self.notes)
@@ -344,7 +347,7 @@ class _Bisector:
             dirs = self.run_stage(stage, config, self.sides())
             report = find_origins(dirs["a"], dirs["b"])
             self.conclude(stage, report)
-            if report.identical:
+            if not report.findings:
                 self.notes.append(f"the {name} stage's re-run (attempt {attempt + 1}) did not diverge up to step "
                                   f"{last_step}: the divergence is intermittent")
                 continue

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from samebits.errors import IncomparableRunsError
+from samebits.verdicts import Verdict
 from samebits.stream.reader import Record, open_run
 from samebits.trace._config import (CONTEXT_CATEGORIES, PHASE_PREFIX, STATE_RECORD_PHASE, TRAINING_PHASES,
                                     parse_record, split_op_id)
@@ -91,7 +92,7 @@ class Finding:
 class OriginReport:
     a: str
     b: str
-    verdict: str  # "identical" | "diverged"
+    verdict: Verdict  # IDENTICAL, DIVERGED, or INCOMPLETE when no step was compared
     step: int | None
     findings: dict[int, Finding]
     origins: list[Finding]
@@ -116,7 +117,7 @@ class OriginReport:
 
     def to_json(self) -> dict:
         return {
-            "verdict": self.verdict, "a": self.a, "b": self.b, "step": self.step,
+            "verdict": str(self.verdict), "a": self.a, "b": self.b, "step": self.step,
             "origins": [f.to_json() for f in self.origins],
             "findings": {str(r): f.to_json() for r, f in sorted(self.findings.items())},
             "notes": self.notes,
@@ -191,8 +192,20 @@ def find_origins(a: str | os.PathLike, b: str | os.PathLike, *, step: int | None
         _annotate(finding, side_a, side_b)
     origins = sorted((f for f in findings.values() if f.classification == "origin"), key=Finding.sort_key)
     first_step = min((f.step for f in findings.values()), default=None)
-    return OriginReport(str(a), str(b), "diverged" if findings else "identical", first_step, findings,
-                        origins, notes)
+    verdict = Verdict.DIVERGED if findings else Verdict.IDENTICAL
+    if not findings and not any(_has_step(side_a, rank, step) for rank in common):
+        verdict = Verdict.INCOMPLETE  # identical is proof that something was compared
+        notes.append(f"nothing was compared: no rank of {a} recorded "
+                     + ("any step" if step is None else f"step {step}") + " that both runs have")
+    return OriginReport(str(a), str(b), verdict, first_step, findings, origins, notes)
+
+
+def _has_step(side: _Side, rank: int, step: int | None) -> bool:
+    reader = side.run.stream(rank)
+    try:
+        return any(step is None or block.step == step for block in reader.steps())
+    finally:
+        reader.close()
 
 
 def _divergent_steps(side_a: _Side, side_b: _Side, rank: int, only_step: int | None):

@@ -7,8 +7,10 @@ measured in the same run.
     python benchmarks/bench_stream.py --json
 
 Comparator: synthetic runs of 64 ranks x 200 steps x 600 tensor records.  Baseline:
-`cmp -s` over the same 64 pairs of stream files.  Targets: >= 0.5x cmp's speed when the
-runs differ only at the last step; identical runs (compared through step roots) far faster.
+`cmp -s` over the same 64 pairs of stream files.  The comparator reads every frame of both
+runs, checks every checksum and recomputes every step root (it trusts nothing stored), so
+the target is >= 0.5x cmp's speed for identical runs and for runs that differ only at the
+last step.
 Recorder: digesting and writing 600 tensors totalling 400 MB per step, against the bare
 batched digest of the same tensors.  Target: >= 0.8x (writing is never the bottleneck).
 """
@@ -81,7 +83,7 @@ def _frame_length(data: bytes, offset: int) -> int:
     return pos - offset + length + 4
 
 
-def bench_compare(num_ranks=64, num_steps=200, num_records=600, repeat=3) -> dict:
+def bench_compare(num_ranks=64, num_steps=200, num_records=600, repeat=5) -> dict:
     root = Path(tempfile.mkdtemp(prefix="samebits-bench-"))
     try:
         print(f"writing 3 synthetic runs of {num_ranks} ranks x {num_steps} steps x {num_records} records ...",
@@ -157,7 +159,7 @@ def main() -> None:
         c = results["compare"]
         print(f"comparator: 64 ranks x 200 steps x 600 records ({c['stream_bytes_per_run'] / 2**20:.1f} MiB per run)")
         print(f"{'case':<20} {'cmp (s)':>9} {'diff (s)':>9} {'speed vs cmp':>13}  target")
-        for label, target in (("identical", "far faster"), ("last_step_differs", ">= 0.5x")):
+        for label, target in (("identical", ">= 0.5x"), ("last_step_differs", ">= 0.5x")):
             r = c[label]
             print(f"{label:<20} {r['cmp_s']:>9.3f} {r['samebits_diff_s']:>9.3f} {r['speed_vs_cmp']:>12.2f}x  {target}")
     if "recorder" in results:

@@ -349,7 +349,7 @@ class _Walk:
 
     def _walk(self, rank: int, reader_a: StreamReader, reader_b: StreamReader):
         start, stop, counts = self.start, self.stop, self.counts
-        steps_a, steps_b = reader_a.step_frames(), reader_b.step_frames()
+        steps_a, steps_b = reader_a.step_frames(defer_checksums=True), reader_b.step_frames(defer_checksums=True)
         past_window = set()  # the sides that reached a step >= stop (rather than their end)
 
         def advance(iterator, reader):
@@ -372,13 +372,13 @@ class _Walk:
             if self.bound is not None and block_a.step > self.bound:
                 return None
             self.steps_seen += 1
-            payload_a, payload_b = frame_a[1], frame_b[1]
-            if (block_a.schema == block_b.schema >= 2 and payload_a == payload_b
+            if (frame_a[1] == frame_b[1] and frame_a[3] == frame_b[3] and block_a.schema == block_b.schema >= 2
                     and block_a.names_key == block_b.names_key):
-                # Byte-equal records under equal name tables: one hash recomputes both roots.
-                root = reader_a.root_of(*frame_a)
+                # Byte-equal frames under equal name tables: checking a's checksum and root
+                # checks b's (the same bytes), so each is computed once.
+                root = reader_a.root_of(*frame_a[:3])
                 reader_a.check_root(*frame_a, root=root)
-                reader_b.check_root(*frame_b, root=root)
+                reader_b.check_root(*frame_b[:3], root=root)
             else:
                 reader_a.check_root(*frame_a)
                 reader_b.check_root(*frame_b)

@@ -350,15 +350,17 @@ class StreamReader:
     def steps(self, verify: bool = False) -> Iterator[StepBlock]:
         """Yield the steps in order, each frame's checksum and each step's root verified.
         (``verify`` is kept for compatibility: every read is verified now.)"""
-        for block, payload, records_at in self.step_frames():
-            self.check_root(block, payload, records_at)
-            yield block
+        for frame in self.step_frames():
+            self.check_root(*frame)
+            yield frame[0]
 
-    def step_frames(self) -> Iterator[tuple[StepBlock, bytes, int]]:
-        """Yield (block, frame payload, where its records start) for each step in order:
-        every frame's checksum verified, the structure and the step-index footer checked,
-        but the step roots not yet recomputed: call `check_root` on each (a comparer that
-        finds two payloads byte-equal hashes them once).  ``block.root`` is the stored root."""
+    def step_frames(self, defer_checksums: bool = False) -> Iterator[tuple[StepBlock, bytes, int, tuple | None]]:
+        """Yield (block, frame payload, where its records start, pending) for each step in
+        order, the structure and the step-index footer checked but the step roots not yet
+        recomputed: call ``check_root(*frame)`` on each before using it.  ``block.root`` is
+        the stored root.  With ``defer_checksums`` the checksum of a step frame is checked
+        by `check_root` too (``pending`` holds the frame head and stored CRC; otherwise
+        None): a comparer that finds two frames byte-equal checks and hashes them once."""
         self._pos = self._first_end
         self.segments = self.segments[:1]
         self._schema = self.header["schema"]
@@ -382,8 +384,11 @@ class StreamReader:
                 end = start + (data[offset + 1] & 0x7F | data[offset + 2] << 7)
                 if end + 4 <= size:
                     payload = data[start:end]
-                    if crc32(payload, crc32(data[offset:start])) != unpack_u32(data, end)[0]:
-                        raise self._corrupt(STEP, offset, "checksum mismatch")
+                    pending = (data[offset:start], unpack_u32(data, end)[0])
+                    if not defer_checksums:
+                        if crc32(payload, crc32(pending[0])) != pending[1]:
+                            raise self._corrupt(STEP, offset, "checksum mismatch")
+                        pending = None
                     self._pos = self.end_offset = end + 4
                     self.closed_cleanly = False
                     self._last_kind, self._last_offset = STEP, offset
@@ -392,8 +397,10 @@ class StreamReader:
                         count, pos = _fast_varint(payload, pos)
                         stored = unpack_u64(payload, pos)[0]
                     except (IndexError, ValueError, struct_error) as err:
+                        self._check_crc(offset, payload, pending)  # damage first, if that is what it is
                         raise self._corrupt(STEP, offset, f"a malformed step frame ({err})") from None
                     if self._last_step is not None and step <= self._last_step:
+                        self._check_crc(offset, payload, pending)
                         raise self._corrupt(STEP, offset, f"step {step} follows step {self._last_step}; "
                                             "steps must increase")
                     self._last_step = step
@@ -405,7 +412,7 @@ class StreamReader:
                         value >>= 7
                     expected.append(value)
                     yield (StepBlock(step, count, stored, self, offset, len(self.names), self._schema, self._names_key),
-                           payload, pos + 8)
+                           payload, pos + 8, pending)
                     continue
             frame = self._next_frame()
             if frame is None:
@@ -455,21 +462,28 @@ class StreamReader:
         expected.append(offset)
         block = StepBlock(step, count, stored, self, self._last_offset, len(self.names), self._schema,
                           self._names_key)
-        return block, payload, pos + 8
+        return block, payload, pos + 8, None
 
     def root_of(self, block: StepBlock, payload: bytes, records_at: int) -> int:
         """Recompute a step's root from its records (``payload`` from `step_frames`)."""
         if block.schema >= 2:
-            return fmt.step_root(block.names_key, payload[records_at:])
+            return fmt.step_root(block.names_key, memoryview(payload)[records_at:])  # no copy
         try:
             return fmt.step_root_v1(self._parse_records(payload, records_at, block.num_records, block.names_count,
                                                         canonical=True))
         except _Malformed as err:
             raise self._corrupt(fmt.FRAME_STEP, block.offset, f"step {block.step}: {err}") from None
 
-    def check_root(self, block: StepBlock, payload: bytes, records_at: int, root: int | None = None) -> None:
-        """Raise `StreamError` unless the stored root of ``block`` is its records' root
-        (``root``: already recomputed by the caller from the same bytes)."""
+    def _check_crc(self, offset: int, payload: bytes, pending: tuple | None) -> None:
+        if pending is not None and zlib.crc32(payload, zlib.crc32(pending[0])) != pending[1]:
+            raise self._corrupt(fmt.FRAME_STEP, offset, "checksum mismatch")
+
+    def check_root(self, block: StepBlock, payload: bytes, records_at: int, pending: tuple | None = None,
+                   root: int | None = None) -> None:
+        """Raise `StreamError` unless the frame's deferred checksum (``pending``) holds and
+        the stored root of ``block`` is its records' root (``root``: already recomputed by
+        the caller from the same bytes)."""
+        self._check_crc(block.offset, payload, pending)
         if root is None:
             root = self.root_of(block, payload, records_at)
         if root != block.root:
@@ -484,16 +498,21 @@ class StreamReader:
         count, pos = _fast_varint(payload, pos)
         if first != len(self.names):
             raise _Malformed(f"name table out of order (first id {first}, {len(self.names)} names so far)")
-        names_start = pos
-        for _ in range(count):
-            length, pos = _fast_varint(payload, pos)
-            if pos + length > len(payload):
-                raise _Malformed("a name runs past the end of the frame")
-            try:
-                self.names.append(payload[pos : pos + length].decode())
-            except UnicodeDecodeError:
-                raise _Malformed(f"name {len(self.names)} is not valid utf-8") from None
-            pos += length
+        names_start, names, size, decode = pos, self.names, len(payload), fmt.decode_varint
+        try:
+            for _ in range(count):
+                length = payload[pos]
+                if length < 0x80:
+                    pos += 1
+                else:
+                    length, pos = decode(payload, pos)
+                end = pos + length
+                if end > size:
+                    raise _Malformed("a name runs past the end of the frame")
+                names.append(payload[pos:end].decode())
+                pos = end
+        except UnicodeDecodeError:
+            raise _Malformed(f"name {len(names)} is not valid utf-8") from None
         if pos != len(payload):
             raise _Malformed(f"{len(payload) - pos} stray bytes after the names")
         self._names_hasher.update(payload[names_start:])

@@ -324,7 +324,12 @@ class _Bisector:
             model = "the model's forward" if root == "model" else f"the forward of top-level module {root}"
             text = (f"the input batch differs at step {found.step} (input {found.label} of {model}, on rank "
                     f"{found.rank}): the origin is before the model (data loader / dataset / sampler)")
-            return _origin_json(found, None, "input_batch", text + _state_sentence(found, " Also: "))
+            generators = _torch_generators(found)
+            if generators:  # the batch was drawn from a torch generator that was already in another state
+                return _origin_json(found, None, "generator",
+                                    "; ".join(describe_state_record(name) for name in generators)
+                                    + f". So {text[0].lower()}{text[1:]}", state_differs=generators)
+            return _origin_json(found, None, "input_batch", text + _state_sentence(found, ". Also: "))
         if found.classification == "origin" and found.category == "state":
             return _origin_json(found, None, "initial_state",
                                 f"the parameters differ before step {found.step}, the first traced step "
@@ -398,13 +403,12 @@ class _Bisector:
         site = f" at {final.call_site}" if final.call_site else ""
         what = f"{final.op or final.event_id}{site}"
         if final.category == "op" and final.op in RNG_OPS:
-            # ATen RNG ops draw from torch generators only (Python's and NumPy's never feed them)
-            generators = [name for name in final.state_differs if name.startswith(_TORCH_GENERATORS)]
+            generators = _torch_generators(final)
             if generators:
                 text = "; ".join(describe_state_record(name) for name in generators)
                 return _origin_json(final, elements, "generator",
                                     f"{text} (step {final.step}, rank {final.rank}): the RNG op {what} drew "
-                                    "different numbers from identical inputs")
+                                    "different numbers from identical inputs", state_differs=generators)
             return _origin_json(final, elements, "generator",
                                 f"the RNG op {what} drew different numbers from identical inputs at step "
                                 f"{final.step} on rank {final.rank}: the generator it draws from was in another "
@@ -480,6 +484,12 @@ def _check_compared(dirs: dict[str, Path]) -> None:
                                     "Does the command reach optimizer.step()? Its log is under logs/.")
 
 
+def _torch_generators(finding: Finding) -> list[str]:
+    """The torch generators among the census records that differ at the finding's step start
+    (ATen ops draw from these; Python's and NumPy's generators never feed them)."""
+    return [name for name in finding.state_differs if name.startswith(_TORCH_GENERATORS)]
+
+
 def _state_sentence(finding: Finding, prefix: str) -> str:
     if not finding.state_differs:
         return ""
@@ -525,16 +535,20 @@ def _first_difference(dumps: list[tuple[str, Path]]) -> dict | None:
     return chosen
 
 
-def _origin_json(finding: Finding, elements: dict | None, kind: str, conclusion: str) -> dict:
+def _origin_json(finding: Finding, elements: dict | None, kind: str, conclusion: str,
+                 state_differs: list[str] | None = None) -> dict:
     """The spec'd ``origin`` object (plus id, category, classification, catalog, detail), with
-    ``kind`` (what the conclusion is about) and ``conclusion`` (one sentence for a person)."""
+    ``kind`` (what the conclusion is about), ``conclusion`` (one sentence for a person),
+    ``state_differs`` (the census records the conclusion blames; default: all that differ at
+    the step start) and ``state_differs_all`` (all of them)."""
     return {
         "kind": kind, "conclusion": conclusion,
         "step": finding.step, "rank": finding.rank, "phase": finding.phase, "module": finding.module,
         "op": finding.op, "id": finding.event_id, "category": finding.category,
         "classification": finding.classification, "call_site": finding.call_site,
         "elements": elements, "catalog": finding.catalog, "detail": finding.detail,
-        "state_differs": list(finding.state_differs),
+        "state_differs": list(finding.state_differs if state_differs is None else state_differs),
+        "state_differs_all": list(finding.state_differs),
     }
 
 

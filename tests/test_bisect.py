@@ -91,7 +91,8 @@ def test_identical_runs_stop_after_the_first_stage(tmp_path, capsys, script):
            str(script), "2"]
     result, err = bisect_json(capsys, tmp_path, "--", *cmd)
     assert result["verdict"] == "identical" and result["origin"] is None
-    assert [s["name"] for s in result["stages"]] == ["steps"]
+    assert [s["name"] for s in result["stages"]] == ["steps", "steps"]  # a second pair before "identical"
+    assert result["conclusion"].endswith("in 2 pairs of runs")
     assert "[1] steps" in err and "-> identical" in err
 
 

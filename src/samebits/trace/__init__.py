@@ -33,7 +33,7 @@ from samebits.trace._config import EventSpec, TraceConfig
 from samebits.trace._elements import compare_elements
 from samebits.trace._origin import Finding, OriginReport, find_origins
 from samebits.trace._probe import probe
-from samebits.trace._tracer import Tracer, active
+from samebits.trace._tracer import Tracer, _set_active, active
 
 
 class _Off:
@@ -72,9 +72,7 @@ def attach(model, recorder, config: TraceConfig | None = None) -> "Tracer | _Off
     if model is not None:
         tracer.add_root(model)
     tracer.install_permanent()
-    from samebits.trace import _tracer
-
-    _tracer._set_active(tracer)
+    _set_active(tracer)
     tracer.recorder()  # guard the recorder's methods now
     return tracer
 
@@ -95,9 +93,7 @@ def install_zero_code(recorder_source, step: int) -> "Tracer | None":
         return None
     tracer = Tracer(config, recorder_source=recorder_source, zero_code=True)
     tracer.install_permanent()
-    from samebits.trace import _tracer
-
-    _tracer._set_active(tracer)
+    _set_active(tracer)
     tracer.begin_step(step)
     return tracer
 

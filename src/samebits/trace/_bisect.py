@@ -51,6 +51,7 @@ from samebits.trace._tracer import dump_filename
 from samebits.verdicts import Verdict
 
 _TORCH_GENERATORS = ("rng.torch_cpu", "rng.cuda", "rng.user.")
+STEPS_ATTEMPTS = 2  # pairs of runs of one command before it is called identical
 MAX_RERUNS = 3  # pairs of runs a narrowing stage may take to see its divergence again
 
 # ATen ops that draw from a generator: an origin among them is a generator's state.
@@ -232,10 +233,18 @@ class _Bisector:
         compared, repeatable = "a vs b", None
         a, b = self.side_a, self.side_b
         if self.same_command:
-            stage = Stage("steps", "phases", "all steps, every rank")
-            dirs = self.run_stage(stage, self.base_config(), [("a", a), ("b", b)])
-            _check_compared(dirs)
-            report = find_origins(dirs["a"], dirs["b"])
+            # One command against itself: a race may not fire in one pair of runs, so an
+            # identical pair is tried once more before the verdict.
+            for attempt in range(STEPS_ATTEMPTS):
+                stage = Stage("steps", "phases", "all steps, every rank"
+                              + (f" (pair {attempt + 1} of {STEPS_ATTEMPTS})" if attempt else ""))
+                dirs = self.run_stage(stage, self.base_config(), [("a", a), ("b", b)])
+                _check_compared(dirs)
+                report = find_origins(dirs["a"], dirs["b"])
+                if not report.identical:
+                    break
+                if attempt + 1 < STEPS_ATTEMPTS:
+                    self.conclude(stage, report)
         else:
             stage = Stage("steps", "phases", "all steps, every rank; each side twice (repeatability)")
             a2 = Command("a2", a.argv, a.recipe)
@@ -262,7 +271,9 @@ class _Bisector:
         result = BisectResult(Verdict.IDENTICAL if report.identical else Verdict.DIVERGED, None, self.stages,
                               str(self.out), compared, repeatable, notes=self.notes)
         if first is None:
-            result.conclusion = "identical: every recorded step matched bit for bit on every rank"
+            pairs = STEPS_ATTEMPTS if self.same_command else 1
+            result.conclusion = ("identical: every recorded step matched bit for bit on every rank"
+                                 + (f", in {pairs} pairs of runs" if pairs > 1 else ""))
             result.seconds = time.perf_counter() - start
             return result
         result.origin = self._narrow(_earliest(report), result)
@@ -298,6 +309,14 @@ class _Bisector:
         module_finding = found
         found = self._traced_rerun("ops", 3, step, step, evidence, module=subtree, call_sites=True,
                                    where=f"module {subtree or '(whole model)'}, with call sites")
+        if (found is not None and subtree and evidence.module_origin is None
+                and not (found.classification == "origin" and found.category in ("op", "probe", "collective"))):
+            # The difference entered the subtree from outside it: look at the whole model.
+            self.notes.append(f"no op inside {subtree} is an origin ({found.classification} at {found.where()}); "
+                              "tracing the whole model")
+            subtree = evidence.subtree = ""
+            found = self._traced_rerun("ops", 3, found.step, found.step, evidence, module="", call_sites=True,
+                                       where="module (whole model), with call sites")
         if found is None:
             evidence.reproduced = False
             return self._finish(module_finding, None, evidence)
@@ -503,7 +522,9 @@ def _subtree_for(found: Finding) -> str:
             return ""  # a parameter's gradient: the ops using it may sit anywhere
         if found.classification == "origin" and found.phase in ("forward", "recompute"):
             return found.module
-        return parent_scope(found.module)  # backward totals, or an input that arrived different
+        if found.classification == "origin":
+            return parent_scope(found.module)  # backward: an input's gradient totals its consumers'
+        return ""  # a value that arrived different: its writer may sit anywhere in the model
     if found.category == "probe" and found.module is not None:
         return found.module
     return ""

@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 from samebits.checkpoint import STATE_PHASE
 from samebits.errors import ConfigError
+from samebits.stream.settings import parse_ranks, parse_steps
 
 LEVELS = {"off": 0, "phases": 1, "modules": 2, "ops": 3}
 LEVEL_NAMES = {value: name for name, value in LEVELS.items()}
@@ -160,8 +161,6 @@ class TraceConfig:
     @classmethod
     def from_env(cls, environ=None) -> "TraceConfig":
         env = os.environ if environ is None else environ
-        from samebits.stream.settings import parse_steps, parse_ranks
-
         text = env.get("SAMEBITS_TRACE", "").strip().lower()
         if text in ("", "0", "off", "none"):
             level = 0

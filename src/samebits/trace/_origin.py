@@ -29,6 +29,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from samebits.determinism import lookup_op
 from samebits.errors import IncomparableRunsError
 from samebits.verdicts import Verdict
 from samebits.stream.reader import Record, open_run
@@ -411,10 +412,6 @@ def _check_collective_inputs(finding: Finding, side_a: _Side, side_b: _Side) -> 
 
 
 def _catalog_line(op: str) -> str | None:
-    try:
-        from samebits.determinism import lookup_op
-    except ImportError:
-        return None
     try:
         entries = lookup_op(op)
     except Exception:

@@ -3,8 +3,12 @@ failures each guarantee must catch (nondeterministic path; a random state lost o
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
+import shlex
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -210,3 +214,49 @@ def test_the_recipe_honours_an_exported_thread_count(tmp_path, monkeypatch):
     result = verify_recipe(tmp_path / "v", steps=2, resume_at=1)
     assert result.verdict is Verdict.PASS
     assert samebits.open_run(tmp_path / "v" / "a").header["config"]["num_threads"] == 2
+
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "resume.md"
+
+
+def _docs_example(filename: str) -> tuple[str, list[list[str]]]:
+    """docs/resume.md's script ``filename`` and the `samebits verify` commands after it."""
+    text = DOCS.read_text()
+    start = text.index(f"# file: {filename}")
+    script = text[start:text.index("```", start)]
+    commands = []
+    for block in re.findall(r"```sh\n(.*?)```", text[start + 1:].split("# file:")[0], re.S):
+        if block.startswith("samebits verify"):
+            commands.append(shlex.split(block.replace("\\\n", " "))[1:])
+    return script, commands
+
+
+def _run_docs_command(argv, tmp_path, out, capsys):
+    assert argv[0] == "verify"
+    argv = [sys.executable if part == "python" else part.replace("python ", sys.executable + " ")
+            for part in argv[1:]]
+    code = main(["verify", "--out", str(out), *argv])
+    return code, capsys.readouterr().out
+
+
+def test_docs_resume_plain_pytorch_example_works(tmp_path, capsys, monkeypatch):
+    script, (command,) = _docs_example("train.py")
+    (tmp_path / "train.py").write_text(script)
+    monkeypatch.chdir(tmp_path)
+    code, text = _run_docs_command(command, tmp_path, tmp_path / "v", capsys)
+    assert code == 0 and text.startswith("samebits verify: PASS (checked: independent and resume)"), text
+    # as the docs say: without restoring the torch RNG, the census names it at the resume step
+    (tmp_path / "train.py").write_text(script.replace("    torch.set_rng_state(", "    # torch.set_rng_state("))
+    code, text = _run_docs_command(command, tmp_path, tmp_path / "w", capsys)
+    assert code == 1 and "step 4, rank 0: torch CPU RNG state differs at step start" in text, text
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
+def test_docs_resume_hf_trainer_example_works(tmp_path, capsys, monkeypatch):
+    script, (passing, losing_rng) = _docs_example("train_hf.py")
+    (tmp_path / "train_hf.py").write_text(script)
+    monkeypatch.chdir(tmp_path)
+    code, text = _run_docs_command(passing, tmp_path, tmp_path / "v", capsys)
+    assert code == 0 and text.startswith("samebits verify: PASS (checked: independent and resume)"), text
+    code, text = _run_docs_command(losing_rng, tmp_path, tmp_path / "w", capsys)
+    assert code == 1 and "step 3, rank 0: torch CPU RNG state differs at step start" in text, text

@@ -146,7 +146,14 @@ def diff(
             return walk, walk.rank(*job)
 
         with ThreadPoolExecutor(max_workers=max(1, min(_MAX_THREADS, os.cpu_count() or 1, len(jobs)))) as pool:
-            results = list(pool.map(walk_rank, jobs))
+            try:
+                results = list(pool.map(walk_rank, jobs))
+            except BaseException:  # a damaged stream: report it now, not after every other rank
+                pool.shutdown(wait=True, cancel_futures=True)
+                for _, reader_a, reader_b in jobs:
+                    reader_a.close()
+                    reader_b.close()
+                raise
         divergences: dict[int, Divergence] = {}
         steps_compared = 0
         for (rank, _, _), (walk, found) in zip(jobs, results):

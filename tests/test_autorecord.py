@@ -87,6 +87,7 @@ def test_run_reference_stops_visibly_at_the_first_divergent_step(tmp_path):
     assert done.returncode == 1, done.stderr
     assert f"STOPPED at step 2 (rank 0): it differs from the reference {tmp_path / 'a'}" in done.stderr
     assert "samebits: step 2 on rank 0 differs from the reference run" in done.stderr
+    assert "first divergence: step 2, rank 0: forward/Sequential" in done.stderr
     steps = [b.step for b in samebits.open_run(tmp_path / "b").stream(0).steps()]
     assert steps == [0, 1, 2]  # nothing computed after the answer was known
 

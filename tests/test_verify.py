@@ -40,6 +40,8 @@ def test_nondeterministic_path_is_caught_and_located(tmp_path):
     d = result.checks["independent"].first_divergence
     # index_put_(accumulate=True) in the MoE combine / embedding backward: first seen in gradients
     assert d.step == 0 and d.phase == "grads", d
+    # the hint bisects the same recipe run, not the default one
+    assert result.bisect_command == "samebits bisect --steps 4 --nproc 2 --nondeterministic"
 
 
 def test_lost_random_state_breaks_resume_at_the_first_step_after_it(tmp_path, monkeypatch):

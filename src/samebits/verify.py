@@ -67,6 +67,7 @@ class VerifyResult:
     notes: list[str] = field(default_factory=list)
     runs: list[RunInfo] = field(default_factory=list)
     explanations: dict[str, list[str]] = field(default_factory=dict)  # check -> what state differed
+    bisect_command: str = ""  # how to locate the origin op of an independent-runs divergence
 
     @property
     def checked(self) -> list[str]:
@@ -95,6 +96,7 @@ class VerifyResult:
             "checks": {name: (r.to_json() if r is not None else None) for name, r in self.checks.items()},
             "explanations": self.explanations,
             "runs": [run.to_json() for run in self.runs],
+            "bisect_command": self.bisect_command,
             "timings_s": {k: round(v, 3) for k, v in self.timings.items()},
             "notes": self.notes,
         }
@@ -174,6 +176,10 @@ def verify_recipe(
     }
     result = VerifyResult(str(out), checks, timings, resume_at, [], runs)
     result.explanations = _explain(result, out / "a", out / "b", out / "c")
+    result.bisect_command = shlex.join(
+        ["samebits", "bisect", "--steps", str(steps), "--nproc", str(nproc)]
+        + [part for item in overrides for part in ("--set", item)]
+        + (["--nondeterministic"] if nondeterministic else []))
     _write_summary(out, result)
     return result
 
@@ -252,6 +258,9 @@ def verify_command(
               "resume": diff(out / "a", out / "c", start_step=resume_at) if resume_with else None}
     result = VerifyResult(str(out), checks, timings, resume_at, notes, runs)
     result.explanations = _explain(result, out / "a" / STATE_DIR, out / "b" / STATE_DIR, out / "c" / STATE_DIR)
+    result.bisect_command = "samebits bisect -- " + command
+    if any(placeholder in command for placeholder in PLACEHOLDERS):
+        result.bisect_command += "   (put a scratch folder in place of {out} and {run})"
     _write_summary(out, result)
     return result
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from samebits.autorecord import environment_for, read_outcomes, read_stop
 from samebits.cli.show import summarise
+from samebits.compare import diff
 from samebits.errors import ConfigError, SamebitsError
 from samebits.verdicts import EXIT_BAD_VERDICT, EXIT_CANNOT_RUN
 
@@ -82,7 +83,18 @@ def run(args) -> int:
     stop = read_stop(args.out)
     if stop is not None:
         step = stop.get("stopped_at")
-        say(f"STOPPED at step {step} (rank {stop.get('rank')}): it differs from the reference {args.reference}; "
-            f"details: samebits diff {args.reference} {args.out} --to-step {int(step) + 1 if step is not None else ''}")
+        say(f"STOPPED at step {step} (rank {stop.get('rank')}): it differs from the reference {args.reference}")
+        try:
+            first = diff(args.reference, args.out, stop_step=int(step) + 1, allow_config_diff=True).first_divergence
+        except SamebitsError as err:
+            first, why = None, str(err)
+        else:
+            why = "no record differs" if first is None else ""
+        if first is not None:
+            where = f"{first.phase}/{first.name}" if first.name else first.detail
+            say(f"first divergence: step {first.step}, rank {first.rank}: {where}")
+        else:
+            say(f"(the first differing record could not be named: {why})")
+        say(f"details: samebits diff {args.reference} {args.out} --to-step {int(step) + 1}")
         return EXIT_BAD_VERDICT
     return code

@@ -110,10 +110,8 @@ def next_steps(result: VerifyResult) -> list[str]:
     hints = []
     independent, resume = result.checks.get("independent"), result.checks.get("resume")
     if independent is not None and Verdict(independent.verdict) is Verdict.DIVERGED:
-        runs = [r.command for r in result.runs if r.name == "A"]
-        hints.append(f"next: `samebits diff {out}/a {out}/b` for the details; to find the origin op, "
-                     + (f"`samebits bisect -- {runs[0]}`" if runs and "-m samebits.recipes.train" not in runs[0]
-                        else "`samebits bisect` (the recipe; add the same --set/--nondeterministic options)"))
+        hints.append(f"next: `samebits diff {out}/a {out}/b` for the details; to find the origin op: "
+                     f"`{result.bisect_command}`")
     if resume is not None and Verdict(resume.verdict) is Verdict.DIVERGED:
         step = resume.first_divergence.step
         hints.append(f"next: `samebits diff {out}/a {out}/c --from-step {result.resume_at}` shows A against the "

@@ -428,3 +428,16 @@ def test_nothing_compared_is_incomplete_never_identical(tmp_path, capsys):
     assert report.verdict == "incomplete" and not report.identical and "nothing was compared" in report.notes[0]
     assert main(["trace", str(empty[0]), str(empty[1])]) == 2
     assert "INCOMPLETE" in capsys.readouterr().out
+
+
+def test_collectives_issued_in_another_order_are_told_apart(tmp_path):
+    """The same tensors reduced in another order (a Python set of buckets) are "permuted";
+    other tensors are not."""
+    first, second, third = torch.ones(3), torch.full((3,), 2.0), torch.full((3,), 3.0)
+    for run, order in (("a", (first, second)), ("b", (second, first)), ("c", (third, first))):
+        _write_traced(tmp_path / run, 0, [("trace:collective:reduce", [(f"world/all_reduce:{i}|in:tensor", t)])
+                                          for i, t in enumerate(order)])
+    permuted = find_origins(tmp_path / "a", tmp_path / "b").first
+    assert (permuted.classification, permuted.category, permuted.permuted) == ("receiver", "collective", True)
+    assert "same tensors in another order" in permuted.detail
+    assert not find_origins(tmp_path / "a", tmp_path / "c").first.permuted

@@ -349,11 +349,34 @@ class _Bisector:
                                     "; ".join(describe_state_record(name) for name in generators)
                                     + f". So {text[0].lower()}{text[1:]}", state_differs=generators)
             return _origin_json(found, None, "input_batch", text + _state_sentence(found, ". Also: "))
+        if found.category == "collective" and found.permuted:
+            site = found.call_site or self._collective_site(found)
+            found.call_site = site
+            op = (found.event_id or "").rpartition("/")[2].rpartition(":")[0]
+            return _origin_json(found, None, "order",
+                                f"same values, different order: at step {found.step} on rank {found.rank} the "
+                                f"{op} calls{' at ' + site if site else ''} received the same tensors in another "
+                                "order (the collective order differs). The calls are issued in an order that "
+                                "changes between runs (a Python set, PYTHONHASHSEED, a dict keyed by ids): every "
+                                "rank must issue its collectives in one fixed order")
         if found.classification == "origin" and found.category == "state":
             return _origin_json(found, None, "initial_state",
                                 f"the parameters differ before step {found.step}, the first traced step "
                                 f"({found.label} on rank {found.rank}): initialisation (its seed) or the "
                                 "loaded checkpoint differs, so no training op is the origin")
+        return None
+
+    def _collective_site(self, found: Finding) -> str | None:
+        """The call site of a collective: one re-run of its step at rung 1 with call sites."""
+        stage = Stage("sites", "phases", f"step {found.step}, call sites of collectives, then stop")
+        config = self.base_config(step_start=found.step, step_stop=found.step + 1, stop_after=found.step,
+                                  call_sites=True)
+        dirs = self.run_stage(stage, config, self.sides())
+        report = find_origins(dirs["a"], dirs["b"])
+        self.conclude(stage, report)
+        for finding in report.findings.values():
+            if finding.call_site and finding.category == "collective":
+                return finding.call_site
         return None
 
     def _traced_rerun(self, name: str, level: int, first_step: int, last_step: int, evidence: _Evidence,

@@ -99,6 +99,8 @@ def _wrap(name, original):
         inputs = get_inputs(arguments)
         if tracer.level_now >= 1:
             tracer.record("collective", event_id, "in", inputs, phase)
+            if tracer.config.call_sites:
+                tracer.call_sites[f"{phase}|{event_id}"] = _tracer.call_site(2)
         dump_inputs = tracer.copies(inputs) if dump else None
         step = tracer.step_now
 

@@ -64,6 +64,7 @@ class Finding:
     detail: str = ""
     parted: str | None = None  # where the recorded sequences part, when they do (control flow)
     state_differs: list[str] = field(default_factory=list)  # census records that differ at the step's start
+    permuted: bool = False  # a collective input: the group's inputs are the same tensors in another order
 
     def sort_key(self) -> tuple:
         if self.category in (None, "record"):
@@ -293,7 +294,10 @@ def _classify_events(rank: int, step: int, records_a: list[Record], records_b: l
         rb = by_key_b[ra.key]
         if not ra.same_content(rb):
             if ra.phase.startswith(PHASE_PREFIX):
-                return _content(rank, step, position, ra, rb)
+                finding = _content(rank, step, position, ra, rb)
+                if finding.category == "collective" and finding.role == "in":
+                    _check_permuted_collectives(finding, ra, records_a, records_b)
+                return finding
             if first_plain is None:
                 first_plain = (position, ra, rb)
     if first_plain is not None:
@@ -302,6 +306,28 @@ def _classify_events(rank: int, step: int, records_a: list[Record], records_b: l
         return None
     return Finding(rank, step, "order", detail="the same records with the same values, in a different order "
                    "(hooks or threads ran in another order)")
+
+
+def _check_permuted_collectives(finding: Finding, first: Record, records_a: list[Record],
+                                records_b: list[Record]) -> None:
+    """A collective whose input differs, while the group's collective inputs of the step hold
+    the same tensors in both runs, only in another order: the calls are issued in an order
+    that changes between runs (a Python set, PYTHONHASHSEED)."""
+    group = (finding.event_id or "").partition("/")[0]
+
+    def inputs(records):
+        return [r for r in records if r.phase == first.phase and "|in:" in r.name
+                and r.name.partition("/")[0] == group]
+
+    def contents(records):
+        return sorted((repr(r.digest), bytes(r.raw or b""), str(r.dtype), repr(r.shape)) for r in records)
+
+    in_a, in_b = inputs(records_a), inputs(records_b)
+    if len(in_a) > 1 and contents(in_a) == contents(in_b):
+        finding.permuted = True
+        finding.detail = (f"{finding.event_id}'s input {finding.label} differs, but the {len(in_a)} inputs of group "
+                          f"{group}'s collectives in this phase are the same tensors in another order: the "
+                          "collectives are issued in an order that changes between runs")
 
 
 def _describe(record: Record | None) -> str:
@@ -380,7 +406,7 @@ def _fields(rank, step, classification, position, record: Record | None) -> Find
 def _annotate(finding: Finding, side_a: _Side, side_b: _Side) -> None:
     if finding.category == "collective" and finding.classification == "origin":
         _check_collective_inputs(finding, side_a, side_b)
-    if finding.category in ("op", "probe") and finding.event_id:
+    if finding.category in ("op", "probe", "collective") and finding.event_id:
         finding.call_site = (side_a.call_site(finding.rank, finding.step, finding.phase, finding.event_id)
                              or side_b.call_site(finding.rank, finding.step, finding.phase, finding.event_id))
     if finding.category == "op" and finding.op:

@@ -44,14 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CANNOT_RUN
     try:
         code = int(args.func(args))
-        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
-        return code
     except BrokenPipeError:
-        # `samebits dump RUN | head`: stop quietly; point stdout at /dev/null so the
-        # interpreter's final flush does not raise again.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
+        # `samebits dump RUN | head`: the reader left mid-output; stop quietly.
+        _silence_stdout()
         return EXIT_BROKEN_PIPE
     except SamebitsError as err:
         print(f"samebits {args.command}: error: {escape(err, keep_newlines=True)}", file=sys.stderr)
@@ -62,6 +57,21 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"samebits {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    try:
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+    except BrokenPipeError:
+        _silence_stdout()  # the whole output was produced: the verdict's code still stands
+    return code
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not raise again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout without a file descriptor (captured): nothing to do
+        pass
 
 
 if __name__ == "__main__":  # pragma: no cover

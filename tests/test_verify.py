@@ -262,3 +262,27 @@ def test_docs_resume_hf_trainer_example_works(tmp_path, capsys, monkeypatch):
     assert code == 0 and text.startswith("samebits verify: PASS (checked: independent and resume)"), text
     code, text = _run_docs_command(losing_rng, tmp_path, tmp_path / "w", capsys)
     assert code == 1 and "step 3, rank 0: torch CPU RNG state differs at step start" in text, text
+
+
+TWO_RANK_SCRIPT = '''
+import os, sys, torch
+rank = int(os.environ["RANK"])
+torch.manual_seed(rank)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(3):
+    if rank == 1 and step == 2:
+        raise ValueError("rank 1 broke")
+    loss = model(torch.randn(8, 4)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+'''
+
+
+def test_under_torchrun_the_rank_that_raised_is_named(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text(TWO_RANK_SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    assert main(["verify", "--out", str(tmp_path / "v"), "--", *cmd]) == 2
+    err = capsys.readouterr().err
+    assert "rank 1 ended with an uncaught exception" in err and "rank 1, step 2: ValueError: rank 1 broke" in err
+    assert "rank None" not in err  # torchrun's own process is no rank

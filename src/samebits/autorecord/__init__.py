@@ -106,8 +106,8 @@ class _AutoRecorder:
         self.exception_tail = lines[-TRACEBACK_LINES:]
 
     def at_exit(self) -> None:
-        if self.recorder is None and self.exception is None:
-            return  # a launcher or helper process: it recorded nothing
+        if self.recorder is None and (self.exception is None or _env_rank() is None):
+            return  # a launcher (torchrun's agent reports its workers' failure) or a helper process
         streams_closed = True
         for recorder in (self.recorder, self.census):
             if recorder is not None:

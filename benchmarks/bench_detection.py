@@ -45,7 +45,13 @@ CLASS_KINDS = {
     "collective order": {"order", "collective", "control_flow"},
     "replicas differ": {"replicas"},
 }
-GENERATOR_NAMES = {"generator:torch_cpu": re.compile(r"torch[ _.]?cpu", re.I)}
+# How a conclusion names each generator.
+GENERATORS = {
+    "torch_cpu": re.compile(r"torch[ _.]?cpu", re.I),
+    "torch_cuda": re.compile(r"torch[ _.]?cuda|cuda (rng|generator)", re.I),
+    "python": re.compile(r"python `?random|rng\.python", re.I),
+    "numpy": re.compile(r"numpy|np\.random", re.I),
+}
 # Kinds that claim where the difference comes from; any other kind (not_localised,
 # below_dispatcher, receiver-style findings) is "not localised".
 CLAIMS = {"op", "probe", "collective", "generator", "input_batch", "order", "initial_state", "replicas"}
@@ -114,6 +120,10 @@ def _file_line(site: str | None) -> str | None:
 
 
 def _first_line(text: str) -> str:
+    """samebits' error line, else the first line that is not progress."""
+    for line in text.splitlines():
+        if "error:" in line:
+            return line.strip()[:160]
     for line in text.splitlines():
         if line.strip() and not line.startswith("["):
             return line.strip()[:160]
@@ -129,7 +139,7 @@ def summarise(payload: dict | None, exit_code: int | None, stderr: str) -> str:
         for name, check in payload["checks"].items():
             if check is None:
                 parts.append(f"{name}: not run")
-            elif check.get("identical"):
+            elif _identical(check):
                 parts.append(f"{name}: identical")
             else:
                 first = check.get("first_divergence") or {}
@@ -217,16 +227,15 @@ def _judge_bisect(case: dict, exp: dict, payload: dict) -> tuple[str, str]:
             if claims:
                 return "wrong", f"{kind} {origin.get('op') or origin.get('id') or ''} @ {site}, not {want['class']}"
             return "miss", f"not localised ({kind}), not {want['class']}"
-        named = GENERATOR_NAMES.get(want["class"])
-        if named is not None:
-            generators = [n for n in origin.get("state_differs") or [] if n.startswith("rng.")]
-            if not generators:  # no census: the conclusion must name it
-                if not named.search(origin.get("conclusion") or ""):
-                    return "miss", f"generator, but not named as {want['class'].partition(':')[2]}"
-            elif not any(named.search(n) for n in generators):
-                return "wrong", f"names generator(s) {', '.join(generators)}, not {want['class'].partition(':')[2]}"
-            elif len(generators) > 1:
-                return "miss", f"vague: names {len(generators)} generators ({', '.join(generators)}), not the one"
+        if want["class"].startswith("generator:"):
+            wanted = want["class"].partition(":")[2]
+            named = [name for name, pattern in GENERATORS.items() if pattern.search(origin.get("conclusion") or "")]
+            if not named:
+                return "miss", f"generator, but the conclusion names none (expected {wanted})"
+            if wanted not in named:
+                return "wrong", f"the conclusion names {', '.join(named)}, not {wanted}"
+            if len(named) > 1:
+                return "miss", f"vague: the conclusion names {len(named)} generators ({', '.join(named)})"
         if "file_line" in want and site != want["file_line"]:
             return ("wrong" if site else "miss"), f"{kind} right, call site {site}, expected {want['file_line']}"
         if want["class"] == "collective order" and "order" not in (origin.get("conclusion") or "").lower():
@@ -277,10 +286,26 @@ def run_case(case: dict, *, timeout: float, keep: Path | None = None) -> Score:
     if keep is not None:
         keep.mkdir(parents=True, exist_ok=True)
         (keep / f"{case['name']}.json").write_text(json.dumps(
-            {"argv": argv, "exit": exit_code, "stdout": stdout, "stderr": stderr[-20000:]}, indent=1))
+            {"argv": argv, "exit": exit_code, "stdout": stdout, "stderr": stderr[-20000:], "seconds": seconds},
+            indent=1))
     shutil.rmtree(tmp, ignore_errors=True)
     return Score(case["name"], case["setting"], describe_expected(case), got, outcome, why, seconds, exit_code,
                  said)
+
+
+def rejudge(case: dict, kept: Path) -> Score:
+    """Score a case again from the raw output that ``--keep`` saved (after a matcher change)."""
+    raw = json.loads((kept / f"{case['name']}.json").read_text())
+    try:
+        payload = json.loads(raw["stdout"]) if raw["stdout"].strip() else None
+    except json.JSONDecodeError:
+        payload = None
+    outcome, why = judge(case, payload, raw["exit"], raw["stderr"])
+    said = ((payload or {}).get("origin") or {}).get("conclusion") or (payload or {}).get("conclusion") or ""
+    if payload is None:
+        said = _first_line(raw["stderr"]) if raw["exit"] is not None else "killed (timeout)"
+    return Score(case["name"], case["setting"], describe_expected(case), summarise(payload, raw["exit"], raw["stderr"]),
+                 outcome, why, raw.get("seconds", 0.0), raw["exit"], said)
 
 
 def render(scores: list[Score]) -> str:
@@ -329,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", default=None, help="folder for each case's raw samebits output")
     parser.add_argument("--json", action="store_true", help="print the scores as JSON")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    parser.add_argument("--rejudge", default=None, metavar="DIR",
+                        help="score the raw outputs a previous --keep DIR saved, without running anything")
     parser.add_argument("--from-json", default=None, metavar="FILE",
                         help="print the table of a previous --json output instead of running")
     args = parser.parse_args(argv)
@@ -346,6 +373,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.case:
         cases = [c for c in cases if c["name"] in args.case]
     scores = []
+    if args.rejudge:
+        scores = [rejudge(case, Path(args.rejudge)) for case in cases
+                  if (Path(args.rejudge) / f"{case['name']}.json").exists()]
+        cases = []
     for index, case in enumerate(cases, 1):
         print(f"[{index}/{len(cases)}] {case['name']} ...", file=sys.stderr, flush=True)
         score = run_case(case, timeout=args.timeout, keep=Path(args.keep) if args.keep else None)

@@ -441,3 +441,20 @@ def test_collectives_issued_in_another_order_are_told_apart(tmp_path):
     assert (permuted.classification, permuted.category, permuted.permuted) == ("receiver", "collective", True)
     assert "same tensors in another order" in permuted.detail
     assert not find_origins(tmp_path / "a", tmp_path / "c").first.permuted
+
+
+def test_an_op_given_the_same_tensors_in_another_order_is_told_apart(tmp_path):
+    """`torch.cat` over tensors in an order that changes (a Python set): the op's inputs are
+    the same tensors, permuted, so the finding is "permuted", not an unexplained receiver."""
+    parts = [torch.full((3,), float(i)) for i in range(3)]  # written before the step: untraced
+
+    def concat(order):
+        def extra(step, loss):
+            return loss + torch.cat([parts[i] for i in order]).mul(torch.arange(9.0)).sum() * 1e-3
+        return extra
+
+    runs = [train(tmp_path / name, TraceConfig(level=3), extra=concat(order), steps=1)
+            for name, order in (("a", (0, 1, 2)), ("b", (2, 0, 1)))]
+    finding = find_origins(*runs).first
+    assert (finding.op, finding.classification, finding.permuted) == ("aten::cat", "receiver", True)
+    assert "same tensors in both runs, in another order" in finding.detail

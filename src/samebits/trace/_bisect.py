@@ -349,6 +349,13 @@ class _Bisector:
                                     "; ".join(describe_state_record(name) for name in generators)
                                     + f". So {text[0].lower()}{text[1:]}", state_differs=generators)
             return _origin_json(found, None, "input_batch", text + _state_sentence(found, ". Also: "))
+        if found.category in ("op", "probe") and found.permuted:
+            site = f" at {found.call_site}" if found.call_site else ""
+            return _origin_json(found, None, "order",
+                                f"same values, different order: {found.op}{site} (step {found.step}, rank "
+                                f"{found.rank}) received the same tensors in another order. Something iterated "
+                                "in an order that changes between runs feeds it (a Python set, PYTHONHASHSEED, a "
+                                "dict keyed by ids, a file listing)")
         if found.category == "collective" and found.permuted:
             site = found.call_site or self._collective_site(found)
             found.call_site = site

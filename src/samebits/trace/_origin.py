@@ -297,6 +297,8 @@ def _classify_events(rank: int, step: int, records_a: list[Record], records_b: l
                 finding = _content(rank, step, position, ra, rb)
                 if finding.category == "collective" and finding.role == "in":
                     _check_permuted_collectives(finding, ra, records_a, records_b)
+                elif finding.category in ("op", "probe") and finding.role == "in":
+                    _check_permuted_inputs(finding, ra, records_a, records_b)
                 return finding
             if first_plain is None:
                 first_plain = (position, ra, rb)
@@ -306,6 +308,26 @@ def _classify_events(rank: int, step: int, records_a: list[Record], records_b: l
         return None
     return Finding(rank, step, "order", detail="the same records with the same values, in a different order "
                    "(hooks or threads ran in another order)")
+
+
+def _contents(records: list[Record]) -> list:
+    return sorted((repr(r.digest), bytes(r.raw or b""), str(r.dtype), repr(r.shape)) for r in records)
+
+
+def _check_permuted_inputs(finding: Finding, first: Record, records_a: list[Record],
+                           records_b: list[Record]) -> None:
+    """An op whose inputs differ by position but are the same tensors in another order (a
+    ``torch.cat`` over a Python set): the order it was given them in changes between runs."""
+    prefix = f"{finding.event_id}|in:"
+
+    def inputs(records):
+        return [r for r in records if r.phase == first.phase and r.name.startswith(prefix)]
+
+    in_a, in_b = inputs(records_a), inputs(records_b)
+    if len(in_a) > 1 and _contents(in_a) == _contents(in_b):
+        finding.permuted = True
+        finding.detail = (f"the {len(in_a)} inputs of {finding.event_id} are the same tensors in both runs, in "
+                          "another order: the order it is given them in changes between runs")
 
 
 def _check_permuted_collectives(finding: Finding, first: Record, records_a: list[Record],
@@ -319,11 +341,8 @@ def _check_permuted_collectives(finding: Finding, first: Record, records_a: list
         return [r for r in records if r.phase == first.phase and "|in:" in r.name
                 and r.name.partition("/")[0] == group]
 
-    def contents(records):
-        return sorted((repr(r.digest), bytes(r.raw or b""), str(r.dtype), repr(r.shape)) for r in records)
-
     in_a, in_b = inputs(records_a), inputs(records_b)
-    if len(in_a) > 1 and contents(in_a) == contents(in_b):
+    if len(in_a) > 1 and _contents(in_a) == _contents(in_b):
         finding.permuted = True
         finding.detail = (f"{finding.event_id}'s input {finding.label} differs, but the {len(in_a)} inputs of group "
                           f"{group}'s collectives in this phase are the same tensors in another order: the "

@@ -321,6 +321,7 @@ class Tracer:
 
         _collectives.unpatch()
         _unpatch_autograd()
+        _unpatch_optimizer_init()
         if _active is self:
             _set_active(None)
 
@@ -347,6 +348,7 @@ class Tracer:
 
             self._arm_handle = register_module_forward_pre_hook(self._arm_on_forward)
             self._permanent_handles.append(self._arm_handle)
+            _patch_optimizer_init()
 
     def _arm_on_forward(self, module, args) -> None:
         if not self.armed:
@@ -673,3 +675,31 @@ def _unpatch_autograd() -> None:
     if _autograd_originals:
         torch.autograd.backward = _autograd_originals.pop("backward")
         torch.autograd.grad = _autograd_originals.pop("grad")
+
+
+# -- torch.optim.Optimizer.__init__ (zero-code arming) --------------------------------------------
+
+_optimizer_init: list = []
+
+
+def _patch_optimizer_init() -> None:
+    """Zero-code: a process that builds an optimizer is a training worker, so step 0 is traced
+    from there (code between it and the first forward, e.g. a penalty over the parameters,
+    is traced too).  Launchers and data-loader workers build none and stay unarmed."""
+    if _optimizer_init:
+        return
+    original = torch.optim.Optimizer.__init__
+    _optimizer_init.append(original)
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        tracer = _active
+        if tracer is not None and not tracer.armed and not tracer.busy:
+            tracer.arm()
+
+    torch.optim.Optimizer.__init__ = __init__
+
+
+def _unpatch_optimizer_init() -> None:
+    if _optimizer_init:
+        torch.optim.Optimizer.__init__ = _optimizer_init.pop()

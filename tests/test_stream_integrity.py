@@ -368,3 +368,13 @@ def test_dump_into_a_closed_pipe_has_no_traceback(tmp_path):
     assert "Traceback" not in stderr and "BrokenPipe" not in stderr
     assert proc.returncode != 0
 
+
+
+def test_a_huge_claimed_world_is_reported_without_walking_it(tmp_path):
+    for name in "ab":
+        with samebits.Recorder(tmp_path / name, rank=0, world_size=10**12) as rec:
+            rec.metrics(0, loss=1.0)
+    result = samebits.diff(tmp_path / "a", tmp_path / "b")
+    assert result.verdict is Verdict.INCOMPLETE
+    assert "neither run has a stream for 999999999999 rank(s) of world size 1000000000000 (1, 2, 3" \
+        in result.incomplete[0]

@@ -234,19 +234,35 @@ def _window(start_step, stop_step) -> tuple[int, int | None]:
 
 def _missing_ranks(run_a: Run, run_b: Run) -> list[str]:
     """A rank of the world recorded by one run only, or by neither although selected for
-    recording, is missing data: the runs cannot be called identical."""
+    recording, is missing data: the runs cannot be called identical.  (Never loops over
+    the whole world: a header may claim any world size.)"""
     reasons = []
-    for rank in range(max(run_a.world_size, run_b.world_size)):
-        in_a, in_b = rank in run_a.files, rank in run_b.files
-        if in_a and in_b:
-            continue
-        for label, run, present in (("a", run_a, in_a), ("b", run_b, in_b)):
-            if present:
-                continue
-            selected = run.header.get("ranks")
-            if (in_a or in_b) or selected is None or rank in selected:
-                reasons.append(f"run {label} ({run.path}) has no stream for rank {rank} of world size "
-                               f"{run.world_size}: that rank's data is missing")
+    for label, run, other in (("a", run_a, run_b), ("b", run_b, run_a)):
+        only_other = sorted(set(other.files) - set(run.files))
+        if only_other:
+            shown = ", ".join(map(str, only_other[:8])) + (" ..." if len(only_other) > 8 else "")
+            reasons.append(f"run {label} ({run.path}) has no stream for rank{'s' if len(only_other) > 1 else ''} "
+                           f"{shown} of world size "
+                           f"{run.world_size} that the other run recorded: that data is missing")
+    world = max(run_a.world_size, run_b.world_size)
+    recorded = set(run_a.files) | set(run_b.files)
+    selections = [run.header.get("ranks") for run in (run_a, run_b)]
+    if all(isinstance(selected, list) for selected in selections):  # both recorded a rank selection
+        expected = {r for selected in selections for r in selected if isinstance(r, int) and 0 <= r < world}
+        neither = sorted(expected - recorded)
+        num_neither = len(neither)
+    else:
+        num_neither = world - len(recorded)
+        neither = []
+        rank = 0
+        while len(neither) < 8 and rank < world and len(neither) < num_neither:
+            if rank not in recorded:
+                neither.append(rank)
+            rank += 1
+    if num_neither > 0:
+        shown = ", ".join(map(str, neither[:8])) + (" ..." if num_neither > 8 else "")
+        reasons.append(f"neither run has a stream for {num_neither} rank(s) of world size {world} ({shown}): "
+                       "that data is missing (record every rank, or select ranks with SAMEBITS_RANKS)")
     return reasons
 
 

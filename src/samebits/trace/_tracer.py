@@ -129,6 +129,7 @@ class Tracer:
         self._state_recorded = False
         self._optimizers: list = []  # seen at their first step: their step counts and lrs go in the census
         self._census_warned = False
+        self._census_step: int | None = None  # the step whose census is recorded
         self._grad_hooks: list = []
         self._step_handles: list = []
         self._permanent_handles: list = []
@@ -240,8 +241,6 @@ class Tracer:
 
     def _activate(self) -> None:
         self.open = True
-        if self.level_now >= 1:
-            self._record_census()
         if self.level_now >= 1 or self.ops_needed:
             from torch.nn.modules.module import (register_module_forward_hook,
                                                  register_module_forward_pre_hook)
@@ -383,8 +382,9 @@ class Tracer:
         return n
 
     def _record_census(self) -> None:
-        """Rung 1, every traced step: the state census at the step's start (every RNG state,
-        optimizer step counts and learning rates).  Context, not an event: `find_origins`
+        """Rung 1, every traced step: the state census (every RNG state, optimizer step counts
+        and learning rates) at the step's first top-level forward, the state the model's RNG ops
+        start from.  Context, not an event: `find_origins`
         never calls it an origin, but names the generator that differs when an RNG op is one."""
         was_busy, self.busy = self.busy, True
         try:
@@ -442,6 +442,9 @@ class Tracer:
                 self.stage = "forward"  # a new micro-batch (or evaluation) after a backward
             phase = self.stage
             self._record_state()
+            if self.level_now >= 1 and self._census_step != self.step_now:
+                self._census_step = self.step_now
+                self._record_census()
         count = self._next(self.module_counts, (phase, fqn))
         recorded = self.level_now >= 2 and self.config.in_subtree(fqn)
         self.frames.append((fqn, count, phase, recorded, is_root))

@@ -155,8 +155,16 @@ class Recorder:
             "environment": environment_fingerprint(),
             "determinism": _determinism_record(),
         }
+        if reference is not None:  # before creating anything: a bad reference leaves no file behind
+            self._reference = open_run(reference).stream(s.rank).steps()
+            self._reference_step = None
         if append and self.path.exists():
-            self._open_for_append(header)
+            try:
+                self._open_for_append(header)
+            except BaseException:
+                if self._file is not None:
+                    self._release()
+                raise
         else:
             try:
                 self._file = open(self.path, "xb")
@@ -172,9 +180,6 @@ class Recorder:
             header["segment"] = 0
         self._buffer += fmt.frame(fmt.FRAME_HEADER, fmt.MAGIC + json.dumps(header, sort_keys=True).encode())
         self._flush()
-        if reference is not None:
-            self._reference = open_run(reference).stream(s.rank).steps()
-            self._reference_step = None
         _open_recorders.add(self)
 
     # -- recording --------------------------------------------------------------------

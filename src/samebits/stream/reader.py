@@ -524,6 +524,82 @@ class StreamReader:
         if count != self._num_steps or payload[pos:] != self._expected_index:
             raise _Malformed(f"the step index ({count} steps) disagrees with the {self._num_steps} steps read")
 
+    def same_frames_as(self, other: "StreamReader") -> bool:
+        """Whether this stream and ``other`` both end in a close frame and hold, between their
+        header and their final step index, the same bytes (a cheap test, nothing verified:
+        see `adopt_verified_twin`)."""
+        if not (self._tail_closed and other._tail_closed):
+            return False
+        mine, theirs = self._final_index_offset(), other._final_index_offset()
+        if not (self._first_end <= mine <= self.size and other._first_end <= theirs <= other.size):
+            return False
+        if mine - self._first_end != theirs - other._first_end:
+            return False
+        chunk = 1 << 20  # compare in slices: flat memory however long the streams
+        for start in range(0, mine - self._first_end, chunk):
+            end = min(start + chunk, mine - self._first_end)
+            if self._data[self._first_end + start : self._first_end + end] != \
+                    other._data[other._first_end + start : other._first_end + end]:
+                return False
+        return True
+
+    def adopt_verified_twin(self, other: "StreamReader") -> None:
+        """Take over the reading of ``other``, which `steps` has read to its clean end with
+        every check passed and whose frames after the header are byte for byte this stream's
+        (the caller has checked `same_frames_as`): every checksum, root and structural check of those frames holds
+        here too (same bytes, same result), so only what depends on this file's own offsets
+        is checked: the final step index (offsets shifted by the header length) and the
+        close frame.  Raises `StreamError` like a full read would."""
+        if not (other.closed_cleanly and other._pos == other.size and self._tail_closed):
+            raise StreamError(f"{self.path}: internal error: not a verified twin of {other.path}.")
+        shift = self._first_end - other._first_end
+        index_at = self._final_index_offset()
+        self._pos = index_at
+        self._last_kind, self._last_step = fmt.FRAME_STEP, other._last_step
+        frame = self._next_frame()
+        if frame is None or frame[0] != fmt.FRAME_INDEX:
+            raise self._corrupt(None if frame is None else frame[0], index_at, "no step index where the close "
+                                "frame points")
+        theirs = other._frame_payload(other._final_index_offset())
+        if shift == 0:
+            same = frame[2] == theirs
+        else:
+            try:
+                entries = [self._index_entries(frame[2]), self._index_entries(theirs)]
+            except (IndexError, ValueError, struct_error) as err:
+                raise self._corrupt(fmt.FRAME_INDEX, index_at, f"a malformed step index ({err})") from None
+            same = len(entries[0]) == len(entries[1]) and all(
+                mine[:3] == their[:3] and mine[3] == their[3] + shift for mine, their in zip(*entries))
+        if not same:
+            raise self._corrupt(fmt.FRAME_INDEX, index_at, f"the step index (frame of {len(frame[2])} bytes) "
+                                f"disagrees with the {other._num_steps} steps read")
+        close = self._next_frame()
+        if close is None or close[0] != fmt.FRAME_CLOSE or close[2][8:] != fmt.CLOSE_MAGIC \
+                or fmt.unpack_u64(close[2], 0) != index_at or self._pos != self.size:
+            raise self._corrupt(None if close is None else close[0], index_at, "a close frame that does not "
+                                "point at the step index just before it")
+        self.names = list(other.names)
+        self.segments = self.segments[:1] + other.segments[1:]
+        self._num_steps = other._num_steps
+        self._last_kind, self.closed_cleanly, self.stop_reason = fmt.FRAME_CLOSE, True, None
+
+    def _final_index_offset(self) -> int:
+        return fmt.unpack_u64(self._data, self.size - fmt.CLOSE_FRAME_SIZE + 2)
+
+    @staticmethod
+    def _index_entries(payload: bytes) -> list[tuple[int, int, int, int]]:
+        count, pos = fmt.decode_varint(payload, 0)
+        entries = []
+        for _ in range(count):
+            step, pos = fmt.decode_varint(payload, pos)
+            num_records, pos = fmt.decode_varint(payload, pos)
+            root = fmt.unpack_u64(payload, pos)
+            offset, pos = fmt.decode_varint(payload, pos + 8)
+            entries.append((step, num_records, root, offset))
+        if pos != len(payload):
+            raise ValueError("stray bytes after the entries")
+        return entries
+
     def step_index(self) -> list[tuple[int, int, int, int]] | None:
         """Every step's (step, record count, root, frame offset) from the footer of a cleanly
         closed stream, reading only the file's tail; None when there is no valid footer.

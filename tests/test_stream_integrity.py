@@ -378,3 +378,45 @@ def test_a_huge_claimed_world_is_reported_without_walking_it(tmp_path):
     assert result.verdict is Verdict.INCOMPLETE
     assert "neither run has a stream for 999999999999 rank(s) of world size 1000000000000 (1, 2, 3" \
         in result.incomplete[0]
+
+
+def _with_longer_header(source, target, shift_offsets_by=0):
+    """``source``'s stream with a longer header (an extra environment note): every frame after
+    it moves, so the footer's offsets are rebuilt (``shift_offsets_by`` damages them)."""
+    data = source.read_bytes()
+    frames = _frames(data)
+    header = json.loads(data[frames[0][2] + len(fmt.MAGIC):frames[0][3]])
+    header["environment"]["note"] = "a longer header"
+    head = fmt.frame(fmt.FRAME_HEADER, fmt.MAGIC + json.dumps(header).encode())
+    shift = len(head) - (frames[0][3] + 4)
+    index = next(f for f in frames if f[0] == fmt.FRAME_INDEX)
+    entries = open_run(source.parent).stream(0).step_index()
+    footer = bytearray()
+    fmt.encode_varint(len(entries), footer)
+    for step, count, root, offset in entries:
+        fmt.encode_varint(step, footer)
+        fmt.encode_varint(count, footer)
+        footer += fmt.pack_u64(root)
+        fmt.encode_varint(offset + shift + shift_offsets_by, footer)
+    body = data[frames[1][1]:index[1]]
+    index_offset = len(head) + len(body)
+    target.parent.mkdir(parents=True)
+    target.write_bytes(head + body + fmt.frame(fmt.FRAME_INDEX, footer)
+                       + fmt.frame(fmt.FRAME_CLOSE, fmt.pack_u64(index_offset) + fmt.CLOSE_MAGIC))
+
+
+def test_byte_equal_streams_with_headers_of_other_lengths(tmp_path):
+    """Streams equal after their headers are verified once; the second one's own footer
+    offsets are still checked."""
+    with samebits.Recorder(tmp_path / "a", rank=0, world_size=1) as rec:
+        for step in range(3):
+            rec.tensors(step, "params", [("w", torch.full((3,), float(step)))])
+    source = tmp_path / "a" / "rank-00000.sbs"
+    _with_longer_header(source, tmp_path / "b" / "rank-00000.sbs")
+    result = samebits.diff(tmp_path / "a", tmp_path / "b")
+    assert result.verdict is Verdict.IDENTICAL and result.compared["steps"] == 3
+    _with_longer_header(source, tmp_path / "c" / "rank-00000.sbs", shift_offsets_by=1)
+    with pytest.raises(StreamError, match="step index .* disagrees"):
+        samebits.diff(tmp_path / "a", tmp_path / "c")
+    with pytest.raises(StreamError, match="step index .* disagrees"):
+        list(open_run(tmp_path / "c").stream(0).steps())

@@ -13,11 +13,11 @@ torch.manual_seed(0)
 class Net(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.proj = torch.nn.Linear(32, 256)
-        self.head = torch.nn.Linear(256, 4)
+        self.proj = torch.nn.Linear(32, 128)
+        self.head = torch.nn.Linear(128, 4)
 
     def forward(self, x, idx):
-        pooled = torch.tanh(self.proj(x))  # (rows, 256)
+        pooled = torch.tanh(self.proj(x))  # (rows, 128)
         picked = pooled[idx]  # PLANTED: backward is index_put_ accumulate
         return self.head(picked)
 
@@ -26,9 +26,9 @@ model = Net()
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 data = torch.Generator().manual_seed(1)
 for step in range(3):
-    x = torch.randn(16, 32, generator=data)
-    idx = torch.randint(0, 16, (8192,), generator=data)
-    target = torch.randn(8192, 4, generator=data)
+    x = torch.randn(64, 32, generator=data)
+    idx = torch.randint(0, 64, (16384,), generator=data)
+    target = torch.randn(16384, 4, generator=data)
     loss = (model(x, idx) - target).square().mean()
     opt.zero_grad()
     loss.backward()

@@ -386,24 +386,30 @@ class _Bisector:
                 return finding.call_site
         return None
 
-    def _traced_rerun(self, name: str, level: int, first_step: int, last_step: int, evidence: _Evidence,
+    def _traced_rerun(self, name: str, level: int, first_step: int, last_step: int | None, evidence: _Evidence,
                       where: str = "", **changes) -> Finding | None:
         """Re-run both sides traced at ``level`` over steps first_step..last_step (stopping after
         last_step) until the re-run diverges inside that window.  A re-run that diverges
         earlier widens the window back to the earliest divergent step seen; one that does not
-        diverge is tried again.  None when no attempt reproduced a divergence."""
+        diverge is tried again, traced to the end of the run.  None when no attempt
+        reproduced a divergence."""
         start = first_step
         for attempt in range(MAX_RERUNS):
-            window = f"step {start}" if start == last_step else f"steps {start}..{last_step}"
-            stage = Stage(name, LEVEL_NAMES[level], ", ".join(filter(None, [window, where, "then stop"])))
-            config = self.base_config(level=level, step_start=start, step_stop=last_step + 1,
-                                      stop_after=last_step, **changes)
+            if last_step is None:  # a re-run that did not diverge: trace to the end of the run
+                window, stop = f"steps {start}..end", {"step_stop": None, "stop_after": self.stop_after}
+            else:
+                window = f"step {start}" if start == last_step else f"steps {start}..{last_step}"
+                window, stop = window + ", then stop", {"step_stop": last_step + 1, "stop_after": last_step}
+            stage = Stage(name, LEVEL_NAMES[level], ", ".join(filter(None, [window, where])))
+            config = self.base_config(level=level, step_start=start, **stop, **changes)
             dirs = self.run_stage(stage, config, self.sides())
             report = find_origins(dirs["a"], dirs["b"])
             self.conclude(stage, report)
             if not report.findings:
-                self.notes.append(f"the {name} stage's re-run (attempt {attempt + 1}) did not diverge up to step "
-                                  f"{last_step}: the divergence is intermittent")
+                self.notes.append(f"the {name} stage's re-run (attempt {attempt + 1}) did not diverge "
+                                  + (f"up to step {last_step}" if last_step is not None else "at all")
+                                  + ": the divergence is intermittent; tracing to the end of the run")
+                last_step = None
                 continue
             found = _earliest(report)
             stage.finding = found

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from samebits.cli._format import escape, print_json, table
+from samebits.cli._format import print_json, table
 from samebits.errors import SamebitsError
 from samebits.stream import open_run
 
@@ -38,7 +38,7 @@ def run(args) -> int:
         print_json([{"step": s["step"], "root": s["root"], "records": [r.to_json() for r in s["records"]]} for s in out])
         return 0
     for s in out:
-        print(f"step {s['step']}  rank {args.rank}  root {s['root']}  ({len(s['records'])} records)")  # numbers only
+        print(f"step {s['step']}  rank {args.rank}  root {s['root']}  ({len(s['records'])} records)")  # numbers only: nothing to escape
         print(table(["phase", "name", "#", "kind", "value"],
                     [[r.phase, r.name, r.occurrence, r.kind, r.summary()] for r in s["records"]]))
         print()

@@ -24,6 +24,7 @@ import warnings
 import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np

@@ -19,6 +19,12 @@ is then classified from the trace's record names (``<event>|in:..`` / ``<event>|
   still says where the sequences part.
 * ``order``    same records, same values, different order (e.g. hooks firing in another order).
 
+Context records (the state census, ``trace:census:*`` or a loop's own ``state`` phase) are
+never classified: a step where only they differ is not a divergence.  Each finding lists
+the census records that differ in its step (``state_differs``), and a receiver whose event's
+inputs (an op's, or a process group's collectives') are the same tensors in another order
+is marked ``permuted``.
+
 `find_origins` returns every rank's finding and the origins, earliest first.
 """
 

@@ -39,6 +39,12 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
+def echo(*parts: Any, file=None, flush: bool = False, sep: str = " ") -> None:
+    """`print` for text a person reads: every control character but the newline is escaped."""
+    text = sep.join(p if isinstance(p, str) else str(p) for p in parts)
+    print(escape(text, keep_newlines=True), file=file if file is not None else sys.stdout, flush=flush)
+
+
 def print_json(obj: Any) -> None:
     json.dump(obj, sys.stdout, indent=2, sort_keys=False, default=str)
     sys.stdout.write("\n")

@@ -20,7 +20,7 @@ try:
 except ImportError:  # Python 3.10
     tomllib = None
 
-from samebits.cli._format import print_json, table
+from samebits.cli._format import echo, print_json, table
 from samebits.determinism._rules import run_checks, rules
 from samebits.errors import ConfigError, SamebitsError
 from samebits.verdicts import EXIT_BAD_VERDICT, EXIT_CANNOT_RUN, EXIT_OK
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     interpreted = config is None or bool(result.checked_keys)
     fmt = os.path.splitext(args.config)[1].lstrip(".").upper() if config is not None else None
     for name, known in result.near_misses.items():
-        print(f"samebits check: warning: config key {name!r} is read by no rule; "
+        echo(f"samebits check: warning: config key {name!r} is read by no rule; "
               f"did you mean {known!r}?", file=sys.stderr)
     code = EXIT_BAD_VERDICT if result.violations else EXIT_OK if interpreted else EXIT_CANNOT_RUN
     if args.json:
@@ -74,18 +74,18 @@ def run(args: argparse.Namespace) -> int:
     checked = " and ".join(filter(None, ["environment" if check_env else "",
                                          f"config {args.config}" if config is not None else ""]))
     if result.violations:
-        print(table(["RULE", "SETTING", "FOUND", "FIX"],
+        echo(table(["RULE", "SETTING", "FOUND", "FIX"],
                     [[v.rule, v.setting, _show(v.found), v.fix] for v in result.violations]))
-        print(f"\n{len(result.violations)} violation(s) in the {checked}; "
+        echo(f"\n{len(result.violations)} violation(s) in the {checked}; "
               "details: samebits check --list-rules")
     elif interpreted:
-        print(f"clean: the {checked} pass(es) {len(result.rules_run)} determinism rules")
+        echo(f"clean: the {checked} pass(es) {len(result.rules_run)} determinism rules")
     if config is not None:
-        print(f"config {args.config} read as {fmt}: "
+        echo(f"config {args.config} read as {fmt}: "
               + (f"{len(result.checked_keys)} key(s) checked: {', '.join(result.checked_keys)}"
                  if result.checked_keys else "no key any rule reads"))
     if not interpreted:
-        print(f"not checked: samebits could not interpret {args.config}: none of its "
+        echo(f"not checked: samebits could not interpret {args.config}: none of its "
               f"{len(result.unread_keys)} key(s) is a setting a determinism rule reads, so nothing in it "
               "was checked (the config rules read keys such as num_threads, seed, moe_combine, "
               "overlap_grad_reduce at any nesting level; see samebits check --list-rules)")
@@ -93,12 +93,12 @@ def run(args: argparse.Namespace) -> int:
         by_reason: dict[str, list[str]] = {}
         for rule_id, why in result.not_applicable.items():
             by_reason.setdefault(why, []).append(rule_id)
-        print(f"not applicable on this machine ({len(result.not_applicable)} rule(s)): "
+        echo(f"not applicable on this machine ({len(result.not_applicable)} rule(s)): "
               + "; ".join(f"{', '.join(ids)}: {why}" for why, ids in by_reason.items()))
     if result.unread_keys:
         shown = ", ".join(result.unread_keys[:_MAX_KEYS_SHOWN])
         more = len(result.unread_keys) - _MAX_KEYS_SHOWN
-        print(f"note: {len(result.unread_keys)} config key(s) read by no rule: {shown}"
+        echo(f"note: {len(result.unread_keys)} config key(s) read by no rule: {shown}"
               + (f" and {more} more" if more > 0 else ""))
     return code
 
@@ -141,7 +141,7 @@ def _list_rules(as_json: bool) -> int:
         print_json({"rules": [{"id": r.id, "category": r.category, "setting": r.setting,
                                "checks": r.checks, "why": r.why, "fix": r.fix} for r in catalog]})
     else:
-        print(table(["RULE", "CATEGORY", "CHECKS"],
+        echo(table(["RULE", "CATEGORY", "CHECKS"],
                     [[r.id, r.category, r.checks] for r in catalog]))
     return EXIT_OK
 

@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from samebits.cli import EXIT_BAD_VERDICT, EXIT_CANNOT_RUN, EXIT_OK
-from samebits.cli._format import print_json, table
+from samebits.cli._format import echo, print_json, table
 from samebits.determinism._probe_command import probe_command
 from samebits.determinism._ops import lookup_op
 
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     multi = len(working) > 1
     num_ops = sum(p["num_ops"] for p in working)
     compared = sum(p["num_ops_compared"] for p in working)
-    print(f"\nsamebits probe: {compared} of {num_ops} ops executed twice and compared "
+    echo(f"\nsamebits probe: {compared} of {num_ops} ops executed twice and compared "
           f"in {len(working)} process(es)")
     if result.findings:
         headers = ["OP", "MODULE", "CALL SITE", "DIFFERING", "CALLS"] + (["RANK"] if multi else [])
@@ -67,14 +67,14 @@ def run(args: argparse.Namespace) -> int:
                  f"{f['elements_differing']}/{f['numel']}", f"{f['calls_differing']}/{f['calls']}"]
                 + ([f["rank"] if f["rank"] is not None else f"pid {f['pid']}"] if multi else [])
                 for f in result.findings]
-        print(table(headers, rows))
-        print(f"\n{len(result.findings)} nondeterministic op call site(s).")
+        echo(table(headers, rows))
+        echo(f"\n{len(result.findings)} nondeterministic op call site(s).")
         for op in dict.fromkeys(f["op"] for f in result.findings):
             entries = lookup_op(op)
             if entries:
-                print(f"  {op}: deterministic alternative: {entries[0].alternative}")
+                echo(f"  {op}: deterministic alternative: {entries[0].alternative}")
     elif result.ran:
-        print("clean: every compared op gave the same bits twice")
+        echo("clean: every compared op gave the same bits twice")
     for problem in result.problems:
-        print(f"samebits probe: {problem}", file=sys.stderr)
+        echo(f"samebits probe: {problem}", file=sys.stderr)
     return code

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from samebits.autorecord import environment_for, read_outcomes, read_stop
+from samebits.cli._format import echo
 from samebits.cli.show import summarise
 from samebits.compare import diff
 from samebits.errors import ConfigError, SamebitsError
@@ -66,7 +67,7 @@ def run(args) -> int:
     code = run_recorded(args.cmd, args.out, steps=args.steps, ranks=args.ranks,
                         max_tensor_bytes=args.max_tensor_bytes, reference=args.reference,
                         step_offset=args.step_offset)
-    say = lambda message: print(f"samebits run: {message}", file=sys.stderr)  # noqa: E731
+    say = lambda message: echo(f"samebits run: {message}", file=sys.stderr)  # noqa: E731
     try:
         summary = summarise(args.out)
     except SamebitsError as err:

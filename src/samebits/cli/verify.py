@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 
-from samebits.cli._format import print_json, table
+from samebits.cli._format import echo, print_json, table
 from samebits.verdicts import Verdict
 from samebits.verify import VerifyResult, verify_command, verify_recipe
 
@@ -46,7 +46,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     def progress(message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
+        echo(message, file=sys.stderr, flush=True)
 
     start = time.perf_counter()
     if args.cmd:
@@ -61,7 +61,7 @@ def run(args) -> int:
     if args.json:
         print_json(result.to_json())
     else:
-        print(render(result))
+        echo(render(result))
     return result.verdict.exit_code
 
 

@@ -125,3 +125,13 @@ def test_a_side_that_crashes_is_an_error_never_identical(tmp_path, capsys):
     code, result, err = bisect(capsys, tmp_path, *script_command("crash_mid_run.py"))
     assert code == EXIT_CANNOT_RUN and result == {}
     assert "exited with code 1" in err and "out of data" in err
+
+
+def test_data_parallel_replicas_that_start_apart(tmp_path, capsys):
+    """`manual_seed(seed + rank)` before the model: each run repeats itself bit for bit, but
+    the replicas (same reduced gradients on every rank) hold different weights."""
+    code, result, err = bisect(capsys, tmp_path, *script_command("per_rank_seed.py"))
+    assert code == EXIT_BAD_VERDICT, err
+    origin = result["origin"]
+    assert origin["kind"] == "replicas" and result["conclusion"].startswith("replicas differ")
+    assert origin["params"] == ["0.weight", "0.bias", "2.weight", "2.bias"] and origin["ranks"] == [0, 1]

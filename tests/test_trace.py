@@ -458,3 +458,21 @@ def test_an_op_given_the_same_tensors_in_another_order_is_told_apart(tmp_path):
     finding = find_origins(*runs).first
     assert (finding.op, finding.classification, finding.permuted) == ("aten::cat", "receiver", True)
     assert "same tensors in both runs, in another order" in finding.detail
+
+
+def test_replicas_that_differ_are_found_and_shards_are_not(tmp_path):
+    """A parameter whose reduced gradient is the same on every rank is a replica: different
+    values across ranks are a fault.  One whose gradient differs per rank is a shard."""
+    from samebits.trace._origin import find_replica_mismatch
+
+    same, other = torch.ones(3), torch.full((3,), 2.0)
+    for rank, value in ((0, same), (1, other)):
+        _write_traced(tmp_path / "run", rank, [
+            ("trace:state:init", [("params|out:dense.weight", value), ("params|out:expert.weight", value)]),
+            ("trace:phase:reduce", [("reduce:0|out:dense.weight", same), ("reduce:0|out:expert.weight", value)])])
+    mismatch = find_replica_mismatch(tmp_path / "run")
+    assert (mismatch.step, mismatch.ranks, mismatch.params) == (0, [0, 1], ["dense.weight"])
+    for rank in (0, 1):
+        _write_traced(tmp_path / "equal", rank, [("trace:state:init", [("params|out:dense.weight", same)]),
+                                                 ("trace:phase:reduce", [("reduce:0|out:dense.weight", same)])])
+    assert find_replica_mismatch(tmp_path / "equal") is None

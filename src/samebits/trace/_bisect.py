@@ -46,7 +46,7 @@ from samebits.errors import ConfigError, SamebitsError
 from samebits.stream.reader import open_run
 from samebits.trace._config import ENV_VARS, LEVEL_NAMES, EventSpec, TraceConfig, parent_scope
 from samebits.trace._elements import compare_elements, same_values
-from samebits.trace._origin import Finding, OriginReport, find_origins
+from samebits.trace._origin import Finding, OriginReport, find_origins, find_replica_mismatch
 from samebits.trace._tracer import dump_filename
 from samebits.verdicts import Verdict
 
@@ -270,6 +270,25 @@ class _Bisector:
         first = self.conclude(stage, report)
         result = BisectResult(Verdict.IDENTICAL if report.identical else Verdict.DIVERGED, None, self.stages,
                               str(self.out), compared, repeatable, notes=self.notes)
+        replicas = find_replica_mismatch(dirs["a"])
+        if replicas is not None:  # one run against itself: its data-parallel replicas disagree
+            names = ", ".join(replicas.params[:4]) + (f" and {len(replicas.params) - 4} more"
+                                                      if len(replicas.params) > 4 else "")
+            result.verdict = Verdict.DIVERGED
+            result.compared = "ranks of run a (data-parallel replicas)"
+            result.conclusion = (f"replicas differ: at step {replicas.step}, {names} get the same reduced gradient "
+                                 f"on ranks {replicas.ranks} but hold different values there: the model was "
+                                 "initialised differently per rank (a seed that depends on the rank before the "
+                                 "model is built) or its weights were never broadcast; build it from one seed on "
+                                 "every rank, or broadcast rank 0's weights")
+            result.origin = {"kind": "replicas", "conclusion": result.conclusion, "step": replicas.step,
+                             "rank": replicas.ranks[-1], "phase": "init", "module": None, "op": None,
+                             "id": "params", "category": "state", "classification": "origin",
+                             "call_site": None, "elements": None, "catalog": None, "detail": result.conclusion,
+                             "state_differs": [], "state_differs_all": [], "params": replicas.params,
+                             "ranks": replicas.ranks}
+            result.seconds = time.perf_counter() - start
+            return result
         if first is None:
             pairs = STEPS_ATTEMPTS if self.same_command else 1
             result.conclusion = ("identical: every recorded step matched bit for bit on every rank"

@@ -468,3 +468,65 @@ def _catalog_line(op: str) -> str | None:
     except Exception:
         return None
     return entries[0].summary() if entries else None
+
+
+@dataclass
+class ReplicaMismatch:
+    """Parameters that every rank treats as a replica (their reduced gradients are the same
+    bits on every rank) but that hold different values across ranks before the first step."""
+
+    step: int
+    ranks: list[int]
+    params: list[str]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def find_replica_mismatch(run: str | os.PathLike) -> ReplicaMismatch | None:
+    """Within one traced run: the parameters whose gradient at the first traced optimizer
+    step is bitwise equal on every rank (so it was reduced over them: they are data-parallel
+    replicas) while their values before that step differ between ranks.  Parameters that are
+    not replicated (tensor- or expert-parallel shards) get different gradients per rank and
+    are never reported."""
+    side = _Side(run)
+    ranks = list(side.run.ranks)
+    if len(ranks) < 2:
+        return None
+    first = None
+    params: dict[int, dict[str, Record]] = {}
+    grads: dict[int, dict[str, Record]] = {}
+    for rank in ranks:
+        reader = side.run.stream(rank)
+        try:
+            block = next(iter(reader.steps()), None)
+            records = block.records() if block is not None else []
+            step = block.step if block is not None else None
+        finally:
+            reader.close()
+        if step is None or (first is not None and step != first):
+            return None
+        first = step
+        params[rank], grads[rank] = {}, {}
+        for record in records:
+            ref = parse_record(record.phase, record.name)
+            if ref is None or ref.role != "out":
+                continue
+            if ref.category == "state" and ref.event_id == "params":
+                params[rank].setdefault(ref.label, record)
+            elif ref.category == "phase" and ref.training_phase == "reduce":
+                grads[rank].setdefault(ref.label, record)
+    base = ranks[0]
+    mismatched, differing_ranks = [], set()
+    for name, value in params[base].items():
+        if not all(name in params[r] and name in grads[r] for r in ranks) or name not in grads[base]:
+            continue
+        if not all(grads[r][name].same_content(grads[base][name]) for r in ranks):
+            continue  # not reduced over these ranks: a shard, not a replica
+        others = [r for r in ranks if not params[r][name].same_content(value)]
+        if others:
+            mismatched.append(name)
+            differing_ranks.update(others)
+    if not mismatched:
+        return None
+    return ReplicaMismatch(first, sorted({base, *differing_ranks}), mismatched)

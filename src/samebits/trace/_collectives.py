@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from samebits.trace import _tracer
+from samebits.trace._tensors import call_site, nudge
 
 
 def _single(name):
@@ -48,6 +49,7 @@ _SPECS = {
     "all_to_all_single": (_single("input"), _single("output")),
 }
 _originals: dict = {}
+_active_tracer: list[Callable] = []  # the tracer registry's `active`, given by `patch`
 
 
 def group_name(group) -> str:
@@ -82,7 +84,7 @@ def _wrap(name, original):
 
     @functools.wraps(original)
     def traced(*args, **kwargs):
-        tracer = _tracer.active()
+        tracer = _active_tracer[0]() if _active_tracer else None
         if tracer is None or tracer.busy or not dist.is_initialized():
             return original(*args, **kwargs)
         if not tracer.armed:
@@ -100,7 +102,7 @@ def _wrap(name, original):
         if tracer.level_now >= 1:
             tracer.record("collective", event_id, "in", inputs, phase)
             if tracer.config.call_sites:
-                tracer.call_sites[f"{phase}|{event_id}"] = _tracer.call_site(2)
+                tracer.call_sites[f"{phase}|{event_id}"] = call_site(2)
         dump_inputs = tracer.copies(inputs) if dump else None
         step = tracer.step_now
 
@@ -133,13 +135,15 @@ def nudge_busy(tracer, t) -> None:
     tracer.busy = True
     try:
         with torch.no_grad():
-            _tracer.nudge(t)
+            nudge(t)
     finally:
         tracer.busy = False
 
 
-def patch() -> None:
-    """Replace the collectives of torch.distributed by tracing wrappers (idempotent)."""
+def patch(active: Callable) -> None:
+    """Replace the collectives of torch.distributed by tracing wrappers (idempotent); the
+    wrappers ask ``active()`` for the tracer in force."""
+    _active_tracer[:] = [active]
     if _originals or not dist.is_available():
         return
     from torch.distributed import distributed_c10d

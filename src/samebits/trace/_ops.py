@@ -28,7 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from samebits.trace._config import record_name
-from samebits.trace._tracer import _TORCH_DIR, _TRACE_DIR, call_site, digestable, nudge, version_of
+from samebits.trace._tensors import _TORCH_DIR, _TRACE_DIR, call_site, digestable, nudge, version_of
 
 _LIBRARY_DIR = os.path.dirname(_TRACE_DIR) + os.sep  # samebits itself ...
 _CLIENT_DIR = os.path.join(_LIBRARY_DIR, "recipes") + os.sep  # ... but the recipe is traced like a user's code

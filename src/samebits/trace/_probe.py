@@ -21,6 +21,7 @@ import functools
 
 from samebits.errors import ConfigError
 from samebits.trace import _tracer
+from samebits.trace._tensors import tensor_leaves
 
 
 class probe:
@@ -30,7 +31,7 @@ class probe:
         if not name or "/" in name or "|" in name:
             raise ConfigError(f"probe name {name!r} must be non-empty without '/' or '|'.")
         self.name = name
-        self._inputs = list(_tracer.tensor_leaves(list(inputs))) + list(_tracer.tensor_leaves(named_inputs))
+        self._inputs = list(tensor_leaves(list(inputs))) + list(tensor_leaves(named_inputs))
         self._event = None
 
     def __call__(self, fn):
@@ -70,7 +71,7 @@ class probe:
         self._event = None
         if not tracer.open or tracer.step_now != step:
             return
-        pairs = list(_tracer.tensor_leaves(values[0] if len(values) == 1 else list(values)))
+        pairs = list(tensor_leaves(values[0] if len(values) == 1 else list(values)))
         if recorded:
             tracer.record("probe", event_id, "out", pairs, phase)
             for _, t in pairs:

@@ -164,7 +164,6 @@ class _Evidence:
     subtree: str | None = None  # where rung 3 looked
     ops_finding: Finding | None = None  # rung 3's first difference (when it was not an op origin)
     reproduced: bool = True
-    ruled_out: list[str] = field(default_factory=list)
 
 
 class _Bisector:

@@ -476,3 +476,32 @@ def test_replicas_that_differ_are_found_and_shards_are_not(tmp_path):
         _write_traced(tmp_path / "equal", rank, [("trace:state:init", [("params|out:dense.weight", same)]),
                                                  ("trace:phase:reduce", [("reduce:0|out:dense.weight", same)])])
     assert find_replica_mismatch(tmp_path / "equal") is None
+
+
+def test_keyword_inputs_of_the_model_are_recorded(tmp_path):
+    """`model(**batch)` (as HF Trainer calls it): a batch that differs is seen at the model's
+    forward input, keyword by keyword."""
+
+    class Keywords(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = make_model()
+
+        def forward(self, *, features):
+            return self.inner(features)
+
+    runs = []
+    for name, offset in (("a", 0.0), ("b", 1e-3)):
+        torch.manual_seed(0)
+        model = Keywords()
+        rec = samebits.Recorder(tmp_path / name, rank=0, world_size=1)
+        tracer = attach(model, rec, TraceConfig(level=1))
+        with tracer.step(0):
+            model(features=torch.ones(5, 4) + offset).sum().backward()
+            rec.end_step(0)
+        tracer.close()
+        rec.close()
+        runs.append(tmp_path / name)
+    finding = find_origins(*runs).first
+    assert (finding.category, finding.role, finding.label) == ("phase", "in", "features")
+    assert finding.event_id.startswith("forward/")

@@ -189,7 +189,8 @@ class Tracer:
                                                  register_module_forward_pre_hook)
 
             self._step_handles.append(register_module_forward_pre_hook(self._pre_forward))
-            self._step_handles.append(register_module_forward_hook(self._post_forward, always_call=True))
+            self._step_handles.append(register_module_forward_hook(self._post_forward, always_call=True,
+                                                                   with_kwargs=True))
         if self.ops_needed and not self._mode_pushed:
             if self._mode is None:
                 self._mode = OpMode(self)
@@ -400,7 +401,8 @@ class Tracer:
             for _, t in pairs:
                 self.mark_seen(t)
 
-    def _post_forward(self, module, args, output) -> None:
+    def _post_forward(self, module, args, kwargs=None, output=None) -> None:
+        # (module, args, kwargs, output); when forward raised, torch passes fewer arguments
         if self.busy or not self.open or not self.frames:
             return
         frame = self.frames.pop()
@@ -416,6 +418,8 @@ class Tracer:
                 self._hook_backward(fqn, count, leaves, list(tensor_leaves(args)))
         if is_root and len(frame) > 5:
             label = fqn or "model"
+            if isinstance(kwargs, dict) and kwargs:  # keyword inputs (model(**batch)): a global pre-hook sees only positional ones
+                self.record("phase", f"forward/{label}:{frame[5]}", "in", list(tensor_leaves(kwargs)), phase)
             self.record("phase", f"forward/{label}:{frame[5]}", "out", list(tensor_leaves(output)), phase)
 
     def _hook_backward(self, fqn: str, count: int, outputs, inputs) -> None:

@@ -16,7 +16,7 @@ from samebits.cli import main
 from samebits.compare import DiffResult
 from samebits.errors import SamebitsError
 from samebits.verdicts import Verdict
-from samebits.verify import VerifyResult, verify_recipe
+from samebits.runs.verify import VerifyResult, verify_recipe
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ writes ``outcome-rank<R>-pid<P>.json`` into its run directory when its Python co
 * ``"exception"``: an uncaught exception ended it (its type, message and traceback tail);
 * ``"stopped"``: the live check stopped it at a step that differs from the reference.
 
-The launcher (`samebits._launch`) reads these files: only a run whose every process ended
+The launcher (`samebits.runs._launch`) reads these files: only a run whose every process ended
 ``clean`` with its streams closed, and whose non-zero exit came from a signal after that,
 may keep its records.  The file is written atomically (temp file, then rename).
 """

@@ -5,9 +5,9 @@ from __future__ import annotations
 import shlex
 import sys
 
-from samebits.cli._format import print_json, table
+from samebits.cli._format import echo, print_json, table
 from samebits.errors import ConfigError
-from samebits.trace import bisect
+from samebits.runs import bisect
 
 
 def register(sub) -> None:
@@ -48,7 +48,7 @@ def run(args) -> int:
     cmd_b = shlex.split(args.cmd_b) if args.cmd_b else None
 
     def progress(message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
+        echo(message, file=sys.stderr, flush=True)
 
     if cmd_a is None:
         progress(f"samebits bisect: the reference recipe, {args.nproc} rank(s), {args.steps} steps"
@@ -62,7 +62,7 @@ def run(args) -> int:
     if args.json:
         print_json(result.to_json())
     else:
-        print(render(result))
+        echo(render(result))
     return result.verdict.exit_code
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from samebits.cli._format import print_json, table
+from samebits.cli._format import echo, print_json, table
 from samebits.trace import find_origins
 from samebits.verdicts import Verdict
 
@@ -28,7 +28,7 @@ def run(args) -> int:
     if args.json:
         print_json(report.to_json())
     else:
-        print(render(report))
+        echo(render(report))
     return report.verdict.exit_code
 
 

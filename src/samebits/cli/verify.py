@@ -7,7 +7,7 @@ import time
 
 from samebits.cli._format import echo, print_json, table
 from samebits.verdicts import Verdict
-from samebits.verify import VerifyResult, verify_command, verify_recipe
+from samebits.runs.verify import VerifyResult, verify_command, verify_recipe
 
 
 def register(sub) -> None:

@@ -21,7 +21,7 @@ Zero-code recording (``samebits run``, ``samebits bisect -- CMD``) installs the 
 from the same ``SAMEBITS_TRACE*`` variables.  Then compare two traced runs::
 
     report = samebits.trace.find_origins("runs/a", "runs/b")   # origins, earliest first
-    result = samebits.trace.bisect(["python", "train.py"])     # narrows rung by rung
+    result = samebits.runs.bisect(["python", "train.py"])      # narrows rung by rung (runs layer)
 """
 
 from __future__ import annotations
@@ -98,13 +98,6 @@ def install_zero_code(recorder_source, step: int) -> "Tracer | None":
     return tracer
 
 
-def bisect(*args, **kwargs):
-    """Narrow a divergence to its origin op; see `samebits.trace._bisect.bisect`."""
-    from samebits.trace._bisect import bisect as run_bisect
-
-    return run_bisect(*args, **kwargs)
-
-
 __all__ = [
     "TraceConfig",
     "EventSpec",
@@ -116,6 +109,5 @@ __all__ = [
     "OriginReport",
     "Finding",
     "compare_elements",
-    "bisect",
     "active",
 ]

@@ -32,9 +32,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
+from samebits import settings
 from samebits.checkpoint import STATE_PHASE
 from samebits.errors import ConfigError
-from samebits.stream.settings import parse_ranks, parse_steps
 
 LEVELS = {"off": 0, "phases": 1, "modules": 2, "ops": 3}
 LEVEL_NAMES = {value: name for name, value in LEVELS.items()}
@@ -170,23 +170,17 @@ class TraceConfig:
             level = int(text)
         else:
             raise ConfigError(f"SAMEBITS_TRACE={text!r}: choose one of {', '.join(LEVELS)} (or 0-3).")
-        start, stop = parse_steps(env.get("SAMEBITS_TRACE_STEPS"), "SAMEBITS_TRACE_STEPS")
-        ranks = parse_ranks(env.get("SAMEBITS_TRACE_RANKS"), "SAMEBITS_TRACE_RANKS")
-        dump = env.get("SAMEBITS_TRACE_DUMP_OP", "").strip()
-        perturb = env.get("SAMEBITS_TEST_PERTURB", "").strip()
-        stop_after = env.get("SAMEBITS_TRACE_STOP_AFTER", "").strip()
-        try:
-            stop_after_step = int(stop_after) if stop_after else None
-        except ValueError:
-            raise ConfigError(f"SAMEBITS_TRACE_STOP_AFTER={stop_after!r} must be a step number.") from None
-        dump_dir = env.get("SAMEBITS_TRACE_DUMP_DIR", "").strip()
+        start, stop = settings.read("SAMEBITS_TRACE_STEPS", env)
+        dump = settings.read("SAMEBITS_TRACE_DUMP_OP", env)
+        perturb = settings.read("SAMEBITS_TEST_PERTURB", env)
+        dump_dir = settings.read("SAMEBITS_TRACE_DUMP_DIR", env)
         return cls(
-            level=level, step_start=start, step_stop=stop, ranks=ranks,
-            module=env.get("SAMEBITS_TRACE_MODULE", "").strip(),
-            call_sites=env.get("SAMEBITS_TRACE_STACK", "").strip() in ("1", "true", "yes"),
+            level=level, step_start=start, step_stop=stop, ranks=settings.read("SAMEBITS_TRACE_RANKS", env),
+            module=settings.read("SAMEBITS_TRACE_MODULE", env),
+            call_sites=settings.read("SAMEBITS_TRACE_STACK", env),
             dump=EventSpec.parse(dump, "SAMEBITS_TRACE_DUMP_OP") if dump else None,
             dump_dir=Path(dump_dir) if dump_dir else None,
-            stop_after=stop_after_step,
+            stop_after=settings.read("SAMEBITS_TRACE_STOP_AFTER", env),
             perturb=EventSpec.parse(perturb, "SAMEBITS_TEST_PERTURB") if perturb else None,
         )
 

@@ -39,10 +39,10 @@ from typing import Callable
 
 import torch
 
-from samebits._launch import failed, run_logged, teardown_note
 from samebits.autorecord import environment_for
 from samebits.checkpoint import describe_state_record
 from samebits.errors import ConfigError, SamebitsError
+from samebits.runs._launch import failed, run_logged, teardown_note
 from samebits.stream.reader import open_run
 from samebits.trace._config import ENV_VARS, LEVEL_NAMES, EventSpec, TraceConfig, parent_scope
 from samebits.trace._elements import compare_elements, same_values

@@ -25,14 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from samebits._launch import judge_recipe_run, judge_recorded_run, run_logged
 from samebits.autorecord import STATE_DIR, environment_for, read_stop
+from samebits.checkpoint import STATE_PHASE, describe_state_record
 from samebits.compare import DiffResult, diff
 from samebits.errors import ConfigError, SamebitsError, StreamError
+from samebits.runs._launch import judge_recipe_run, judge_recorded_run, run_logged
 from samebits.stream import open_run
 from samebits.verdicts import Verdict
-
-from samebits.checkpoint import STATE_PHASE, describe_state_record
 
 GUARANTEES = ("independent", "resume")
 PLACEHOLDERS = ("{out}", "{run}")  # in the command: this run's own work folder and its name

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from samebits import settings
 from samebits._inject import with_injection
 from samebits.autorecord._outcome import (
     STOPPED_MARKER,
@@ -65,7 +66,7 @@ _state = None
 class _AutoRecorder:
     def __init__(self):
         self.recorder = None
-        self.step = int(os.environ.get("SAMEBITS_STEP_OFFSET", "0"))
+        self.step = settings.read("SAMEBITS_STEP_OFFSET")
         self.first_optimizer = None
         self.param_names: dict[int, str] = {}
         self.depth = 0  # nesting of module forwards: 0 means a top-level call
@@ -79,9 +80,9 @@ class _AutoRecorder:
 
     def _rec(self):
         if self.recorder is None:
-            reference = os.environ.get("SAMEBITS_REFERENCE") or None
-            config = {"command": os.environ.get("SAMEBITS_COMMAND", "")}
-            append = os.environ.get("SAMEBITS_APPEND") == "1"
+            reference = settings.read("SAMEBITS_REFERENCE") or None
+            config = {"command": settings.read("SAMEBITS_COMMAND") or ""}
+            append = settings.read("SAMEBITS_APPEND")
             self.recorder = Recorder(append=append, reference=reference, config=config)
             if self.recorder.active:
                 self.census = Recorder(self.recorder.settings.directory / STATE_DIR, append=append,
@@ -115,7 +116,7 @@ class _AutoRecorder:
                     recorder.close()
                 except Exception:  # say so in the outcome rather than hide it
                     streams_closed = False
-        directory = os.environ.get("SAMEBITS_DIR")
+        directory = settings.read("SAMEBITS_DIR")
         if not directory:
             return
         rank = self.recorder.rank if self.recorder is not None else _env_rank()
@@ -129,7 +130,7 @@ class _AutoRecorder:
     def stop(self, step: int) -> None:
         """The live check found ``step`` differs from the reference: say so and end the process."""
         rec = self.recorder
-        reference = os.environ.get("SAMEBITS_REFERENCE", "")
+        reference = settings.read("SAMEBITS_REFERENCE") or ""
         print(f"samebits: step {step} on rank {rec.rank} differs from the reference run {reference} "
               f"(its step root); stopping here, exit code {EXIT_STOPPED}. Details: samebits diff "
               f"{reference} {rec.settings.directory} --to-step {step + 1}", file=sys.stderr, flush=True)
@@ -216,7 +217,7 @@ def install() -> bool:
     global _state
     if _state is not None:
         return True
-    if os.environ.get("SAMEBITS_DISABLE", "").strip() in ("1", "true", "yes"):
+    if settings.read("SAMEBITS_DISABLE"):
         return False
     from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
     from torch.optim.optimizer import register_optimizer_step_post_hook

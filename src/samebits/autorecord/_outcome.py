@@ -54,10 +54,10 @@ def read_outcomes(directory: str | os.PathLike) -> list[dict]:
     for path in sorted(directory.glob(OUTCOME_PREFIX + "*.json")):
         try:
             outcome = json.loads(path.read_text())
-            if not isinstance(outcome, dict):
-                raise ValueError("not an object")
         except (OSError, ValueError) as err:
             outcome = {"ended": "unreadable", "rank": None, "exception": f"{path.name}: {err}"}
+        if not isinstance(outcome, dict):
+            outcome = {"ended": "unreadable", "rank": None, "exception": f"{path.name}: not a JSON object"}
         outcome["file"] = str(path)
         outcomes.append(outcome)
     outcomes.sort(key=lambda o: (o.get("rank") if isinstance(o.get("rank"), int) else -1, o.get("pid") or 0))

@@ -39,6 +39,7 @@ from typing import Callable
 
 import torch
 
+from samebits import settings
 from samebits.autorecord import environment_for
 from samebits.checkpoint import describe_state_record
 from samebits.errors import ConfigError, SamebitsError
@@ -178,7 +179,7 @@ class _Bisector:
         self.stages: list[Stage] = []
         self.notes: list[str] = []
         self._sides: dict[str, Command] = {"a": side_a, "b": side_b}
-        perturb = os.environ.get("SAMEBITS_TEST_PERTURB", "").strip()
+        perturb = settings.read("SAMEBITS_TEST_PERTURB")
         self.perturb_b = EventSpec.parse(perturb, "SAMEBITS_TEST_PERTURB") if perturb else None
         if self.perturb_b is not None:
             self.notes.append(f"test hook: SAMEBITS_TEST_PERTURB={perturb} applied to side b's runs only")

@@ -41,6 +41,14 @@ import hashlib
 import struct
 import zlib
 
+from samebits.errors import StreamError
+
+
+class MalformedBytes(StreamError, ValueError):
+    """Bytes that do not decode (a varint too long, stray bytes): the reader adds file, offset
+    and frame before a user sees it."""
+
+
 SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)  # a reader accepts these; the writer writes SCHEMA_VERSION
 MAGIC = b"SAMEBITS"  # the first bytes of the HEADER payload, before the JSON
@@ -87,11 +95,11 @@ def decode_varint(buf, pos: int, end: int | None = None) -> tuple[int, int]:
         result |= (byte & 0x7F) << shift
         if not byte & 0x80:
             if result >> 64:
-                raise ValueError("varint above 2**64 - 1")
+                raise MalformedBytes("varint above 2**64 - 1")
             return result, pos
         shift += 7
         if shift > 63:
-            raise ValueError("varint longer than 10 bytes")
+            raise MalformedBytes("varint longer than 10 bytes")
 
 
 def frame(kind: int, payload: bytes | bytearray) -> bytes:

@@ -597,7 +597,7 @@ class StreamReader:
             offset, pos = fmt.decode_varint(payload, pos + 8)
             entries.append((step, num_records, root, offset))
         if pos != len(payload):
-            raise ValueError("stray bytes after the entries")
+            raise fmt.MalformedBytes("stray bytes after the entries")
         return entries
 
     def step_index(self) -> list[tuple[int, int, int, int]] | None:

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from samebits import fingerprint
+from samebits import fingerprint, settings
 from samebits.determinism import active_record
 from samebits.fingerprint._spec import dtype_code
 from samebits.errors import ConfigError, StreamError
@@ -142,7 +142,7 @@ class Recorder:
         self.path = s.directory / fmt.stream_filename(s.rank)
         header = {
             "schema": fmt.SCHEMA_VERSION,
-            "run_id": run_id or os.environ.get("SAMEBITS_RUN_ID") or _launcher_run_id() or uuid.uuid4().hex,
+            "run_id": run_id or settings.read("SAMEBITS_RUN_ID") or _launcher_run_id() or uuid.uuid4().hex,
             "rank": s.rank,
             "world_size": s.world_size,
             "coords": dict(coords or {}),

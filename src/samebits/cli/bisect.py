@@ -17,11 +17,16 @@ def register(sub) -> None:
         description="Run twice at rung 1 (phases, collectives) to find the first divergent step and phase, "
         "re-run that step at rung 2 (modules), then rung 3 (ATen ops) inside the module, then dump the "
         "origin op's outputs. With no command: the reference recipe. With --a/--b: two commands (a code "
-        "change, an upgrade, a thread count), each first checked for repeatability. "
+        "change, an upgrade, a thread count), each first checked for repeatability. With --b-step-offset K: "
+        "B resumes A's checkpoint of step K, and only steps >= K are compared (a resume that `samebits "
+        "verify --resume-with` found differs). "
         "Exit 0 identical, 1 diverged, 2 could not run.",
     )
     parser.add_argument("--a", dest="cmd_a", default=None, metavar="'CMD'", help="side A, a quoted command")
     parser.add_argument("--b", dest="cmd_b", default=None, metavar="'CMD'", help="side B, a quoted command")
+    parser.add_argument("--b-step-offset", dest="b_step_offset", type=int, default=None, metavar="K",
+                        help="side B resumes at step K (A's checkpoint of step K): its steps are numbered from "
+                        "K, and every stage compares and traces only steps >= K (needs --a and --b)")
     parser.add_argument("--out", default=None, help="output directory (default: samebits-out/bisect-TIME)")
     parser.add_argument("--stop-after", type=int, default=None, metavar="STEP",
                         help="end every run after this step (long commands)")
@@ -50,15 +55,21 @@ def run(args) -> int:
     def progress(message: str) -> None:
         echo(message, file=sys.stderr, flush=True)
 
+    if args.b_step_offset is not None and not (args.cmd_a and args.cmd_b):
+        raise ConfigError("--b-step-offset needs --a and --b: the run to resume from (A) and the command that "
+                          "resumes it at that step (B); the reference recipe has no resume to bisect.")
     if cmd_a is None:
         progress(f"samebits bisect: the reference recipe, {args.nproc} rank(s), {args.steps} steps"
                  + (", nondeterministic path" if args.nondeterministic else ""))
     else:
         progress(f"samebits bisect: a = {shlex.join(cmd_a)}" + (f"\n                 b = {shlex.join(cmd_b)}"
-                                                                 if cmd_b else " (twice)"))
+                                                                 if cmd_b else " (twice)")
+                 + (f"\n                 b resumes at step {args.b_step_offset}; steps >= "
+                    f"{args.b_step_offset} compared" if args.b_step_offset is not None else ""))
     result = bisect(cmd_a, cmd_b, out=args.out, steps=args.steps, nproc=args.nproc,
                     nondeterministic=args.nondeterministic, overrides=args.overrides,
-                    stop_after=args.stop_after, run_timeout=args.run_timeout, progress=progress)
+                    stop_after=args.stop_after, run_timeout=args.run_timeout,
+                    b_step_offset=args.b_step_offset, progress=progress)
     if args.json:
         print_json(result.to_json())
     else:

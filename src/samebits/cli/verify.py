@@ -118,6 +118,12 @@ def next_steps(result: VerifyResult) -> list[str]:
                      f"resumed run C (first difference at step {step})")
         if independent is not None and independent.identical:
             hints.append("      A = B held, so the difference comes from what the checkpoint saves and restores")
+        if result.resume_bisect_command:
+            hints.append(f"      to find the origin op of the resume (A against C from step {result.resume_at}): "
+                         f"`{result.resume_bisect_command}`")
+            if "bisect-work" in result.resume_bisect_command:
+                hints.append("      (its A saves the checkpoint in bisect-work/a, where its B resumes from: "
+                             "{out} and {from} filled as for this run)")
     if resume is None:
         hints.append("resume was not checked: add --resume-with 'CMD' --resume-at K (docs/resume.md), "
                      "and --require-resume in CI")

@@ -73,13 +73,16 @@ class Command:
     argv: list[str]
     recipe: bool = False  # pass --out DIR (the recipe records and traces itself)
     exit_notes: list[str] = field(default_factory=list)
+    step_offset: int | None = None  # a resumed command: its first step number (SAMEBITS_STEP_OFFSET)
+    from_step: int | None = None  # record only steps >= this (SAMEBITS_STEPS=K:)
 
     def launch(self, out_dir: Path, config: TraceConfig, log: Path, timeout: float | None = None) -> float:
         env = dict(os.environ)
         if self.recipe:
             argv = self.argv + ["--out", str(out_dir)]
         else:
-            env = environment_for(out_dir, command=shlex.join(self.argv))
+            env = environment_for(out_dir, command=shlex.join(self.argv), step_offset=self.step_offset,
+                                  steps=None if self.from_step is None else f"{self.from_step}:")
             argv = self.argv
         for name in ENV_VARS:
             env.pop(name, None)
@@ -179,6 +182,10 @@ class _Bisector:
         self.stages: list[Stage] = []
         self.notes: list[str] = []
         self._sides: dict[str, Command] = {"a": side_a, "b": side_b}
+        self.from_step = side_b.from_step  # a resume bisect: only steps >= this are compared and traced
+        if self.from_step is not None:
+            self.notes.append(f"b resumes at step {self.from_step} (its steps are numbered from there): only "
+                              f"steps >= {self.from_step} are compared and traced")
         perturb = settings.read("SAMEBITS_TEST_PERTURB")
         self.perturb_b = EventSpec.parse(perturb, "SAMEBITS_TEST_PERTURB") if perturb else None
         if self.perturb_b is not None:
@@ -220,8 +227,12 @@ class _Bisector:
         return finding
 
     def base_config(self, **changes) -> TraceConfig:
-        config = TraceConfig(level=1, stop_after=self.stop_after)
-        return config.with_(**changes)
+        config = TraceConfig(level=1, stop_after=self.stop_after).with_(**changes)
+        if self.from_step and config.step_start < self.from_step:
+            # A resume at step K: trace from K on both sides, so that each records the
+            # parameters it starts step K with (the tracer records them at its first traced step).
+            config = config.with_(step_start=self.from_step)
+        return config
 
     def sides(self) -> list[tuple[str, Command]]:
         return [("a", self._sides["a"]), ("b", self._sides["b"])]
@@ -247,8 +258,8 @@ class _Bisector:
                     self.conclude(stage, report)
         else:
             stage = Stage("steps", "phases", "all steps, every rank; each side twice (repeatability)")
-            a2 = Command("a2", a.argv, a.recipe)
-            b2 = Command("b2", b.argv, b.recipe)
+            a2 = Command("a2", a.argv, a.recipe, step_offset=a.step_offset, from_step=a.from_step)
+            b2 = Command("b2", b.argv, b.recipe, step_offset=b.step_offset, from_step=b.from_step)
             dirs = self.run_stage(stage, self.base_config(), [("a", a), ("a2", a2), ("b", b), ("b2", b2)])
             _check_compared(dirs)
             noise_a = find_origins(dirs["a"], dirs["a2"])
@@ -634,7 +645,7 @@ def _control_flow_json(finding: Finding) -> dict:
 
 def bisect(cmd_a: list[str] | None = None, cmd_b: list[str] | None = None, *, out=None,
            steps: int = 4, nproc: int = 2, nondeterministic: bool = False, overrides=(),
-           stop_after: int | None = None, run_timeout: float | None = 1800,
+           stop_after: int | None = None, run_timeout: float | None = 1800, b_step_offset: int | None = None,
            progress: Callable[[str], None] | None = None) -> BisectResult:
     """Find where two runs part, and the op that is the origin.
 
@@ -645,11 +656,21 @@ def bisect(cmd_a: list[str] | None = None, cmd_b: list[str] | None = None, *, ou
 
     ``stop_after``: end every run after that step (a long command).  ``run_timeout``: seconds
     one run may take before it is killed (with every process it started) and reported as a
-    hang.  Output (streams, logs, dumps) goes under ``out``, which must be new or empty.
+    hang.  ``b_step_offset``: side B resumes at step K (its steps are numbered from K, as
+    ``samebits verify --resume-at K`` numbers run C); both sides record, and every stage
+    compares and traces, only steps >= K, so A's steps before the resume are no divergence.
+    Output (streams, logs, dumps) goes under ``out``, which must be new or empty.
     A run that crashes raises `SamebitsError` (the CLI exits 2): never a verdict.
     """
     if cmd_b is not None and not cmd_a:
         raise ConfigError("--b needs --a: give both commands to compare, or one command after --.")
+    if b_step_offset is not None:
+        if not cmd_a or cmd_b is None:
+            raise ConfigError("--b-step-offset needs --a and --b: the run to resume from (A) and the command "
+                              "that resumes it at that step (B); the reference recipe has no resume to bisect.")
+        if b_step_offset < 0:
+            raise ConfigError(f"--b-step-offset {b_step_offset}: a step number cannot be negative; give the "
+                              "step the resumed command B starts from (as in --resume-at K).")
     out = Path(out) if out is not None else default_out_dir()
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out} exists and is not empty: samebits never overwrites runs. "
@@ -660,9 +681,10 @@ def bisect(cmd_a: list[str] | None = None, cmd_b: list[str] | None = None, *, ou
                                          overrides=overrides)
         same = True
     else:
-        side_a = Command("a", list(cmd_a))
+        side_a = Command("a", list(cmd_a), from_step=b_step_offset)
         same = cmd_b is None
-        side_b = Command("b", list(cmd_a if cmd_b is None else cmd_b))
+        side_b = Command("b", list(cmd_a if cmd_b is None else cmd_b), step_offset=b_step_offset,
+                         from_step=b_step_offset)
     bisector = _Bisector(side_a, side_b, out, progress, stop_after, same, run_timeout)
     result = bisector.bisect()
     _write_summary(out, result)

@@ -67,6 +67,7 @@ class VerifyResult:
     runs: list[RunInfo] = field(default_factory=list)
     explanations: dict[str, list[str]] = field(default_factory=dict)  # check -> what state differed
     bisect_command: str = ""  # how to locate the origin op of an independent-runs divergence
+    resume_bisect_command: str = ""  # the same for a resume divergence (A against the resumed run)
 
     @property
     def checked(self) -> list[str]:
@@ -96,6 +97,7 @@ class VerifyResult:
             "explanations": self.explanations,
             "runs": [run.to_json() for run in self.runs],
             "bisect_command": self.bisect_command,
+            "resume_bisect_command": self.resume_bisect_command,
             "timings_s": {k: round(v, 3) for k, v in self.timings.items()},
             "notes": self.notes,
         }
@@ -260,8 +262,35 @@ def verify_command(
     result.bisect_command = "samebits bisect -- " + command
     if any(placeholder in command for placeholder in PLACEHOLDERS):
         result.bisect_command += "   (put a scratch folder in place of {out} and {run})"
+    if resume_with is not None:
+        result.resume_bisect_command = resume_bisect_command(cmd, shlex.split(resume_with), resume_at, out)
     _write_summary(out, result)
     return result
+
+
+def resume_bisect_command(cmd: list[str], resume_with: list[str], resume_at: int, out: Path) -> str:
+    """The `samebits bisect` command that locates the origin of a resume divergence: A is the
+    command, B the resume command, numbered from ``resume_at``.  The placeholders are filled
+    as for verify's runs, in fresh folders under OUT/bisect-work: A's {out} is B's {from}, so
+    B resumes from the checkpoint that the bisect's own A run saves."""
+    work = out / "bisect-work"
+    values_a = {"{out}": str(work / "a"), "{run}": "a"}
+    values_b = {"{out}": str(work / "c"), "{run}": "c", "{step}": str(resume_at), "{from}": str(work / "a")}
+
+    def fill(argv: list[str], values: dict[str, str]) -> str:
+        parts = []
+        for part in argv:
+            for placeholder, value in values.items():
+                part = part.replace(placeholder, value)
+            parts.append(part)
+        return shlex.join(parts)
+
+    command = shlex.join(["samebits", "bisect", "--a", fill(cmd, values_a), "--b", fill(resume_with, values_b),
+                          "--b-step-offset", str(resume_at)])
+    used = [p for p in PLACEHOLDERS + RESUME_PLACEHOLDERS if any(p in part for part in cmd + resume_with)]
+    if any(p in used for p in ("{out}", "{from}")):
+        command = shlex.join(["mkdir", "-p", str(work / "a"), str(work / "c")]) + " && " + command
+    return command
 
 
 def _expand(argv: list[str], out: Path, run: str, step: int | None = None) -> list[str]:

@@ -607,24 +607,15 @@ class StreamReader:
         if not self._tail_closed:
             return None
         data, size = self._data, self.size
-        index_offset = fmt.unpack_u64(data, size - fmt.CLOSE_FRAME_SIZE + 2)
+        index_offset = self._final_index_offset()
         try:
             if data[index_offset] != fmt.FRAME_INDEX:
                 return None
             length, start = fmt.decode_varint(data, index_offset + 1, size)
-            payload = data[start : start + length]
             if start + length + 4 > size or zlib.crc32(data[index_offset : start + length]) != fmt.unpack_u32(
                     data, start + length):
                 return None
-            count, pos = fmt.decode_varint(payload, 0)
-            entries = []
-            for _ in range(count):
-                step, pos = fmt.decode_varint(payload, pos)
-                num_records, pos = fmt.decode_varint(payload, pos)
-                root = fmt.unpack_u64(payload, pos)
-                offset, pos = fmt.decode_varint(payload, pos + 8)
-                entries.append((step, num_records, root, offset))
-            return entries
+            return self._index_entries(data[start : start + length])
         except (IndexError, ValueError, struct_error):
             return None  # a damaged footer: sequential reading will say where and why
 

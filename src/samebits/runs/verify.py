@@ -274,18 +274,10 @@ def resume_bisect_command(cmd: list[str], resume_with: list[str], resume_at: int
     as for verify's runs, in fresh folders under OUT/bisect-work: A's {out} is B's {from}, so
     B resumes from the checkpoint that the bisect's own A run saves."""
     work = out / "bisect-work"
-    values_a = {"{out}": str(work / "a"), "{run}": "a"}
-    values_b = {"{out}": str(work / "c"), "{run}": "c", "{step}": str(resume_at), "{from}": str(work / "a")}
-
-    def fill(argv: list[str], values: dict[str, str]) -> str:
-        parts = []
-        for part in argv:
-            for placeholder, value in values.items():
-                part = part.replace(placeholder, value)
-            parts.append(part)
-        return shlex.join(parts)
-
-    command = shlex.join(["samebits", "bisect", "--a", fill(cmd, values_a), "--b", fill(resume_with, values_b),
+    side_a = _fill(cmd, {"{out}": str(work / "a"), "{run}": "a"})
+    side_b = _fill(resume_with, {"{out}": str(work / "c"), "{run}": "c", "{step}": str(resume_at),
+                                 "{from}": str(work / "a")})
+    command = shlex.join(["samebits", "bisect", "--a", shlex.join(side_a), "--b", shlex.join(side_b),
                           "--b-step-offset", str(resume_at)])
     used = [p for p in PLACEHOLDERS + RESUME_PLACEHOLDERS if any(p in part for part in cmd + resume_with)]
     if any(p in used for p in ("{out}", "{from}")):
@@ -300,12 +292,17 @@ def _expand(argv: list[str], out: Path, run: str, step: int | None = None) -> li
     values = {"{out}": str(work), "{run}": run}
     if step is not None:
         values.update({"{step}": str(step), "{from}": str(out / "work" / "a")})
-    expanded = []
+    return _fill(argv, values)
+
+
+def _fill(argv: list[str], values: dict[str, str]) -> list[str]:
+    """``argv`` with each placeholder (a key of ``values``) replaced by its value."""
+    filled = []
     for part in argv:
         for placeholder, value in values.items():
             part = part.replace(placeholder, value)
-        expanded.append(part)
-    return expanded
+        filled.append(part)
+    return filled
 
 
 def _explain(result: VerifyResult, state_a: Path, state_b: Path, state_c: Path) -> dict[str, list[str]]:

@@ -117,7 +117,7 @@ def test_resume_continues_the_stream_and_a_lost_state_is_caught_live(tmp_path, m
     a resume that loses the router-jitter state stops at the first step after the resume."""
     if not hasattr(samebits, "Recorder"):
         pytest.skip("samebits.Recorder is not in this install")
-    from samebits.recipes.train import main
+    from samebits.recipes.cli import main
 
     tiny = ["--steps", str(STEPS), *_tiny_cli_args()]
     a, b, lost, ckpt = (str(tmp_path / name) for name in ("a", "b", "lost", "ckpt"))
@@ -481,7 +481,7 @@ def test_save_killed_at_any_operation_leaves_a_loadable_latest_and_the_next_save
 
 
 def _run_cli(*args, env=None, **kwargs):
-    return subprocess.run([sys.executable, "-m", "samebits.recipes.train", *args],
+    return subprocess.run([sys.executable, "-m", "samebits.recipes", *args],
                           capture_output=True, text=True, env={**os.environ, **(env or {})},
                           timeout=120, **kwargs)
 
@@ -498,7 +498,7 @@ def test_save_killed_mid_way_leaves_previous_checkpoint_loadable(tmp_path, strai
     # Resume, then save before step 3 with a pause after the shards: kill it there.
     log = open(tmp_path / "stderr.txt", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "samebits.recipes.train", "--steps", str(STEPS),
+        [sys.executable, "-m", "samebits.recipes", "--steps", str(STEPS),
          "--resume-from", str(root), "--save-at", "3", "--ckpt", str(root), *_tiny_cli_args()],
         stdout=subprocess.DEVNULL, stderr=log, env={**os.environ, checkpoint.SAVE_PAUSE_ENV: "60"})
     try:
@@ -566,7 +566,7 @@ def test_two_ranks_rng_states_restored_on_their_own_rank(two_ranks):
 
 
 def test_two_ranks_save_exit_resume_cli_is_bitwise_equal(tmp_path, two_ranks):
-    module = ["-m", "samebits.recipes.train", "--steps", str(STEPS), *_tiny_cli_args()]
+    module = ["-m", "samebits.recipes", "--steps", str(STEPS), *_tiny_cli_args()]
     root = tmp_path / "ckpt"
     saved = _step_lines(_torchrun(*module, "--save-at", str(SAVE_AT), "--ckpt", str(root)))
     resumed = _step_lines(_torchrun(*module, "--resume-from", str(root)))

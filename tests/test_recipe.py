@@ -22,7 +22,7 @@ import samebits
 from samebits.errors import ConfigError
 from samebits.recipes import RecipeConfig, nondeterministic_config, train
 from samebits.recipes.data import Batches, SyntheticTokens, TokenFile, build_token_source
-from samebits.recipes.train import main
+from samebits.recipes.cli import main
 
 needs_two_cores = pytest.mark.skipif((os.cpu_count() or 1) < 2,
                                      reason="thread-order nondeterminism needs >= 2 cores")
@@ -303,18 +303,22 @@ def test_cli_stops_with_exit_3_when_the_recorder_reports_divergence(monkeypatch,
 
 
 def test_cli_runs_as_a_module(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "samebits.recipes.train", "--steps", "1",
+    result = subprocess.run([sys.executable, "-m", "samebits.recipes", "--steps", "1",
                              *TINY_ARGS], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("step     0 | loss ")
     assert "RuntimeWarning" not in result.stderr
 
 
-def test_package_attribute_stays_callable():
-    import samebits.recipes
-    import samebits.recipes.train as module  # noqa: F401  (rebinding the package attribute)
+def test_train_is_the_function_and_the_old_module_is_gone():
+    import importlib
 
-    assert callable(samebits.recipes.train)
+    import samebits.recipes
+    from samebits.recipes import train
+
+    assert train is samebits.recipes.loop.train and callable(samebits.recipes.train)
+    with pytest.raises(ModuleNotFoundError):  # `python -m samebits.recipes.train` is gone
+        importlib.import_module("samebits.recipes.train")
 
 
 # --- expert parallelism over 2 ranks ----------------------------------------------------------

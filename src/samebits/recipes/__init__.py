@@ -3,7 +3,7 @@
     from samebits.recipes import RecipeConfig, train
     result = train(RecipeConfig(), steps=10)
 
-Command line: `python -m samebits.recipes.train --help`; see docs/recipe.md.
+Command line: `python -m samebits.recipes --help`; see docs/recipe.md.
 """
 
 from samebits.recipes.config import (

@@ -2,7 +2,7 @@
 
 Each step runs the same phases in the same order: data, forward and losses, backward with
 DP reduction and clipping, update; a recorder (duck-typed, see docs/recipe.md) sees each
-phase.  The command line around it is `samebits.recipes.train`.
+phase.  The command line around it is `python -m samebits.recipes` (recipes/cli.py).
 """
 
 from __future__ import annotations

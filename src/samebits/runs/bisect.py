@@ -145,9 +145,9 @@ def recipe_commands(*, steps: int = 4, nproc: int = 2, nondeterministic: bool = 
                     overrides=()) -> tuple[Command, Command]:
     """Both sides on the reference recipe (the same command twice).  The recipe records into
     ``--out`` and traces itself from the ``SAMEBITS_TRACE*`` variables."""
-    argv = [sys.executable, "-m", "samebits.recipes.train"] if nproc == 1 else [
+    argv = [sys.executable, "-m", "samebits.recipes"] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-        "--nproc-per-node", str(nproc), "-m", "samebits.recipes.train"]
+        "--nproc-per-node", str(nproc), "-m", "samebits.recipes"]
     argv += ["--steps", str(steps)]
     if nondeterministic:
         argv += ["--preset", "nondeterministic"]

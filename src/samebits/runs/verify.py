@@ -118,9 +118,9 @@ def _prepare(out) -> Path:
 
 def _recipe_argv(nproc: int) -> list[str]:
     if nproc == 1:
-        return [sys.executable, "-m", "samebits.recipes.train"]
+        return [sys.executable, "-m", "samebits.recipes"]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-            "--nproc-per-node", str(nproc), "-m", "samebits.recipes.train"]
+            "--nproc-per-node", str(nproc), "-m", "samebits.recipes"]
 
 
 def verify_recipe(

@@ -1,12 +1,13 @@
-"""Command line of the reference recipe: parse, call `train`, print.
+"""Command line of the reference recipe (`python -m samebits.recipes`): parse, call `train`,
+print.
 
-    python -m samebits.recipes.train --steps 20                      # one process
-    torchrun --nproc_per_node 2 -m samebits.recipes.train --steps 20 # DP + EP over 2 ranks
-    python -m samebits.recipes.train --steps 20 --out runs/a         # record streams
-    python -m samebits.recipes.train --steps 20 --out runs/b --reference runs/a  # live check
-    python -m samebits.recipes.train --steps 20 --save-at 10 --ckpt ckpt        # save, exit
-    python -m samebits.recipes.train --steps 20 --resume-from ckpt                # continue
-    python -m samebits.recipes.train --preset nondeterministic --set seed=3
+    python -m samebits.recipes --steps 20                      # one process
+    torchrun --nproc_per_node 2 -m samebits.recipes --steps 20 # DP + EP over 2 ranks
+    python -m samebits.recipes --steps 20 --out runs/a         # record streams
+    python -m samebits.recipes --steps 20 --out runs/b --reference runs/a  # live check
+    python -m samebits.recipes --steps 20 --save-at 10 --ckpt ckpt        # save, exit
+    python -m samebits.recipes --steps 20 --resume-from ckpt                # continue
+    python -m samebits.recipes --preset nondeterministic --set seed=3
 
 Rank 0 prints one line per step: the loss averaged over ranks (and its float32 bits, to
 compare runs by eye), its parts, the gradient norm, the learning rate and the step time.
@@ -20,21 +21,18 @@ import argparse
 import json
 import os
 import sys
-import types
 from pathlib import Path
 
+import samebits
+from samebits.autorecord import EXIT_STOPPED, STOPPED_MARKER  # --out marker when the live check stopped the run
 from samebits.errors import ConfigError, SamebitsError
 from samebits.recipes.config import PRESETS, RecipeConfig
 from samebits.recipes.loop import session, train
-import samebits
-from samebits.autorecord import STOPPED_MARKER  # written into --out when the live check stopped the run
-
-EXIT_OK, EXIT_CANNOT_RUN, EXIT_DIVERGED = 0, 2, 3
-
+from samebits.verdicts import EXIT_CANNOT_RUN, EXIT_OK
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m samebits.recipes.train",
+    parser = argparse.ArgumentParser(prog="python -m samebits.recipes",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=20, help="total optimizer steps (default 20)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="default",
@@ -61,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.reference is not None and args.out is None:
             raise ConfigError("--reference needs --out (the live check runs in the recorder)")
     except ValueError as err:
-        print(f"samebits.recipes.train: error: {err}", file=sys.stderr)
+        print(f"samebits.recipes: error: {err}", file=sys.stderr)
         return EXIT_CANNOT_RUN
 
     rank, recorder = 0, None
@@ -76,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                 if recorder is not None and hasattr(recorder, "close"):
                     recorder.close()
     except (ValueError, SamebitsError) as err:
-        print(f"samebits.recipes.train: error (rank {rank}): {err}", file=sys.stderr)
+        print(f"samebits.recipes: error (rank {rank}): {err}", file=sys.stderr)
         return EXIT_CANNOT_RUN
     if rank == 0:
         if result.checkpoint is not None:
@@ -87,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.out.mkdir(parents=True, exist_ok=True)
                 (args.out / STOPPED_MARKER).write_text(
                     json.dumps({"stopped_at": result.stopped_at, "reason": "diverged from reference"}) + "\n")
-    return EXIT_DIVERGED if result.stopped_at is not None else EXIT_OK
+    return EXIT_STOPPED if result.stopped_at is not None else EXIT_OK
 
 
 def _make_recorder(args, cfg: RecipeConfig, rank: int, world_size: int):
@@ -96,24 +94,3 @@ def _make_recorder(args, cfg: RecipeConfig, rank: int, world_size: int):
         kwargs["append"] = True  # a resumed run continues the stream of the run it resumes
     return samebits.Recorder(args.out, rank=rank, world_size=world_size, config=cfg.to_dict(),
                     coords={"dp": rank, "ep": rank}, **kwargs)
-
-
-class _CallableModule(types.ModuleType):
-    """`samebits.recipes.train` names both the function and this module; importing the module
-    rebinds the package attribute to it, so calling the module calls the function."""
-
-    def __call__(self, *args, **kwargs):
-        return train(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
-
-
-if __name__ == "__main__":
-    code = main()
-    # Everything is written, flushed and closed (streams, checkpoint, process group). Skip the
-    # C++ static destructors: under load about 1 run in 15 aborted there ("terminate called
-    # without an active exception", no Python frame), turning a finished run into a failure.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

@@ -386,3 +386,21 @@ def test_default_thread_count_honours_omp_num_threads(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "many")
     with pytest.raises(ConfigError, match="OMP_NUM_THREADS='many' is not a positive integer"):
         RecipeConfig()
+
+
+def test_recipe_rules_cover_every_literal_choice():
+    """The recipe's determinism rules (registered by importing samebits.recipes) judge every
+    value its Literal option types allow: each is deterministic or known nondeterministic."""
+    from samebits.determinism import check, rules
+    from samebits.recipes.config import literal_choices
+    from samebits.recipes.rules import RECIPE_CHOICES
+
+    choices = literal_choices(RecipeConfig)
+    for key, (good, bad, _why) in RECIPE_CHOICES.items():
+        assert set(good) | set(bad) == set(choices[key]), key
+        assert f"recipe-{key.replace('_', '-')}" in {r.id for r in rules()}
+        for value in bad:
+            (violation,) = check({key: value}, env=False)
+            assert violation.setting == key and "unknown" not in violation.fix
+    with pytest.raises(ConfigError, match="moe_combine='magic' is not one of index_add"):
+        RecipeConfig(moe_combine="magic")

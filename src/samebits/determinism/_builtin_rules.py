@@ -1,5 +1,6 @@
-"""The built-in determinism rules: environment, torch flags, generic config keys, and the
-reference recipe's options.  Importing this module registers them."""
+"""The built-in determinism rules: environment, torch flags and generic config keys.
+Importing this module registers them.  (The reference recipe registers its own option rules
+through the public API: samebits/recipes/rules.py.)"""
 
 from __future__ import annotations
 
@@ -228,43 +229,3 @@ def _deterministic_off(ctx: CheckContext):
         for path, value in ctx.config.find(key):
             if value is False or value in ("false", "False", 0):
                 yield Finding(path, value, f"set {path} = true")
-
-
-# --- the reference recipe's options ------------------------------------------------
-
-RECIPE_CHOICES: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
-    # key: (deterministic values, known nondeterministic values, why)
-    "moe_combine": (
-        ("index_add", "triton_deterministic"), ("index_put_accumulate", "triton_atomic"),
-        "index_put_(accumulate=True) races between CPU threads and uses atomicAdd on CUDA "
-        "(measured: differs on every call with 2 threads); the atomic Triton combine adds "
-        "in arrival order.  index_add_ (Megatron's unpermute) and the sorted Triton kernel "
-        "sum each row in a fixed order."),
-    "moe_grouped_gemm": (
-        ("torch", "triton_deterministic"), ("triton_atomic",),
-        "the atomic Triton grouped GEMM accumulates split-K partial sums with atomic adds, "
-        "in arrival order."),
-    "embedding_backward": (
-        ("dense",), ("index_put_accumulate",),
-        "an index_put_(accumulate=True) gradient races between CPU threads and uses "
-        "atomicAdd on CUDA; the dense embedding backward is deterministic (measured)."),
-}
-
-
-def _recipe_rule(key: str) -> Rule:
-    good, bad, why = RECIPE_CHOICES[key]
-
-    def check_choice(ctx: CheckContext) -> Iterator[Finding]:
-        for path, value in ctx.config.find(key):
-            if value in good:
-                continue
-            known = "" if value in bad else "unknown value; "
-            yield Finding(path, value, f"{known}set {path} to one of {', '.join(map(repr, good))}")
-
-    return Rule(id=f"recipe-{key.replace('_', '-')}", category="config", setting=key,
-                checks=f"{key} is one of {', '.join(good)}", why=why,
-                fix=f"set {key} to one of {', '.join(good)}", func=check_choice, keys=(key,))
-
-
-for _key in RECIPE_CHOICES:
-    register_rule(_recipe_rule(_key))

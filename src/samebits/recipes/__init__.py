@@ -13,6 +13,7 @@ from samebits.recipes.config import (
     nondeterministic_config,
 )
 from samebits.recipes.loop import TrainResult, session, train
+from samebits.recipes.rules import register_recipe_rules  # importing registers the option rules
 
 __all__ = [
     "RecipeConfig",

@@ -8,18 +8,22 @@ and the fix), so a config that exists is a config that runs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import typing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from samebits.errors import ConfigError
+from samebits.recipes.precision import PrecisionName, check_gemm, resolve_gemm
 
-MOE_COMBINE_CHOICES = ("index_add", "index_put_accumulate", "triton_deterministic", "triton_atomic")
-MOE_GROUPED_GEMM_CHOICES = ("torch", "triton_deterministic", "triton_atomic")
-EMBEDDING_BACKWARD_CHOICES = ("dense", "index_put_accumulate")
-DATA_DTYPE_CHOICES = ("uint16", "uint32")
-DEVICE_CHOICES = ("cpu", "cuda")
+# Option types: the choices of a field are its Literal's arguments (validated and parsed from
+# them with typing.get_args; nowhere else lists them).
+MoeCombine = Literal["index_add", "index_put_accumulate", "triton_deterministic", "triton_atomic"]
+MoeGroupedGemm = Literal["torch", "triton_deterministic", "triton_atomic"]
+EmbeddingBackward = Literal["dense", "index_put_accumulate"]
+DataDtype = Literal["uint16", "uint32"]
+Device = Literal["cpu", "cuda"]
 
 
 @dataclass(kw_only=True)
@@ -34,7 +38,7 @@ class RecipeConfig:
     """Promise bitwise run-to-run determinism: validate the config with
     `samebits.determinism.validate` and turn on `torch.use_deterministic_algorithms`."""
 
-    device: str = "cpu"
+    device: Device = "cpu"
     """"cpu" (gloo between ranks) or "cuda" (one GPU per rank, cuda:LOCAL_RANK, NCCL)."""
 
     num_threads: int | None = None
@@ -79,13 +83,13 @@ class RecipeConfig:
     """Router input jitter: multiply by U(1-eps, 1+eps) in training (0 disables).  Drawn
     from the recipe's own per-rank `router_jitter` generator."""
 
-    moe_combine: str = "index_add"
+    moe_combine: MoeCombine = "index_add"
     """How expert outputs are summed back per token: "index_add" (deterministic),
     "index_put_accumulate" (nondeterministic with >1 thread; the gather before dispatch then
     also uses advanced indexing, whose backward is the same op), or the Triton kernels
     "triton_deterministic" / "triton_atomic" from `samebits.kernels`."""
 
-    moe_grouped_gemm: str = "torch"
+    moe_grouped_gemm: MoeGroupedGemm = "torch"
     """Expert MLP computation: "torch" (a loop of matmuls) or the Triton grouped GEMM
     "triton_deterministic" / "triton_atomic" from `samebits.kernels`."""
 
@@ -96,7 +100,7 @@ class RecipeConfig:
     mtp_loss_coeff: float = 0.3
     """Weight of the mean MTP loss in the total loss."""
 
-    embedding_backward: str = "dense"
+    embedding_backward: EmbeddingBackward = "dense"
     """Token embedding lookup: "dense" (`F.embedding`, deterministic backward on CPU) or
     "index_put_accumulate" (`weight[tokens]`, whose backward accumulates with
     `index_put_(accumulate=True)`: nondeterministic with >1 thread)."""
@@ -124,7 +128,7 @@ class RecipeConfig:
     """Flat binary token file (nanoGPT / Megatron style) read with np.memmap; None uses the
     seeded synthetic Markov-chain stream."""
 
-    data_dtype: str = "uint16"
+    data_dtype: DataDtype = "uint16"
     """Element type of `data_path`: "uint16" or "uint32"."""
 
     # --- optimisation ----------------------------------------------------------------
@@ -155,6 +159,27 @@ class RecipeConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 disables clipping; the norm is still reported)."""
 
+    # --- precision (recipes/precision.py, docs/recipe.md) ----------------------------
+    precision: PrecisionName = "fp32"
+    """Training precision: "fp32"; "bf16" (autocast, fp32 parameters); "bf16_params" (bf16
+    parameters, gradients and optimizer state); "fp8_tensorwise" (torchao dynamic scaling);
+    "fp8_delayed" (amax-history scaling, state the checkpoint carries); "mxfp8" (32-blocks,
+    e8m0 scales); "nvfp4" (16-blocks, e4m3 scales, e2m1 values).  The low-precision formats
+    convert the linears of attention, the dense MLPs and the MTP projection."""
+
+    precision_gemm: str | None = None
+    """GEMM path of the precision: "native", "scaled_mm" (real fp8 GEMM, torch._scaled_mm) or
+    "emulated" (quantise, dequantise, fp32 GEMM).  None (default): resolved when the config is
+    built (scaled_mm for fp8 where torch._scaled_mm runs, emulated for MXFP8/NVFP4), so the
+    stream header and the checkpoint record the path that ran."""
+
+    fp8_amax_history_len: int = 16
+    """fp8_delayed: steps of amax kept per linear and role; the scale uses their max."""
+
+    fp8_save_amax_history: bool = True
+    """fp8_delayed: checkpoint the amax histories.  False plants a fault: the histories are
+    left out of the checkpoint, so a resumed run scales differently and diverges."""
+
     def __post_init__(self) -> None:
         def need(cond: bool, message: str) -> None:
             if not cond:
@@ -182,15 +207,17 @@ class RecipeConfig:
              "adam_beta1 and adam_beta2 must be in [0, 1)")
         need(self.mtp_num_layers < self.seq_len,
              f"mtp_num_layers={self.mtp_num_layers} must be < seq_len={self.seq_len}")
-        for name, choices in (("moe_combine", MOE_COMBINE_CHOICES),
-                              ("moe_grouped_gemm", MOE_GROUPED_GEMM_CHOICES),
-                              ("embedding_backward", EMBEDDING_BACKWARD_CHOICES),
-                              ("data_dtype", DATA_DTYPE_CHOICES),
-                              ("device", DEVICE_CHOICES)):
+        for name, choices in literal_choices(type(self)).items():
             need(getattr(self, name) in choices,
                  f"{name}={getattr(self, name)!r} is not one of {', '.join(choices)}")
         need(self.data_dtype != "uint16" or self.vocab_size <= 2**16,
              f"vocab_size={self.vocab_size} does not fit data_dtype='uint16'; use 'uint32'")
+        need(self.fp8_amax_history_len >= 1,
+             f"fp8_amax_history_len must be >= 1, got {self.fp8_amax_history_len}")
+        if self.precision_gemm is None:
+            self.precision_gemm = resolve_gemm(self.precision, self.device)
+        problem = check_gemm(self.precision, self.precision_gemm, self.device)
+        need(problem is None, problem or "")
 
     @property
     def moe_layer_ids(self) -> list[int]:
@@ -225,7 +252,17 @@ class RecipeConfig:
         return type(self).from_dict(values)
 
 
+@functools.lru_cache(maxsize=None)
+def literal_choices(cls: type) -> dict[str, tuple]:
+    """{field: its allowed values} for every `Literal`-typed field of a config dataclass."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: typing.get_args(hints[f.name]) for f in dataclasses.fields(cls)
+            if typing.get_origin(hints[f.name]) is Literal}
+
+
 def _parse_value(key: str, text: str, hint: Any) -> Any:
+    if typing.get_origin(hint) is Literal:  # validated against the choices by __post_init__
+        return text
     optional = type(None) in typing.get_args(hint)
     if optional and text.lower() in ("none", "null", ""):
         return None

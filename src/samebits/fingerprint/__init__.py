@@ -5,6 +5,8 @@ The spec (byte order, constants, dtype codes, test vectors) is docs/digest.md.  
     digest(t) -> int                   # unsigned 64-bit digest of one tensor
     digest_many(ts) -> list[int]       # same for many: one native call on CPU, one
                                        # device-to-host copy per accelerator
+    global_digests(named, group=None)  # {name: digest(full tensor)} of sharded tensors
+                                       # (DTensor, FSDP2, Megatron TP), with no gather
 
 A digest is computed in two parts, which callers that must not synchronise per tensor (the
 Recorder, the tracer) use separately:
@@ -29,9 +31,13 @@ every backend (the C library here, the CUDA kernel in samebits.kernels) must mat
 """
 
 from samebits.fingerprint._digest import digest, digest_many
+from samebits.fingerprint._global import global_digests
+
+# Internal but stable: the Recorder records global digests through these.
+from samebits.fingerprint._global import GlobalSums, GlobalTensor, global_body_sums, global_tensors  # noqa: F401
 
 # Internal but stable, not in __all__: the Recorder and the tracer build on them.
 from samebits.fingerprint._digest import body_sums  # noqa: F401
 from samebits.fingerprint._spec import DTYPE_CODES, finalize, header  # noqa: F401
 
-__all__ = ["digest", "digest_many"]
+__all__ = ["digest", "digest_many", "global_digests"]

@@ -1,0 +1,503 @@
+"""Global (layout-independent) digests of sharded tensors, without gathering their data.
+
+The body sum S of the digest (docs/digest.md, step 3) is a wrapping sum of one term per
+8-byte word, keyed by the word's position j in the *full* tensor.  So each shard can add up
+the terms of the words it holds at their global positions, and a SUM over the shard group
+gives S of the full tensor; the header comes from the global dtype and shape.  The result
+is bit-equal to `digest(full_tensor)`.
+
+Three things make that exact:
+
+* **Straddling words.** A shard's bytes need not start or end on an 8-byte boundary (bf16,
+  int8, odd row lengths, Shard(1) rows).  A word holding bytes of two or more shards is
+  assembled before it is mixed: every contributor puts its bytes of that word, shifted to
+  their place, into a slot of the reduced vector; the bytes are disjoint, so the SUM is their
+  OR, and every rank then mixes the assembled word.  Which words straddle is known from
+  the layout alone (every rank computes every contributor's byte ranges), so all ranks
+  agree on the slots without exchanging anything first.
+* **Replicas counted once.** Only members with coordinate 0 on every Replicate mesh dim
+  contribute; the others add zeros.
+* **No overflow in the reduction.** Each 64-bit body sum travels as two 32-bit halves in
+  int64 slots, so the SUM never overflows whatever the backend (gloo, NCCL) does on signed
+  overflow; the straddling words are disjoint bytes, whose sum has no carries.
+
+All tensors of a call that reduce over the same ranks share ONE int64 all-reduce (over each
+mesh dim's group in turn for a multi-dim mesh that is not the whole world).  Everything else
+is torch ops on the tensors' device, queued without a host synchronisation.
+
+Layouts: DTensor (any mesh; Shard(d) even or uneven, _StridedShard as FSDP2+TP makes it,
+Replicate, several mesh dims; Partial is refused), FSDP2 parameters (DTensors), plain tensors
+with Megatron tensor-parallel attributes (`tensor_model_parallel`, `partition_dim`,
+`partition_stride` = 1) over ``group``, and any other plain tensor (digested as it is).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from samebits.errors import ConfigError
+from samebits.fingerprint import _digest, _reference
+from samebits.fingerprint._spec import GOLDEN, MASK64, dtype_code, finalize, fmix64, header
+
+try:  # torch.distributed may be built without DTensor (some mobile / minimal builds)
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+except ImportError:  # pragma: no cover - every torch >= 2.4 desktop build has it
+    DTensor = Partial = Replicate = Shard = None
+try:  # FSDP2 + TP on one dim: right-to-left sharding expressed left to right (private in torch)
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # pragma: no cover
+    _StridedShard = None
+
+_GOLDEN = _reference._as_int64(GOLDEN)
+_LOW_32_BITS = (1 << 32) - 1
+# Words per batch of ops when summing interior words (bounds the int64 work buffers).
+_WORDS_PER_BATCH = {"cpu": 1 << 18}
+_WORDS_PER_BATCH_DEVICE = 1 << 24
+
+
+@dataclass(frozen=True)
+class GlobalTensor:
+    """What a global digest is of: the full tensor's dtype and shape, and its digest."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    digest: int
+
+
+@dataclass
+class GlobalSums:
+    """`global_body_sums`' answer: the full tensors' body sums S (int64 ``[n]`` on the
+    tensors' device, not yet read by the host), their global dtypes and shapes, and a 0-dim
+    bool tensor that is False when the ranks of a group passed different tensor lists."""
+
+    sums: torch.Tensor
+    dtypes: list[torch.dtype]
+    shapes: list[tuple[int, ...]]
+    consistent: torch.Tensor
+
+    def headers(self) -> list[int]:
+        return [header(d, s) for d, s in zip(self.dtypes, self.shapes)]
+
+
+# -- the layout of one tensor ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Mesh:
+    """A sharding layout: mesh dim sizes, one placement per mesh dim (None = Replicate),
+    this rank's coordinate."""
+
+    sizes: tuple[int, ...]
+    placements: tuple  # Shard-like placement objects or None
+    coord: tuple[int, ...]
+
+
+@dataclass
+class _Plan:
+    """How this rank's shard of one tensor maps onto the global tensor's words (cached)."""
+
+    contributor: bool
+    run_starts: torch.Tensor  # int64 [R]: global byte offset of each local run (row-major order)
+    run_bytes: int  # bytes per run (all runs have the same length)
+    straddle_words: torch.Tensor  # int64 [k]: global word indices assembled across ranks
+    classes: list  # per byte alignment c of run starts: (c, rows, head bytes, full words, tail bytes)
+    local_partial: torch.Tensor  # int64 [p]: this rank's partial words that no other rank touches
+
+
+def _dim_indices(global_shape: tuple[int, ...], mesh: _Mesh, coord: tuple[int, ...]) -> list[torch.Tensor]:
+    """Per tensor dim, the global indices (in local order) of the rows a rank holds.
+
+    Uses each placement's own split rule (torch.chunk for Shard, split-then-interleave for
+    _StridedShard), applied left to right like DTensor, on an index vector per dim.
+    """
+    ndim = len(global_shape)
+    indices = [torch.arange(n, dtype=torch.int64) for n in global_shape]
+    for mesh_dim, placement in enumerate(mesh.placements):
+        if placement is None:
+            continue
+        dim = placement.dim % ndim if ndim else 0
+        view = indices[dim].reshape([1] * dim + [-1] + [1] * (ndim - dim - 1))
+        shards, _ = placement._split_tensor(view, mesh.sizes[mesh_dim], with_padding=False, contiguous=True)
+        indices[dim] = shards[coord[mesh_dim]].reshape(-1)
+    return indices
+
+
+def _runs(global_shape: tuple[int, ...], indices: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """(global element offset of each run, elements per run): the local tensor in row-major
+    order is a sequence of equal-length runs, each contiguous in the global tensor."""
+    ndim = len(global_shape)
+    strides = [math.prod(global_shape[d + 1 :]) for d in range(ndim)]
+    if any(len(i) == 0 for i in indices):
+        return torch.zeros(0, dtype=torch.int64), 0
+    k = ndim - 1  # the innermost dim that is not held whole
+    while k >= 0 and len(indices[k]) == global_shape[k] and bool((indices[k] == torch.arange(global_shape[k])).all()):
+        k -= 1
+    if k < 0:  # the whole tensor (a 0-d tensor too)
+        return torch.zeros(1, dtype=torch.int64), math.prod(global_shape)
+    first = int(indices[k][0])
+    contiguous = bool((indices[k] == torch.arange(first, first + len(indices[k]))).all())
+    outer = k if contiguous else k + 1  # dims before `outer` index the runs
+    run_length = math.prod(global_shape[k + 1 :]) * (len(indices[k]) if contiguous else 1)
+    starts = torch.zeros([1] * outer, dtype=torch.int64)
+    for d in range(outer):
+        shape = [1] * outer
+        shape[d] = -1
+        starts = starts + indices[d].reshape(shape) * strides[d]
+    starts = starts.reshape(-1)
+    if contiguous:
+        starts = starts + first * strides[k]
+    return starts, run_length
+
+
+def _partial_words(run_starts: torch.Tensor, run_bytes: int, num_bytes: int) -> torch.Tensor:
+    """Global indices of the words that runs at byte offsets ``run_starts`` (``run_bytes``
+    long) cover only in part: a run that starts off a word boundary shares its first word,
+    one that ends off a boundary (before the end of the tensor, where zero padding follows)
+    shares its last (the tensor's last word counts too: its padding is nobody's, and whether
+    it straddles depends on who else touches it).  Sorted, unique."""
+    if run_bytes == 0 or len(run_starts) == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    ends = run_starts + run_bytes
+    heads = run_starts[run_starts % 8 != 0] // 8
+    tails = (ends - 1)[ends % 8 != 0] // 8
+    return torch.unique(torch.cat([heads, tails]))
+
+
+def _contributors(mesh: _Mesh):
+    """Coordinates of the members that contribute: coordinate 0 on every Replicate dim."""
+    ranges = [range(size) if p is not None else range(1) for size, p in zip(mesh.sizes, mesh.placements)]
+    coords = [()]
+    for r in ranges:
+        coords = [c + (i,) for c in coords for i in r]
+    return coords
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(global_shape: tuple[int, ...], itemsize: int, mesh: _Mesh) -> _Plan:
+    num_bytes = math.prod(global_shape) * itemsize
+    contributor = all(c == 0 for c, p in zip(mesh.coord, mesh.placements) if p is None)
+    # Every contributor's partial words, from the layout alone: a word touched in part by two
+    # or more contributors straddles; one touched by one contributor only (several of its
+    # runs) is complete on that rank.
+    touched = []
+    for coord in _contributors(mesh):
+        starts, length = _runs(global_shape, _dim_indices(global_shape, mesh, coord))
+        touched.append(_partial_words(starts * itemsize, length * itemsize, num_bytes))
+    # This rank's own runs (a replica too: they check that its shard matches the layout).
+    starts, length = _runs(global_shape, _dim_indices(global_shape, mesh, mesh.coord))
+    own = (starts * itemsize, length * itemsize, _partial_words(starts * itemsize, length * itemsize, num_bytes))
+    words, counts = torch.unique(torch.cat(touched), return_counts=True) if touched else (
+        torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
+    straddle = words[counts > 1]
+    run_starts, run_bytes, own_partial = own
+    local_partial = own_partial[~torch.isin(own_partial, straddle)]
+    classes = []
+    if run_bytes:
+        offsets = run_starts % 8
+        for c in torch.unique(offsets).tolist():
+            rows = (offsets == c).nonzero().flatten()
+            head = min((8 - c) % 8, run_bytes)
+            num_words = (run_bytes - head) // 8
+            tail = run_bytes - head - 8 * num_words
+            classes.append((c, rows, head, num_words, tail))
+    return _Plan(contributor, run_starts, run_bytes, straddle, classes, local_partial)
+
+
+# -- what a tensor is ------------------------------------------------------------------
+
+
+def _layout(name: str, t: torch.Tensor, group) -> tuple[torch.Tensor, tuple[int, ...], _Mesh | None, object]:
+    """(local tensor, global shape, sharding or None for "digest as it is", reduction key)."""
+    if DTensor is not None and isinstance(t, DTensor):
+        spec_mesh = t.device_mesh
+        placements = []
+        for mesh_dim, p in enumerate(t.placements):
+            if isinstance(p, Partial):
+                raise ConfigError(
+                    f"global digest of {name!r}: its placement on mesh dim {mesh_dim} is {p} (a pending "
+                    "reduction): its full value is not defined until it is reduced. Record it after "
+                    "t.redistribute(placements=[Replicate() or Shard(d) ...]) or after the reduction.")
+            if isinstance(p, Replicate):
+                placements.append(None)
+            elif isinstance(p, Shard) or (_StridedShard is not None and isinstance(p, _StridedShard)):
+                placements.append(p)
+            else:
+                raise ConfigError(f"global digest of {name!r}: placement {p!r} on mesh dim {mesh_dim} is not "
+                                  "supported (Shard, _StridedShard and Replicate are); redistribute it first.")
+        local = t.to_local().detach()
+        global_shape = tuple(t.shape)
+        if all(p is None for p in placements):
+            return local, global_shape, None, None
+        coord = spec_mesh.get_coordinate()
+        if coord is None:  # this rank is outside the mesh: it holds nothing of this tensor
+            raise ConfigError(f"global digest of {name!r}: this rank is not in its device mesh; pass only "
+                              "the tensors whose mesh includes this rank.")
+        mesh = _Mesh(tuple(spec_mesh.shape), tuple(placements), tuple(coord))
+        return local, global_shape, mesh, ("mesh", spec_mesh)
+    if getattr(t, "tensor_model_parallel", False):
+        stride = getattr(t, "partition_stride", 1)
+        dim = getattr(t, "partition_dim", None)
+        if stride != 1:
+            raise ConfigError(
+                f"global digest of {name!r}: Megatron partition_stride = {stride} (an interleaved split) is not "
+                "supported; only partition_stride = 1. Record its local digest instead, or gather it.")
+        if not isinstance(dim, int) or not -t.dim() <= dim < max(t.dim(), 1):
+            raise ConfigError(f"global digest of {name!r}: tensor_model_parallel is set but partition_dim = "
+                              f"{dim!r} is not a dim of its {t.dim()}-d shape.")
+        size = _group_size(group, name)
+        if size == 1:
+            return t.detach(), tuple(t.shape), None, None
+        dim %= t.dim()
+        global_shape = tuple(n * size if d == dim else n for d, n in enumerate(t.shape))
+        mesh = _Mesh((size,), (Shard(dim),), (dist.get_rank(group),))
+        return t.detach(), global_shape, mesh, ("group", group)
+    if type(t) is not torch.Tensor and isinstance(t, torch.Tensor) and hasattr(t, "__tensor_flatten__"):
+        raise ConfigError(f"global digest of {name!r}: a {type(t).__name__} is neither a DTensor nor a plain "
+                          "tensor; pass its DTensor or local tensors.")
+    return t.detach(), tuple(t.shape), None, None
+
+
+def _group_size(group, name: str) -> int:
+    if group is None:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ConfigError(
+                f"global digest of {name!r}: it is a Megatron tensor-parallel shard (tensor_model_parallel=True); "
+                "pass group=<its tensor-parallel process group> (e.g. "
+                "parallel_state.get_tensor_model_parallel_group()).")
+        return 1
+    return dist.get_world_size(group)
+
+
+def _reduction(key) -> tuple[tuple[int, ...], list]:
+    """(the ranks reduced over, the process groups to all-reduce over in turn)."""
+    kind, obj = key
+    world = dist.get_world_size()
+    if kind == "group":
+        ranks = tuple(dist.get_process_group_ranks(obj))
+        return (ranks, [None]) if len(ranks) == world else (ranks, [obj])
+    ranks = tuple(obj.mesh.flatten().tolist())
+    if len(ranks) == world:
+        return ranks, [None]  # the default group spans the mesh: one all-reduce
+    return ranks, [obj.get_group(d) for d in range(obj.ndim)]  # one per mesh dim, in turn
+
+
+# -- the data part -------------------------------------------------------------------------
+
+
+def _word_values(rows: torch.Tensor, first_shift: int) -> torch.Tensor:
+    """Bytes ``rows`` (uint8 [R, b], b <= 8) placed at byte ``first_shift`` on: int64 [R]."""
+    places = torch.tensor([1 << (8 * (first_shift + i)) for i in range(rows.shape[1])],  # <= 2**56
+                          dtype=torch.int64, device=rows.device)
+    return (rows.to(torch.int64) * places).sum(dim=1)  # disjoint bytes: the sum is their OR (wrapping)
+
+
+def _mix_words(words: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """fmix64(w_j + (j+1)*G) elementwise (int64)."""
+    x = (indices + 1) * _GOLDEN + words
+    return _reference._fmix64_(x, torch.empty_like(x))
+
+
+def _local_sum(data: torch.Tensor, plan: _Plan, straddle_slots: torch.Tensor) -> torch.Tensor:
+    """This rank's part of S (complete words, including partial words only it touches), and
+    its bytes of the straddling words scattered into ``straddle_slots`` (in place)."""
+    device = data.device
+    total = torch.zeros((), dtype=torch.int64, device=device)
+    if plan.run_bytes == 0:
+        return total
+    rows_all = data.view(-1, plan.run_bytes)
+    starts_all = plan.run_starts.to(device)
+    batch = _WORDS_PER_BATCH.get(device.type, _WORDS_PER_BATCH_DEVICE)
+    partial_words, partial_values = [], []
+    for c, rows_cpu, head, num_words, tail in plan.classes:
+        rows = rows_cpu.to(device)
+        starts = starts_all[rows]
+        if num_words:
+            if len(rows_cpu) == 1 and head == 0:  # one word-aligned run: the whole-tensor loop
+                row = int(rows_cpu[0])
+                total += _reference.body_sum_at(rows_all[row, : 8 * num_words], int(plan.run_starts[row]) // 8)
+            else:
+                step = max(1, batch // num_words)
+                for first in range(0, len(rows), step):
+                    chunk = rows_all[rows[first : first + step], head : head + 8 * num_words].contiguous()
+                    words = chunk.view(torch.int64)  # [r, num_words]
+                    first_word = (starts[first : first + step] + head) // 8
+                    index = first_word[:, None] + torch.arange(num_words, device=device)[None, :]
+                    total += _mix_words(words, index).sum()
+        if head:
+            partial_words.append(starts // 8)
+            partial_values.append(_word_values(rows_all[rows, :head], c))
+        if tail:
+            partial_words.append((starts + plan.run_bytes - 1) // 8)
+            partial_values.append(_word_values(rows_all[rows, plan.run_bytes - tail :], 0))
+    if not partial_words:
+        return total
+    words, values = torch.cat(partial_words), torch.cat(partial_values)
+    straddle = plan.straddle_words.to(device)
+    if len(straddle):
+        slot = torch.searchsorted(straddle, words)
+        shared = torch.isin(words, straddle)
+        straddle_slots.index_add_(0, slot[shared], values[shared])
+        words, values = words[~shared], values[~shared]
+    if len(words):  # partial words that only this rank touches: assemble and mix here
+        local = plan.local_partial.to(device)
+        assembled = torch.zeros(len(local), dtype=torch.int64, device=device)
+        assembled.index_add_(0, torch.searchsorted(local, words), values)
+        total += _mix_words(assembled, local).sum()
+    return total
+
+
+def _names_check(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> int:
+    """A 64-bit number from the names, dtypes and global shapes of a group's tensors."""
+    h = 0x5AB17
+    for name, dtype, shape in entries:
+        for part in (name.encode(), str(dtype).encode(), repr(shape).encode()):
+            for i in range(0, len(part), 8):
+                h = fmix64(h ^ int.from_bytes(part[i : i + 8], "little") ^ (len(part) << 56))
+    return h
+
+
+def global_body_sums(named_tensors, *, group=None) -> tuple[list[str], GlobalSums]:
+    """The full tensors' body sums S, computed shard by shard: (names, `GlobalSums`).
+
+    Collective: every rank of every group involved must call it with the same names in the
+    same order (each rank passing its own shards).  One int64 all-reduce per group of ranks
+    (per mesh dim for a multi-dim mesh that is not the whole world); no host synchronisation
+    (the sums stay on the tensors' device).  ``group`` is the tensor-parallel group of
+    Megatron-style shards (plain tensors with ``tensor_model_parallel=True``).
+    """
+    if isinstance(named_tensors, Mapping):
+        named_tensors = named_tensors.items()
+    names, locals_, shapes, plans, keys, dtypes = [], [], [], [], [], []
+    seen = set()
+    for name, t in named_tensors:
+        name = str(name)
+        if name in seen:
+            raise ConfigError(f"global digests: the name {name!r} is given twice; names identify tensors.")
+        seen.add(name)
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"global digests: {name!r} is a {type(t).__name__}, not a torch.Tensor")
+        local, global_shape, mesh, key = _layout(name, t, group)
+        dtype_code(local.dtype)  # refuses dtypes without a digest, naming them
+        if mesh is not None:
+            plan = _plan(global_shape, local.dtype.itemsize, mesh)
+            expected = plan.run_bytes * len(plan.run_starts)
+            if local.numel() * local.dtype.itemsize != expected:
+                raise ConfigError(
+                    f"global digest of {name!r}: its local shard has shape {tuple(local.shape)}, which does not "
+                    f"match its layout ({mesh.placements} on a mesh of {mesh.sizes}, global shape {global_shape}); "
+                    "the placements do not describe the data it holds.")
+        else:
+            plan = None
+        names.append(name)
+        locals_.append(local)
+        shapes.append(global_shape)
+        plans.append(plan)
+        keys.append(key)
+        dtypes.append(local.dtype)
+    devices = {t.device for t in locals_}
+    if len(devices) > 1:
+        raise ConfigError(f"global digests take tensors on one device, got {', '.join(sorted(map(str, devices)))}; "
+                          "call once per device.")
+    device = devices.pop() if devices else torch.device("cpu")
+    sums = torch.zeros(len(names), dtype=torch.int64, device=device)
+    consistent = torch.ones((), dtype=torch.bool, device=device)
+    # Unsharded tensors: the ordinary digest path (one native call on CPU).
+    whole = [i for i, plan in enumerate(plans) if plan is None]
+    if whole:
+        sums[whole] = _digest.body_sums([locals_[i] for i in whole]).to(device)
+    # Sharded tensors: one reduction per group of ranks, in order of first appearance.
+    by_group: dict = {}
+    for i, key in enumerate(keys):
+        if key is not None:
+            ranks, groups = _reduction(key)
+            by_group.setdefault(ranks, (groups, []))[1].append(i)
+    for ranks, (groups, members) in by_group.items():
+        check = _names_check([(names[i], dtypes[i], shapes[i]) for i in members])
+        vector = _contribution([locals_[i] for i in members], [plans[i] for i in members], check, device)
+        for process_group in groups:
+            dist.all_reduce(vector, op=dist.ReduceOp.SUM, group=process_group)
+        body, ok = _assemble(vector, [plans[i] for i in members], check, len(ranks))
+        consistent &= ok
+        sums[members] = body
+    return names, GlobalSums(sums, dtypes, shapes, consistent)
+
+
+def _contribution(local_tensors: list[torch.Tensor], plans: list[_Plan], check: int, device) -> torch.Tensor:
+    """This rank's int64 vector for the group's SUM: the low and high 32-bit halves of each
+    tensor's partial body sum (zeros from a replica), the two halves of ``check``, then its
+    bytes of every straddling word."""
+    num = len(plans)
+    widths = [len(plan.straddle_words) for plan in plans]
+    vector = torch.zeros(2 * num + 2 + sum(widths), dtype=torch.int64, device=device)
+    slots = vector[2 * num + 2 :]
+    offset = 0
+    for position, (local, plan) in enumerate(zip(local_tensors, plans)):
+        width = widths[position]
+        if plan.contributor:
+            part = _local_sum(_digest._as_bytes(local), plan, slots[offset : offset + width])
+            vector[position] = part & _LOW_32_BITS
+            vector[num + position] = (part >> 32) & _LOW_32_BITS
+        offset += width
+    vector[2 * num] = check & _LOW_32_BITS
+    vector[2 * num + 1] = check >> 32
+    return vector
+
+
+def _assemble(vector: torch.Tensor, plans: list[_Plan], check: int, num_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """From the summed vector: each full tensor's body sum S (int64 [n]), and whether every
+    one of ``num_ranks`` ranks sent the same ``check``."""
+    num, device = len(plans), vector.device
+    body = vector[num : 2 * num] * (1 << 32) + vector[:num]  # wraps mod 2^64 like the spec
+    expected = torch.tensor([(check & _LOW_32_BITS) * num_ranks, (check >> 32) * num_ranks],
+                            dtype=torch.int64, device=device)
+    ok = (vector[2 * num : 2 * num + 2] == expected).all()
+    offset = 2 * num + 2
+    for position, plan in enumerate(plans):
+        width = len(plan.straddle_words)
+        if width:  # every rank mixes the assembled straddling words alike
+            words = vector[offset : offset + width]
+            body[position] += _mix_words(words, plan.straddle_words.to(device)).sum()
+        offset += width
+    return body, ok
+
+
+def _check_consistent(result: GlobalSums, names: list[str]) -> None:
+    if not bool(result.consistent):
+        raise ConfigError(
+            "global digests: the ranks of a process group passed different tensors (names, dtypes or global "
+            f"shapes; this rank passed {len(names)}: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}). "
+            "Every rank must pass the same names in the same order, each with its own shard.")
+
+
+def global_tensors(named_tensors, *, group=None) -> list[GlobalTensor]:
+    """Like `global_digests`, with each full tensor's dtype and shape: list of `GlobalTensor`."""
+    names, result = global_body_sums(named_tensors, group=group)
+    _check_consistent(result, names)
+    digests = finalize(result.sums, result.headers())
+    return [GlobalTensor(n, d, s, x) for n, d, s, x in zip(names, result.dtypes, result.shapes, digests)]
+
+
+def global_digests(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], *,
+                   group=None) -> dict[str, int]:
+    """``{name: digest of the full tensor}`` for sharded tensors, equal to `digest(full)`, with
+    no gather of their data.
+
+    ``named_tensors``: ``(name, tensor)`` pairs or a mapping, e.g. ``model.named_parameters()``.
+    Each tensor is a DTensor (any mesh; Shard, uneven Shard, _StridedShard, Replicate; Partial
+    is refused: redistribute or reduce it first), an FSDP2 parameter (a DTensor), a plain
+    tensor with Megatron tensor-parallel attributes (``tensor_model_parallel=True``,
+    ``partition_dim``, ``partition_stride`` = 1) sharded over ``group``, or any other plain
+    tensor (digested as it is: it is taken to be whole on every rank).
+
+    Collective: every rank of each group involved calls it with the same names in the same
+    order; one int64 all-reduce per group (per mesh dim of a multi-dim mesh smaller than the
+    world).  Raises `ConfigError` when the ranks passed different tensor lists.
+    """
+    return {g.name: g.digest for g in global_tensors(named_tensors, group=group)}

@@ -40,6 +40,8 @@ from samebits.stream.reader import StreamReader, open_run
 from samebits.stream.settings import RecorderSettings
 
 _ABSENT_HEAD = bytes((0, fmt.FLAG_ABSENT, 0))  # dtype code 0 ("none"), flags, ndim 0
+# Phases of records made by `Recorder.global_tensors`: digests of full (global) tensors.
+GLOBAL_PHASE_PREFIX = "global:"
 _FLOAT64_CODE, _INT64_CODE = dtype_code(torch.float64), dtype_code(torch.int64)
 _F64, _I64 = struct.Struct("<d"), struct.Struct("<q")
 
@@ -247,6 +249,58 @@ class Recorder:
             queue = pending.devices.get(device) or pending.devices.setdefault(device, _DeviceQueue())
             queue.sums.append(sums[device])
             queue.num_sums += len(batch)
+        pending.records.extend(records)
+        pending.occurrences.update(occurrences)
+
+    def global_tensors(self, step: int, phase: str, named_tensors, group=None) -> None:
+        """Record the digests of the *full* tensors behind sharded ones (DTensor, FSDP2
+        parameters, Megatron tensor-parallel shards over ``group``; plain tensors as they
+        are) under the phase ``GLOBAL_PHASE_PREFIX + phase``, with their global shape and
+        dtype: layout-independent records that ``samebits diff --by global`` compares across
+        runs of different parallel layouts (docs/digest.md, "Global digests").
+
+        Collective (`samebits.fingerprint.global_digests`): every rank of each shard group
+        calls it at the same step with the same names in the same order, ranks that this
+        recorder leaves out (``SAMEBITS_RANKS``) too: they take part and write nothing.
+        Every recorded rank records the same digests.  One int64 all-reduce per group; on an
+        accelerator the sums stay there until the step's one copy to the host.
+        """
+        if not self.settings.enabled:
+            return
+        if step.__class__ is not int or not 0 <= step <= fmt.MAX_STEP:
+            step = _check_step(step, self.rank)
+        if not self.settings.selected(step, phase):
+            return
+        full_phase = GLOBAL_PHASE_PREFIX + str(phase)
+        if self.active:
+            self._check_text(phase, "phase", step)
+        own_work = getattr(self, "_own_work", None)
+        if own_work is not None:
+            with own_work():
+                names, result = fingerprint.global_body_sums(named_tensors, group=group)
+        else:
+            names, result = fingerprint.global_body_sums(named_tensors, group=group)
+        if result.sums.device.type == "cpu" and not bool(result.consistent):  # free on CPU; on a GPU a sync
+            raise ConfigError(f"Recorder.global_tensors(step={step}, phase={phase!r}) on rank {self.rank}: the "
+                              "ranks of a shard group passed different tensors (names, dtypes or global shapes); "
+                              "every rank must pass the same names in the same order.")
+        if not self.active:
+            return
+        pending = self._step(step)
+        for name in names:
+            self._check_text(name, "name", step)
+        device = result.sums.device
+        queue = pending.devices.get(device) or pending.devices.setdefault(device, _DeviceQueue())
+        records, occurrences = [], {}
+        for i, (name, dtype, shape) in enumerate(zip(names, result.dtypes, result.shapes)):
+            key = (fmt.RECORD_TENSOR, full_phase, name)
+            occurrence = occurrences.get(key, pending.occurrences.get(key, 0))
+            occurrences[key] = occurrence + 1
+            head, header = self._tensor_head(dtype, torch.Size(shape), False)
+            records.append((fmt.RECORD_TENSOR, full_phase, name, occurrence, head, header,
+                            (device, queue.num_sums + i)))
+        queue.sums.append(result.sums)
+        queue.num_sums += len(names)
         pending.records.extend(records)
         pending.occurrences.update(occurrences)
 

@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("comparison", {"compare"}),
     ("middle", {"trace"}),
     ("recording", {"autorecord"}),
-    ("runs", {"runs"}),
+    ("runs", {"runs", "testing"}),
     ("entry points", {"cli", "__main__", "_inject.sitecustomize", "samebits"}),
 ]
 CLIENTS = {"recipes"}  # use the public API like a user's script; nothing in the library imports them

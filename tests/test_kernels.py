@@ -7,6 +7,10 @@ only that both variants compute the right thing and that the deterministic ones 
 repeatable and, where the algorithm promises it, independent of the tile size.
 `benchmarks/gpu_check.py` measures the run-to-run behaviour on a GPU.
 
+Byte comparisons go through samebits.testing (`@pytest.mark.bitwise`, `assert_same_bits`):
+dtype, shape and every bit, with the differing elements named on failure.  Each kernel's
+byte test is registered in src/samebits/kernels/kernel-coverage.toml (`samebits coverage`).
+
 The interpreter is switched on by a module fixture (not at import) so that other test
 modules in the same session keep the plain CPU fallback.  `@triton.jit` reads the variable
 when a kernel module is first imported, which happens inside these tests.
@@ -27,6 +31,7 @@ import torch
 
 import samebits.kernels as kernels
 from samebits.fingerprint._reference import body_sum
+from samebits.testing import assert_same_bits
 
 REPO = Path(__file__).resolve().parents[1]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -64,10 +69,6 @@ def interpreter():
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     scale = expected.abs().max().item()
     return (actual.double() - expected).abs().max().item() / scale
-
-
-def bits(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().view(torch.uint8).numpy().tobytes()
 
 
 # --- grouped GEMM with the dprob epilogue ---------------------------------------------------
@@ -123,18 +124,17 @@ def test_grouped_gemm_variants_differ_only_in_dprob_reduction():
     inputs = gemm_inputs(torch.float32)
     deterministic = run_gemm(*inputs, variant="deterministic", **SMALL_TILES)
     atomic = run_gemm(*inputs, variant="atomic", **SMALL_TILES)
-    for name, a, b in zip(("y", "dx", "dw"), deterministic, atomic):
-        assert bits(a) == bits(b), name  # the same kernels, the same tiles
+    # the same kernels, the same tiles: y, dx and dw bit for bit
+    assert_same_bits(deterministic[:3], atomic[:3], names=("deterministic", "atomic"))
     assert torch.allclose(deterministic[3], atomic[3], rtol=1e-6, atol=0)
 
 
 @needs_triton
+@pytest.mark.bitwise(runs=2)
 def test_grouped_gemm_deterministic_is_repeatable_for_fixed_tiles():
     # Only for fixed tiles: another block_n changes the slots, another block_k the K order.
-    inputs = gemm_inputs(torch.bfloat16)
-    first = run_gemm(*inputs, variant="deterministic", **SMALL_TILES)
-    second = run_gemm(*inputs, variant="deterministic", **SMALL_TILES)
-    assert [bits(t) for t in first] == [bits(t) for t in second]
+    # The plugin runs this twice and compares y, dx, dw and dprob bit for bit.
+    return run_gemm(*gemm_inputs(torch.bfloat16), variant="deterministic", **SMALL_TILES)
 
 
 @needs_triton
@@ -212,9 +212,20 @@ def test_combine_matches_float64_reference(dtype, variant):
 @needs_triton
 def test_combine_deterministic_is_independent_of_block_h_and_repeatable():
     expert_out, prob, slot_index, _ = combine_inputs(torch.bfloat16, hidden=72)
-    results = {bits(kernels.moe_combine(expert_out, prob, slot_index, block_h=block_h))
-               for block_h in (16, 32, 64, 128, 16)}
-    assert len(results) == 1
+    first = kernels.moe_combine(expert_out, prob, slot_index, block_h=16)
+    for block_h in (32, 64, 128, 16):
+        assert_same_bits(first, kernels.moe_combine(expert_out, prob, slot_index, block_h=block_h),
+                         names=("block_h=16", f"block_h={block_h}"))
+
+
+@needs_triton
+@pytest.mark.bitwise(runs=2)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_combine_forward_and_backward_are_repeatable(variant):
+    # Under the interpreter atomics land in program order, so the atomic variant repeats too
+    # (only a GPU can show it vary: benchmarks/gpu_check.py); this checks every kernel's bytes.
+    expert_out, prob, slot_index, dout = combine_inputs(torch.float32)
+    return run_combine(expert_out, prob, slot_index, dout, variant=variant, block_h=16)
 
 
 @needs_triton
@@ -222,7 +233,8 @@ def test_combine_deterministic_adds_in_k_order():
     # Each output element is ((p0 x0 + p1 x1) + p2 x2) in fp32: exactly the reference's order.
     expert_out, prob, slot_index, _ = combine_inputs(torch.float32)
     out = kernels.moe_combine(expert_out, prob, slot_index, block_h=32)
-    assert bits(out) == bits(kernels.reference_moe_combine(expert_out, prob, slot_index))
+    assert_same_bits(out, kernels.reference_moe_combine(expert_out, prob, slot_index),
+                     names=("kernel", "reference"))
 
 
 def test_combine_rejects_bad_arguments():
@@ -343,11 +355,11 @@ def test_fallback_without_interpreter_runs_references(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # variant="torch" is a choice: no warning
         expected = run_gemm(x, w, counts, prob, dy, variant="torch")
-    assert [bits(t) for t in got] == [bits(t) for t in expected]
+    assert_same_bits(got, expected, names=("atomic fallback", "torch"))
     expert_out, prob, slot_index, _ = combine_inputs(torch.float32)
     with pytest.warns(UserWarning, match="moe_combine"):
         out = kernels.moe_combine(expert_out, prob, slot_index)
-    assert bits(out) == bits(kernels.reference_moe_combine(expert_out, prob, slot_index))
+    assert_same_bits(out, kernels.reference_moe_combine(expert_out, prob, slot_index))
     data = tensor_bytes(torch.randn(11))
     assert as_uint64(kernels.digest_body(data)) == python_body_sum(data.numpy().tobytes())
 

@@ -168,10 +168,12 @@ class RecipeConfig:
     convert the linears of attention, the dense MLPs and the MTP projection."""
 
     precision_gemm: str | None = None
-    """GEMM path of the precision: "native", "scaled_mm" (real fp8 GEMM, torch._scaled_mm) or
+    """GEMM path of a low precision: "scaled_mm" (real fp8 GEMM, torch._scaled_mm) or
     "emulated" (quantise, dequantise, fp32 GEMM).  None (default): resolved when the config is
     built (scaled_mm for fp8 where torch._scaled_mm runs, emulated for MXFP8/NVFP4), so the
-    stream header and the checkpoint record the path that ran."""
+    stream header and the checkpoint record the path that ran.  fp32 and bf16 always run
+    "native" (torch's GEMM in their dtype), and a config copied from one of them with another
+    precision resolves its path again."""
 
     fp8_amax_history_len: int = 16
     """fp8_delayed: steps of amax kept per linear and role; the scale uses their max."""
@@ -214,8 +216,7 @@ class RecipeConfig:
              f"vocab_size={self.vocab_size} does not fit data_dtype='uint16'; use 'uint32'")
         need(self.fp8_amax_history_len >= 1,
              f"fp8_amax_history_len must be >= 1, got {self.fp8_amax_history_len}")
-        if self.precision_gemm is None:
-            self.precision_gemm = resolve_gemm(self.precision, self.device)
+        self.precision_gemm = resolve_gemm(self.precision, self.device, self.precision_gemm)
         problem = check_gemm(self.precision, self.precision_gemm, self.device)
         need(problem is None, problem or "")
 

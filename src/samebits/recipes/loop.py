@@ -27,6 +27,7 @@ from samebits.recipes.config import RecipeConfig
 from samebits.recipes.data import Batches, build_token_source
 from samebits.recipes.model import ModelOutput, Transformer
 from samebits.recipes.optim import build_optimizer
+from samebits.recipes.precision import apply_precision
 
 JITTER_GENERATOR = "router_jitter"
 
@@ -106,6 +107,11 @@ class _Run:
         model = Transformer(cfg)
         # Initialised on the CPU from one generator: the same weights on every rank and device.
         model.init_weights(torch.Generator().manual_seed(derive_seed(cfg.seed, purpose="init")))
+        # Low-precision linears replace nn.Linear before parallelising (as torchtitan converts
+        # before it shards), so the same initial weights are rounded on every layout.
+        self.precision = apply_precision(model, cfg.precision, cfg.precision_gemm, device=cfg.device,
+                                         history_len=cfg.fp8_amax_history_len,
+                                         save_history=cfg.fp8_save_amax_history)
         self.layout = parallel.parallelize(model, rank, world_size, device)
         self.model = model.to(device).train()
         # Training randomness, different per rank (samebits' seed rule): dropout draws from
@@ -126,7 +132,8 @@ class _Run:
             model=self.model, optimizer=self.optimizer, lr_scheduler=self.scheduler,
             progress={"step": self.step, **self.data.state_dict()},
             generators={JITTER_GENERATOR: self.jitter},
-            layout=self.layout.sizes, rank_local=self.layout.expert_param_names,
+            layout=self.layout.sizes,
+            rank_local=self.layout.expert_param_names | self.precision.rank_local_names,
             metadata={"config": self.cfg.to_dict()},
         )
 
@@ -178,7 +185,7 @@ class _Run:
         if rec is not None:
             rec.tensors(step, checkpoint.STATE_PHASE, checkpoint.state_census(
                 optimizers=[self.optimizer], schedulers=[self.scheduler],
-                generators={JITTER_GENERATOR: self.jitter}))
+                generators={JITTER_GENERATOR: self.jitter}) + self.precision.state_records())
 
         # Data: this rank's micro-batch of the global step batch.
         tokens = self.data.next().to(self.layout.device)  # (B, T+1)
@@ -186,9 +193,10 @@ class _Run:
             rec.tensors(step, "data", [("tokens", tokens)])
 
         # Forward and losses.
-        with _block_outputs(model, enabled=rec is not None) as activations:
+        with _block_outputs(model, enabled=rec is not None) as activations, \
+                self.precision.autocast(self.layout.device.type):
             output = model(tokens[:, :-1])
-        losses = _losses(output, tokens, cfg)
+            losses = _losses(output, tokens, cfg)
         if rec is not None:
             rec.tensors(step, "forward", [*activations, ("logits", output.logits.detach())])
 

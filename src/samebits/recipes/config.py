@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from samebits.errors import ConfigError
-from samebits.recipes.precision import PrecisionName, check_gemm, resolve_gemm
 
 # Option types: the choices of a field are its Literal's arguments (validated and parsed from
 # them with typing.get_args; nowhere else lists them).
@@ -24,6 +23,7 @@ MoeGroupedGemm = Literal["torch", "triton_deterministic", "triton_atomic"]
 EmbeddingBackward = Literal["dense", "index_put_accumulate"]
 DataDtype = Literal["uint16", "uint32"]
 Device = Literal["cpu", "cuda"]
+PipelineSchedule = Literal["gpipe", "1f1b"]
 
 
 @dataclass(kw_only=True)
@@ -117,6 +117,45 @@ class RecipeConfig:
     init_std: float = 0.02
     """Standard deviation of the normal init of weight matrices and embeddings."""
 
+    # --- parallelism (recipes/parallelize.py; world size = pp * dp_replicate * dp_shard * tp) --
+    dp_replicate: int = 0
+    """Data-parallel replicas (plain DP: one flat all-reduce of the gradients).  0 (default):
+    whatever the world size leaves after dp_shard, tp and pp."""
+
+    dp_shard: int = 1
+    """Fully sharded data parallelism over this many ranks (FSDP2 `fully_shard`)."""
+
+    tp: int = 1
+    """Tensor parallelism (DTensor `parallelize_module`): attention and dense MLPs split by
+    heads / hidden columns; must divide num_heads and ffn_hidden_size."""
+
+    pp: int = 1
+    """Pipeline stages (`torch.distributed.pipelining`): the blocks split evenly in order."""
+
+    ep: int = 0
+    """Expert parallelism over the data-parallel replicas: 1 keeps every expert on every rank;
+    0 (default) means dp_replicate (each replica holds num_experts / dp_replicate experts and
+    tokens travel by all_to_all).  Must be 0, 1 or dp_replicate."""
+
+    pp_microbatches: int = 2
+    """Micro-batches per step and pipeline (pp > 1); must divide micro_batch_size."""
+
+    pp_schedule: PipelineSchedule = "1f1b"
+    """Pipeline schedule: "gpipe" (all forwards, then all backwards) or "1f1b"."""
+
+    # --- planted faults (for testing detection; each makes runs differ, see docs/recipe.md) --
+    fault_tp_racy_accumulate: bool = False
+    """Row-parallel TP linears add their local partial products in an order drawn from the
+    operating system's entropy each call (a race), so two runs of a TP cell differ."""
+
+    fault_pp_reorder_microbatch_grads: bool = False
+    """The last pipeline stage accumulates its micro-batch gradients in reverse order
+    (needs pp_microbatches >= 3; order does not matter for two addends)."""
+
+    fault_ep_dispatch_order: bool = False
+    """The EP dispatcher hands each local expert its received rows in an order drawn from
+    the operating system's entropy, so the expert weight gradients of two runs differ."""
+
     # --- data ------------------------------------------------------------------------
     seq_len: int = 64
     """Tokens per sample fed to the model (each sample holds seq_len + 1 tokens)."""
@@ -159,29 +198,6 @@ class RecipeConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 disables clipping; the norm is still reported)."""
 
-    # --- precision (recipes/precision.py, docs/recipe.md) ----------------------------
-    precision: PrecisionName = "fp32"
-    """Training precision: "fp32"; "bf16" (autocast, fp32 parameters); "bf16_params" (bf16
-    parameters, gradients and optimizer state); "fp8_tensorwise" (torchao dynamic scaling);
-    "fp8_delayed" (amax-history scaling, state the checkpoint carries); "mxfp8" (32-blocks,
-    e8m0 scales); "nvfp4" (16-blocks, e4m3 scales, e2m1 values).  The low-precision formats
-    convert the linears of attention, the dense MLPs and the MTP projection."""
-
-    precision_gemm: str | None = None
-    """GEMM path of a low precision: "scaled_mm" (real fp8 GEMM, torch._scaled_mm) or
-    "emulated" (quantise, dequantise, fp32 GEMM).  None (default): resolved when the config is
-    built (scaled_mm for fp8 where torch._scaled_mm runs, emulated for MXFP8/NVFP4), so the
-    stream header and the checkpoint record the path that ran.  fp32 and bf16 always run
-    "native" (torch's GEMM in their dtype), and a config copied from one of them with another
-    precision resolves its path again."""
-
-    fp8_amax_history_len: int = 16
-    """fp8_delayed: steps of amax kept per linear and role; the scale uses their max."""
-
-    fp8_save_amax_history: bool = True
-    """fp8_delayed: checkpoint the amax histories.  False plants a fault: the histories are
-    left out of the checkpoint, so a resumed run scales differently and diverges."""
-
     def __post_init__(self) -> None:
         def need(cond: bool, message: str) -> None:
             if not cond:
@@ -193,7 +209,10 @@ class RecipeConfig:
                      "num_experts", "moe_top_k", "moe_ffn_hidden_size", "seq_len",
                      "micro_batch_size", "num_threads"):
             need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("moe_layer_freq", "mtp_num_layers", "warmup_steps", "lr_decay_steps"):
+        for name in ("dp_shard", "tp", "pp", "pp_microbatches"):
+            need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("moe_layer_freq", "mtp_num_layers", "warmup_steps", "lr_decay_steps",
+                     "dp_replicate", "ep"):
             need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("moe_aux_loss_coeff", "moe_jitter_eps", "mtp_loss_coeff", "lr", "min_lr",
                      "weight_decay", "grad_clip", "norm_eps", "init_std", "adam_eps"):
@@ -212,13 +231,24 @@ class RecipeConfig:
         for name, choices in literal_choices(type(self)).items():
             need(getattr(self, name) in choices,
                  f"{name}={getattr(self, name)!r} is not one of {', '.join(choices)}")
+        need(self.num_heads % self.tp == 0 and self.ffn_hidden_size % self.tp == 0,
+             f"tp={self.tp} must divide num_heads={self.num_heads} and "
+             f"ffn_hidden_size={self.ffn_hidden_size}")
+        need(self.pp <= self.num_layers,
+             f"pp={self.pp} stages need at least as many blocks; num_layers={self.num_layers}")
+        need(self.pp == 1 or self.micro_batch_size % self.pp_microbatches == 0,
+             f"pp_microbatches={self.pp_microbatches} must divide "
+             f"micro_batch_size={self.micro_batch_size}")
+        need(self.ep in (0, 1) or self.ep == self.dp_replicate,
+             f"ep={self.ep} must be 0 (= dp_replicate), 1 (no expert parallelism) or "
+             f"dp_replicate={self.dp_replicate}")
+        need(not self.fault_tp_racy_accumulate or self.tp > 1,
+             "fault_tp_racy_accumulate plants a fault in tensor-parallel layers: set tp >= 2")
+        need(not self.fault_pp_reorder_microbatch_grads
+             or (self.pp > 1 and self.pp_microbatches >= 3),
+             "fault_pp_reorder_microbatch_grads needs pp >= 2 and pp_microbatches >= 3")
         need(self.data_dtype != "uint16" or self.vocab_size <= 2**16,
              f"vocab_size={self.vocab_size} does not fit data_dtype='uint16'; use 'uint32'")
-        need(self.fp8_amax_history_len >= 1,
-             f"fp8_amax_history_len must be >= 1, got {self.fp8_amax_history_len}")
-        self.precision_gemm = resolve_gemm(self.precision, self.device, self.precision_gemm)
-        problem = check_gemm(self.precision, self.precision_gemm, self.device)
-        need(problem is None, problem or "")
 
     @property
     def moe_layer_ids(self) -> list[int]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from samebits.errors import ConfigError
+from samebits.recipes.precision import PrecisionName, check_gemm, resolve_gemm
 
 # Option types: the choices of a field are its Literal's arguments (validated and parsed from
 # them with typing.get_args; nowhere else lists them).
@@ -198,6 +199,29 @@ class RecipeConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 disables clipping; the norm is still reported)."""
 
+    # --- precision (recipes/precision.py, docs/recipe.md) ----------------------------
+    precision: PrecisionName = "fp32"
+    """Training precision: "fp32"; "bf16" (autocast, fp32 parameters); "bf16_params" (bf16
+    parameters, gradients and optimizer state); "fp8_tensorwise" (torchao dynamic scaling);
+    "fp8_delayed" (amax-history scaling, state the checkpoint carries); "mxfp8" (32-blocks,
+    e8m0 scales); "nvfp4" (16-blocks, e4m3 scales, e2m1 values).  The low-precision formats
+    convert the linears of attention, the dense MLPs and the MTP projection."""
+
+    precision_gemm: str | None = None
+    """GEMM path of a low precision: "scaled_mm" (real fp8 GEMM, torch._scaled_mm) or
+    "emulated" (quantise, dequantise, fp32 GEMM).  None (default): resolved when the config is
+    built (scaled_mm for fp8 where torch._scaled_mm runs, emulated for MXFP8/NVFP4), so the
+    stream header and the checkpoint record the path that ran.  fp32 and bf16 always run
+    "native" (torch's GEMM in their dtype), and a config copied from one of them with another
+    precision resolves its path again."""
+
+    fp8_amax_history_len: int = 16
+    """fp8_delayed: steps of amax kept per linear and role; the scale uses their max."""
+
+    fp8_save_amax_history: bool = True
+    """fp8_delayed: checkpoint the amax histories.  False plants a fault: the histories are
+    left out of the checkpoint, so a resumed run scales differently and diverges."""
+
     def __post_init__(self) -> None:
         def need(cond: bool, message: str) -> None:
             if not cond:
@@ -249,6 +273,11 @@ class RecipeConfig:
              "fault_pp_reorder_microbatch_grads needs pp >= 2 and pp_microbatches >= 3")
         need(self.data_dtype != "uint16" or self.vocab_size <= 2**16,
              f"vocab_size={self.vocab_size} does not fit data_dtype='uint16'; use 'uint32'")
+        need(self.fp8_amax_history_len >= 1,
+             f"fp8_amax_history_len must be >= 1, got {self.fp8_amax_history_len}")
+        self.precision_gemm = resolve_gemm(self.precision, self.device, self.precision_gemm)
+        problem = check_gemm(self.precision, self.precision_gemm, self.device)
+        need(problem is None, problem or "")
 
     @property
     def moe_layer_ids(self) -> list[int]:

@@ -20,7 +20,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "samebits"
 # Low to high.  A component may import components of its own layer (as long as no cycle
 # forms) and of the layers below it, never above.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("foundation", {"errors", "verdicts", "settings"}),
+    ("foundation", {"errors", "verdicts", "settings", "_torchutil"}),
     ("digest", {"fingerprint"}),
     ("bottom", {"kernels", "stream", "determinism", "checkpoint", "_inject"}),
     ("comparison", {"compare"}),

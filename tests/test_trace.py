@@ -10,7 +10,8 @@ import torch.distributed as dist
 import pytest
 
 import samebits
-from samebits.trace import EventSpec, TraceConfig, attach, attach_from_env, compare_elements, find_origins, probe
+from samebits.trace import EventSpec, TraceConfig, attach, attach_from_env, compare_elements, find_origins
+from samebits.trace import TraceProbe as probe
 from samebits.trace._config import parse_record, split_op_id
 from samebits.trace._tracer import active
 

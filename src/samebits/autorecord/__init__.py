@@ -35,14 +35,17 @@ too; its steps are the same optimizer-step counts.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
 import traceback
-from pathlib import Path
 
 import torch
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from samebits import settings
+from samebits._torchutil import optimizer_params, process_rank, tensor_leaves
 from samebits._inject import with_injection
 from samebits.autorecord._outcome import (
     STOPPED_MARKER,
@@ -90,6 +93,11 @@ class _AutoRecorder:
                                        config=config)
         return self.recorder
 
+    def _ours(self):
+        """Torch work of zero-code recording itself (census, detach, digests): the tracer, if
+        any, must neither trace nor count it."""
+        return self.tracer.suspended() if self.tracer is not None else contextlib.nullcontext()
+
     def record_census(self) -> None:
         """The state census at the start of ``self.step`` (once per step)."""
         if self.census_step == self.step:
@@ -97,8 +105,9 @@ class _AutoRecorder:
         self.census_step = self.step
         self._rec()
         if self.census is not None:
-            self.census.tensors(self.step, STATE_PHASE, state_census(optimizers=self.optimizers))
-            self.census.end_step(self.step)
+            with self._ours():
+                self.census.tensors(self.step, STATE_PHASE, state_census(optimizers=self.optimizers))
+                self.census.end_step(self.step)
 
     # how the user's code ended: the launcher reads it (see _outcome)
     def excepthook(self, kind, value, tb) -> None:
@@ -107,7 +116,7 @@ class _AutoRecorder:
         self.exception_tail = lines[-TRACEBACK_LINES:]
 
     def at_exit(self) -> None:
-        if self.recorder is None and (self.exception is None or _env_rank() is None):
+        if self.recorder is None and (self.exception is None or process_rank() is None):
             return  # a launcher (torchrun's agent reports its workers' failure) or a helper process
         streams_closed = True
         for recorder in (self.recorder, self.census):
@@ -119,7 +128,7 @@ class _AutoRecorder:
         directory = settings.read("SAMEBITS_DIR")
         if not directory:
             return
-        rank = self.recorder.rank if self.recorder is not None else _env_rank()
+        rank = self.recorder.rank if self.recorder is not None else process_rank()
         if self.exception is not None:
             write_outcome(directory, rank=rank, ended="exception", streams_closed=streams_closed,
                           exception=f"{type(self.exception).__name__}: {self.exception}",
@@ -160,10 +169,10 @@ class _AutoRecorder:
                 prefix = type(module).__name__ + "."
             for name, param in module.named_parameters():
                 self.param_names.setdefault(id(param), prefix + name)
-        label = type(module).__name__
-        leaves = list(_tensor_leaves(label, output))
+        leaves = list(tensor_leaves(output, type(module).__name__))
         if leaves:
-            self._rec().tensors(self.step, "forward", [(n, t.detach()) for n, t in leaves])
+            with self._ours():
+                self._rec().tensors(self.step, "forward", [(n, t.detach()) for n, t in leaves])
 
     def after_optimizer_step(self, optimizer, args, kwargs):
         if self.first_optimizer is None:
@@ -172,18 +181,16 @@ class _AutoRecorder:
             self.optimizers.append(optimizer)
         rec = self._rec()
         phase_prefix = "" if optimizer is self.first_optimizer else f"optimizer{id(optimizer) & 0xFFFF:x}."
-        names = []
-        for g, group in enumerate(optimizer.param_groups):
-            for i, param in enumerate(group["params"]):
-                names.append((self.param_names.get(id(param), f"group{g}.param{i}"), param))
-        rec.tensors(self.step, phase_prefix + "grads", [(n, p.grad) for n, p in names])
-        rec.tensors(self.step, phase_prefix + "params", [(n, p.detach()) for n, p in names])
-        state = []
-        for name, param in names:
-            for key, value in sorted(optimizer.state.get(param, {}).items()):
-                if isinstance(value, torch.Tensor):
-                    state.append((f"{name}.{key}", value))
-        rec.tensors(self.step, phase_prefix + "optimizer", state)
+        names = list(optimizer_params(optimizer, self.param_names))
+        with self._ours():
+            rec.tensors(self.step, phase_prefix + "grads", [(n, p.grad) for n, p in names])
+            rec.tensors(self.step, phase_prefix + "params", [(n, p.detach()) for n, p in names])
+            state = []
+            for name, param in names:
+                for key, value in sorted(optimizer.state.get(param, {}).items()):
+                    if isinstance(value, torch.Tensor):
+                        state.append((f"{name}.{key}", value))
+            rec.tensors(self.step, phase_prefix + "optimizer", state)
         tracer = self.tracer
         if tracer is not None:
             tracer.optimizer_post(optimizer)
@@ -198,20 +205,6 @@ class _AutoRecorder:
                 tracer.begin_step(self.step)
 
 
-def _tensor_leaves(prefix, value):
-    if isinstance(value, torch.Tensor):
-        yield prefix, value
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            yield from _tensor_leaves(f"{prefix}.{i}", item)
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            yield from _tensor_leaves(f"{prefix}.{key}", item)
-    elif hasattr(value, "__dataclass_fields__") or hasattr(value, "to_tuple"):  # ModelOutput-like
-        for key in getattr(value, "__dataclass_fields__", {}) or ():
-            yield from _tensor_leaves(f"{prefix}.{key}", getattr(value, key))
-
-
 def install() -> bool:
     """Install the global hooks once (idempotent); True if recording is on."""
     global _state
@@ -219,9 +212,6 @@ def install() -> bool:
         return True
     if settings.read("SAMEBITS_DISABLE"):
         return False
-    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
     state = _AutoRecorder()
     previous_hook = sys.excepthook
 
@@ -231,18 +221,13 @@ def install() -> bool:
 
     sys.excepthook = excepthook
     atexit.register(state.at_exit)  # registered first, so it runs after the script's own handlers
-    if any(os.environ.get(name) for name in _TRACE_VARIABLES):
+    if any(settings.is_set(name) for name in _TRACE_VARIABLES):
         state.tracer = install_zero_code(state._rec, state.step)  # a bad setting raises here, first
     _state = state
     register_module_forward_pre_hook(_state.pre_forward)
     register_module_forward_hook(_state.post_forward, always_call=True)
     register_optimizer_step_post_hook(_state.after_optimizer_step)
     return True
-
-
-def _env_rank() -> int | None:
-    rank = os.environ.get("RANK")
-    return int(rank) if rank is not None and rank.isdigit() else None
 
 
 _TRACE_VARIABLES = ("SAMEBITS_TRACE", "SAMEBITS_TEST_PERTURB", "SAMEBITS_TRACE_DUMP_OP", "SAMEBITS_TRACE_STOP_AFTER")

@@ -71,7 +71,7 @@ def run(args) -> int:
                     stop_after=args.stop_after, run_timeout=args.run_timeout,
                     b_step_offset=args.b_step_offset, progress=progress)
     if args.json:
-        print_json(result.to_json())
+        print_json(result.to_dict())
     else:
         echo(render(result))
     return result.verdict.exit_code
@@ -88,33 +88,33 @@ def render(result) -> str:
         lines.append("")
     if result.control_flow is not None:
         cf = result.control_flow
-        lines.append(f"control flow differs: rank {cf['rank']}, step {cf['step']}: {cf['detail']}")
-    if origin is not None and origin["classification"] != "control_flow":
-        kind = "origin" if origin["classification"] == "origin" else f"first difference ({origin['classification']})"
-        lines.append(f"{kind}: rank {origin['rank']}, step {origin['step']}, phase {origin['phase']}")
-        if origin["module"] is not None:
-            lines.append(f"  module     {origin['module'] or '(root)'}")
-        if origin["op"]:
-            lines.append(f"  op         {origin['op']}   (id {origin['id']})")
-        elif origin["id"]:
-            lines.append(f"  event      {origin['id']} ({origin['category']})")
-        if origin["call_site"]:
-            lines.append(f"  call site  {origin['call_site']}")
-        if origin["detail"]:
-            lines.append(f"  why        {origin['detail']}")
-        if origin.get("state_differs"):
-            lines.append(f"  state      differs at step start: {', '.join(origin['state_differs'])}")
-        elements = origin.get("elements")
+        lines.append(f"control flow differs: rank {cf.rank}, step {cf.step}: {cf.detail}")
+    if origin is not None and origin.classification != "control_flow":
+        kind = "origin" if origin.classification == "origin" else f"first difference ({origin.classification})"
+        lines.append(f"{kind}: rank {origin.rank}, step {origin.step}, phase {origin.phase}")
+        if origin.module is not None:
+            lines.append(f"  module     {origin.module or '(root)'}")
+        if origin.op:
+            lines.append(f"  op         {origin.op}   (id {origin.event_id})")
+        elif origin.event_id:
+            lines.append(f"  event      {origin.event_id} ({origin.category})")
+        if origin.call_site:
+            lines.append(f"  call site  {origin.call_site}")
+        if origin.detail:
+            lines.append(f"  why        {origin.detail}")
+        if origin.state_differs:
+            lines.append(f"  state      differs at step start: {', '.join(origin.state_differs)}")
+        elements = origin.elements
         if elements:
-            lines.append(f"  elements   {elements['differing']} of {elements['total']} differ in output "
-                         f"{elements.get('output')} ({elements['dtype']} {elements['shape']}), max "
-                         f"{elements['max_ulp']} ulp"
-                         + ("; the same values in another order" if elements.get("same_values") else ""))
-            for value in elements["values"]:
-                lines.append(f"             at {value['index']}: a = {value['a']!r}, b = {value['b']!r} "
-                             f"({value['ulp']} ulp)")
-        if origin.get("catalog"):
-            lines.append(f"  known op   {origin['catalog']}")
+            lines.append(f"  elements   {elements.differing} of {elements.total} differ in output "
+                         f"{elements.output} ({elements.dtype} {elements.shape}), max "
+                         f"{elements.max_ulp} ulp"
+                         + ("; the same values in another order" if elements.same_values else ""))
+            for value in elements.values:
+                lines.append(f"             at {value.index}: a = {value.a!r}, b = {value.b!r} "
+                             f"({value.ulp} ulp)")
+        if origin.catalog:
+            lines.append(f"  known op   {origin.catalog}")
     for note in result.notes:
         lines.append(f"note: {note}")
     lines.append(f"wall time {result.seconds:.1f} s; streams, logs and summary.json in {result.out}")

@@ -26,7 +26,7 @@ def register(sub) -> None:
 def run(args) -> int:
     report = find_origins(args.a, args.b, step=args.step)
     if args.json:
-        print_json(report.to_json())
+        print_json(report.to_dict())
     else:
         echo(render(report))
     return report.verdict.exit_code

@@ -35,7 +35,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -47,7 +47,7 @@ from samebits.runs._launch import failed, run_logged, teardown_note
 from samebits.stream.reader import open_run
 from samebits.trace._config import ENV_VARS, LEVEL_NAMES, EventSpec, TraceConfig, parent_scope
 from samebits.trace._elements import compare_elements, same_values
-from samebits.trace._origin import Finding, OriginReport, find_origins, find_replica_mismatch
+from samebits.trace._origin import OriginFinding, OriginReport, find_origins, find_replica_mismatch
 from samebits.trace._tracer import dump_filename
 from samebits.verdicts import Verdict
 
@@ -112,32 +112,134 @@ class Stage:
     scope: str  # what the stage traced, in words
     runs: dict[str, float] = field(default_factory=dict)  # label -> seconds
     verdict: str = ""
-    finding: Finding | None = None
+    finding: OriginFinding | None = None
     summary: str = ""
 
-    def to_json(self) -> dict:
+    def to_dict(self) -> dict:
         return {"name": self.name, "rung": self.rung, "scope": self.scope,
                 "runs_s": {k: round(v, 2) for k, v in self.runs.items()}, "verdict": self.verdict,
-                "finding": None if self.finding is None else self.finding.to_json(), "summary": self.summary}
+                "finding": None if self.finding is None else self.finding.to_dict(), "summary": self.summary}
+
+
+class DifferingElement(NamedTuple):
+    index: list[int]
+    a: Any
+    b: Any
+    ulp: int
+
+
+@dataclass
+class Elements:
+    """How the origin's two dumped outputs differ element by element: `compare_elements`'s
+    result (``detail``) for output ``output`` of the dumps ``pair`` (files ``dumps``)."""
+
+    detail: dict
+    output: str
+    pair: list[str]
+    dumps: list[str]
+    same_values: bool  # one output is a permutation of the other
+    inputs_identical: bool
+
+    @property
+    def differing(self) -> int | None:
+        return self.detail["differing"]
+
+    @property
+    def total(self) -> int:
+        return self.detail["total"]
+
+    @property
+    def max_ulp(self) -> int | None:
+        return self.detail["max_ulp"]
+
+    @property
+    def values(self) -> list["DifferingElement"]:
+        """The first differing elements: index, both values, distance in ulps."""
+        return [DifferingElement(v["index"], v["a"], v["b"], v["ulp"]) for v in self.detail["values"]]
+
+    @property
+    def dtype(self) -> str:
+        return self.detail["dtype"]
+
+    @property
+    def shape(self) -> list[int]:
+        return self.detail["shape"]
+
+    def to_dict(self) -> dict:
+        return {**self.detail, "output": self.output, "pair": list(self.pair), "dumps": list(self.dumps),
+                "same_values": self.same_values, "inputs_identical": self.inputs_identical}
+
+
+@dataclass
+class Origin:
+    """What the bisection concludes: ``kind`` (op, probe, collective, order, generator,
+    input_batch, replicas, initial_state, control_flow, below_dispatcher, not_localised), the
+    sentence for a person, and the finding it rests on."""
+
+    kind: str
+    conclusion: str
+    step: int
+    rank: int
+    phase: str | None
+    module: str | None
+    op: str | None
+    event_id: str | None
+    category: str | None
+    classification: str
+    call_site: str | None
+    elements: Elements | None
+    catalog: str | None
+    detail: str
+    state_differs: list[str]  # the census records the conclusion blames
+    state_differs_all: list[str]  # every census record that differs at the step start
+    params: list[str] | None = None  # replicas: the parameters that differ
+    ranks: list[int] | None = None  # replicas: the ranks involved
+
+    def to_dict(self) -> dict:
+        out = {"kind": self.kind, "conclusion": self.conclusion, "step": self.step, "rank": self.rank,
+               "phase": self.phase, "module": self.module, "op": self.op, "id": self.event_id,
+               "category": self.category, "classification": self.classification, "call_site": self.call_site,
+               "elements": None if self.elements is None else self.elements.to_dict(), "catalog": self.catalog,
+               "detail": self.detail, "state_differs": list(self.state_differs),
+               "state_differs_all": list(self.state_differs_all)}
+        if self.params is not None:
+            out["params"] = list(self.params)
+        if self.ranks is not None:
+            out["ranks"] = list(self.ranks)
+        return out
+
+
+@dataclass
+class ControlFlow:
+    """Where the two runs' recorded event sequences part."""
+
+    step: int
+    rank: int
+    detail: str
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "rank": self.rank, "detail": self.detail}
 
 
 @dataclass
 class BisectResult:
     verdict: Verdict  # IDENTICAL or DIVERGED (a run that could not be compared raises instead)
-    origin: dict | None
+    origin: Origin | None
     stages: list[Stage]
     out: str
     compared: str  # e.g. "a vs b", "a vs a (a is not repeatable)"
     repeatable: dict[str, bool] | None = None
-    control_flow: dict | None = None
+    control_flow: ControlFlow | None = None
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     conclusion: str = ""  # one sentence: what differs and where the origin is (or why it is not known)
 
-    def to_json(self) -> dict:
-        return {"verdict": str(self.verdict), "conclusion": self.conclusion, "origin": self.origin,
-                "stages": [s.to_json() for s in self.stages], "compared": self.compared,
-                "repeatable": self.repeatable, "control_flow": self.control_flow,
+    def to_dict(self) -> dict:
+        return {"verdict": str(self.verdict), "conclusion": self.conclusion,
+                "origin": None if self.origin is None else self.origin.to_dict(),
+                "stages": [s.to_dict() for s in self.stages], "compared": self.compared,
+                "repeatable": self.repeatable,
+                "control_flow": None if self.control_flow is None else self.control_flow.to_dict(),
                 "out": self.out, "notes": self.notes, "seconds": round(self.seconds, 1)}
 
 
@@ -164,9 +266,9 @@ def default_out_dir() -> Path:
 class _Evidence:
     """What the narrowing stages established, for the conclusion."""
 
-    module_origin: Finding | None = None  # a module whose inputs matched and whose output differs
+    module_origin: OriginFinding | None = None  # a module whose inputs matched and whose output differs
     subtree: str | None = None  # where rung 3 looked
-    ops_finding: Finding | None = None  # rung 3's first difference (when it was not an op origin)
+    ops_finding: OriginFinding | None = None  # rung 3's first difference (when it was not an op origin)
     reproduced: bool = True
 
 
@@ -213,7 +315,7 @@ class _Bisector:
             dirs[label] = directory
         return dirs
 
-    def conclude(self, stage: Stage, report: OriginReport) -> Finding | None:
+    def conclude(self, stage: Stage, report: OriginReport) -> OriginFinding | None:
         stage.verdict = str(report.verdict)
         finding = report.first
         stage.finding = finding
@@ -292,12 +394,9 @@ class _Bisector:
                                  "initialised differently per rank (a seed that depends on the rank before the "
                                  "model is built) or its weights were never broadcast; build it from one seed on "
                                  "every rank, or broadcast rank 0's weights")
-            result.origin = {"kind": "replicas", "conclusion": result.conclusion, "step": replicas.step,
-                             "rank": replicas.ranks[-1], "phase": "init", "module": None, "op": None,
-                             "id": "params", "category": "state", "classification": "origin",
-                             "call_site": None, "elements": None, "catalog": None, "detail": result.conclusion,
-                             "state_differs": [], "state_differs_all": [], "params": replicas.params,
-                             "ranks": replicas.ranks}
+            result.origin = Origin("replicas", result.conclusion, replicas.step, replicas.ranks[-1], "init",
+                                   None, None, "params", "state", "origin", None, None, None, result.conclusion,
+                                   [], [], params=replicas.params, ranks=replicas.ranks)
             result.seconds = time.perf_counter() - start
             return result
         if first is None:
@@ -307,14 +406,14 @@ class _Bisector:
             result.seconds = time.perf_counter() - start
             return result
         result.origin = self._narrow(_earliest(report), result)
-        result.conclusion = result.origin.get("conclusion", "")
+        result.conclusion = result.origin.conclusion
         parted = next((s.finding for s in reversed(self.stages) if s.finding is not None and s.finding.parted), None)
         if result.control_flow is None and parted is not None:
-            result.control_flow = _control_flow_json(parted)
+            result.control_flow = _control_flow(parted)
         result.seconds = time.perf_counter() - start
         return result
 
-    def _narrow(self, first: Finding, result: BisectResult) -> dict:
+    def _narrow(self, first: OriginFinding, result: BisectResult) -> Origin:
         step = first.step
         shortcut = self._shortcut(first, result)
         if shortcut is not None:
@@ -358,15 +457,15 @@ class _Bisector:
         evidence.ops_finding = found
         return self._finish(found, None, evidence)
 
-    def _shortcut(self, found: Finding, result: BisectResult) -> dict | None:
+    def _shortcut(self, found: OriginFinding, result: BisectResult) -> Origin | None:
         """Findings that end the bisection where they are seen."""
         if found.classification == "control_flow":
-            result.control_flow = _control_flow_json(found)
-            return _origin_json(found, None, "control_flow",
+            result.control_flow = _control_flow(found)
+            return _origin(found, None, "control_flow",
                                 f"the runs take different paths at step {found.step} on rank {found.rank}: "
                                 f"{found.parted or found.detail}")
         if found.classification == "order":
-            return _origin_json(found, None, "order", "the runs recorded the same values in a different order "
+            return _origin(found, None, "order", "the runs recorded the same values in a different order "
                                 f"at step {found.step}: nothing to narrow")
         if found.category == "phase" and found.role == "in" and (found.event_id or "").startswith("forward/"):
             root = found.event_id.partition("/")[2].rpartition(":")[0]
@@ -375,13 +474,13 @@ class _Bisector:
                     f"{found.rank}): the origin is before the model (data loader / dataset / sampler)")
             generators = _torch_generators(found)
             if generators:  # the batch was drawn from a torch generator that was already in another state
-                return _origin_json(found, None, "generator",
+                return _origin(found, None, "generator",
                                     "; ".join(describe_state_record(name) for name in generators)
                                     + f". So {text[0].lower()}{text[1:]}", state_differs=generators)
-            return _origin_json(found, None, "input_batch", text + _state_sentence(found, ". Also: "))
+            return _origin(found, None, "input_batch", text + _state_sentence(found, ". Also: "))
         if found.category in ("op", "probe") and found.permuted:
             site = f" at {found.call_site}" if found.call_site else ""
-            return _origin_json(found, None, "order",
+            return _origin(found, None, "order",
                                 f"same values, different order: {found.op}{site} (step {found.step}, rank "
                                 f"{found.rank}) received the same tensors in another order. Something iterated "
                                 "in an order that changes between runs feeds it (a Python set, PYTHONHASHSEED, a "
@@ -390,20 +489,20 @@ class _Bisector:
             site = found.call_site or self._collective_site(found)
             found.call_site = site
             op = (found.event_id or "").rpartition("/")[2].rpartition(":")[0]
-            return _origin_json(found, None, "order",
+            return _origin(found, None, "order",
                                 f"same values, different order: at step {found.step} on rank {found.rank} the "
                                 f"{op} calls{' at ' + site if site else ''} received the same tensors in another "
                                 "order (the collective order differs). The calls are issued in an order that "
                                 "changes between runs (a Python set, PYTHONHASHSEED, a dict keyed by ids): every "
                                 "rank must issue its collectives in one fixed order")
         if found.classification == "origin" and found.category == "state":
-            return _origin_json(found, None, "initial_state",
+            return _origin(found, None, "initial_state",
                                 f"the parameters differ before step {found.step}, the first traced step "
                                 f"({found.label} on rank {found.rank}): initialisation (its seed) or the "
                                 "loaded checkpoint differs, so no training op is the origin")
         return None
 
-    def _collective_site(self, found: Finding) -> str | None:
+    def _collective_site(self, found: OriginFinding) -> str | None:
         """The call site of a collective: one re-run of its step at rung 1 with call sites."""
         stage = Stage("sites", "phases", f"step {found.step}, call sites of collectives, then stop")
         config = self.base_config(step_start=found.step, step_stop=found.step + 1, stop_after=found.step,
@@ -417,7 +516,7 @@ class _Bisector:
         return None
 
     def _traced_rerun(self, name: str, level: int, first_step: int, last_step: int | None, evidence: _Evidence,
-                      where: str = "", **changes) -> Finding | None:
+                      where: str = "", **changes) -> OriginFinding | None:
         """Re-run both sides traced at ``level`` over steps first_step..last_step (stopping after
         last_step) until the re-run diverges inside that window.  A re-run that diverges
         earlier widens the window back to the earliest divergent step seen; one that does not
@@ -453,13 +552,13 @@ class _Bisector:
             return found
         return None
 
-    def _finish(self, final: Finding, subtree: str | None, evidence: _Evidence) -> dict:
+    def _finish(self, final: OriginFinding, subtree: str | None, evidence: _Evidence) -> Origin:
         """The origin object and its conclusion, with the dump for an op, probe or collective."""
         elements = None
         if final.classification == "origin" and final.category in ("op", "collective", "probe"):
             elements = self._dump(final, subtree)
         if not evidence.reproduced:
-            return _origin_json(final, None, "not_localised",
+            return _origin(final, None, "not_localised",
                                 f"not localised: the runs first differ at step {final.step} ({final.where()}), "
                                 f"but {MAX_RERUNS} re-runs at a finer rung did not diverge again (a rare race); "
                                 "run the bisect again, or with more steps")
@@ -468,13 +567,13 @@ class _Bisector:
         if evidence.module_origin is not None and evidence.ops_finding is not None:
             module = evidence.module_origin
             ops = evidence.ops_finding
-            return _origin_json(module, None, "below_dispatcher",
+            return _origin(module, None, "below_dispatcher",
                                 f"below the dispatcher: module {module.module or '(root)'} (step {module.step}, "
                                 f"rank {module.rank}) received identical inputs and its output differs, yet no "
                                 f"ATen op inside it is an origin (rung 3's first difference there: {ops.where()}, "
                                 f"{ops.classification}: {ops.detail}). A call the dispatcher does not see inside "
                                 "it (a custom kernel, a C++ extension, a library call) made the difference: put "
-                                "a samebits.trace.probe around that call")
+                                "a samebits.trace.TraceProbe around that call")
         ruled_out = ["the initial parameters matched", "the model's inputs matched up to the divergent step"]
         if evidence.subtree is not None:
             ruled_out.append(f"no ATen op in {evidence.subtree or 'the whole model'} at step {final.step} has "
@@ -482,25 +581,25 @@ class _Bisector:
         text = (f"not localised: the first difference is {final.where()} ({final.classification}: {final.detail}). "
                 "Ruled out: " + "; ".join(ruled_out) + ". The value was written by code the trace does not "
                 "cover here (outside the traced module subtree, or outside torch)")
-        return _origin_json(final, None, "not_localised", text + _state_sentence(final, " Also: "))
+        return _origin(final, None, "not_localised", text + _state_sentence(final, " Also: "))
 
-    def _explain_origin(self, final: Finding, elements: dict | None) -> dict:
+    def _explain_origin(self, final: OriginFinding, elements: Elements | None) -> Origin:
         site = f" at {final.call_site}" if final.call_site else ""
         what = f"{final.op or final.event_id}{site}"
         if final.category == "op" and final.op in RNG_OPS:
             generators = _torch_generators(final)
             if generators:
                 text = "; ".join(describe_state_record(name) for name in generators)
-                return _origin_json(final, elements, "generator",
+                return _origin(final, elements, "generator",
                                     f"{text} (step {final.step}, rank {final.rank}): the RNG op {what} drew "
                                     "different numbers from identical inputs", state_differs=generators)
-            return _origin_json(final, elements, "generator",
+            return _origin(final, elements, "generator",
                                 f"the RNG op {what} drew different numbers from identical inputs at step "
                                 f"{final.step} on rank {final.rank}: the generator it draws from was in another "
                                 "state (a torch.Generator passed to it, seeded from something that changes, or "
                                 "not restored on resume)")
-        if elements is not None and elements.get("same_values"):
-            return _origin_json(final, elements, "order",
+        if elements is not None and elements.same_values:
+            return _origin(final, elements, "order",
                                 f"same values, different order: the output of {what} (step {final.step}, rank "
                                 f"{final.rank}) holds the same values in another order. Something iterated in an "
                                 "order that changes between runs feeds it (a Python set, a dict keyed by ids, "
@@ -509,9 +608,9 @@ class _Bisector:
         text = f"origin: {what} (step {final.step}, phase {final.phase}, rank {final.rank}): {final.detail}"
         if final.catalog:
             text += f". Known: {final.catalog}"
-        return _origin_json(final, elements, kind, text)
+        return _origin(final, elements, kind, text)
 
-    def _dump(self, final: Finding, subtree: str | None) -> dict | None:
+    def _dump(self, final: OriginFinding, subtree: str | None) -> Elements | None:
         step = final.step
         spec = EventSpec(step, final.rank, final.event_id, final.phase)
         if final.category == "op":
@@ -529,29 +628,29 @@ class _Bisector:
                 if path.exists():
                     dumps.append((f"{label}{attempt + 1}", path))
             elements = _first_difference(dumps)
-            stage.verdict = str(Verdict.DIVERGED if elements and elements.get("differing") else Verdict.IDENTICAL)
+            stage.verdict = str(Verdict.DIVERGED if elements and elements.differing else Verdict.IDENTICAL)
             if elements is None:
                 stage.summary = "no dump was written (the event did not run)"
             else:
-                stage.summary = (f"{elements['differing']} of {elements['total']} elements differ in output "
-                                 f"{elements.get('output')} ({' vs '.join(elements['pair'])}), "
-                                 f"max {elements['max_ulp']} ulp"
-                                 + (", same values in another order" if elements.get("same_values") else ""))
+                stage.summary = (f"{elements.differing} of {elements.total} elements differ in output "
+                                 f"{elements.output} ({' vs '.join(elements.pair)}), "
+                                 f"max {elements.max_ulp} ulp"
+                                 + (", same values in another order" if elements.same_values else ""))
             self.say(f"      -> {stage.summary}")
-            if elements is not None and elements.get("differing"):
+            if elements is not None and elements.differing:
                 return elements
         self.notes.append("the dump runs did not reproduce a difference at the origin (it is intermittent); "
                           "its element detail is empty")
         return elements
 
 
-def _earliest(report: OriginReport) -> Finding:
+def _earliest(report: OriginReport) -> OriginFinding:
     """The finding to narrow: the earliest step of any rank, and there the earliest origin
     (or, without one, the earliest finding)."""
     first_step = min(f.step for f in report.findings.values())
     at_step = [f for f in report.findings.values() if f.step == first_step]
     origins = [f for f in at_step if f.classification == "origin"]
-    return min(origins or at_step, key=Finding.sort_key)
+    return min(origins or at_step, key=OriginFinding.sort_key)
 
 
 def _check_compared(dirs: dict[str, Path]) -> None:
@@ -569,19 +668,19 @@ def _check_compared(dirs: dict[str, Path]) -> None:
                                     "Does the command reach optimizer.step()? Its log is under logs/.")
 
 
-def _torch_generators(finding: Finding) -> list[str]:
+def _torch_generators(finding: OriginFinding) -> list[str]:
     """The torch generators among the census records that differ at the finding's step start
     (ATen ops draw from these; Python's and NumPy's generators never feed them)."""
     return [name for name in finding.state_differs if name.startswith(_TORCH_GENERATORS)]
 
 
-def _state_sentence(finding: Finding, prefix: str) -> str:
+def _state_sentence(finding: OriginFinding, prefix: str) -> str:
     if not finding.state_differs:
         return ""
     return prefix + "; ".join(describe_state_record(name) for name in finding.state_differs) + "."
 
 
-def _subtree_for(found: Finding) -> str:
+def _subtree_for(found: OriginFinding) -> str:
     """Where rung 3 looks, given the modules stage's finding."""
     if found.category == "module" and found.module is not None:
         if found.event_id and found.event_id.endswith("@grad"):
@@ -596,7 +695,7 @@ def _subtree_for(found: Finding) -> str:
     return ""
 
 
-def _first_difference(dumps: list[tuple[str, Path]]) -> dict | None:
+def _first_difference(dumps: list[tuple[str, Path]]) -> Elements | None:
     """Element detail of the first pair of dumps whose outputs differ: pairs of an A and a B
     run first, then runs of one side (an intermittent origin may differ between any two)."""
     loaded = [(label, torch.load(path, map_location="cpu", weights_only=True), path) for label, path in dumps]
@@ -608,39 +707,34 @@ def _first_difference(dumps: list[tuple[str, Path]]) -> dict | None:
             out_b = dump_b["outputs"].get(label)
             if out_b is None:
                 continue
-            elements = compare_elements(out_a, out_b)
-            elements["output"], elements["pair"] = label, [label_a, label_b]
-            elements["dumps"] = [str(path_a), str(path_b)]
-            elements["same_values"] = bool(elements["differing"]) and same_values(out_a, out_b)
-            elements["inputs_identical"] = all(
-                name in dump_b["inputs"] and compare_elements(t, dump_b["inputs"][name])["differing"] == 0
-                for name, t in dump_a["inputs"].items())
+            detail = compare_elements(out_a, out_b)
+            elements = Elements(
+                detail, label, [label_a, label_b], [str(path_a), str(path_b)],
+                same_values=bool(detail["differing"]) and same_values(out_a, out_b),
+                inputs_identical=all(
+                    name in dump_b["inputs"] and compare_elements(t, dump_b["inputs"][name])["differing"] == 0
+                    for name, t in dump_a["inputs"].items()))
             if chosen is None:
                 chosen = elements
-            if elements["differing"]:
+            if elements.differing:
                 return elements
     return chosen
 
 
-def _origin_json(finding: Finding, elements: dict | None, kind: str, conclusion: str,
-                 state_differs: list[str] | None = None) -> dict:
-    """The spec'd ``origin`` object (plus id, category, classification, catalog, detail), with
-    ``kind`` (what the conclusion is about), ``conclusion`` (one sentence for a person),
-    ``state_differs`` (the census records the conclusion blames; default: all that differ at
-    the step start) and ``state_differs_all`` (all of them)."""
-    return {
-        "kind": kind, "conclusion": conclusion,
-        "step": finding.step, "rank": finding.rank, "phase": finding.phase, "module": finding.module,
-        "op": finding.op, "id": finding.event_id, "category": finding.category,
-        "classification": finding.classification, "call_site": finding.call_site,
-        "elements": elements, "catalog": finding.catalog, "detail": finding.detail,
-        "state_differs": list(finding.state_differs if state_differs is None else state_differs),
-        "state_differs_all": list(finding.state_differs),
-    }
+def _origin(finding: OriginFinding, elements: Elements | None, kind: str, conclusion: str,
+            state_differs: list[str] | None = None) -> Origin:
+    """The `Origin` that ``finding`` proves: ``kind`` (what the conclusion is about),
+    ``conclusion`` (one sentence for a person), ``state_differs`` (the census records the
+    conclusion blames; default: all that differ at the step start)."""
+    return Origin(kind, conclusion, finding.step, finding.rank, finding.phase, finding.module, finding.op,
+                  finding.event_id, finding.category, finding.classification, finding.call_site, elements,
+                  finding.catalog, finding.detail,
+                  list(finding.state_differs if state_differs is None else state_differs),
+                  list(finding.state_differs))
 
 
-def _control_flow_json(finding: Finding) -> dict:
-    return {"step": finding.step, "rank": finding.rank, "detail": finding.parted or finding.detail}
+def _control_flow(finding: OriginFinding) -> ControlFlow:
+    return ControlFlow(finding.step, finding.rank, finding.parted or finding.detail)
 
 
 def bisect(cmd_a: list[str] | None = None, cmd_b: list[str] | None = None, *, out=None,
@@ -692,4 +786,4 @@ def bisect(cmd_a: list[str] | None = None, cmd_b: list[str] | None = None, *, ou
 
 
 def _write_summary(out: Path, result: BisectResult) -> None:
-    (out / "summary.json").write_text(json.dumps(result.to_json(), indent=2, default=str) + "\n")
+    (out / "summary.json").write_text(json.dumps(result.to_dict(), indent=2, default=str) + "\n")

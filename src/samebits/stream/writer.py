@@ -138,6 +138,8 @@ class Recorder:
         self._num_steps = self._num_records = 0
         self._reference = None
         self._closed = False
+        self._end_step_hooks: list[tuple] = []  # (before, after) callbacks: `on_end_step`
+        self._own_work = None  # `around_own_work`: a context for the recorder's own torch work
         if not self.active:
             return
         s.directory.mkdir(parents=True, exist_ok=True)
@@ -195,6 +197,12 @@ class Recorder:
         """
         if not self.active:
             return
+        if self._own_work is not None:
+            with self._own_work():
+                return self._tensors(step, phase, named_tensors)
+        return self._tensors(step, phase, named_tensors)
+
+    def _tensors(self, step: int, phase: str, named_tensors) -> None:
         if step.__class__ is not int or not 0 <= step <= fmt.MAX_STEP:  # before the window check:
             step = _check_step(step, self.rank)  # a bad step is an error, never silently dropped
         if not self.settings.selected(step, phase):
@@ -309,6 +317,12 @@ class Recorder:
         0-dim tensors in their own dtype (kept on the device until the step ends)."""
         if not self.active:
             return
+        if self._own_work is not None:
+            with self._own_work():
+                return self._metrics(step, phase, values)
+        return self._metrics(step, phase, values)
+
+    def _metrics(self, step: int, phase: str, values: dict) -> None:
         if step.__class__ is not int or not 0 <= step <= fmt.MAX_STEP:
             step = _check_step(step, self.rank)
         if not self.settings.selected(step, phase):
@@ -361,7 +375,21 @@ class Recorder:
         """Finish the current step: fetch its digests, write it, and check it against the
         reference run if one was given.  Returns False when the step's root differs from
         the reference's, True when equal, None without a reference or such a step there.
-        Calling it is optional: a record of a later step, or `close`, ends a step too."""
+        Calling it is optional: a record of a later step, or `close`, ends a step too.
+        Hooks registered with `on_end_step` run around it (also when it writes nothing)."""
+        if not self._end_step_hooks:
+            return self._end_step(step)
+        hooks = list(self._end_step_hooks)
+        for before, _ in hooks:
+            if before is not None:
+                before(step)
+        result = self._end_step(step)
+        for _, after in hooks:
+            if after is not None:
+                after(step)
+        return result
+
+    def _end_step(self, step: int | None) -> bool | None:
         if not self.active or self._pending is None:
             return None
         if step is not None and step != self._pending.step:
@@ -369,6 +397,28 @@ class Recorder:
         root, count = self._write_step(self._pending)
         self._pending = None
         return self._check_reference(self._last_step, root, count)
+
+    # -- hooks (a tracer's) ---------------------------------------------------------------
+
+    def on_end_step(self, before=None, after=None) -> "RecorderHook":
+        """Call ``before(step)`` just before `end_step` writes a step (records it makes belong
+        to that step) and ``after(step)`` just after (it may end the process); ``step`` is
+        what `end_step` was given (None: the open step).  ``.remove()`` the returned handle."""
+        entry = (before, after)
+        self._end_step_hooks.append(entry)
+        return RecorderHook(lambda: self._end_step_hooks.remove(entry) if entry in self._end_step_hooks else None)
+
+    def around_own_work(self, context) -> "RecorderHook":
+        """Run `tensors` and `metrics` inside ``context()`` (a context manager factory), e.g. a
+        tracer's ``suspended``: the recorder's own copies and views are then never traced as
+        the program's ops.  One at a time; ``.remove()`` the handle to restore the previous one."""
+        previous, self._own_work = self._own_work, context
+
+        def remove() -> None:
+            if self._own_work is context:
+                self._own_work = previous
+
+        return RecorderHook(remove)
 
     def close(self) -> None:
         """End the open step, write the closing frame and flush.  Idempotent."""
@@ -617,6 +667,18 @@ class Recorder:
             pass  # the lock holds without the note; only the message is less specific
 
 _open_recorders: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
+
+
+class RecorderHook:
+    """A registered Recorder hook; `remove` unregisters it (idempotent)."""
+
+    def __init__(self, remove):
+        self._remove = remove
+
+    def remove(self) -> None:
+        remove, self._remove = self._remove, None
+        if remove is not None:
+            remove()
 
 
 @atexit.register

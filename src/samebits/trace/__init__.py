@@ -20,7 +20,7 @@ Explicit training loop (what the reference recipe does)::
 Zero-code recording (``samebits run``, ``samebits bisect -- CMD``) installs the same tracer
 from the same ``SAMEBITS_TRACE*`` variables.  Then compare two traced runs::
 
-    report = samebits.trace.find_origins("runs/a", "runs/b")   # origins, earliest first
+    report = samebits.trace.find_origins("runs/a", "runs/b")   # OriginFindings, earliest first
     result = samebits.runs.bisect(["python", "train.py"])      # narrows rung by rung (runs layer)
 """
 
@@ -31,9 +31,22 @@ import warnings
 
 from samebits.trace._config import EventSpec, TraceConfig
 from samebits.trace._elements import compare_elements
-from samebits.trace._origin import Finding, OriginReport, find_origins
-from samebits.trace._probe import probe
-from samebits.trace._tracer import Tracer, _set_active, active
+from samebits.trace._origin import OriginFinding, OriginReport, find_origins
+from samebits.trace._probe import TraceProbe
+from samebits.trace._tracer import StepState, Tracer, _set_active, active
+
+# Old names, kept importable: `probe` (a lowercase class, easily taken for `samebits.probe`)
+# and `Finding` (also the rule checker's name).  Each warns once per use.
+_DEPRECATED = {"probe": ("TraceProbe", TraceProbe), "Finding": ("OriginFinding", OriginFinding)}
+
+
+def __getattr__(name: str):
+    if name in _DEPRECATED:
+        new_name, value = _DEPRECATED[name]
+        warnings.warn(f"samebits.trace.{name} is deprecated; use samebits.trace.{new_name}",
+                      DeprecationWarning, stacklevel=2)
+        return value
+    raise AttributeError(f"module 'samebits.trace' has no attribute {name!r}")
 
 
 class _Off:
@@ -43,6 +56,9 @@ class _Off:
 
     def step(self, step: int):
         return contextlib.nullcontext(self)
+
+    def suspended(self):
+        return contextlib.nullcontext()
 
     def close(self) -> None:
         pass
@@ -55,9 +71,10 @@ def attach(model, recorder, config: TraceConfig | None = None) -> "Tracer | _Off
     """Trace `model`'s training into `recorder`'s streams according to `config`.
 
     Returns a handle: wrap each training step in ``with handle.step(step):`` and call
-    ``handle.close()`` at the end (a later `attach` closes a tracer left open).  The tracer wraps ``recorder.end_step`` on
-    this recorder instance, to finish its records before the step is written, and
-    ``recorder.tensors``/``metrics``, so that their own tensor work is never traced.
+    ``handle.close()`` at the end (a later `attach` closes a tracer left open).  The tracer
+    registers Recorder hooks (``on_end_step``, ``around_own_work``): its records are finished
+    before the recorder writes the step, and the recorder's own tensor work is never traced.
+    ``with handle.suspended():`` runs samebits-side torch work of your own untraced.
     """
     config = config or TraceConfig()
     if not config.enabled:
@@ -73,7 +90,6 @@ def attach(model, recorder, config: TraceConfig | None = None) -> "Tracer | _Off
         tracer.add_root(model)
     tracer.install_permanent()
     _set_active(tracer)
-    tracer.recorder()  # guard the recorder's methods now
     return tracer
 
 
@@ -104,10 +120,11 @@ __all__ = [
     "Tracer",
     "attach",
     "attach_from_env",
-    "probe",
+    "TraceProbe",
+    "StepState",
     "find_origins",
     "OriginReport",
-    "Finding",
+    "OriginFinding",
     "compare_elements",
     "active",
 ]

@@ -25,7 +25,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from samebits.trace._tensors import call_site, nudge
+from samebits._torchutil import call_site
+from samebits.trace._tensors import TRACE_DIR
 
 
 def _single(name):
@@ -89,39 +90,37 @@ def _wrap(name, original):
             return original(*args, **kwargs)
         if not tracer.armed:
             tracer.arm()  # zero-code: a process issuing collectives is a worker
-        if not tracer.open or (tracer.level_now < 1 and not tracer.special):
+        state = tracer.now
+        if state is None or (state.level < 1 and not state.special):
             return original(*args, **kwargs)
         bound = signature.bind(*args, **kwargs)
         arguments = dict(bound.arguments)
         phase = tracer.current_phase()
         group = group_name(arguments.get("group"))
-        n = tracer._next(tracer.collective_counts, (group, name))
+        n = state.next_number("collective", (group, name))
         event_id = f"{group}/{name}:{n}"
-        perturb, dump = tracer.special_for(event_id, phase) if tracer.special else (False, False)
+        perturb, dump = tracer.special_for(event_id, phase) if state.special else (False, False)
         inputs = get_inputs(arguments)
-        if tracer.level_now >= 1:
+        if state.level >= 1:
             tracer.record("collective", event_id, "in", inputs, phase)
             if tracer.config.call_sites:
-                tracer.call_sites[f"{phase}|{event_id}"] = call_site(2)
+                state.note_call_site(phase, event_id, call_site(2, skip_dirs=(TRACE_DIR,)))
         dump_inputs = tracer.copies(inputs) if dump else None
         step = tracer.step_now
 
         def finish():
-            if not tracer.open or tracer.step_now != step:
+            if tracer.now is None or tracer.step_now != step:
                 return
             outputs = get_outputs(arguments)
             if perturb and outputs:
-                nudge_busy(tracer, outputs[0][1])
-            if tracer.level_now >= 1:
+                tracer.nudge(outputs[0][1])
+            if state.level >= 1:
                 tracer.record("collective", event_id, "out", outputs, phase)
             if dump:
                 tracer.dump(event_id, phase, name, dump_inputs, outputs, None)
 
-        tracer.busy = True  # the wrapper's own tensor work is not the program's
-        try:
+        with tracer.suspended():  # the wrapper's own tensor work is not the program's
             result = original(*args, **kwargs)
-        finally:
-            tracer.busy = False
         if arguments.get("async_op") and result is not None:
             return _TracedWork(result, finish)
         finish()
@@ -129,15 +128,6 @@ def _wrap(name, original):
 
     traced._samebits_original = original
     return traced
-
-
-def nudge_busy(tracer, t) -> None:
-    tracer.busy = True
-    try:
-        with torch.no_grad():
-            nudge(t)
-    finally:
-        tracer.busy = False
 
 
 def patch(active: Callable) -> None:

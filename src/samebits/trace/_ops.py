@@ -21,24 +21,14 @@ outputs count as seen, so their first consumer does not record the garbage eithe
 
 from __future__ import annotations
 
-import os
-import sys
-
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from samebits._torchutil import call_site, is_uninitialized_op, op_tensor_args, op_tensor_outputs
 from samebits.trace._config import record_name
-from samebits.trace._tensors import _TORCH_DIR, _TRACE_DIR, call_site, digestable, nudge, version_of
-
-_LIBRARY_DIR = os.path.dirname(_TRACE_DIR) + os.sep  # samebits itself ...
-_CLIENT_DIR = os.path.join(_LIBRARY_DIR, "recipes") + os.sep  # ... but the recipe is traced like a user's code
+from samebits.trace._tensors import TRACE_DIR, digestable, version_of
 
 NORMAL, SKIP, NOISE, VIEW = 0, 1, 2, 3
 _SKIP_NAMESPACES = {"c10d", "profiler", "record_function"}
-_NOISE_PREFIXES = ("aten::empty", "aten::new_empty", "aten::_empty")
-_NOISE_NAMES = {"aten::resize_", "aten::resize_as_", "aten::_resize_output_", "aten::set_"}
-_get_sequence_nr = torch._C._autograd._get_sequence_nr
-_current_node = torch._C._current_autograd_node
 
 
 class _OpInfo:
@@ -51,7 +41,7 @@ class _OpInfo:
         self.writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
         if namespace in _SKIP_NAMESPACES:
             self.kind = SKIP
-        elif (self.name.startswith(_NOISE_PREFIXES) or self.name in _NOISE_NAMES
+        elif (is_uninitialized_op(self.name)
               or (namespace == "_c10d_functional" and self.name != "_c10d_functional::wait_tensor")):
             self.kind = NOISE
         elif func.is_view:
@@ -60,48 +50,9 @@ class _OpInfo:
             self.kind = NORMAL
 
 
-def _flat_inputs(args, kwargs) -> list:
-    flat = []
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
-            flat.append((str(i), a))
-        elif isinstance(a, (list, tuple)):
-            for j, b in enumerate(a):
-                if isinstance(b, torch.Tensor):
-                    flat.append((f"{i}.{j}", b))
-    for key, a in kwargs.items():
-        if isinstance(a, torch.Tensor):
-            flat.append((key, a))
-        elif isinstance(a, (list, tuple)):
-            for j, b in enumerate(a):
-                if isinstance(b, torch.Tensor):
-                    flat.append((f"{key}.{j}", b))
-    return flat
-
-
-def _flat_outputs(out) -> list:
-    if isinstance(out, torch.Tensor):
-        return [("0", out)]
-    if isinstance(out, (list, tuple)):
-        return [(str(j), o) for j, o in enumerate(out) if isinstance(o, torch.Tensor)]
-    return []
-
-
-def _called_by_samebits() -> bool:
-    """True when the nearest Python caller outside torch is samebits' own code (zero-code
-    recording's state census, a recorder): its tensor work is never the program's."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if filename.startswith(_TORCH_DIR) or filename.startswith(_TRACE_DIR) or filename.startswith("<"):
-            frame = frame.f_back  # torch, or the tracer's own wrappers (torch.autograd.backward)
-            continue
-        return filename.startswith(_LIBRARY_DIR) and not filename.startswith(_CLIENT_DIR)
-    return False
-
-
 class OpMode(TorchDispatchMode):
-    """The tracer's dispatch mode; pushed only for the steps rung 3 (or a test hook) needs."""
+    """The tracer's dispatch mode; pushed only for the steps rung 3 (or a test hook) needs.
+    Samebits' own torch work runs inside `Tracer.suspended()` and passes straight through."""
 
     def __init__(self, tracer):
         super().__init__()
@@ -112,88 +63,73 @@ class OpMode(TorchDispatchMode):
         if kwargs is None:
             kwargs = {}
         t = self.tracer
+        s = t.now
         info = self._info.get(func)
         if info is None:
             info = self._info[func] = _OpInfo(func)
-        if t.busy or not t.open or info.kind == SKIP or _called_by_samebits():
+        if t.busy or s is None or info.kind == SKIP:
             return func(*args, **kwargs)
         phase = t.current_phase()
         if phase == "backward":
-            node = _current_node()
-            entry = t.seq_scope.get(node._sequence_nr()) if node is not None else None
+            entry = s.autograd.running()
             scope, site = entry if entry is not None else ("", None)
         else:
-            scope, site = t.scope, None
+            scope, site = s.scope, None
         name = info.name
-        key = (phase, scope, name)
-        n = t.op_counts.get(key, 0)
-        t.op_counts[key] = n + 1
-        g = t.global_op_counts.get(name, 0)
-        t.global_op_counts[name] = g + 1
+        n = s.next_number("op", (phase, scope, name))
+        g = s.next_number("global_op", name)
         event_id = f"{scope}/{name}:{n}"
-        recorded = t.level_now >= 3 and (not t.config.module or t.config.in_subtree(scope))
+        recorded = s.level >= 3 and (not t.config.module or t.config.in_subtree(scope))
         perturb = dump = False
-        if t.special:
+        if s.special:
             perturb, dump = t.special_for(event_id, phase, f"{name}:{g}")
         if phase != "backward":
             if recorded and t.config.call_sites:
-                site = call_site(2)
-                t.call_sites[f"{phase}|{event_id}"] = site
-            seq = _get_sequence_nr()
-            if seq:  # the autograd node this op created (if any) has number seq - 1
-                t.seq_scope.setdefault(seq - 1, (scope, site))
-        elif recorded and site is not None:
-            t.call_sites[f"{phase}|{event_id}"] = site
+                site = call_site(2, skip_dirs=(TRACE_DIR,))
+                s.note_call_site(phase, event_id, site)
+            s.autograd.created((scope, site))  # the autograd node this op created, if any, is named after it
+        elif recorded:
+            s.note_call_site(phase, event_id, site)
 
         if info.kind != NORMAL or not (recorded or perturb or dump):
             out = func(*args, **kwargs)
             if recorded and info.kind == NOISE:
-                for _, o in _flat_outputs(out):
-                    t.mark_seen(o)
+                s.mark_all_seen(op_tensor_outputs(out))
             elif recorded and info.kind == VIEW:
-                if all(t.is_seen(x) for _, x in _flat_inputs(args, kwargs)):
-                    for _, o in _flat_outputs(out):
-                        t.mark_seen(o)
+                if all(s.is_seen(x) for _, x in op_tensor_args(args, kwargs)):
+                    s.mark_all_seen(op_tensor_outputs(out))
             return out
 
-        inputs = _flat_inputs(args, kwargs)
-        category_phase = phase
+        inputs = op_tensor_args(args, kwargs)
         if info.writes and recorded:  # the op may overwrite an input: digest inputs first
             pre = [(record_name(event_id, "in", label), x) for label, x in inputs
-                   if digestable(x) and not t.is_seen(x)]
+                   if digestable(x) and not s.is_seen(x)]
             if pre:
-                t.record_named("op", category_phase, pre)
-                for _, x in pre:
-                    t.mark_seen(x)
+                t.record_named("op", phase, pre)
+                s.mark_all_seen(pre)
         versions = [version_of(x) for _, x in inputs] if info.writes else None
         dump_inputs = t.copies(inputs) if dump else None  # before the op: it may write into them
 
         out = func(*args, **kwargs)
 
-        outputs = _flat_outputs(out)
+        outputs = op_tensor_outputs(out)
         if info.writes:  # arguments written in place are outputs too
             returned = {id(o) for _, o in outputs}
             for (label, x), before in zip(inputs, versions):
                 if id(x) not in returned and version_of(x) != before:
                     outputs.append((f"arg{label}", x))
         if perturb and outputs:
-            t.busy = True
-            try:
-                nudge(outputs[0][1])
-            finally:
-                t.busy = False
+            t.nudge(outputs[0][1])
         if recorded:
             named = []
             if not info.writes:
                 for label, x in inputs:
-                    if digestable(x) and not t.is_seen(x):
+                    if digestable(x) and not s.is_seen(x):
                         named.append((record_name(event_id, "in", label), x))
             named += [(record_name(event_id, "out", label), o) for label, o in outputs]
-            t.record_named("op", category_phase, named)
-            for _, x in inputs:
-                t.mark_seen(x)
-            for _, o in outputs:
-                t.mark_seen(o)
+            t.record_named("op", phase, named)
+            s.mark_all_seen(inputs)
+            s.mark_all_seen(outputs)
         if dump:
             t.dump(event_id, phase, name, dump_inputs, outputs, site)
         return out

@@ -25,29 +25,32 @@ the census records that differ in its step (``state_differs``), and a receiver w
 inputs (an op's, or a process group's collectives') are the same tensors in another order
 is marked ``permuted``.
 
-`find_origins` returns every rank's finding and the origins, earliest first.
+`find_origins` returns every rank's finding and the origins, earliest first.  It reads the
+runs through `samebits.compare.divergent_steps`, the comparison engine's one walk (streams
+verified, equal steps decided by their roots), and classifies the records it yields.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from samebits.compare import RankStep, divergent_steps
 from samebits.determinism import lookup_op
 from samebits.errors import IncomparableRunsError
-from samebits.verdicts import Verdict
-from samebits.stream.reader import Record, open_run
+from samebits.stream.reader import Record, Run, open_run
 from samebits.trace._config import (CONTEXT_CATEGORIES, PHASE_PREFIX, STATE_RECORD_PHASE, TRAINING_PHASES,
                                     parse_record, split_op_id)
 from samebits.trace._tracer import call_sites_filename
+from samebits.verdicts import Verdict
 
 _PLAIN_PHASE_ORDER = {"data": 1, "forward": 1, "metrics": 4, "grads": 4, "params": 5, "optimizer": 5}
 
 
 @dataclass
-class Finding:
+class OriginFinding:
     """The first difference of one rank, classified."""
 
     rank: int
@@ -62,8 +65,8 @@ class Finding:
     label: str | None = None
     record: str | None = None  # "phase/name" of the first differing record
     position: int = 0
-    a: dict | None = None
-    b: dict | None = None
+    a: Record | None = None  # the first differing record in run a (None: it has none there)
+    b: Record | None = None
     from_rank: int | None = None
     call_site: str | None = None
     catalog: str | None = None
@@ -92,8 +95,13 @@ class Finding:
             parts.append(f"id {self.event_id}")
         return ", ".join(parts)
 
-    def to_json(self) -> dict:
-        return asdict(self)
+    def to_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        for side in ("a", "b"):
+            record = out[side]
+            out[side] = None if record is None else record.to_json()
+        out["state_differs"] = list(self.state_differs)
+        return out
 
 
 @dataclass
@@ -102,8 +110,8 @@ class OriginReport:
     b: str
     verdict: Verdict  # IDENTICAL, DIVERGED, or INCOMPLETE when no step was compared
     step: int | None
-    findings: dict[int, Finding]
-    origins: list[Finding]
+    findings: dict[int, OriginFinding]
+    origins: list[OriginFinding]
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -111,60 +119,94 @@ class OriginReport:
         return self.verdict == "identical"
 
     @property
-    def first(self) -> Finding | None:
+    def first(self) -> OriginFinding | None:
         """The earliest origin; without one, the earliest finding of any kind."""
         if self.origins:
             return self.origins[0]
-        ordered = sorted(self.findings.values(), key=Finding.sort_key)
+        ordered = sorted(self.findings.values(), key=OriginFinding.sort_key)
         return ordered[0] if ordered else None
 
     @property
-    def control_flow(self) -> Finding | None:
+    def control_flow(self) -> OriginFinding | None:
         parted = [f for f in self.findings.values() if f.classification == "control_flow"]
-        return min(parted, key=Finding.sort_key) if parted else None
+        return min(parted, key=OriginFinding.sort_key) if parted else None
 
-    def to_json(self) -> dict:
+    def to_dict(self) -> dict:
         return {
             "verdict": str(self.verdict), "a": self.a, "b": self.b, "step": self.step,
-            "origins": [f.to_json() for f in self.origins],
-            "findings": {str(r): f.to_json() for r, f in sorted(self.findings.items())},
+            "origins": [f.to_dict() for f in self.origins],
+            "findings": {str(r): f.to_dict() for r, f in sorted(self.findings.items())},
             "notes": self.notes,
         }
 
 
-class _Side:
-    """One run, with its decoded steps cached per rank."""
+class _Runs:
+    """The two runs, the steps `divergent_steps` decoded, and the call-site files, read once."""
 
-    def __init__(self, path):
-        self.path = Path(path)
-        self.run = open_run(path)
-        self._cache: dict[tuple[int, int], list[Record] | None] = {}
-        self._sites: dict[int, dict] = {}
+    def __init__(self, a, b):
+        self.paths = (Path(a), Path(b))
+        self.run_a, self.run_b = open_run(a), open_run(b)
+        self.decoded: dict[tuple[int, int], RankStep] = {}  # (rank, step) -> both sides' records
+        self.first_step: dict[int, int] = {}  # rank -> its first divergent step (any record)
+        self._read: dict[tuple[int, int], tuple | None] = {}
+        self._sites: dict[tuple[int, int], dict] = {}
 
-    def records(self, rank: int, step: int) -> list[Record] | None:
+    def close(self) -> None:
+        self.run_a.close()
+        self.run_b.close()
+
+    def divergent(self, start: int | None, stop: int | None, only: set[int]):
+        """`divergent_steps` over the window, keeping what it decoded (of ranks ``only``)."""
+        for found in divergent_steps(self.run_a, self.run_b, start_step=start, stop_step=stop):
+            self.first_step.setdefault(found.rank, found.step)
+            self.decoded[(found.rank, found.step)] = found
+            if found.rank in only:
+                yield found
+
+    def records_at(self, rank: int, step: int) -> tuple[list[Record], list[Record]] | None:
+        """Both runs' records of ``rank`` at ``step``, or None when they are equal there or a
+        run lacks that step.  A rank whose first divergence comes later holds equal records
+        (the step roots matched); a step already decoded is reused; otherwise that one step is
+        read (once per rank and step)."""
+        found = self.decoded.get((rank, step))
+        if found is not None:
+            return None if found.missing else (found.records_a, found.records_b)
+        first = self.first_step.get(rank)
+        if first is None or first > step:
+            return None
         key = (rank, step)
-        if key not in self._cache:
-            found = None
-            if rank in self.run.files:
-                reader = self.run.stream(rank)
-                for block in reader.steps():
-                    if block.step == step:
-                        found = block.records()
-                        break
-                    if block.step > step:
-                        break
-                reader.close()
-            self._cache[key] = found
-        return self._cache[key]
+        if key not in self._read:
+            sides = [_read_step(run, rank, step) for run in (self.run_a, self.run_b)]
+            self._read[key] = None if None in sides else (sides[0], sides[1])
+        return self._read[key]
 
     def call_site(self, rank: int, step: int, phase: str, event_id: str) -> str | None:
-        if rank not in self._sites:
-            path = self.path / call_sites_filename(rank)
-            try:
-                self._sites[rank] = json.loads(path.read_text()).get("steps", {})
-            except (OSError, ValueError):
-                self._sites[rank] = {}
-        return self._sites[rank].get(str(step), {}).get(f"{phase}|{event_id}")
+        for side, path in enumerate(self.paths):
+            if (side, rank) not in self._sites:
+                try:
+                    self._sites[(side, rank)] = json.loads(
+                        (path / call_sites_filename(rank)).read_text()).get("steps", {})
+                except (OSError, ValueError):
+                    self._sites[(side, rank)] = {}
+            site = self._sites[(side, rank)].get(str(step), {}).get(f"{phase}|{event_id}")
+            if site:
+                return site
+        return None
+
+
+def _read_step(run: Run, rank: int, step: int) -> list[Record] | None:
+    if rank not in run.files:
+        return None
+    reader = run.stream(rank)
+    try:
+        for block in reader.steps():
+            if block.step == step:
+                return block.records()
+            if block.step > step:
+                return None
+        return None
+    finally:
+        reader.close()
 
 
 def find_origins(a: str | os.PathLike, b: str | os.PathLike, *, step: int | None = None,
@@ -174,80 +216,73 @@ def find_origins(a: str | os.PathLike, b: str | os.PathLike, *, step: int | None
     ``step``: look only at that step (a narrowed re-run traces one step); otherwise each
     rank's first differing step.  Raises `IncomparableRunsError` for different world sizes.
     """
-    side_a, side_b = _Side(a), _Side(b)
-    if side_a.run.world_size != side_b.run.world_size:
+    runs = _Runs(a, b)
+    try:
+        return _find_origins(runs, a, b, step, ranks)
+    finally:
+        runs.close()
+
+
+def _find_origins(runs: _Runs, a, b, step: int | None, ranks) -> OriginReport:
+    run_a, run_b = runs.run_a, runs.run_b
+    if run_a.world_size != run_b.world_size:
         raise IncomparableRunsError(
-            f"cannot trace {a} (world size {side_a.run.world_size}) against {b} (world size "
-            f"{side_b.run.world_size}): collectives would not line up. Compare runs of one world size.")
+            f"cannot trace {a} (world size {run_a.world_size}) against {b} (world size "
+            f"{run_b.world_size}): collectives would not line up. Compare runs of one world size.")
     notes = []
-    common = [r for r in side_a.run.ranks if r in side_b.run.files]
+    common = [r for r in run_a.ranks if r in run_b.files]
     if ranks is not None:
         common = [r for r in common if r in set(ranks)]
-    missing = sorted(set(side_a.run.ranks) ^ set(side_b.run.ranks))
+    missing = sorted(set(run_a.ranks) ^ set(run_b.ranks))
     if missing:
         notes.append(f"ranks recorded in only one run (not compared): {missing}")
-    findings: dict[int, Finding] = {}
-    for rank in common:
-        for at_step, records_a, records_b, ended in _divergent_steps(side_a, side_b, rank, step):
-            if ended:
-                findings[rank] = Finding(rank, at_step, "control_flow", detail=ended)
-                break
-            finding = _classify_step(rank, at_step, records_a, records_b)
-            if finding is not None:  # None: only context (the state census) differs in that step
-                findings[rank] = finding
-                break
+    stop = None if step is None else step + 1
+    findings: dict[int, OriginFinding] = {}
+    wanted, start = set(common), step
+    while wanted:
+        # A step where only context (the state census) differs is no divergence: such ranks
+        # go on from their next step.  (`divergent_steps` yields a rank's first divergent
+        # step only, so that rare continuation is a second walk, from that step on.)
+        again: dict[int, int] = {}
+        for found in runs.divergent(start, stop, wanted):
+            if found.missing:
+                findings[found.rank] = OriginFinding(found.rank, found.step, "control_flow",
+                                                     detail=_missing_detail(found))
+                continue
+            finding = _classify_step(found.rank, found.step, found.records_a, found.records_b)
+            if finding is not None:
+                findings[found.rank] = finding
+            elif stop is None:
+                again[found.rank] = found.step + 1
+        wanted, start = set(again), min(again.values(), default=None)
     for finding in findings.values():
-        _annotate(finding, side_a, side_b)
-    origins = sorted((f for f in findings.values() if f.classification == "origin"), key=Finding.sort_key)
+        _annotate(finding, runs)
+    origins = sorted((f for f in findings.values() if f.classification == "origin"), key=OriginFinding.sort_key)
     first_step = min((f.step for f in findings.values()), default=None)
     verdict = Verdict.DIVERGED if findings else Verdict.IDENTICAL
-    if not findings and not any(_has_step(side_a, rank, step) for rank in common):
+    if not findings and not runs.first_step and not any(_has_step(run_a, rank, step) for rank in common):
         verdict = Verdict.INCOMPLETE  # identical is proof that something was compared
         notes.append(f"nothing was compared: no rank of {a} recorded "
                      + ("any step" if step is None else f"step {step}") + " that both runs have")
     return OriginReport(str(a), str(b), verdict, first_step, findings, origins, notes)
 
 
-def _has_step(side: _Side, rank: int, step: int | None) -> bool:
-    reader = side.run.stream(rank)
+def _missing_detail(found: RankStep) -> str:
+    return (f"run {found.missing} has no step {found.step} on rank {found.rank} ({found.detail}): the runs part "
+            "in control flow (a crash, an early exit, or a different number of steps)")
+
+
+def _has_step(run: Run, rank: int, step: int | None) -> bool:
+    """Does ``rank``'s stream hold ``step`` (any step for None)?  The footer's step index when
+    the stream was closed cleanly, else its steps."""
+    reader = run.stream(rank)
     try:
+        index = reader.step_index()
+        if index is not None:
+            return any(step is None or entry[0] == step for entry in index)
         return any(step is None or block.step == step for block in reader.steps())
     finally:
         reader.close()
-
-
-def _divergent_steps(side_a: _Side, side_b: _Side, rank: int, only_step: int | None):
-    """Yield (step, records a, records b, ended-detail) for each of the rank's differing steps,
-    in order (a step whose streams part ends the sequence)."""
-    reader_a, reader_b = side_a.run.stream(rank), side_b.run.stream(rank)
-    try:
-        steps_a, steps_b = reader_a.steps(), reader_b.steps()
-        block_a, block_b = next(steps_a, None), next(steps_b, None)
-        while block_a is not None or block_b is not None:
-            if only_step is not None:
-                while block_a is not None and block_a.step < only_step:
-                    block_a = next(steps_a, None)
-                while block_b is not None and block_b.step < only_step:
-                    block_b = next(steps_b, None)
-                if (block_a is None or block_a.step > only_step) and (block_b is None or block_b.step > only_step):
-                    return
-            if block_a is None or block_b is None or block_a.step != block_b.step:
-                lacking = "b" if block_b is None or (block_a is not None and block_a.step < block_b.step) else "a"
-                present = block_a if lacking == "b" else block_b
-                reader = reader_b if lacking == "b" else reader_a
-                yield (present.step, None, None,
-                       f"run {lacking} has no step {present.step} on rank {rank} "
-                       f"({reader.stop_reason or 'its stream skips it'}): the runs part in control flow "
-                       "(a crash, an early exit, or a different number of steps)")
-                return
-            if block_a.root != block_b.root or block_a.num_records != block_b.num_records:
-                yield block_a.step, block_a.records(), block_b.records(), None
-            if only_step is not None:
-                return
-            block_a, block_b = next(steps_a, None), next(steps_b, None)
-    finally:
-        reader_a.close()
-        reader_b.close()
 
 
 def is_context(record: Record) -> bool:
@@ -263,7 +298,7 @@ def _context_name(record: Record) -> str:
     return record.name if ref is None else ref.label
 
 
-def _classify_step(rank: int, step: int, records_a: list[Record], records_b: list[Record]) -> Finding | None:
+def _classify_step(rank: int, step: int, records_a: list[Record], records_b: list[Record]) -> OriginFinding | None:
     """The step's first difference, classified; None when only context records differ."""
     context_b = {r.key: r for r in records_b if is_context(r)}
     state_differs = []
@@ -280,7 +315,7 @@ def _classify_step(rank: int, step: int, records_a: list[Record], records_b: lis
     return finding
 
 
-def _classify_events(rank: int, step: int, records_a: list[Record], records_b: list[Record]) -> Finding | None:
+def _classify_events(rank: int, step: int, records_a: list[Record], records_b: list[Record]) -> OriginFinding | None:
     keys_a = [r.key for r in records_a]
     keys_b = [r.key for r in records_b]
     if set(keys_a) != set(keys_b):
@@ -312,7 +347,7 @@ def _classify_events(rank: int, step: int, records_a: list[Record], records_b: l
         return _content(rank, step, *first_plain)
     if keys_a == keys_b:
         return None
-    return Finding(rank, step, "order", detail="the same records with the same values, in a different order "
+    return OriginFinding(rank, step, "order", detail="the same records with the same values, in a different order "
                    "(hooks or threads ran in another order)")
 
 
@@ -320,7 +355,7 @@ def _contents(records: list[Record]) -> list:
     return sorted((repr(r.digest), bytes(r.raw or b""), str(r.dtype), repr(r.shape)) for r in records)
 
 
-def _check_permuted_inputs(finding: Finding, first: Record, records_a: list[Record],
+def _check_permuted_inputs(finding: OriginFinding, first: Record, records_a: list[Record],
                            records_b: list[Record]) -> None:
     """An op whose inputs differ by position but are the same tensors in another order (a
     ``torch.cat`` over a Python set): the order it was given them in changes between runs."""
@@ -336,7 +371,7 @@ def _check_permuted_inputs(finding: Finding, first: Record, records_a: list[Reco
                           "another order: the order it is given them in changes between runs")
 
 
-def _check_permuted_collectives(finding: Finding, first: Record, records_a: list[Record],
+def _check_permuted_collectives(finding: OriginFinding, first: Record, records_a: list[Record],
                                 records_b: list[Record]) -> None:
     """A collective whose input differs, while the group's collective inputs of the step hold
     the same tensors in both runs, only in another order: the calls are issued in an order
@@ -364,7 +399,7 @@ def _describe(record: Record | None) -> str:
     return f"{ref.category} {ref.event_id} ({ref.training_phase}, {ref.role} {ref.label})"
 
 
-def _control_flow(rank, step, position, records_a, records_b) -> Finding:
+def _control_flow(rank, step, position, records_a, records_b) -> OriginFinding:
     ra = records_a[position] if position < len(records_a) else None
     rb = records_b[position] if position < len(records_b) else None
     previous = records_a[position - 1] if position > 0 else None
@@ -372,12 +407,11 @@ def _control_flow(rank, step, position, records_a, records_b) -> Finding:
     finding.detail = (f"the recorded sequences part at record #{position} of step {step}: a has "
                       f"{_describe(ra)}, b has {_describe(rb)}; last common record: "
                       f"{_describe(previous) if previous else '(none: the step starts differently)'}")
-    finding.a = None if ra is None else ra.to_json()
-    finding.b = None if rb is None else rb.to_json()
+    finding.a, finding.b = ra, rb
     return finding
 
 
-def _content(rank, step, position, ra: Record, rb: Record) -> Finding:
+def _content(rank, step, position, ra: Record, rb: Record) -> OriginFinding:
     ref = parse_record(ra.phase, ra.name)
     if ref is None:
         classification = "untraced"
@@ -386,7 +420,7 @@ def _content(rank, step, position, ra: Record, rb: Record) -> Finding:
     else:
         classification = "origin"
     finding = _fields(rank, step, classification, position, ra)
-    finding.a, finding.b = ra.to_json(), rb.to_json()
+    finding.a, finding.b = ra, rb
     if classification == "untraced":
         finding.detail = (f"first difference is the ordinary record {ra.phase}/{ra.name}: no trace records "
                           "before it differ (trace this step at a higher rung to see inputs)")
@@ -398,8 +432,8 @@ def _content(rank, step, position, ra: Record, rb: Record) -> Finding:
     return finding
 
 
-def _fields(rank, step, classification, position, record: Record | None) -> Finding:
-    finding = Finding(rank, step, classification, position=position)
+def _fields(rank, step, classification, position, record: Record | None) -> OriginFinding:
+    finding = OriginFinding(rank, step, classification, position=position)
     if record is None:
         return finding
     finding.record = f"{record.phase}/{record.name}"
@@ -428,26 +462,26 @@ def _fields(rank, step, classification, position, record: Record | None) -> Find
     return finding
 
 
-def _annotate(finding: Finding, side_a: _Side, side_b: _Side) -> None:
+def _annotate(finding: OriginFinding, runs: _Runs) -> None:
     if finding.category == "collective" and finding.classification == "origin":
-        _check_collective_inputs(finding, side_a, side_b)
+        _check_collective_inputs(finding, runs)
     if finding.category in ("op", "probe", "collective") and finding.event_id:
-        finding.call_site = (side_a.call_site(finding.rank, finding.step, finding.phase, finding.event_id)
-                             or side_b.call_site(finding.rank, finding.step, finding.phase, finding.event_id))
+        finding.call_site = runs.call_site(finding.rank, finding.step, finding.phase, finding.event_id)
     if finding.category == "op" and finding.op:
         finding.catalog = _catalog_line(finding.op)
 
 
-def _check_collective_inputs(finding: Finding, side_a: _Side, side_b: _Side) -> None:
+def _check_collective_inputs(finding: OriginFinding, runs: _Runs) -> None:
     """A collective is an origin only if its inputs matched on every rank."""
     phase = f"trace:collective:{finding.phase}"
     prefix = finding.event_id + "|in:"
-    for rank in side_a.run.ranks:
+    for rank in runs.run_a.ranks:
         if rank == finding.rank:
             continue
-        records_a, records_b = side_a.records(rank, finding.step), side_b.records(rank, finding.step)
-        if records_a is None or records_b is None:
+        both = runs.records_at(rank, finding.step)
+        if both is None:
             continue
+        records_a, records_b = both
         inputs_b = {r.key: r for r in records_b if r.phase == phase and r.name.startswith(prefix)}
         for record in records_a:
             if record.phase == phase and record.name.startswith(prefix):
@@ -479,8 +513,8 @@ class ReplicaMismatch:
     ranks: list[int]
     params: list[str]
 
-    def to_json(self) -> dict:
-        return asdict(self)
+    def to_dict(self) -> dict:
+        return {"step": self.step, "ranks": list(self.ranks), "params": list(self.params)}
 
 
 def find_replica_mismatch(run: str | os.PathLike) -> ReplicaMismatch | None:
@@ -489,15 +523,22 @@ def find_replica_mismatch(run: str | os.PathLike) -> ReplicaMismatch | None:
     replicas) while their values before that step differ between ranks.  Parameters that are
     not replicated (tensor- or expert-parallel shards) get different gradients per rank and
     are never reported."""
-    side = _Side(run)
-    ranks = list(side.run.ranks)
+    opened = open_run(run)
+    try:
+        return _replica_mismatch(opened)
+    finally:
+        opened.close()
+
+
+def _replica_mismatch(run: Run) -> ReplicaMismatch | None:
+    ranks = list(run.ranks)
     if len(ranks) < 2:
         return None
     first = None
     params: dict[int, dict[str, Record]] = {}
     grads: dict[int, dict[str, Record]] = {}
     for rank in ranks:
-        reader = side.run.stream(rank)
+        reader = run.stream(rank)
         try:
             block = next(iter(reader.steps()), None)
             records = block.records() if block is not None else []

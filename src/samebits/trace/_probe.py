@@ -1,10 +1,10 @@
 """Rung 4: probes at boundaries the dispatcher cannot see (Triton kernels, custom autograd
 functions, C++ extensions).
 
-    @samebits.trace.probe("moe_combine")          # a function: tensor args in, result out
+    @samebits.trace.TraceProbe("moe_combine")          # a function: tensor args in, result out
     def combine(rows, prob, index): ...
 
-    with samebits.trace.probe("gemm", x, w) as p:  # a block: inputs given, outputs declared
+    with samebits.trace.TraceProbe("gemm", x, w) as p:  # a block: inputs given, outputs declared
         y = launch_kernel(x, w)
         p.outputs(y)
 
@@ -13,69 +13,75 @@ tracer is at rung 2 or above for the step and the scope is inside the traced sub
 no tracer, or tracing off, it costs one attribute check.  Inside the probed region the
 dispatch mode still sees whatever ATen ops run; a kernel that writes memory directly shows
 at the probe's outputs instead of "one hop later" at the next ATen op that reads them.
+
+(`samebits.probe` is another thing: it runs every op twice to find the ops that really vary.
+``samebits.trace.probe``, this class's old name, still works as a deprecated alias.)
 """
 
 from __future__ import annotations
 
 import functools
 
+from samebits._torchutil import tensor_leaves
 from samebits.errors import ConfigError
 from samebits.trace import _tracer
-from samebits.trace._tensors import tensor_leaves
 
 
-class probe:
+def _leaves(value) -> list:
+    return [(label or "0", t) for label, t in tensor_leaves(value)]
+
+
+class TraceProbe:
     """Record inputs and outputs at a boundary; use as a decorator or a context manager."""
 
     def __init__(self, name: str, *inputs, **named_inputs):
         if not name or "/" in name or "|" in name:
             raise ConfigError(f"probe name {name!r} must be non-empty without '/' or '|'.")
         self.name = name
-        self._inputs = list(tensor_leaves(list(inputs))) + list(tensor_leaves(named_inputs))
+        self._inputs = _leaves(list(inputs)) + _leaves(named_inputs)
         self._event = None
 
     def __call__(self, fn):
         @functools.wraps(fn)
         def probed(*args, **kwargs):
-            with probe(self.name, *args, **kwargs) as p:
+            with TraceProbe(self.name, *args, **kwargs) as p:
                 result = fn(*args, **kwargs)
                 p.outputs(result)
             return result
 
         return probed
 
-    def __enter__(self) -> "probe":
+    def __enter__(self) -> "TraceProbe":
         tracer = _tracer.active()
-        if tracer is None or not tracer.open or tracer.busy or (tracer.level_now < 2 and not tracer.special):
+        state = tracer.now if tracer is not None else None
+        if state is None or tracer.busy or (state.level < 2 and not state.special):
             return self
         phase = tracer.current_phase()
-        scope = tracer.scope
-        n = tracer._next(tracer.probe_counts, (phase, scope, self.name))
+        scope = state.scope
+        n = state.next_number("probe", (phase, scope, self.name))
         event_id = f"{scope}/probe:{self.name}:{n}"
-        recorded = tracer.level_now >= 2 and tracer.config.in_subtree(scope)
-        _, dump = tracer.special_for(event_id, phase) if tracer.special else (False, False)
+        recorded = state.level >= 2 and tracer.config.in_subtree(scope)
+        _, dump = tracer.special_for(event_id, phase) if state.special else (False, False)
         if recorded:
-            fresh = [(label, t) for label, t in self._inputs if not tracer.is_seen(t)]
+            fresh = state.unseen(self._inputs)
             tracer.record("probe", event_id, "in", fresh, phase)
-            for _, t in fresh:
-                tracer.mark_seen(t)
+            state.mark_all_seen(fresh)
         dump_inputs = tracer.copies(self._inputs) if dump else None
-        self._event = (tracer, tracer.step_now, event_id, phase, recorded, dump_inputs)
+        self._event = (tracer, state, tracer.step_now, event_id, phase, recorded, dump_inputs)
         return self
 
     def outputs(self, *values) -> None:
         """Declare the region's outputs (tensors, or lists/tuples/dicts of them)."""
         if self._event is None:
             return
-        tracer, step, event_id, phase, recorded, dump_inputs = self._event
+        tracer, state, step, event_id, phase, recorded, dump_inputs = self._event
         self._event = None
-        if not tracer.open or tracer.step_now != step:
+        if tracer.now is not state or tracer.step_now != step:
             return
-        pairs = list(tensor_leaves(values[0] if len(values) == 1 else list(values)))
+        pairs = _leaves(values[0] if len(values) == 1 else list(values))
         if recorded:
             tracer.record("probe", event_id, "out", pairs, phase)
-            for _, t in pairs:
-                tracer.mark_seen(t)
+            state.mark_all_seen(pairs)
         if dump_inputs is not None:
             tracer.dump(event_id, phase, f"probe:{self.name}", dump_inputs, pairs, None)
 

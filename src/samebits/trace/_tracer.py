@@ -3,32 +3,42 @@
 One tracer per process (`active()`); it writes into the run's ordinary Recorder, so traced
 records sit in the same per-rank stream as the step's own records, in execution order.
 
-Lifecycle of a step: `begin_step(step)` resets the per-step counters and, when the step,
-rank and rung select it, installs that step's hooks (global module hooks, the ATen dispatch
-mode); `finish_step(step)` removes them just before the recorder writes the step (the
-tracer wraps the recorder's ``end_step`` for that); `after_end_step(step)` ends the process
+The tracer owns its state.  What one open step knows (its rung, its ids, the tensors
+already recorded, the module stack, the training phase) lives in a `StepState`, made by
+`begin_step` and dropped by `finish_step`; the rungs (`_ops`, `_collectives`, `_probe`)
+read it and change it through its methods and the tracer's, never by assigning attributes.
+
+Lifecycle of a step: `begin_step(step)` makes the step's state and, when the step, rank and
+rung select it, installs that step's hooks (global module hooks, the ATen dispatch mode);
+`finish_step(step)` removes them just before the recorder writes the step (a hook the
+tracer registers with ``Recorder.on_end_step``); `after_end_step(step)` ends the process
 when ``stop_after`` says so.  Outside a selected step nothing is installed but the rung-1
 patches (collectives, ``torch.autograd.backward``, optimizer hooks), which return after one
-attribute check.
+attribute check.  Torch work that samebits itself does inside a traced step (the Recorder's
+copies, zero-code recording's census and hooks, the tracer's own digests) runs inside
+`Tracer.suspended()`, so the dispatch mode passes it through.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import warnings
 import weakref
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from samebits._torchutil import AutogradScopes, optimizer_params, process_rank, tensor_leaves
 from samebits.checkpoint import state_census
 from samebits.trace import _collectives
 from samebits.trace._config import CENSUS_EVENT, CENSUS_PHASE, TraceConfig, record_name, record_phase
 from samebits.trace._ops import OpMode
-from samebits.trace._tensors import digestable, tensor_leaves, version_of
+from samebits.trace._tensors import digestable, nudge, version_of
 
 _active: "Tracer | None" = None
 
@@ -43,6 +53,110 @@ def _set_active(tracer: "Tracer | None") -> None:
     _active = tracer
 
 
+def _labelled(value) -> list:
+    """(label, tensor) of a module's inputs or outputs; a bare tensor is labelled ``0``."""
+    return [(label or "0", t) for label, t in tensor_leaves(value)]
+
+
+class Frame:
+    """One module call on the module stack of a step."""
+
+    __slots__ = ("fqn", "count", "phase", "recorded", "is_root", "forward_n")
+
+    def __init__(self, fqn: str, count: int, phase: str, recorded: bool, is_root: bool):
+        self.fqn, self.count, self.phase, self.recorded, self.is_root = fqn, count, phase, recorded, is_root
+        self.forward_n: int | None = None  # a top-level forward: its number (forward/<root>:n)
+
+
+class StepState:
+    """What the open step of a traced rank knows; made fresh for each step.
+
+    ``level`` is the rung in force (0 when this step or rank is not selected), ``special``
+    the perturb/dump specs naming this rank and step, ``stage`` the training phase the
+    program is in, ``scope`` the FQN of the innermost module running.  Event numbers
+    (`next_number`), the tensors already recorded (`is_seen`/`mark_seen`), the module stack
+    (`push`/`pop`), the backward scopes and the call sites change only through methods."""
+
+    __slots__ = ("step", "level", "special", "ops_needed", "stage", "scope", "frames", "autograd",
+                 "call_sites", "_numbers", "_seen")
+
+    def __init__(self, step: int, level: int, special: list, ops_needed: bool):
+        self.step, self.level, self.special, self.ops_needed = step, level, special, ops_needed
+        self.stage = "forward"
+        self.scope = ""
+        self.frames: list[Frame] = []
+        self.autograd = AutogradScopes()  # backward op -> (scope, call site) of the forward op
+        self.call_sites: dict[str, str] = {}  # "phase|event id" -> call site
+        self._numbers: dict[tuple, int] = {}
+        self._seen: dict[int, tuple] = {}
+
+    def next_number(self, kind: str, key) -> int:
+        """The next occurrence number of ``key`` among events of ``kind`` in this step."""
+        full = (kind, key)
+        n = self._numbers.get(full, 0)
+        self._numbers[full] = n + 1
+        return n
+
+    def peek_number(self, kind: str, key) -> int:
+        return self._numbers.get((kind, key), 0)
+
+    def enter_stage(self, stage: str) -> None:
+        self.stage = stage
+
+    def push(self, frame: Frame) -> None:
+        self.frames.append(frame)
+        self.scope = frame.fqn
+
+    def pop(self) -> Frame | None:
+        if not self.frames:
+            return None
+        frame = self.frames.pop()
+        self.scope = self.frames[-1].fqn if self.frames else ""
+        return frame
+
+    def recomputing(self) -> bool:
+        return any(f.phase == "recompute" for f in self.frames)
+
+    def note_call_site(self, phase: str, event_id: str, site: str | None) -> None:
+        if site is not None:
+            self.call_sites[f"{phase}|{event_id}"] = site
+
+    # each tensor version is recorded once per step
+    def is_seen(self, t: torch.Tensor) -> bool:
+        entry = self._seen.get(id(t))
+        if entry is not None and entry[1]() is t:
+            return entry[0] is not None and entry[0] == version_of(t)
+        base = t._base  # a view of a recorded base holds recorded bytes
+        return base is not None and self.is_seen(base)
+
+    def mark_seen(self, t: torch.Tensor) -> None:
+        version = version_of(t)
+        if version is not None:
+            self._seen[id(t)] = (version, weakref.ref(t))
+
+    def mark_all_seen(self, pairs) -> None:
+        for _, t in pairs:
+            self.mark_seen(t)
+
+    def unseen(self, pairs) -> list:
+        return [(label, t) for label, t in pairs if not self.is_seen(t)]
+
+
+class _Suspension:
+    """`Tracer.suspended()`: a cheap re-entrant context manager (it wraps every Recorder call)."""
+
+    __slots__ = ("_tracer", "_was_busy")
+
+    def __init__(self, tracer: "Tracer"):
+        self._tracer = tracer
+
+    def __enter__(self) -> None:
+        self._was_busy, self._tracer.busy = self._tracer.busy, True
+
+    def __exit__(self, *exc) -> None:
+        self._tracer.busy = self._was_busy
+
+
 class Tracer:
     """Tracing state of this process.  Build it with `samebits.trace.attach` (explicit
     training loops) or let zero-code recording build it; do not construct it directly."""
@@ -50,21 +164,16 @@ class Tracer:
     def __init__(self, config: TraceConfig, *, recorder=None, recorder_source: Callable | None = None,
                  rank: int | None = None, zero_code: bool = False):
         self.config = config
-        self._recorder = recorder
+        self._recorder = None
         self._recorder_source = recorder_source
+        self._recorder_hooks: list = []
         self.zero_code = zero_code
         # Zero-code: the rank is known once the worker has joined its group (at arming).
         self.rank = rank if rank is not None else (None if zero_code else _rank_of(recorder))
         self.step_now: int | None = None
-        self.open = False  # records are accepted (an open step on this rank)
+        self.now: StepState | None = None  # the open step (records are accepted), or None
         self.armed = not zero_code  # zero-code: nothing is recorded before the first module forward
-        self.level_now = 0  # rung in force for the open step
-        self.ops_needed = False
-        self.special: list = []  # perturb / dump specs naming this rank and step
-        self.busy = False  # set while the tracer itself runs torch ops (never trace those)
-        self.stage = "forward"
-        self.frames: list[tuple] = []  # module stack: (fqn, count, phase, recorded, is_root)
-        self.scope = ""
+        self.busy = False  # True inside suspended(): samebits' own torch work, never traced
         self.fqns: dict[int, str] = {}
         self.param_names: dict[int, str] = {}
         self.roots: list[torch.nn.Module] = []
@@ -76,11 +185,28 @@ class Tracer:
         self._grad_hooks: list = []
         self._step_handles: list = []
         self._permanent_handles: list = []
+        self._arm_handle = None
         self._mode = None
         self._mode_pushed = self._mode_stuck = False
-        self._reset_counters()
         self._call_site_file_steps: dict[str, dict] = {}
         self._closed = False
+        if recorder is not None:
+            self._adopt(recorder)
+
+    @property
+    def open(self) -> bool:
+        """A step is open on this rank: records are accepted."""
+        return self.now is not None
+
+    @property
+    def level_now(self) -> int:
+        """The rung in force for the open step (0 when none is open)."""
+        return self.now.level if self.now is not None else 0
+
+    def suspended(self) -> _Suspension:
+        """``with tracer.suspended():`` torch work inside is samebits' own (a recorder's
+        copies, zero-code recording's census and hooks): never traced, never counted."""
+        return _Suspension(self)
 
     # -- recorder ---------------------------------------------------------------------------
 
@@ -88,38 +214,24 @@ class Tracer:
         rec = self._recorder
         if rec is None and self._recorder_source is not None:
             rec = self._recorder_source()
-            self._recorder = rec
-        if rec is not None and not getattr(rec, "_samebits_trace_guarded", False):
-            self._guard_recorder(rec)
+            if rec is not None:
+                self._adopt(rec)
         return rec
 
-    def _guard_recorder(self, rec) -> None:
-        """The recorder's own torch ops (byte views, copies) must never be traced as user ops."""
-        for name in ("tensors", "metrics"):
-            method = getattr(rec, name)
+    def _adopt(self, rec) -> None:
+        """Write into ``rec``: its own tensor work runs suspended, and (explicit loops) its
+        ``end_step`` finishes our step first, through the Recorder's hooks."""
+        self._recorder = rec
+        if hasattr(rec, "around_own_work"):
+            self._recorder_hooks.append(rec.around_own_work(self.suspended))
+        if not self.zero_code and hasattr(rec, "on_end_step"):  # zero-code recording drives the steps itself
+            self._recorder_hooks.append(rec.on_end_step(before=self._before_end_step, after=self._after_end_step))
 
-            def guarded(*args, _method=method, **kwargs):
-                if self.busy:
-                    return _method(*args, **kwargs)
-                self.busy = True
-                try:
-                    return _method(*args, **kwargs)
-                finally:
-                    self.busy = False
+    def _before_end_step(self, step: int | None) -> None:
+        self.finish_step(self.step_now if step is None else step)
 
-            setattr(rec, name, guarded)
-        if not self.zero_code:  # explicit loops: finish our step when the recorder writes it
-            end_step = rec.end_step
-
-            def wrapped_end_step(step=None, _end_step=end_step):
-                closing = self.step_now if step is None else step
-                self.finish_step(closing)
-                result = _end_step(step)
-                self.after_end_step(closing)
-                return result
-
-            rec.end_step = wrapped_end_step
-        rec._samebits_trace_guarded = True
+    def _after_end_step(self, step: int | None) -> None:
+        self.after_end_step(self.step_now if step is None else step)
 
     def record(self, category: str, event_id: str, role: str, pairs, phase: str | None = None) -> None:
         """Record (label, tensor) pairs of one event as one Recorder call."""
@@ -141,57 +253,37 @@ class Tracer:
 
     def copies(self, pairs) -> list:
         """CPU copies of (label, tensor) pairs, for a dump (never traced)."""
-        was_busy, self.busy = self.busy, True
-        try:
+        with self.suspended():
             return [(label, t.detach().to("cpu", copy=True)) for label, t in pairs if isinstance(t, torch.Tensor)]
-        finally:
-            self.busy = was_busy
+
+    def nudge(self, t: torch.Tensor) -> None:
+        """The test hook: move ``t``'s first element by one ulp, in place (never traced)."""
+        with self.suspended(), torch.no_grad():
+            nudge(t)
 
     # -- step lifecycle ---------------------------------------------------------------------
 
-    def _reset_counters(self) -> None:
-        self.module_counts: dict[tuple, int] = {}
-        self.op_counts: dict[tuple, int] = {}
-        self.global_op_counts: dict[str, int] = {}
-        self.collective_counts: dict[tuple, int] = {}
-        self.phase_counts: dict[str, int] = {}
-        self.probe_counts: dict[tuple, int] = {}
-        self.seen: dict[int, tuple] = {}
-        self.seq_scope: dict[int, tuple] = {}
-        self.call_sites: dict[str, str] = {}
-
     def begin_step(self, step: int) -> None:
-        """Start `step`: reset per-step ids; install its hooks if it is traced."""
-        if self.open:
+        """Start `step`: fresh per-step state; install its hooks if it is traced."""
+        if self.now is not None:
             self.finish_step(self.step_now)
         self.step_now = step
-        self._reset_counters()
-        self.stage = "forward"
-        self.frames.clear()
-        self.scope = ""
         if self.armed:
-            self._select()
             self._activate()
 
-    def _select(self) -> None:
-        """What the open step traces on this rank: rung, and test/dump hooks."""
+    def _activate(self) -> None:
+        """Open the step: what it traces on this rank (rung, test/dump hooks), and its hooks."""
         cfg, step = self.config, self.step_now
         selected = cfg.rank_selected(self.rank) and cfg.step_selected(step)
-        self.level_now = cfg.level if selected else 0
-        self.special = [s for s in (cfg.perturb, cfg.dump)
-                        if s is not None and s.step == step and s.rank == self.rank]
-        self.ops_needed = self.level_now >= 3 or any(_names_an_op(s.id) for s in self.special)
-
-    def _activate(self) -> None:
-        self.open = True
-        if self.level_now >= 1 or self.ops_needed:
-            from torch.nn.modules.module import (register_module_forward_hook,
-                                                 register_module_forward_pre_hook)
-
+        level = cfg.level if selected else 0
+        special = [s for s in (cfg.perturb, cfg.dump) if s is not None and s.step == step and s.rank == self.rank]
+        ops_needed = level >= 3 or any(_names_an_op(s.id) for s in special)
+        self.now = StepState(step, level, special, ops_needed)
+        if level >= 1 or ops_needed:
             self._step_handles.append(register_module_forward_pre_hook(self._pre_forward))
             self._step_handles.append(register_module_forward_hook(self._post_forward, always_call=True,
                                                                    with_kwargs=True))
-        if self.ops_needed and not self._mode_pushed:
+        if ops_needed and not self._mode_pushed:
             if self._mode is None:
                 self._mode = OpMode(self)
             self._mode.__enter__()
@@ -205,7 +297,7 @@ class Tracer:
         try:
             yield self
         finally:
-            if self.open and self.step_now == step:
+            if self.now is not None and self.step_now == step:
                 self.finish_step(step)
 
     def arm(self) -> None:
@@ -215,20 +307,18 @@ class Tracer:
             if self.rank is None:
                 self.rank = _rank_of(None)
             if self.step_now is not None:
-                self._select()
                 self._activate()
 
     def finish_step(self, step: int | None) -> None:
         """Remove the step's hooks and mode; called just before the recorder writes `step`."""
-        if not self.open:
+        state = self.now
+        if state is None:
             return
-        self.open = False
+        self.now = None
         for handle in self._step_handles:
             handle.remove()
         self._step_handles.clear()
         if self._mode_pushed:
-            from torch.utils._python_dispatch import _get_current_dispatch_mode
-
             if _get_current_dispatch_mode() is self._mode:
                 self._mode.__exit__(None, None, None)
                 self._mode_pushed = False
@@ -236,10 +326,8 @@ class Tracer:
                 self._mode_stuck = True
                 warnings.warn("samebits.trace: another dispatch mode sits above the tracer's, so the tracer's "
                               "stays installed; outside traced steps it passes every op through", stacklevel=2)
-        if self.call_sites:
-            self._write_call_sites(step)
-        self.frames.clear()
-        self.scope = ""
+        if state.call_sites:
+            self._write_call_sites(step, state.call_sites)
 
     def after_end_step(self, step: int | None) -> None:
         if self.config.stop_after is not None and step == self.config.stop_after:
@@ -254,10 +342,11 @@ class Tracer:
             return
         self._closed = True
         self.finish_step(self.step_now)
-        for handle in self._permanent_handles + self._grad_hooks:
+        for handle in self._permanent_handles + self._grad_hooks + self._recorder_hooks:
             handle.remove()
         self._permanent_handles.clear()
         self._grad_hooks.clear()
+        self._recorder_hooks.clear()
         _collectives.unpatch()
         _unpatch_autograd()
         _unpatch_optimizer_init()
@@ -267,22 +356,19 @@ class Tracer:
     # -- phases ---------------------------------------------------------------------------
 
     def current_phase(self) -> str:
+        state = self.now
         if torch._C._current_graph_task_id() != -1:
-            return "recompute" if any(f[2] == "recompute" for f in self.frames) else "backward"
-        return self.stage
+            return "recompute" if state is not None and state.recomputing() else "backward"
+        return state.stage if state is not None else "forward"
 
     def install_permanent(self) -> None:
         """Rung-1 patches and optimizer hooks, for the life of the tracer."""
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
         _collectives.patch(active)
         _patch_autograd()
         self._permanent_handles.append(register_optimizer_step_pre_hook(self._optimizer_pre))
         if not self.zero_code:  # zero-code recording calls optimizer_post itself, before end_step
             self._permanent_handles.append(register_optimizer_step_post_hook(self.optimizer_post))
         if self.zero_code:
-            from torch.nn.modules.module import register_module_forward_pre_hook
-
             self._arm_handle = register_module_forward_pre_hook(self._arm_on_forward)
             self._permanent_handles.append(self._arm_handle)
             _patch_optimizer_init()
@@ -291,7 +377,8 @@ class Tracer:
         if not self.armed:
             self._arm_handle.remove()  # safe: a running call iterates over a snapshot of the hooks
             self.arm()
-            if self.open and (self.level_now >= 1 or self.ops_needed):
+            state = self.now
+            if state is not None and (state.level >= 1 or state.ops_needed):
                 # Hooks added while hooks run take effect from the next call: run ours now.
                 self._pre_forward(module, args)
 
@@ -314,27 +401,20 @@ class Tracer:
             for param in root.parameters():
                 yield self.param_names.get(id(param), "?"), param
 
-    def _next(self, counts: dict, key) -> int:
-        n = counts.get(key, 0)
-        counts[key] = n + 1
-        return n
-
     def _record_census(self) -> None:
         """Rung 1, every traced step: the state census (every RNG state, optimizer step counts
         and learning rates) at the step's first top-level forward, the state the model's RNG ops
         start from.  Context, not an event: `find_origins`
         never calls it an origin, but names the generator that differs when an RNG op is one."""
-        was_busy, self.busy = self.busy, True
         try:
-            pairs = state_census(optimizers=tuple(self._optimizers))
+            with self.suspended():
+                pairs = state_census(optimizers=tuple(self._optimizers))
         except Exception as err:  # the census must never break the traced program
             if not self._census_warned:
                 self._census_warned = True
                 warnings.warn(f"samebits.trace: the state census failed ({err}); RNG state is not traced",
                               stacklevel=2)
             return
-        finally:
-            self.busy = was_busy
         self.record("census", CENSUS_EVENT, "at", pairs, phase=CENSUS_PHASE)
 
     def _record_state(self) -> None:
@@ -344,28 +424,15 @@ class Tracer:
         self._state_recorded = True
         self.record("state", "params", "out", list(self._named_params()), phase="init")
 
-    # -- seen tensors (each tensor version is recorded once per step) ------------------------
-
-    def is_seen(self, t: torch.Tensor) -> bool:
-        entry = self.seen.get(id(t))
-        if entry is not None and entry[1]() is t:
-            return entry[0] is not None and entry[0] == version_of(t)
-        base = t._base  # a view of a recorded base holds recorded bytes
-        return base is not None and self.is_seen(base)
-
-    def mark_seen(self, t: torch.Tensor) -> None:
-        version = version_of(t)
-        if version is not None:
-            self.seen[id(t)] = (version, weakref.ref(t))
-
     # -- module hooks (rungs 1 and 2; scope for rung 3) ---------------------------------------
 
     def _pre_forward(self, module, args) -> None:
-        if self.busy or not self.open:
+        state = self.now
+        if self.busy or state is None:
             return
         # A module forward inside the autograd engine is a recomputation (activation checkpointing).
-        phase = "recompute" if torch._C._current_graph_task_id() != -1 else self.stage
-        is_root = not self.frames
+        phase = "recompute" if torch._C._current_graph_task_id() != -1 else state.stage
+        is_root = not state.frames
         fqn = self.fqns.get(id(module))
         if fqn is None:
             if is_root and self.zero_code:
@@ -374,53 +441,50 @@ class Tracer:
             elif is_root:
                 fqn = type(module).__name__
             else:
-                fqn = f"{self.scope}.{type(module).__name__}" if self.scope else type(module).__name__
+                fqn = f"{state.scope}.{type(module).__name__}" if state.scope else type(module).__name__
         if is_root and phase != "recompute":
-            if self.stage in ("reduce", "post"):
-                self.stage = "forward"  # a new micro-batch (or evaluation) after a backward
-            phase = self.stage
+            if state.stage in ("reduce", "post"):
+                state.enter_stage("forward")  # a new micro-batch (or evaluation) after a backward
+            phase = state.stage
             self._record_state()
-            if self.level_now >= 1 and self._census_step != self.step_now:
+            if state.level >= 1 and self._census_step != self.step_now:
                 self._census_step = self.step_now
                 self._record_census()
-        count = self._next(self.module_counts, (phase, fqn))
-        recorded = self.level_now >= 2 and self.config.in_subtree(fqn)
-        self.frames.append((fqn, count, phase, recorded, is_root))
-        self.scope = fqn
-        if is_root and self.level_now >= 1 and phase == "forward":
+        count = state.next_number("module", (phase, fqn))
+        frame = Frame(fqn, count, phase, state.level >= 2 and self.config.in_subtree(fqn), is_root)
+        state.push(frame)
+        if is_root and state.level >= 1 and phase == "forward":
             label = fqn or "model"
-            n = self._next(self.phase_counts, "forward/" + label)
-            pairs = list(tensor_leaves(args))
-            self.record("phase", f"forward/{label}:{n}", "in", pairs, phase)
-            for _, t in pairs:
-                self.mark_seen(t)
-            self.frames[-1] += (n,)
-        if recorded:
-            pairs = [(label, t) for label, t in tensor_leaves(args) if not self.is_seen(t)]
+            frame.forward_n = state.next_number("phase", "forward/" + label)
+            pairs = _labelled(args)
+            self.record("phase", f"forward/{label}:{frame.forward_n}", "in", pairs, phase)
+            state.mark_all_seen(pairs)
+        if frame.recorded:
+            pairs = state.unseen(_labelled(args))
             self.record("module", f"{fqn}:{count}", "in", pairs, phase)
-            for _, t in pairs:
-                self.mark_seen(t)
+            state.mark_all_seen(pairs)
 
     def _post_forward(self, module, args, kwargs=None, output=None) -> None:
         # (module, args, kwargs, output); when forward raised, torch passes fewer arguments
-        if self.busy or not self.open or not self.frames:
+        state = self.now
+        if self.busy or state is None:
             return
-        frame = self.frames.pop()
-        fqn, count, phase, recorded, is_root = frame[:5]
-        self.scope = self.frames[-1][0] if self.frames else ""
-        if recorded:
-            leaves = list(tensor_leaves(output))
-            pairs = [(label, t) for label, t in leaves if not self.is_seen(t)]
-            self.record("module", f"{fqn}:{count}", "out", pairs, phase)
-            for _, t in pairs:
-                self.mark_seen(t)
+        frame = state.pop()
+        if frame is None:
+            return
+        fqn, phase = frame.fqn, frame.phase
+        if frame.recorded:
+            leaves = _labelled(output)
+            pairs = state.unseen(leaves)
+            self.record("module", f"{fqn}:{frame.count}", "out", pairs, phase)
+            state.mark_all_seen(pairs)
             if phase == "forward" and torch.is_grad_enabled():
-                self._hook_backward(fqn, count, leaves, list(tensor_leaves(args)))
-        if is_root and len(frame) > 5:
-            label = fqn or "model"
+                self._hook_backward(fqn, frame.count, leaves, _labelled(args))
+        if frame.is_root and frame.forward_n is not None:
+            event = f"forward/{fqn or 'model'}:{frame.forward_n}"
             if isinstance(kwargs, dict) and kwargs:  # keyword inputs (model(**batch)): a global pre-hook sees only positional ones
-                self.record("phase", f"forward/{label}:{frame[5]}", "in", list(tensor_leaves(kwargs)), phase)
-            self.record("phase", f"forward/{label}:{frame[5]}", "out", list(tensor_leaves(output)), phase)
+                self.record("phase", event, "in", _labelled(kwargs), phase)
+            self.record("phase", event, "out", _labelled(output), phase)
 
     def _hook_backward(self, fqn: str, count: int, outputs, inputs) -> None:
         """Tensor hooks: the gradients reaching the module's outputs (the backward event's
@@ -432,7 +496,7 @@ class Tracer:
                     continue
 
                 def hook(grad, _role=role, _label=f"{tag}{label}"):
-                    if self.open and self.step_now == step:
+                    if self.now is not None and self.step_now == step:
                         self.record("module", event, _role, [(_label, grad)], "backward")
 
                 t.register_hook(hook)
@@ -441,59 +505,58 @@ class Tracer:
         owner = name.rpartition(".")[0]
 
         def hook(param):
-            if self.open and self.level_now >= 2 and self.config.in_subtree(owner):
+            if self.level_now >= 2 and self.config.in_subtree(owner):
                 self.record("module", f"{name}@grad", "out", [("grad", param.grad)], "backward")
 
         return hook
 
     # -- optimizer and autograd (rung 1) -------------------------------------------------------
 
-    def _optimizer_params(self, optimizer):
-        for g, group in enumerate(optimizer.param_groups):
-            for i, param in enumerate(group["params"]):
-                yield self.param_names.get(id(param), f"group{g}.param{i}"), param
-
     def _optimizer_pre(self, optimizer, args, kwargs) -> None:
         if not any(o is optimizer for o in self._optimizers):
             self._optimizers.append(optimizer)
-        if not self.open:
+        state = self.now
+        if state is None:
             return
-        if self.level_now >= 1:
-            n = self.phase_counts.get("optimizer", 0)
+        if state.level >= 1:
+            n = state.peek_number("phase", "optimizer")
             self.record("phase", f"reduce:{n}", "out",
-                        [(name, p.grad) for name, p in self._optimizer_params(optimizer)], "reduce")
-        self.stage = "optimizer"
+                        [(name, p.grad) for name, p in optimizer_params(optimizer, self.param_names)], "reduce")
+        state.enter_stage("optimizer")
 
     def optimizer_post(self, optimizer, args=None, kwargs=None) -> None:
-        if not self.open:
+        state = self.now
+        if state is None:
             return
-        if self.level_now >= 1:
-            n = self._next(self.phase_counts, "optimizer")
+        if state.level >= 1:
+            n = state.next_number("phase", "optimizer")
             pairs = []
-            for name, param in self._optimizer_params(optimizer):
+            for name, param in optimizer_params(optimizer, self.param_names):
                 pairs.append((name, param))
                 for key, value in sorted(optimizer.state.get(param, {}).items()):
                     if isinstance(value, torch.Tensor):
                         pairs.append((f"{name}.{key}", value))
             self.record("phase", f"optimizer:{n}", "out", pairs, "optimizer")
-        self.stage = "post"
+        state.enter_stage("post")
 
     def before_backward(self, kind: str, roots, grads) -> int | None:
-        if not self.open:
+        state = self.now
+        if state is None:
             return None
-        self.stage = "backward"
-        if self.level_now < 1:
+        state.enter_stage("backward")
+        if state.level < 1:
             return None
-        n = self._next(self.phase_counts, kind)
+        n = state.next_number("phase", kind)
         pairs = [(f"root{i}", t) for i, t in enumerate(roots) if isinstance(t, torch.Tensor)]
         pairs += [(f"grad{i}", t) for i, t in enumerate(grads or ()) if isinstance(t, torch.Tensor)]
         self.record("phase", f"{kind}:{n}", "in", pairs, "backward")
         return n
 
     def after_backward(self, kind: str, n: int | None, results=None) -> None:
-        if not self.open:
+        state = self.now
+        if state is None:
             return
-        self.stage = "reduce"
+        state.enter_stage("reduce")
         if n is None:
             return
         if kind == "backward":
@@ -507,7 +570,7 @@ class Tracer:
     def special_for(self, event_id: str, phase: str, global_id: str | None = None):
         """(perturb?, dump?) for this event on this rank and step."""
         perturb = dump = False
-        for spec in self.special:
+        for spec in self.now.special if self.now is not None else ():
             wanted = spec.id == event_id or (global_id is not None and spec.id == global_id)
             if wanted and (spec.phase is None or spec.phase == phase):
                 if spec is self.config.perturb:
@@ -521,8 +584,7 @@ class Tracer:
         if directory is None:
             warnings.warn("samebits.trace: no directory for the dump; set SAMEBITS_TRACE_DUMP_DIR", stacklevel=2)
             return
-        was_busy, self.busy = self.busy, True
-        try:
+        with self.suspended():
             payload = {
                 "step": self.step_now, "rank": self.rank, "id": event_id, "phase": phase, "op": op,
                 "call_site": site,
@@ -531,8 +593,6 @@ class Tracer:
             }
             directory.mkdir(parents=True, exist_ok=True)
             torch.save(payload, directory / dump_filename(self.rank, self.step_now))
-        finally:
-            self.busy = was_busy
 
     def _side_dir(self) -> Path | None:
         if self.config.dump_dir is not None:
@@ -541,15 +601,14 @@ class Tracer:
         settings = getattr(rec, "settings", None)
         return getattr(settings, "directory", None)
 
-    def _write_call_sites(self, step) -> None:
+    def _write_call_sites(self, step, call_sites: dict) -> None:
         directory = self._side_dir()
         if directory is None:
             return
-        self._call_site_file_steps[str(step)] = dict(self.call_sites)
+        self._call_site_file_steps[str(step)] = dict(call_sites)
         path = directory / call_sites_filename(self.rank)
         directory.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"rank": self.rank, "steps": self._call_site_file_steps}, indent=1))
-        self.call_sites = {}
 
 
 def dump_filename(rank: int, step: int) -> str:
@@ -570,14 +629,8 @@ def _rank_of(recorder) -> int:
     rank = getattr(recorder, "rank", None)
     if rank is not None:
         return int(rank)
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
-    except Exception:
-        pass
-    return int(os.environ.get("RANK", 0))
+    found = process_rank()
+    return 0 if found is None else found
 
 
 # -- torch.autograd.backward / grad -------------------------------------------------------------
@@ -593,7 +646,7 @@ def _patch_autograd() -> None:
 
     def backward(tensors, grad_tensors=None, *args, **kwargs):
         tracer = _active
-        if tracer is None or not tracer.open or tracer.busy:
+        if tracer is None or tracer.now is None or tracer.busy:
             return original_backward(tensors, grad_tensors, *args, **kwargs)
         roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         grads = [grad_tensors] if isinstance(grad_tensors, torch.Tensor) else list(grad_tensors or ())
@@ -604,7 +657,7 @@ def _patch_autograd() -> None:
 
     def grad(outputs, inputs, *args, **kwargs):
         tracer = _active
-        if tracer is None or not tracer.open or tracer.busy:
+        if tracer is None or tracer.now is None or tracer.busy:
             return original_grad(outputs, inputs, *args, **kwargs)
         roots = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
         n = tracer.before_backward("grad", roots, None)

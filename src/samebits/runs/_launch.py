@@ -38,11 +38,13 @@ _WORKER_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)")  # torchrun's summary of a 
 
 
 class RunFailed(SamebitsError):
-    """A launched run did not finish: ``reason`` is the first line of what went wrong."""
+    """A launched run did not finish: ``reason`` is the first line of what went wrong,
+    ``label`` the run's name (e.g. "A", "C (resume)")."""
 
-    def __init__(self, message: str, reason: str):
+    def __init__(self, message: str, reason: str, label: str = ""):
         super().__init__(message)
         self.reason = reason
+        self.label = label
 
 
 def run_logged(argv: list[str], log: Path, *, env: dict | None = None, header: str = "",
@@ -92,7 +94,7 @@ def failed(label: str, argv: list[str], code: int, log: Path, *, why: str = "",
     tail = lines[-_TAIL_LINES:]
     message.append(f"the end of its log ({log}):")
     message += tail
-    return RunFailed("\n".join(message), reason)
+    return RunFailed("\n".join(message), reason, label)
 
 
 def judge_recipe_run(label: str, argv: list[str], code: int, log: Path, stopped: bool) -> None:

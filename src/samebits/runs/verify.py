@@ -103,8 +103,8 @@ class VerifyResult:
         }
 
 
-def default_out_dir() -> Path:
-    return Path("samebits-out") / time.strftime("verify-%Y%m%d-%H%M%S")
+def default_out_dir(kind: str = "verify") -> Path:
+    return Path("samebits-out") / time.strftime(f"{kind}-%Y%m%d-%H%M%S")
 
 
 def _prepare(out) -> Path:

@@ -1,0 +1,89 @@
+"""`samebits matrix [--cells ...] [--precisions ...]`: both guarantees on every layout x precision."""
+
+from __future__ import annotations
+
+import sys
+
+from samebits.cli._format import echo, print_json, table
+from samebits.runs.matrix import (DEFAULT_CELLS, DEFAULT_MAX_WORLD_SIZE, DEFAULT_PRECISIONS, MatrixResult,
+                                  run_matrix, split_list)
+
+
+def register(sub) -> None:
+    parser = sub.add_parser(
+        "matrix",
+        help="verify the recipe on every parallel layout x precision, and compare layouts",
+        description="For every cell (parallel layout: single, dpN, fsdpN, tpN, ppN, epN, joined by '-') and "
+        "precision, run A, B (repeatability) and C (resumes A's checkpoint in a fresh process), as `samebits "
+        "verify` does, and compare each cell's run A with the baseline cell's (agreement: identical, or the "
+        "first differing step and the largest ulp distance there; informational unless --require-agreement). "
+        "Exit 0 only when every required cell ran and held and no cell failed; 1 when a cell diverged or a "
+        "required cell was skipped, could not start or could not decide (with the reason); 2 could not run.",
+    )
+    parser.add_argument("--cells", default=",".join(DEFAULT_CELLS), metavar="CELL,...",
+                        help=f"parallel layouts (default {','.join(DEFAULT_CELLS)})")
+    parser.add_argument("--precisions", default=",".join(DEFAULT_PRECISIONS), metavar="P,...",
+                        help=f"fp32, bf16, bf16_params, fp8_tensorwise, fp8_delayed, mxfp8, nvfp4 "
+                             f"(default {','.join(DEFAULT_PRECISIONS)})")
+    parser.add_argument("--required", default=None, metavar="CELL[:P],...",
+                        help="cells (or cell:precision pairs) that must run and hold (default: all)")
+    parser.add_argument("--baseline", default=None, metavar="CELL",
+                        help="the cell the others are compared with (default: the first)")
+    parser.add_argument("--require-agreement", action="store_true",
+                        help="fail unless every cell is bitwise identical to the baseline")
+    parser.add_argument("--bisect-failures", action="store_true",
+                        help="bisect each cell whose independent runs diverged (samebits bisect)")
+    parser.add_argument("--steps", type=int, default=6, help="training steps per run (default 6)")
+    parser.add_argument("--resume-at", type=int, default=None, metavar="K", help="the resume step (default steps/2)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="recipe config override for every cell, repeatable")
+    parser.add_argument("--nondeterministic", action="store_true",
+                        help="every cell on the recipe's nondeterministic path (the matrix must catch it)")
+    parser.add_argument("--max-world-size", type=int, default=DEFAULT_MAX_WORLD_SIZE, metavar="N",
+                        help=f"a cell with more ranks cannot start (default {DEFAULT_MAX_WORLD_SIZE})")
+    parser.add_argument("--out", default=None, help="output directory (default: samebits-out/matrix-TIME)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    def progress(message: str) -> None:
+        echo(message, file=sys.stderr, flush=True)
+
+    result = run_matrix(
+        args.out, cells=split_list(args.cells, "cells"), precisions=split_list(args.precisions, "precisions"),
+        required=split_list(args.required, "required") if args.required is not None else None,
+        baseline=args.baseline, steps=args.steps, resume_at=args.resume_at, overrides=args.overrides,
+        nondeterministic=args.nondeterministic, max_world_size=args.max_world_size,
+        require_agreement=args.require_agreement, bisect_failures=args.bisect_failures, progress=progress)
+    if args.json:
+        print_json(result.to_json())
+    else:
+        echo(render(result))
+    return result.verdict.exit_code
+
+
+def render(result: MatrixResult) -> str:
+    rows = [[c.cell, c.precision, str(c.world_size), ("yes" if c.required else "no"), c.verdict.value.upper(),
+             c.check("independent"), c.check("resume"), c.agreement.short(), f"{c.seconds:.1f}",
+             c.reason or "-"] for c in result.cells]
+    lines = [f"samebits matrix: {result.verdict.value.upper()} (baseline {result.baseline}"
+             + ("; agreement required)" if result.require_agreement else ")"), "",
+             table(["cell", "precision", "ranks", "required", "verdict", "repeatable", "resume",
+                    f"agrees with {result.baseline}", "seconds", "why"], rows), ""]
+    for line in result.failures():
+        lines.append(f"failed: {line}")
+    for c in result.cells:
+        for check, explanations in (c.verify.explanations.items() if c.verify is not None else ()):
+            lines += [f"{c.cell} {c.precision}, {check}: what differs at step start:"]
+            lines += [f"  {line}" for line in explanations[:5]]
+            if len(explanations) > 5:
+                lines.append(f"  ... and {len(explanations) - 5} more (summary.json)")
+        if c.bisect is not None:
+            lines.append(f"{c.cell} {c.precision}, bisect: {c.bisect.get('conclusion') or c.bisect.get('error')}")
+    for note in result.notes:
+        lines.append(f"note: {note}")
+    lines.append("agreement: identical, or the first step whose global records differ and the largest ulp "
+                 "distance of the global metrics there; layouts may legitimately differ in the last bits")
+    lines.append(f"streams, logs and summary.json in {result.out}")
+    return "\n".join(lines)

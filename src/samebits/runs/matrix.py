@@ -1,0 +1,382 @@
+"""`samebits matrix`: the two guarantees on every parallel layout and precision of the recipe.
+
+For every cell (a parallel layout such as ``dp2`` or ``tp2-dp2``) and precision, `verify_recipe`
+runs A, B (repeatability) and C (saves at step k, a fresh process resumes), and each cell's run
+A is compared with the baseline cell's run A of the same precision (agreement).  Different
+layouts may legitimately differ in their last bits (another reduction order), so agreement is
+reported, identical or the first differing step with the largest ulp distance there, and
+decides the verdict only with ``require_agreement``.
+
+The verdict is proof or nothing:
+
+* a cell is PASS only when it ran and both guarantees compared identical; a check that
+  diverged makes it FAIL; a run that crashed, a stream that is missing or damaged, or a check
+  that could not decide make it INCOMPLETE, with the reason;
+* a cell that cannot start (a precision or layout the recipe refuses, a dependency that is
+  not installed, more ranks than allowed) is INCOMPLETE with the reason and nothing else runs
+  for it;
+* the matrix is PASS only when every required cell (default: all) is PASS and no cell that
+  ran failed; a required cell that did not run and hold makes it FAIL (exit 1), naming why.
+
+A cell name is ``-``-joined parallel sizes (``dpN`` plain data parallel, ``fsdpN`` FSDP2,
+``tpN``, ``ppN``, ``epN`` expert parallel over N data-parallel replicas), or ``single`` (one
+rank).  The recipe gets the layout as config overrides (``--set dp_replicate=.. dp_shard=..
+tp=.. pp=.. ep=..``, every size not named 1), the same reading as `samebits.recipes.parse_cell`;
+the world size is their product (EP rides on the data-parallel replicas).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from samebits import compare
+from samebits.errors import ConfigError, SamebitsError, StreamError
+from samebits.runs._launch import RunFailed
+from samebits.runs.bisect import bisect
+from samebits.runs.verify import VerifyResult, _prepare, _write_summary, default_out_dir, verify_recipe
+from samebits.stream import open_run
+from samebits.verdicts import Verdict
+
+DEFAULT_CELLS = ("single", "dp2", "ep2")
+DEFAULT_PRECISIONS = ("fp32", "bf16", "fp8_delayed")
+DEFAULT_MAX_WORLD_SIZE = 8
+AGREEMENT_METRICS = ("grad_norm", "lr")  # the recipe's metrics that are global (equal on every rank)
+_CELL_PART = re.compile(r"(dp|fsdp|tp|pp|ep)([1-9]\d*)")
+_CELL_FIELD = {"dp": "dp_replicate", "fsdp": "dp_shard", "tp": "tp", "pp": "pp", "ep": "ep"}
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One parallel layout: its name, world size and the recipe config overrides it sets."""
+
+    name: str
+    world_size: int
+    overrides: tuple[str, ...]
+
+
+def parse_cell(name: str) -> Cell:
+    """``"tp2-dp2"`` -> Cell(world_size=4, overrides=(pp=1, dp_replicate=2, dp_shard=1, tp=2, ep=1))."""
+    text = name.strip().lower()
+    if text == "single":
+        return Cell("single", 1, ())
+    values: dict[str, int] = {}
+    for part in text.split("-") if text else []:
+        match = _CELL_PART.fullmatch(part)
+        if match is None or _CELL_FIELD[match.group(1)] in values:
+            raise ConfigError(f"cell {name!r}: {part!r} is not one of dpN, fsdpN, tpN, ppN, epN (each at most once, "
+                              "joined by '-'), e.g. tp2-dp2; or 'single' for one rank")
+        values[_CELL_FIELD[match.group(1)]] = int(match.group(2))
+    if not values:
+        raise ConfigError(f"cell {name!r} names no parallel size; e.g. single, dp2, fsdp2, tp2-dp2")
+    if "ep" in values and values.setdefault("dp_replicate", values["ep"]) != values["ep"]:
+        raise ConfigError(f"cell {name!r}: epN runs over the data-parallel replicas, so N must equal dp's size "
+                          f"({values['dp_replicate']})")
+    sizes = {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1, "ep": 1, **values}
+    world = sizes["pp"] * sizes["dp_replicate"] * sizes["dp_shard"] * sizes["tp"]
+    return Cell(text, world, tuple(f"{key}={value}" for key, value in sizes.items()))
+
+
+def split_list(text: str | None, what: str) -> list[str]:
+    """``"a,b, c"`` -> ["a", "b", "c"] (in order, without repeats)."""
+    items = list(dict.fromkeys(part.strip() for part in (text or "").split(",") if part.strip()))
+    if text is not None and not items:
+        raise ConfigError(f"--{what} {text!r}: give a comma-separated list")
+    return items
+
+
+@dataclass
+class Agreement:
+    """A cell's run A against the baseline cell's run A (same precision)."""
+
+    status: str  # "identical" | "differs" | "not compared" | "baseline"
+    by: str = ""  # what was compared
+    first_step: int | None = None
+    max_ulp: int | None = None  # largest ulp distance among the global metrics at first_step
+    detail: str = ""
+
+    def short(self) -> str:
+        if self.status == "differs":
+            ulp = f", {self.max_ulp} ulp" if self.max_ulp is not None else ""
+            return f"step {self.first_step}{ulp}"
+        return {"not compared": "-"}.get(self.status, self.status)
+
+    def to_json(self) -> dict:
+        return {"status": self.status, "by": self.by, "first_step": self.first_step, "max_ulp": self.max_ulp,
+                "detail": self.detail}
+
+
+@dataclass
+class CellResult:
+    """One (cell, precision): its verify result, or why it did not run."""
+
+    cell: str
+    precision: str
+    world_size: int
+    required: bool
+    out: str
+    verify: VerifyResult | None = None
+    reason: str = ""  # why it did not start, or crashed
+    agreement: Agreement = field(default_factory=lambda: Agreement("not compared"))
+    seconds: float = 0.0
+    bisect: dict | None = None
+
+    @property
+    def started(self) -> bool:
+        return self.verify is not None
+
+    @property
+    def verdict(self) -> Verdict:
+        return self.verify.verdict if self.verify is not None else Verdict.INCOMPLETE
+
+    def check(self, name: str) -> str:
+        """"yes" (identical), "no" (diverged), "?" (undecided) or "-" (not run)."""
+        result = self.verify.checks.get(name) if self.verify is not None else None
+        if result is None:
+            return "-"
+        return {Verdict.IDENTICAL: "yes", Verdict.DIVERGED: "no"}.get(Verdict(result.verdict), "?")
+
+    def to_json(self) -> dict:
+        return {"cell": self.cell, "precision": self.precision, "world_size": self.world_size,
+                "required": self.required, "verdict": self.verdict.value, "repeatable": self.check("independent"),
+                "resume": self.check("resume"), "agreement": self.agreement.to_json(),
+                "seconds": round(self.seconds, 3), "reason": self.reason, "out": self.out,
+                "explanations": self.verify.explanations if self.verify is not None else {},
+                "bisect": self.bisect}
+
+
+@dataclass
+class MatrixResult:
+    out: str
+    baseline: str
+    cells: list[CellResult]
+    require_agreement: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    def failures(self) -> list[str]:
+        """Why the matrix is not PASS: one line per cell that failed or required one that did not hold."""
+        lines = []
+        for c in self.cells:
+            where = f"{c.cell} {c.precision}"
+            if c.verdict is Verdict.FAIL:
+                lines.append(f"{where}: " + ", ".join(f"{name} diverged" for name in ("independent", "resume")
+                                                      if c.check(name) == "no"))
+            elif c.required and c.verdict is not Verdict.PASS:
+                lines.append(f"{where} (required): " + (c.reason or "a check could not decide"))
+            elif self.require_agreement and c.agreement.status not in ("identical", "baseline"):
+                lines.append(f"{where}: does not agree with the baseline ({c.agreement.short()}; "
+                             f"{c.agreement.detail or c.agreement.status})")
+        return lines
+
+    @property
+    def verdict(self) -> Verdict:
+        if not any(c.verdict is Verdict.PASS for c in self.cells) and not self.failures():
+            return Verdict.INCOMPLETE  # nothing held and nothing failed: nothing was proven
+        return Verdict.FAIL if self.failures() else Verdict.PASS
+
+    def to_json(self) -> dict:
+        return {"verdict": self.verdict.value, "exit_code": self.verdict.exit_code, "out": self.out,
+                "baseline": self.baseline, "require_agreement": self.require_agreement,
+                "failures": self.failures(), "cells": [c.to_json() for c in self.cells], "notes": self.notes}
+
+
+def run_matrix(
+    out=None,
+    *,
+    cells: list[str] = DEFAULT_CELLS,
+    precisions: list[str] = DEFAULT_PRECISIONS,
+    required: list[str] | None = None,
+    baseline: str | None = None,
+    steps: int = 6,
+    resume_at: int | None = None,
+    overrides: list[str] = (),
+    nondeterministic: bool = False,
+    max_world_size: int = DEFAULT_MAX_WORLD_SIZE,
+    require_agreement: bool = False,
+    bisect_failures: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> MatrixResult:
+    """Verify the recipe on every cell x precision and compare each with the baseline cell.
+
+    ``required``: the cells (``tp2``) or cell:precision pairs (``tp2:fp8_delayed``) that must
+    run and hold (None: all).  ``baseline``: the cell every other one is compared with
+    (default: the first).  ``overrides`` and ``nondeterministic`` apply to every cell, as in
+    `verify_recipe`.  ``bisect_failures``: bisect each cell whose independent runs diverged."""
+    say = progress or (lambda message: None)
+    parsed = [parse_cell(name) for name in cells]
+    if not parsed or not precisions:
+        raise ConfigError("the matrix needs at least one cell and one precision")
+    names = [cell.name for cell in parsed]
+    baseline = parse_cell(baseline).name if baseline else names[0]
+    if baseline not in names:
+        raise ConfigError(f"--baseline {baseline!r} is not one of the cells ({', '.join(names)})")
+    wanted = _required(required, names, precisions)
+    out = _prepare(out or default_out_dir("matrix"))
+    result = MatrixResult(str(out), baseline, [], require_agreement)
+    order = sorted(parsed, key=lambda cell: cell.name != baseline)  # the baseline runs first
+    total = len(order) * len(precisions)
+    for precision in precisions:
+        for cell in order:
+            index = len(result.cells) + 1
+            say(f"[{index}/{total}] cell {cell.name} ({cell.world_size} rank(s)), precision {precision}")
+            cell_result = CellResult(cell.name, precision, cell.world_size,
+                                     (cell.name, precision) in wanted, str(out / f"{cell.name}-{precision}"))
+            result.cells.append(cell_result)
+            _run_cell(cell_result, cell, precision, steps=steps, resume_at=resume_at, overrides=list(overrides),
+                      nondeterministic=nondeterministic, max_world_size=max_world_size, say=say)
+            say(f"      {cell_result.verdict.value}" + (f": {cell_result.reason}" if cell_result.reason else "")
+                + f" ({cell_result.seconds:.1f} s)")
+    by_key = {(c.cell, c.precision): c for c in result.cells}
+    for c in result.cells:
+        c.agreement = _agreement(c, by_key.get((baseline, c.precision)))
+    if bisect_failures:
+        for c in result.cells:
+            if c.check("independent") == "no":
+                say(f"bisecting {c.cell} {c.precision} ...")
+                c.bisect = _bisect_cell(c, parse_cell(c.cell), steps, list(overrides), nondeterministic, say)
+    _write_summary(out, result)
+    return result
+
+
+def _required(required: list[str] | None, names: list[str], precisions: list[str]) -> set[tuple[str, str]]:
+    if required is None:
+        return {(n, p) for n in names for p in precisions}
+    wanted = set()
+    for item in required:
+        cell_text, _, precision = item.partition(":")
+        cell = parse_cell(cell_text).name
+        if cell not in names or (precision and precision not in precisions):
+            # A required cell that is not in the matrix can never run: it is refused up front.
+            raise ConfigError(f"--required {item!r} is not in the matrix (cells {', '.join(names)}; precisions "
+                              f"{', '.join(precisions)}); add it to --cells/--precisions")
+        wanted |= {(cell, p) for p in ([precision] if precision else precisions)}
+    return wanted
+
+
+def _run_cell(c: CellResult, cell: Cell, precision: str, *, steps: int, resume_at: int | None, overrides: list[str],
+              nondeterministic: bool, max_world_size: int, say: Callable[[str], None]) -> None:
+    if cell.world_size > max_world_size:
+        c.reason = (f"cannot start: needs {cell.world_size} ranks, more than this matrix allows "
+                    f"({max_world_size}; raise --max-world-size)")
+        return
+    start = time.perf_counter()
+    try:
+        c.verify = verify_recipe(c.out, steps=steps, resume_at=resume_at, nproc=cell.world_size,
+                                 overrides=[*cell.overrides, f"precision={precision}", *overrides],
+                                 nondeterministic=nondeterministic, progress=lambda m: say("      " + m.strip()))
+    except RunFailed as err:
+        stage = "cannot start" if err.label == "A" else f"run {err.label} crashed"
+        c.reason = f"{stage}: {err.reason}"
+    except StreamError as err:
+        c.reason = f"a stream could not be read: {err}"
+    c.seconds = time.perf_counter() - start
+    if c.verify is not None and c.verify.verdict is Verdict.INCOMPLETE:
+        notes = [note for check in c.verify.checks.values() if check is not None
+                 for note in (check.incomplete or check.notes)]
+        c.reason = "could not decide: " + ("; ".join(notes[:2]) or "no step compared")
+
+
+def _agreement(c: CellResult, base: CellResult | None) -> Agreement:
+    """Run A of cell ``c`` against run A of the baseline cell (same precision)."""
+    if base is None or base is c:
+        return Agreement("baseline" if base is c else "not compared")
+    if not (c.started and base.started):
+        return Agreement("not compared", detail="the cell or the baseline did not run")
+    a, b = Path(base.out) / "a", Path(c.out) / "a"
+    diff_global = getattr(compare, "diff_global", None)  # layout-independent digests, where available
+    try:
+        metrics = _metric_agreement(a, b)
+        if diff_global is None:
+            return metrics
+        found = diff_global(a, b)
+    except (StreamError, SamebitsError) as err:
+        return Agreement("not compared", detail=f"could not compare: {err}")
+    if Verdict(found.verdict) is Verdict.INCOMPLETE:
+        metrics.detail = "global digests: " + ("; ".join(found.incomplete[:1]) or "not recorded") + \
+            (f"; {metrics.detail}" if metrics.detail else "")
+        return metrics
+    if found.identical:
+        return Agreement("identical", by="global tensor digests")
+    step = found.first_step
+    ulp = _metric_ulp(a, b, step) if step is not None else None
+    names = [t.name for t in found.differing_at_first_step][:3]
+    return Agreement("differs", by="global tensor digests", first_step=step, max_ulp=ulp,
+                     detail="first differing: " + ", ".join(names) + ("; ulp of grad_norm/lr" if ulp is not None else ""))
+
+
+def _metric_agreement(a: Path, b: Path) -> Agreement:
+    """Compare the global metrics (``AGREEMENT_METRICS``) of rank 0, step by step."""
+    values_a, values_b = _global_metrics(a), _global_metrics(b)
+    common = sorted(set(values_a) & set(values_b))
+    if not common:
+        return Agreement("not compared", by="global metrics", detail="no common step with global metrics")
+    for step in common:
+        ulp = _max_ulp(values_a[step], values_b[step])
+        if ulp is None:
+            return Agreement("not compared", by="global metrics", detail=f"step {step}: metrics not comparable")
+        if ulp:
+            return Agreement("differs", by=f"global metrics ({', '.join(AGREEMENT_METRICS)})", first_step=step,
+                             max_ulp=ulp)
+    detail = "" if len(values_a) == len(values_b) == len(common) else "steps differ between the runs"
+    return Agreement("identical" if not detail else "not compared",
+                     by=f"global metrics ({', '.join(AGREEMENT_METRICS)})", detail=detail)
+
+
+def _metric_ulp(a: Path, b: Path, step: int) -> int | None:
+    values_a, values_b = _global_metrics(a), _global_metrics(b)
+    if step not in values_a or step not in values_b:
+        return None
+    return _max_ulp(values_a[step], values_b[step])
+
+
+def _global_metrics(path: Path) -> dict[int, dict[str, tuple[str, bytes]]]:
+    """Rank 0's global metrics per step: {step: {name: (dtype, raw bits)}}."""
+    run = open_run(path)
+    try:
+        found = {}
+        for block in run.stream(run.ranks[0]).steps():
+            found[block.step] = {r.name: (r.dtype, r.raw) for r in block.records()
+                                 if r.kind == "metric" and r.name in AGREEMENT_METRICS and r.raw is not None}
+        return found
+    finally:
+        run.close()
+
+
+def _max_ulp(a: dict[str, tuple[str, bytes]], b: dict[str, tuple[str, bytes]]) -> int | None:
+    """The largest distance in units in the last place between same-named float metrics."""
+    if set(a) != set(b):
+        return None
+    worst = 0
+    for name, (dtype, raw) in a.items():
+        other_dtype, other_raw = b[name]
+        if dtype != other_dtype or dtype not in ("float32", "float64", "float16", "bfloat16"):
+            return None
+        worst = max(worst, abs(_ordered(raw) - _ordered(other_raw)))
+    return worst
+
+
+def _ordered(raw: bytes) -> int:
+    """A float's bits as an integer that counts representable values (ulp steps) from zero."""
+    bits = int.from_bytes(raw, "little")
+    sign = 1 << (8 * len(raw) - 1)
+    return -(bits & (sign - 1)) if bits & sign else bits
+
+
+def _bisect_cell(c: CellResult, cell: Cell, steps: int, overrides: list[str], nondeterministic: bool,
+                 say: Callable[[str], None]) -> dict:
+    try:
+        found = bisect(out=Path(c.out) / "bisect", steps=min(steps, 4), nproc=cell.world_size,
+                       nondeterministic=nondeterministic,
+                       overrides=[*cell.overrides, f"precision={c.precision}", *overrides],
+                       progress=lambda m: say("      " + m.strip()))
+    except SamebitsError as err:
+        return {"error": str(err).splitlines()[0]}
+    return {"conclusion": found.conclusion, "verdict": str(found.verdict), "out": found.out,
+            "origin": None if found.origin is None else found.origin.to_dict()}
+
+
+__all__ = ["run_matrix", "MatrixResult", "CellResult", "Agreement", "Cell", "parse_cell", "split_list",
+           "DEFAULT_CELLS", "DEFAULT_PRECISIONS", "DEFAULT_MAX_WORLD_SIZE"]

@@ -1,0 +1,96 @@
+"""`samebits matrix`: cells x precisions, each verified (A, B, C) and compared with the baseline;
+exit 0 only when every required cell ran and held; a cell that cannot start, or whose runs
+differ, is caught with the reason."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+
+from samebits.cli import main
+from samebits.errors import ConfigError
+from samebits.runs import matrix as M
+from samebits.verdicts import Verdict
+
+TINY = ["num_layers=2", "seq_len=32", "micro_batch_size=2", "vocab_size=256"]
+
+
+def test_cell_names():
+    assert M.parse_cell("single") == M.Cell("single", 1, ())
+    tp_dp = M.parse_cell("tp2-dp2")
+    assert tp_dp.world_size == 4
+    assert tp_dp.overrides == ("pp=1", "dp_replicate=2", "dp_shard=1", "tp=2", "ep=1")
+    assert M.parse_cell("ep2").world_size == 2 and "ep=2" in M.parse_cell("ep2").overrides  # EP rides on DP
+    assert M.parse_cell("pp2-fsdp2-tp2").world_size == 8
+    for bad, message in [("tp", "names no parallel size|not one of"), ("tp2-tp2", "each at most once"),
+                         ("ep2-dp4", "must equal dp's size"), ("cp2", "not one of dpN")]:
+        with pytest.raises(ConfigError, match=message):
+            M.parse_cell(bad)
+
+
+def test_ulp_distance_counts_representable_values():
+    one = struct.pack("<f", 1.0)
+    next_up = struct.pack("<I", struct.unpack("<I", one)[0] + 3)  # three float32 steps above 1.0
+    assert M._max_ulp({"grad_norm": ("float32", one)}, {"grad_norm": ("float32", next_up)}) == 3
+    # across zero: -0.0 and +0.0 are the same point; the smallest subnormals either side are 2 apart
+    neg_tiny, pos_tiny = struct.pack("<I", 0x80000001), struct.pack("<I", 0x00000001)
+    assert M._ordered(struct.pack("<f", -0.0)) == M._ordered(struct.pack("<f", 0.0)) == 0
+    assert abs(M._ordered(neg_tiny) - M._ordered(pos_tiny)) == 2
+    assert M._max_ulp({"lr": ("float64", struct.pack("<d", 0.5))}, {"lr": ("float32", one)}) is None
+
+
+def test_matrix_passes_and_reports_cells_that_cannot_start(tmp_path, capsys):
+    # "single" runs and holds; "dp4" needs more ranks than allowed: not required, so the
+    # matrix still passes, and says why the cell did not run.
+    code = main(["matrix", "--out", str(tmp_path / "m"), "--cells", "single,dp4", "--precisions", "fp32",
+                 "--required", "single", "--max-world-size", "2", "--steps", "2",
+                 *[part for item in TINY for part in ("--set", item)], "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["verdict"] == "pass", report
+    single, dp4 = report["cells"]
+    assert (single["cell"], single["precision"], single["verdict"], single["repeatable"], single["resume"]) == \
+        ("single", "fp32", "pass", "yes", "yes")
+    assert single["agreement"]["status"] == "baseline" and single["seconds"] > 0
+    assert dp4["verdict"] == "incomplete" and not dp4["required"]
+    assert "needs 4 ranks, more than this matrix allows (2" in dp4["reason"]
+    assert json.loads((tmp_path / "m" / "summary.json").read_text())["verdict"] == "pass"
+    assert (tmp_path / "m" / "single-fp32" / "summary.json").exists()  # verify's own summary per cell
+    text = M.MatrixResult(**{"out": "o", "baseline": "single", "cells": []})  # the table renders without cells
+    from samebits.cli.matrix import render
+    assert "samebits matrix: INCOMPLETE" in render(text)
+
+
+def test_a_required_cell_that_cannot_start_fails_with_the_reason(tmp_path, capsys):
+    code = main(["matrix", "--out", str(tmp_path / "m"), "--cells", "single,dp16", "--precisions", "fp9",
+                 "--max-world-size", "2", "--steps", "2"])
+    text = capsys.readouterr().out
+    assert code == Verdict.FAIL.exit_code == 1, text
+    assert "samebits matrix: FAIL" in text
+    assert "single fp9 (required): cannot start: samebits.recipes: error: precision='fp9' is not one of" in text
+    assert "dp16 fp9 (required): cannot start: needs 16 ranks" in text
+
+
+def test_a_missing_dependency_is_named(tmp_path, monkeypatch):
+    # A torchao that cannot be imported, as on a machine without it.
+    fake = tmp_path / "site" / "torchao"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('No module named torchao (test stand-in)')\n")
+    import os
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path / "site"),
+                                                                   os.environ.get("PYTHONPATH")])))
+    result = M.run_matrix(tmp_path / "m", cells=["single"], precisions=["mxfp8"], steps=2, overrides=TINY)
+    assert result.verdict is Verdict.FAIL
+    (cell,) = result.cells
+    assert not cell.started and "needs torchao, which is not installed: pip install torchao==" in cell.reason
+
+
+@pytest.mark.slow
+def test_a_nondeterministic_cell_is_caught_even_when_not_required(tmp_path):
+    result = M.run_matrix(tmp_path / "m", cells=["single"], precisions=["fp32"], required=[], steps=2,
+                          nondeterministic=True)
+    (cell,) = result.cells
+    assert cell.check("independent") == "no" and cell.verdict is Verdict.FAIL, cell.to_json()
+    assert result.verdict is Verdict.FAIL and result.verdict.exit_code == 1
+    assert any("independent diverged" in line for line in result.failures())

@@ -1,0 +1,79 @@
+"""`samebits replay RUN --step K --nproc N [--with 'CMD']`: replay a recorded run's step on N ranks."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+
+from samebits.cli._format import echo, escape, print_json, table
+from samebits.compare import DiffResult
+from samebits.runs.replay import ReplayResult, replay
+from samebits.verdicts import Verdict
+
+
+def register(sub) -> None:
+    parser = sub.add_parser(
+        "replay",
+        help="re-execute a recorded run's step K on N ranks and compare (invariant-mode runs)",
+        description="From RUN's checkpoint at step K, re-run steps K..K+n-1 on --nproc ranks and compare rank "
+        "0's replicated records (parameters, reduced gradients, global metrics) with what RUN recorded. Only "
+        "a run trained with grad_reduce=invariant (docs/invariance.md) can be replayed at another data-parallel "
+        "size. With no --with command: the reference recipe. A command gets {nproc}, {out}, {step}, {stop}, "
+        "{run} and {ckpt} filled in. Exit 0 IDENTICAL, 1 DIVERGED, 2 could not run or decide.",
+    )
+    parser.add_argument("run_dir", metavar="RUN", help="the recorded run (its stream folder)")
+    parser.add_argument("--step", type=int, required=True, metavar="K", help="the first step to replay")
+    parser.add_argument("--num-steps", type=int, default=1, metavar="N", help="steps to replay (default 1)")
+    parser.add_argument("--nproc", type=int, default=1, help="ranks of the replay (default 1)")
+    parser.add_argument("--ckpt", default=None, metavar="DIR",
+                        help="the checkpoint folder (default RUN/ckpt or RUN/../ckpt)")
+    parser.add_argument("--out", default=None, help="output directory (default: samebits-out/replay-TIME)")
+    parser.add_argument("--run-timeout", type=float, default=None, metavar="SECONDS",
+                        help="kill a replay that takes longer and report a hang (default 1800)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--with", dest="replay_with", default=None, metavar="'CMD'",
+                        help="the training command to replay with (quoted), e.g. 'torchrun --nproc-per-node "
+                             "{nproc} train.py --resume-from {ckpt} --start {step} --steps {stop} --out {out}'")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    def progress(message: str) -> None:
+        echo(message, file=sys.stderr, flush=True)
+
+    command = shlex.split(args.replay_with) if args.replay_with else None
+    result = replay(args.run_dir, step=args.step, nproc=args.nproc, num_steps=args.num_steps, cmd=command,
+                    ckpt=args.ckpt, out=args.out, run_timeout=args.run_timeout, progress=progress)
+    if args.json:
+        print_json(result.to_json())
+    else:
+        echo(render(result))
+    return result.verdict.exit_code
+
+
+def render(result: ReplayResult) -> str:
+    steps = f"step {result.step}" if result.stop == result.step + 1 else f"steps {result.step}..{result.stop - 1}"
+    lines = [f"samebits replay: {result.verdict.value.upper()} ({steps} of {escape(result.run)}, recorded on "
+             f"{result.recorded_world_size} ranks, replayed on {result.nproc})", ""]
+    lines += [check_row_table([("replay", result.check)]), ""]
+    lines += [f"note: {escape(note)}" for note in result.notes + result.check.notes]
+    lines.append(f"wall time: replay {result.timings.get('replay', 0):.1f} s; records, log and summary.json in "
+                 f"{escape(result.out)}")
+    return "\n".join(lines)
+
+
+def check_row_table(checks: list[tuple[str, DiffResult]]) -> str:
+    """One row per comparison: verdict, what was compared, the first divergence or why not decided."""
+    rows = []
+    for label, check in checks:
+        c = check.compared
+        counts = f"rank {c.get('rank', 0)}: {c['steps']} step(s) x {c['records']:,} records"
+        verdict = Verdict(check.verdict)
+        if verdict is Verdict.DIVERGED:
+            d = check.first_divergence
+            rows.append([label, "DIVERGED", counts, f"step {d.step}: {d.phase}/{d.name}"])
+        elif verdict is Verdict.IDENTICAL:
+            rows.append([label, "IDENTICAL", counts, "-"])
+        else:
+            rows.append([label, verdict.value.upper(), counts, "; ".join(check.incomplete[:2]) or "-"])
+    return table(["comparison", "verdict", "compared", "first divergence"], rows)

@@ -1,0 +1,39 @@
+"""Gradients with the same bits at any data-parallel size (docs/invariance.md).
+
+    GradientAccumulator(named_params, num_micro_batches=M)   hand-written loops
+    InvariantHookState + invariant_comm_hook                  DDP (register_comm_hook)
+    Preconditions(...).check()                                refuse what breaks invariance
+    micro_batch_seed(seed, step, m)                           RNG keyed by (step, micro-batch)
+    canonical_grad_norm / clip_grad_norm_                     the clipping norm in a fixed order
+
+Each micro-batch's gradient is encoded in int64 fixed point per canonical block (exponent
+from an exact MAX all-reduce), summed locally and across ranks in int64 (associative: any
+order, tree or ring gives the same bits), and converted back to fp32 once, correctly rounded.
+"""
+
+from samebits.invariant._fixed import DEFAULT_BLOCK_SIZE, block_exponents, decode, encode, fraction_bits
+from samebits.invariant._preconditions import (LOSS_NORMALIZATIONS, RNG_KEYS, Preconditions, check_micro_batch_size,
+                                               micro_batch_seed)
+from samebits.invariant._reduce import (GradientAccumulator, InvariantHookState, ReduceStats, canonical_grad_norm,
+                                        clip_grad_norm_, invariant_comm_hook, reduce_blocks, ring_bytes)
+
+__all__ = [
+    "GradientAccumulator",
+    "InvariantHookState",
+    "invariant_comm_hook",
+    "ReduceStats",
+    "reduce_blocks",
+    "Preconditions",
+    "check_micro_batch_size",
+    "micro_batch_seed",
+    "canonical_grad_norm",
+    "clip_grad_norm_",
+    "fraction_bits",
+    "block_exponents",
+    "encode",
+    "decode",
+    "ring_bytes",
+    "DEFAULT_BLOCK_SIZE",
+    "RNG_KEYS",
+    "LOSS_NORMALIZATIONS",
+]

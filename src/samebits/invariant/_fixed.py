@@ -1,0 +1,106 @@
+"""Block fixed point: fp32 gradients as int64 integers whose sum has the same bits in any order.
+
+A canonical block is ``block_size`` consecutive elements of one parameter's flattened
+gradient (a parameter's last block may be shorter; it is padded with zeros).  Block b gets
+one exponent ``e_b``: the smallest integer with ``|x| < 2**e_b`` for every element x of that
+block in every micro-batch of the step, on every rank (an exact MAX all-reduce of int8
+exponents).  Element x is encoded as ``q = round_half_even(x * 2**(P - e_b))``, an int64
+with ``|q| <= 2**P``; ``P = 62 - ceil(log2 M)`` for M micro-batches per step, so the sum of all
+M encodings fits in int64 (|sum| <= M * 2**P <= 2**62) whatever the order or grouping.
+
+Two's-complement addition is associative and commutative, so local accumulation plus any
+cross-rank SUM (ring, tree, reduce-scatter) gives the same int64 bits at every data-parallel
+size.  Decoding converts that integer to fp32 once, rounding to nearest even (results in the
+subnormal range are rounded on the integer first, so they are rounded once too).  When every
+element encoded exactly (``x * 2**(P - e_b)`` an integer: elements within about P - 24 binary
+orders of magnitude of their block's maximum), the decoded value is the correctly rounded sum
+of the fp32 inputs; elements further below their block maximum lose low bits in the encoding
+(counted as ``inexact``: the result is still the same at every DP size, only less accurate).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from samebits.errors import ConfigError
+
+DEFAULT_BLOCK_SIZE = 256
+EXPONENT_MIN = -128  # int8 exponents: blocks smaller than 2**-128 encode exactly anyway (P >= 21)
+EXPONENT_NONFINITE = 127  # a block holding inf or nan on any rank: the reduced block is nan
+_FP32_MIN_NORMAL_EXP = -126
+_FP32_MIN_SUBNORMAL_EXP = -149
+
+
+def fraction_bits(num_micro_batches: int) -> int:
+    """P, the binary places below the block exponent: 62 - ceil(log2 M) (headroom for M sums)."""
+    if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int) or num_micro_batches < 1:
+        raise ConfigError(f"num_micro_batches must be a positive int, got {num_micro_batches!r}")
+    headroom = math.ceil(math.log2(num_micro_batches)) if num_micro_batches > 1 else 0
+    bits = 62 - headroom
+    if bits < 30:
+        raise ConfigError(f"num_micro_batches={num_micro_batches}: int64 leaves only {bits} fraction bits "
+                          "after the headroom for the sum (fewer than 30 would lose fp32 precision); "
+                          "use fewer, larger micro-batches.")
+    return bits
+
+
+def pow2(exponents: torch.Tensor) -> torch.Tensor:
+    """Exact float64 2**e for integer e in [-1022, 1023], built from the bits (torch.ldexp
+    computes 2**e in a narrower type and flushes 2**-200 to zero)."""
+    e = exponents.to(torch.int64)
+    if e.numel() and (int(e.min()) < -1022 or int(e.max()) > 1023):
+        raise AssertionError("power of two outside float64's normal range")
+    return ((e + 1023) << 52).view(torch.float64)
+
+
+def block_exponents(blocks: torch.Tensor) -> torch.Tensor:
+    """(num_blocks, block_size) fp32 -> (num_blocks,) int8: smallest e with |x| < 2**e, clamped
+    to EXPONENT_MIN; EXPONENT_NONFINITE for a block holding inf or nan."""
+    peak = blocks.abs().amax(dim=1)
+    _, exp = torch.frexp(peak)  # peak = m * 2**exp, 0.5 <= m < 1, so peak < 2**exp
+    exp = torch.where(peak > 0, exp, torch.full_like(exp, EXPONENT_MIN)).clamp(EXPONENT_MIN, EXPONENT_NONFINITE - 1)
+    exp = torch.where(torch.isfinite(peak), exp, torch.full_like(exp, EXPONENT_NONFINITE))
+    return exp.to(torch.int8)
+
+
+def encode(blocks: torch.Tensor, exponents: torch.Tensor, bits: int) -> tuple[torch.Tensor, int]:
+    """(num_blocks, block_size) fp32 -> (int64 of the same shape, number of inexact elements).
+
+    Every element must satisfy |x| < 2**e of its block (the exponents come from a MAX over
+    every input).  A non-finite block encodes as zeros (its result is nan, see `decode`).
+    """
+    exp = exponents.to(torch.int64).clamp(max=EXPONENT_NONFINITE - 1)
+    scaled = blocks.to(torch.float64) * pow2(bits - exp)[:, None]  # exact: a power-of-two scale
+    finite = (exponents != EXPONENT_NONFINITE)[:, None]
+    scaled = torch.where(finite, scaled, torch.zeros_like(scaled))
+    rounded = torch.round(scaled)  # half to even
+    inexact = int((rounded != scaled).sum())
+    return rounded.to(torch.int64), inexact
+
+
+def decode(sums: torch.Tensor, exponents: torch.Tensor, bits: int) -> torch.Tensor:
+    """(num_blocks, block_size) int64 sums -> fp32 ``sum * 2**(e - P)``, rounded once to nearest
+    even; blocks with the non-finite exponent become nan."""
+    exp = exponents.to(torch.int64).clamp(max=EXPONENT_NONFINITE - 1)[:, None]
+    shift = bits - exp  # value = sum * 2**-shift
+    # Results below fp32's smallest normal (2**-126) land on the subnormal grid 2**-149: round
+    # the integer to that grid (half to even) first, so the conversion below is exact.
+    grid = (shift + _FP32_MIN_SUBNORMAL_EXP).clamp(min=0)  # grid spacing in integer units: 2**grid
+    small = (sums.abs() < torch.ones_like(sums) << (shift + _FP32_MIN_NORMAL_EXP).clamp(0, 62)) & (grid > 0)
+    if bool(small.any()):
+        g = grid.expand_as(sums)
+        kept = sums >> g  # floor
+        rest = sums - (kept << g)
+        half = torch.ones_like(sums) << (g - 1).clamp(min=0)
+        up = (rest > half) | ((rest == half) & (kept & 1).bool())
+        sums = torch.where(small, (kept + up.to(torch.int64)) << g, sums)
+    values = sums.to(torch.float32)  # int64 -> fp32 rounds to nearest even (one rounding)
+    out = (values.to(torch.float64) * pow2(-shift)).to(torch.float32)  # exact power-of-two scale
+    nonfinite = (exponents == EXPONENT_NONFINITE)[:, None]
+    return torch.where(nonfinite, torch.full_like(out, float("nan")), out)
+
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "fraction_bits", "block_exponents", "encode", "decode", "pow2",
+           "EXPONENT_MIN", "EXPONENT_NONFINITE"]

@@ -1,0 +1,322 @@
+"""Invariant gradient reduction: a gradient accumulator for hand-written loops, a DDP
+communication hook, the global count for loss normalisation, and clipping in canonical order.
+
+One step, on every rank (W ranks, M micro-batches, k = M / W of them here):
+
+1. after each local micro-batch's backward, keep its fp32 gradient (canonical blocks);
+2. block exponents: the MAX over the k local micro-batches, then an exact int8 MAX all-reduce;
+3. encode each micro-batch in int64 fixed point and add them up locally (exact);
+4. reduce-scatter the int64 sums (exact, any order), decode this rank's shard to fp32 once
+   (correctly rounded), all-gather the fp32 shards.  Bytes per element on the wire: int64
+   reduce-scatter + fp32 all-gather = 1.5x an fp32 ring all-reduce (plus 1/block_size int8
+   exponents, all-reduced).
+
+Memory: the k local micro-batch gradients are kept until step 2 can run (k fp32 copies); with
+one micro-batch per rank that is one copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from samebits.errors import ConfigError, SamebitsError
+from samebits.invariant._fixed import (DEFAULT_BLOCK_SIZE, EXPONENT_NONFINITE, block_exponents, decode, encode,
+                                       fraction_bits)
+from samebits.invariant._preconditions import Preconditions, micro_batch_seed
+
+
+@dataclass
+class ReduceStats:
+    """What one step's reduction did (the counts are global: equal on every rank at any DP size)."""
+
+    num_elements: int = 0
+    num_blocks: int = 0
+    fraction_bits: int = 0
+    inexact_elements: int = 0  # encoded with lost low bits (values far below their block maximum)
+    nonfinite_blocks: int = 0  # blocks holding inf/nan on some rank: reduced to nan
+    bytes_sent: int = 0  # payload bytes this rank handed to collectives (ring-equivalent, see bytes_on_wire)
+    fp32_allreduce_bytes: int = 0  # what a plain fp32 ring all-reduce of the same gradient would send
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _group_info(group) -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def ring_bytes(kind: str, num_bytes: int, world_size: int) -> int:
+    """Bytes one rank sends in a ring collective over a ``num_bytes`` buffer (the usual cost
+    model: all-reduce 2(W-1)/W, reduce-scatter and all-gather (W-1)/W of the buffer)."""
+    if world_size == 1:
+        return 0
+    share = num_bytes * (world_size - 1) // world_size
+    return 2 * share if kind == "all_reduce" else share
+
+
+class _Blocks:
+    """The canonical block layout of a list of parameters: each parameter's flattened gradient
+    cut into blocks of ``block_size`` (its last block zero-padded), parameters in the given
+    order, then zero blocks up to a multiple of the world size (for the reduce-scatter)."""
+
+    def __init__(self, numels: list[int], block_size: int, world_size: int):
+        self.numels, self.block_size = numels, block_size
+        self.param_blocks = [-(-n // block_size) for n in numels]
+        self.num_real_blocks = sum(self.param_blocks)
+        self.num_blocks = -(-max(self.num_real_blocks, 1) // world_size) * world_size
+
+    def gather(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
+        """(num_blocks, block_size) fp32 copy of the gradients (None counts as zeros)."""
+        out = torch.zeros(self.num_blocks, self.block_size, dtype=torch.float32)
+        row = 0
+        for grad, numel, nblocks in zip(grads, self.numels, self.param_blocks):
+            if grad is not None:
+                if grad.dtype != torch.float32:
+                    raise ConfigError(f"invariant reduction takes fp32 gradients, got {grad.dtype}: keep "
+                                      "fp32 master gradients (reduce before casting)")
+                out[row:row + nblocks].view(-1)[:numel].copy_(grad.detach().reshape(-1))
+            row += nblocks
+        return out
+
+    def scatter(self, blocks: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per-parameter tensors (shaped like ``like``) from (num_blocks, block_size) values."""
+        out, row = [], 0
+        for ref, numel, nblocks in zip(like, self.numels, self.param_blocks):
+            out.append(blocks[row:row + nblocks].reshape(-1)[:numel].reshape(ref.shape).clone())
+            row += nblocks
+        return out
+
+
+def reduce_blocks(micro_batches: list[torch.Tensor], *, num_micro_batches: int, group=None,
+                  stats: ReduceStats | None = None) -> torch.Tensor:
+    """The invariant SUM over every rank's micro-batches of (num_blocks, block_size) fp32 blocks.
+
+    ``micro_batches`` are this rank's; ``num_micro_batches`` is M, the global count (it sets
+    the fraction bits, so it must be the same at every DP size).  Returns the reduced fp32
+    blocks, the same bits on every rank and at every DP size.
+    """
+    rank, world_size = _group_info(group)
+    if not micro_batches:
+        raise ConfigError(f"rank {rank}: no micro-batch gradient to reduce (call accumulate() after "
+                          "each micro-batch's backward)")
+    bits = fraction_bits(num_micro_batches)
+    num_blocks, block_size = micro_batches[0].shape
+    exps = block_exponents(micro_batches[0])
+    for blocks in micro_batches[1:]:
+        exps = torch.maximum(exps, block_exponents(blocks))
+    if world_size > 1:
+        dist.all_reduce(exps, op=dist.ReduceOp.MAX, group=group)  # exact: a max of integers
+    total = torch.zeros(num_blocks, block_size, dtype=torch.int64)
+    inexact = 0
+    for blocks in micro_batches:
+        encoded, lost = encode(blocks, exps, bits)
+        total += encoded  # int64: exact, any order
+        inexact += lost
+    counts = torch.tensor([inexact], dtype=torch.int64)
+    if world_size == 1:
+        reduced = decode(total, exps, bits)
+    else:
+        shard_blocks = num_blocks // world_size
+        shard = torch.empty(shard_blocks, block_size, dtype=torch.int64)
+        dist.reduce_scatter_tensor(shard, total, group=group)  # int64 SUM: exact and associative
+        mine = slice(rank * shard_blocks, (rank + 1) * shard_blocks)
+        decoded = decode(shard, exps[mine], bits)
+        reduced = torch.empty(num_blocks, block_size, dtype=torch.float32)
+        dist.all_gather_into_tensor(reduced, decoded, group=group)
+        dist.all_reduce(counts, group=group)
+    if stats is not None:
+        element_bytes = num_blocks * block_size
+        stats.num_elements += element_bytes
+        stats.num_blocks += num_blocks
+        stats.fraction_bits = bits
+        stats.inexact_elements += int(counts[0])
+        stats.nonfinite_blocks += int((exps == EXPONENT_NONFINITE).sum())
+        stats.bytes_sent += (ring_bytes("all_reduce", num_blocks, world_size)  # int8 exponents
+                             + ring_bytes("reduce_scatter", 8 * element_bytes, world_size)
+                             + ring_bytes("all_gather", 4 * element_bytes, world_size))
+        stats.fp32_allreduce_bytes += ring_bytes("all_reduce", 4 * element_bytes, world_size)
+    return reduced
+
+
+class GradientAccumulator:
+    """Invariant gradient accumulation and data-parallel reduction for a hand-written loop.
+
+        acc = GradientAccumulator(model.named_parameters(), num_micro_batches=M, seed=0)
+        for step in range(steps):
+            for m in acc.micro_batches():                    # this rank's share of the M
+                with acc.micro_batch(step, m):               # RNG keyed by (step, m)
+                    loss = loss_sum(model, batch(step, m)) / acc.global_count(local_tokens)
+                    loss.backward()
+                acc.accumulate()                             # keeps this micro-batch's grads
+            acc.reduce()                                     # p.grad = invariant sum, every rank
+            norm = acc.clip_grad_norm_(1.0)
+            optimizer.step(); optimizer.zero_grad()
+
+    ``p.grad`` after `reduce` has the same bits at every data-parallel size (given the
+    preconditions, checked at construction from ``rng_key`` and ``loss_normalization``).
+    """
+
+    def __init__(self, named_parameters: Iterable, *, num_micro_batches: int, seed: int = 0,
+                 micro_batch_size: int | None = None, rng_key: str = "step_micro_batch",
+                 loss_normalization: str = "global_tokens", block_size: int = DEFAULT_BLOCK_SIZE,
+                 group=None):
+        self.rank, self.world_size = _group_info(group)
+        Preconditions(num_micro_batches=num_micro_batches, world_size=self.world_size,
+                      micro_batch_size=micro_batch_size, rng_key=rng_key,
+                      loss_normalization=loss_normalization).check()
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ConfigError(f"block_size={block_size!r} must be a positive int")
+        self.named = [(name, p) for name, p in named_parameters if p.requires_grad]
+        if not self.named:
+            raise ConfigError("GradientAccumulator got no parameters that require grad")
+        self.num_micro_batches, self.seed, self.group = num_micro_batches, seed, group
+        self.layout = _Blocks([p.numel() for _, p in self.named], block_size, self.world_size)
+        self._pending: list[torch.Tensor] = []
+        self.last_stats: ReduceStats | None = None
+
+    @property
+    def num_local_micro_batches(self) -> int:
+        return self.num_micro_batches // self.world_size
+
+    def micro_batches(self) -> range:
+        """This rank's canonical micro-batch indices: [r * M / W, (r + 1) * M / W)."""
+        k = self.num_local_micro_batches
+        return range(self.rank * k, (self.rank + 1) * k)
+
+    @contextlib.contextmanager
+    def micro_batch(self, step: int, index: int, generators: Iterable[torch.Generator] = ()):
+        """Run one micro-batch with torch's global CPU RNG (and ``generators``) seeded from
+        (seed, step, index) alone; the global RNG state is restored afterwards."""
+        seed = micro_batch_seed(self.seed, step, index)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            for offset, generator in enumerate(generators, start=1):
+                generator.manual_seed(micro_batch_seed(self.seed + offset, step, index))
+            yield seed
+
+    def global_count(self, local_count) -> int:
+        """The sum over ranks of an integer count (tokens, samples): an exact int64 all-reduce.
+        Divide each micro-batch's summed loss by this, never by a local mean."""
+        value = torch.tensor([int(local_count)], dtype=torch.int64)
+        if self.world_size > 1:
+            dist.all_reduce(value, group=self.group)
+        return int(value[0])
+
+    def accumulate(self) -> None:
+        """Take this micro-batch's gradients (``p.grad``) into the step and clear them."""
+        if len(self._pending) >= self.num_local_micro_batches:
+            raise SamebitsError(f"rank {self.rank}: accumulate() called {len(self._pending) + 1} times in one "
+                                f"step, but this rank takes {self.num_local_micro_batches} of the "
+                                f"{self.num_micro_batches} micro-batches; call reduce() after the last one")
+        self._pending.append(self.layout.gather([p.grad for _, p in self.named]))
+        for _, p in self.named:
+            p.grad = None
+
+    def reduce(self) -> ReduceStats:
+        """Reduce the step's micro-batches over every rank into ``p.grad`` (fp32, same bits on
+        every rank and at every DP size); returns this step's `ReduceStats`."""
+        if len(self._pending) != self.num_local_micro_batches:
+            raise SamebitsError(f"rank {self.rank}: reduce() after {len(self._pending)} micro-batches, but this "
+                                f"rank takes {self.num_local_micro_batches} of the {self.num_micro_batches} "
+                                "(a rank that skips one would make every rank wait or sum the wrong set)")
+        stats = ReduceStats()
+        reduced = reduce_blocks(self._pending, num_micro_batches=self.num_micro_batches, group=self.group,
+                                stats=stats)
+        self._pending = []
+        params = [p for _, p in self.named]
+        for p, grad in zip(params, self.layout.scatter(reduced, params)):
+            p.grad = grad.to(p.device)
+        self.last_stats = stats
+        return stats
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """`canonical_grad_norm` of the reduced gradients, then scale them by
+        min(1, max_norm / (norm + 1e-6)) (max_norm 0: report only).  Returns the fp32 norm."""
+        return clip_grad_norm_([p for _, p in self.named], max_norm)
+
+
+def canonical_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of ``grads`` in one fixed order: each tensor's squares summed in fp64 in
+    blocks of 256 (one row each), the blocks' sums then added sequentially in fp64 (cumsum)
+    over every tensor in order.  The same bits for the same gradients at any DP size."""
+    partials = []
+    for grad in grads:
+        flat = grad.detach().reshape(-1).to(torch.float64)
+        pad = (-flat.numel()) % DEFAULT_BLOCK_SIZE
+        if pad:
+            flat = torch.cat([flat, flat.new_zeros(pad)])
+        partials.append(flat.view(-1, DEFAULT_BLOCK_SIZE).square().sum(dim=1))
+    if not partials:
+        return torch.zeros((), dtype=torch.float32)
+    total = torch.cumsum(torch.cat(partials), dim=0)[-1]  # a sequential sum: a canonical order
+    return total.sqrt().to(torch.float32)
+
+
+def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip the gradients of ``params`` by their `canonical_grad_norm`; returns the norm."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = canonical_grad_norm(grads)
+    if max_norm > 0:
+        coeff = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for grad in grads:
+            grad.mul_(coeff.to(grad.device))
+    return norm
+
+
+@dataclass
+class InvariantHookState:
+    """State of `invariant_comm_hook`: ``num_micro_batches`` (M, global) and the micro-batches
+    this rank runs per step (M / W: DDP's backward is called that many times per step, without
+    ``no_sync``).  Register with ``ddp_model.register_comm_hook(state, invariant_comm_hook)``."""
+
+    num_micro_batches: int
+    group: object = None
+    last_stats: ReduceStats = field(default_factory=ReduceStats)
+    _pending: dict = field(default_factory=dict)  # bucket's parameter ids -> kept micro-batch blocks
+    _fresh: bool = True
+
+    def __post_init__(self):
+        _, world_size = _group_info(self.group)
+        Preconditions(num_micro_batches=self.num_micro_batches, world_size=world_size).check()
+        self.num_local_micro_batches = self.num_micro_batches // world_size
+
+
+def invariant_comm_hook(state: InvariantHookState, bucket) -> torch.futures.Future:
+    """A DDP communication hook that reduces each bucket invariantly.  Blocks are cut per
+    parameter (not per bucket), so DDP's bucketing does not change the bits.  On a rank's
+    first k - 1 backwards of a step it keeps the bucket's gradients and returns zeros (DDP
+    writes them to ``p.grad``, which the next backward adds to: 0 + g = g, exactly); on the
+    k-th it reduces all M micro-batches and returns the sum."""
+    grads = bucket.gradients()
+    layout = _Blocks([g.numel() for g in grads], DEFAULT_BLOCK_SIZE, _group_info(state.group)[1])
+    key = tuple(id(p) for p in bucket.parameters())
+    kept = state._pending.setdefault(key, [])
+    kept.append(layout.gather(grads))
+    buffer = bucket.buffer()
+    future = torch.futures.Future()
+    if len(kept) < state.num_local_micro_batches:
+        future.set_result(torch.zeros_like(buffer))
+        return future
+    del state._pending[key]
+    if state._fresh:  # the first bucket reduced in this step
+        state.last_stats, state._fresh = ReduceStats(), False
+    reduced = reduce_blocks(kept, num_micro_batches=state.num_micro_batches, group=state.group,
+                            stats=state.last_stats)
+    state._fresh = not state._pending  # every bucket of the step reduced: the next one starts a step
+    out = buffer.clone()
+    for view, grad in zip(grads, layout.scatter(reduced, grads)):
+        offset = view.storage_offset() - buffer.storage_offset()  # where DDP keeps it in the bucket
+        out[offset:offset + grad.numel()].copy_(grad.reshape(-1))
+    future.set_result(out)
+    return future
+
+
+__all__ = ["GradientAccumulator", "ReduceStats", "reduce_blocks", "canonical_grad_norm", "clip_grad_norm_",
+           "InvariantHookState", "invariant_comm_hook", "ring_bytes"]

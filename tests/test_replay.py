@@ -1,0 +1,63 @@
+"""`samebits replay`: a DP=4 run's steps (tests/test_invariant.py's) re-executed on 1 rank from its checkpoint give the
+recorded bits (invariant reduction); a replay that computes differently is caught at its
+first step; a run not recorded in invariant mode is refused."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+import samebits
+from samebits.cli import main
+from samebits.errors import ConfigError
+from samebits.runs.across import compare_replicated
+from samebits.runs.replay import replay
+from samebits.verdicts import Verdict
+from test_invariant import invariant_runs  # noqa: F401  (the shared DP=1/2/4 runs)
+
+SCRIPT = Path(__file__).parent / "scripts_invariant" / "train_dp.py"
+REPLAY = [sys.executable, str(SCRIPT), "--resume-from", "{ckpt}", "--first-step", "{step}", "--steps", "{stop}",
+          "--out", "{out}"]
+
+
+@pytest.fixture
+def dp4_run(invariant_runs):
+    """tests/test_invariant.py's run at DP=4 (20 steps, invariant mode, state saved before each step)."""
+    return Path(invariant_runs.out) / "dp4"
+
+
+@pytest.mark.slow
+def test_a_dp4_step_replays_bit_identically_on_one_rank(dp4_run, tmp_path, capsys):
+    code = main(["replay", str(dp4_run), "--step", "5", "--num-steps", "2", "--nproc", "1", "--out",
+                 str(tmp_path / "r"), "--with", " ".join(REPLAY)])
+    shown = capsys.readouterr().out
+    assert code == 0, shown
+    assert "IDENTICAL" in shown and "recorded on 4 ranks, replayed on 1" in shown
+    check = compare_replicated(dp4_run, tmp_path / "r" / "replay", start_step=5, stop_step=7)
+    assert check.compared["steps"] == 2 and check.compared["records"] == 2 * 13
+
+
+@pytest.mark.slow
+def test_a_replay_that_reduces_differently_is_caught_at_its_first_step(dp4_run, tmp_path):
+    result = replay(dp4_run, step=3, nproc=1, num_steps=2, cmd=REPLAY + ["--grad-reduce", "mean"], out=tmp_path / "r")
+    assert result.verdict is Verdict.DIVERGED
+    assert result.check.first_divergence.step == 3
+
+
+def test_a_run_not_recorded_in_invariant_mode_is_refused(tmp_path):
+    with samebits.Recorder(tmp_path / "plain", rank=0, world_size=1, config={"grad_reduce": "mean"}) as rec:
+        rec.metrics(0, loss=1.0)
+        rec.end_step(0)
+    with pytest.raises(ConfigError, match="not recorded in invariant mode"):
+        replay(tmp_path / "plain", step=0, cmd=["true"], out=tmp_path / "out")
+    assert main(["replay", str(tmp_path / "plain"), "--step", "0", "--with", "true"]) == 2
+
+
+def test_a_step_the_run_did_not_record_is_refused(tmp_path):
+    with samebits.Recorder(tmp_path / "inv", rank=0, world_size=1, config={"grad_reduce": "invariant"}) as rec:
+        rec.metrics(0, loss=1.0)
+        rec.end_step(0)
+    with pytest.raises(ConfigError, match="holds no record of step 1"):
+        replay(tmp_path / "inv", step=0, num_steps=2, cmd=["true"], out=tmp_path / "out")

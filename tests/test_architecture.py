@@ -22,7 +22,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "samebits"
 LAYERS: list[tuple[str, set[str]]] = [
     ("foundation", {"errors", "verdicts", "settings", "_torchutil"}),
     ("digest", {"fingerprint"}),
-    ("bottom", {"kernels", "stream", "determinism", "checkpoint", "_inject"}),
+    ("bottom", {"kernels", "stream", "determinism", "checkpoint", "invariant", "_inject"}),
     ("comparison", {"compare"}),
     ("middle", {"trace"}),
     ("recording", {"autorecord"}),

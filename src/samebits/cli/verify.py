@@ -7,6 +7,8 @@ import time
 
 from samebits.cli._format import echo, print_json, table
 from samebits.verdicts import Verdict
+from samebits.cli.replay import check_row_table
+from samebits.runs.across import parse_across, verify_across
 from samebits.runs.verify import VerifyResult, verify_command, verify_recipe
 
 
@@ -38,6 +40,10 @@ def register(sub) -> None:
                         help="exit 2 unless the resume guarantee is checked too (for CI)")
     parser.add_argument("--run-timeout", type=float, default=None, metavar="SECONDS",
                         help="with a command: kill a run that takes longer and report a hang (default 1800)")
+    parser.add_argument("--across", default=None, metavar="dp=1,2,4",
+                        help="run at each data-parallel size and compare rank 0's replicated records with the "
+                             "first size (grad_reduce=invariant; a command gets {nproc} and {out} filled in; "
+                             "docs/invariance.md)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("cmd", nargs="*", metavar="-- CMD",
                         help="a command to check instead of the recipe; {out} and {run} are filled in per run")
@@ -49,6 +55,8 @@ def run(args) -> int:
         echo(message, file=sys.stderr, flush=True)
 
     start = time.perf_counter()
+    if args.across is not None:
+        return run_across(args, progress, start)
     if args.cmd:
         result = verify_command(args.cmd, args.out, resume_with=args.resume_with, resume_at=args.resume_at,
                                 require_resume=args.require_resume, run_timeout=args.run_timeout,
@@ -63,6 +71,25 @@ def run(args) -> int:
     else:
         echo(render(result))
     return result.verdict.exit_code
+
+
+def run_across(args, progress, start: float) -> int:
+    """`--across dp=...`: one run per data-parallel size, each compared with the first."""
+    across = verify_across(parse_across(args.across), args.cmd or None, args.out, steps=args.steps,
+                           overrides=args.overrides, run_timeout=args.run_timeout, progress=progress)
+    across.timings["total"] = time.perf_counter() - start
+    if args.json:
+        print_json(across.to_json())
+        return across.verdict.exit_code
+    reference = f"dp={across.sizes[0]}"
+    lines = [f"samebits verify --across: {across.verdict.value.upper()} (each size against {reference}, by rank 0's "
+             "replicated records)", "",
+             check_row_table([(f"{reference} = dp={size}", check) for size, check in across.checks.items()]), ""]
+    lines += [f"note: {note}" for check in across.checks.values() for note in check.notes[:1]]
+    lines.append("wall time: " + ", ".join(f"{k} {v:.1f} s" for k, v in across.timings.items()))
+    lines.append(f"streams, logs and summary.json in {across.out}")
+    echo("\n".join(lines))
+    return across.verdict.exit_code
 
 
 _LABELS = {"independent": "1. independent runs: A = B", "resume": "2. resume: A = C"}

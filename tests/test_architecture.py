@@ -35,6 +35,9 @@ LAYER_OF = {component: index for index, (_, members) in enumerate(LAYERS) for co
 # Modules a function may import lazily: they import an optional heavy dependency (Triton) at
 # load time, so importing them at module level would make that dependency mandatory.
 LAZY_OK = {"samebits.kernels._triton_gemm", "samebits.kernels._triton_combine", "samebits.kernels._triton_digest"}
+# The pytest plugin loads in every pytest run of the environment: its hooks load the byte-test
+# modules (which import torch) only in a session that uses them.
+LAZY_OK |= {"samebits.testing._harness", "samebits.testing._golden", "samebits.testing.coverage"}
 
 
 def _module_name(path: Path) -> str:

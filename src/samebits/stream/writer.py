@@ -59,6 +59,7 @@ class _DeviceQueue:
 @dataclass
 class _PendingStep:
     step: int
+    opened: float = field(default_factory=time.perf_counter)  # wall clock of its first record (step times)
     # (kind, phase, name, occurrence, head bytes, digest header, where): `where` is
     # (device, sum index) for a digested tensor, (device, offset, size) for a device metric,
     # bytes for a host metric, None for an absent or capped tensor.
@@ -89,6 +90,8 @@ class Recorder:
     open, and a second Recorder on the same stream (another process, or this one) gets a
     `StreamError` naming the file and the holder.
     """
+
+    _times: "_StepTimes | None" = None  # the step-times side file, once the stream is open
 
     def __init__(
         self,
@@ -183,6 +186,7 @@ class Recorder:
                 raise StreamError(f"{self.path}: cannot create the stream ({err.strerror}).") from None
             self._lock()
             header["segment"] = 0
+        self._times = _StepTimes(self.path, header)  # wall time per step, beside the stream: never compared
         self._buffer += fmt.frame(fmt.FRAME_HEADER, fmt.MAGIC + json.dumps(header, sort_keys=True).encode())
         self._flush()
         _open_recorders.add(self)
@@ -451,6 +455,8 @@ class Recorder:
                 pass
             self._lock_note = None
         self._file.close()  # releases the lock
+        if self._times is not None:
+            self._times.close()
 
     def __enter__(self) -> "Recorder":
         return self
@@ -583,6 +589,7 @@ class Recorder:
                             self._file.tell() + len(self._buffer)))
         self._buffer += fmt.frame(fmt.FRAME_STEP, prefix + body)
         self._last_step = pending.step
+        self._times.add(pending.step, pending.opened)
         self._num_steps += 1
         self._num_records += len(pending.records)
         self._steps_since_flush += 1
@@ -595,6 +602,7 @@ class Recorder:
             self._file.write(self._buffer)
             self._buffer.clear()
         self._file.flush()  # reaches the OS: survives SIGKILL of this process
+        self._times.flush()
         self._steps_since_flush = 0
 
     def _check_reference(self, step: int, root: int, count: int) -> bool | None:
@@ -679,6 +687,46 @@ class RecorderHook:
         remove, self._remove = self._remove, None
         if remove is not None:
             remove()
+
+
+STEP_TIMES_SUFFIX = ".steptimes"
+
+
+class _StepTimes:
+    """``rank-NNNNN.steptimes`` beside the stream: when each step's first record came and when
+    the step was written (``time.perf_counter`` seconds since this segment started), one
+    ``step<TAB>opened<TAB>written`` line per step after a JSON header line per segment.  The
+    comparator reads only ``.sbs`` files, so timings never make two runs differ; `samebits
+    tax` reads them (docs/stream.md, docs/tax.md).  A file that cannot be written costs a
+    warning, never the recording."""
+
+    def __init__(self, stream_path: Path, header: dict):
+        self.path = stream_path.with_suffix(STEP_TIMES_SUFFIX)
+        self._origin = time.perf_counter()
+        self._lines: list[str] = [json.dumps({"schema": "samebits.step_times/1", "rank": header["rank"],
+                                              "segment": header.get("segment", 0), "run_id": header["run_id"],
+                                              "clock": "perf_counter seconds since the segment started"}) + "\n"]
+        try:
+            self._file = open(self.path, "a")
+        except OSError as err:
+            warnings.warn(f"samebits: cannot write step times to {self.path} ({err.strerror}); recording goes on "
+                          "without them (samebits tax needs them).", stacklevel=4)
+            self._file = None
+
+    def add(self, step: int, opened: float) -> None:
+        self._lines.append(f"{step}\t{opened - self._origin:.6f}\t{time.perf_counter() - self._origin:.6f}\n")
+
+    def flush(self) -> None:
+        if self._file is not None and self._lines:
+            self._file.write("".join(self._lines))
+            self._file.flush()
+        self._lines.clear()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self.flush()
+            self._file.close()
+            self._file = None
 
 
 @atexit.register

@@ -12,31 +12,39 @@ the ``samebits_golden`` fixture and ``--samebits-update`` / ``--samebits-content
 kernel of a package has a byte test.  See docs/testing.md.
 """
 
-from samebits.testing._bits import Mismatch
-from samebits.testing._golden import Golden, GoldenFile, golden_path
-from samebits.testing._harness import (
-    BitwiseReport,
-    Contention,
-    assert_bitwise_repeatable,
-    assert_same_bits,
-    check_negative_control,
-    expect_nondeterministic,
-    index_put_accumulate_control,
-)
-from samebits.testing._options import OPTIONS, Option
+from __future__ import annotations
 
-__all__ = [
-    "assert_bitwise_repeatable",
-    "assert_same_bits",
-    "expect_nondeterministic",
-    "index_put_accumulate_control",
-    "check_negative_control",
-    "BitwiseReport",
-    "Mismatch",
-    "Contention",
-    "Golden",
-    "GoldenFile",
-    "golden_path",
-    "OPTIONS",
-    "Option",
-]
+import importlib
+
+# Public name -> the module defining it.  Loaded on first access (PEP 562): the pytest plugin
+# imports this package in every pytest run, and the harness imports torch.
+_EXPORTS = {
+    "assert_bitwise_repeatable": "_harness",
+    "assert_same_bits": "_harness",
+    "expect_nondeterministic": "_harness",
+    "index_put_accumulate_control": "_harness",
+    "check_negative_control": "_harness",
+    "BitwiseReport": "_harness",
+    "Contention": "_harness",
+    "Mismatch": "_bits",
+    "Golden": "_golden",
+    "GoldenFile": "_golden",
+    "golden_path": "_golden",
+    "OPTIONS": "_options",
+    "Option": "_options",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'samebits.testing' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"samebits.testing.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from samebits.errors import ConfigError
+from samebits.testing import _options
 from samebits.testing._bits import Leaf, Mismatch, compare, flatten, render, tensor_leaf
 
 _COTANGENT_SEED = 0x5A3E  # the same gradient of the outputs in every run
@@ -241,10 +242,7 @@ def _devices(value: Any) -> set[torch.device]:
 
 # -- the public checks --------------------------------------------------------------------
 
-_observers: list[Callable[[BitwiseReport], None]] = []  # the pytest plugin's summary listens here
-# Session defaults for arguments left as None; the pytest plugin sets them from
-# --samebits-runs and --samebits-contention (see samebits.testing._options).
-DEFAULTS = {"runs": 3, "contention": False}
+DEFAULTS = _options.SESSION_DEFAULTS  # runs / contention left as None (pytest --samebits-runs, ...)
 
 
 def _check_threads(threads) -> list[int | None]:
@@ -329,7 +327,7 @@ def assert_bitwise_repeatable(fn: Callable, *inputs: Any, runs: int | None = Non
     contention = DEFAULTS["contention"] if contention is None else contention
     report = repeat(_producer(fn, inputs, grads), name=_name_of(fn), runs=runs, grads=grads,
                     threads=threads, contention=contention, seed=seed, devices=_devices((fn, inputs)))
-    for observer in _observers:
+    for observer in _options.observers:
         observer(report)
     if not report.ok:
         raise AssertionError(report.message())

@@ -86,6 +86,13 @@ OPTIONS: dict[str, Option] = {option.name: option for option in (
 )}
 
 
+# Session defaults for byte-test arguments left as None; the pytest plugin sets them from
+# --samebits-runs and --samebits-contention.  Kept here (no torch) so the plugin can load
+# without importing the harness.
+SESSION_DEFAULTS: dict[str, Any] = {"runs": OPTIONS["runs"].default, "contention": OPTIONS["contention"].default}
+observers: list[Callable[[Any], None]] = []  # called with each BitwiseReport (the plugin's summary)
+
+
 def add_to_argparse(parser: argparse.ArgumentParser, *names: str) -> None:
     """Add the named options to a CLI parser as ``--<name>`` (stored as ``samebits_<name>``)."""
     for name in names:

@@ -22,10 +22,12 @@ from pathlib import Path
 import pytest
 
 from samebits.errors import SamebitsError
-from samebits.testing import _harness
-from samebits.testing._golden import Golden, GoldenFile, golden_path
+from samebits.testing import _options
 from samebits.testing._options import OPTIONS, add_to_pytest
-from samebits.testing.coverage import check_coverage, render_coverage
+
+# The plugin loads in every pytest run of an environment where samebits is installed, also
+# in projects that never use it: it imports nothing that imports torch until a test uses a
+# marker or fixture of its own (the function-level imports below; docs/architecture.md).
 
 _MARKER = ("bitwise(runs=None, threads=None, grads=True, contention=None, seed=0): run the test several "
            "times (at each thread count) and compare everything it returns, and the gradients, bit for bit")
@@ -36,13 +38,13 @@ class _Session:
 
     def __init__(self, config):
         self.config = config
-        self.reports: list[tuple[str, _harness.BitwiseReport]] = []
+        self.reports: list[tuple[str, object]] = []  # (test id, BitwiseReport)
         self.current: str | None = None
-        self.golden_files: dict[Path, GoldenFile] = {}
+        self.golden_files: dict[Path, object] = {}  # path -> GoldenFile
         self.golden_checks = 0
         self.coverage = None
 
-    def observe(self, report: _harness.BitwiseReport) -> None:
+    def observe(self, report) -> None:
         self.reports.append((self.current or report.name, report))
 
     def option(self, name: str):
@@ -59,14 +61,17 @@ def pytest_addoption(parser) -> None:
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", _MARKER)
     session = config.stash[_KEY] = _Session(config)
-    _harness.DEFAULTS.update(runs=session.option("runs"), contention=session.option("contention"))
-    _harness._observers.append(session.observe)
+    session.previous_defaults = dict(_options.SESSION_DEFAULTS)  # restored at unconfigure (nested runs)
+    _options.SESSION_DEFAULTS.update(runs=session.option("runs"), contention=session.option("contention"))
+    _options.observers.append(session.observe)
 
 
 def pytest_unconfigure(config) -> None:
     session = config.stash.get(_KEY, None)
-    if session is not None and session.observe in _harness._observers:
-        _harness._observers.remove(session.observe)
+    if session is not None:
+        _options.SESSION_DEFAULTS.update(session.previous_defaults)
+        if session.observe in _options.observers:
+            _options.observers.remove(session.observe)
 
 
 def pytest_runtest_setup(item) -> None:
@@ -78,6 +83,7 @@ def pytest_pyfunc_call(pyfuncitem):
     marker = pyfuncitem.get_closest_marker("bitwise")
     if marker is None:
         return None
+    from samebits.testing import _harness  # torch: only in a session that byte-tests
     if marker.args:
         raise pytest.UsageError(f"{pyfuncitem.nodeid}: @pytest.mark.bitwise takes keywords only "
                                 "(runs=, threads=, grads=, contention=, seed=)")
@@ -117,9 +123,11 @@ def pytest_pyfunc_call(pyfuncitem):
 
 
 @pytest.fixture
-def samebits_golden(request) -> Golden:
+def samebits_golden(request):
     """Golden digests of this test's outputs and gradients, kept in
     ``__samebits__/<test file>.json`` next to the test: ``samebits_golden.check(fn, *inputs)``."""
+    from samebits.testing._golden import Golden, GoldenFile, golden_path  # torch: only when used
+
     session = request.config.stash[_KEY]
     path = golden_path(request.node.path)
     file = session.golden_files.get(path) or session.golden_files.setdefault(path, GoldenFile(path))
@@ -136,6 +144,8 @@ def pytest_sessionfinish(session, exitstatus) -> None:
         state.written = [str(path) for path, file in state.golden_files.items() if file.save()]
     packages = state.option("coverage")
     if packages:
+        from samebits.testing.coverage import check_coverage  # only with --samebits-coverage
+
         try:
             state.coverage = check_coverage(packages, manifest=state.option("manifest"))
         except SamebitsError as err:
@@ -172,4 +182,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
         if isinstance(state.coverage, SamebitsError):
             write(f"kernel coverage: could not check: {state.coverage}")
         else:
+            from samebits.testing.coverage import render_coverage
+
             write(render_coverage(state.coverage))

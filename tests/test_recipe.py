@@ -298,7 +298,7 @@ def test_cli_stops_with_exit_3_when_the_recorder_reports_divergence(monkeypatch,
             "--reference", str(tmp_path / "a")]
     assert main(argv) == 3
     assert "stopped at step 1: diverged from reference" in capsys.readouterr().out
-    assert made["rank"] == 0 and made["world_size"] == 1 and made["coords"] == {"dp": 0, "ep": 0}
+    assert made["rank"] == 0 and made["world_size"] == 1 and made["coords"] == {"dp": 0, "ep": 0, "tp": 0, "pp": 0}
     assert made["reference"] == tmp_path / "a" and made["config"]["num_layers"] == 2
 
 

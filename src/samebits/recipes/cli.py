@@ -8,6 +8,7 @@ print.
     python -m samebits.recipes --steps 20 --save-at 10 --ckpt ckpt        # save, exit
     python -m samebits.recipes --steps 20 --resume-from ckpt                # continue
     python -m samebits.recipes --preset nondeterministic --set seed=3
+    torchrun --nproc_per_node 4 -m samebits.recipes --cell tp2-dp2 --steps 3  # a parallel cell
 
 Rank 0 prints one line per step: the loss averaged over ranks (and its float32 bits, to
 compare runs by eye), its parts, the gradient norm, the learning rate and the step time.
@@ -28,6 +29,7 @@ from samebits.autorecord import EXIT_STOPPED, STOPPED_MARKER  # --out marker whe
 from samebits.errors import ConfigError, SamebitsError
 from samebits.recipes.config import PRESETS, RecipeConfig
 from samebits.recipes.loop import session, train
+from samebits.recipes.parallelize import ParallelDims, parse_cell
 from samebits.verdicts import EXIT_CANNOT_RUN, EXIT_OK
 
 
@@ -37,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=20, help="total optimizer steps (default 20)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="default",
                         help="starting config; --set overrides apply on top")
+    parser.add_argument("--cell", metavar="NAME",
+                        help="parallel layout, e.g. dp2, fsdp2, tp2, pp2, ep2, tp2-dp2, fsdp2-tp2 "
+                             "(sets dp_replicate, dp_shard, tp, pp and ep; --set applies after)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="override one config field (repeatable)")
     parser.add_argument("--out", type=Path, help="record fingerprint streams into this directory")
@@ -53,7 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        cfg = PRESETS[args.preset]().with_overrides(args.overrides)
+        cfg = PRESETS[args.preset]()
+        if args.cell is not None:
+            cfg = RecipeConfig.from_dict({**cfg.to_dict(), **parse_cell(args.cell)})
+        cfg = cfg.with_overrides(args.overrides)
         if (args.save_at is None) != (args.ckpt is None):
             raise ConfigError("--save-at and --ckpt go together: give both or neither")
         if args.reference is not None and args.out is None:
@@ -92,5 +100,9 @@ def _make_recorder(args, cfg: RecipeConfig, rank: int, world_size: int):
     kwargs = {"reference": args.reference} if args.reference is not None else {}
     if args.resume_from is not None:
         kwargs["append"] = True  # a resumed run continues the stream of the run it resumes
-    return samebits.Recorder(args.out, rank=rank, world_size=world_size, config=cfg.to_dict(),
-                    coords={"dp": rank, "ep": rank}, **kwargs)
+    dims = ParallelDims.resolve(cfg, world_size)
+    coords = dims.coords(rank)
+    # The stream header records the cell and its mesh sizes next to the config.
+    config = {**cfg.to_dict(), "parallel": {"cell": dims.name, "mesh": dims.sizes()}}
+    return samebits.Recorder(args.out, rank=rank, world_size=world_size, config=config,
+                             coords={k: coords[k] for k in ("dp", "ep", "tp", "pp")}, **kwargs)

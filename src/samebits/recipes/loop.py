@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from samebits.errors import ConfigError
 from samebits import checkpoint, trace
 from samebits.determinism import derive_seed, deterministic_mode, seed_all
-from samebits.recipes import parallel
+from samebits.recipes import parallel, parallelize
 from samebits.recipes.config import RecipeConfig
 from samebits.recipes.data import Batches, build_token_source
 from samebits.recipes.model import ModelOutput, Transformer
@@ -74,11 +74,15 @@ def session(cfg: RecipeConfig):
     """
     rank, world_size, created = parallel.init_process_group(cfg.device)
     try:
+        # The layout must fit the world (a ConfigError naming the sizes before anything runs).
+        coords = parallelize.ParallelDims.resolve(cfg, world_size).coords(rank)
         if cfg.deterministic:
             # Fails closed with every violation at once (config rules included), then pins
             # the thread count, torch flags and environment, and publishes its record.
-            with deterministic_mode(seed=cfg.seed, num_threads=cfg.num_threads, dp_rank=rank,
-                                    ep_rank=rank, config=cfg.to_dict()):
+            with deterministic_mode(seed=cfg.seed, num_threads=cfg.num_threads,
+                                    dp_rank=coords["dp"], tp_rank=coords["tp"],
+                                    pp_rank=coords["pp"], ep_rank=coords["ep"],
+                                    config=cfg.to_dict()):
                 yield rank, world_size
             return
         threads = torch.get_num_threads()
@@ -112,19 +116,24 @@ class _Run:
         self.precision = apply_precision(model, cfg.precision, cfg.precision_gemm, device=cfg.device,
                                          history_len=cfg.fp8_amax_history_len,
                                          save_history=cfg.fp8_save_amax_history)
-        self.layout = parallel.parallelize(model, rank, world_size, device)
+        self.layout = parallelize.parallelize(model, cfg, rank, world_size, device)
         self.model = model.to(device).train()
-        # Training randomness, different per rank (samebits' seed rule): dropout draws from
-        # the global torch RNG, router jitter from the recipe's own generator.  Python and
-        # NumPy are seeded too, though the recipe draws nothing from them (data is indexed).
-        seed_all(derive_seed(cfg.seed, purpose="data", dp_rank=rank))
-        torch.manual_seed(derive_seed(cfg.seed, purpose="dropout", dp_rank=rank))
+        # Training randomness, different per data-parallel replica (samebits' seed rule) and
+        # the same on the TP ranks and pipeline stages of a replica, whose activations must
+        # match: dropout draws from the global torch RNG, router jitter from the recipe's own
+        # generator.  Python and NumPy are seeded too, though the recipe draws nothing from
+        # them (data is indexed).
+        dp_rank, ep_rank = self.layout.coords["dp"], self.layout.coords["ep"]
+        seed_all(derive_seed(cfg.seed, purpose="data", dp_rank=dp_rank))
+        torch.manual_seed(derive_seed(cfg.seed, purpose="dropout", dp_rank=dp_rank))
         self.jitter = torch.Generator(device).manual_seed(
-            derive_seed(cfg.seed, purpose="expert", dp_rank=rank, ep_rank=rank))
+            derive_seed(cfg.seed, purpose="expert", dp_rank=dp_rank, ep_rank=ep_rank))
         for moe in model.moe_layers():
             moe.jitter_generator = self.jitter
         self.optimizer, self.scheduler = build_optimizer(model, cfg)
-        self.data = Batches(build_token_source(cfg), cfg.micro_batch_size, rank, world_size)
+        # Every rank of a replica (TP ranks, pipeline stages) reads the replica's micro-batch.
+        self.data = Batches(build_token_source(cfg), cfg.micro_batch_size, dp_rank,
+                            self.layout.dims.dp)
         self.step = 0
 
     def bundle(self) -> checkpoint.StateBundle:
@@ -173,7 +182,8 @@ class _Run:
                 break
         tracer.close()
         result.end_step = self.step
-        result.params = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        result.params = {n: parallelize.local(p.detach()).clone()
+                         for n, p in self.model.named_parameters()}
         return result
 
     def train_step(self, rec) -> tuple[dict[str, float], bool | None]:
@@ -192,24 +202,30 @@ class _Run:
         if rec is not None:
             rec.tensors(step, "data", [("tokens", tokens)])
 
-        # Forward and losses.
+        # Forward and losses; through a pipeline, forward and backward of each micro-batch.
+        self.optimizer.zero_grad(set_to_none=True)
         with _block_outputs(model, enabled=rec is not None) as activations, \
                 self.precision.autocast(self.layout.device.type):
-            output = model(tokens[:, :-1])
-            losses = _losses(output, tokens, cfg)
+            if self.layout.pipeline is None:
+                output = model(tokens[:, :-1])
+                losses, logits = _losses(output, tokens, cfg), output.logits.detach()
+            else:
+                losses, logits = self._pipeline_step(tokens)
         if rec is not None:
-            rec.tensors(step, "forward", [*activations, ("logits", output.logits.detach())])
+            rec.tensors(step, "forward", [*_merge_microbatches(activations),
+                                          *([("logits", logits)] if logits is not None else [])])
 
         # Backward, DP reduction, clipping.
-        self.optimizer.zero_grad(set_to_none=True)
-        losses["loss"].backward()
+        if self.layout.pipeline is None:
+            losses["loss"].backward()
         parallel.reduce_gradients(model, self.layout)
         grad_norm = parallel.clip_grad_norm(model, self.layout, cfg.grad_clip)
         lr = self.scheduler.get_last_lr()[0]  # the rate this step's update uses
         if rec is not None:
             rec.metrics(step, **{k: v.detach() for k, v in losses.items()},
                         grad_norm=grad_norm, lr=lr)
-            rec.tensors(step, "grads", [(n, p.grad) for n, p in model.named_parameters()
+            rec.tensors(step, "grads", [(n, parallelize.local(p.grad))
+                                        for n, p in model.named_parameters()
                                         if p.grad is not None])
 
         # Update.
@@ -217,7 +233,8 @@ class _Run:
         self.scheduler.step()
         ok = None
         if rec is not None:
-            rec.tensors(step, "params", [(n, p.detach()) for n, p in model.named_parameters()])
+            rec.tensors(step, "params", [(n, parallelize.local(p.detach()))
+                                         for n, p in model.named_parameters()])
             ok = rec.end_step(step)
 
         local = torch.stack([v.detach() for v in losses.values()])
@@ -227,6 +244,40 @@ class _Run:
                    "grad_norm": float(grad_norm), "lr": lr,
                    "step_time_s": time.perf_counter() - start}
         return metrics, ok
+
+
+    def _pipeline_step(self, tokens: torch.Tensor):
+        """Forward and backward of every micro-batch through the pipeline.  Returns the
+        losses (the mean over micro-batches, computed on the last stage and sent to every
+        stage) and the last stage's logits (None on the others)."""
+        parts, logits = [], []
+        count = self.cfg.pp_microbatches
+
+        def loss_fn(outputs, target):  # on the last stage, once per micro-batch
+            mb_logits, balance, *mtp_logits = outputs
+            mb = _losses(ModelOutput(mb_logits, list(mtp_logits), balance.reshape(())),
+                         target, self.cfg)
+            parts.append(torch.stack([v.detach() for v in mb.values()]))
+            logits.append(mb_logits.detach())
+            return mb["loss"] / count  # gradients add up over micro-batches: their mean
+
+        self.layout.pipeline.run(tokens, loss_fn)
+        mean = torch.stack(parts).mean(dim=0) if parts else torch.zeros(len(LOSS_NAMES))
+        mean = self.layout.pipeline.broadcast_from_last(mean.to(self.layout.device))
+        return dict(zip(LOSS_NAMES, mean.unbind())), torch.cat(logits) if logits else None
+
+
+LOSS_NAMES = ("loss", "lm_loss", "load_balancing_loss", "mtp_loss")
+
+
+def _merge_microbatches(activations: list[tuple[str, torch.Tensor]]):
+    """One record per block: a pipeline stage sees each block once per micro-batch, and
+    those outputs are concatenated along the batch dimension in micro-batch order."""
+    merged: dict[str, list[torch.Tensor]] = {}
+    for name, value in activations:
+        merged.setdefault(name, []).append(value)
+    return [(name, values[0] if len(values) == 1 else torch.cat(values))
+            for name, values in merged.items()]
 
 
 def _losses(output: ModelOutput, tokens: torch.Tensor, cfg: RecipeConfig) -> dict:
@@ -249,7 +300,7 @@ def _block_outputs(model: Transformer, enabled: bool):
     captured: list[tuple[str, torch.Tensor]] = []
     handles = []
     if enabled:
-        for i, layer in enumerate(model.layers):
+        for i, layer in model.layers.items():
             def hook(_module, _inputs, output, name=f"layers.{i}"):
                 captured.append((name, output[0].detach()))
             handles.append(layer.register_forward_hook(hook))

@@ -5,10 +5,15 @@ dense and MoE feed-forward blocks (top-k router with input jitter, Switch-style
 load-balancing loss, sort-based token dispatch and combine), and a DeepSeek-V3-style
 multi-token-prediction (MTP) head sharing the embedding and output layer.
 
-No parallelism here: the MoE layer sends its expert-sorted rows through a pluggable
-`dispatcher` (`LocalDispatcher` keeps every expert on this rank; `parallel.py` installs
-the expert-parallel one), and the router jitter draws from `MoE.jitter_generator`, which
-the training loop sets.  Shapes in comments: B batch, T sequence, D d_model, N = B*T tokens,
+No parallelism here (torchtitan's split: `parallelize.py` applies it from outside).  What
+lets it be applied: the MoE layer sends its expert-sorted rows through a pluggable
+`dispatcher` (`LocalDispatcher` keeps every expert on this rank; `parallel.py` has the
+expert-parallel one); the fused QKV projection is head-major (each head's q, k, v rows are
+adjacent, as in Megatron's fused layout), so a column split gives each part whole heads, and
+attention reads its head count from the weight it is given; blocks live in a ModuleDict and
+`forward` is three phases (`embed_tokens`, `run_layers`, `head`), so a pipeline stage is a
+pruned copy running some of them.  The router jitter draws from `MoE.jitter_generator`,
+which the training loop sets.  Shapes in comments: B batch, T sequence, D d_model, N = B*T tokens,
 K top-k, E experts, R routed rows (N*K).
 """
 
@@ -58,18 +63,20 @@ class RotaryEmbedding(nn.Module):
 class Attention(nn.Module):
     def __init__(self, cfg: RecipeConfig):
         super().__init__()
-        self.num_heads = cfg.num_heads
+        self.head_dim = cfg.d_model // cfg.num_heads
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.rope = RotaryEmbedding(cfg.d_model // cfg.num_heads, cfg.seq_len, cfg.rope_theta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, D)
-        batch, seq_len, dim = x.shape
-        q, k, v = self.qkv(x).view(batch, seq_len, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
-        q, k = self.rope(q), self.rope(k)  # (B, H, T, hd)
+        batch, seq_len, _ = x.shape
+        # Head-major: (B, T, H, 3, hd); H is the number of heads this projection holds.
+        qkv = self.qkv(x).view(batch, seq_len, -1, 3, self.head_dim)
+        q, k, v = qkv.permute(3, 0, 2, 1, 4)  # each (B, H, T, hd)
+        q, k = self.rope(q), self.rope(k)
         # SDPA forward and backward are deterministic on CPU at any thread count.
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(y.transpose(1, 2).reshape(batch, seq_len, dim))
+        return self.out(y.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
 class MLP(nn.Module):
@@ -242,7 +249,9 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         moe_ids = set(cfg.moe_layer_ids)
-        self.layers = nn.ModuleList(Block(cfg, moe=i in moe_ids) for i in range(cfg.num_layers))
+        # A dict keyed "0".."L-1" (names as a list's): a pipeline stage deletes the others.
+        self.layers = nn.ModuleDict({str(i): Block(cfg, moe=i in moe_ids)
+                                     for i in range(cfg.num_layers)})
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.mtp = nn.ModuleList(MTPModule(cfg) for _ in range(cfg.mtp_num_layers))
@@ -264,22 +273,32 @@ class Transformer(nn.Module):
         return [m for m in self.modules() if isinstance(m, MoE)]
 
     def forward(self, tokens: torch.Tensor) -> ModelOutput:  # tokens: (B, T) inputs
-        if self.cfg.embedding_backward == "index_put_accumulate":
-            h = self.embed.weight[tokens]  # backward: index_put_(accumulate=True)
-        else:
-            h = self.embed(tokens)  # (B, T, D); dense backward, deterministic on CPU
-        embedded = h
-        aux_losses = []
-        for layer in self.layers:
-            h, aux = layer(h)
-            aux_losses.append(aux)
-        logits = self.output(self.norm(h))  # (B, T, V)
+        embedded = self.embed_tokens(tokens)  # (B, T, D)
+        h, aux_sum = self.run_layers(embedded, embedded.new_zeros(()))
+        return self.head(h, embedded, aux_sum)
 
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, T) token ids -> (B, T, D) embeddings (the MTP modules read them too)."""
+        if self.cfg.embedding_backward == "index_put_accumulate":
+            return self.embed.weight[tokens]  # backward: index_put_(accumulate=True)
+        return self.embed(tokens)  # dense backward, deterministic on CPU
+
+    def run_layers(self, h: torch.Tensor, aux_sum: torch.Tensor):
+        """The blocks this model holds, in order; adds each MoE block's load-balancing loss
+        to `aux_sum`.  Returns (h, aux_sum)."""
+        for layer in self.layers.values():
+            h, aux = layer(h)
+            if aux is not None:
+                aux_sum = aux_sum + aux
+        return h, aux_sum
+
+    def head(self, h: torch.Tensor, embedded: torch.Tensor, aux_sum: torch.Tensor) -> ModelOutput:
+        """Final norm and output layer, the MTP depths, and the mean load-balancing loss."""
+        logits = self.output(self.norm(h))  # (B, T, V)
         mtp_logits = []
         for depth, module in enumerate(self.mtp, start=1):
             # hidden at t (t < T-depth) + embedding of token t+depth -> predicts t+1+depth
             h = module(h[:, :-1], embedded[:, depth:])  # (B, T-depth, D)
             mtp_logits.append(self.output(self.norm(h)))
-        moe_aux = [aux for aux in aux_losses if aux is not None]
-        balance = torch.stack(moe_aux).mean() if moe_aux else logits.new_zeros(())
-        return ModelOutput(logits, mtp_logits, balance)
+        num_moe = len(self.cfg.moe_layer_ids)
+        return ModelOutput(logits, mtp_logits, aux_sum / num_moe if num_moe else aux_sum)

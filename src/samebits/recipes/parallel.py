@@ -1,15 +1,17 @@
-"""Data and expert parallelism for the reference recipe, applied to the model from outside.
+"""Communication of the reference recipe: the process group, the expert-parallel
+dispatcher, data-parallel gradient reduction and the global gradient norm.
+`parallelize.py` decides the layout (mesh, TP, FSDP2, PP) and uses these.
 
-Layout (the simple one): the world is one group that is both the data-parallel (DP) and the
-expert-parallel (EP) group.  Every rank holds a replica of the dense parameters and
-`num_experts / world_size` experts of each MoE layer (rank r owns experts
+EP runs over the data-parallel replicas ("dp_replicate"): each replica holds
+`num_experts / ep` experts of each MoE layer (replica r owns experts
 [r*E_local, (r+1)*E_local)).  Tokens reach their experts through two `all_to_all_single`
 calls with uneven splits (dispatch, then combine), both differentiable.
 
-Gradients: dense grads are all-reduced (sum, then divided by the world size: the mean of
-the per-rank losses).  An expert's grad already sums the contributions of every rank's
-tokens, because the backward of the all_to_all brings them home, so it only needs the same
-1/world_size scale and no all-reduce.  gloo on CPU, NCCL on GPU.
+Gradients: plain DP all-reduces the replicas' grads (sum, then divided by their number: the
+mean of the per-replica losses); FSDP2 reduce-scatters its own.  An expert's grad already
+sums the contributions of every replica's tokens, because the backward of the all_to_all
+brings them home, so it only needs the same 1/dp_replicate scale and no all-reduce.  gloo
+on CPU, NCCL on GPU.
 """
 
 from __future__ import annotations
@@ -21,26 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-
-from samebits.errors import ConfigError
-from samebits.recipes.model import MoE, Transformer
-
-
-@dataclass(frozen=True)
-class ParallelLayout:
-    rank: int
-    world_size: int
-    expert_param_names: frozenset[str]  # rank-local parameters (EP shards)
-    device: torch.device
-
-    @property
-    def coords(self) -> dict[str, int]:
-        """This rank's coordinates; DP and EP are the same group in this layout."""
-        return {"dp": self.rank, "ep": self.rank}
-
-    @property
-    def sizes(self) -> dict[str, int]:
-        return {"dp": self.world_size, "ep": self.world_size}
+from torch.distributed.tensor import DTensor
 
 
 def init_process_group(device_type: str = "cpu") -> tuple[int, int, bool]:
@@ -95,9 +78,11 @@ class _DispatchHandle:
 class ExpertParallelDispatcher:
     """Send expert-sorted rows to the rank owning each expert, and the outputs back."""
 
-    def __init__(self, num_experts: int, world_size: int, group=None):
+    def __init__(self, num_experts: int, world_size: int, group=None, *,
+                 shuffle_rows: bool = False):
         self.world_size, self.group = world_size, group
         self.num_local_experts = num_experts // world_size
+        self.shuffle_rows = shuffle_rows  # the planted fault fault_ep_dispatch_order
 
     def dispatch(self, rows, row_prob, tokens_per_expert):
         # (W, E_local): rows this rank sends to each rank, per destination expert.
@@ -115,6 +100,12 @@ class ExpertParallelDispatcher:
             self.num_local_experts)  # (W*E_local,) source of each received block
         expert = torch.arange(self.num_local_experts, device=rows.device).repeat(self.world_size)
         row_key = (expert * self.world_size + source).repeat_interleave(recv_counts.reshape(-1))
+        if self.shuffle_rows:
+            # PLANTED FAULT: within each expert, rows in an order drawn from the operating
+            # system's entropy (as if regrouped by arrival); the expert weight grads sum
+            # their rows in that order.
+            entropy = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+            row_key = row_key * len(row_key) + torch.randperm(len(row_key), generator=entropy)
         regroup = torch.argsort(row_key, stable=True)  # unique indices: deterministic backward
         grouped = received.index_select(0, regroup)
         handle = _DispatchHandle(send_splits, recv_splits, regroup, torch.argsort(regroup))
@@ -126,84 +117,81 @@ class ExpertParallelDispatcher:
         return _AllToAll.apply(back, handle.send_splits, handle.recv_splits, self.group)
 
 
-def parallelize(model: Transformer, rank: int, world_size: int,
-                device: torch.device = torch.device("cpu")) -> ParallelLayout:
-    """Shard the experts over the world and install the EP dispatcher (no-op at world 1).
-
-    Call before building the optimizer: the expert parameters are replaced by their local
-    slices.  The model must have been initialised identically on every rank.
-    """
-    expert_names = set()
-    for name, module in model.named_modules():
-        if not isinstance(module, MoE):
-            continue
-        experts = module.experts
-        if module.num_experts % world_size:
-            raise ConfigError(f"num_experts={module.num_experts} is not divisible by the "
-                             f"expert-parallel size {world_size}; choose a multiple")
-        expert_names.update(f"{name}.experts.{p}" for p, _ in experts.named_parameters())
-        if world_size == 1:
-            continue
-        local = module.num_experts // world_size
-        for pname, param in list(experts.named_parameters()):
-            shard = param.detach()[rank * local:(rank + 1) * local].clone()
-            setattr(experts, pname, nn.Parameter(shard))
-        module.dispatcher = ExpertParallelDispatcher(module.num_experts, world_size)
-    return ParallelLayout(rank, world_size, frozenset(expert_names) if world_size > 1
-                          else frozenset(), device)
-
-
-def reduce_gradients(model: nn.Module, layout: ParallelLayout) -> None:
-    """Average dense grads over DP (one flat all-reduce), scale expert grads by 1/W."""
-    if layout.world_size == 1:
+def reduce_gradients(model: nn.Module, layout) -> None:
+    """Average grads over the plain-DP replicas (one flat all-reduce of the local parts: TP
+    shards stay shards), scale expert grads by 1/dp_replicate.  FSDP2 reduces its own."""
+    replicas = layout.dims.dp_replicate
+    if replicas == 1:
         return
     dense, experts = [], []
     for name, param in model.named_parameters():
         if param.grad is None:
             param.grad = torch.zeros_like(param)  # keep the flat buffer layout identical
-        (experts if name in layout.expert_param_names else dense).append(param.grad)
+        (experts if name in layout.expert_param_names else dense).append(_local(param.grad))
     flat = torch.cat([g.reshape(-1) for g in dense])
-    dist.all_reduce(flat)  # gloo sum: bitwise repeatable and equal on all ranks
-    flat.div_(layout.world_size)
+    # gloo sum: bitwise repeatable and equal on all ranks
+    dist.all_reduce(flat, group=layout.group("dp_replicate"))
+    flat.div_(replicas)
     offset = 0
     for grad in dense:
         grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
         offset += grad.numel()
     for grad in experts:
-        grad.div_(layout.world_size)
+        grad.div_(replicas)
 
 
-def clip_grad_norm(model: nn.Module, layout: ParallelLayout, max_norm: float) -> torch.Tensor:
-    """Global L2 norm of all grads (dense once, every rank's experts) and clip to max_norm.
+def clip_grad_norm(model: nn.Module, layout, max_norm: float) -> torch.Tensor:
+    """Global L2 norm of all grads and clip to max_norm.  Returns the norm before clipping
+    (0-dim, equal on every rank).  max_norm 0 reports without clipping.
 
-    Returns the norm before clipping (0-dim).  max_norm 0 reports without clipping.
+    Each grad counts once over the whole model: grads are grouped by the mesh dimensions
+    they are sharded over (none: replicated; "ep": expert shards; a DTensor's Shard
+    placements: TP and FSDP2 shards); each group's sum of squares is all-reduced over
+    exactly those dimensions, the groups are added in a fixed order, and pipeline stages
+    add theirs over "pp".  Every sum has a fixed order, so the norm's bits repeat.
     """
-    dense, experts = [], []
+    groups: dict[tuple[str, ...], list[torch.Tensor]] = {}
     for name, param in model.named_parameters():
-        if param.grad is not None:
-            (experts if name in layout.expert_param_names else dense).append(param.grad)
+        grad = param.grad
+        if grad is None:
+            continue
+        if isinstance(grad, DTensor):
+            names = grad.device_mesh.mesh_dim_names
+            # Shard and FSDP2's _StridedShard (which is not a Shard) split the tensor.
+            dims = tuple(names[i] for i, p in enumerate(grad.placements)
+                         if not (p.is_replicate() or p.is_partial()))
+        else:
+            dims = ("ep",) if name in layout.expert_param_names else ()
+        groups.setdefault(dims, []).append(_local(grad))
 
     def sum_of_squares(grads):
-        if not grads:
-            return torch.zeros((), dtype=torch.float32, device=layout.device)
         return torch.linalg.vector_norm(
             torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
         ).square()
 
-    total = sum_of_squares(dense)
-    if experts:
-        expert_total = sum_of_squares(experts)
-        dist.all_reduce(expert_total)
-        total = total + expert_total
+    total = torch.zeros((), dtype=torch.float32, device=layout.device)
+    for dims in sorted(groups, key=lambda d: (len(d), d)):  # () first: the old order
+        part = sum_of_squares(groups[dims])
+        for dim in dims:
+            dist.all_reduce(part, group=layout.group(dim))
+        total = total + part  # 0 + x is x: the default layout's bits are unchanged
+    if layout.dims.pp > 1:
+        dist.all_reduce(total, group=layout.group("pp"))
     norm = total.sqrt()
     if max_norm > 0:
         coeff = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for grad in dense + experts:
-            grad.mul_(coeff)
+        for grads in groups.values():
+            for grad in grads:
+                grad.mul_(coeff)
     return norm
 
 
-def any_rank(flag: bool, layout: ParallelLayout) -> bool:
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly DTensor) tensor, as a plain tensor sharing storage."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def any_rank(flag: bool, layout) -> bool:
     """True on every rank if `flag` is True on any rank (all-reduce MAX)."""
     if layout.world_size == 1:
         return flag
@@ -212,7 +200,7 @@ def any_rank(flag: bool, layout: ParallelLayout) -> bool:
     return bool(value.item())
 
 
-def mean_over_ranks(values: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
+def mean_over_ranks(values: torch.Tensor, layout) -> torch.Tensor:
     """Mean over ranks of a small tensor (for the rank-0 log line)."""
     if layout.world_size == 1:
         return values

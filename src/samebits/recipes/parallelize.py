@@ -1,0 +1,420 @@
+"""Apply the recipe's parallelism to a model from outside (torchtitan's split: model.py holds
+the architecture, this file the parallelism), on PyTorch's own engines.
+
+    dims = ParallelDims.resolve(cfg, world_size)        # sizes, validated against the world
+    layout = parallelize(model, cfg, rank, world_size, device)
+
+- a named `DeviceMesh` ("pp", "dp_replicate", "dp_shard", "tp"), built from the config;
+- TP: DTensor `parallelize_module`: fused QKV and the dense MLP's up projection column-wise,
+  the attention output and the MLP's down projection row-wise (Megatron's split; the fused
+  QKV is head-major, so a column shard holds whole heads);
+- FSDP2: `fully_shard` per block and at the root, over "dp_shard";
+- plain DP over "dp_replicate": one flat all-reduce of the gradients (`parallel.py`);
+- EP over "dp_replicate": the all_to_all dispatcher of `parallel.py` on that mesh group;
+- PP: `torch.distributed.pipelining` (`PipelineStage` + GPipe or 1F1B with micro-batches);
+  each stage is a pruned copy of the full model (blocks deleted, embedding or head dropped),
+  so parameter names are those of the full model on every layout.
+
+Context parallelism is not offered: torch's implementation (`context_parallel`) needs the
+CUDA SDPA backends and does not run on CPU.
+
+`parse_cell("tp2-dp2")` turns a cell name into config overrides; `cell_name` is its inverse.
+The planted faults (`fault_*` config switches) live here too: each is a small change to one
+engine, named in docs/recipe.md.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from samebits.errors import ConfigError
+from samebits.recipes.config import RecipeConfig
+from samebits.recipes.model import MLP, MoE, Block, Transformer
+from samebits.recipes.parallel import ExpertParallelDispatcher
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first, as torchtitan
+_CELL_PART = re.compile(r"(fsdp|dp|tp|pp|ep)([1-9][0-9]*)")
+_CELL_FIELD = {"dp": "dp_replicate", "fsdp": "dp_shard", "tp": "tp", "pp": "pp", "ep": "ep"}
+
+
+# --- sizes and cells ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Resolved mesh sizes: world size = pp * dp_replicate * dp_shard * tp; ep is 1 or
+    dp_replicate (experts sharded over the replicas)."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    @classmethod
+    def resolve(cls, cfg: RecipeConfig, world_size: int) -> ParallelDims:
+        """The sizes `cfg` asks for on `world_size` ranks, or a ConfigError saying why not."""
+        fixed = cfg.pp * cfg.dp_shard * cfg.tp
+        replicate = cfg.dp_replicate or max(1, world_size // fixed)
+        dims = cls(cfg.pp, replicate, cfg.dp_shard, cfg.tp,
+                   replicate if cfg.ep == 0 else cfg.ep)
+        if dims.world_size != world_size:
+            raise ConfigError(
+                f"the parallel layout {dims.name} (pp={dims.pp} x dp_replicate="
+                f"{dims.dp_replicate} x dp_shard={dims.dp_shard} x tp={dims.tp} = "
+                f"{dims.world_size} ranks) does not fit world size {world_size}; launch "
+                f"{dims.world_size} ranks or change the sizes (dp_replicate=0 takes what is left)")
+        if dims.ep not in (1, dims.dp_replicate):
+            raise ConfigError(f"ep={dims.ep} must be 1 or dp_replicate={dims.dp_replicate}")
+        if dims.ep > 1 and cfg.num_experts % dims.ep:
+            raise ConfigError(f"num_experts={cfg.num_experts} is not divisible by the "
+                              f"expert-parallel size {dims.ep}; choose a multiple")
+        if dims.dp_shard > 1 and dims.dp_replicate > 1:
+            raise ConfigError("dp_shard > 1 with dp_replicate > 1 (HSDP) is not offered by the "
+                              "recipe; use one of them")
+        if dims.pp > 1 and (dims.dp_shard > 1 or dims.ep > 1):
+            raise ConfigError("pp > 1 runs with plain DP (dp_replicate) and TP only; set "
+                              "dp_shard=1 and ep=1")
+        if cfg.fault_ep_dispatch_order and dims.ep < 2:
+            raise ConfigError("fault_ep_dispatch_order plants a fault in the EP dispatcher: "
+                              "needs ep >= 2 (e.g. cell ep2)")
+        return dims
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size: how many different micro-batches a step reads."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def name(self) -> str:
+        return cell_name(self)
+
+    def sizes(self) -> dict[str, int]:
+        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard,
+                "tp": self.tp, "ep": self.ep}
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Mesh coordinates of `rank` (row-major over MESH_DIMS), plus dp and ep indices."""
+        rest, tp = divmod(rank, self.tp)
+        rest, shard = divmod(rest, self.dp_shard)
+        pp, replicate = divmod(rest, self.dp_replicate)
+        return {"pp": pp, "dp_replicate": replicate, "dp_shard": shard, "tp": tp,
+                "dp": replicate * self.dp_shard + shard,
+                "ep": replicate if self.ep > 1 else 0}
+
+
+def parse_cell(name: str) -> dict[str, int]:
+    """Config overrides of a cell name such as "tp2-dp2", "fsdp2-tp2", "pp2", "ep2", "dp4".
+
+    dpN = plain data parallel (experts replicated, ep=1), fsdpN = FSDP2 sharding, tpN, ppN,
+    epN = expert parallel over N data-parallel replicas (implies dpN).  Every size not named
+    is 1, so a cell fixes the whole layout.
+    """
+    text = name.strip().lower()
+    parts = text.split("-") if text else []
+    values: dict[str, int] = {}
+    for part in parts:
+        match = _CELL_PART.fullmatch(part)
+        if match is None or _CELL_FIELD[match.group(1)] in values:
+            raise ConfigError(f"cell {name!r}: {part!r} is not one of dpN, fsdpN, tpN, ppN, "
+                              "epN (each at most once, joined by '-'), e.g. tp2-dp2")
+        values[_CELL_FIELD[match.group(1)]] = int(match.group(2))
+    if not values:
+        raise ConfigError(f"cell {name!r} names no parallel size; e.g. dp2, fsdp2, tp2-dp2")
+    if "ep" in values and values.setdefault("dp_replicate", values["ep"]) != values["ep"]:
+        raise ConfigError(f"cell {name!r}: epN runs over the data-parallel replicas, so N "
+                          f"must equal dp's size ({values['dp_replicate']})")
+    return {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1, "ep": 1, **values}
+
+
+def cell_name(dims: ParallelDims) -> str:
+    """The canonical cell name of a layout ("single" for one rank)."""
+    parts = [f"pp{dims.pp}" if dims.pp > 1 else "", f"tp{dims.tp}" if dims.tp > 1 else "",
+             f"fsdp{dims.dp_shard}" if dims.dp_shard > 1 else ""]
+    if dims.ep > 1:
+        parts.append(f"ep{dims.ep}")
+    elif dims.dp_replicate > 1:
+        parts.append(f"dp{dims.dp_replicate}")
+    return "-".join(p for p in parts if p) or "single"
+
+
+# --- the layout ----------------------------------------------------------------------------
+
+
+@dataclass
+class ParallelLayout:
+    """What one rank holds and which groups it talks to."""
+
+    rank: int
+    world_size: int
+    dims: ParallelDims
+    device: torch.device
+    mesh: DeviceMesh | None = None
+    expert_param_names: frozenset[str] = frozenset()  # EP shards: rank-local parameters
+    pipeline: Pipeline | None = None
+
+    @property
+    def coords(self) -> dict[str, int]:
+        return self.dims.coords(self.rank)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Mesh sizes (stored in checkpoints: loading under another layout is refused)."""
+        return self.dims.sizes()
+
+    def group(self, dim: str):
+        """The process group of mesh dimension `dim` ("ep" is "dp_replicate")."""
+        return self.mesh.get_group("dp_replicate" if dim == "ep" else dim)
+
+
+def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
+    """The named 4-D mesh (size-1 dimensions included, so every name always exists)."""
+    return init_device_mesh(device_type, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp),
+                            mesh_dim_names=MESH_DIMS)
+
+
+def parallelize(model: Transformer, cfg: RecipeConfig, rank: int, world_size: int,
+                device: torch.device = torch.device("cpu")) -> ParallelLayout:
+    """Apply EP, TP, PP and FSDP2 to `model` (initialised identically on every rank), in
+    torchtitan's order; call before building the optimizer (parameters are replaced).
+
+    At world size 1 nothing changes."""
+    dims = ParallelDims.resolve(cfg, world_size)
+    layout = ParallelLayout(rank, world_size, dims, device)
+    if world_size == 1:
+        return layout
+    layout.mesh = build_mesh(dims, device.type)
+    coords = dims.coords(rank)
+    layout.expert_param_names = _shard_experts(model, dims, coords["ep"], layout, cfg)
+    if dims.pp > 1:
+        _prune_to_stage(model, coords["pp"], dims.pp)
+    if dims.tp > 1:
+        apply_tensor_parallel(model, layout.mesh["tp"], racy=cfg.fault_tp_racy_accumulate)
+    model.to(device)
+    if dims.dp_shard > 1:
+        apply_fsdp(model, layout.mesh["dp_shard"])
+    if dims.pp > 1:
+        layout.pipeline = Pipeline(model, cfg, coords["pp"], dims.pp, device,
+                                   layout.mesh.get_group("pp"))
+    return layout
+
+
+def _shard_experts(model: Transformer, dims: ParallelDims, ep_rank: int, layout, cfg) -> frozenset:
+    """Keep this rank's experts of each MoE layer and install the all_to_all dispatcher."""
+    if dims.ep == 1:
+        return frozenset()
+    names = set()
+    for name, module in model.named_modules():
+        if not isinstance(module, MoE):
+            continue
+        local = module.num_experts // dims.ep
+        for pname, param in list(module.experts.named_parameters()):
+            shard = param.detach()[ep_rank * local:(ep_rank + 1) * local].clone()
+            setattr(module.experts, pname, nn.Parameter(shard))
+            names.add(f"{name}.experts.{pname}")
+        module.dispatcher = ExpertParallelDispatcher(
+            module.num_experts, dims.ep, group=layout.group("ep"),
+            shuffle_rows=cfg.fault_ep_dispatch_order)
+    return frozenset(names)
+
+
+# --- tensor parallelism --------------------------------------------------------------------
+
+
+def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, racy: bool = False) -> None:
+    """Megatron's split on every block (and MTP block): QKV and MLP up column-parallel,
+    attention output and MLP down row-parallel.  Embedding, norms, router, experts and the
+    output layer stay replicated (their inputs are identical on the TP ranks)."""
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    for block in blocks:
+        plan: dict[str, Any] = {"attn.qkv": ColwiseParallel(), "attn.out": RowwiseParallel()}
+        if isinstance(block.ffn, MLP):
+            plan.update({"ffn.up": ColwiseParallel(), "ffn.down": RowwiseParallel()})
+        parallelize_module(block, tp_mesh, plan)
+        if racy:
+            for row_parallel in [block.attn.out] + ([block.ffn.down] if isinstance(block.ffn, MLP) else []):
+                row_parallel.forward = _RacyRowParallel(row_parallel)
+
+
+class _RacyRowParallel:
+    """PLANTED FAULT (fault_tp_racy_accumulate): a row-parallel linear whose local product
+    x_local @ w_local.T is summed over its input dimension in chunks, in an order drawn from
+    the operating system's entropy on each call, as a kernel adding partial sums in arrival
+    order would.  The partial result then goes through the usual TP all-reduce."""
+
+    NUM_CHUNKS = 8
+
+    def __init__(self, linear: nn.Linear):
+        self.linear = linear
+
+    def __call__(self, x: DTensor) -> DTensor:
+        x_local, w_local = x.to_local(), self.linear.weight.to_local()  # (..., K/tp), (N, K/tp)
+        chunks = torch.arange(x_local.shape[-1]).chunk(self.NUM_CHUNKS)
+        order = torch.randperm(len(chunks), generator=torch.Generator().manual_seed(
+            int.from_bytes(os.urandom(8), "little") >> 1))
+        partial = None
+        for i in order.tolist():
+            term = x_local[..., chunks[i]] @ w_local[:, chunks[i]].T
+            partial = term if partial is None else partial + term
+        return DTensor.from_local(partial, x.device_mesh, [Partial()], run_check=False)
+
+
+# --- FSDP2 ------------------------------------------------------------------------------------
+
+
+def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh) -> None:
+    """`fully_shard` each block and MTP module, then the root (embedding, norm, output)."""
+    for module in [*model.layers.values(), *(model.mtp or [])]:
+        fully_shard(module, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+
+
+# --- pipeline parallelism --------------------------------------------------------------------
+
+
+def stage_layers(num_layers: int, num_stages: int, stage: int) -> list[int]:
+    """Contiguous blocks of `stage`; earlier stages take one more when they do not divide."""
+    base, extra = divmod(num_layers, num_stages)
+    start = stage * base + min(stage, extra)
+    return list(range(start, start + base + (stage < extra)))
+
+
+def _prune_to_stage(model: Transformer, stage: int, num_stages: int) -> None:
+    """Delete what this stage does not run (as torchtitan): other blocks, the embedding on
+    later stages, the final norm, output layer and MTP on earlier ones."""
+    keep = {str(i) for i in stage_layers(model.cfg.num_layers, num_stages, stage)}
+    for name in [n for n in model.layers if n not in keep]:
+        del model.layers[name]
+    if stage > 0:
+        model.embed = None
+    if stage < num_stages - 1:
+        model.norm, model.output, model.mtp = None, None, None
+
+
+class _StageModule(nn.Module):
+    """One stage's forward over tensors: the first takes token ids, later ones take
+    (hidden, embedded, load-balancing sum); the last returns (logits, load-balancing loss,
+    *mtp_logits).  The embeddings travel with the hidden state because MTP reads them."""
+
+    def __init__(self, model: Transformer, first: bool, last: bool):
+        super().__init__()
+        self.model, self.first, self.last = model, first, last
+
+    def forward(self, *inputs: torch.Tensor):
+        if self.first:
+            (tokens,) = inputs
+            embedded = self.model.embed_tokens(tokens)
+            h, aux_sum = embedded, embedded.new_zeros(1)
+        else:
+            h, embedded, aux_sum = inputs
+        h, aux_sum = self.model.run_layers(h, aux_sum)
+        if not self.last:
+            return h, embedded, aux_sum
+        out = self.model.head(h, embedded, aux_sum)
+        return (out.logits, out.load_balancing_loss.reshape(1), *out.mtp_logits)
+
+
+@dataclass
+class Pipeline:
+    """This rank's stage and its schedule; `run(tokens, loss_fn)` does one step's forward
+    and backward over the micro-batches."""
+
+    model: Transformer
+    cfg: RecipeConfig
+    stage_index: int
+    num_stages: int
+    device: torch.device
+    group: Any
+    stage: PipelineStage = field(init=False)
+    _stash: dict = field(init=False, default_factory=dict)
+    _schedule: Any = field(init=False, default=None)
+    _loss_fn: Any = field(init=False, default=None)
+
+    def __post_init__(self):
+        first, last = self.stage_index == 0, self.stage_index == self.num_stages - 1
+        self.first, self.last = first, last
+        self.stage = PipelineStage(_StageModule(self.model, first, last), self.stage_index,
+                                   self.num_stages, self.device, group=self.group)
+        if self.cfg.fault_pp_reorder_microbatch_grads and last:
+            for param in self.model.parameters():
+                param.register_post_accumulate_grad_hook(self._stash_grad)
+
+    def _stash_grad(self, param: torch.Tensor) -> None:
+        """PLANTED FAULT (fault_pp_reorder_microbatch_grads): keep each micro-batch's gradient
+        apart; `_accumulate_reversed` then adds them last micro-batch first."""
+        self._stash.setdefault(param, []).append(param.grad)
+        param.grad = None
+
+    def _accumulate_reversed(self) -> None:
+        for param, grads in self._stash.items():
+            total = grads[-1]
+            for grad in reversed(grads[:-1]):
+                total = total + grad
+            param.grad = total
+        self._stash.clear()
+
+    def run(self, tokens: torch.Tensor, loss_fn: Callable) -> None:
+        """Forward and backward of one step: `tokens` (B, T+1) split into the configured
+        number of micro-batches; `loss_fn(outputs, tokens)` runs on the last stage and its
+        gradients add up over micro-batches (it divides by their number itself)."""
+        if self._schedule is None:  # built once: the stage keeps its buffers between steps
+            schedule_cls = ScheduleGPipe if self.cfg.pp_schedule == "gpipe" else Schedule1F1B
+            self._schedule = schedule_cls(
+                self.stage, self.cfg.pp_microbatches, scale_grads=False,
+                loss_fn=lambda outputs, target: self._loss_fn(outputs, target))
+            self._warm_up(tokens)
+        self._loss_fn = loss_fn
+        self._step(tokens)
+        if self._stash:
+            self._accumulate_reversed()
+
+    def _step(self, tokens: torch.Tensor) -> None:
+        args = (tokens[:, :-1],) if self.first else ()
+        if self.last:
+            self._schedule.step(*args, target=tokens)
+        else:
+            self._schedule.step(*args)
+
+    def _warm_up(self, tokens: torch.Tensor) -> None:
+        """One throwaway step on zero tokens, leaving no trace: torch's pipelining infers
+        the stages' shapes on its first step by running the stage forward (and the loss) on
+        real tensors, which draws dropout and router-jitter random numbers.  Doing that here,
+        with every random state restored and the gradients dropped, makes the first real
+        step draw exactly what a step of a longer run draws (a resumed run too)."""
+        generators = {id(m.jitter_generator): m.jitter_generator for m in self.model.moe_layers()
+                      if m.jitter_generator is not None}
+        saved = {key: gen.get_state() for key, gen in generators.items()}
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            self._loss_fn = lambda outputs, target: sum(o.sum() for o in outputs) * 0.0
+            self._step(torch.zeros_like(tokens))
+        for key, gen in generators.items():
+            gen.set_state(saved[key])
+        self._stash.clear()
+        self.model.zero_grad(set_to_none=True)
+
+    def broadcast_from_last(self, values: torch.Tensor) -> torch.Tensor:
+        """The last stage's `values` on every stage of this pipeline."""
+        dist.broadcast(values, group=self.group, group_src=self.num_stages - 1)
+        return values
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly DTensor) tensor, as a plain tensor sharing storage."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

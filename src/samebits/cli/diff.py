@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from samebits.cli._format import escape, print_json, table
-from samebits.compare import DiffResult, diff
+from samebits.compare import DiffResult, GlobalDiffResult, diff
 from samebits.errors import IncomparableRunsError
 from samebits.verdicts import EXIT_CANNOT_RUN, Verdict
 
@@ -24,13 +24,17 @@ def register(sub) -> None:
                         help="compare even if configs or recorded names differ (intended changes)")
     parser.add_argument("--verify", action="store_true",
                         help="decode and compare every step's records, not only steps whose recomputed roots differ")
+    parser.add_argument("--by", choices=("local", "global"), default="local",
+                        help="local: rank by rank (runs of one layout, the default); global: full tensors by "
+                             "name, for runs of different layouts or world sizes (needs records of "
+                             "Recorder.global_tensors)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.set_defaults(func=run)
 
 
 def run(args) -> int:
     try:
-        result = diff(args.run_a, args.run_b, start_step=args.from_step, stop_step=args.to_step,
+        result = diff(args.run_a, args.run_b, start_step=args.from_step, stop_step=args.to_step, by=args.by,
                       allow_config_diff=args.allow_config_diff, verify=args.verify)
     except IncomparableRunsError as err:
         if args.json:
@@ -40,7 +44,7 @@ def run(args) -> int:
     if args.json:
         print_json(result.to_json())
     else:
-        print(render(result))
+        print(render_global(result) if isinstance(result, GlobalDiffResult) else render(result))
     return result.verdict.exit_code
 
 
@@ -88,3 +92,50 @@ def _side(rec: dict | None, div) -> str:
         return f"{rec['value']!r} [{rec['bits']}]"
     shape = "x".join(map(str, rec["shape"])) or "scalar"
     return f"{shape} {rec['dtype']} {rec['digest'] or ('absent' if rec.get('absent') else 'capped')}"
+
+
+def render_global(result: GlobalDiffResult, title: str | None = None) -> str:
+    """The people-readable verdict of ``--by global``: per global tensor, equal or where it
+    first differs."""
+    c = result.compared
+    counts = (f"{c['tensors']} global tensor(s) x {c['steps']} common step(s) compared "
+              f"(a: {c['ranks_a']} rank(s) of world {c['world_size_a']}, b: {c['ranks_b']} of world {c['world_size_b']})")
+    lines = [escape(title or f"samebits diff --by global {result.a} {result.b}")]
+    if result.verdict is Verdict.IDENTICAL:
+        lines.append(f"IDENTICAL: every full tensor bit for bit at every common step. {counts}")
+    elif result.verdict is Verdict.INCOMPLETE:
+        lines.append("INCOMPLETE: could not decide (no difference found in what was compared, but not "
+                     "everything could be compared)")
+        lines.extend(f"  - {escape(reason)}" for reason in result.incomplete)
+        lines.append(f"compared: {counts}")
+    else:
+        at_first = result.differing_at_first_step
+        num_differing = sum(t.status != "identical" for t in result.tensors)
+        lines.append(f"DIVERGED at step {result.first_step}: {len(at_first)} of {len(result.tensors)} global "
+                     f"tensor(s) differ there ({num_differing} differ at some step)")
+    order = sorted(result.tensors, key=lambda t: (t.status == "identical", t.first_step or 0))
+    rows = [[t.phase, t.name + (f" #{t.occurrence}" if t.occurrence else ""), t.status.replace("_", " "),
+             "-" if t.first_step is None else t.first_step, _global_side(t.a), _global_side(t.b)]
+            for t in order]
+    if rows:
+        lines.append("")
+        lines.append(table(["phase", "tensor", "status", "first step", "a", "b"], rows[:_GLOBAL_SHOWN]))
+        if len(rows) > _GLOBAL_SHOWN:
+            lines.append(f"... and {len(rows) - _GLOBAL_SHOWN} more tensor(s) (all of them: --json)")
+        if any(t.status == "differs" for t in result.tensors):
+            lines.append("max ulp: unknown, values not recorded (streams hold digests only)")
+    if result.verdict is Verdict.DIVERGED:
+        lines.append(f"compared: {counts}")
+    for note in result.notes:
+        lines.append(f"note: {escape(note)}")
+    return "\n".join(lines)
+
+
+_GLOBAL_SHOWN = 20
+
+
+def _global_side(entry: dict | None) -> str:
+    if entry is None:
+        return "(missing)"
+    shape = "x".join(map(str, entry["shape"])) or "scalar"
+    return f"{shape} {entry['dtype']} {entry['digest'] or '-'}"

@@ -22,6 +22,7 @@ from samebits.errors import ConfigError, IncomparableRunsError
 from samebits.stream import _format as fmt
 from samebits.stream.reader import Record, Run, StreamReader, open_run
 from samebits.verdicts import Verdict
+from samebits.compare._global import GlobalDiffResult, GlobalTensorResult, diff_global
 
 @dataclass
 class Divergence:
@@ -116,7 +117,8 @@ def diff(
     allow_config_diff: bool = False,
     verify: bool = False,
     ignore_config_keys: tuple[str, ...] = (),
-) -> DiffResult:
+    by: str = "local",
+) -> DiffResult | GlobalDiffResult:
     """Compare run directories ``a`` and ``b`` bit for bit.
 
     ``start_step``/``stop_step`` restrict the comparison to ``start <= step < stop``
@@ -125,8 +127,17 @@ def diff(
     `ConfigError` for an empty window, `IncomparableRunsError` when the runs cannot be
     compared (world size, config, recorded names), `StreamError` when a stream is
     unreadable or damaged (naming file, byte offset and frame).
+
+    ``by="global"`` compares runs of any layouts and world sizes by their global records
+    (`Recorder.global_tensors`: digests of full tensors, matched by phase and name) and
+    returns a `GlobalDiffResult` (compare/_global.py); the other options do not apply.
     """
     start, stop = _window(start_step, stop_step)
+    if by != "local":
+        if by != "global":
+            raise ConfigError(f"by = {by!r}: compare runs by \"local\" records (rank by rank, the default) "
+                              "or by \"global\" tensor (runs of different layouts; --by global).")
+        return diff_global(a, b, start=start, stop=stop)
     run_a, run_b = open_run(a), open_run(b)
     try:
         notes: list[str] = []
@@ -259,7 +270,9 @@ def _check_comparable(run_a: Run, run_b: Run, allow: bool, ignore_keys, notes: l
         raise IncomparableRunsError(
             f"cannot compare {run_a.path} (world size {run_a.world_size}) with {run_b.path} "
             f"(world size {run_b.world_size}): a different world size changes reduction orders, "
-            "so the bits are expected to differ. Compare runs of the same world size.",
+            "so the bits are expected to differ. Compare runs of the same world size, or compare "
+            "full tensors with --by global (by='global') if both runs recorded global digests "
+            "(Recorder.global_tensors).",
             [f"world size: {run_a.world_size} vs {run_b.world_size}"],
         )
     only_a = sorted(set(run_a.ranks) - set(run_b.ranks))
@@ -524,4 +537,5 @@ def _compare_step(rank: int, step: int, records_a: list[Record], records_b: list
     return first
 
 
-__all__ = ["diff", "divergent_steps", "DiffResult", "Divergence", "RankStep"]
+__all__ = ["diff", "divergent_steps", "DiffResult", "Divergence", "RankStep", "GlobalDiffResult",
+           "GlobalTensorResult"]

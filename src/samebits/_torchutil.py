@@ -101,11 +101,11 @@ def op_tensor_outputs(out: Any) -> list[tuple[str, torch.Tensor]]:
 # -- call sites ------------------------------------------------------------------------------
 
 
-def call_site(skip_frames: int = 1, *, skip_dirs: tuple[str, ...] = (), with_function: bool = True) -> str | None:
-    """``file:line in function`` (or ``file:line``) of the nearest caller that is not torch,
-    not frozen/generated code and not in ``skip_dirs``; ``skip_frames`` counts from the
-    caller of this function."""
-    skipped = (TORCH_DIR, "<", *skip_dirs)
+def call_site(skip_frames: int = 1, *, skip: tuple[str, ...] = ("<",), with_function: bool = True) -> str | None:
+    """``file:line in function`` (or ``file:line``) of the nearest caller whose file is not
+    torch's and starts with none of ``skip`` (folders, ``"<"`` for generated code);
+    ``skip_frames`` counts from the caller of this function."""
+    skipped = (TORCH_DIR, *skip)
     frame = sys._getframe(skip_frames)
     while frame is not None:
         filename = frame.f_code.co_filename

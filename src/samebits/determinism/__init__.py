@@ -11,14 +11,16 @@
 See docs/determinism.md.
 """
 
+import warnings
+
 from samebits.determinism._mode import DeterministicMode, active_record, deterministic_mode
 from samebits.determinism._ops import OpEntry, lookup_op, op_catalog
 from samebits.determinism._probe import Probe, ProbeFinding, ProbeReport, probe
 from samebits.determinism._rules import (
     CheckContext,
     ConfigView,
-    Finding,
     Rule,
+    RuleFinding,
     Violation,
     check,
     register_rule,
@@ -31,6 +33,14 @@ from samebits.determinism._seeds import SEED_PURPOSES, derive_seed, seed_all
 from samebits.errors import DeterminismError
 
 check_determinism = check
+
+
+def __getattr__(name: str):
+    if name == "Finding":  # the old name of RuleFinding (trace has an OriginFinding)
+        warnings.warn("samebits.determinism.Finding is deprecated; use samebits.determinism.RuleFinding",
+                      DeprecationWarning, stacklevel=2)
+        return RuleFinding
+    raise AttributeError(f"module 'samebits.determinism' has no attribute {name!r}")
 
 __all__ = [
     "deterministic_mode",
@@ -47,7 +57,7 @@ __all__ = [
     "register_rule",
     "unregister_rule",
     "Rule",
-    "Finding",
+    "RuleFinding",
     "Violation",
     "CheckContext",
     "ConfigView",

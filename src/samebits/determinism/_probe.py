@@ -11,7 +11,7 @@ states saved before the trial and put back before the real execution: both consu
 same randomness and the program's RNG advances exactly as without the probe.
 
 Each finding names the op, the module scope (forward: global module hooks; backward:
-the module whose forward created the autograd node now running), the call site (first
+the module whose forward created the autograd node now running, `samebits._torchutil.AutogradScopes`), the call site (first
 frame outside torch and samebits) and how many elements differed.  Differences are
 counted on the device and read back in batches, not once per op.
 """
@@ -19,7 +19,6 @@ counted on the device and read back in batches, not once per op.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -29,20 +28,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from samebits._torchutil import SAMEBITS_DIR, AutogradScopes, call_site, is_uninitialized_op
 from samebits.determinism._ops import lookup_op
 
 DEFAULT_NAMESPACES = ("aten", "prims", "samebits")
 _FLUSH_EVERY = 512  # pending comparisons read back per host sync
-_MODULE_KEY = "samebits_module"
 
-# Outputs that are uninitialized memory by design: differences are expected and meaningless.
-_UNINITIALIZED = frozenset({"aten::empty", "aten::empty_like", "aten::empty_strided",
-                            "aten::new_empty", "aten::new_empty_strided", "aten::empty_permuted",
-                            "aten::resize_", "aten::resize_as_", "aten::_empty_affine_quantized",
-                            "aten::_empty_per_channel_affine_quantized"})
-
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_SAMEBITS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_SKIPPED_FRAMES = (SAMEBITS_DIR + os.sep, "<frozen")  # call sites: the user's code, not samebits'
 
 
 @dataclass
@@ -97,6 +89,7 @@ class Probe:
         self._findings: dict[tuple, ProbeFinding] = {}
         self._pending: list[tuple[tuple, torch.Tensor | int, int]] = []
         self._module_stack: list[str] = []
+        self._autograd = AutogradScopes()  # backward: the module whose forward created the running node
         self._root_names: dict[int, tuple[Any, dict[int, str]]] = {}
         self._root: torch.nn.Module | None = None
         self._calls: dict[tuple, int] = {}
@@ -164,27 +157,20 @@ class Probe:
         self._module_stack.append(self._module_name(module))
 
     def _forward_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if not self._module_stack:
-            return
-        name = self._module_stack.pop()
-        if torch.is_grad_enabled():
-            _label_autograd_nodes(output, args, name)
+        if self._module_stack:
+            self._module_stack.pop()
 
     def _scope(self) -> str | None:
         if self._module_stack:
             return self._module_stack[-1]
-        node = torch._C._current_autograd_node()
-        if node is not None:
-            try:
-                name = node.metadata.get(_MODULE_KEY)
-            except (AttributeError, RuntimeError):
-                name = None
+        if torch._C._current_autograd_node() is not None:
+            name = self._autograd.running()
             return f"{name} (backward)" if name else "(backward)"
         return None
 
     # -- comparisons ------------------------------------------------------------------
     def _record(self, op_name: str, differing: torch.Tensor | int, numel: int) -> None:
-        key = (op_name, self._scope(), _call_site())
+        key = (op_name, self._scope(), call_site(1, skip=_SKIPPED_FRAMES, with_function=False))
         self._pending.append((key, differing, numel))
         if len(self._pending) >= _FLUSH_EVERY or not isinstance(differing, torch.Tensor) \
                 or differing.device.type == "cpu":
@@ -226,9 +212,12 @@ class _ProbeMode(TorchDispatchMode):
         kwargs = kwargs or {}
         probe = self.probe
         probe.num_ops += 1
+        if probe._module_stack:  # the autograd node this op creates (if any) is named after the module
+            probe._autograd.created(probe._module_stack[-1])
         schema = func._schema
         name = schema.name
-        if (name.split("::", 1)[0] not in probe.namespaces or name in _UNINITIALIZED
+        # Uninitialised outputs (empty*, resize_, ...) differ by design: nothing to compare.
+        if (name.split("::", 1)[0] not in probe.namespaces or is_uninitialized_op(name)
                 or _returns_alias(schema)):
             return func(*args, **kwargs)
         flat_args, _ = tree_flatten((args, kwargs))
@@ -425,45 +414,6 @@ def _count_differences(trial: Any, real: Any) -> tuple[torch.Tensor | int, int]:
             numel += 1
             differing = differing + (0 if a == b else 1)
     return differing, numel
-
-
-def _label_autograd_nodes(output: Any, inputs: Any, name: str) -> None:
-    """Tag the autograd nodes this module's forward created with its name.
-
-    Walks from the outputs' grad_fn back to the inputs' grad_fn.  Inner modules finish
-    first and tag their nodes; an outer module walks through them (to reach its own ops
-    between submodules) without re-tagging, so each node keeps the innermost name.  Tags
-    live in the node's own metadata dict, so nothing here keeps the graph alive.
-    """
-    outs, _ = tree_flatten(output)
-    ins, _ = tree_flatten(inputs)
-    stop = {id(t.grad_fn) for t in ins if isinstance(t, torch.Tensor) and t.grad_fn is not None}
-    stack = [t.grad_fn for t in outs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    visited: list[Any] = []  # keeps node wrappers alive so their ids stay unique
-    seen: set[int] = set()
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen or id(node) in stop:
-            continue
-        seen.add(id(node))
-        visited.append(node)
-        try:
-            node.metadata.setdefault(_MODULE_KEY, name)
-        except (AttributeError, RuntimeError):
-            continue
-        stack.extend(next_node for next_node, _ in node.next_functions)
-
-
-def _call_site() -> str | None:
-    """file:line of the innermost frame outside torch and samebits."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not (filename.startswith(_TORCH_DIR) or filename.startswith(_SAMEBITS_DIR)
-                or filename.startswith("<frozen")):
-            return f"{filename}:{frame.f_lineno}"
-        frame = frame.f_back
-    return None
 
 
 def probe(fn: Callable, *args, **kwargs) -> ProbeReport:

@@ -47,8 +47,9 @@ def detect_platform() -> dict[str, bool]:
     return found
 
 
-class Finding(NamedTuple):
-    """What a rule function yields for each offending setting it found.
+class RuleFinding(NamedTuple):
+    """What a rule function yields for each offending setting it found (`check` turns each
+    into a `Violation`).
 
     `fix` overrides the rule's generic fix when the finding knows a more precise one.
     """
@@ -56,6 +57,9 @@ class Finding(NamedTuple):
     setting: str
     found: Any
     fix: str | None = None
+
+
+Finding = RuleFinding  # the old name (samebits.determinism.Finding is a deprecated alias)
 
 
 @dataclass(frozen=True)
@@ -80,7 +84,7 @@ class Violation:
 class Rule:
     """A determinism rule.
 
-    `func(ctx)` receives a `CheckContext` and returns (or yields) `Finding`s, one per
+    `func(ctx)` receives a `CheckContext` and returns (or yields) `RuleFinding`s, one per
     offending setting; returning None or nothing means the rule passes.  Config rules are
     only run when a config is given.  `keys` lists the config keys the rule reads (used to
     tell the user which of their keys no rule looked at); rules that call
@@ -93,7 +97,7 @@ class Rule:
     checks: str
     why: str
     fix: str
-    func: Callable[["CheckContext"], Iterable[Finding] | Finding | None] = field(repr=False)
+    func: Callable[["CheckContext"], Iterable[RuleFinding] | RuleFinding | None] = field(repr=False)
     keys: tuple[str, ...] = ()
     requires: tuple[str, ...] = ()
     """`FEATURES` the rule is about; on a machine without one it is reported "not applicable"."""
@@ -196,7 +200,7 @@ def rule(id: str, *, category: str, setting: str, checks: str, why: str, fix: st
     ... def _no_foo(ctx):
     ...     for path, value in ctx.config.find("foo"):
     ...         if value:
-    ...             yield Finding(path, value)
+    ...             yield RuleFinding(path, value)
     """
     def decorate(func):
         register_rule(Rule(id=id, category=category, setting=setting, checks=checks,
@@ -326,16 +330,16 @@ def _looks_like_typo(name: str, known: str) -> bool:
     return prev[-1] <= limit
 
 
-def _as_findings(returned: Any, rule_id: str) -> list[Finding]:
+def _as_findings(returned: Any, rule_id: str) -> list[RuleFinding]:
     if returned is None:
         return []
-    if isinstance(returned, Finding):
+    if isinstance(returned, RuleFinding):
         return [returned]
     findings = list(returned)
     for f in findings:
-        if not isinstance(f, Finding):
+        if not isinstance(f, RuleFinding):
             raise TypeError(f"determinism rule {rule_id!r} yielded {f!r}; rule functions must "
-                            "return or yield samebits.determinism.Finding(setting, found)")
+                            "return or yield samebits.determinism.RuleFinding(setting, found)")
     return findings
 
 

@@ -104,7 +104,7 @@ def _wrap(name, original):
         if state.level >= 1:
             tracer.record("collective", event_id, "in", inputs, phase)
             if tracer.config.call_sites:
-                state.note_call_site(phase, event_id, call_site(2, skip_dirs=(TRACE_DIR,)))
+                state.note_call_site(phase, event_id, call_site(2, skip=(TRACE_DIR, "<")))
         dump_inputs = tracer.copies(inputs) if dump else None
         step = tracer.step_now
 

@@ -85,7 +85,7 @@ class OpMode(TorchDispatchMode):
             perturb, dump = t.special_for(event_id, phase, f"{name}:{g}")
         if phase != "backward":
             if recorded and t.config.call_sites:
-                site = call_site(2, skip_dirs=(TRACE_DIR,))
+                site = call_site(2, skip=(TRACE_DIR, "<"))
                 s.note_call_site(phase, event_id, site)
             s.autograd.created((scope, site))  # the autograd node this op created, if any, is named after it
         elif recorded:

@@ -1,0 +1,68 @@
+"""`samebits tax [-- CMD] [--gate 1.05]`: the determinism tax as a ratio with a confidence interval."""
+
+from __future__ import annotations
+
+import sys
+
+from samebits.cli._format import echo, print_json, table
+from samebits.runs.tax import DEFAULT_GATE, TaxResult, tax
+
+
+def register(sub) -> None:
+    parser = sub.add_parser(
+        "tax",
+        help="measure how much slower deterministic mode is (paired runs, bootstrap interval, gate)",
+        description="Run the deterministic command and the baseline in interleaved pairs, take the step times "
+                    "from the recorded streams, and report the median per-step ratio with a paired bootstrap "
+                    "interval. With no command: the reference recipe with deterministic=true/false. With -- CMD: "
+                    "{deterministic} in the command becomes 1, then 0. With --a/--b: two commands. Exit 0 when "
+                    "the interval's upper bound is at most --gate, 1 when it is over, 2 when a run failed. "
+                    "Protocol: docs/tax.md.",
+    )
+    parser.add_argument("--gate", type=float, default=DEFAULT_GATE,
+                        help=f"fail when the interval's upper bound exceeds this ratio (default {DEFAULT_GATE})")
+    parser.add_argument("--pairs", type=int, default=5, help="paired runs (default 5)")
+    parser.add_argument("--warmup", type=int, default=2, help="timed steps dropped at the start of each run (default 2)")
+    parser.add_argument("--steps", type=int, default=12, help="recipe: steps per run (default 12)")
+    parser.add_argument("--nproc", type=int, default=1, help="recipe: ranks (default 1)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="recipe: override one config field in both runs (repeatable)")
+    parser.add_argument("--a", dest="cmd_a", default=None, metavar="'CMD'", help="the deterministic command, quoted")
+    parser.add_argument("--b", dest="cmd_b", default=None, metavar="'CMD'", help="the baseline command, quoted")
+    parser.add_argument("--confidence", type=float, default=0.95, help="interval coverage (default 0.95)")
+    parser.add_argument("--resamples", type=int, default=4000, help="bootstrap resamples (default 4000)")
+    parser.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
+    parser.add_argument("--run-timeout", type=float, default=1800, metavar="SECONDS",
+                        help="kill a run that takes longer (default 1800)")
+    parser.add_argument("--out", default=None, help="output directory (default: samebits-out/tax-TIME)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("cmd", nargs="*", metavar="-- CMD", help="a command holding {deterministic}")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    result = tax(args.out, command=args.cmd or None, command_a=args.cmd_a, command_b=args.cmd_b,
+                 pairs=args.pairs, steps=args.steps, warmup=args.warmup, gate=args.gate, nproc=args.nproc,
+                 overrides=args.overrides, resamples=args.resamples, confidence=args.confidence, seed=args.seed,
+                 run_timeout=args.run_timeout, progress=lambda line: echo(line, file=sys.stderr, flush=True))
+    if args.json:
+        print_json(result.to_json())
+    else:
+        echo(render(result))
+    return result.verdict.exit_code
+
+
+def render(result: TaxResult) -> str:
+    data = result.to_json()
+    low, high = result.ci
+    head = (f"{result.verdict.value.upper()}: determinism tax {result.ratio:.3f}x "
+            f"({100 * result.confidence:.0f}% CI {low:.3f}-{high:.3f}); gate {result.gate:.3f}: "
+            + ("upper bound within the gate" if result.verdict.good else "upper bound over the gate"))
+    rows = [[label, f"{1000 * data['median_step_s'][label]:.2f}", result.commands[label]]
+            for label in ("deterministic", "baseline")]
+    lines = [head, "", table(["run", "median step (ms)", "command"], rows), "",
+             f"{result.pairs} pair(s) interleaved, {data['steps_per_run']} step(s) timed per run after "
+             f"{result.warmup} warm-up step(s); {result.resamples} paired bootstrap resamples (seed {result.seed}); "
+             f"runs in {result.out}"]
+    lines += [f"note: {note}" for note in result.notes]
+    return "\n".join(lines)

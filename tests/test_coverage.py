@@ -57,6 +57,12 @@ torch.library.define("planted::triple", "(Tensor x) -> Tensor")
 
 def not_a_kernel(x):
     return x
+
+
+if torch.cuda.is_available() or True:   # kernels defined under a condition are found too
+    @triton.jit
+    def guarded_kernel(x):
+        return x
 '''
 
 TESTS = '''
@@ -93,6 +99,11 @@ tests = ["tests/test_ops.py::test_scale", "tests/test_ops.py::test_ops"]
 name = "planted/ops.py::planted::double"
 kind = "custom_op"
 tests = ["tests/test_ops.py::test_ops"]
+
+[[kernel]]
+name = "planted/ops.py::guarded_kernel"
+kind = "triton"
+tests = ["tests/test_ops.py::test_scale"]
 
 [[kernel]]
 name = "planted/ops.py::planted::triple"
@@ -132,7 +143,7 @@ def test_our_own_kernels_are_covered(capsys):
 
 def test_finds_every_kind_of_kernel_without_importing(planted):
     found = {k.name.split("::", 1)[1]: k.kind for k in find_kernels(planted / "planted", planted)}
-    assert found == {"scale_kernel": "triton", "helper": "triton", "Scale": "autograd",
+    assert found == {"scale_kernel": "triton", "helper": "triton", "Scale": "autograd", "guarded_kernel": "triton",
                      "planted::double": "custom_op", "planted::triple": "custom_op"}
 
 
@@ -142,7 +153,7 @@ def test_update_records_then_check_passes(planted, capsys):
     assert main(["coverage", "planted", "--update"]) == EXIT_OK
     assert "recorded new hashes for planted/ops.py::Scale" in capsys.readouterr().out
     result = check_coverage(["planted"])
-    assert result.ok and len(result.rows) == 5
+    assert result.ok and len(result.rows) == 6
 
 
 def test_unregistered_kernel_fails(planted, capsys):
@@ -202,4 +213,4 @@ def test_pytest_option_fails_the_session(planted, pytester):
     assert result.ret == 1 and "kernel coverage of planted: FAIL" in result.stdout.str()
     check_coverage(["planted"], update=True)
     result = pytester.runpytest_inprocess(*args)
-    assert result.ret == 0 and "kernel coverage of planted: PASS: 5 of 5" in result.stdout.str()
+    assert result.ret == 0 and "kernel coverage of planted: PASS: 6 of 6" in result.stdout.str()

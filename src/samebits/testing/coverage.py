@@ -157,14 +157,21 @@ def find_kernels(package_dir: Path, root: Path) -> list[Kernel]:
 
 
 def _definitions(tree: ast.Module):
-    """(node, qualified name) of every function and class, nested ones included."""
-    stack = [(node, node.name) for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
-    while stack:
-        node, qualname = stack.pop()
-        yield node, qualname
-        for child in node.body:
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                stack.append((child, f"{qualname}.{child.name}"))
+    """(node, qualified name) of every function and class, nested ones included, also those
+    defined under an ``if``, ``try`` or ``with`` (``try: import triton`` ... ``@triton.jit``)."""
+    def visit(statements, prefix):
+        for node in statements:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                qualname = f"{prefix}{node.name}"
+                yield node, qualname
+                yield from visit(node.body, f"{qualname}.")
+            else:
+                for field in ("body", "orelse", "finalbody"):
+                    yield from visit(getattr(node, field, None) or [], prefix)
+                for handler in getattr(node, "handlers", None) or []:
+                    yield from visit(handler.body, prefix)
+
+    yield from visit(tree.body, "")
 
 
 def _first_string(call: ast.AST) -> str | None:

@@ -22,7 +22,8 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "samebits"
 LAYERS: list[tuple[str, set[str]]] = [
     ("foundation", {"errors", "verdicts", "settings", "_torchutil"}),
     ("digest", {"fingerprint"}),
-    ("bottom", {"kernels", "stream", "determinism", "checkpoint", "invariant", "_inject"}),
+    ("bottom", {"kernels", "stream", "determinism", "checkpoint", "invariant", "replicas", "rerun",
+                "_inject"}),
     ("comparison", {"compare"}),
     ("middle", {"trace"}),
     ("recording", {"autorecord"}),

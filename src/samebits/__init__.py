@@ -14,6 +14,7 @@ from samebits.compare import DiffResult, diff
 from samebits.determinism import check, deterministic_mode, probe
 from samebits.errors import ConfigError, DeterminismError, IncomparableRunsError, SamebitsError, StreamError
 from samebits.fingerprint import digest, digest_many, global_digests
+from samebits.replicas import ReplicaCheck, check_replicas
 from samebits.stream import Recorder, open_run
 from samebits.verdicts import Verdict
 
@@ -30,6 +31,8 @@ __all__ = [
     "open_run",
     "diff",
     "DiffResult",
+    "check_replicas",
+    "ReplicaCheck",
     "Verdict",
     "deterministic_mode",
     "check",

@@ -171,6 +171,9 @@ REGISTRY: dict[str, Setting] = _declare(
             "committing it (to test crash safety)", "", area="test hooks", test_only=True),
 )
 
+    Setting("SAMEBITS_TEST_FLIP", "text", "`step=S,rank=R,op=OP[,mode=M][,call=N]` (M: once or always) flips one bit of "
+            "the first output of that aten op's N-th call in that step (`samebits.rerun`: once is a transient fault, "
+            "always a persistent one)", "", area="test hooks", test_only=True),
 
 def _setting(name: str) -> Setting:
     try:

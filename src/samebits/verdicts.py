@@ -12,6 +12,10 @@ from __future__ import annotations
 import enum
 
 EXIT_OK, EXIT_BAD_VERDICT, EXIT_CANNOT_RUN = 0, 1, 2
+# A step's result may come from a hardware fault (samebits.rerun: a transient fault, or a
+# failed check that reproduces on this hardware): restart the job on other hardware.  The
+# value Megatron's rerun state machine uses, so a scheduler can treat both alike.
+EXIT_RERUN_ELSEWHERE = 16
 
 
 class Verdict(str, enum.Enum):
@@ -39,4 +43,4 @@ class Verdict(str, enum.Enum):
         return self.value
 
 
-__all__ = ["Verdict", "EXIT_OK", "EXIT_BAD_VERDICT", "EXIT_CANNOT_RUN"]
+__all__ = ["Verdict", "EXIT_OK", "EXIT_BAD_VERDICT", "EXIT_CANNOT_RUN", "EXIT_RERUN_ELSEWHERE"]

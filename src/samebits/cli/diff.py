@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from samebits.cli._format import escape, print_json, table
 from samebits.compare import DiffResult, GlobalDiffResult, diff
 from samebits.errors import IncomparableRunsError
@@ -28,6 +30,11 @@ def register(sub) -> None:
                         help="local: rank by rank (runs of one layout, the default); global: full tensors by "
                              "name, for runs of different layouts or world sizes (needs records of "
                              "Recorder.global_tensors)")
+    parser.add_argument("--jobs", type=int, default=None, metavar="N",
+                        help="compare ranks in N processes (default: one per core for large runs; 1 is serial)")
+    parser.add_argument("--distributed", action="store_true",
+                        help="under torchrun: each process compares a slice of the ranks, process 0 prints "
+                             "(torchrun --nproc-per-node N -m samebits diff --distributed A B)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.set_defaults(func=run)
 
@@ -35,12 +42,15 @@ def register(sub) -> None:
 def run(args) -> int:
     try:
         result = diff(args.run_a, args.run_b, start_step=args.from_step, stop_step=args.to_step, by=args.by,
-                      allow_config_diff=args.allow_config_diff, verify=args.verify)
+                      allow_config_diff=args.allow_config_diff, verify=args.verify, jobs=args.jobs,
+                      distributed=args.distributed)
     except IncomparableRunsError as err:
         if args.json:
             print_json({"verdict": "incomparable", "error": str(err), "differences": err.differences})
             return EXIT_CANNOT_RUN
         raise
+    if args.distributed and os.environ.get("RANK", "0") != "0":
+        return result.verdict.exit_code  # every process holds the result; process 0 prints it
     if args.json:
         print_json(result.to_json())
     else:
@@ -59,7 +69,9 @@ def render(result: DiffResult, title: str | None = None) -> str:
     elif result.verdict is Verdict.INCOMPLETE:
         lines.append("INCOMPLETE: could not decide (no divergence found in what was compared, but not "
                      "everything could be compared)")
-        lines.extend(f"  - {escape(reason)}" for reason in result.incomplete)
+        lines.extend(f"  - {escape(reason)}" for reason in result.incomplete[:_SHOWN])
+        if len(result.incomplete) > _SHOWN:
+            lines.append(f"  ... and {len(result.incomplete) - _SHOWN} more reason(s) (all of them: --json)")
         lines.append(f"compared: {counts}")
     else:
         d = result.first_divergence
@@ -72,17 +84,36 @@ def render(result: DiffResult, title: str | None = None) -> str:
                 _side(div.a, div), _side(div.b, div), div.records_differing,
             ])
         lines.append("")
-        lines.append(table(["step", "rank", "phase", "name", "a", "b", "records differing"], rows[:16]))
-        if len(rows) > 16:
-            lines.append(f"... and {len(rows) - 16} more rank(s)")
+        lines.append(table(["step", "rank", "phase", "name", "a", "b", "records differing"], rows[:_SHOWN]))
+        if len(rows) > _SHOWN:
+            lines.append(f"... and {len(rows) - _SHOWN} more rank(s), in step order (all of them: --json)")
         lines.append("")
-        lines.append(f"ranks diverged first (step {d.step}): {', '.join(map(str, result.ranks_diverged_first))}")
+        lines.append(_rank_counts(result))
+        first = result.ranks_diverged_first
+        shown = ", ".join(map(str, first[:_SHOWN])) + (f" ... ({len(first)} ranks)" if len(first) > _SHOWN else "")
+        lines.append(f"ranks diverged first (step {d.step}): {shown}")
         if d.reason.startswith("ended") or d.reason.startswith("only"):
             lines.append(escape(d.detail))
         lines.append(f"before it: {counts}")
     for note in result.notes:
         lines.append(f"note: {escape(note)}")
     return "\n".join(lines)
+
+
+_SHOWN = 10  # divergent ranks listed by name; a run of thousands of ranks stays readable
+
+
+def _rank_counts(result: DiffResult) -> str:
+    """Ranks by outcome, and the steps where ranks first diverged (earliest first)."""
+    num_ranks, num_diverged = result.compared["ranks"], len(result.divergences)
+    by_step: dict[int, int] = {}
+    for div in result.divergences.values():
+        by_step[div.step] = by_step.get(div.step, 0) + 1
+    steps = ", ".join(f"step {step}: {count}" for step, count in sorted(by_step.items())[:5])
+    more = f", ... ({len(by_step)} steps)" if len(by_step) > 5 else ""
+    return (f"ranks: {num_ranks} compared, {num_diverged} diverged ({steps}{more}), "
+            f"{num_ranks - num_diverged} with no difference found (each compared at least up to step "
+            f"{result.first_divergence.step})")
 
 
 def _side(rec: dict | None, div) -> str:

@@ -18,6 +18,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from samebits.compare import _parallel
 from samebits.errors import ConfigError, IncomparableRunsError
 from samebits.stream import _format as fmt
 from samebits.stream.reader import Record, Run, StreamReader, open_run
@@ -118,6 +119,8 @@ def diff(
     verify: bool = False,
     ignore_config_keys: tuple[str, ...] = (),
     by: str = "local",
+    jobs: int | None = None,
+    distributed: bool = False,
 ) -> DiffResult | GlobalDiffResult:
     """Compare run directories ``a`` and ``b`` bit for bit.
 
@@ -131,6 +134,11 @@ def diff(
     ``by="global"`` compares runs of any layouts and world sizes by their global records
     (`Recorder.global_tensors`: digests of full tensors, matched by phase and name) and
     returns a `GlobalDiffResult` (compare/_global.py); the other options do not apply.
+
+    ``jobs`` walks ranks in that many processes (1: serial; None: one per core when the
+    runs are large, see docs/scale.md); ``distributed`` splits the ranks among the
+    processes of a torchrun job instead (every process returns the result).  The result is
+    the same object either way.
     """
     start, stop = _window(start_step, stop_step)
     if by != "local":
@@ -147,14 +155,25 @@ def diff(
         counts = {"ranks": len(ranks), "steps": 0, "records": 0, "steps_identical_by_root": 0, "steps_decoded": 0}
         if not allow_config_diff and ranks:
             _check_names(ranks[0], run_a.files[ranks[0]], run_b.files[ranks[0]], start, stop)
-        # One rank at a time (threads were measured slower: the per-frame work holds the
-        # GIL too often).  Once a rank diverges at step S, later ranks stop looking past S.
+        # One rank at a time, or chunks of ranks in processes (threads were measured slower:
+        # the per-frame work holds the GIL too often), merged into the serial result (see
+        # _parallel).  Once a rank diverges at step S, later ranks stop looking past S.
         bound = _Bound()
         divergences: dict[int, Divergence] = {}
         steps_compared = 0
+        num_jobs = 1 if distributed else _parallel.num_jobs(jobs, run_a, run_b, ranks)
+        walks = None
+        if distributed:
+            walks = _parallel.distributed_walks(run_a, run_b, ranks, start, stop, verify, _Walk, _Bound)
+        elif num_jobs > 1:
+            walks = _parallel.walk_ranks(run_a, run_b, ranks, start, stop, verify, num_jobs, _Walk, _Bound)
         for rank in ranks:
-            walk = _Walk(start, stop, verify, bound)
-            found = walk.rank(rank, run_a.stream(rank), run_b.stream(rank))
+            if walks is None:
+                walk = _Walk(start, stop, verify, bound)
+                found = walk.rank(rank, run_a.stream(rank), run_b.stream(rank))
+            else:
+                walked = next(walks)
+                walk, found = walked.walk, None if walked.divergence is None else (None, walked.divergence)
             steps_compared += walk.steps_seen
             counts["steps"] = max(counts["steps"], walk.steps_seen)
             for key, value in walk.counts.items():

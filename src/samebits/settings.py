@@ -167,13 +167,13 @@ REGISTRY: dict[str, Setting] = _declare(
             "op or collective by one ulp (to test that tracing finds it)", "", area="test hooks", test_only=True),
     Setting("SAMEBITS_TEST_DROP_RNG", "list", "random states a checkpoint load leaves out (to test that a lost "
             "RNG is caught)", (), area="test hooks", test_only=True),
+    Setting("SAMEBITS_TEST_FLIP", "text", "`step=S,rank=R,op=OP[,mode=M][,call=N]` (M: once or always) flips one bit of "
+            "the first output of that aten op's N-th call in that step (`samebits.rerun`: once is a transient fault, "
+            "always a persistent one)", "", area="test hooks", test_only=True),
     Setting("SAMEBITS_TEST_SAVE_PAUSE_S", "text", "seconds to sleep between writing a checkpoint's shards and "
             "committing it (to test crash safety)", "", area="test hooks", test_only=True),
 )
 
-    Setting("SAMEBITS_TEST_FLIP", "text", "`step=S,rank=R,op=OP[,mode=M][,call=N]` (M: once or always) flips one bit of "
-            "the first output of that aten op's N-th call in that step (`samebits.rerun`: once is a transient fault, "
-            "always a persistent one)", "", area="test hooks", test_only=True),
 
 def _setting(name: str) -> Setting:
     try:

@@ -56,9 +56,8 @@ except ImportError:  # pragma: no cover
 
 _GOLDEN = _reference._as_int64(GOLDEN)
 _LOW_32_BITS = (1 << 32) - 1
-# Words per batch of ops when summing interior words (bounds the int64 work buffers).
-_WORDS_PER_BATCH = {"cpu": 1 << 18}
-_WORDS_PER_BATCH_DEVICE = 1 << 24
+# Words per shifted copy handed to the body-sum backend (bounds the extra memory: 32 MiB).
+_WORDS_PER_BATCH = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -298,6 +297,17 @@ def _word_values(rows: torch.Tensor, first_shift: int) -> torch.Tensor:
     return (rows.to(torch.int64) * places).sum(dim=1)  # disjoint bytes: the sum is their OR (wrapping)
 
 
+def _shifted_body_sum(words: torch.Tensor, first_words: torch.Tensor) -> torch.Tensor:
+    """sum_{r,k} fmix64(words[r, k] + (first_words[r] + k + 1)*G) for int64 ``words`` [R, q],
+    by the digest's own body-sum backend (the C library on CPU, the kernel on GPU): that
+    backend numbers the words of its input 0 .. R*q-1, so word (r, k) is first offset by
+    (first_words[r] - r*q)*G, which the backend's (r*q + k + 1)*G completes.  A new tensor,
+    ``words`` is not changed."""
+    num_rows, num_words = words.shape
+    offsets = (first_words - torch.arange(num_rows, device=words.device) * num_words) * _GOLDEN
+    return _digest._body_sums_on([words + offsets[:, None]], words.device)[0]
+
+
 def _mix_words(words: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """fmix64(w_j + (j+1)*G) elementwise (int64)."""
     x = (indices + 1) * _GOLDEN + words
@@ -313,23 +323,24 @@ def _local_sum(data: torch.Tensor, plan: _Plan, straddle_slots: torch.Tensor) ->
         return total
     rows_all = data.view(-1, plan.run_bytes)
     starts_all = plan.run_starts.to(device)
-    batch = _WORDS_PER_BATCH.get(device.type, _WORDS_PER_BATCH_DEVICE)
     partial_words, partial_values = [], []
     for c, rows_cpu, head, num_words, tail in plan.classes:
         rows = rows_cpu.to(device)
         starts = starts_all[rows]
-        if num_words:
-            if len(rows_cpu) == 1 and head == 0:  # one word-aligned run: the whole-tensor loop
-                row = int(rows_cpu[0])
-                total += _reference.body_sum_at(rows_all[row, : 8 * num_words], int(plan.run_starts[row]) // 8)
-            else:
-                step = max(1, batch // num_words)
-                for first in range(0, len(rows), step):
-                    chunk = rows_all[rows[first : first + step], head : head + 8 * num_words].contiguous()
-                    words = chunk.view(torch.int64)  # [r, num_words]
-                    first_word = (starts[first : first + step] + head) // 8
-                    index = first_word[:, None] + torch.arange(num_words, device=device)[None, :]
-                    total += _mix_words(words, index).sum()
+        if num_words and len(rows_cpu) == 1:  # one run (Shard(0), FSDP2): chunks of its words
+            first_word = (int(plan.run_starts[int(rows_cpu[0])]) + head) // 8
+            run = rows_all[int(rows_cpu[0]), head : head + 8 * num_words]
+            for first in range(0, num_words, _WORDS_PER_BATCH):
+                chunk = run[8 * first : 8 * min(first + _WORDS_PER_BATCH, num_words)]
+                if chunk.storage_offset() % 8:  # view(int64) needs an 8-byte aligned offset
+                    chunk = chunk.clone()
+                total += _shifted_body_sum(chunk.view(torch.int64).unsqueeze(0),
+                                           torch.tensor([first_word + first], device=device))
+        elif num_words:  # runs of rows with this byte alignment: a block of rows at a time
+            step = max(1, _WORDS_PER_BATCH // num_words)
+            for first in range(0, len(rows), step):
+                chunk = rows_all[rows[first : first + step], head : head + 8 * num_words].contiguous()
+                total += _shifted_body_sum(chunk.view(torch.int64), (starts[first : first + step] + head) // 8)
         if head:
             partial_words.append(starts // 8)
             partial_values.append(_word_values(rows_all[rows, :head], c))

@@ -6,6 +6,7 @@
     diff(run_a, run_b)               the comparator: identical, or the first divergence
     deterministic_mode(seed=...)     one switch: set, validate (fail closed) and record
     check(config) / probe(fn, ...)   rule violations / ops that really vary on this machine
+    GradientAccumulator(params, ...) gradients with the same bits at any DP size (docs/invariance.md)
 
 The public API is what ``__all__`` lists; every other module is private.
 """
@@ -14,6 +15,7 @@ from samebits.compare import DiffResult, diff
 from samebits.determinism import check, deterministic_mode, probe
 from samebits.errors import ConfigError, DeterminismError, IncomparableRunsError, SamebitsError, StreamError
 from samebits.fingerprint import digest, digest_many, global_digests
+from samebits.invariant import GradientAccumulator
 from samebits.replicas import ReplicaCheck, check_replicas
 from samebits.stream import Recorder, open_run
 from samebits.verdicts import Verdict
@@ -34,6 +36,7 @@ __all__ = [
     "check_replicas",
     "ReplicaCheck",
     "Verdict",
+    "GradientAccumulator",
     "deterministic_mode",
     "check",
     "probe",

@@ -19,8 +19,10 @@ before every step (DIR/step-K.pt), `--resume-from DIR --first-step K` starts fro
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -59,7 +61,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--ckpt", type=Path, help="save the state before every step here")
-    parser.add_argument("--resume-from", type=Path, help="a --ckpt folder; starts at --start")
+    parser.add_argument("--resume-from", type=Path, help="a --ckpt folder; starts at --first-step")
+    parser.add_argument("--print-step-times", action="store_true", help="rank 0 prints step times (benchmark)")
     args = parser.parse_args(argv)
 
     threads = torch.get_num_threads()
@@ -90,7 +93,9 @@ def _train(args) -> int:
     config = {"grad_reduce": args.grad_reduce, "num_micro_batches": args.num_micro_batches,
               "micro_batch_size": args.micro_batch_size, "seed": args.seed}
     rec = samebits.Recorder(args.out, rank=rank, world_size=world_size, config=config) if args.out else None
+    step_times = []
     for step in range(args.first_step, args.steps):
+        started = time.perf_counter()
         if args.ckpt is not None and rank == 0:
             args.ckpt.mkdir(parents=True, exist_ok=True)
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
@@ -118,11 +123,14 @@ def _train(args) -> int:
             rec.tensors(step, "grads", [(n, p.grad) for n, p in model.named_parameters()])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        step_times.append(time.perf_counter() - started)
         if rec is not None:
             rec.tensors(step, "params", [(n, p.detach()) for n, p in model.named_parameters()])
             rec.end_step(step)
     if rec is not None:
         rec.close()
+    if args.print_step_times and rank == 0:
+        print("step_times " + json.dumps(step_times), flush=True)
     if world_size > 1:
         dist.destroy_process_group()
     return 0

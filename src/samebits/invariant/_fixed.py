@@ -65,28 +65,60 @@ def block_exponents(blocks: torch.Tensor) -> torch.Tensor:
     return exp.to(torch.int8)
 
 
+def _pow2_f32(exponents: torch.Tensor) -> torch.Tensor:
+    """Exact float32 2**e for integer e in [-126, 127], built from the bits."""
+    return ((exponents.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
 def encode(blocks: torch.Tensor, exponents: torch.Tensor, bits: int) -> tuple[torch.Tensor, int]:
     """(num_blocks, block_size) fp32 -> (int64 of the same shape, number of inexact elements).
 
     Every element must satisfy |x| < 2**e of its block (the exponents come from a MAX over
     every input).  A non-finite block encodes as zeros (its result is nan, see `decode`).
+    Scaling by 2**(P - e) is exact in fp32 while P - e <= 126 (the result stays below 2**62);
+    blocks that need a larger scale (tiny or all-zero blocks) are scaled in float64.
     """
-    exp = exponents.to(torch.int64).clamp(max=EXPONENT_NONFINITE - 1)
-    scaled = blocks.to(torch.float64) * pow2(bits - exp)[:, None]  # exact: a power-of-two scale
-    finite = (exponents != EXPONENT_NONFINITE)[:, None]
-    scaled = torch.where(finite, scaled, torch.zeros_like(scaled))
-    rounded = torch.round(scaled)  # half to even
+    shift = bits - exponents.to(torch.int64).clamp(max=EXPONENT_NONFINITE - 1)
+    scaled = blocks * _pow2_f32(shift.clamp(max=126))[:, None]
+    rounded = torch.round(scaled)  # half to even; exact in fp32 (an integer of at most 62 bits)
     inexact = int((rounded != scaled).sum())
-    return rounded.to(torch.int64), inexact
+    out = rounded.to(torch.int64)
+    wide = (shift > 126).nonzero().flatten()
+    if wide.numel():
+        rows = blocks[wide].to(torch.float64) * pow2(shift[wide])[:, None]
+        rows_rounded = torch.round(rows)
+        inexact += int((rows_rounded != rows).sum()) - int((rounded[wide] != scaled[wide]).sum())
+        out[wide] = rows_rounded.to(torch.int64)
+    nonfinite = (exponents == EXPONENT_NONFINITE).nonzero().flatten()
+    if nonfinite.numel():
+        out[nonfinite] = 0
+    return out, inexact
 
 
 def decode(sums: torch.Tensor, exponents: torch.Tensor, bits: int) -> torch.Tensor:
     """(num_blocks, block_size) int64 sums -> fp32 ``sum * 2**(e - P)``, rounded once to nearest
-    even; blocks with the non-finite exponent become nan."""
-    exp = exponents.to(torch.int64).clamp(max=EXPONENT_NONFINITE - 1)[:, None]
-    shift = bits - exp  # value = sum * 2**-shift
-    # Results below fp32's smallest normal (2**-126) land on the subnormal grid 2**-149: round
-    # the integer to that grid (half to even) first, so the conversion below is exact.
+    even; blocks with the non-finite exponent become nan.
+
+    While P - e <= 126 a nonzero integer sum scales to at least 2**-126 (no subnormal result),
+    so int64 -> fp32 (one rounding) times an exact fp32 power of two is the answer.  Other
+    blocks go through `_decode_wide`.
+    """
+    shift = bits - exponents.to(torch.int64).clamp(max=EXPONENT_NONFINITE - 1)
+    out = sums.to(torch.float32) * _pow2_f32(-shift.clamp(max=126))[:, None]
+    wide = (shift > 126).nonzero().flatten()
+    if wide.numel():
+        out[wide] = _decode_wide(sums[wide], shift[wide])
+    nonfinite = (exponents == EXPONENT_NONFINITE).nonzero().flatten()
+    if nonfinite.numel():
+        out[nonfinite] = float("nan")
+    return out
+
+
+def _decode_wide(sums: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """`decode` for blocks scaled by more than 2**126: results below fp32's smallest normal
+    (2**-126) are rounded on the integer to the subnormal grid 2**-149 (half to even) first, so
+    the conversion after is exact and the value is rounded once."""
+    shift = shift[:, None]
     grid = (shift + _FP32_MIN_SUBNORMAL_EXP).clamp(min=0)  # grid spacing in integer units: 2**grid
     small = (sums.abs() < torch.ones_like(sums) << (shift + _FP32_MIN_NORMAL_EXP).clamp(0, 62)) & (grid > 0)
     if bool(small.any()):
@@ -97,9 +129,7 @@ def decode(sums: torch.Tensor, exponents: torch.Tensor, bits: int) -> torch.Tens
         up = (rest > half) | ((rest == half) & (kept & 1).bool())
         sums = torch.where(small, (kept + up.to(torch.int64)) << g, sums)
     values = sums.to(torch.float32)  # int64 -> fp32 rounds to nearest even (one rounding)
-    out = (values.to(torch.float64) * pow2(-shift)).to(torch.float32)  # exact power-of-two scale
-    nonfinite = (exponents == EXPONENT_NONFINITE)[:, None]
-    return torch.where(nonfinite, torch.full_like(out, float("nan")), out)
+    return (values.to(torch.float64) * pow2(-shift.flatten())[:, None]).to(torch.float32)  # exact scale
 
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "fraction_bits", "block_exponents", "encode", "decode", "pow2",

@@ -113,9 +113,8 @@ def reduce_blocks(micro_batches: list[torch.Tensor], *, num_micro_batches: int, 
         exps = torch.maximum(exps, block_exponents(blocks))
     if world_size > 1:
         dist.all_reduce(exps, op=dist.ReduceOp.MAX, group=group)  # exact: a max of integers
-    total = torch.zeros(num_blocks, block_size, dtype=torch.int64)
-    inexact = 0
-    for blocks in micro_batches:
+    total, inexact = encode(micro_batches[0], exps, bits)
+    for blocks in micro_batches[1:]:
         encoded, lost = encode(blocks, exps, bits)
         total += encoded  # int64: exact, any order
         inexact += lost

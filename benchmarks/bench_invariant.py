@@ -1,0 +1,177 @@
+"""Invariant gradient reduction (samebits.invariant): accuracy, bytes on the wire, time.
+
+    python benchmarks/bench_invariant.py accuracy [--elements 1048576] [--ranks 8]
+    python benchmarks/bench_invariant.py comm [--nproc 2] [--elements 4194304] [--rounds 20]
+    python benchmarks/bench_invariant.py loop [--nproc 2] [--steps 30]
+
+accuracy (one process): 8 "ranks" x 1M fp32 gradient elements of mixed scales (each block of
+256 its own magnitude, 1e-6..1e2), summed (a) by the invariant reduction and (b) in fp32 in 24
+random orders (a ring or tree at another size is another order).  Against a float64 reference
+(the float64 sum rounded to fp32): share of elements equal to it, the largest difference in
+fp32 ulps, and how many distinct results the orders give.  Then an adversarial set: blocks whose
+elements span 9 decades (1e-7..1e2), where the encoding loses low bits of the smallest elements
+(counted as inexact; the result is still the same at every DP size).
+
+comm (torchrun, gloo): a flat fp32 gradient of --elements reduced over --nproc ranks by a plain
+fp32 all-reduce and by `reduce_blocks` (int8 MAX exponents, int64 reduce-scatter, fp32
+all-gather), alternating, --rounds each; median times and their ratio, and bytes per rank under
+the ring cost model (all-reduce 2(W-1)/W of the buffer, reduce-scatter/all-gather (W-1)/W).
+
+loop (torchrun): the small training loop of tests/scripts_invariant/train_dp.py, whole-step time
+with --grad-reduce invariant versus mean, alternating runs; median step time ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from samebits.invariant import DEFAULT_BLOCK_SIZE, block_exponents, decode, encode, fraction_bits, reduce_blocks
+
+HERE = Path(__file__).resolve().parent
+TRAIN = HERE.parent / "tests" / "scripts_invariant" / "train_dp.py"
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in fp32 ulps (ordered-integer distance of the bit patterns)."""
+    def ordered(x):
+        i = x.view(torch.int32).to(torch.int64)
+        return torch.where(i < 0, -(i & 0x7FFFFFFF), i)
+    return (ordered(a) - ordered(b)).abs()
+
+
+def _invariant(parts: list[torch.Tensor], m: int) -> tuple[torch.Tensor, int]:
+    bits = fraction_bits(m)
+    exps = block_exponents(parts[0])
+    for p in parts[1:]:
+        exps = torch.maximum(exps, block_exponents(p))
+    total, inexact = torch.zeros(parts[0].shape, dtype=torch.int64), 0
+    for p in parts:
+        q, lost = encode(p, exps, bits)
+        total += q
+        inexact += lost
+    return decode(total, exps, bits), inexact
+
+
+def accuracy(elements: int, ranks: int, orders: int = 24, spread_decades: float = 9.0) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    blocks = elements // DEFAULT_BLOCK_SIZE
+    out = {}
+    for name, make in (("mixed scales", lambda: torch.logspace(-6, 2, blocks)[torch.randperm(blocks, generator=gen)][:, None]
+                        * torch.ones(1, DEFAULT_BLOCK_SIZE)),
+                       (f"{spread_decades:g}-decade blocks", lambda: torch.logspace(-7, 2, DEFAULT_BLOCK_SIZE)[
+                           torch.randperm(DEFAULT_BLOCK_SIZE, generator=gen)][None, :] * torch.ones(blocks, 1))):
+        scale = make()
+        parts = [(torch.randn(blocks, DEFAULT_BLOCK_SIZE, generator=gen) * scale).float() for _ in range(ranks)]
+        reference = torch.stack(parts).double().sum(0).float()  # float64 sum, rounded once to fp32
+        inv, inexact = _invariant(parts, ranks)
+        inv_again, _ = _invariant(parts[::-1], ranks)
+        plain_results = set()
+        worst_plain, share_plain = 0, []
+        for _ in range(orders):
+            order = torch.randperm(ranks, generator=gen).tolist()
+            acc = parts[order[0]].clone()
+            for i in order[1:]:
+                acc += parts[i]
+            plain_results.add(acc.view(torch.int32).numpy().tobytes())
+            ulps = _ulps(acc, reference)
+            worst_plain = max(worst_plain, int(ulps.max()))
+            share_plain.append(float((ulps == 0).double().mean()))
+        ulps = _ulps(inv, reference)
+        out[name] = {
+            "invariant_share_equal_to_f64_reference": float((ulps == 0).double().mean()),
+            "invariant_max_ulp": int(ulps.max()),
+            "invariant_inexact_elements": inexact,
+            "invariant_same_in_reverse_order": bool(torch.equal(inv.view(torch.int32), inv_again.view(torch.int32))),
+            "fp32_share_equal_to_f64_reference_mean": statistics.mean(share_plain),
+            "fp32_max_ulp": worst_plain,
+            "fp32_distinct_results_of_orders": f"{len(plain_results)} of {orders}",
+        }
+    return out
+
+
+def _comm_worker(elements: int, rounds: int) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(rank)
+    blocks = -(-elements // DEFAULT_BLOCK_SIZE)
+    blocks = -(-blocks // world) * world
+    grad = (torch.randn(blocks, DEFAULT_BLOCK_SIZE, generator=gen) * 1e-3).float()
+    plain, inv = [], []
+    from samebits.invariant import ReduceStats  # noqa: PLC0415  (benchmark script)
+    stats = ReduceStats()
+    for r in range(rounds + 2):
+        dist.barrier()
+        t = time.perf_counter()
+        flat = grad.reshape(-1).clone()
+        dist.all_reduce(flat)
+        plain.append(time.perf_counter() - t)
+        dist.barrier()
+        t = time.perf_counter()
+        reduce_blocks([grad], num_micro_batches=world, stats=stats if r == 0 else None)
+        inv.append(time.perf_counter() - t)
+    if rank == 0:
+        p, i = statistics.median(plain[2:]), statistics.median(inv[2:])
+        print(json.dumps({"nproc": world, "elements": blocks * DEFAULT_BLOCK_SIZE, "plain_allreduce_s": p,
+                          "invariant_s": i, "time_ratio": i / p, "bytes_per_rank_invariant": stats.bytes_sent,
+                          "bytes_per_rank_fp32_allreduce": stats.fp32_allreduce_bytes,
+                          "bytes_ratio": stats.bytes_sent / stats.fp32_allreduce_bytes}))
+    dist.destroy_process_group()
+
+
+def comm(nproc: int, elements: int, rounds: int) -> dict:
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+            __file__, "_comm_worker", "--elements", str(elements), "--rounds", str(rounds)]
+    done = subprocess.run(argv, capture_output=True, text=True, check=True)
+    return json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
+
+
+def loop(nproc: int, steps: int, rounds: int) -> dict:
+    times = {"invariant": [], "mean": []}
+    for _ in range(rounds):
+        for mode in times:
+            argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                    str(TRAIN), "--steps", str(steps), "--grad-reduce", mode, "--num-micro-batches", "8",
+                    "--micro-batch-size", "64", "--print-step-times"]
+            done = subprocess.run(argv, capture_output=True, text=True, check=True)
+            line = [x for x in done.stdout.splitlines() if x.startswith("step_times ")][-1]
+            times[mode] += json.loads(line.split(" ", 1)[1])[3:]
+    inv, mean = statistics.median(times["invariant"]), statistics.median(times["mean"])
+    return {"nproc": nproc, "steps": steps, "rounds": rounds, "invariant_step_s": inv, "mean_step_s": mean,
+            "time_ratio": inv / mean}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("what", choices=("accuracy", "comm", "loop", "_comm_worker"))
+    parser.add_argument("--elements", type=int, default=1 << 20)
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+    if args.what == "_comm_worker":
+        _comm_worker(args.elements, args.rounds)
+        return
+    torch.set_num_threads(1)
+    if args.what == "accuracy":
+        result = accuracy(args.elements, args.ranks)
+    elif args.what == "comm":
+        result = comm(args.nproc, args.elements, args.rounds)
+    else:
+        result = loop(args.nproc, args.steps, args.rounds)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -129,6 +129,10 @@ REGISTRY: dict[str, Setting] = _declare(
     Setting("SAMEBITS_STEPS", "steps", "record only steps START <= step < STOP (either may be empty)", (0, None)),
     Setting("SAMEBITS_RANKS", "ranks", "record only these ranks, e.g. `0,2,4-7`"),
     Setting("SAMEBITS_PHASES", "list", "record only these phases, e.g. `grads,params` (default: all)"),
+    Setting("SAMEBITS_INCLUDE", "list", "record only tensors whose `phase/name` or name matches one of these "
+            "globs, e.g. `params/*,*.router.*` (default: all)"),
+    Setting("SAMEBITS_EXCLUDE", "list", "do not record tensors whose `phase/name` or name matches one of these "
+            "globs, e.g. `optimizer/*` (applied after SAMEBITS_INCLUDE)"),
     Setting("SAMEBITS_MAX_TENSOR_BYTES", "int", "tensors larger than this keep shape and dtype but no digest"),
     Setting("SAMEBITS_FLUSH_STEPS", "int", "write to the OS at least every N steps", 1),
     Setting("SAMEBITS_RUN_ID", "text", "the run id written in each stream header (default: the launcher's, or new)"),

@@ -233,26 +233,53 @@ def install() -> bool:
 _TRACE_VARIABLES = ("SAMEBITS_TRACE", "SAMEBITS_TEST_PERTURB", "SAMEBITS_TRACE_DUMP_OP", "SAMEBITS_TRACE_STOP_AFTER")
 
 
-def environment_for(out_dir, *, steps=None, ranks=None, max_tensor_bytes=None, reference=None,
-                    step_offset=None, append=False, command="") -> dict[str, str]:
-    """The environment variables that make every Python process of a command record."""
+def recording_variables(*, steps=None, ranks=None, phases=None, include=None, exclude=None,
+                        max_tensor_bytes=None) -> dict[str, str | None]:
+    """What to record, as the ``SAMEBITS_*`` variables every Recorder reads (None: unset).
+
+    ``phases``, ``include``, ``exclude``: comma-separated text or a sequence (docs/settings.md:
+    SAMEBITS_PHASES, SAMEBITS_INCLUDE, SAMEBITS_EXCLUDE)."""
+    variables = {"SAMEBITS_STEPS": _text(steps), "SAMEBITS_RANKS": _text(ranks), "SAMEBITS_PHASES": _text(phases),
+                 "SAMEBITS_INCLUDE": _text(include), "SAMEBITS_EXCLUDE": _text(exclude),
+                 "SAMEBITS_MAX_TENSOR_BYTES": _text(max_tensor_bytes)}
+    for name, value in variables.items():
+        if value is not None:
+            settings.read(name, {name: value})  # a bad value is refused here, before any process starts
+    return variables
+
+
+def with_variables(env, variables: dict[str, str | None]) -> dict[str, str]:
+    """``env`` with ``variables`` set, and those that are None removed."""
+    env = dict(env)
+    for key, value in variables.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
+def environment_for(out_dir, *, reference=None, step_offset=None, append=False, command="",
+                    **what) -> dict[str, str]:
+    """The environment variables that make every Python process of a command record; ``what``
+    chooses what is recorded (`recording_variables`)."""
     env = with_injection(os.environ)
     env[ENV_ENABLE] = "1"
     env["SAMEBITS_DIR"] = str(out_dir)
     env["SAMEBITS_COMMAND"] = command
-    for key, value in (("SAMEBITS_STEPS", steps), ("SAMEBITS_RANKS", ranks),
-                       ("SAMEBITS_MAX_TENSOR_BYTES", max_tensor_bytes), ("SAMEBITS_REFERENCE", reference),
-                       ("SAMEBITS_STEP_OFFSET", step_offset)):
-        if value is not None:
-            env[key] = str(value)
-        else:
-            env.pop(key, None)
-    if append:
-        env["SAMEBITS_APPEND"] = "1"
-    else:
-        env.pop("SAMEBITS_APPEND", None)
-    return env
+    variables = recording_variables(**what)
+    variables.update({"SAMEBITS_REFERENCE": _text(reference), "SAMEBITS_STEP_OFFSET": _text(step_offset),
+                      "SAMEBITS_APPEND": "1" if append else None})
+    return with_variables(env, variables)
 
 
-__all__ = ["install", "environment_for", "read_outcomes", "read_stop", "STOPPED_MARKER", "STATE_DIR",
-           "EXIT_STOPPED", "ENV_ENABLE"]
+def _text(value) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+__all__ = ["install", "environment_for", "recording_variables", "with_variables", "read_outcomes", "read_stop",
+           "STOPPED_MARKER", "STATE_DIR", "EXIT_STOPPED", "ENV_ENABLE"]

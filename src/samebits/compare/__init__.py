@@ -199,6 +199,10 @@ def diff(
         verdict = Verdict.INCOMPLETE
         window = f"[{start}, {stop if stop is not None else 'end'})"
         incomplete.append(f"nothing to compare: neither run holds a step in the window {window}")
+    elif counts["records"] == 0:  # steps, but empty ones: equal roots of nothing prove nothing
+        verdict = Verdict.INCOMPLETE
+        incomplete.append(f"nothing to compare: the {steps_compared} step(s) in the window hold no records (was "
+                          "everything left out by the recording choices? see samebits show RUN)")
     else:
         verdict = Verdict.IDENTICAL
     if divergences and incomplete:

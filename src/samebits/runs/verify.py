@@ -18,6 +18,7 @@ recorded at each step start names the state the checkpoint did not restore.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 import time
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from samebits.autorecord import STATE_DIR, environment_for, read_stop
+from samebits.autorecord import STATE_DIR, environment_for, read_stop, recording_variables, with_variables
 from samebits.checkpoint import STATE_PHASE, describe_state_record
 from samebits.compare import DiffResult, diff
 from samebits.errors import ConfigError, SamebitsError, StreamError
@@ -132,9 +133,11 @@ def verify_recipe(
     overrides: list[str] = (),
     nondeterministic: bool = False,
     progress: Callable[[str], None] | None = None,
+    record: dict | None = None,
 ) -> VerifyResult:
     """Run the reference recipe A, B and C (save at ``resume_at``, default ``steps // 2``;
-    resume) and compare.  Both guarantees are always checked."""
+    resume) and compare.  Both guarantees are always checked.  ``record``: what to record
+    (`samebits.autorecord.recording_variables`' arguments)."""
     if steps < 2:
         raise ConfigError(f"--steps {steps}: verify needs at least 2 steps (one before and one after the resume).")
     resume_at = steps // 2 if resume_at is None else resume_at
@@ -142,6 +145,7 @@ def verify_recipe(
         raise ConfigError(f"--resume-at {resume_at} must be between 1 and {steps - 1} (inside the run).")
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc} must be at least 1.")
+    env = with_variables(os.environ, recording_variables(**record)) if record else None
     out = _prepare(out or default_out_dir())
     say = progress or (lambda message: None)
     base = _recipe_argv(nproc) + ["--steps", str(steps)]
@@ -162,7 +166,7 @@ def verify_recipe(
         say(f"[{index}/{len(stages)}] run {name}: {nproc} rank(s), {steps} steps ...")
         run_dir = Path(argv[argv.index("--out") + 1])
         log = out / "logs" / (name.split()[0].lower() + ("-resume" if "resume" in name else "") + ".log")
-        code, seconds = run_logged(argv, log, label=name)
+        code, seconds = run_logged(argv, log, label=name, env=env)
         timings[name] = seconds
         # torchrun replaces the recipe's exit code 3 by its own: the marker file tells.
         stop = read_stop(run_dir) if may_stop else None
@@ -195,6 +199,7 @@ def verify_command(
     progress: Callable[[str], None] | None = None,
     steps: str | None = None,
     run_timeout: float | None = None,
+    record: dict | None = None,
 ) -> VerifyResult:
     """Run ``cmd`` twice (A, B) with zero-code recording and compare; with ``resume_with``
     (a command run after A, resuming A's checkpoint of step ``resume_at``) also run C and
@@ -205,6 +210,8 @@ def verify_command(
     (a, b or c) in both commands; ``{step}`` (``resume_at``) and ``{from}`` (A's work folder,
     where A saved its checkpoints) in ``resume_with``.  C's steps are numbered from
     ``resume_at``, like A's.  ``require_resume``: refuse to start without a resume check.
+    ``record``: what to record (`samebits.autorecord.recording_variables`' arguments; ``steps``
+    is the step window, kept as its own argument too).
     """
     if not cmd:
         raise ConfigError("no command given: write `samebits verify -- python train.py ...`.")
@@ -223,17 +230,21 @@ def verify_command(
         if any(placeholder in part for part in cmd):
             raise ConfigError(f"the command holds {placeholder}, which only --resume-with can use; use {{out}} "
                               "for the run's own work folder.")
+    what = dict(record or {})
+    if steps is not None:
+        what["steps"] = steps
+    recording_variables(**what)  # a bad choice is refused before any run starts
     out = _prepare(out or default_out_dir())
     say = progress or (lambda message: None)
     command = shlex.join(cmd)
     notes: list[str] = []
-    stages = [("A", _expand(cmd, out, "a"), environment_for(out / "a", command=command, steps=steps)),
+    stages = [("A", _expand(cmd, out, "a"), environment_for(out / "a", command=command, **what)),
               ("B", _expand(cmd, out, "b"),
-               environment_for(out / "b", command=command, steps=steps, reference=out / "a"))]
+               environment_for(out / "b", command=command, reference=out / "a", **what))]
     if resume_with is not None:
         resumed = _expand(shlex.split(resume_with), out, "c", step=resume_at)
         stages.append(("C (resume)", resumed,
-                       environment_for(out / "c", command=command, steps=steps, step_offset=resume_at,
+                       environment_for(out / "c", command=command, step_offset=resume_at, **what,
                                        reference=out / "a")))
         if not any("{out}" in part for part in cmd):
             notes.append("the command has no {out}: A and B write their checkpoints to the same place, so C may "

@@ -5,6 +5,8 @@ and docs/stream.md.
 """
 
 from samebits.stream.reader import Record, Run, StepBlock, StreamReader, open_run
+from samebits.stream.summary import CatalogueEntry, catalogue, summarise
 from samebits.stream.writer import Recorder
 
-__all__ = ["Recorder", "Record", "Run", "StepBlock", "StreamReader", "open_run"]
+__all__ = ["Recorder", "Record", "Run", "StepBlock", "StreamReader", "open_run", "summarise", "catalogue",
+           "CatalogueEntry"]

@@ -7,6 +7,7 @@ The variables (``SAMEBITS_DIR``, ``_DISABLE``, ``_STEPS``, ``_RANKS``, ``_PHASES
 
 from __future__ import annotations
 
+import fnmatch
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,14 +41,29 @@ class RecorderSettings:
     enabled: bool
     phases: frozenset[str] | None = None  # None: every phase
     ranks: frozenset[int] | None = None  # the ranks selected for recording; None: every rank
+    include: tuple[str, ...] = ()  # globs on "phase/name" or name; empty: every tensor
+    exclude: tuple[str, ...] = ()
 
     def selected(self, step: int, phase: str) -> bool:
         return (step >= self.step_start and (self.step_stop is None or step < self.step_stop)
                 and (self.phases is None or phase in self.phases))
 
+    @property
+    def filters_names(self) -> bool:
+        return bool(self.include or self.exclude)
+
+    def name_selected(self, phase: str, name: str) -> bool:
+        """Whether a tensor passes the include/exclude globs (matched on ``phase/name``, then ``name``)."""
+        full = f"{phase}/{name}"
+
+        def matches(patterns):
+            return any(fnmatch.fnmatchcase(full, p) or fnmatch.fnmatchcase(name, p) for p in patterns)
+
+        return (not self.include or matches(self.include)) and not matches(self.exclude)
+
     @classmethod
     def resolve(cls, *, directory, rank, world_size, steps, ranks, max_tensor_bytes, flush_every, enabled,
-                phases=None):
+                phases=None, include=None, exclude=None):
         if enabled is None:
             enabled = not settings.read("SAMEBITS_DISABLE")
         if directory is None:
@@ -74,7 +90,11 @@ class RecorderSettings:
             phases = settings.read("SAMEBITS_PHASES") or None
         if isinstance(phases, str):
             phases = [p.strip() for p in phases.split(",") if p.strip()]
+        include = settings.read("SAMEBITS_INCLUDE") if include is None else include
+        exclude = settings.read("SAMEBITS_EXCLUDE") if exclude is None else exclude
         return cls(
+            include=_patterns(include),
+            exclude=_patterns(exclude),
             phases=frozenset(phases) if phases is not None else None,
             directory=Path(directory) if directory is not None else Path("."),
             rank=rank,
@@ -87,3 +107,11 @@ class RecorderSettings:
             flush_every=flush,
             enabled=bool(enabled),
         )
+
+
+def _patterns(value) -> tuple[str, ...]:
+    if not value:
+        return ()
+    if isinstance(value, str):
+        value = value.split(",")
+    return tuple(p.strip() for p in value if p.strip())

@@ -108,6 +108,8 @@ class Recorder:
         flush_every: int | None = None,
         enabled: bool | None = None,
         phases: str | Iterable[str] | None = None,
+        include: str | Iterable[str] | None = None,
+        exclude: str | Iterable[str] | None = None,
         append: bool = False,
         reference: str | os.PathLike | None = None,
     ):
@@ -121,6 +123,8 @@ class Recorder:
             flush_every=flush_every,
             enabled=enabled,
             phases=phases,
+            include=include,
+            exclude=exclude,
         )
         s = self.settings
         self.rank, self.world_size = s.rank, s.world_size
@@ -158,6 +162,7 @@ class Recorder:
             "phases": sorted(s.phases) if s.phases is not None else None,
             "ranks": sorted(s.ranks) if s.ranks is not None else None,
             "max_tensor_bytes": s.max_tensor_bytes,
+            **({"include": list(s.include), "exclude": list(s.exclude)} if s.filters_names else {}),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "samebits": _samebits_version(),
             "environment": environment_fingerprint(),
@@ -220,8 +225,11 @@ class Recorder:
         records, occurrences = [], {}
         to_digest: dict[torch.device, tuple[int, list[torch.Tensor]]] = {}  # device -> (first index, tensors)
         self._check_text(phase, "phase", step)
+        filters_names = self.settings.filters_names
         for name, tensor in named_tensors:
             name = str(name)
+            if filters_names and not self.settings.name_selected(phase, name):
+                continue  # left out by include/exclude: no record, no digest
             self._check_text(name, "name", step)
             key = (fmt.RECORD_TENSOR, phase, name)
             occurrence = occurrences.get(key)

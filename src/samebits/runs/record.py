@@ -1,0 +1,42 @@
+"""`run_recorded`: run any command with zero-code recording into a new run directory."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+from pathlib import Path
+
+from samebits.autorecord import environment_for
+from samebits.errors import ConfigError, SamebitsError
+
+
+def check_out_dir(out) -> Path:
+    """Refuse, before anything starts, an ``out`` that is a file or already holds anything."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a directory: give a new directory to record into.")
+    if out.is_dir() and any(out.iterdir()):
+        raise ConfigError(f"--out {out} is not empty (it may hold an earlier run's streams): samebits never "
+                          "records over a run. Give a new directory or delete the old one.")
+    return out
+
+
+def run_recorded(cmd: list[str], out, *, reference=None, step_offset: int | None = None, **what) -> int:
+    """Run ``cmd`` with recording into ``out`` (new or empty); return its exit code.
+
+    ``reference``: check each step live against that run; ``step_offset``: the first step's
+    number; ``what``: what to record (`samebits.autorecord.recording_variables`: steps, ranks,
+    phases, include, exclude, max_tensor_bytes)."""
+    if not cmd:
+        raise ConfigError("no command given: write `samebits run --out DIR -- python train.py ...`.")
+    if step_offset is not None and step_offset < 0:
+        raise ConfigError(f"--step-offset {step_offset}: must be >= 0.")
+    check_out_dir(out)
+    env = environment_for(out, command=shlex.join(cmd), reference=reference, step_offset=step_offset, **what)
+    try:
+        return subprocess.call(cmd, env=env)
+    except FileNotFoundError:
+        raise SamebitsError(f"cannot run {cmd[0]!r}: no such program. Check the command after `--`.") from None
+
+
+__all__ = ["run_recorded", "check_out_dir"]

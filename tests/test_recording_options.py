@@ -1,0 +1,98 @@
+"""Choosing what to record: include/exclude globs, phases, the shared CLI options, `show --records`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import samebits
+from samebits.autorecord import recording_variables
+from samebits.cli import main
+from samebits.stream import catalogue
+from samebits.verdicts import Verdict
+
+
+def _record(path, **choices):
+    rec = samebits.Recorder(path, rank=0, world_size=1, **choices)
+    for step in range(2):
+        rec.metrics(step, loss=1.5)
+        rec.tensors(step, "params", {"layer.weight": torch.ones(2, 3), "layer.bias": torch.zeros(3),
+                                     "router.weight": torch.ones(4)})
+        rec.tensors(step, "optimizer", {"layer.weight.exp_avg": torch.ones(2, 3)})
+        rec.end_step(step)
+    rec.close()
+
+
+def _names(path):
+    return [(e.phase, e.name) for e in catalogue(path)[2]]
+
+
+def test_include_and_exclude_choose_tensors_by_phase_and_name(tmp_path):
+    _record(tmp_path / "all")
+    _record(tmp_path / "some", include=["params/*"], exclude=["*.bias"])
+    _record(tmp_path / "router", include="*router*")
+    assert len(_names(tmp_path / "all")) == 5
+    assert _names(tmp_path / "some") == [("metrics", "loss"), ("params", "layer.weight"), ("params", "router.weight")]
+    assert ("params", "router.weight") in _names(tmp_path / "router")
+    assert ("params", "layer.weight") not in _names(tmp_path / "router")
+    summary = samebits.stream.summarise(tmp_path / "some")
+    assert summary["selection"]["include"] == ["params/*"] and summary["selection"]["exclude"] == ["*.bias"]
+
+
+def test_the_environment_chooses_too(tmp_path, monkeypatch):
+    monkeypatch.setenv("SAMEBITS_EXCLUDE", "optimizer/*,params/router.*")
+    _record(tmp_path / "env")
+    assert ("optimizer", "layer.weight.exp_avg") not in _names(tmp_path / "env")
+    assert ("params", "router.weight") not in _names(tmp_path / "env")
+    assert ("params", "layer.bias") in _names(tmp_path / "env")
+
+
+def test_runs_whose_steps_hold_no_records_are_never_identical(tmp_path):
+    """Everything filtered out: equal roots of empty steps prove nothing."""
+    _record(tmp_path / "a", include=["nothing/*"], phases=["params"])
+    _record(tmp_path / "b", include=["nothing/*"], phases=["params"])
+    result = samebits.diff(tmp_path / "a", tmp_path / "b")
+    assert result.verdict is Verdict.INCOMPLETE and "hold no records" in result.incomplete[0]
+
+
+def test_bad_choices_are_refused_before_anything_runs(tmp_path, capsys):
+    with pytest.raises(samebits.ConfigError, match="SAMEBITS_RANKS"):
+        recording_variables(ranks="zero")
+    code = main(["run", "--out", str(tmp_path / "r"), "--ranks", "x-", "--", sys.executable, "-c", "print(1)"])
+    assert code == 2 and "SAMEBITS_RANKS" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+SCRIPT = """
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step(); opt.zero_grad()
+"""
+
+
+def test_run_options_reach_zero_code_recording_and_show_lists_them(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / "run"
+    code = main(["run", "--out", str(out), "--phases", "params,grads", "--include", "*weight",
+                 "--steps", "1:3", "--", sys.executable, str(script)])
+    assert code == 0
+    capsys.readouterr()
+    assert main(["show", str(out), "--records", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["step"] == 1
+    assert sorted((r["phase"], r["name"]) for r in shown["records"]) == [
+        ("grads", "0.weight"), ("grads", "1.weight"), ("params", "0.weight"), ("params", "1.weight")]
+    assert main(["show", str(out), "--records", "--step", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "rank 0, step 2: 4 name(s) in 2 phase(s)" in text and "0.weight" in text
+    assert main(["show", str(out), "--records", "--step", "0"]) == 2  # outside the recorded window
+    assert "has no step 0" in capsys.readouterr().err

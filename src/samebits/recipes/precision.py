@@ -26,11 +26,12 @@ same rounded operands, accumulated in fp32).  MXFP8 and NVFP4 are always emulate
 real GEMMs need SM100 hardware and torchao's CUDA kernels.
 
 torchao 0.18 removed delayed scaling, so `fp8_delayed` is ours, on torch's fp8 casts: each
-converted linear keeps `amax_history_{input,weight,grad_output}` buffers (length
+converted linear keeps amax histories for its input, weight and output gradient (length
 `fp8_amax_history_len`); a GEMM casts with scale = fp8_max / max(history) (the current amax
 while the history is still empty), then rolls the history and writes this call's amax.  The
-histories are module state: `fp8_save_amax_history=False` makes them non-persistent (left out
-of `state_dict`, hence of the checkpoint), the planted fault that makes a resume diverge.
+histories are module state, in `state_dict` as the linear's extra state and so in the
+checkpoint; `fp8_save_amax_history=False` leaves them out (the planted fault that makes a
+resume diverge).
 
 Only the NVFP4 training recipe's core is emulated: 1-D 16-element blocks with round-to-
 nearest-even on every operand; its random Hadamard transform and stochastic rounding of
@@ -49,6 +50,7 @@ from typing import Callable, Iterator, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Shard
 
 from samebits.errors import ConfigError
 
@@ -128,9 +130,15 @@ def torchao_available() -> bool:
 def _torchao():
     """Import torchao quietly (it logs a warning per CUDA extension it cannot load on CPU)."""
     logging.getLogger("torchao").setLevel(logging.ERROR)
-    import torchao.float8  # noqa: F401
-    import torchao.prototype.mx_formats.mx_tensor  # noqa: F401
-    import torchao.prototype.mx_formats.nvfp4_tensor  # noqa: F401
+    pytree = logging.getLogger("torch.utils._pytree")  # torchao registers enums it warns about
+    level = pytree.level
+    pytree.setLevel(logging.ERROR)
+    try:
+        import torchao.float8  # noqa: F401
+        import torchao.prototype.mx_formats.mx_tensor  # noqa: F401
+        import torchao.prototype.mx_formats.nvfp4_tensor  # noqa: F401
+    finally:
+        pytree.setLevel(level)
     return torchao
 
 
@@ -144,7 +152,7 @@ class Precision:
     gemm: str
     converted: list[str] = field(default_factory=list)  # names of the low-precision linears
     autocast_dtype: torch.dtype | None = None
-    history_modules: dict[str, "DelayedFloat8Linear"] = field(default_factory=dict)
+    history_modules: dict[str, "_DelayedScalingLinear"] = field(default_factory=dict)
 
     def autocast(self, device_type: str):
         """The forward's autocast context (a no-op but for bf16)."""
@@ -155,15 +163,15 @@ class Precision:
     def state_records(self) -> list[tuple[str, torch.Tensor]]:
         """Module state outside parameters and optimizer that decides the next step's bits,
         for the state census: ``fp8.<linear>.amax_history_<role>`` per delayed-scaling linear."""
-        return [(f"fp8.{name}.amax_history_{role}", getattr(module, f"amax_history_{role}"))
-                for name, module in self.history_modules.items() for role in HISTORY_ROLES]
+        return [(f"fp8.{name}.amax_history_{role}", module.amax_history[index])
+                for name, module in self.history_modules.items() for index, role in enumerate(HISTORY_ROLES)]
 
     @property
     def rank_local_names(self) -> frozenset[str]:
         """State-dict keys of the amax histories: an input's and a gradient's amax are this
         rank's own (its micro-batch), so the checkpoint keeps one history per rank."""
-        return frozenset(f"{name}.amax_history_{role}" for name, module in self.history_modules.items()
-                         for role in HISTORY_ROLES if f"amax_history_{role}" not in module._non_persistent_buffers_set)
+        return frozenset(f"{name}._extra_state" for name, module in self.history_modules.items()
+                         if isinstance(module, DelayedFloat8Linear))
 
     def describe(self) -> str:
         return (f"precision {self.name}: GEMM path {self.gemm}, "
@@ -203,8 +211,8 @@ def apply_precision(model: nn.Module, precision: str, gemm: str, *, device: str 
         return result
     for name, module in targets:
         if precision == "fp8_delayed":
-            new = DelayedFloat8Linear.from_linear(module, history_len=history_len,
-                                                  persistent=save_history, emulate=gemm == "emulated")
+            kind = DelayedFloat8Linear if save_history else _DelayedScalingLinear
+            new = kind.from_linear(module, history_len=history_len, emulate=gemm == "emulated")
             result.history_modules[name] = new
         else:
             new = BlockScaledLinear.from_linear(module, precision)
@@ -232,43 +240,80 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
 
 # --- FP8 delayed scaling ------------------------------------------------------------------
 
-class DelayedFloat8Linear(nn.Linear):
+class _DelayedScalingLinear(nn.Linear):
     """`nn.Linear` whose three GEMMs take fp8 operands scaled from amax histories.
 
     Forward: y = x W^T with x, W in e4m3.  Backward: grad_x = g W, grad_W = g^T x with g
     (the output gradient) in e5m2 and x, W as cast in the forward.  Each cast uses the scale
     of its role's history *before* this call's amax is written, so the scales of step s come
-    from steps < s: state a resume must carry.
+    from steps < s: state a resume must carry.  ``amax_history`` (roles x length, fp32) is a
+    plain attribute, not a buffer: tensor parallelism turns every buffer of a module it
+    shards into a DTensor, and these histories are this rank's own.  This class leaves them
+    out of `state_dict` (the planted fault); `DelayedFloat8Linear` checkpoints them.
     """
 
-    def __init__(self, in_features: int, out_features: int, *, history_len: int, persistent: bool,
-                 emulate: bool, bias: bool = False, device=None, dtype=None):
+    def __init__(self, in_features: int, out_features: int, *, history_len: int, emulate: bool,
+                 bias: bool = False, device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.emulate = emulate
-        for role in HISTORY_ROLES:
-            self.register_buffer(f"amax_history_{role}", torch.zeros(history_len, dtype=torch.float32),
-                                 persistent=persistent)
+        self.amax_history = torch.zeros(len(HISTORY_ROLES), history_len, dtype=torch.float32)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, history_len: int, persistent: bool,
-                    emulate: bool) -> "DelayedFloat8Linear":
-        new = cls(linear.in_features, linear.out_features, history_len=history_len, persistent=persistent,
-                  emulate=emulate, bias=linear.bias is not None, device=linear.weight.device,
-                  dtype=linear.weight.dtype)
+    def from_linear(cls, linear: nn.Linear, *, history_len: int, emulate: bool) -> "_DelayedScalingLinear":
+        new = cls(linear.in_features, linear.out_features, history_len=history_len, emulate=emulate,
+                  bias=linear.bias is not None, device=linear.weight.device, dtype=linear.weight.dtype)
         new.weight = linear.weight
         if linear.bias is not None:
             new.bias = linear.bias
         return new
 
+    def history(self, role: str, device: torch.device) -> torch.Tensor:
+        """The live history of ``role`` (a view, updated in place), on ``device``."""
+        if self.amax_history.device != device:  # follows the activations (model.to(device))
+            self.amax_history = self.amax_history.to(device)
+        return self.amax_history[HISTORY_ROLES.index(role)]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        out = _DelayedFloat8MM.apply(x.reshape(-1, shape[-1]), self.weight, self)
-        out = out.reshape(*shape[:-1], self.out_features).to(x.dtype)
-        return out + self.bias if self.bias is not None else out
+        return _linear(self, x, lambda x2d, weight: _DelayedFloat8MM.apply(x2d, weight, self))
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", fp8 delayed, history={self.amax_history_input.numel()}, " \
+        return super().extra_repr() + f", fp8 delayed, history={self.amax_history.shape[1]}, " \
             f"{'emulated' if self.emulate else 'scaled_mm'}"
+
+
+class DelayedFloat8Linear(_DelayedScalingLinear):
+    """Delayed-scaling fp8 linear whose amax histories are in `state_dict` (key
+    ``<linear>._extra_state``, a (3, length) fp32 tensor), hence in the checkpoint."""
+
+    def get_extra_state(self) -> torch.Tensor:
+        return self.amax_history
+
+    def set_extra_state(self, state: torch.Tensor) -> None:
+        if tuple(state.shape) != tuple(self.amax_history.shape):
+            raise ConfigError(f"fp8 amax history of shape {tuple(state.shape)} in the checkpoint, this run keeps "
+                              f"{tuple(self.amax_history.shape)}: fp8_amax_history_len differs; resume with the "
+                              "saved run's value")
+        self.amax_history = state.detach().to(self.amax_history.device, torch.float32).clone()
+
+
+def _linear(module: nn.Linear, x: torch.Tensor, matmul) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` through ``matmul(x2d, weight) -> (N, out)``, on plain tensors.
+
+    Under tensor parallelism (DTensor weight: Shard(0) column-parallel, Shard(1) row-parallel)
+    the GEMM runs on this rank's shards and its result goes back as a DTensor (Shard(-1), or
+    Partial for the row-parallel sum that the plan's all-reduce completes).  Scales are then
+    those of the local shards: another rounding than one device's, repeatable all the same."""
+    weight, placement = module.weight, None
+    if isinstance(weight, DTensor):
+        (shard,) = weight.placements  # a 1-D TP mesh
+        placement = Shard(x.dim() - 1) if shard == Shard(0) else Partial()
+        mesh, weight = weight.device_mesh, weight.to_local()
+        x = x.to_local() if isinstance(x, DTensor) else x
+    out = matmul(x.reshape(-1, x.shape[-1]), weight)
+    out = out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+    if placement is not None:
+        out = DTensor.from_local(out, mesh, [placement], run_check=False)
+    return out + module.bias if module.bias is not None else out
 
 
 def _delayed_cast(t: torch.Tensor, history: torch.Tensor, dtype: torch.dtype,
@@ -298,8 +343,8 @@ def fp8_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.T
 class _DelayedFloat8MM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, module):
-        x8, x_inv = _delayed_cast(x, module.amax_history_input, torch.float8_e4m3fn, E4M3_MAX)
-        w8, w_inv = _delayed_cast(weight, module.amax_history_weight, torch.float8_e4m3fn, E4M3_MAX)
+        x8, x_inv = _delayed_cast(x, module.history("input", x.device), torch.float8_e4m3fn, E4M3_MAX)
+        w8, w_inv = _delayed_cast(weight, module.history("weight", x.device), torch.float8_e4m3fn, E4M3_MAX)
         ctx.save_for_backward(x8, x_inv, w8, w_inv)
         ctx.module, ctx.dtypes = module, (x.dtype, weight.dtype)
         return fp8_mm(x8, x_inv, w8.t(), w_inv, module.emulate)  # (N, out)
@@ -308,7 +353,7 @@ class _DelayedFloat8MM(torch.autograd.Function):
     def backward(ctx, grad):
         x8, x_inv, w8, w_inv = ctx.saved_tensors
         module = ctx.module
-        g8, g_inv = _delayed_cast(grad.contiguous(), module.amax_history_grad_output, torch.float8_e5m2,
+        g8, g_inv = _delayed_cast(grad.contiguous(), module.history("grad_output", grad.device), torch.float8_e5m2,
                                   E5M2_MAX)
         grad_x = fp8_mm(g8, g_inv, w8, w_inv, module.emulate)  # (N, out) @ (out, in)
         grad_w = fp8_mm(g8.t(), g_inv, x8, x_inv, module.emulate)  # (out, N) @ (N, in)
@@ -381,10 +426,7 @@ class BlockScaledLinear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        out = _BlockScaledMM.apply(x.reshape(-1, shape[-1]), self.weight, self.precision)
-        out = out.reshape(*shape[:-1], self.out_features).to(x.dtype)
-        return out + self.bias if self.bias is not None else out
+        return _linear(self, x, lambda x2d, weight: _BlockScaledMM.apply(x2d, weight, self.precision))
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", {self.precision} emulated"
@@ -410,7 +452,7 @@ class _BlockScaledMM(torch.autograd.Function):
 def low_precision_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """The converted linears of a model (for tests and docs)."""
     for name, module in model.named_modules():
-        if isinstance(module, (DelayedFloat8Linear, BlockScaledLinear)) or \
+        if isinstance(module, (_DelayedScalingLinear, BlockScaledLinear)) or \
                 type(module).__name__ == "Float8Linear":
             yield name, module
 

@@ -198,6 +198,16 @@ def test_training_is_bit_identical_at_dp_1_2_and_4(invariant_runs):
 
 
 @pytest.mark.slow
+def test_the_ddp_comm_hook_gives_the_same_bits_as_the_accumulator(invariant_runs, tmp_path):
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT),
+            "--steps", "20", "--ddp", "--out", str(tmp_path / "ddp2")]
+    code, _ = run_logged(argv, tmp_path / "ddp2.log")
+    assert code == 0, (tmp_path / "ddp2.log").read_text()[-2000:]
+    check = compare_replicated(Path(invariant_runs.out) / "dp1", tmp_path / "ddp2")
+    assert check.verdict is Verdict.IDENTICAL and check.compared["steps"] == 20, check.to_json()
+
+
+@pytest.mark.slow
 def test_control_plain_fp32_reduction_differs_between_dp_1_and_2(tmp_path):
     train_dp = _script_module()
     assert train_dp.main(["--steps", "2", "--grad-reduce", "mean", "--out", str(tmp_path / "dp1")]) == 0

@@ -30,7 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 import samebits
-from samebits.invariant import GradientAccumulator, clip_grad_norm_, micro_batch_seed
+from samebits.invariant import (GradientAccumulator, InvariantHookState, clip_grad_norm_, invariant_comm_hook,
+                                micro_batch_seed)
 
 NUM_FEATURES, NUM_CLASSES = 24, 10
 
@@ -57,6 +58,8 @@ def main(argv=None) -> int:
     parser.add_argument("--num-micro-batches", type=int, default=4)
     parser.add_argument("--micro-batch-size", type=int, default=16)
     parser.add_argument("--grad-reduce", choices=("invariant", "mean"), default="invariant")
+    parser.add_argument("--ddp", action="store_true",
+                        help="invariant mode through DDP and invariant_comm_hook instead of the accumulator")
     parser.add_argument("--rng-key", default="step_micro_batch", help="declared RNG keying (rank is refused)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path)
@@ -90,6 +93,14 @@ def _train(args) -> int:
     except samebits.ConfigError as err:
         print(f"train_dp: error: {err}", file=sys.stderr)
         return 2
+    forward = model
+    if args.ddp:
+        if args.grad_reduce != "invariant" or world_size == 1:
+            print("train_dp: error: --ddp needs --grad-reduce invariant and torchrun", file=sys.stderr)
+            return 2
+        forward = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)  # several buckets
+        forward.register_comm_hook(InvariantHookState(num_micro_batches=args.num_micro_batches),
+                                   invariant_comm_hook)
     config = {"grad_reduce": args.grad_reduce, "num_micro_batches": args.num_micro_batches,
               "micro_batch_size": args.micro_batch_size, "seed": args.seed}
     rec = samebits.Recorder(args.out, rank=rank, world_size=world_size, config=config) if args.out else None
@@ -105,13 +116,14 @@ def _train(args) -> int:
         for index in acc.micro_batches():
             x, y = micro_batch(args.seed, step, index, args.micro_batch_size)
             with acc.micro_batch(step, index):  # dropout keyed by (step, micro-batch)
-                loss = nn.functional.cross_entropy(model(x), y, reduction="sum") / total
+                loss = nn.functional.cross_entropy(forward(x), y, reduction="sum") / total
                 loss.backward()  # "mean": accumulates into p.grad in fp32
             loss_sum += loss.detach()
-            if args.grad_reduce == "invariant":
+            if args.grad_reduce == "invariant" and not args.ddp:
                 acc.accumulate()
         if args.grad_reduce == "invariant":
-            acc.reduce()
+            if not args.ddp:  # with DDP the hook reduced during the last backward
+                acc.reduce()
             grad_norm = clip_grad_norm_(model.parameters(), 1.0)
         else:
             for p in model.parameters():  # the usual: one fp32 all-reduce of the local sums

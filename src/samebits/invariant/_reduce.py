@@ -278,7 +278,7 @@ class InvariantHookState:
     num_micro_batches: int
     group: object = None
     last_stats: ReduceStats = field(default_factory=ReduceStats)
-    _pending: dict = field(default_factory=dict)  # bucket's parameter ids -> kept micro-batch blocks
+    _pending: dict = field(default_factory=dict)  # (data_ptr, numel) of a parameter -> its kept gradients
     _fresh: bool = True
 
     def __post_init__(self):
@@ -295,15 +295,18 @@ def invariant_comm_hook(state: InvariantHookState, bucket) -> torch.futures.Futu
     k-th it reduces all M micro-batches and returns the sum."""
     grads = bucket.gradients()
     layout = _Blocks([g.numel() for g in grads], DEFAULT_BLOCK_SIZE, _group_info(state.group)[1])
-    key = tuple(id(p) for p in bucket.parameters())
-    kept = state._pending.setdefault(key, [])
-    kept.append(layout.gather(grads))
+    # Kept per parameter: DDP rebuilds its buckets after the first iteration (other members,
+    # other order), and the Python objects of bucket.parameters() are new on every call.
+    keys = [(p.data_ptr(), p.numel()) for p in bucket.parameters()]
+    for key, grad in zip(keys, grads):
+        state._pending.setdefault(key, []).append(grad.detach().reshape(-1).clone())
     buffer = bucket.buffer()
     future = torch.futures.Future()
-    if len(kept) < state.num_local_micro_batches:
+    if len(state._pending[keys[0]]) < state.num_local_micro_batches:
         future.set_result(torch.zeros_like(buffer))
         return future
-    del state._pending[key]
+    per_param = [state._pending.pop(key) for key in keys]
+    kept = [layout.gather([flats[i] for flats in per_param]) for i in range(state.num_local_micro_batches)]
     if state._fresh:  # the first bucket reduced in this step
         state.last_stats, state._fresh = ReduceStats(), False
     reduced = reduce_blocks(kept, num_micro_batches=state.num_micro_batches, group=state.group,
@@ -315,6 +318,11 @@ def invariant_comm_hook(state: InvariantHookState, bucket) -> torch.futures.Futu
         out[offset:offset + grad.numel()].copy_(grad.reshape(-1))
     future.set_result(out)
     return future
+
+
+# DDP checks the hook's return annotation as an object (a string, as `from __future__ import
+# annotations` makes it, is refused).
+invariant_comm_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
 
 
 __all__ = ["GradientAccumulator", "ReduceStats", "reduce_blocks", "canonical_grad_norm", "clip_grad_norm_",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -109,3 +110,23 @@ def test_an_uncaught_exception_is_written_to_the_outcome_file(tmp_path):
     (outcome,) = read_outcomes(tmp_path / "a")
     assert outcome["ended"] == "exception" and outcome["step"] == 2
     assert outcome["traceback_tail"][-1] == "AssertionError: planted"
+
+
+def test_zero_code_recordings_own_work_is_never_traced(tmp_path):
+    """At rung 3 the dispatch mode sees every op of a traced step; zero-code recording's own
+    work (the state census at the first forward, detach and digests in its hooks) runs inside
+    the tracer's ``suspended()``, so it leaves no op record (the census's ``copy_`` and
+    ``lift_fresh`` would show at scope "" of the forward) and shifts no op id."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / "ops"
+    env = {**os.environ, "SAMEBITS_TRACE": "ops", "SAMEBITS_TRACE_STEPS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "samebits", "run", "--out", str(out), "--",
+                           sys.executable, str(script), "2"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    blocks = {b.step: b.records() for b in samebits.open_run(out).stream(0).steps()}
+    ops = [r.name.partition("|")[0] for r in blocks[1] if r.phase.startswith("trace:op:")]
+    assert any(name.startswith("0/aten::addmm") for name in ops)  # the program's ops are traced
+    foreign = [name for name in ops
+               if name.rpartition("/")[2].rpartition(":")[0] in ("aten::copy_", "aten::lift_fresh", "aten::detach")]
+    assert not foreign, foreign

@@ -5,6 +5,8 @@ End-to-end bisection over subprocesses is in test_bisect.py.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import pytest
@@ -506,3 +508,158 @@ def test_keyword_inputs_of_the_model_are_recorded(tmp_path):
     finding = find_origins(*runs).first
     assert (finding.category, finding.role, finding.label) == ("phase", "in", "features")
     assert finding.event_id.startswith("forward/")
+
+
+# -- one comparison engine, Recorder hooks, suspended work, shared helpers (issue 10) ---------
+
+
+def test_a_step_where_only_the_census_differs_gives_way_to_the_next(tmp_path):
+    """`divergent_steps` yields a rank's first divergent step; one where only the census
+    differs is context, so find_origins goes on to that rank's next divergent step."""
+    for run, rng, late in (("a", 1.0, 1.0), ("b", 2.0, 3.0)):
+        with samebits.Recorder(tmp_path / run, rank=0, world_size=1) as rec:
+            for step in range(3):
+                rec.tensors(step, "trace:census:start", [("census|at:rng.python", torch.full((2,), rng))])
+                rec.tensors(step, "trace:op:forward", [("/aten::mm:0|in:0", torch.ones(2)),
+                                                       ("/aten::mm:0|out:0", torch.full((2,), late if step == 2 else 1.0))])
+    finding = find_origins(tmp_path / "a", tmp_path / "b").first
+    assert (finding.step, finding.classification, finding.op) == (2, "origin", "aten::mm")
+    assert finding.state_differs == ["rng.python"]
+    assert find_origins(tmp_path / "a", tmp_path / "b", step=1).verdict == "identical"
+
+
+def test_a_collective_checks_the_inputs_of_a_rank_that_diverged_earlier(tmp_path):
+    """Rank 1 parts at step 0; at step 1 its input to the all_reduce differs, so rank 0 (own
+    inputs equal, output different) only received it: that step of rank 1 is read to know."""
+    ar = "world/all_reduce:0"
+    for run, delta in (("a", 0.0), ("b", 1.0)):
+        for rank in (0, 1):
+            with samebits.Recorder(tmp_path / run, rank=rank, world_size=2) as rec:
+                for step in (0, 1):
+                    if rank == 1:
+                        rec.tensors(step, "grads", [("w", torch.full((2,), delta))])
+                    own = delta if (rank == 1 and step == 1) else 0.0
+                    rec.tensors(step, "trace:collective:reduce", [
+                        (f"{ar}|in:0", torch.full((3,), 1.0 + own)),
+                        (f"{ar}|out:0", torch.full((3,), 2.0 + (delta if step == 1 else 0.0)))])
+    report = find_origins(tmp_path / "a", tmp_path / "b")
+    assert (report.findings[1].step, report.findings[1].classification) == (0, "untraced")
+    assert (report.findings[0].step, report.findings[0].classification, report.findings[0].from_rank) == \
+        (1, "receiver", 1)
+    assert not report.origins
+
+
+def test_recorder_hooks_run_around_end_step_and_come_off(tmp_path):
+    calls, entered = [], []
+    rec = samebits.Recorder(tmp_path / "r", rank=0, world_size=1)
+
+    class Work:
+        def __enter__(self):
+            entered.append(1)
+
+        def __exit__(self, *exc):
+            pass
+
+    work = rec.around_own_work(Work)
+    hook = rec.on_end_step(before=lambda step: rec.tensors(0, "late", [("x", torch.ones(1))]),
+                           after=lambda step: calls.append(step))
+    rec.tensors(0, "early", [("y", torch.ones(1))])
+    rec.metrics(0, loss=1.5)
+    assert len(entered) == 2  # tensors and metrics ran inside the context
+    rec.end_step(0)
+    assert calls == [0]
+    hook.remove()
+    work.remove()
+    hook.remove()  # idempotent
+    rec.tensors(1, "early", [("y", torch.ones(1))])
+    rec.end_step(1)
+    rec.close()
+    assert calls == [0] and len(entered) == 3  # the before hook's tensors call, still hooked
+    assert {r.phase for r in records(tmp_path / "r", step=0)} == {"early", "late", "metrics"}
+
+
+def test_suspended_work_is_neither_traced_nor_counted(tmp_path):
+    """Torch work samebits does inside a traced step (a recorder's copies, zero-code
+    recording's census, work run in ``tracer.suspended()``) leaves no op record and shifts no
+    id; the same work outside suspended() is traced like the program's."""
+    def own_work(suspend):
+        def extra(step, loss):
+            tracer = active()
+            with tracer.suspended() if suspend else contextlib.nullcontext():
+                torch.ones(3).mul(2).sum()
+            return loss
+        return extra
+
+    plain = train(tmp_path / "plain", TraceConfig(level=3), steps=1)
+    quiet = train(tmp_path / "quiet", TraceConfig(level=3), steps=1, extra=own_work(True))
+    loud = train(tmp_path / "loud", TraceConfig(level=3), steps=1, extra=own_work(False))
+    names = [[(r.phase, r.name) for r in records(run)] for run in (plain, quiet, loud)]
+    assert names[0] == names[1]
+    assert names[2] != names[0] and any("/aten::mul:" in name for _, name in names[2])
+    # the loop's own rec.metrics(loss) after the optimizer step copies a tensor: never traced
+    assert not [name for phase, name in names[0] if phase == "trace:op:post"]
+
+
+def test_old_names_are_deprecated_aliases():
+    import samebits.determinism as det
+    import samebits.trace as tr
+
+    for module, old, new in ((tr, "probe", "TraceProbe"), (tr, "Finding", "OriginFinding"),
+                             (det, "Finding", "RuleFinding")):
+        with pytest.warns(DeprecationWarning, match=new):
+            assert getattr(module, old) is getattr(module, new)
+    assert "probe" in samebits.__all__ and samebits.probe is det.probe  # the op-twice probe keeps its name
+
+
+def test_bisect_origin_serialises_to_the_documented_shape():
+    from samebits.runs.bisect import ControlFlow, Origin
+
+    origin = Origin("op", "origin: ...", 0, 1, "backward", "", "aten::index_put", "/aten::index_put:0", "op",
+                    "origin", None, None, None, "why", ["rng.torch_cpu"], ["rng.torch_cpu", "rng.python"])
+    assert list(origin.to_dict()) == ["kind", "conclusion", "step", "rank", "phase", "module", "op", "id",
+                                      "category", "classification", "call_site", "elements", "catalog",
+                                      "detail", "state_differs", "state_differs_all"]
+    assert origin.to_dict()["id"] == "/aten::index_put:0"
+    assert ControlFlow(2, 0, "parted").to_dict() == {"step": 2, "rank": 0, "detail": "parted"}
+
+
+def test_shared_torch_helpers(monkeypatch):
+    import collections
+    import dataclasses
+
+    from samebits import _torchutil as tu
+
+    x = torch.ones(2)
+
+    @dataclasses.dataclass
+    class Out:
+        logits: torch.Tensor
+        extra: tuple
+
+    class ModelOutput(collections.OrderedDict):  # like HF's: a mapping pytree may not key
+        pass
+
+    Pair = collections.namedtuple("Pair", "first second")
+    labels = lambda value, prefix="": [label for label, _ in tu.tensor_leaves(value, prefix)]  # noqa: E731
+    assert labels(x) == [""] and labels(x, "Model") == ["Model"]
+    assert labels((x, [x, {"k": x, "n": 3}])) == ["0", "1.0", "1.1.k"]
+    assert labels(Out(x, (x, None)), "M") == ["M.logits", "M.extra.0"]
+    assert labels(ModelOutput(loss=x, hidden=(x,))) == ["loss", "hidden.0"]
+    assert labels(Pair(x, x)) == ["first", "second"]
+    assert tu.op_tensor_args((x, [x, 1.0, x], 2), {"out": x}) == [("0", x), ("1.0", x), ("1.2", x), ("out", x)]
+    assert tu.op_tensor_outputs((x, None, x)) == [("0", x), ("2", x)]
+    assert all(tu.is_uninitialized_op(n) for n in ("aten::empty_like", "aten::new_empty_strided",
+                                                   "aten::_empty_affine_quantized", "aten::resize_", "aten::set_"))
+    assert not any(tu.is_uninitialized_op(n) for n in ("aten::mm", "aten::zeros_like", "aten::fill_"))
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias]}], lr=0.1)
+    assert [n for n, _ in tu.optimizer_params(opt, {id(model.weight): "weight"})] == ["weight", "group1.param0"]
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert tu.process_rank() is None and tu.rank_and_world_size() == (0, 1)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert tu.process_rank() == 3 and tu.rank_and_world_size() == (3, 4)
+    site = tu.call_site(1)
+    assert site.startswith(__file__) and site.endswith("in test_shared_torch_helpers")
+    assert tu.call_site(1, skip=(__file__,)) != site

@@ -23,7 +23,21 @@ try:
 except Exception as err:  # the environment's own sitecustomize failed: say so, carry on
     print(f"samebits: the shadowed sitecustomize failed in pid {os.getpid()}: {err!r}", file=sys.stderr)
 
-if os.environ.get("SAMEBITS_AUTORECORD") == "1":
+
+# SAMEBITS_AUTORECORD and SAMEBITS_PROBE_DIR, parsed by `samebits.settings`.  Every Python
+# process of the command runs this file, so samebits (and torch with it) is imported only
+# when one of the two names is present at all.
+_record, _probe_dir = False, None
+if any(os.environ.get(name, "").strip() for name in ("SAMEBITS_AUTORECORD", "SAMEBITS_PROBE_DIR")):
+    try:
+        from samebits import settings as _settings
+
+        _record = bool(_settings.read("SAMEBITS_AUTORECORD"))
+        _probe_dir = _settings.read("SAMEBITS_PROBE_DIR")
+    except Exception as err:  # a bad value: say so, and run the program untouched
+        print(f"samebits: disabled in pid {os.getpid()}: {err}", file=sys.stderr)
+
+if _record:
     try:
         import samebits.autorecord
 
@@ -31,11 +45,11 @@ if os.environ.get("SAMEBITS_AUTORECORD") == "1":
     except Exception as err:
         print(f"samebits: zero-code recording disabled in pid {os.getpid()}: {err}", file=sys.stderr)
 
-if os.environ.get("SAMEBITS_PROBE_DIR"):
+if _probe_dir:
     try:
         from samebits.determinism._probe_command import start
 
         start()
     except BaseException as err:  # the parent reads this file and reports it
-        with open(os.path.join(os.environ["SAMEBITS_PROBE_DIR"], f"boot-error-{os.getpid()}.txt"), "w") as f:
+        with open(os.path.join(_probe_dir, f"boot-error-{os.getpid()}.txt"), "w") as f:
             f.write(f"{type(err).__name__}: {err}")

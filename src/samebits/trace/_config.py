@@ -1,22 +1,9 @@
 """Tracing settings (`TraceConfig`), their environment variables, and the record naming scheme.
 
-Settings reach child processes (torchrun workers, zero-code recording) through these
-variables; `TraceConfig.from_env()` reads them, `TraceConfig.to_env()` writes them.
-
-==============================  ==============================================================
-``SAMEBITS_TRACE``              rung: ``off`` (default), ``phases``, ``modules``, ``ops``
-                                (each includes the ones before it)
-``SAMEBITS_TRACE_STEPS``        trace only steps START:STOP (``5`` is step 5 alone)
-``SAMEBITS_TRACE_RANKS``        trace only these ranks, e.g. ``0,2-3``
-``SAMEBITS_TRACE_MODULE``       trace modules and ops only inside this module subtree (an FQN)
-``SAMEBITS_TRACE_STACK=1``      remember each traced op's call site (``trace-rank-N.json``)
-``SAMEBITS_TRACE_DUMP_OP``      ``step=S,rank=R,id=ID[,phase=P]``: save that event's inputs and
-                                outputs with ``torch.save`` (``dump-rank-R-step-S.pt``)
-``SAMEBITS_TRACE_DUMP_DIR``     where dumps and call-site files go (default: the run directory)
-``SAMEBITS_TRACE_STOP_AFTER``   end the process (exit code 0) once step S is written
-``SAMEBITS_TEST_PERTURB``       test only: ``step=S,rank=R,op=ID[,phase=P]`` nudges the first
-                                output of that op or collective by one ulp (see docs/tracing.md)
-==============================  ==============================================================
+Settings reach child processes (torchrun workers, zero-code recording) through the
+``SAMEBITS_TRACE*`` variables (and the test hook ``SAMEBITS_TEST_PERTURB``), declared with
+their meaning in `samebits.settings` and listed in docs/settings.md; `TraceConfig.from_env()`
+reads them, `TraceConfig.to_env()` writes them.
 
 Record naming.  Every traced record has phase ``trace:<category>:<training phase>`` and name
 ``<event id>|<role>:<label>``; role is ``in`` (recorded before or as the event starts) or
@@ -102,7 +89,8 @@ class EventSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class TraceConfig:
-    """What to trace.  Build one directly, or from the environment with `from_env`."""
+    """What to trace.  Build one directly, or from the environment with `from_env` (the
+    variables are listed in docs/settings.md, "Tracing")."""
 
     level: int = 0
     """0 off, 1 phases (+ collectives, gradients, optimizer state), 2 modules, 3 ATen ops."""
@@ -161,7 +149,7 @@ class TraceConfig:
     @classmethod
     def from_env(cls, environ=None) -> "TraceConfig":
         env = os.environ if environ is None else environ
-        text = env.get("SAMEBITS_TRACE", "").strip().lower()
+        text = (settings.read("SAMEBITS_TRACE", env) or "").lower()
         if text in ("", "0", "off", "none"):
             level = 0
         elif text in LEVELS:

@@ -156,6 +156,13 @@ def test_micro_batch_rng_depends_on_step_and_micro_batch_only():
     with acc.micro_batch(3, 1):
         other = torch.rand(4)
     assert torch.equal(first, again) and not torch.equal(first, other)
+    jitter = torch.Generator().manual_seed(11)
+    before = jitter.get_state()
+    with acc.micro_batch(3, 2, generators=[jitter]):
+        drawn = torch.rand(3, generator=jitter)
+    with acc.micro_batch(3, 2, generators=[jitter]):
+        assert torch.equal(torch.rand(3, generator=jitter), drawn)
+    assert torch.equal(jitter.get_state(), before)  # restored: no trace of which micro-batches ran
     assert micro_batch_seed(5, 3, 2) != micro_batch_seed(5, 2, 3)
 
 

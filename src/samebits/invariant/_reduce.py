@@ -192,13 +192,20 @@ class GradientAccumulator:
     @contextlib.contextmanager
     def micro_batch(self, step: int, index: int, generators: Iterable[torch.Generator] = ()):
         """Run one micro-batch with torch's global CPU RNG (and ``generators``) seeded from
-        (seed, step, index) alone; the global RNG state is restored afterwards."""
+        (seed, step, index) alone.  Every state is restored afterwards, so what a rank holds
+        after a step does not depend on which micro-batches it ran."""
         seed = micro_batch_seed(self.seed, step, index)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            for offset, generator in enumerate(generators, start=1):
-                generator.manual_seed(micro_batch_seed(self.seed + offset, step, index))
-            yield seed
+        generators = list(generators)
+        saved = [g.get_state() for g in generators]
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                for offset, generator in enumerate(generators, start=1):
+                    generator.manual_seed(micro_batch_seed(self.seed + offset, step, index))
+                yield seed
+        finally:
+            for generator, state in zip(generators, saved):
+                generator.set_state(state)
 
     def global_count(self, local_count) -> int:
         """The sum over ranks of an integer count (tokens, samples): an exact int64 all-reduce.

@@ -125,6 +125,47 @@ def test_duplicate_names_are_refused():
         samebits.global_digests([("w", torch.zeros(1)), ("w", torch.zeros(1))])
 
 
+def _global_run(directory, world_size, records):
+    """A run whose every rank records ``records[step][rank]``: {name: tensor or None}."""
+    for rank in range(world_size):
+        with samebits.Recorder(directory, rank=rank, world_size=world_size, config={"world": world_size}) as rec:
+            for step, per_rank in enumerate(records):
+                rec.global_tensors(step, "params", per_rank[rank].items())
+
+
+def test_recorder_global_tensors_and_absent(tmp_path):
+    with samebits.Recorder(tmp_path / "r", rank=0, world_size=1) as rec:
+        rec.global_tensors(0, "grads", [("a", torch.ones(3)), ("b", None)])
+    block = next(samebits.open_run(tmp_path / "r").stream(0).steps())
+    assert [(r.phase, r.name, r.absent, r.digest) for r in block.records()] == [
+        ("global:grads", "a", False, samebits.digest(torch.ones(3))), ("global:grads", "b", True, None)]
+
+
+def test_diff_by_global_verdicts(tmp_path):
+    x, y = torch.arange(6.0).reshape(2, 3), torch.ones(5, dtype=torch.bfloat16)
+    y2 = y.clone()
+    y2[4] = 2
+    _global_run(tmp_path / "one", 1, [[{"x": x, "y": y}], [{"x": x, "y": y}]])
+    _global_run(tmp_path / "two", 2, [[{"x": x, "y": y}] * 2, [{"x": x, "y": y}] * 2])
+    _global_run(tmp_path / "late", 2, [[{"x": x, "y": y}] * 2, [{"x": x, "y": y2}] * 2])
+    _global_run(tmp_path / "fewer", 2, [[{"x": x}] * 2, [{"x": x}] * 2])
+    _global_run(tmp_path / "split", 2, [[{"x": x, "y": y}] * 2, [{"x": x, "y": y}, {"x": x, "y": y2}]])
+    same = samebits.diff(tmp_path / "one", tmp_path / "two", by="global")
+    assert same.verdict == "identical" and same.compared["steps"] == 2 and same.compared["tensors"] == 2
+    late = samebits.diff(tmp_path / "one", tmp_path / "late", by="global")
+    assert late.verdict == "diverged" and late.first_step == 1
+    assert [(t.name, t.status, t.first_step) for t in late.tensors] == [("x", "identical", None), ("y", "differs", 1)]
+    fewer = samebits.diff(tmp_path / "one", tmp_path / "fewer", by="global")
+    assert [(t.name, t.status, t.first_step) for t in fewer.tensors] == [("x", "identical", None),
+                                                                          ("y", "only_in_a", 0)]
+    assert fewer.verdict.exit_code == 1
+    split = samebits.diff(tmp_path / "one", tmp_path / "split", by="global")  # ranks of b disagree at step 1
+    assert split.first_step == 1 and any("ranks 0 and 1" in note for note in split.notes)
+    assert samebits.diff(tmp_path / "one", tmp_path / "two", by="global", start_step=2).verdict == "incomplete"
+    with pytest.raises(ConfigError, match="by = 'rank'"):
+        samebits.diff(tmp_path / "one", tmp_path / "two", by="rank")
+
+
 # -- 4 real gloo ranks, started once --------------------------------------------------------
 
 

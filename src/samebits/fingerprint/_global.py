@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from samebits.errors import ConfigError
 from samebits.fingerprint import _digest, _reference
-from samebits.fingerprint._spec import GOLDEN, MASK64, dtype_code, finalize, fmix64, header
+from samebits.fingerprint._spec import GOLDEN, dtype_code, finalize, fmix64, header
 
 try:  # torch.distributed may be built without DTensor (some mobile / minimal builds)
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard

@@ -282,7 +282,8 @@ class Recorder:
         Collective (`samebits.fingerprint.global_digests`): every rank of each shard group
         calls it at the same step with the same names in the same order, ranks that this
         recorder leaves out (``SAMEBITS_RANKS``) too: they take part and write nothing.
-        Every recorded rank records the same digests.  One int64 all-reduce per group; on an
+        Every recorded rank records the same digests; ``None`` (no gradient) is recorded as
+        absent.  The size cap does not apply.  One int64 all-reduce per group; on an
         accelerator the sums stay there until the step's one copy to the host.
         """
         if not self.settings.enabled:
@@ -294,12 +295,16 @@ class Recorder:
         full_phase = GLOBAL_PHASE_PREFIX + str(phase)
         if self.active:
             self._check_text(phase, "phase", step)
+        if isinstance(named_tensors, Mapping):
+            named_tensors = named_tensors.items()
+        named = [(str(name), tensor) for name, tensor in named_tensors]  # None: absent (no gradient)
+        present = [(name, tensor) for name, tensor in named if tensor is not None]
         own_work = getattr(self, "_own_work", None)
         if own_work is not None:
             with own_work():
-                names, result = fingerprint.global_body_sums(named_tensors, group=group)
+                names, result = fingerprint.global_body_sums(present, group=group)
         else:
-            names, result = fingerprint.global_body_sums(named_tensors, group=group)
+            names, result = fingerprint.global_body_sums(present, group=group)
         if result.sums.device.type == "cpu" and not bool(result.consistent):  # free on CPU; on a GPU a sync
             raise ConfigError(f"Recorder.global_tensors(step={step}, phase={phase!r}) on rank {self.rank}: the "
                               "ranks of a shard group passed different tensors (names, dtypes or global shapes); "
@@ -307,16 +312,21 @@ class Recorder:
         if not self.active:
             return
         pending = self._step(step)
-        for name in names:
+        for name, _ in named:
             self._check_text(name, "name", step)
         device = result.sums.device
         queue = pending.devices.get(device) or pending.devices.setdefault(device, _DeviceQueue())
         records, occurrences = [], {}
-        for i, (name, dtype, shape) in enumerate(zip(names, result.dtypes, result.shapes)):
+        position = {name: i for i, name in enumerate(names)}
+        for name, tensor in named:
             key = (fmt.RECORD_TENSOR, full_phase, name)
             occurrence = occurrences.get(key, pending.occurrences.get(key, 0))
             occurrences[key] = occurrence + 1
-            head, header = self._tensor_head(dtype, torch.Size(shape), False)
+            if tensor is None:
+                records.append((fmt.RECORD_TENSOR, full_phase, name, occurrence, _ABSENT_HEAD, 0, None))
+                continue
+            i = position[name]
+            head, header = self._tensor_head(result.dtypes[i], torch.Size(result.shapes[i]), False)
             records.append((fmt.RECORD_TENSOR, full_phase, name, occurrence, head, header,
                             (device, queue.num_sums + i)))
         queue.sums.append(result.sums)

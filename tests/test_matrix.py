@@ -5,11 +5,13 @@ differ, is caught with the reason."""
 from __future__ import annotations
 
 import json
+import os
 import struct
 
 import pytest
 
 from samebits.cli import main
+from samebits.cli.matrix import render
 from samebits.errors import ConfigError
 from samebits.runs import matrix as M
 from samebits.verdicts import Verdict
@@ -57,9 +59,8 @@ def test_matrix_passes_and_reports_cells_that_cannot_start(tmp_path, capsys):
     assert "needs 4 ranks, more than this matrix allows (2" in dp4["reason"]
     assert json.loads((tmp_path / "m" / "summary.json").read_text())["verdict"] == "pass"
     assert (tmp_path / "m" / "single-fp32" / "summary.json").exists()  # verify's own summary per cell
-    text = M.MatrixResult(**{"out": "o", "baseline": "single", "cells": []})  # the table renders without cells
-    from samebits.cli.matrix import render
-    assert "samebits matrix: INCOMPLETE" in render(text)
+    # Nothing ran and nothing failed: nothing was proven.
+    assert "samebits matrix: INCOMPLETE" in render(M.MatrixResult("o", "single", []))
 
 
 def test_a_required_cell_that_cannot_start_fails_with_the_reason(tmp_path, capsys):
@@ -77,7 +78,6 @@ def test_a_missing_dependency_is_named(tmp_path, monkeypatch):
     fake = tmp_path / "site" / "torchao"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("raise ImportError('No module named torchao (test stand-in)')\n")
-    import os
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path / "site"),
                                                                    os.environ.get("PYTHONPATH")])))
     result = M.run_matrix(tmp_path / "m", cells=["single"], precisions=["mxfp8"], steps=2, overrides=TINY)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from samebits import compare
+from samebits.compare import diff
 from samebits.errors import ConfigError, SamebitsError, StreamError
 from samebits.runs._launch import RunFailed
 from samebits.runs.bisect import bisect
@@ -272,6 +272,8 @@ def _run_cell(c: CellResult, cell: Cell, precision: str, *, steps: int, resume_a
         c.reason = f"{stage}: {err.reason}"
     except StreamError as err:
         c.reason = f"a stream could not be read: {err}"
+    except SamebitsError as err:  # e.g. runs that record different names: no comparison, no verdict
+        c.reason = "could not compare: " + " ".join(str(err).split())[:300]
     c.seconds = time.perf_counter() - start
     if c.verify is not None and c.verify.verdict is Verdict.INCOMPLETE:
         notes = [note for check in c.verify.checks.values() if check is not None
@@ -286,13 +288,10 @@ def _agreement(c: CellResult, base: CellResult | None) -> Agreement:
     if not (c.started and base.started):
         return Agreement("not compared", detail="the cell or the baseline did not run")
     a, b = Path(base.out) / "a", Path(c.out) / "a"
-    diff_global = getattr(compare, "diff_global", None)  # layout-independent digests, where available
     try:
         metrics = _metric_agreement(a, b)
-        if diff_global is None:
-            return metrics
-        found = diff_global(a, b)
-    except (StreamError, SamebitsError) as err:
+        found = diff(a, b, by="global")  # every full tensor by its global identity, any layouts
+    except SamebitsError as err:
         return Agreement("not compared", detail=f"could not compare: {err}")
     if Verdict(found.verdict) is Verdict.INCOMPLETE:
         metrics.detail = "global digests: " + ("; ".join(found.incomplete[:1]) or "not recorded") + \

@@ -145,12 +145,14 @@ def render_global(result: GlobalDiffResult, title: str | None = None) -> str:
         lines.append(f"DIVERGED at step {result.first_step}: {len(at_first)} of {len(result.tensors)} global "
                      f"tensor(s) differ there ({num_differing} differ at some step)")
     order = sorted(result.tensors, key=lambda t: (t.status == "identical", t.first_step or 0))
-    rows = [[t.phase, t.name + (f" #{t.occurrence}" if t.occurrence else ""), t.status.replace("_", " "),
-             "-" if t.first_step is None else t.first_step, _global_side(t.a), _global_side(t.b)]
+    rows = [[t.phase, t.name + (f" #{t.occurrence}" if t.occurrence else ""), _global_layout(t),
+             t.status.replace("_", " "), "-" if t.first_step is None else t.first_step,
+             (t.a or {}).get("digest") or "-", (t.b or {}).get("digest") or "-"]
             for t in order]
     if rows:
         lines.append("")
-        lines.append(table(["phase", "tensor", "status", "first step", "a", "b"], rows[:_GLOBAL_SHOWN]))
+        lines.append(table(["phase", "tensor", "global shape", "status", "first step", "digest a", "digest b"],
+                           rows[:_GLOBAL_SHOWN]))
         if len(rows) > _GLOBAL_SHOWN:
             lines.append(f"... and {len(rows) - _GLOBAL_SHOWN} more tensor(s) (all of them: --json)")
         if any(t.status == "differs" for t in result.tensors):
@@ -165,8 +167,7 @@ def render_global(result: GlobalDiffResult, title: str | None = None) -> str:
 _GLOBAL_SHOWN = 20
 
 
-def _global_side(entry: dict | None) -> str:
-    if entry is None:
-        return "(missing)"
-    shape = "x".join(map(str, entry["shape"])) or "scalar"
-    return f"{shape} {entry['dtype']} {entry['digest'] or '-'}"
+def _global_layout(t) -> str:
+    """The global shape and dtype (both sides' when they differ)."""
+    sides = [f"{'x'.join(map(str, e['shape'])) or 'scalar'} {e['dtype']}" for e in (t.a, t.b) if e is not None]
+    return sides[0] if len(set(sides)) == 1 else " / ".join(sides)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import re
 import sys
-from typing import Any, Iterable, Sequence
+import textwrap
+import time
+from typing import Any, Callable, Iterable, Sequence
 
 # C0 and C1 controls, DEL, and the Unicode bidi embedding/override/isolate characters.
 _UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
@@ -29,20 +31,73 @@ def escape(value: Any, keep_newlines: bool = False) -> str:
     return (_UNSAFE_KEEP_NEWLINES if keep_newlines else _UNSAFE).sub(_escaped, text)
 
 
-def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+TABLE_WIDTH = 100  # columns a table may take; a wider cell wraps onto more lines
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], max_width: int | None = TABLE_WIDTH) -> str:
     """Render rows as a left-aligned text table with a rule under the header; every cell
-    is escaped (`escape`), so a cell can neither break the layout nor drive the terminal."""
+    is escaped (`escape`), so a cell can neither break the layout nor drive the terminal.
+    The table fits ``max_width`` columns: the widest columns are narrowed first (never below
+    8 characters or their natural width) and a cell wider than its column wraps onto more
+    lines, at spaces where it can, so nothing is cut.  ``max_width=None``: no limit."""
     cells = [[escape(h) for h in headers]] + [["" if c is None else escape(c) for c in r] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    if max_width is not None:
+        widths = _fit(widths, max_width - 2 * (len(headers) - 1))
+    lines = []
+    for number, row in enumerate(cells):
+        wrapped = [_wrap(c, w) for c, w in zip(row, widths)]
+        for i in range(max(len(parts) for parts in wrapped)):
+            lines.append("  ".join((parts[i] if i < len(parts) else "").ljust(w)
+                                   for parts, w in zip(wrapped, widths)).rstrip())
+        if number == 0:
+            lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    if len(text) <= width:
+        return [text]
+    return textwrap.wrap(text, width, break_long_words=True, break_on_hyphens=False,
+                         drop_whitespace=True) or [""]
+
+
+def _fit(widths: list[int], budget: int) -> list[int]:
+    """Column widths summing to at most ``budget`` where they can: every column above a
+    common cap is narrowed to it (the largest cap that fits), none below its floor (8, or
+    its natural width if narrower)."""
+    if sum(widths) <= budget:
+        return widths
+    floors = [min(w, 8) for w in widths]
+    low, high = 0, max(widths)
+    while low < high:  # the largest cap whose widths still fit
+        cap = (low + high + 1) // 2
+        if sum(max(f, min(w, cap)) for w, f in zip(widths, floors)) <= budget:
+            low = cap
+        else:
+            high = cap - 1
+    return [max(f, min(w, low)) for w, f in zip(widths, floors)]
 
 
 def echo(*parts: Any, file=None, flush: bool = False, sep: str = " ") -> None:
     """`print` for text a person reads: every control character but the newline is escaped."""
     text = sep.join(p if isinstance(p, str) else str(p) for p in parts)
     print(escape(text, keep_newlines=True), file=file if file is not None else sys.stdout, flush=flush)
+
+
+def progress_printer(command: str, file=None) -> Callable[[str], None]:
+    """The progress line of long work (verify, bisect, matrix, report), on stderr: each
+    message after the time since the command started, ``[  12.3s] [2/4] run B ...``; the
+    library's messages carry the step counter.  Lines after the first of a message are
+    indented under it."""
+    began = time.perf_counter()
+
+    def progress(message: str) -> None:
+        stamp = f"[{time.perf_counter() - began:6.1f}s] "
+        text = str(message).replace("\n", "\n" + " " * len(stamp))
+        echo(stamp + text, file=file if file is not None else sys.stderr, flush=True)
+
+    return progress
 
 
 def print_json(obj: Any) -> None:

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import shlex
-import sys
 
-from samebits.cli._format import echo, print_json, table
+from samebits.cli._format import echo, print_json, progress_printer, table
 from samebits.errors import ConfigError
 from samebits.runs import bisect
 
@@ -52,8 +51,7 @@ def run(args) -> int:
     cmd_a = shlex.split(args.cmd_a) if args.cmd_a else (args.cmd or None)
     cmd_b = shlex.split(args.cmd_b) if args.cmd_b else None
 
-    def progress(message: str) -> None:
-        echo(message, file=sys.stderr, flush=True)
+    progress = progress_printer("bisect")  # stderr, each line after the elapsed time
 
     if args.b_step_offset is not None and not (args.cmd_a and args.cmd_b):
         raise ConfigError("--b-step-offset needs --a and --b: the run to resume from (A) and the command that "

@@ -6,7 +6,8 @@ import os
 
 from samebits.cli._format import escape, print_json, table
 from samebits.compare import DiffResult, GlobalDiffResult, diff
-from samebits.errors import IncomparableRunsError
+from samebits.errors import ConfigError, IncomparableRunsError
+from samebits.runs.report import differing_records
 from samebits.verdicts import EXIT_CANNOT_RUN, Verdict
 
 
@@ -35,11 +36,16 @@ def register(sub) -> None:
     parser.add_argument("--distributed", action="store_true",
                         help="under torchrun: each process compares a slice of the ranks, process 0 prints "
                              "(torchrun --nproc-per-node N -m samebits diff --distributed A B)")
+    parser.add_argument("--all", dest="all_records", action="store_true",
+                        help="list every record that differs at the first divergent step, not only the first")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.set_defaults(func=run)
 
 
 def run(args) -> int:
+    if args.all_records and args.by == "global":
+        raise ConfigError("--all lists the records of one rank (--by local); --by global already lists every "
+                          "global tensor.")
     try:
         result = diff(args.run_a, args.run_b, start_step=args.from_step, stop_step=args.to_step, by=args.by,
                       allow_config_diff=args.allow_config_diff, verify=args.verify, jobs=args.jobs,
@@ -51,11 +57,26 @@ def run(args) -> int:
         raise
     if args.distributed and os.environ.get("RANK", "0") != "0":
         return result.verdict.exit_code  # every process holds the result; process 0 prints it
+    records = None
+    if args.all_records and isinstance(result, DiffResult) and result.first_divergence is not None:
+        d = result.first_divergence
+        records = differing_records(args.run_a, args.run_b, rank=d.rank, step=d.step)
     if args.json:
-        print_json(result.to_json())
+        print_json(result.to_json() if records is None else {**result.to_json(), "differing_records": records})
     else:
         print(render_global(result) if isinstance(result, GlobalDiffResult) else render(result))
+        if records is not None:
+            print(render_records(records, result.first_divergence))
     return result.verdict.exit_code
+
+
+def render_records(records: list[dict], d) -> str:
+    """``--all``: every record that differs at the first divergent step of the first rank."""
+    rows = [[r["phase"], r["name"] + (f" #{r['occurrence']}" if r["occurrence"] else ""), r["kind"],
+             "(missing)" if r["a"] is None else _side(r["a"], d), "(missing)" if r["b"] is None else _side(r["b"], d),
+             r["difference"]] for r in records]
+    return "\n".join(["", f"all {len(records)} record(s) that differ at step {d.step} on rank {d.rank}:",
+                      table(["phase", "name", "kind", "a", "b", "difference"], rows)])
 
 
 def render(result: DiffResult, title: str | None = None) -> str:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import sys
 import time
 
-from samebits.cli._format import echo, print_json, table
+from samebits.cli._format import echo, print_json, progress_printer, table
 from samebits.verdicts import Verdict
 from samebits.cli.replay import check_row_table
 from samebits.runs.across import parse_across, verify_across
@@ -51,8 +50,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    def progress(message: str) -> None:
-        echo(message, file=sys.stderr, flush=True)
+    progress = progress_printer("verify")  # stderr, each line after the elapsed time
 
     start = time.perf_counter()
     if args.across is not None:

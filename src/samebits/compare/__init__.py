@@ -243,9 +243,9 @@ def divergent_steps(a, b, *, start_step: int | None = None, stop_step: int | Non
 
 
 def _window(start_step, stop_step) -> tuple[int, int | None]:
-    for name, value in (("start_step (--from-step)", start_step), ("stop_step (--to-step)", stop_step)):
+    for name, value in (("--from-step", start_step), ("--to-step", stop_step)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise ConfigError(f"{name} = {value!r}: steps are non-negative integers.")
+            raise ConfigError(f"{name} {value!r}: steps are non-negative integers.")
     start = start_step or 0
     if stop_step is not None and stop_step <= start:
         raise ConfigError(f"nothing to compare: the window [{start}, {stop_step}) holds no step "
@@ -294,7 +294,7 @@ def _check_comparable(run_a: Run, run_b: Run, allow: bool, ignore_keys, notes: l
             f"cannot compare {run_a.path} (world size {run_a.world_size}) with {run_b.path} "
             f"(world size {run_b.world_size}): a different world size changes reduction orders, "
             "so the bits are expected to differ. Compare runs of the same world size, or compare "
-            "full tensors with --by global (by='global') if both runs recorded global digests "
+            "full tensors with --by global if both runs recorded global digests "
             "(Recorder.global_tensors).",
             [f"world size: {run_a.world_size} vs {run_b.world_size}"],
         )
@@ -321,7 +321,7 @@ def _check_comparable(run_a: Run, run_b: Run, allow: bool, ignore_keys, notes: l
                 f"cannot compare {run_a.path} with {run_b.path}: their configs differ:\n  - "
                 + "\n  - ".join(problems)
                 + "\nIf the difference is intended (a code or setting change under test), pass "
-                "--allow-config-diff (allow_config_diff=True).",
+                "--allow-config-diff.",
                 problems,
             )
         notes.extend(f"allowed: {p}" for p in problems)
@@ -480,10 +480,15 @@ class _Walk:
         ended = (block_b if missing_in == "b" else block_a) is None and \
             (steps_b if missing_in == "b" else steps_a) not in past_window
         reader = reader_b if missing_in == "b" else reader_a
-        detail = (
-            f"run {missing_in} has no step {step} on rank {rank}: "
-            + (f"its stream ends before it ({reader.stop_reason or 'closed cleanly'})" if ended else "the step is missing")
-        )
+        later = block_b if missing_in == "b" else block_a
+        if ended:
+            why = f"its stream ends before it ({reader.stop_reason or 'closed cleanly'})"
+        elif self.steps_seen == 0 and later is not None:  # one run's window starts later (a resumed run)
+            why = (f"{missing_in.upper()} starts at step {later.step}, {'AB'[missing_in == 'a']} at step {step}: "
+                   f"use --from-step {later.step} to compare from there")
+        else:
+            why = "the step is missing"
+        detail = f"run {missing_in} has no step {step} on rank {rank}: {why}"
         present_frame = frame_a if missing_in == "b" else frame_b
         (reader_a if missing_in == "b" else reader_b).check_root(*present_frame)
         records = present.records()

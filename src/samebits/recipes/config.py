@@ -25,6 +25,7 @@ EmbeddingBackward = Literal["dense", "index_put_accumulate"]
 DataDtype = Literal["uint16", "uint32"]
 Device = Literal["cpu", "cuda"]
 PipelineSchedule = Literal["gpipe", "1f1b"]
+GradReduce = Literal["mean", "invariant"]
 
 
 @dataclass(kw_only=True)
@@ -199,6 +200,19 @@ class RecipeConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 disables clipping; the norm is still reported)."""
 
+    grad_reduce: GradReduce = "mean"
+    """Data-parallel gradient reduction: "mean" (each rank's mean-loss gradient, fp32
+    all-reduce: the bits depend on the DP size) or "invariant" (`samebits.invariant`: each
+    step's global batch is `num_micro_batches` micro-batches of micro_batch_size samples,
+    rank r takes its share in order, RNG keyed by (step, micro-batch), gradients summed in
+    int64 fixed point: the same bits at any DP size; docs/invariance.md).  Invariant mode
+    needs ep=1, tp=1, pp=1, dp_shard=1 (the DP size is then the world size)."""
+
+    num_micro_batches: int = 4
+    """grad_reduce="invariant": micro-batches per step over all ranks; a multiple of every DP
+    size you compare (4: DP 1, 2, 4).  The global batch is num_micro_batches *
+    micro_batch_size samples at every DP size."""
+
     # --- precision (recipes/precision.py, docs/recipe.md) ----------------------------
     precision: PrecisionName = "fp32"
     """Training precision: "fp32"; "bf16" (autocast, fp32 parameters); "bf16_params" (bf16
@@ -271,6 +285,15 @@ class RecipeConfig:
         need(not self.fault_pp_reorder_microbatch_grads
              or (self.pp > 1 and self.pp_microbatches >= 3),
              "fault_pp_reorder_microbatch_grads needs pp >= 2 and pp_microbatches >= 3")
+        need(self.num_micro_batches >= 1,
+             f"num_micro_batches must be >= 1, got {self.num_micro_batches}")
+        invariant_blockers = [f"{name}={getattr(self, name)}" for name, ok in (
+            ("ep", self.ep == 1), ("tp", self.tp == 1), ("pp", self.pp == 1),
+            ("dp_shard", self.dp_shard == 1)) if not ok]
+        need(self.grad_reduce != "invariant" or not invariant_blockers,
+             f"grad_reduce='invariant' sums per-micro-batch gradients over the data-parallel "
+             f"ranks only; {', '.join(invariant_blockers)} couples the computation to the layout "
+             "(EP experts sum every rank's tokens in one matmul). Set ep=1, tp=1, pp=1, dp_shard=1.")
         need(self.data_dtype != "uint16" or self.vocab_size <= 2**16,
              f"vocab_size={self.vocab_size} does not fit data_dtype='uint16'; use 'uint32'")
         need(self.fp8_amax_history_len >= 1,

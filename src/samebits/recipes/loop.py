@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from samebits.errors import ConfigError
 from samebits import checkpoint, trace
 from samebits.determinism import derive_seed, deterministic_mode, seed_all
+from samebits.invariant import GradientAccumulator
 from samebits.recipes import parallel, parallelize
 from samebits.recipes.config import RecipeConfig
 from samebits.recipes.data import Batches, build_token_source
@@ -134,6 +135,11 @@ class _Run:
         # Every rank of a replica (TP ranks, pipeline stages) reads the replica's micro-batch.
         self.data = Batches(build_token_source(cfg), cfg.micro_batch_size, dp_rank,
                             self.layout.dims.dp)
+        # grad_reduce="invariant": the step's global batch is num_micro_batches micro-batches,
+        # this rank takes its share in order (docs/invariance.md).
+        self.accumulator = GradientAccumulator(
+            model.named_parameters(), num_micro_batches=cfg.num_micro_batches, seed=cfg.seed,
+            micro_batch_size=cfg.micro_batch_size) if cfg.grad_reduce == "invariant" else None
         self.step = 0
 
     def bundle(self) -> checkpoint.StateBundle:
@@ -197,6 +203,9 @@ class _Run:
                 optimizers=[self.optimizer], schedulers=[self.scheduler],
                 generators={JITTER_GENERATOR: self.jitter}) + self.precision.state_records())
 
+        if self.accumulator is not None:
+            return self._invariant_step(rec, start)
+
         # Data: this rank's micro-batch of the global step batch.
         tokens = self.data.next().to(self.layout.device)  # (B, T+1)
         if rec is not None:
@@ -245,6 +254,51 @@ class _Run:
                    "step_time_s": time.perf_counter() - start}
         return metrics, ok
 
+
+    def _invariant_step(self, rec, start: float) -> tuple[dict[str, float], bool | None]:
+        """A step whose bits do not depend on the DP size: this rank's micro-batches of the
+        global batch, each with dropout and router jitter keyed by (step, micro-batch) and its
+        loss divided by the number of micro-batches (all hold the same token count: a global
+        normalisation), gradients summed in int64 fixed point (`samebits.invariant`)."""
+        cfg, step, model, acc = self.cfg, self.step, self.model, self.accumulator
+        size, count, first = cfg.micro_batch_size, cfg.num_micro_batches, self.data.consumed_samples
+        self.optimizer.zero_grad(set_to_none=True)
+        names, parts = [], None  # parts: (micro-batch, loss) with each row filled by one rank
+        for index in acc.micro_batches():
+            samples = np.arange(first + index * size, first + (index + 1) * size)
+            tokens = torch.from_numpy(self.data.source.tokens(samples)).to(self.layout.device)
+            if rec is not None:
+                rec.tensors(step, "data", [(f"tokens.mb{index}", tokens)])
+            with acc.micro_batch(step, index, generators=[self.jitter]), \
+                    self.precision.autocast(self.layout.device.type):
+                losses = _losses(model(tokens[:, :-1]), tokens, cfg)
+                (losses["loss"] / count).backward()
+            acc.accumulate()
+            names = list(losses)
+            if parts is None:
+                parts = torch.zeros(count, len(names), dtype=torch.float32, device=self.layout.device)
+            parts[index] = torch.stack([v.detach().float() for v in losses.values()])
+        self.data.consumed_samples = first + count * size
+        acc.reduce()
+        grad_norm = acc.clip_grad_norm_(cfg.grad_clip)
+        if self.layout.world_size > 1:
+            dist.all_reduce(parts)  # one nonzero row per micro-batch: exact in any order
+        losses = dict(zip(names, parts.sum(dim=0) / count))  # the global mean, a fixed order
+        lr = self.scheduler.get_last_lr()[0]
+        if rec is not None:
+            rec.metrics(step, **losses, grad_norm=grad_norm, lr=lr)
+            rec.tensors(step, "grads", [(n, p.grad) for n, p in model.named_parameters()
+                                        if p.grad is not None])
+        self.optimizer.step()
+        self.scheduler.step()
+        ok = None
+        if rec is not None:
+            rec.tensors(step, "params", [(n, p.detach()) for n, p in model.named_parameters()])
+            ok = rec.end_step(step)
+        metrics = {"step": step, **{k: float(v) for k, v in losses.items()},
+                   **{f"mean_{k}": float(v) for k, v in losses.items()},
+                   "grad_norm": float(grad_norm), "lr": lr, "step_time_s": time.perf_counter() - start}
+        return metrics, ok
 
     def _pipeline_step(self, tokens: torch.Tensor):
         """Forward and backward of every micro-batch through the pipeline.  Returns the

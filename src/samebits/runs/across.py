@@ -149,7 +149,8 @@ def verify_across(sizes: list[int], cmd: list[str] | None = None, out=None, *, s
     """Run the training at each data-parallel size in ``sizes`` and compare each with the first.
 
     Without ``cmd``: the reference recipe for ``steps`` steps with ``grad_reduce=invariant``
-    (and ``overrides``).  With ``cmd``: the command, ``{nproc}`` replaced by the size and
+    and ``ep=1`` (experts replicated: EP over the DP ranks would couple them), then
+    ``overrides``.  With ``cmd``: the command, ``{nproc}`` replaced by the size and
     ``{out}`` by the folder it must record into (e.g. ``torchrun --nproc-per-node {nproc}
     train.py --out {out}``).
     """
@@ -172,7 +173,7 @@ def verify_across(sizes: list[int], cmd: list[str] | None = None, out=None, *, s
             argv = _fill(list(cmd), {"{nproc}": str(size), "{out}": str(run_dir), "{run}": name})
         else:
             argv = _recipe_argv(size) + ["--steps", str(steps), "--out", str(run_dir), "--set",
-                                         "grad_reduce=invariant"]
+                                         "grad_reduce=invariant", "--set", "ep=1"]
             for item in overrides:
                 argv += ["--set", item]
         say(f"running dp={size}: {shlex.join(argv)}")

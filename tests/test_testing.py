@@ -63,7 +63,7 @@ def gather_rows_index_select(weight, index):
 
 def racy_gather_inputs():
     gen = torch.Generator().manual_seed(3)
-    return torch.randn(8, 64, generator=gen), torch.randint(0, 8, (8192,), generator=gen)
+    return torch.randn(8, 64, generator=gen), torch.randint(0, 8, (65536,), generator=gen)
 
 
 # -- assert_bitwise_repeatable ------------------------------------------------------------

@@ -371,12 +371,13 @@ def assert_same_bits(a: Any, b: Any, *, names: tuple[str, str] = ("a", "b")) -> 
 
 # -- the shipped negative control ---------------------------------------------------------
 
-def index_put_accumulate_control(rows: int = 8, num_indices: int = 8192, width: int = 64,
+def index_put_accumulate_control(rows: int = 8, num_indices: int = 65536, width: int = 64,
                                  seed: int = 0) -> tuple[Callable, tuple]:
     """The CPU race as (fn, inputs): ``zeros(rows, width).index_put_((idx,), values,
     accumulate=True)`` with many indices colliding on few rows.  ATen splits the indices
     between threads once there are more than 32768 elements, and with >= 2 threads the
-    colliding rows are summed in arrival order (measured: a different result most calls)."""
+    colliding rows are summed in arrival order.  Measured on 2 busy cores: 65536 indices gave
+    19-20 distinct results in 20 calls, 8192 only 3-8 (a shorter parallel region overlaps less)."""
     gen = torch.Generator().manual_seed(seed)
     index = torch.randint(0, rows, (num_indices,), generator=gen)
     values = torch.randn(num_indices, width, generator=gen)

@@ -137,6 +137,20 @@ def _serve(request, rank, meshes, distribute_tensor, Partial, Replicate):
             except ConfigError as err:
                 out[key] = str(err)
         return out
+    if request["cmd"] == "fsdp":  # FSDP2 on ranks 0, 1: uneven Shard(0) of bf16 parameters
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = meshes["w2"]
+        if mesh.get_coordinate() is None:
+            return None
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 7)).to(torch.bfloat16)
+        full = {name: samebits.digest(p) for name, p in model.named_parameters()}
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return {"full": full, "global": samebits.global_digests(model.named_parameters()),
+                "local_shapes": [list(p.to_local().shape) for p in model.parameters()]}
     if request["cmd"] == "train":
         mesh = meshes["w2"]
         if mesh.get_coordinate() is None:

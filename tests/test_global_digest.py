@@ -227,6 +227,12 @@ def test_dtensor_global_digest_equals_the_full_digest(pool, case):
         assert len(set(flipped)) == 1 and flipped[0] != samebits.digest(full)
 
 
+def test_fsdp2_parameters(pool):
+    answers = [a for a in pool.ask({"cmd": "fsdp"}) if a is not None]
+    assert len(answers) == 2 and answers[0]["local_shapes"] != answers[1]["local_shapes"]  # uneven
+    assert all(a["global"] == a["full"] for a in answers)
+
+
 def test_megatron_shards_and_refusals(pool):
     answers = pool.ask({"cmd": "megatron"})
     for answer in answers:

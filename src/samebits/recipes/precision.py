@@ -150,9 +150,16 @@ class Precision:
 
     name: str
     gemm: str
+    model: nn.Module | None = None  # the converted model (a pipeline stage prunes it in place)
     converted: list[str] = field(default_factory=list)  # names of the low-precision linears
     autocast_dtype: torch.dtype | None = None
-    history_modules: dict[str, "_DelayedScalingLinear"] = field(default_factory=dict)
+
+    @property
+    def history_modules(self) -> dict[str, "_DelayedScalingLinear"]:
+        """The delayed-scaling linears this rank still holds, by name."""
+        if self.model is None:
+            return {}
+        return {name: m for name, m in self.model.named_modules() if isinstance(m, _DelayedScalingLinear)}
 
     def autocast(self, device_type: str):
         """The forward's autocast context (a no-op but for bf16)."""
@@ -185,7 +192,7 @@ def apply_precision(model: nn.Module, precision: str, gemm: str, *, device: str 
     problem = check_gemm(precision, gemm, device)
     if problem:
         raise ConfigError(problem)
-    result = Precision(precision, gemm)
+    result = Precision(precision, gemm, model)
     if precision == "bf16":
         result.autocast_dtype = torch.bfloat16
         return result
@@ -213,7 +220,6 @@ def apply_precision(model: nn.Module, precision: str, gemm: str, *, device: str 
         if precision == "fp8_delayed":
             kind = DelayedFloat8Linear if save_history else _DelayedScalingLinear
             new = kind.from_linear(module, history_len=history_len, emulate=gemm == "emulated")
-            result.history_modules[name] = new
         else:
             new = BlockScaledLinear.from_linear(module, precision)
         _replace(model, name, new)

@@ -106,7 +106,10 @@ def replay(run_dir, *, step: int, nproc: int = 1, num_steps: int = 1, cmd: list[
             raise ConfigError(f"no checkpoint folder {ckpt}: pass --ckpt DIR, the folder the run saved its "
                               f"checkpoint of step {step} into")
         argv = _recipe_argv(nproc) + ["--steps", str(stop), "--resume-from", str(ckpt), "--out", str(record_dir)]
-        argv += [item for key, value in sorted(config.items()) for item in ("--set", f"{key}={_text(value)}")]
+        # The recorded config as overrides; values that are not scalars are annotations the
+        # recipe adds to its record (e.g. the resolved mesh), not settings.
+        argv += [item for key, value in sorted(config.items()) if value is None or isinstance(value, (str, int, float))
+                 for item in ("--set", f"{key}={_text(value)}")]
     say = progress or (lambda message: None)
     say(f"replaying steps {step}..{stop - 1} of {run_dir} (recorded on {world_size} ranks) on {nproc}: "
         f"{shlex.join(argv)}")

@@ -143,12 +143,18 @@ class _Run:
         self.step = 0
 
     def bundle(self) -> checkpoint.StateBundle:
+        # DTensor shards (TP, FSDP2) go through views that save each rank's local shard.
+        sharded = parallelize.sharded_names(self.model)
+        model = parallelize.LocalShardsModel(self.model) if sharded else self.model
+        optimizer = parallelize.LocalShardsOptimizer(self.optimizer) if sharded \
+            else self.optimizer
         return checkpoint.StateBundle(
-            model=self.model, optimizer=self.optimizer, lr_scheduler=self.scheduler,
+            model=model, optimizer=optimizer, lr_scheduler=self.scheduler,
             progress={"step": self.step, **self.data.state_dict()},
             generators={JITTER_GENERATOR: self.jitter},
             layout=self.layout.sizes,
-            rank_local=self.layout.expert_param_names | self.precision.rank_local_names,
+            rank_local=self.layout.expert_param_names | sharded
+            | self.precision.rank_local_names,
             metadata={"config": self.cfg.to_dict()},
         )
 
@@ -244,6 +250,10 @@ class _Run:
         if rec is not None:
             rec.tensors(step, "params", [(n, parallelize.local(p.detach()))
                                          for n, p in model.named_parameters()])
+            if hasattr(rec, "global_tensors"):  # layout-independent: diff across cells
+                rec.global_tensors(step, "params", [(n, p.detach()) for n, p in
+                                                    model.named_parameters()],
+                                   group=self.layout.expert_group)
             ok = rec.end_step(step)
 
         local = torch.stack([v.detach() for v in losses.values()])

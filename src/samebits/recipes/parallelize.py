@@ -178,6 +178,11 @@ class ParallelLayout:
         """Mesh sizes (stored in checkpoints: loading under another layout is refused)."""
         return self.dims.sizes()
 
+    @property
+    def expert_group(self):
+        """The group EP shards are split over (None without EP): global digests sum them."""
+        return self.group("ep") if self.expert_param_names else None
+
     def group(self, dim: str):
         """The process group of mesh dimension `dim` ("ep" is "dp_replicate")."""
         return self.mesh.get_group("dp_replicate" if dim == "ep" else dim)
@@ -225,8 +230,10 @@ def _shard_experts(model: Transformer, dims: ParallelDims, ep_rank: int, layout,
             continue
         local = module.num_experts // dims.ep
         for pname, param in list(module.experts.named_parameters()):
-            shard = param.detach()[ep_rank * local:(ep_rank + 1) * local].clone()
-            setattr(module.experts, pname, nn.Parameter(shard))
+            shard = nn.Parameter(param.detach()[ep_rank * local:(ep_rank + 1) * local].clone())
+            # Megatron's shard attributes: global digests sum the shards over the EP group.
+            shard.tensor_model_parallel, shard.partition_dim, shard.partition_stride = True, 0, 1
+            setattr(module.experts, pname, shard)
             names.add(f"{name}.experts.{pname}")
         module.dispatcher = ExpertParallelDispatcher(
             module.num_experts, dims.ep, group=layout.group("ep"),
@@ -354,6 +361,13 @@ class Pipeline:
         if self.cfg.fault_pp_reorder_microbatch_grads and last:
             for param in self.model.parameters():
                 param.register_post_accumulate_grad_hook(self._stash_grad)
+        schedule_cls = ScheduleGPipe if self.cfg.pp_schedule == "gpipe" else Schedule1F1B
+        self._schedule = schedule_cls(
+            self.stage, self.cfg.pp_microbatches, scale_grads=False,
+            loss_fn=lambda outputs, target: self._loss_fn(outputs, target))
+        cfg = self.cfg
+        self._warm_up(torch.zeros(cfg.micro_batch_size, cfg.seq_len + 1, dtype=torch.int64,
+                                  device=self.device))
 
     def _stash_grad(self, param: torch.Tensor) -> None:
         """PLANTED FAULT (fault_pp_reorder_microbatch_grads): keep each micro-batch's gradient
@@ -373,12 +387,6 @@ class Pipeline:
         """Forward and backward of one step: `tokens` (B, T+1) split into the configured
         number of micro-batches; `loss_fn(outputs, tokens)` runs on the last stage and its
         gradients add up over micro-batches (it divides by their number itself)."""
-        if self._schedule is None:  # built once: the stage keeps its buffers between steps
-            schedule_cls = ScheduleGPipe if self.cfg.pp_schedule == "gpipe" else Schedule1F1B
-            self._schedule = schedule_cls(
-                self.stage, self.cfg.pp_microbatches, scale_grads=False,
-                loss_fn=lambda outputs, target: self._loss_fn(outputs, target))
-            self._warm_up(tokens)
         self._loss_fn = loss_fn
         self._step(tokens)
         if self._stash:
@@ -392,11 +400,12 @@ class Pipeline:
             self._schedule.step(*args)
 
     def _warm_up(self, tokens: torch.Tensor) -> None:
-        """One throwaway step on zero tokens, leaving no trace: torch's pipelining infers
-        the stages' shapes on its first step by running the stage forward (and the loss) on
-        real tensors, which draws dropout and router-jitter random numbers.  Doing that here,
-        with every random state restored and the gradients dropped, makes the first real
-        step draw exactly what a step of a longer run draws (a resumed run too)."""
+        """One throwaway step on zero tokens when the pipeline is built, leaving no trace:
+        torch's pipelining infers the stages' shapes on its first step by running the stage
+        forward (and the loss) on real tensors, which draws dropout and router-jitter random
+        numbers.  Doing that here, with every random state restored and the gradients
+        dropped, makes the first real step draw (and record) exactly what a step of a longer
+        run does, a resumed run's too."""
         generators = {id(m.jitter_generator): m.jitter_generator for m in self.model.moe_layers()
                       if m.jitter_generator is not None}
         saved = {key: gen.get_state() for key, gen in generators.items()}
@@ -418,3 +427,72 @@ class Pipeline:
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a (possibly DTensor) tensor, as a plain tensor sharing storage."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+# --- checkpoints of sharded state --------------------------------------------------------------
+
+
+def sharded_names(model: nn.Module) -> frozenset[str]:
+    """Names of the parameters held as DTensors (TP and FSDP2 shards)."""
+    return frozenset(n for n, p in model.named_parameters() if isinstance(p, DTensor))
+
+
+class LocalShardsModel:
+    """The model as `samebits.checkpoint` sees it: `state_dict()` holds each DTensor's local
+    shard as a plain tensor (saved rank-locally, bit for bit, whatever the placement, FSDP2's
+    _StridedShard included), and `load_state_dict` copies them back into the shards.  The
+    checkpoint refuses another layout, so a shard always loads where it was saved."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def named_parameters(self):
+        return self.model.named_parameters()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: local(v) for k, v in self.model.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = False):
+        live = self.model.state_dict()
+        missing = sorted(set(live) - set(state))
+        unexpected = sorted(set(state) - set(live))
+        with torch.no_grad():
+            for name in set(live) & set(state):
+                local(live[name]).copy_(state[name])
+        return missing, unexpected
+
+
+class LocalShardsOptimizer:
+    """The optimizer as `samebits.checkpoint` sees it: state of DTensor parameters as plain
+    local shards; `load_state_dict` wraps them back into DTensors of their parameter's
+    placement before torch's own `load_state_dict`."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def state_dict(self) -> dict:
+        state_dict = self.optimizer.state_dict()
+        state = {i: {k: local(v) if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+                 for i, entry in state_dict["state"].items()}
+        return {**state_dict, "state": state}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        state = {}
+        for index, entry in state_dict["state"].items():
+            param = params[index]
+            state[index] = {k: _like_param(v, param) for k, v in entry.items()}
+        self.optimizer.load_state_dict({**state_dict, "state": state})
+
+
+def _like_param(value: Any, param: torch.Tensor) -> Any:
+    """A loaded local shard as a DTensor laid out like `param` (other values unchanged)."""
+    if not (isinstance(param, DTensor) and isinstance(value, torch.Tensor)
+            and value.shape == param.to_local().shape and value.dim() > 0):
+        return value
+    return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())

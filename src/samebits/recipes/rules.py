@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from samebits.determinism import CheckContext, Finding, Rule, register_rule, rules
+from samebits.determinism import CheckContext, Rule, RuleFinding, register_rule, rules
 
 RECIPE_CHOICES: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
     # key: (deterministic values, known nondeterministic values, why)
@@ -34,12 +34,12 @@ RECIPE_CHOICES: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
 def _choice_rule(key: str) -> Rule:
     good, bad, why = RECIPE_CHOICES[key]
 
-    def check_choice(ctx: CheckContext) -> Iterator[Finding]:
+    def check_choice(ctx: CheckContext) -> Iterator[RuleFinding]:
         for path, value in ctx.config.find(key):
             if value in good:
                 continue
             known = "" if value in bad else "unknown value; "
-            yield Finding(path, value, f"{known}set {path} to one of {', '.join(map(repr, good))}")
+            yield RuleFinding(path, value, f"{known}set {path} to one of {', '.join(map(repr, good))}")
 
     return Rule(id=f"recipe-{key.replace('_', '-')}", category="config", setting=key,
                 checks=f"{key} is one of {', '.join(good)}", why=why,

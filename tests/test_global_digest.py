@@ -209,6 +209,7 @@ def pool():
     pool.close()
 
 
+@pytest.mark.slow  # 4 gloo worker processes (started once for the module)
 @settings(max_examples=60, deadline=None)
 @given(case=cases())
 def test_dtensor_global_digest_equals_the_full_digest(pool, case):
@@ -227,12 +228,14 @@ def test_dtensor_global_digest_equals_the_full_digest(pool, case):
         assert len(set(flipped)) == 1 and flipped[0] != samebits.digest(full)
 
 
+@pytest.mark.slow  # 4 gloo worker processes (started once for the module)
 def test_fsdp2_parameters(pool):
     answers = [a for a in pool.ask({"cmd": "fsdp"}) if a is not None]
     assert len(answers) == 2 and answers[0]["local_shapes"] != answers[1]["local_shapes"]  # uneven
     assert all(a["global"] == a["full"] for a in answers)
 
 
+@pytest.mark.slow  # 4 gloo worker processes (started once for the module)
 def test_megatron_shards_and_refusals(pool):
     answers = pool.ask({"cmd": "megatron"})
     for answer in answers:
@@ -242,6 +245,7 @@ def test_megatron_shards_and_refusals(pool):
         assert "pass group=" in answer["no_group_error"]
 
 
+@pytest.mark.slow  # 4 gloo worker processes (started once for the module)
 def test_tp1_against_tp2_by_global_tensor(pool, tmp_path, capsys):
     train(tmp_path / "tp1", rank=0, world_size=1)
     assert pool.ask({"cmd": "train", "dir": str(tmp_path / "tp2")})[:2] == ["ok", "ok"]

@@ -44,6 +44,7 @@ MAX_TENSOR_ROWS = 40  # per-tensor table rows (records that differ at some step)
 MAX_TENSOR_STEPS = 24  # per-tensor table columns, from the first divergent step on
 MAX_PAIRS = 6  # compared pairs on one page (a matrix may hold many failing cells)
 
+_OWN_VARIABLES = ("env.SAMEBITS_", "env.TORCHELASTIC_")  # set per run by samebits / torchrun, as in diff's notes
 _UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 _FLOAT_FORMATS = {"float64": "<d", "float32": "<f", "float16": "<e"}
 
@@ -439,7 +440,7 @@ table{border-collapse:collapse;margin:6px 0 10px}td,th{border:1px solid #d5dbe1;
 th{background:#f1f4f7}.verdict{display:inline-block;padding:3px 10px;border-radius:4px;font-weight:700;color:#fff}
 .v-pass,.v-identical{background:#1a7f37}.v-fail,.v-diverged{background:#c62828}.v-incomplete{background:#9a6700}
 .note{color:#57606a}.err{color:#c62828;white-space:pre-wrap}
-table.heat td{width:9px;height:12px;padding:0;border:1px solid #fff}table.heat th{font-weight:400;font-size:11px;padding:0 4px;border:0;background:none}
+table.heat td{width:13px;height:15px;padding:0;border:1px solid #fff}table.heat th{font-weight:400;font-size:11px;padding:0 4px;border:0;background:none}
 td.h-same{background:#8fd19e}td.h-first{background:#c62828}td.h-after{background:#f2c4c4}td.h-missing{background:#9a6700}
 td.h-none{background:#eef1f4}td.h-outside{background:#d0d7de}
 .legend span{display:inline-block;width:11px;height:11px;margin:0 4px 0 12px;vertical-align:middle}
@@ -602,7 +603,8 @@ class _Page:
         c = result.compared
         self.add(f'<p>verdict: <span class="verdict v-{result.verdict.value}">{_esc(result.verdict.value.upper())}'
                  f"</span> {_esc(c.get('ranks'))} rank(s) x {_esc(c.get('steps'))} step(s), {_esc(c.get('records'))} "
-                 "records compared before the first divergence</p>")
+                 + ("records compared before the first divergence</p>" if result.first_divergence is not None
+                    else "records compared</p>"))
         d = result.first_divergence
         if d is not None:
             where = f"{d.phase}/{d.name}" if d.name is not None else d.detail
@@ -738,13 +740,15 @@ class _Page:
         if not header_a and not header_b:
             self.add("<p>the stream headers could not be read.</p>")
             return
-        rows, same = [], 0
+        rows, same, own = [], 0, []
         for section in ("environment", "config"):
             flat_a, flat_b = _flatten(header_a.get(section) or {}), _flatten(header_b.get(section) or {})
             for key in sorted(set(flat_a) | set(flat_b)):
                 va, vb = flat_a.get(key, "(absent)"), flat_b.get(key, "(absent)")
                 if va == vb:
                     same += 1
+                elif section == "environment" and key.startswith(_OWN_VARIABLES):
+                    own.append(key.removeprefix("env."))  # each run's own directory, reference, offset
                 else:
                     rows.append([f"{section}.{key}", va, vb])
         if rows:
@@ -752,6 +756,9 @@ class _Page:
                      "entries not shown):</p>" + _table(["key", "a", "b"], rows, table_id="env-diff"))
         else:
             self.add(f"<p>the recorded environment and config are the same ({same} entries).</p>")
+        if own:
+            self.add(f"<p class=\"note\">not differences of the training: samebits' and the launcher's own per-run "
+                     f"settings ({_esc(', '.join(own))})</p>")
         env = header_a.get("environment") or {}
         facts = [[k, env.get(k)] for k in ("torch", "python", "platform", "hostname", "num_threads", "cuda",
                                            "device", "deterministic_algorithms") if k in env]

@@ -1,0 +1,335 @@
+"""`samebits report`: the page built from real runs, checked in a real headless browser.
+
+The inputs are real: runs written by `Recorder` with a difference planted at a known rank and
+step, a real `samebits verify` of a small script whose resume forgets the RNG state, and the
+summaries `samebits bisect` and `samebits matrix` write, made by their own result objects
+(`BisectResult.to_dict`, `MatrixResult.to_json`) over real streams and a real element
+comparison.  The page is opened in Chromium (`--dump-dom` for the rendered DOM, a screenshot
+kept under tests/artefacts/); without Chromium these tests fail in CI and skip loudly elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+import torch
+
+import samebits
+from samebits.cli import main
+from samebits.runs.bisect import BisectResult, Elements, Origin, Stage
+from samebits.runs.matrix import CellResult, MatrixResult
+from samebits.runs.report import build_report, differing_records
+from samebits.runs.verify import verify_command
+from samebits.trace import compare_elements
+from samebits.verdicts import EXIT_BAD_VERDICT, EXIT_CANNOT_RUN, EXIT_OK, Verdict
+
+HOSTILE = '<img src=x onerror=alert(1)></script><script>alert(2)</script>"\'\x1b[31m'
+HOSTILE_SHOWN = HOSTILE.replace("\x1b", "\\x1b")  # as text: the escape character made visible
+ARTEFACTS = Path(__file__).parent / "artefacts"
+NUM_STEPS = 8
+PLANTED = {0: 5, 1: 3}  # rank -> first step whose bits differ in run b
+
+
+def write_runs(root: Path, *, plant: bool = True, config_b: dict | None = None) -> tuple[Path, Path]:
+    """Two 2-rank runs; in b, rank r's first weight element moves one ulp from step PLANTED[r] on."""
+    paths = []
+    for label in ("a", "b"):
+        for rank in range(2):
+            config = {"lr": 0.1, "label": HOSTILE}
+            if label == "b" and config_b:
+                config.update(config_b)
+            rec = samebits.Recorder(root / label, rank=rank, world_size=2, config=config)
+            weight = torch.randn(4, 4, generator=torch.Generator().manual_seed(rank))
+            for step in range(NUM_STEPS):
+                weight = weight * 0.9 + 0.01
+                if label == "b" and plant and step >= PLANTED[rank]:
+                    weight = weight.clone()
+                    weight[0, 0] = torch.nextafter(weight[0, 0], torch.tensor(10.0))
+                rec.metrics(step, loss=weight.sum(), lr=0.1)
+                rec.tensors(step, "params", [("layer.weight", weight), (HOSTILE, weight * 2), ("bias", torch.ones(3))])
+            rec.close()
+        paths.append(root / label)
+    return paths[0], paths[1]
+
+
+# -- the browser -------------------------------------------------------------------------------
+
+
+def chromium() -> str:
+    found = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if found is None:
+        message = ("no Chromium on this machine: the HTML report's browser checks did NOT run "
+                   "(install it: apt-get install chromium)")
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(message + "; CI must install it.")
+        pytest.skip("LOUD SKIP: " + message)
+    return found
+
+
+def _browser(page: Path, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
+    argv = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+            f"--user-data-dir={tmp_path / 'chromium-profile'}", *extra, page.resolve().as_uri()]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
+def rendered_dom(page: Path, tmp_path: Path) -> "Dom":
+    return Dom(_browser(page, tmp_path, "--dump-dom").stdout)
+
+
+def screenshot(page: Path, tmp_path: Path, name: str) -> Path:
+    ARTEFACTS.mkdir(exist_ok=True)
+    shot = ARTEFACTS / f"{name}.png"
+    shot.unlink(missing_ok=True)
+    _browser(page, tmp_path, f"--screenshot={shot}", "--window-size=1200,2000")
+    assert shot.is_file() and shot.stat().st_size > 10_000, "the screenshot is missing or blank"
+    print(f"screenshot of the report: {shot}")
+    return shot
+
+
+class Dom(HTMLParser):
+    """The elements and text of a page, as the browser serialised them."""
+
+    def __init__(self, markup: str):
+        super().__init__(convert_charrefs=True)
+        self.markup = markup
+        self.tags: list[tuple[str, dict]] = []
+        self.text: list[str] = []
+        self._open: list[str] = []
+        self.headings: list[str] = []
+        self._heading: list[str] | None = None
+        self.feed(markup)
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+        if tag in ("h1", "h2"):
+            self._heading = []
+
+    def handle_endtag(self, tag):
+        if tag in ("h1", "h2") and self._heading is not None:
+            self.headings.append("".join(self._heading))
+            self._heading = None
+
+    def handle_data(self, data):
+        self.text.append(data)
+        if self._heading is not None:
+            self._heading.append(data)
+
+    def all_text(self) -> str:
+        return "".join(self.text)
+
+    def cells(self, css: str) -> list[str]:
+        """The titles of the heatmap cells of one class."""
+        return [attrs.get("title", "") for tag, attrs in self.tags if tag == "td" and attrs.get("class") == css]
+
+
+def assert_self_contained(markup: str) -> None:
+    assert re.search(r"<script[\s>]", markup, re.I) is None, "the page holds a script element"
+    assert re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", markup, re.I) is None, "the page loads from the network"
+    assert "Content-Security-Policy" in markup and "default-src 'none'" in markup
+
+
+def assert_nothing_injected(dom: Dom) -> None:
+    tags = {tag for tag, _ in dom.tags}
+    assert "img" not in tags and "script" not in tags, f"an element was injected: {sorted(tags)}"
+    assert not any(name.startswith("on") for _, attrs in dom.tags for name in attrs), "an event handler was injected"
+
+
+# -- two run directories -----------------------------------------------------------------------
+
+
+def test_two_runs_in_a_browser_divergence_localised_and_hostile_names_shown_as_text(tmp_path, capsys):
+    a, b = write_runs(tmp_path, config_b={"lr": 0.2})
+    page = tmp_path / "report.html"
+    code = main(["report", str(a), str(b), "-o", str(page), "--allow-config-diff"])
+    out, err = capsys.readouterr()
+    assert code == EXIT_BAD_VERDICT, out + err
+    assert "DIVERGED" in out and "rank 0: step 5, rank 1: step 3" in out
+    assert re.search(r"\[\s*\d+\.\ds\] \[1/1\] comparing", err), err  # progress: elapsed time and counter
+    markup = page.read_text(encoding="utf-8")
+    assert_self_contained(markup)
+
+    dom = rendered_dom(page, tmp_path)
+    assert_nothing_injected(dom)
+    text = dom.all_text()
+    assert HOSTILE_SHOWN in text  # the tensor name and the config value, as text
+    assert dom.headings[0].startswith("samebits diff")
+    for section in ("first divergence by rank and step", "records that differ, step by step", "metric curves",
+                    "environment and config"):
+        assert any(section in heading for heading in dom.headings), (section, dom.headings)
+    verdicts = [attrs for tag, attrs in dom.tags if attrs.get("id") == "verdict"]
+    assert verdicts and "DIVERGED" in text
+    # the heatmap: each rank's own first divergent step, identical before it
+    first = dom.cells("h-first")
+    assert sorted(first) == ["rank 0, step 5: first divergence", "rank 1, step 3: first divergence"]
+    same = dom.cells("h-same")
+    assert len(same) == PLANTED[0] + PLANTED[1] and "rank 1, step 2: identical" in same
+    assert len(dom.cells("h-after")) == (NUM_STEPS - 1 - PLANTED[0]) + (NUM_STEPS - 1 - PLANTED[1])
+    # per-record table: the tensors are digests only (said, no number invented); the loss has its ulps
+    assert "digests only: values not recorded" in text
+    assert re.search(r"\b1 ulp, rel \d\.\d\de-0\d", text), "the loss's exact distance is missing"
+    # the environment section names the allowed config difference
+    assert "config.lr" in text and "0.1" in text and "0.2" in text
+    screenshot(page, tmp_path, "report-two-runs")
+
+
+def test_identical_runs_are_identical_and_an_empty_window_is_never(tmp_path):
+    a, b = write_runs(tmp_path, plant=False)
+    report = build_report([a, b])
+    assert report.verdict is Verdict.IDENTICAL and report.pairs[0].first_by_rank == {}
+    assert '<td class="h-first"' not in report.html and '<td class="h-same"' in report.html
+    assert "no record differs in the compared window" in report.html
+    # a window past the last step compared nothing: never IDENTICAL
+    empty = build_report([a, b], start_step=NUM_STEPS + 3)
+    assert empty.verdict is Verdict.INCOMPLETE and "nothing to compare" in empty.html
+
+
+def test_incomparable_runs_page_says_why_with_the_option_to_use(tmp_path, capsys):
+    a, b = write_runs(tmp_path, config_b={"lr": 0.2})
+    page = tmp_path / "r.html"
+    code = main(["report", str(a), str(b), "-o", str(page)])
+    out = capsys.readouterr().out
+    assert code == EXIT_CANNOT_RUN and "INCOMPLETE" in out
+    markup = page.read_text(encoding="utf-8")
+    assert "could not compare" in markup and "--allow-config-diff" in markup
+    assert "allow_config_diff" not in markup + out
+
+
+def test_bad_inputs_are_clear_errors(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "nope"), "-o", str(tmp_path / "r.html")]) == EXIT_CANNOT_RUN
+    assert "no such directory" in capsys.readouterr().err
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "summary.json").write_text("{not json")
+    assert main(["report", str(tmp_path / "out"), "-o", str(tmp_path / "r.html")]) == EXIT_CANNOT_RUN
+    err = capsys.readouterr().err
+    assert "summary.json: cannot be read as JSON" in err and "Traceback" not in err
+    (tmp_path / "empty").mkdir()
+    assert main(["report", str(tmp_path / "empty"), "-o", str(tmp_path / "r.html")]) == EXIT_CANNOT_RUN
+    assert "no summary.json" in capsys.readouterr().err
+
+
+def test_differing_records_lists_every_record_and_its_distance(tmp_path):
+    a, b = write_runs(tmp_path)
+    rows = differing_records(a, b, rank=0, step=6)  # step 6: weight moved one ulp, loss differs
+    names = [(r["phase"], r["name"]) for r in rows]
+    assert ("params", "layer.weight") in names and ("params", HOSTILE) in names
+    assert ("params", "bias") not in names
+    assert all(r["difference"] == "digest differs" for r in rows if r["kind"] == "tensor")
+    assert differing_records(a, b, rank=0, step=2) == []
+
+
+# -- the output of samebits verify (real runs), matrix and bisect --------------------------------
+
+RESUMABLE = '''
+import argparse, torch
+parser = argparse.ArgumentParser()
+parser.add_argument("--ckpt", required=True)
+parser.add_argument("--resume-from", default=None)
+args = parser.parse_args()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1))
+opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+start = 0
+if args.resume_from:  # PLANTED: the resume restores model and optimizer but not the RNG state
+    state = torch.load(args.resume_from, weights_only=True)
+    model.load_state_dict(state["model"]); opt.load_state_dict(state["opt"]); start = state["step"]
+for step in range(start, 5):
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, f"{args.ckpt}/step-{step}.pt")
+    x = torch.randn(16, 8)
+    loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+    opt.zero_grad(); loss.backward(); opt.step()
+'''
+
+
+@pytest.fixture(scope="module")
+def verify_out(tmp_path_factory):
+    root = tmp_path_factory.mktemp("verify")
+    script = root / "train.py"
+    script.write_text(RESUMABLE)
+    cmd = [sys.executable, str(script)]
+    result = verify_command(cmd + ["--ckpt", "{out}"], root / "v", resume_at=2,
+                            resume_with=" ".join(cmd) + " --ckpt {out} --resume-from {from}/step-{step}.pt")
+    return root / "v", result
+
+
+@pytest.mark.slow
+def test_verify_output_in_a_browser(verify_out, tmp_path, capsys):
+    out, result = verify_out
+    assert result.verdict is Verdict.FAIL  # the planted resume bug
+    page = tmp_path / "verify.html"
+    code = main(["report", str(out), "-o", str(page)])
+    assert code == EXIT_BAD_VERDICT, capsys.readouterr()
+    assert_self_contained(page.read_text(encoding="utf-8"))
+    dom = rendered_dom(page, tmp_path)
+    assert_nothing_injected(dom)
+    text = dom.all_text()
+    assert dom.headings[0].startswith("samebits verify")
+    assert "independent: a vs b: identical" in dom.headings and "resume: a vs c: diverged" in dom.headings
+    # C resumed at step 2 and differs at its first step: steps before the resume are outside the window
+    first = dom.cells("h-first")
+    assert first == ["rank 0, step 2: first divergence"], first
+    assert "rank 0, step 0: before the compared window" in dom.cells("h-outside")
+    assert "FAIL" in text and "digests only: values not recorded" in text
+    assert "environment.env.SAMEBITS_STEP_OFFSET" not in text  # samebits' own per-run settings are not differences
+    screenshot(page, tmp_path, "report-verify")
+
+
+@pytest.mark.slow
+def test_matrix_output_draws_its_failing_cell(verify_out, tmp_path):
+    out, result = verify_out
+    matrix = tmp_path / "m"
+    matrix.mkdir()
+    cell = CellResult(cell="single", precision="fp32", world_size=1, required=True, out=str(out), verify=result)
+    summary = MatrixResult(out=str(matrix), baseline="single fp32", cells=[cell]).to_json()
+    (matrix / "summary.json").write_text(json.dumps(summary, default=str))
+    report = build_report([matrix])
+    assert report.kind == "matrix" and report.verdict is Verdict.FAIL
+    assert [p.label for p in report.pairs] == ["single fp32 resume: a vs c"]
+    assert report.pairs[0].first_by_rank == {0: (2, None)}
+    assert "single" in report.html and "fp32" in report.html
+
+
+def test_bisect_output_shows_origin_call_site_and_elements(tmp_path):
+    out = tmp_path / "bisect"
+    a, b = write_runs(out / "1-steps")
+    dump_a = torch.linspace(0, 1, 12)
+    dump_b = dump_a.clone()
+    dump_b[3] = torch.nextafter(dump_b[3], torch.tensor(2.0))
+    dump_b[7] = torch.nextafter(torch.nextafter(dump_b[7], torch.tensor(2.0)), torch.tensor(2.0))
+    detail = compare_elements(dump_a, dump_b)
+    elements = Elements(detail=detail, output="0", pair=["a1", "b1"], dumps=["a.pt", "b.pt"], same_values=False,
+                        inputs_identical=True)
+    origin = Origin(kind="op", conclusion=f"origin: aten::index_put at train.py:21 in {HOSTILE}", step=3, rank=1,
+                    phase="params", module="layer", op="aten::index_put", event_id="/aten::index_put:0",
+                    category="op", classification="origin", call_site=f"train.py:21 in {HOSTILE}", elements=elements,
+                    catalog=None, detail="all inputs matched; its output 0 differs", state_differs=[],
+                    state_differs_all=[])
+    stage = Stage("steps", "phases", "all steps, every rank", {"a": 1.0, "b": 1.0}, "diverged", None, "origin")
+    result = BisectResult(verdict=Verdict.DIVERGED, origin=origin, stages=[stage], out=str(out), compared="a vs b",
+                          conclusion=origin.conclusion)
+    (out / "summary.json").write_text(json.dumps(result.to_dict(), default=str))
+    report = build_report([out])
+    assert report.kind == "bisect" and report.verdict is Verdict.DIVERGED
+    assert "Origin" in report.sections
+    dom = Dom(report.html)
+    assert_nothing_injected(dom)
+    text = dom.all_text()
+    assert f"train.py:21 in {HOSTILE_SHOWN}" in text
+    assert "2 of 12 elements differ" in text and "max 2 ulp" in text
+    assert report.pairs[0].first_by_rank == {0: (5, None), 1: (3, None)}
+
+
+def test_report_json_and_exit_code_follow_the_verdict(tmp_path, capsys):
+    a, b = write_runs(tmp_path, plant=False)
+    code = main(["report", str(a), str(b), "-o", str(tmp_path / "r.html"), "--json"])
+    payload = json.loads(capsys.readouterr().out)
+    assert code == EXIT_OK and payload["verdict"] == "identical" and payload["pairs"][0]["verdict"] == "identical"

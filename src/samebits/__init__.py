@@ -11,17 +11,51 @@
 The public API is what ``__all__`` lists; every other module is private.
 """
 
-from samebits.compare import DiffResult, diff
-from samebits.determinism import check, deterministic_mode, probe
-from samebits.errors import ConfigError, DeterminismError, IncomparableRunsError, SamebitsError, StreamError
-from samebits.fingerprint import digest, digest_many, global_digests
-from samebits.invariant import GradientAccumulator
-from samebits.replicas import ReplicaCheck, check_replicas
-from samebits.stream import Recorder, open_run
-from samebits.verdicts import Verdict
+from __future__ import annotations
 
-# Registers the fused CUDA digest kernel with the fingerprint package (Triton imported on first use).
-import samebits.kernels  # noqa: E402,F401  isort: skip
+import importlib
+from typing import TYPE_CHECKING
+
+# The public names and the module each lives in.  They load on first use (PEP 562), so that
+# `import samebits` (and the pytest plugin, which loads in every test run of an environment
+# where samebits is installed) costs nothing until a name is used.
+_HOME = {
+    "digest": "samebits.fingerprint", "digest_many": "samebits.fingerprint", "global_digests": "samebits.fingerprint",
+    "Recorder": "samebits.stream", "open_run": "samebits.stream",
+    "diff": "samebits.compare", "DiffResult": "samebits.compare",
+    "check_replicas": "samebits.replicas", "ReplicaCheck": "samebits.replicas",
+    "Verdict": "samebits.verdicts",
+    "GradientAccumulator": "samebits.invariant",
+    "deterministic_mode": "samebits.determinism", "check": "samebits.determinism", "probe": "samebits.determinism",
+    "SamebitsError": "samebits.errors", "ConfigError": "samebits.errors", "StreamError": "samebits.errors",
+    "IncomparableRunsError": "samebits.errors", "DeterminismError": "samebits.errors",
+}
+
+if TYPE_CHECKING:  # what type checkers and IDEs see
+    from samebits.compare import DiffResult, diff
+    from samebits.determinism import check, deterministic_mode, probe
+    from samebits.errors import ConfigError, DeterminismError, IncomparableRunsError, SamebitsError, StreamError
+    from samebits.fingerprint import digest, digest_many, global_digests
+    from samebits.invariant import GradientAccumulator
+    from samebits.replicas import ReplicaCheck, check_replicas
+    from samebits.stream import Recorder, open_run
+    from samebits.verdicts import Verdict
+
+
+def __getattr__(name: str):
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'samebits' has no attribute {name!r}")
+    # Registers the fused CUDA digest kernel with the fingerprint package (Triton loads on first use).
+    importlib.import_module("samebits.kernels")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __version__ = "0.1.0"
 

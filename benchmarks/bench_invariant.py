@@ -3,6 +3,7 @@
     python benchmarks/bench_invariant.py accuracy [--elements 1048576] [--ranks 8]
     python benchmarks/bench_invariant.py comm [--nproc 2] [--elements 4194304] [--rounds 20]
     python benchmarks/bench_invariant.py loop [--nproc 2] [--steps 30]
+    python benchmarks/bench_invariant.py recipe [--nproc 2] [--steps 12] [--rounds 2]
 
 accuracy (one process): 8 "ranks" x 1M fp32 gradient elements of mixed scales (each block of
 256 its own magnitude, 1e-6..1e2), summed (a) by the invariant reduction and (b) in fp32 in 24
@@ -19,6 +20,11 @@ the ring cost model (all-reduce 2(W-1)/W of the buffer, reduce-scatter/all-gathe
 
 loop (torchrun): the small training loop of tests/scripts_invariant/train_dp.py, whole-step time
 with --grad-reduce invariant versus mean, alternating runs; median step time ratio.
+
+recipe (torchrun): the reference recipe (ep=1) with grad_reduce=invariant (4 micro-batches of 4
+samples per step: 2 per rank at DP=2) versus grad_reduce=mean with micro_batch_size 8 per rank
+(the same 16 samples per step, one forward per rank), alternating runs; median of the step times
+the recipe prints, first 3 steps of each run left out.
 """
 
 from __future__ import annotations
@@ -151,9 +157,26 @@ def loop(nproc: int, steps: int, rounds: int) -> dict:
             "time_ratio": inv / mean}
 
 
+def recipe(nproc: int, steps: int, rounds: int) -> dict:
+    modes = {"invariant": ["--set", "grad_reduce=invariant", "--set", "num_micro_batches=4",
+                           "--set", "micro_batch_size=4"],
+             "mean": ["--set", "micro_batch_size=8"]}
+    times = {mode: [] for mode in modes}
+    for _ in range(rounds):
+        for mode, extra in modes.items():
+            argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                    "-m", "samebits.recipes", "--steps", str(steps), "--set", "ep=1", *extra]
+            done = subprocess.run(argv, capture_output=True, text=True, check=True)
+            lines = [x for x in done.stdout.splitlines() if x.startswith("step ")]
+            times[mode] += [float(x.rsplit("|", 1)[1].split()[0]) / 1000 for x in lines[3:]]
+    inv, mean = statistics.median(times["invariant"]), statistics.median(times["mean"])
+    return {"nproc": nproc, "steps": steps, "rounds": rounds, "invariant_step_s": inv, "mean_step_s": mean,
+            "time_ratio": inv / mean}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=("accuracy", "comm", "loop", "_comm_worker"))
+    parser.add_argument("what", choices=("accuracy", "comm", "loop", "recipe", "_comm_worker"))
     parser.add_argument("--elements", type=int, default=1 << 20)
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--nproc", type=int, default=2)
@@ -168,6 +191,8 @@ def main() -> None:
         result = accuracy(args.elements, args.ranks)
     elif args.what == "comm":
         result = comm(args.nproc, args.elements, args.rounds)
+    elif args.what == "recipe":
+        result = recipe(args.nproc, args.steps, args.rounds)
     else:
         result = loop(args.nproc, args.steps, args.rounds)
     print(json.dumps(result, indent=2))

@@ -205,6 +205,16 @@ def test_training_is_bit_identical_at_dp_1_2_and_4(invariant_runs):
 
 
 @pytest.mark.slow
+def test_the_recipe_in_invariant_mode_is_bit_identical_at_dp_1_and_2(tmp_path):
+    """The reference recipe (MoE with replicated experts, dropout, router jitter, MTP) through
+    `verify --across`'s recipe path; `samebits verify --across dp=1,2,4 --steps 20` is the
+    full check (benchmarks/RESULTS.md)."""
+    result = verify_across([1, 2], None, tmp_path / "recipe", steps=2)
+    assert result.verdict is Verdict.PASS, result.to_json()
+    assert result.checks[2].compared["steps"] == 2
+
+
+@pytest.mark.slow
 def test_the_ddp_comm_hook_gives_the_same_bits_as_the_accumulator(invariant_runs, tmp_path):
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT),
             "--steps", "20", "--ddp", "--out", str(tmp_path / "ddp2")]

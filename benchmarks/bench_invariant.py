@@ -37,11 +37,11 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from samebits.invariant import DEFAULT_BLOCK_SIZE, block_exponents, decode, encode, fraction_bits, reduce_blocks
+from samebits.invariant import (DEFAULT_BLOCK_SIZE, ReduceStats, block_exponents, decode, encode, fraction_bits,
+                                reduce_blocks)
 
 HERE = Path(__file__).resolve().parent
 TRAIN = HERE.parent / "tests" / "scripts_invariant" / "train_dp.py"
@@ -114,7 +114,6 @@ def _comm_worker(elements: int, rounds: int) -> None:
     blocks = -(-blocks // world) * world
     grad = (torch.randn(blocks, DEFAULT_BLOCK_SIZE, generator=gen) * 1e-3).float()
     plain, inv = [], []
-    from samebits.invariant import ReduceStats  # noqa: PLC0415  (benchmark script)
     stats = ReduceStats()
     for r in range(rounds + 2):
         dist.barrier()

@@ -74,7 +74,8 @@ class _Blocks:
 
     def gather(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
         """(num_blocks, block_size) fp32 copy of the gradients (None counts as zeros)."""
-        out = torch.zeros(self.num_blocks, self.block_size, dtype=torch.float32)
+        device = next((g.device for g in grads if g is not None), torch.device("cpu"))
+        out = torch.zeros(self.num_blocks, self.block_size, dtype=torch.float32, device=device)
         row = 0
         for grad, numel, nblocks in zip(grads, self.numels, self.param_blocks):
             if grad is not None:
@@ -118,16 +119,17 @@ def reduce_blocks(micro_batches: list[torch.Tensor], *, num_micro_batches: int, 
         encoded, lost = encode(blocks, exps, bits)
         total += encoded  # int64: exact, any order
         inexact += lost
-    counts = torch.tensor([inexact], dtype=torch.int64)
+    device = micro_batches[0].device  # NCCL needs the collectives' tensors on the GPU
+    counts = torch.tensor([inexact], dtype=torch.int64, device=device)
     if world_size == 1:
         reduced = decode(total, exps, bits)
     else:
         shard_blocks = num_blocks // world_size
-        shard = torch.empty(shard_blocks, block_size, dtype=torch.int64)
+        shard = torch.empty(shard_blocks, block_size, dtype=torch.int64, device=device)
         dist.reduce_scatter_tensor(shard, total, group=group)  # int64 SUM: exact and associative
         mine = slice(rank * shard_blocks, (rank + 1) * shard_blocks)
         decoded = decode(shard, exps[mine], bits)
-        reduced = torch.empty(num_blocks, block_size, dtype=torch.float32)
+        reduced = torch.empty(num_blocks, block_size, dtype=torch.float32, device=device)
         dist.all_gather_into_tensor(reduced, decoded, group=group)
         dist.all_reduce(counts, group=group)
     if stats is not None:
@@ -198,7 +200,9 @@ class GradientAccumulator:
         generators = list(generators)
         saved = [g.get_state() for g in generators]
         try:
-            with torch.random.fork_rng(devices=[]):
+            # torch.manual_seed seeds the CPU and every CUDA generator; fork the CUDA one in use too.
+            devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+            with torch.random.fork_rng(devices=devices):
                 torch.manual_seed(seed)
                 for offset, generator in enumerate(generators, start=1):
                     generator.manual_seed(micro_batch_seed(self.seed + offset, step, index))
@@ -210,7 +214,8 @@ class GradientAccumulator:
     def global_count(self, local_count) -> int:
         """The sum over ranks of an integer count (tokens, samples): an exact int64 all-reduce.
         Divide each micro-batch's summed loss by this, never by a local mean."""
-        value = torch.tensor([int(local_count)], dtype=torch.int64)
+        device = self.named[0][1].device
+        value = torch.tensor([int(local_count)], dtype=torch.int64, device=device)
         if self.world_size > 1:
             dist.all_reduce(value, group=self.group)
         return int(value[0])

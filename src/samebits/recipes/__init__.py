@@ -2,6 +2,7 @@
 
     from samebits.recipes import RecipeConfig, train
     result = train(RecipeConfig(), steps=10)
+    cfg = RecipeConfig(**parse_cell("tp2-dp2"))     # a parallel cell (run it on 4 ranks)
 
 Command line: `python -m samebits.recipes --help`; see docs/recipe.md.
 """
@@ -13,6 +14,7 @@ from samebits.recipes.config import (
     nondeterministic_config,
 )
 from samebits.recipes.loop import TrainResult, session, train
+from samebits.recipes.parallelize import ParallelDims, cell_name, parse_cell
 from samebits.recipes.rules import register_recipe_rules  # importing registers the option rules
 
 __all__ = [
@@ -23,4 +25,8 @@ __all__ = [
     "train",
     "TrainResult",
     "session",
+    "parse_cell",
+    "cell_name",
+    "ParallelDims",
+    "register_recipe_rules",
 ]

@@ -152,7 +152,7 @@ class _Run:
             model=model, optimizer=optimizer, lr_scheduler=self.scheduler,
             progress={"step": self.step, **self.data.state_dict()},
             generators={JITTER_GENERATOR: self.jitter},
-            layout=self.layout.sizes,
+            layout=self.layout.checkpoint_layout,
             rank_local=self.layout.expert_param_names | sharded
             | self.precision.rank_local_names,
             metadata={"config": self.cfg.to_dict()},

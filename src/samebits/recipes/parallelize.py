@@ -175,8 +175,16 @@ class ParallelLayout:
 
     @property
     def sizes(self) -> dict[str, int]:
-        """Mesh sizes (stored in checkpoints: loading under another layout is refused)."""
+        """Mesh sizes and the EP size."""
         return self.dims.sizes()
+
+    @property
+    def checkpoint_layout(self) -> dict[str, int]:
+        """What a checkpoint stores as its layout (loading under another one is refused):
+        {"dp", "ep"} as before the mesh, plus "dp_shard", "tp" and "pp" where > 1."""
+        dims = self.dims
+        extra = {"dp_shard": dims.dp_shard, "tp": dims.tp, "pp": dims.pp}
+        return {"dp": dims.dp, "ep": dims.ep, **{k: v for k, v in extra.items() if v > 1}}
 
     @property
     def expert_group(self):

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import samebits
 from samebits.cli import main
@@ -61,3 +62,42 @@ def test_a_step_the_run_did_not_record_is_refused(tmp_path):
         rec.end_step(0)
     with pytest.raises(ConfigError, match="holds no record of step 1"):
         replay(tmp_path / "inv", step=0, num_steps=2, cmd=["true"], out=tmp_path / "out")
+
+
+def _record(path, world_size, steps, *, flip_at=None, shard=False):
+    """Rank 0 of a run: replicated params each step (one flipped at ``flip_at``), and a
+    rank-local shard record when ``shard``."""
+    with samebits.Recorder(path, rank=0, world_size=world_size, config={"grad_reduce": "invariant"}) as rec:
+        for step in steps:
+            weight = torch.full((3, 4), float(step))
+            if step == flip_at:
+                weight[1, 2] = torch.nextafter(weight[1, 2], torch.tensor(1e9))
+            rec.tensors(step, "params", [("w", weight)])
+            if shard:
+                rec.tensors(step, "params", [(f"expert.shard{world_size}", weight[:1])])
+            rec.end_step(step)
+
+
+def test_compare_replicated_finds_the_first_differing_step_across_world_sizes(tmp_path):
+    _record(tmp_path / "a", 4, range(5), shard=True)
+    _record(tmp_path / "b", 1, range(5), flip_at=3, shard=True)
+    check = compare_replicated(tmp_path / "a", tmp_path / "b")
+    assert check.verdict is Verdict.DIVERGED
+    assert (check.first_divergence.step, check.first_divergence.name) == (3, "w")
+    assert check.compared["steps"] == 4 and check.compared["records"] == 4  # shards not counted
+    assert any("only in" in note for note in check.notes)
+
+
+def test_compare_replicated_is_incomplete_when_a_step_is_missing_or_nothing_compares(tmp_path):
+    _record(tmp_path / "a", 2, range(4))
+    _record(tmp_path / "b", 1, range(2))
+    assert compare_replicated(tmp_path / "a", tmp_path / "b").verdict is Verdict.INCOMPLETE
+    assert compare_replicated(tmp_path / "a", tmp_path / "b", stop_step=2).verdict is Verdict.IDENTICAL
+    assert compare_replicated(tmp_path / "a", tmp_path / "b", start_step=9).verdict is Verdict.INCOMPLETE
+
+
+def test_verify_across_refuses_bad_sizes_and_a_command_without_placeholders(capsys):
+    assert main(["verify", "--across", "dp=1"]) == 2
+    assert main(["verify", "--across", "tp=1,2"]) == 2
+    assert main(["verify", "--across", "dp=1,2", "--", "python", "train.py"]) == 2
+    assert "{nproc} and {out}" in capsys.readouterr().err

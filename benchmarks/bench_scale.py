@@ -7,7 +7,8 @@ the last record of the last step of the last rank differing, one rank differing 
 3 on), runs `samebits diff` (the CLI's diff command, in a fresh process, with every integrity check) on
 each, and reports wall time and peak memory: the comparing process's own peak RSS, and the
 largest peak of its worker processes (parallel mode), so the total is at most
-own + jobs x worker.  Then deletes the runs.  ``--serial`` also times ``--jobs 1``.
+own + jobs x worker; and CPU seconds (the process and its workers: the cost that load on a
+shared machine does not inflate).  Then deletes the runs.  ``--serial`` also times ``--jobs 1``.
 Cost per byte is the figure that must stay flat across sizes (linear growth).
 """
 
@@ -35,7 +36,9 @@ args = parser.parse_args(sys.argv[1:])
 code = args.func(args)
 wall = time.perf_counter() - start
 sys.stdout.flush()
+own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
 print(json.dumps({"exit_code": code, "wall_s": wall,
+                  "cpu_s": own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime,
                   "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "worker_peak_rss_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}),
       file=sys.stderr)
@@ -68,10 +71,12 @@ def bench_size(out: Path, num_records: int, num_ranks: int, num_steps: int, seri
             expected = 0 if label == "identical" else 1
             assert figures["exit_code"] == expected, figures
             figures["ns_per_byte"] = figures["wall_s"] * 1e9 / (2 * info["bytes_per_run"])
+            figures["cpu_ns_per_byte"] = figures["cpu_s"] * 1e9 / (2 * info["bytes_per_run"])
             result[label] = figures
         if serial:
             figures = measure_diff(paths["a"], paths["b"], "--jobs", "1")
             figures["ns_per_byte"] = figures["wall_s"] * 1e9 / (2 * info["bytes_per_run"])
+            figures["cpu_ns_per_byte"] = figures["cpu_s"] * 1e9 / (2 * info["bytes_per_run"])
             result["identical_serial"] = figures
     finally:
         shutil.rmtree(out, ignore_errors=True)

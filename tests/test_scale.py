@@ -139,15 +139,17 @@ def test_distributed_without_torchrun_is_a_clear_error(tmp_path, monkeypatch, ca
 
 
 def test_summary_of_many_ranks_stays_short(tmp_path, capsys):
-    world = 24
+    world = 33
     a = _write(tmp_path / "a", world_size=world, num_steps=4)
-    b = _write(tmp_path / "b", world_size=world, num_steps=4, differ={r: 1 + r % 3 for r in range(world)})
+    # ranks 0, 1, 2 diverge at steps 3, 2, 1; after rank 2, ranks are compared up to step 1
+    # only, so the 11 ranks r = 2 mod 3 (step 1) and ranks 0 and 1 are reported
+    b = _write(tmp_path / "b", world_size=world, num_steps=4, differ={r: 3 - r % 3 for r in range(world)})
     assert main(["diff", "--jobs", "1", str(a), str(b)]) == 1
     out = capsys.readouterr().out
     assert out.count("\n") < 30
-    assert "ranks: 24 compared, 24 diverged (step 1: 8, step 2: 8, step 3: 8)" in out
-    assert "... and 14 more rank(s), in step order (all of them: --json)" in out
-    assert "ranks diverged first (step 1): 1, 4, 7, 10, 13, 16, 19, 22" in out
+    assert "ranks: 33 compared, 13 diverged (step 1: 11, step 2: 1, step 3: 1), 20 with no difference found" in out
+    assert "... and 3 more rank(s), in step order (all of them: --json)" in out
+    assert "ranks diverged first (step 1): 2, 5, 8, 11, 14, 17, 20, 23, 26, 29 ... (11 ranks)" in out
     assert main(["diff", "--json", str(a), str(b)]) == 1
     payload = json.loads(capsys.readouterr().out)
-    assert len(payload["divergences_by_rank"]) == 24
+    assert len(payload["divergences_by_rank"]) == 13 and len(payload["first_divergence"]["ranks"]) == 11

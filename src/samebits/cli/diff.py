@@ -113,8 +113,8 @@ def render(result: DiffResult, title: str | None = None) -> str:
         first = result.ranks_diverged_first
         shown = ", ".join(map(str, first[:_SHOWN])) + (f" ... ({len(first)} ranks)" if len(first) > _SHOWN else "")
         lines.append(f"ranks diverged first (step {d.step}): {shown}")
-        if d.reason.startswith("ended") or d.reason.startswith("only"):
-            lines.append(escape(d.detail))
+        if (d.reason.startswith("ended") or d.reason.startswith("only")) and d.name is not None:
+            lines.append(escape(d.detail))  # (without a name, the headline above is this detail)
         lines.append(f"before it: {counts}")
     for note in result.notes:
         lines.append(f"note: {escape(note)}")

@@ -204,6 +204,21 @@ def test_incomparable_runs_page_says_why_with_the_option_to_use(tmp_path, capsys
     assert "allow_config_diff" not in markup + out
 
 
+def test_a_damaged_stream_is_never_identical(tmp_path, capsys):
+    a, b = write_runs(tmp_path, plant=False)
+    stream = b / "rank-00001.sbs"
+    data = bytearray(stream.read_bytes())
+    data[len(data) // 2] ^= 0x40  # one flipped bit inside a step frame
+    stream.write_bytes(bytes(data))
+    page = tmp_path / "r.html"
+    code = main(["report", str(a), str(b), "-o", str(page)])
+    out = capsys.readouterr().out
+    assert code == EXIT_CANNOT_RUN and "INCOMPLETE" in out and "IDENTICAL" not in out
+    markup = page.read_text(encoding="utf-8")
+    assert "could not compare" in markup and "rank-00001.sbs" in markup
+    assert 'class="verdict v-identical"' not in markup
+
+
 def test_bad_inputs_are_clear_errors(tmp_path, capsys):
     assert main(["report", str(tmp_path / "nope"), "-o", str(tmp_path / "r.html")]) == EXIT_CANNOT_RUN
     assert "no such directory" in capsys.readouterr().err

@@ -679,8 +679,12 @@ class _Page:
         rank = d.rank
         steps_a, steps_b = pair.steps_a.get(rank, []), pair.steps_b.get(rank, [])
         wanted = sorted({s for s in set(steps_a) | set(steps_b) if s >= d.step})[:MAX_TENSOR_STEPS]
-        records_a = _records_by_step(pair.a, rank, set(wanted), wanted[-1] if wanted else None)
-        records_b = _records_by_step(pair.b, rank, set(wanted), wanted[-1] if wanted else None)
+        try:
+            records_a = _records_by_step(pair.a, rank, set(wanted), wanted[-1] if wanted else None)
+            records_b = _records_by_step(pair.b, rank, set(wanted), wanted[-1] if wanted else None)
+        except StreamError as err:  # damaged after the first divergence: the divergence still stands
+            self.add(f'<p class="err">the records after the first divergence could not be read: {_esc(err)}</p>')
+            return
         differing: dict[tuple, dict[int, tuple[str, str]]] = {}
         for step in wanted:
             at_a, at_b = records_a.get(step, {}), records_b.get(step, {})

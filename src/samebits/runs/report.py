@@ -403,18 +403,12 @@ def metric_distance(a: Record, b: Record) -> tuple[int | None, float | None]:
     for what is not defined (different dtypes, non-float metrics, non-finite values)."""
     if a.raw is None or b.raw is None or a.dtype != b.dtype or len(a.raw) != len(b.raw):
         return None, None
-    ulp = None
-    if a.dtype in ("float64", "float32", "float16", "bfloat16"):
-        ulp = abs(_ordered(a.raw) - _ordered(b.raw))
     value_a, value_b = _float(a), _float(b)
-    relative = None
-    if value_a is not None and value_b is not None and math.isfinite(value_a) and math.isfinite(value_b):
-        scale = max(abs(value_a), abs(value_b))
-        relative = 0.0 if value_a == value_b else (abs(value_a - value_b) / scale if scale else None)
-        if ulp is not None and not (math.isfinite(value_a) and math.isfinite(value_b)):
-            ulp = None
-    else:
-        ulp = None
+    if value_a is None or value_b is None or not (math.isfinite(value_a) and math.isfinite(value_b)):
+        return None, None  # an ulp count across inf/nan or for non-floats means nothing
+    ulp = abs(_ordered(a.raw) - _ordered(b.raw)) if a.dtype in ("float64", "float32", "float16", "bfloat16") else None
+    scale = max(abs(value_a), abs(value_b))
+    relative = 0.0 if value_a == value_b else (abs(value_a - value_b) / scale if scale else None)
     return ulp, relative
 
 

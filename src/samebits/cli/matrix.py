@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 
 from samebits.cli._format import echo, print_json, table
-from samebits.runs.matrix import (DEFAULT_CELLS, DEFAULT_MAX_WORLD_SIZE, DEFAULT_PRECISIONS, MatrixResult,
-                                  run_matrix, split_list)
+from samebits.runs.matrix import (DEFAULT_CELLS, DEFAULT_GLOBAL_BATCH, DEFAULT_MAX_WORLD_SIZE, DEFAULT_PRECISIONS,
+                                  LAYOUT_INDEPENDENT, MatrixResult, run_matrix, split_list)
 
 
 def register(sub) -> None:
@@ -39,6 +39,12 @@ def register(sub) -> None:
                         help="recipe config override for every cell, repeatable")
     parser.add_argument("--nondeterministic", action="store_true",
                         help="every cell on the recipe's nondeterministic path (the matrix must catch it)")
+    parser.add_argument("--global-batch", type=int, default=DEFAULT_GLOBAL_BATCH, metavar="N",
+                        help=f"samples per step in every cell, split over its data-parallel ranks "
+                             f"(default {DEFAULT_GLOBAL_BATCH}; 0: the recipe's micro-batch per rank)")
+    parser.add_argument("--keep-randomness", action="store_true",
+                        help="keep dropout, router jitter and the load-balancing loss (default off in every cell: "
+                             f"{' '.join(LAYOUT_INDEPENDENT)}), at the cost of layouts that cannot agree")
     parser.add_argument("--max-world-size", type=int, default=DEFAULT_MAX_WORLD_SIZE, metavar="N",
                         help=f"a cell with more ranks cannot start (default {DEFAULT_MAX_WORLD_SIZE})")
     parser.add_argument("--out", default=None, help="output directory (default: samebits-out/matrix-TIME)")
@@ -55,6 +61,7 @@ def run(args) -> int:
         required=split_list(args.required, "required") if args.required is not None else None,
         baseline=args.baseline, steps=args.steps, resume_at=args.resume_at, overrides=args.overrides,
         nondeterministic=args.nondeterministic, max_world_size=args.max_world_size,
+        global_batch=args.global_batch or None, layout_independent=not args.keep_randomness,
         require_agreement=args.require_agreement, bisect_failures=args.bisect_failures, progress=progress)
     if args.json:
         print_json(result.to_json())

@@ -45,6 +45,11 @@ DEFAULT_CELLS = ("single", "dp2", "ep2")
 DEFAULT_PRECISIONS = ("fp32", "bf16", "fp8_delayed")
 DEFAULT_MAX_WORLD_SIZE = 8
 AGREEMENT_METRICS = ("grad_norm", "lr")  # the recipe's metrics that are global (equal on every rank)
+DEFAULT_GLOBAL_BATCH = 8
+# Per-replica randomness and per-rank losses make layouts differ by more than rounding:
+# dropout and router jitter draw per data-parallel replica, and the load-balancing loss is
+# each rank's own.  Off, two layouts compute the same function of the same global batch.
+LAYOUT_INDEPENDENT = ("dropout=0", "moe_jitter_eps=0", "moe_aux_loss_coeff=0")
 _CELL_PART = re.compile(r"(dp|fsdp|tp|pp|ep)([1-9]\d*)")
 _CELL_FIELD = {"dp": "dp_replicate", "fsdp": "dp_shard", "tp": "tp", "pp": "pp", "ep": "ep"}
 
@@ -56,6 +61,7 @@ class Cell:
     name: str
     world_size: int
     overrides: tuple[str, ...]
+    data_parallel: int = 1  # ranks that read different samples (dp_replicate * dp_shard)
 
 
 def parse_cell(name: str) -> Cell:
@@ -77,7 +83,8 @@ def parse_cell(name: str) -> Cell:
                           f"({values['dp_replicate']})")
     sizes = {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1, "ep": 1, **values}
     world = sizes["pp"] * sizes["dp_replicate"] * sizes["dp_shard"] * sizes["tp"]
-    return Cell(text, world, tuple(f"{key}={value}" for key, value in sizes.items()))
+    return Cell(text, world, tuple(f"{key}={value}" for key, value in sizes.items()),
+                sizes["dp_replicate"] * sizes["dp_shard"])
 
 
 def split_list(text: str | None, what: str) -> list[str]:
@@ -195,6 +202,8 @@ def run_matrix(
     overrides: list[str] = (),
     nondeterministic: bool = False,
     max_world_size: int = DEFAULT_MAX_WORLD_SIZE,
+    global_batch: int | None = DEFAULT_GLOBAL_BATCH,
+    layout_independent: bool = True,
     require_agreement: bool = False,
     bisect_failures: bool = False,
     progress: Callable[[str], None] | None = None,
@@ -204,7 +213,11 @@ def run_matrix(
     ``required``: the cells (``tp2``) or cell:precision pairs (``tp2:fp8_delayed``) that must
     run and hold (None: all).  ``baseline``: the cell every other one is compared with
     (default: the first).  ``overrides`` and ``nondeterministic`` apply to every cell, as in
-    `verify_recipe`.  ``bisect_failures``: bisect each cell whose independent runs diverged."""
+    `verify_recipe`.  ``global_batch``: samples per step in every cell (each cell's
+    micro-batch is global_batch / its data-parallel size; None: the recipe's micro-batch per
+    rank).  ``layout_independent``: turn off the per-replica randomness and per-rank losses
+    (``LAYOUT_INDEPENDENT``) so that layouts compute the same function and agreement means
+    something.  ``bisect_failures``: bisect each cell whose independent runs diverged."""
     say = progress or (lambda message: None)
     parsed = [parse_cell(name) for name in cells]
     if not parsed or not precisions:
@@ -216,6 +229,11 @@ def run_matrix(
     wanted = _required(required, names, precisions)
     out = _prepare(out or default_out_dir("matrix"))
     result = MatrixResult(str(out), baseline, [], require_agreement)
+    common = [*(LAYOUT_INDEPENDENT if layout_independent else ()), *overrides]
+    if global_batch is not None:
+        result.notes.append(f"every cell trains on the same global batch of {global_batch} samples per step")
+    result.notes.append("layout-independent settings for every cell: " + " ".join(LAYOUT_INDEPENDENT)
+                        if layout_independent else "per-replica randomness kept: layouts are not expected to agree")
     order = sorted(parsed, key=lambda cell: cell.name != baseline)  # the baseline runs first
     total = len(order) * len(precisions)
     for precision in precisions:
@@ -225,8 +243,9 @@ def run_matrix(
             cell_result = CellResult(cell.name, precision, cell.world_size,
                                      (cell.name, precision) in wanted, str(out / f"{cell.name}-{precision}"))
             result.cells.append(cell_result)
-            _run_cell(cell_result, cell, precision, steps=steps, resume_at=resume_at, overrides=list(overrides),
-                      nondeterministic=nondeterministic, max_world_size=max_world_size, say=say)
+            _run_cell(cell_result, cell, precision, steps=steps, resume_at=resume_at, overrides=common,
+                      nondeterministic=nondeterministic, max_world_size=max_world_size,
+                      global_batch=global_batch, say=say)
             say(f"      {cell_result.verdict.value}" + (f": {cell_result.reason}" if cell_result.reason else "")
                 + f" ({cell_result.seconds:.1f} s)")
     by_key = {(c.cell, c.precision): c for c in result.cells}
@@ -236,7 +255,7 @@ def run_matrix(
         for c in result.cells:
             if c.check("independent") == "no":
                 say(f"bisecting {c.cell} {c.precision} ...")
-                c.bisect = _bisect_cell(c, parse_cell(c.cell), steps, list(overrides), nondeterministic, say)
+                c.bisect = _bisect_cell(c, parse_cell(c.cell), steps, common, nondeterministic, say)
     _write_summary(out, result)
     return result
 
@@ -257,15 +276,23 @@ def _required(required: list[str] | None, names: list[str], precisions: list[str
 
 
 def _run_cell(c: CellResult, cell: Cell, precision: str, *, steps: int, resume_at: int | None, overrides: list[str],
-              nondeterministic: bool, max_world_size: int, say: Callable[[str], None]) -> None:
+              nondeterministic: bool, max_world_size: int, global_batch: int | None,
+              say: Callable[[str], None]) -> None:
     if cell.world_size > max_world_size:
         c.reason = (f"cannot start: needs {cell.world_size} ranks, more than this matrix allows "
                     f"({max_world_size}; raise --max-world-size)")
         return
+    batch = []
+    if global_batch is not None:
+        if global_batch % cell.data_parallel:
+            c.reason = (f"cannot start: the global batch of {global_batch} does not split over "
+                        f"{cell.data_parallel} data-parallel ranks (choose --global-batch)")
+            return
+        batch = [f"micro_batch_size={global_batch // cell.data_parallel}"]
     start = time.perf_counter()
     try:
         c.verify = verify_recipe(c.out, steps=steps, resume_at=resume_at, nproc=cell.world_size,
-                                 overrides=[*cell.overrides, f"precision={precision}", *overrides],
+                                 overrides=[*cell.overrides, *batch, f"precision={precision}", *overrides],
                                  nondeterministic=nondeterministic, progress=lambda m: say("      " + m.strip()))
     except RunFailed as err:
         stage = "cannot start" if err.label == "A" else f"run {err.label} crashed"
@@ -378,4 +405,5 @@ def _bisect_cell(c: CellResult, cell: Cell, steps: int, overrides: list[str], no
 
 
 __all__ = ["run_matrix", "MatrixResult", "CellResult", "Agreement", "Cell", "parse_cell", "split_list",
-           "DEFAULT_CELLS", "DEFAULT_PRECISIONS", "DEFAULT_MAX_WORLD_SIZE"]
+           "DEFAULT_CELLS", "DEFAULT_PRECISIONS", "DEFAULT_MAX_WORLD_SIZE", "DEFAULT_GLOBAL_BATCH",
+           "LAYOUT_INDEPENDENT"]

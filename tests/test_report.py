@@ -24,6 +24,7 @@ import torch
 
 import samebits
 from samebits.cli import main
+from samebits.runs.across import AcrossResult
 from samebits.runs.bisect import BisectResult, Elements, Origin, Stage
 from samebits.runs.matrix import CellResult, MatrixResult
 from samebits.runs.report import build_report, differing_records
@@ -341,6 +342,17 @@ def test_bisect_output_shows_origin_call_site_and_elements(tmp_path):
     assert f"train.py:21 in {HOSTILE_SHOWN}" in text
     assert "2 of 12 elements differ" in text and "max 2 ulp" in text
     assert report.pairs[0].first_by_rank == {0: (5, None), 1: (3, None)}
+
+
+def test_verify_across_output_shows_its_verdicts_without_a_rank_by_rank_comparison(tmp_path):
+    a, b = write_runs(tmp_path / "runs")
+    check = samebits.diff(a, b)  # a real DiffResult, as compare_replicated returns
+    result = AcrossResult(out=str(tmp_path / "across"), sizes=[1, 2], checks={2: check})
+    (tmp_path / "across").mkdir()
+    (tmp_path / "across" / "summary.json").write_text(json.dumps(result.to_json(), default=str))
+    report = build_report([tmp_path / "across"])
+    assert report.kind == "verify --across" and report.verdict is Verdict.FAIL and report.pairs == []
+    assert "dp=2" in report.html and "not rank by rank" in report.html
 
 
 def test_report_json_and_exit_code_follow_the_verdict(tmp_path, capsys):

@@ -151,6 +151,8 @@ def build_report(inputs: list[str | Path], *, start_step: int | None = None, all
         return _matrix_report(path, summary, say)
     if "stages" in summary:
         return _bisect_report(path, summary, say)
+    if "checks" in summary and "sizes" in summary:
+        return _across_report(path, summary)
     if "checks" in summary:
         return _verify_report(path, summary, say)
     raise ConfigError(f"{path / 'summary.json'}: not a summary of samebits verify, bisect or matrix (no 'checks', "
@@ -206,6 +208,18 @@ def _verify_report(path: Path, summary: dict, say) -> Report:
     for pair in pairs:
         page.pair_sections(pair)
     return page.finish([str(path)], pairs, notes=list(summary.get("notes") or []))
+
+
+def _across_report(path: Path, summary: dict) -> Report:
+    """`verify --across dp=...`: runs of different world sizes, compared by rank 0's replicated
+    records (not rank by rank), so the verdicts are shown as verify found them."""
+    verdict = _verdict(summary.get("verdict"), path / "summary.json")
+    page = _Page("verify --across", f"samebits verify --across: {path}", verdict)
+    page.verify_summary(summary, [])
+    page.notes.append(f"runs of different data-parallel sizes ({', '.join(map(str, summary.get('sizes') or []))}) are "
+                      f"compared by the replicated records of rank 0 against {summary.get('reference')}, not rank by "
+                      "rank: no heatmap or environment comparison is drawn for them")
+    return page.finish([str(path)], [], notes=list(summary.get("notes") or []))
 
 
 def _bisect_report(path: Path, summary: dict, say) -> Report:

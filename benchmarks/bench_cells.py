@@ -23,6 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from samebits.recipes import ParallelDims, parse_cell
+
 REPO = Path(__file__).resolve().parents[1]
 CELLS = ["dp2", "fsdp2", "tp2", "pp2", "ep2", "tp2-dp2", "tp2-ep2", "tp2-pp2", "fsdp2-tp2",
          "pp2-dp2", "dp4", "fsdp4"]
@@ -31,11 +33,7 @@ STEP_MS = re.compile(r"^step +(\d+) .*\| (\d+) ms$", re.M)
 
 
 def _world(cell: str) -> int:
-    size = 1
-    for part in cell.split("-"):
-        if not part.startswith("ep"):
-            size *= int(re.sub(r"\D", "", part))
-    return size
+    return ParallelDims(**parse_cell(cell)).world_size
 
 
 def _run(module: str, nproc: int, args: list[str], steps: int, pythonpath: str | None) -> float:

@@ -146,7 +146,7 @@ def test_summary_of_many_ranks_stays_short(tmp_path, capsys):
     b = _write(tmp_path / "b", world_size=world, num_steps=4, differ={r: 3 - r % 3 for r in range(world)})
     assert main(["diff", "--jobs", "1", str(a), str(b)]) == 1
     out = capsys.readouterr().out
-    assert out.count("\n") < 30
+    assert out.count("\n") < 40  # 10 ranks in the table, whatever the number that diverged
     assert "ranks: 33 compared, 13 diverged (step 1: 11, step 2: 1, step 3: 1), 20 with no difference found" in out
     assert "... and 3 more rank(s), in step order (all of them: --json)" in out
     assert "ranks diverged first (step 1): 2, 5, 8, 11, 14, 17, 20, 23, 26, 29 ... (11 ranks)" in out

@@ -7,7 +7,8 @@ the architecture, this file the parallelism), on PyTorch's own engines.
 - a named `DeviceMesh` ("pp", "dp_replicate", "dp_shard", "tp"), built from the config;
 - TP: DTensor `parallelize_module`: fused QKV and the dense MLP's up projection column-wise,
   the attention output and the MLP's down projection row-wise (Megatron's split; the fused
-  QKV is head-major, so a column shard holds whole heads);
+  QKV is head-major, so a column shard holds whole heads); no sequence parallelism yet
+  (the residual stream is replicated on the TP ranks);
 - FSDP2: `fully_shard` per block and at the root, over "dp_shard";
 - plain DP over "dp_replicate": one flat all-reduce of the gradients (`parallel.py`);
 - EP over "dp_replicate": the all_to_all dispatcher of `parallel.py` on that mesh group;

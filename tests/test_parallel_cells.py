@@ -85,6 +85,15 @@ def test_layout_must_fit_the_world_and_the_model():
     assert [stage_layers(5, 2, s) for s in (0, 1)] == [[0, 1, 2], [3, 4]]
 
 
+def test_command_line_refuses_a_bad_cell_with_exit_2(capsys):
+    from samebits.recipes.cli import main
+
+    assert main(["--cell", "tp3-dp2", "--steps", "1"]) == 2
+    assert "tp=3 must divide num_heads=4" in capsys.readouterr().err
+    assert main(["--cell", "tp2", "--steps", "1"]) == 2  # one process, a 2-rank cell
+    assert "does not fit world size 1; launch 2 ranks" in capsys.readouterr().err
+
+
 # --- the cells, run --------------------------------------------------------------------------
 
 

@@ -17,6 +17,8 @@ import samebits
 from samebits.errors import ConfigError
 from samebits.replicas import ReplicaCheck, ReplicaMismatchError, check_replicas
 
+pytestmark = pytest.mark.slow  # two gloo processes (one spawn for the module)
+
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)  # the same weights on every rank: DDP-like replicas

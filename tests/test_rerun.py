@@ -162,3 +162,61 @@ def test_bad_options_are_config_errors():
         StepValidator(model, every=0)
     with pytest.raises(ConfigError, match="spike_sigma"):
         StepValidator(model, spike_sigma=-1.0)
+
+
+def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
+    """Two data-parallel ranks (gradients all-reduced); a one-off fault on rank 1 only, and a
+    NaN on rank 0 only: both ranks must rerun together (no collective left waiting)."""
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model, optimizer, scheduler, batches, _ = _setup()
+
+        def ddp_step(x, y):
+            optimizer.zero_grad()
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= world
+            optimizer.step()
+            return loss.detach()
+
+        validator = StepValidator(model, optimizer, fault=FaultSpec(step=2, rank=1, op="addmm"),
+                                  check=lambda step, loss: step == 2 and rank == 1)
+        for step, (x, y) in enumerate(batches):
+            if step == 4 and rank == 0:
+                y = y.clone()
+                y[0, 0] = float("nan")
+            validator.run(step, ddp_step, x, y)
+            if step == 4:
+                break
+        found = [(r.step, r.verdict.value, r.trigger) for r in validator.results]
+    finally:
+        dist.destroy_process_group()
+    with open(f"{out}.{rank}", "w") as file:
+        json.dump(found, file)
+
+
+@pytest.mark.slow
+def test_ranks_rerun_together_under_torch_distributed(tmp_path):
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = str(tmp_path / "found")
+    mp.spawn(_ddp_worker, args=(2, port, out), nprocs=2, join=True)
+    found = [json.load(open(f"{out}.{rank}")) for rank in range(2)]
+    # rank 1's flip reached rank 0 through the all-reduce: both see a transient fault at step 2;
+    # rank 0's NaN at step 4 made both ranks rerun (trigger agreed), and it reproduces
+    for per_rank in found:
+        assert per_rank == [[2, "transient_fault", "check"], [4, "reproducible", "nan"]]

@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("runs", {"runs", "testing"}),
     ("entry points", {"cli", "__main__", "_inject.sitecustomize", "samebits"}),
 ]
-CLIENTS = {"recipes"}  # use the public API like a user's script; nothing in the library imports them
+CLIENTS = {"recipes", "integrations"}  # use the public API like a user's script; nothing in the library imports them
 LAYER_OF = {component: index for index, (_, members) in enumerate(LAYERS) for component in members}
 
 # Modules a function may import lazily: they import an optional heavy dependency (Triton) at

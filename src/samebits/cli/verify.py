@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from samebits.cli._format import echo, print_json, progress_printer, table
+from samebits.cli._options import add_recording_options, recording_options
 from samebits.verdicts import Verdict
 from samebits.cli.replay import check_row_table
 from samebits.runs.across import parse_across, verify_across
@@ -44,6 +45,7 @@ def register(sub) -> None:
                              "first size (grad_reduce=invariant; a command gets {nproc} and {out} filled in; "
                              "docs/invariance.md)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_recording_options(parser, steps_flag="--record-steps")
     parser.add_argument("cmd", nargs="*", metavar="-- CMD",
                         help="a command to check instead of the recipe; {out} and {run} are filled in per run")
     parser.set_defaults(func=run)
@@ -58,11 +60,11 @@ def run(args) -> int:
     if args.cmd:
         result = verify_command(args.cmd, args.out, resume_with=args.resume_with, resume_at=args.resume_at,
                                 require_resume=args.require_resume, run_timeout=args.run_timeout,
-                                progress=progress)
+                                progress=progress, record=recording_options(args))
     else:
         result = verify_recipe(args.out, steps=args.steps, resume_at=args.resume_at, nproc=args.nproc,
                                overrides=args.overrides, nondeterministic=args.nondeterministic,
-                               progress=progress)
+                               progress=progress, record=recording_options(args))
     result.timings["total"] = time.perf_counter() - start
     if args.json:
         print_json(result.to_json())

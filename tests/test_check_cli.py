@@ -31,9 +31,10 @@ overlap_grad_reduce = true
 
 EXPECTED_BAD_TABLE = """\
 RULE                 SETTING                  FOUND          FIX
--------------------  -----------------------  -------------  -------------------------------------------------------------
+-------------------  -----------------------  -------------  ---------------------------------------
 config-comm-overlap  ddp.overlap_grad_reduce  true           set ddp.overlap_grad_reduce = false
-recipe-moe-combine   moe_combine              triton_atomic  set moe_combine to one of 'index_add', 'triton_deterministic'
+recipe-moe-combine   moe_combine              triton_atomic  set moe_combine to one of 'index_add',
+                                                             'triton_deterministic'
 """
 
 

@@ -218,7 +218,7 @@ def test_user_rule_registration_and_ignore():
     def _no_foo(ctx):
         for path, value in ctx.config.find("foo"):
             if value:
-                yield det.Finding(path, value)
+                yield det.RuleFinding(path, value)
     try:
         (v,) = det.check({"sec": {"foo": True}}, env=False)
         assert (v.rule, v.setting, v.found, v.fix) == ("test-no-foo", "sec.foo", True, "set foo = false")

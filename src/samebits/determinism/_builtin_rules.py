@@ -8,22 +8,22 @@ import sys
 from typing import Any, Iterator
 
 from samebits.determinism._environment import ENV_BY_NAME, ENV_SETTINGS, EnvSetting
-from samebits.determinism._rules import UNSET, CheckContext, Finding, Rule, register_rule, rule
+from samebits.determinism._rules import UNSET, CheckContext, RuleFinding, Rule, register_rule, rule
 
 # --- environment -------------------------------------------------------------------
 
 
 def _env_rule(setting: EnvSetting) -> Rule:
-    def check_env(ctx: CheckContext) -> Iterator[Finding]:
+    def check_env(ctx: CheckContext) -> Iterator[RuleFinding]:
         value = ctx.environ.get(setting.name)
         if value is None:
             default = setting.default or "<n>"
-            yield Finding(setting.name, UNSET, f"export {setting.name}={default} "
+            yield RuleFinding(setting.name, UNSET, f"export {setting.name}={default} "
                           "(samebits.deterministic_mode() sets it when unset)")
         else:
             problem = setting.validate(value)
             if problem:
-                yield Finding(setting.name, value, f"{setting.name} {problem}; {setting.fix}")
+                yield RuleFinding(setting.name, value, f"{setting.name} {problem}; {setting.fix}")
     return Rule(id=setting.rule_id, category="env", setting=setting.name, checks=setting.checks,
                 why=setting.why, fix=setting.fix, func=check_env, requires=setting.requires)
 
@@ -43,9 +43,9 @@ for _setting in ENV_SETTINGS:
 def _deterministic_algorithms(ctx: CheckContext):
     import torch
     if not torch.are_deterministic_algorithms_enabled():
-        yield Finding("torch.use_deterministic_algorithms", False)
+        yield RuleFinding("torch.use_deterministic_algorithms", False)
     elif torch.is_deterministic_algorithms_warn_only_enabled():
-        yield Finding("torch.use_deterministic_algorithms", "True (warn_only=True)",
+        yield RuleFinding("torch.use_deterministic_algorithms", "True (warn_only=True)",
                       "torch.use_deterministic_algorithms(True) without warn_only")
 
 
@@ -56,7 +56,7 @@ def _deterministic_algorithms(ctx: CheckContext):
 def _cudnn_deterministic(ctx: CheckContext):
     import torch
     if not torch.backends.cudnn.deterministic:
-        yield Finding("torch.backends.cudnn.deterministic", False)
+        yield RuleFinding("torch.backends.cudnn.deterministic", False)
 
 
 @rule("torch-cudnn-benchmark", category="torch", setting="torch.backends.cudnn.benchmark",
@@ -67,7 +67,7 @@ def _cudnn_deterministic(ctx: CheckContext):
 def _cudnn_benchmark(ctx: CheckContext):
     import torch
     if torch.backends.cudnn.benchmark:
-        yield Finding("torch.backends.cudnn.benchmark", True)
+        yield RuleFinding("torch.backends.cudnn.benchmark", True)
 
 
 @rule("torch-mkldnn-deterministic", category="torch", setting="torch.backends.mkldnn.deterministic",
@@ -79,7 +79,7 @@ def _cudnn_benchmark(ctx: CheckContext):
 def _mkldnn_deterministic(ctx: CheckContext):
     import torch
     if hasattr(torch.backends.mkldnn, "deterministic") and not torch.backends.mkldnn.deterministic:
-        yield Finding("torch.backends.mkldnn.deterministic", False)
+        yield RuleFinding("torch.backends.mkldnn.deterministic", False)
 
 
 @rule("torch-fill-uninitialized-memory", category="torch",
@@ -91,7 +91,7 @@ def _mkldnn_deterministic(ctx: CheckContext):
 def _fill_uninitialized(ctx: CheckContext):
     import torch.utils.deterministic
     if not torch.utils.deterministic.fill_uninitialized_memory:
-        yield Finding("torch.utils.deterministic.fill_uninitialized_memory", False)
+        yield RuleFinding("torch.utils.deterministic.fill_uninitialized_memory", False)
 
 
 _INDUCTOR_AUTOTUNE = ("max_autotune", "max_autotune_gemm", "max_autotune_pointwise",
@@ -110,13 +110,13 @@ def _inductor_autotune(ctx: CheckContext):
         for name in _INDUCTOR_AUTOTUNE:
             var = f"TORCHINDUCTOR_{name.upper()}"
             if ctx.environ.get(var) == "1":
-                yield Finding(var, "1", f"unset {var}")
+                yield RuleFinding(var, "1", f"unset {var}")
         return
     if getattr(config, "deterministic", False):
         return
     for name in _INDUCTOR_AUTOTUNE:
         if getattr(config, name, False):
-            yield Finding(f"torch._inductor.config.{name}", True)
+            yield RuleFinding(f"torch._inductor.config.{name}", True)
 
 
 @rule("torch-num-threads", category="torch", setting="torch.get_num_threads()",
@@ -131,7 +131,7 @@ def _num_threads(ctx: CheckContext):
     if pinned is None or ENV_BY_NAME["OMP_NUM_THREADS"].validate(pinned):
         return  # env-omp-threads reports it
     if torch.get_num_threads() != int(pinned):
-        yield Finding("torch.get_num_threads()", torch.get_num_threads())
+        yield RuleFinding("torch.get_num_threads()", torch.get_num_threads())
 
 
 @rule("torch-cublas-before-cuda", category="torch", setting="CUBLAS_WORKSPACE_CONFIG",
@@ -146,7 +146,7 @@ def _cublas_before_cuda(ctx: CheckContext):
         return
     value = ctx.environ.get("CUBLAS_WORKSPACE_CONFIG")
     if value is None or ENV_BY_NAME["CUBLAS_WORKSPACE_CONFIG"].validate(value):
-        yield Finding("CUBLAS_WORKSPACE_CONFIG", f"{value or UNSET} (CUDA already initialized)")
+        yield RuleFinding("CUBLAS_WORKSPACE_CONFIG", f"{value or UNSET} (CUDA already initialized)")
 
 
 # --- generic config keys ----------------------------------------------------------
@@ -179,7 +179,7 @@ def _truthy(config, keys) -> Iterator[tuple[str, Any]]:
           "with --ignore config-comm-overlap)")
 def _comm_overlap(ctx: CheckContext):
     for path, value in _truthy(ctx.config, COMM_OVERLAP_KEYS):
-        yield Finding(path, value, f"set {path} = false")
+        yield RuleFinding(path, value, f"set {path} = false")
 
 
 @rule("config-atomic-fusion", category="config", setting=", ".join(ATOMIC_FUSION_KEYS),
@@ -191,7 +191,7 @@ def _comm_overlap(ctx: CheckContext):
       fix="set it to false")
 def _atomic_fusion(ctx: CheckContext):
     for path, value in _truthy(ctx.config, ATOMIC_FUSION_KEYS):
-        yield Finding(path, value, f"set {path} = false")
+        yield RuleFinding(path, value, f"set {path} = false")
 
 
 @rule("config-num-threads", category="config", setting=", ".join(THREAD_KEYS), keys=THREAD_KEYS,
@@ -204,7 +204,7 @@ def _config_threads(ctx: CheckContext):
     for key in THREAD_KEYS:
         for path, value in ctx.config.find(key):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                yield Finding(path, value, f"set {path} to a positive integer (e.g. 1)")
+                yield RuleFinding(path, value, f"set {path} to a positive integer (e.g. 1)")
 
 
 @rule("config-seed", category="config", setting="seed", keys=("seed",),
@@ -215,7 +215,7 @@ def _config_threads(ctx: CheckContext):
 def _config_seed(ctx: CheckContext):
     for path, value in ctx.config.find("seed"):
         if isinstance(value, bool) or not isinstance(value, int):
-            yield Finding(path, value, f"set {path} to an integer (e.g. 0)")
+            yield RuleFinding(path, value, f"set {path} to an integer (e.g. 0)")
 
 
 @rule("config-deterministic-off", category="config", setting=", ".join(DETERMINISM_SWITCH_KEYS),
@@ -228,4 +228,4 @@ def _deterministic_off(ctx: CheckContext):
     for key in DETERMINISM_SWITCH_KEYS:
         for path, value in ctx.config.find(key):
             if value is False or value in ("false", "False", 0):
-                yield Finding(path, value, f"set {path} = true")
+                yield RuleFinding(path, value, f"set {path} = true")

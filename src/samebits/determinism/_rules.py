@@ -10,6 +10,7 @@ add their own with `@rule(...)` or `register_rule(Rule(...))`.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import os
 import warnings
@@ -215,8 +216,20 @@ def rules(category: str | None = None) -> list[Rule]:
     return [r for r in _REGISTRY.values() if category is None or r.category == category]
 
 
+RULE_PLUGINS = "samebits.rules"  # entry-point group: modules that register rules when imported
+_plugins_loaded = False
+
+
 def _ensure_builtins() -> None:
+    """The built-in rules, then every installed rule plugin (entry points in `RULE_PLUGINS`,
+    e.g. the reference recipe's rules), each imported once."""
+    global _plugins_loaded
     importlib.import_module("samebits.determinism._builtin_rules")  # registers them on import
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True  # before importing: a plugin calls back into this module
+    for entry in sorted(importlib.metadata.entry_points(group=RULE_PLUGINS), key=lambda e: e.name):
+        importlib.import_module(entry.value)
 
 
 def run_checks(config: Mapping | None = None, *, env: bool = True,

@@ -359,21 +359,12 @@ def _records_by_step(path: str, rank: int, steps: set[int] | None, stop_after: i
 
 
 def _metrics(path: str, rank: int) -> dict[int, dict[str, Record]]:
-    run = open_run(path)
+    """The metric records of one rank, per step (steps without metrics left out)."""
     found: dict[int, dict[str, Record]] = {}
-    try:
-        if rank not in run.files:
-            return found
-        reader = run.stream(rank)
-        try:
-            for block in reader.steps():
-                metrics = {_key_label(r.key): r for r in block.records() if r.kind == "metric"}
-                if metrics:
-                    found[block.step] = metrics
-        finally:
-            reader.close()
-    finally:
-        run.close()
+    for step, records in _records_by_step(path, rank, None).items():
+        metrics = {_key_label(key): r for key, r in records.items() if r.kind == "metric"}
+        if metrics:
+            found[step] = metrics
     return found
 
 

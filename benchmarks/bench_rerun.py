@@ -75,7 +75,7 @@ def main(argv=None) -> None:
         "snapshot_only_step_ratio": statistics.median(loops["snapshot_only"][2][2:]) / plain,
         "every_10_step_ratio": statistics.mean(loops["every_10"][2][2:]) / statistics.mean(loops["plain"][2][2:]),
         "parameter_bytes": param_bytes, "snapshot_bytes": snap_bytes, "snapshot_to_parameters": snap_bytes / param_bytes,
-        "validated_steps": [r.to_json()["verdict"] for r in loops["every_10"][1].results],
+        "validated_steps": [r.to_dict()["verdict"] for r in loops["every_10"][1].results],
     }
     text = json.dumps(result, indent=2)
     if args.json:

@@ -37,7 +37,7 @@ def test_planted_divergence_is_reported_exactly(make_run, plant):
     assert (d.step, d.rank, d.phase, d.name) == plant
     assert d.reason == "content" and d.records_differing == 1
     assert result.ranks_diverged_first == [plant[1]]
-    payload = result.to_json()
+    payload = result.to_dict()
     assert payload["first_divergence"]["step"] == plant[0] and payload["first_divergence"]["rank"] == plant[1]
 
 

@@ -198,7 +198,7 @@ def _cmd(*extra: str) -> list[str]:
 @pytest.mark.slow
 def test_training_is_bit_identical_at_dp_1_2_and_4(invariant_runs):
     result = invariant_runs
-    assert result.verdict is Verdict.PASS, result.to_json()
+    assert result.verdict is Verdict.PASS, result.to_dict()
     for size, check in result.checks.items():
         assert check.compared["steps"] == 20 and check.compared["records"] >= 20 * 13, (size, check.compared)
         assert check.compared["world_size_b"] == size
@@ -210,7 +210,7 @@ def test_the_recipe_in_invariant_mode_is_bit_identical_at_dp_1_and_2(tmp_path):
     `verify --across`'s recipe path; `samebits verify --across dp=1,2,4 --steps 20` is the
     full check (benchmarks/RESULTS.md)."""
     result = verify_across([1, 2], None, tmp_path / "recipe", steps=2)
-    assert result.verdict is Verdict.PASS, result.to_json()
+    assert result.verdict is Verdict.PASS, result.to_dict()
     assert result.checks[2].compared["steps"] == 2
 
 
@@ -221,7 +221,7 @@ def test_the_ddp_comm_hook_gives_the_same_bits_as_the_accumulator(invariant_runs
     code, _ = run_logged(argv, tmp_path / "ddp2.log")
     assert code == 0, (tmp_path / "ddp2.log").read_text()[-2000:]
     check = compare_replicated(Path(invariant_runs.out) / "dp1", tmp_path / "ddp2")
-    assert check.verdict is Verdict.IDENTICAL and check.compared["steps"] == 20, check.to_json()
+    assert check.verdict is Verdict.IDENTICAL and check.compared["steps"] == 20, check.to_dict()
 
 
 @pytest.mark.slow

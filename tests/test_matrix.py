@@ -91,6 +91,6 @@ def test_a_nondeterministic_cell_is_caught_even_when_not_required(tmp_path):
     result = M.run_matrix(tmp_path / "m", cells=["single"], precisions=["fp32"], required=[], steps=2,
                           nondeterministic=True)
     (cell,) = result.cells
-    assert cell.check("independent") == "no" and cell.verdict is Verdict.FAIL, cell.to_json()
+    assert cell.check("independent") == "no" and cell.verdict is Verdict.FAIL, cell.to_dict()
     assert result.verdict is Verdict.FAIL and result.verdict.exit_code == 1
     assert any("independent diverged" in line for line in result.failures())

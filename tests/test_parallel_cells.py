@@ -133,7 +133,7 @@ def runs_4(tmp_path_factory):
 
 def _identical(a: Path, b: Path, **kwargs) -> None:
     result = samebits.diff(a, b, **kwargs)
-    assert result.verdict is Verdict.IDENTICAL, result.to_json()
+    assert result.verdict is Verdict.IDENTICAL, result.to_dict()
 
 
 @pytest.mark.slow
@@ -161,7 +161,7 @@ def test_cell_resumes_bit_for_bit(runs_2, runs_4, cell):
 
 
 def _first(result) -> samebits.compare.Divergence:
-    assert result.verdict is Verdict.DIVERGED, result.to_json()
+    assert result.verdict is Verdict.DIVERGED, result.to_dict()
     return result.first_divergence
 
 

@@ -166,7 +166,7 @@ def _resume_pair(tmp_path, save_history: bool):
 
 def test_fp8_delayed_resume_is_exact_with_the_history_checkpointed(tmp_path):
     straight, resumed, result = _resume_pair(tmp_path, save_history=True)
-    assert result.identical, result.to_json()
+    assert result.identical, result.to_dict()
     for name in straight.params:
         assert _bits(straight.params[name]) == _bits(resumed.params[name]), name
 
@@ -175,7 +175,7 @@ def test_fp8_delayed_resume_without_the_history_diverges_and_the_census_names_it
     straight, resumed, result = _resume_pair(tmp_path, save_history=False)
     first = result.first_divergence
     assert not result.identical and first is not None
-    assert first.step == 2 and first.phase == "state", result.to_json()
+    assert first.step == 2 and first.phase == "state", result.to_dict()
     assert first.name.startswith("fp8.") and "amax_history" in first.name
     # Not only the census: the weights the resumed run trains differ too.
     assert any(_bits(straight.params[n]) != _bits(resumed.params[n]) for n in straight.params)

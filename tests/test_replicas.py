@@ -36,10 +36,10 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     found = {}
     try:
         model = _model()
-        found["equal"] = check_replicas(model).to_json()
+        found["equal"] = check_replicas(model).to_dict()
         if rank == 1:
             _flip_one_bit(model[2].weight)
-        found["flipped"] = check_replicas(model).to_json()
+        found["flipped"] = check_replicas(model).to_dict()
 
         # optimizer state: equal parameters, one bit of one Adam moment differs on rank 1
         model = _model()
@@ -49,7 +49,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         if rank == 1:
             _flip_one_bit(opt.state[model[0].bias]["exp_avg_sq"], 0)
         found["optimizer_without"] = check_replicas(model).verdict.value
-        found["optimizer"] = check_replicas(model, optimizer=opt).to_json()
+        found["optimizer"] = check_replicas(model, optimizer=opt).to_dict()
 
         # DTensor: a Replicate parameter is a replica, a Shard one is not (its shards differ)
         from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
@@ -57,11 +57,11 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         full = torch.arange(16, dtype=torch.float32).reshape(4, 4)
         replicated = distribute_tensor(full, mesh, [Replicate()])
         sharded = distribute_tensor(full, mesh, [Shard(0)])
-        found["dtensor_equal"] = check_replicas({"rep": replicated, "shard": sharded}).to_json()
+        found["dtensor_equal"] = check_replicas({"rep": replicated, "shard": sharded}).to_dict()
         if rank == 0:
             _flip_one_bit(replicated.to_local(), 5)
-        found["dtensor_flipped"] = check_replicas({"rep": replicated, "shard": sharded}).to_json()
-        found["dtensor_sharded_only"] = check_replicas({"shard": sharded}).to_json()
+        found["dtensor_flipped"] = check_replicas({"rep": replicated, "shard": sharded}).to_dict()
+        found["dtensor_sharded_only"] = check_replicas({"shard": sharded}).to_dict()
 
         # the hook: checks at multiples of `every`, raises on every rank on a mismatch
         model = _model()

@@ -3,7 +3,7 @@
 The inputs are real: runs written by `Recorder` with a difference planted at a known rank and
 step, a real `samebits verify` of a small script whose resume forgets the RNG state, and the
 summaries `samebits bisect` and `samebits matrix` write, made by their own result objects
-(`BisectResult.to_dict`, `MatrixResult.to_json`) over real streams and a real element
+(`BisectResult.to_dict`, `MatrixResult.to_dict`) over real streams and a real element
 comparison.  The page is opened in Chromium (`--dump-dom` for the rendered DOM, a screenshot
 kept under tests/artefacts/); without Chromium these tests fail in CI and skip loudly elsewhere.
 """
@@ -305,7 +305,7 @@ def test_matrix_output_draws_its_failing_cell(verify_out, tmp_path):
     matrix = tmp_path / "m"
     matrix.mkdir()
     cell = CellResult(cell="single", precision="fp32", world_size=1, required=True, out=str(out), verify=result)
-    summary = MatrixResult(out=str(matrix), baseline="single fp32", cells=[cell]).to_json()
+    summary = MatrixResult(out=str(matrix), baseline="single fp32", cells=[cell]).to_dict()
     (matrix / "summary.json").write_text(json.dumps(summary, default=str))
     report = build_report([matrix])
     assert report.kind == "matrix" and report.verdict is Verdict.FAIL
@@ -349,7 +349,7 @@ def test_verify_across_output_shows_its_verdicts_without_a_rank_by_rank_comparis
     check = samebits.diff(a, b)  # a real DiffResult, as compare_replicated returns
     result = AcrossResult(out=str(tmp_path / "across"), sizes=[1, 2], checks={2: check})
     (tmp_path / "across").mkdir()
-    (tmp_path / "across" / "summary.json").write_text(json.dumps(result.to_json(), default=str))
+    (tmp_path / "across" / "summary.json").write_text(json.dumps(result.to_dict(), default=str))
     report = build_report([tmp_path / "across"])
     assert report.kind == "verify --across" and report.verdict is Verdict.FAIL and report.pairs == []
     assert "dp=2" in report.html and "not rank by rank" in report.html

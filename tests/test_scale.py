@@ -57,7 +57,7 @@ def test_parallel_walk_equals_serial(tmp_path, case):
     for jobs in (2, 3):
         parallel = samebits.diff(a, b, jobs=jobs)
         assert parallel == serial, (case, jobs)
-        assert parallel.to_json() == serial.to_json()
+        assert parallel.to_dict() == serial.to_dict()
     expected = {"identical": "identical", "scattered": "diverged", "truncated": "diverged",
                 "one_late": "diverged"}[case]
     assert serial.verdict == expected
@@ -124,7 +124,7 @@ def test_distributed_comparison_under_torchrun(tmp_path):
                    "-m", "samebits", "diff", "--distributed", "--json", str(a), str(b)]
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
         printed = json.loads(done.stdout)  # one JSON document: only process 0 printed
-        assert printed == samebits.diff(a, b, jobs=1).to_json()
+        assert printed == samebits.diff(a, b, jobs=1).to_dict()
         assert printed["exit_code"] == code
         assert (done.returncode == 0) == (code == 0), done.stderr[-2000:]
     assert printed["first_divergence"]["rank"] == 4 and printed["first_divergence"]["step"] == 2

@@ -267,7 +267,7 @@ def test_verdict_enum_and_divergent_steps(make_run):
     a, b = make_run(), make_run(plant=(3, 1, "grads", "layer2.weight"))
     result = samebits.diff(a, b)
     assert result.verdict is Verdict.DIVERGED and result.verdict == "diverged"
-    assert result.to_json()["verdict"] == "diverged" and result.to_json()["exit_code"] == 1
+    assert result.to_dict()["verdict"] == "diverged" and result.to_dict()["exit_code"] == 1
     found = list(divergent_steps(a, b))
     assert [(r.rank, r.step) for r in found] == [(1, 3)] and isinstance(found[0], RankStep)
     differing = [(x.name, y.name) for x, y in zip(found[0].records_a, found[0].records_b) if not x.same_content(y)]

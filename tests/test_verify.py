@@ -196,7 +196,7 @@ def _check(verdict: Verdict) -> DiffResult:
 def test_verdict_is_proof_or_incomplete(independent, resume, expected):
     checks = {"independent": _check(independent), "resume": _check(resume) if resume else None}
     result = VerifyResult("out", checks, {}, 2)
-    assert result.verdict is expected and result.to_json()["verdict"] == expected.value
+    assert result.verdict is expected and result.to_dict()["verdict"] == expected.value
     assert result.verdict.exit_code == expected.exit_code
 
 

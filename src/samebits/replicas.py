@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from samebits.errors import ConfigError, SamebitsError
 from samebits.fingerprint import digest_many
-from samebits.verdicts import Verdict
+from samebits.verdicts import ToDict, Verdict
 
 try:  # DTensor: public since torch 2.5
     from torch.distributed.tensor import DTensor, Replicate
@@ -52,7 +52,7 @@ class ReplicaMismatchError(SamebitsError):
 
 
 @dataclass
-class ReplicaMismatch:
+class ReplicaMismatch(ToDict):
     """One tensor whose replicas differ: ``ranks`` hold a value other than the majority's
     (on a tie, the value of the lowest rank is taken as the reference)."""
 
@@ -62,13 +62,13 @@ class ReplicaMismatch:
     group: list[int]  # the replica group's global ranks
     tie: bool = False  # no majority (e.g. 2 replicas): which copy is right cannot be told
 
-    def to_json(self) -> dict:
+    def to_dict(self) -> dict:
         return {"name": self.name, "ranks": self.ranks, "digests": {str(k): v for k, v in self.digests.items()},
                 "group": self.group, "tie": self.tie}
 
 
 @dataclass
-class ReplicaReport:
+class ReplicaReport(ToDict):
     """What `check_replicas` found.  ``verdict`` is PASS (every replicated tensor equal on
     every replica), FAIL (``mismatches`` lists the differences) or INCOMPLETE (nothing was
     replicated, so nothing was compared)."""
@@ -96,10 +96,10 @@ class ReplicaReport:
         more = f"; ... {len(self.mismatches) - 5} more" if len(self.mismatches) > 5 else ""
         return f"replicas differ{where}: {len(self.mismatches)} of {self.num_tensors} tensors: {shown}{more}"
 
-    def to_json(self) -> dict:
+    def to_dict(self) -> dict:
         return {"verdict": self.verdict.value, "exit_code": self.verdict.exit_code, "step": self.step,
                 "num_tensors": self.num_tensors, "num_groups": self.num_groups,
-                "mismatches": [m.to_json() for m in self.mismatches], "not_replicated": self.not_replicated}
+                "mismatches": [m.to_dict() for m in self.mismatches], "not_replicated": self.not_replicated}
 
 
 def check_replicas(model_or_named_tensors, group=None, *, optimizer: torch.optim.Optimizer | None = None,

@@ -62,7 +62,7 @@ from samebits.checkpoint import capture_rng_state, restore_rng_state
 from samebits.errors import ConfigError
 from samebits.fingerprint import digest_many
 from samebits.stream import Recorder
-from samebits.verdicts import EXIT_BAD_VERDICT, EXIT_OK, EXIT_RERUN_ELSEWHERE
+from samebits.verdicts import EXIT_BAD_VERDICT, EXIT_OK, EXIT_RERUN_ELSEWHERE, ToDict
 
 FLIP_ENV = "SAMEBITS_TEST_FLIP"
 
@@ -83,7 +83,7 @@ class RerunVerdict(str, enum.Enum):
 
 
 @dataclass
-class RerunResult:
+class RerunResult(ToDict):
     """One validated step: why it was validated, what the reruns showed, what to do."""
 
     step: int
@@ -109,7 +109,7 @@ class RerunResult:
         return (f"{where}: nondeterministic step: three executions, three different results. A determinism bug, "
                 "not hardware: narrow it with `samebits bisect --nondeterministic`")
 
-    def to_json(self) -> dict:
+    def to_dict(self) -> dict:
         return {"step": self.step, "rank": self.rank, "verdict": self.verdict.value, "trigger": self.trigger,
                 "roots": self.roots, "faulty": self.faulty, "exit_code": self.exit_code, "message": self.message}
 

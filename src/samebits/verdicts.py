@@ -10,6 +10,7 @@ keep working unchanged.
 from __future__ import annotations
 
 import enum
+import warnings
 
 EXIT_OK, EXIT_BAD_VERDICT, EXIT_CANNOT_RUN = 0, 1, 2
 # A step's result may come from a hardware fault (samebits.rerun: a transient fault, or a
@@ -43,4 +44,19 @@ class Verdict(str, enum.Enum):
         return self.value
 
 
-__all__ = ["Verdict", "EXIT_OK", "EXIT_BAD_VERDICT", "EXIT_CANNOT_RUN", "EXIT_RERUN_ELSEWHERE"]
+class ToDict:
+    """The one serialiser name: results offer ``to_dict()`` (plain JSON-ready values).
+
+    ``to_json()`` was the name in four packages until 2026-12; it stays as a deprecated alias.
+    """
+
+    def to_dict(self) -> dict:  # every subclass defines it
+        raise NotImplementedError(f"{type(self).__name__} does not define to_dict()")
+
+    def to_json(self) -> dict:
+        warnings.warn(f"{type(self).__name__}.to_json() is deprecated: use to_dict()",
+                      DeprecationWarning, stacklevel=2)
+        return self.to_dict()
+
+
+__all__ = ["Verdict", "ToDict", "EXIT_OK", "EXIT_BAD_VERDICT", "EXIT_CANNOT_RUN", "EXIT_RERUN_ELSEWHERE"]

@@ -26,7 +26,7 @@ def register(sub) -> None:
 def run(args) -> int:
     result = check_coverage(args.packages, manifest=args.samebits_manifest, update=args.samebits_update)
     if args.json:
-        print_json(result.to_json())
+        print_json(result.to_dict())
     else:
         echo(render_coverage(result))
     return result.verdict.exit_code

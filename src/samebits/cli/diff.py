@@ -62,7 +62,7 @@ def run(args) -> int:
         d = result.first_divergence
         records = differing_records(args.run_a, args.run_b, rank=d.rank, step=d.step)
     if args.json:
-        print_json(result.to_json() if records is None else {**result.to_json(), "differing_records": records})
+        print_json(result.to_dict() if records is None else {**result.to_dict(), "differing_records": records})
     else:
         print(render_global(result) if isinstance(result, GlobalDiffResult) else render(result))
         if records is not None:

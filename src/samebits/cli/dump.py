@@ -35,7 +35,7 @@ def run(args) -> int:
         raise SamebitsError(f"{reader.path}: no step {args.step} on rank {args.rank}; "
                             "`samebits show RUN` lists the recorded steps.")
     if args.json:
-        print_json([{"step": s["step"], "root": s["root"], "records": [r.to_json() for r in s["records"]]} for s in out])
+        print_json([{"step": s["step"], "root": s["root"], "records": [r.to_dict() for r in s["records"]]} for s in out])
         return 0
     for s in out:
         print(f"step {s['step']}  rank {args.rank}  root {s['root']}  ({len(s['records'])} records)")  # numbers only: nothing to escape

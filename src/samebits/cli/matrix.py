@@ -64,7 +64,7 @@ def run(args) -> int:
         global_batch=args.global_batch or None, layout_independent=not args.keep_randomness,
         require_agreement=args.require_agreement, bisect_failures=args.bisect_failures, progress=progress)
     if args.json:
-        print_json(result.to_json())
+        print_json(result.to_dict())
     else:
         echo(render(result))
     return result.verdict.exit_code

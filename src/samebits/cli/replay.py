@@ -45,7 +45,7 @@ def run(args) -> int:
     result = replay(args.run_dir, step=args.step, nproc=args.nproc, num_steps=args.num_steps, cmd=command,
                     ckpt=args.ckpt, out=args.out, run_timeout=args.run_timeout, progress=progress)
     if args.json:
-        print_json(result.to_json())
+        print_json(result.to_dict())
     else:
         echo(render(result))
     return result.verdict.exit_code

@@ -37,7 +37,7 @@ def run(args) -> int:
     report = write_report(args.inputs, args.out, start_step=args.from_step,
                           allow_config_diff=args.allow_config_diff, progress=progress)
     if args.json:
-        print_json(report.to_json())
+        print_json(report.to_dict())
         return report.verdict.exit_code
     rows = [[pair.label, pair.verdict.value.upper(),
              ", ".join(f"rank {r}: step {s}" for r, (s, _) in sorted(pair.first_by_rank.items())[:4])

@@ -46,14 +46,14 @@ def run(args) -> int:
                  overrides=args.overrides, resamples=args.resamples, confidence=args.confidence, seed=args.seed,
                  run_timeout=args.run_timeout, progress=lambda line: echo(line, file=sys.stderr, flush=True))
     if args.json:
-        print_json(result.to_json())
+        print_json(result.to_dict())
     else:
         echo(render(result))
     return result.verdict.exit_code
 
 
 def render(result: TaxResult) -> str:
-    data = result.to_json()
+    data = result.to_dict()
     low, high = result.ci
     head = (f"{result.verdict.value.upper()}: determinism tax {result.ratio:.3f}x "
             f"({100 * result.confidence:.0f}% CI {low:.3f}-{high:.3f}); gate {result.gate:.3f}: "

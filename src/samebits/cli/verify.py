@@ -67,7 +67,7 @@ def run(args) -> int:
                                progress=progress, record=recording_options(args))
     result.timings["total"] = time.perf_counter() - start
     if args.json:
-        print_json(result.to_json())
+        print_json(result.to_dict())
     else:
         echo(render(result))
     return result.verdict.exit_code
@@ -79,7 +79,7 @@ def run_across(args, progress, start: float) -> int:
                            overrides=args.overrides, run_timeout=args.run_timeout, progress=progress)
     across.timings["total"] = time.perf_counter() - start
     if args.json:
-        print_json(across.to_json())
+        print_json(across.to_dict())
         return across.verdict.exit_code
     reference = f"dp={across.sizes[0]}"
     lines = [f"samebits verify --across: {across.verdict.value.upper()} (each size against {reference}, by rank 0's "

@@ -22,11 +22,11 @@ from samebits.compare import _parallel
 from samebits.errors import ConfigError, IncomparableRunsError
 from samebits.stream import _format as fmt
 from samebits.stream.reader import Record, Run, StreamReader, open_run
-from samebits.verdicts import Verdict
+from samebits.verdicts import ToDict, Verdict
 from samebits.compare._global import GlobalDiffResult, GlobalTensorResult, diff_global
 
 @dataclass
-class Divergence:
+class Divergence(ToDict):
     """The first difference on one rank: a step, and the first differing record in it."""
 
     step: int
@@ -42,7 +42,7 @@ class Divergence:
     position: int = 0  # index of the first differing record in the step (orders ranks)
     detail: str = ""
 
-    def to_json(self) -> dict:
+    def to_dict(self) -> dict:
         return {
             "step": self.step,
             "rank": self.rank,
@@ -73,7 +73,7 @@ class RankStep:
 
 
 @dataclass
-class DiffResult:
+class DiffResult(ToDict):
     """What `diff` found.  ``verdict`` is a `Verdict`: IDENTICAL, DIVERGED or INCOMPLETE
     (could not decide: a stream missing or cut short, or a window holding no step)."""
 
@@ -91,10 +91,10 @@ class DiffResult:
     def identical(self) -> bool:
         return self.verdict is Verdict.IDENTICAL
 
-    def to_json(self) -> dict:
+    def to_dict(self) -> dict:
         first = None
         if self.first_divergence is not None:
-            first = self.first_divergence.to_json()
+            first = self.first_divergence.to_dict()
             first["ranks"] = self.ranks_diverged_first
         return {
             "verdict": self.verdict.value,
@@ -102,7 +102,7 @@ class DiffResult:
             "a": self.a,
             "b": self.b,
             "first_divergence": first,
-            "divergences_by_rank": {str(r): d.to_json() for r, d in sorted(self.divergences.items())},
+            "divergences_by_rank": {str(r): d.to_dict() for r, d in sorted(self.divergences.items())},
             "compared": self.compared,
             "incomplete": self.incomplete,
             "notes": self.notes,
@@ -547,7 +547,7 @@ def _compare_step(rank: int, step: int, records_a: list[Record], records_b: list
             first = Divergence(
                 step=step, rank=rank, reason="content" if rec_b is not None else "only_in_a",
                 phase=rec_a.phase, name=rec_a.name, occurrence=rec_a.occurrence, kind=rec_a.kind,
-                a=rec_a.to_json(), b=None if rec_b is None else rec_b.to_json(), position=position,
+                a=rec_a.to_dict(), b=None if rec_b is None else rec_b.to_dict(), position=position,
                 detail=f"a: {rec_a.summary()}; b: {rec_b.summary() if rec_b else 'no such record'}",
             )
     for position, rec_b in enumerate(records_b):
@@ -557,7 +557,7 @@ def _compare_step(rank: int, step: int, records_a: list[Record], records_b: list
         if first is None:
             first = Divergence(
                 step=step, rank=rank, reason="only_in_b", phase=rec_b.phase, name=rec_b.name,
-                occurrence=rec_b.occurrence, kind=rec_b.kind, a=None, b=rec_b.to_json(), position=position,
+                occurrence=rec_b.occurrence, kind=rec_b.kind, a=None, b=rec_b.to_dict(), position=position,
                 detail=f"a: no such record; b: {rec_b.summary()}",
             )
     if first is not None:

@@ -21,13 +21,13 @@ from typing import Any
 
 from samebits.stream.reader import Run, open_run
 from samebits.stream.writer import GLOBAL_PHASE_PREFIX
-from samebits.verdicts import Verdict
+from samebits.verdicts import ToDict, Verdict
 
 VALUES_NOT_RECORDED = "values not recorded (streams hold digests only)"
 
 
 @dataclass
-class GlobalTensorResult:
+class GlobalTensorResult(ToDict):
     """One global tensor across the window: ``status`` is "identical", "differs",
     "only_in_a" or "only_in_b"; ``first_step`` the first step it differs (or is missing)."""
 
@@ -42,7 +42,7 @@ class GlobalTensorResult:
     detail: str = ""
     max_ulp: int | None = None
 
-    def to_json(self) -> dict:
+    def to_dict(self) -> dict:
         return {"phase": self.phase, "name": self.name, "occurrence": self.occurrence, "status": self.status,
                 "first_step": self.first_step, "steps_compared": self.steps_compared, "a": self.a, "b": self.b,
                 "detail": self.detail, "max_ulp": self.max_ulp,
@@ -50,7 +50,7 @@ class GlobalTensorResult:
 
 
 @dataclass
-class GlobalDiffResult:
+class GlobalDiffResult(ToDict):
     """What `diff_global` found; ``verdict`` is a `Verdict` (IDENTICAL, DIVERGED, INCOMPLETE)."""
 
     a: str
@@ -70,7 +70,7 @@ class GlobalDiffResult:
     def differing_at_first_step(self) -> list[GlobalTensorResult]:
         return [t for t in self.tensors if t.status != "identical" and t.first_step == self.first_step]
 
-    def to_json(self) -> dict:
+    def to_dict(self) -> dict:
         first = None
         if self.first_step is not None:
             at_first = self.differing_at_first_step
@@ -86,7 +86,7 @@ class GlobalDiffResult:
             "a": self.a,
             "b": self.b,
             "first_divergence": first,
-            "tensors": [t.to_json() for t in self.tensors],
+            "tensors": [t.to_dict() for t in self.tensors],
             "compared": self.compared,
             "incomplete": self.incomplete,
             "notes": self.notes,

@@ -28,10 +28,11 @@ from samebits.errors import ConfigError, SamebitsError
 from samebits.invariant._fixed import (DEFAULT_BLOCK_SIZE, EXPONENT_NONFINITE, block_exponents, decode, encode,
                                        fraction_bits)
 from samebits.invariant._preconditions import Preconditions, micro_batch_seed
+from samebits.verdicts import ToDict
 
 
 @dataclass
-class ReduceStats:
+class ReduceStats(ToDict):
     """What one step's reduction did (the counts are global: equal on every rank at any DP size)."""
 
     num_elements: int = 0
@@ -42,7 +43,7 @@ class ReduceStats:
     bytes_sent: int = 0  # payload bytes this rank handed to collectives (ring-equivalent, see bytes_on_wire)
     fp32_allreduce_bytes: int = 0  # what a plain fp32 ring all-reduce of the same gradient would send
 
-    def to_json(self) -> dict:
+    def to_dict(self) -> dict:
         return dict(self.__dict__)
 
 

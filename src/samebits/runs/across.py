@@ -28,7 +28,7 @@ from samebits.errors import ConfigError
 from samebits.runs._launch import failed, judge_recipe_run, run_logged
 from samebits.runs.verify import RunInfo, _fill, _prepare, _recipe_argv
 from samebits.stream import open_run
-from samebits.verdicts import Verdict
+from samebits.verdicts import ToDict, Verdict
 
 ACROSS_PLACEHOLDERS = ("{nproc}", "{out}")  # in a command for --across: the rank count, the run's folder
 _SPEC = re.compile(r"^\s*dp\s*=\s*(\d+(?:\s*,\s*\d+)*)\s*$")
@@ -80,7 +80,7 @@ def compare_replicated(a, b, *, rank: int = 0, start_step: int | None = None, st
             compared["records"] += 1
             if not record.same_content(other) and first is None:
                 first = Divergence(step=step, rank=rank, reason="content", phase=key[1], name=key[2],
-                                   occurrence=key[3], kind=key[0], a=record.to_json(), b=other.to_json(),
+                                   occurrence=key[3], kind=key[0], a=record.to_dict(), b=other.to_dict(),
                                    records_differing=sum(1 for k, r in records_a.items() if k in records_b
                                                          and not r.same_content(records_b[k])),
                                    detail=f"{key[1]}/{key[2]}: {record.summary()} vs {other.summary()}")
@@ -116,7 +116,7 @@ def _rank_steps(run, rank: int, start: int, stop: int | None, phases: set | None
 
 
 @dataclass
-class AcrossResult:
+class AcrossResult(ToDict):
     """What ``verify --across`` found: each size's run and its comparison with the first size."""
 
     out: str
@@ -135,11 +135,11 @@ class AcrossResult:
             return Verdict.INCOMPLETE
         return Verdict.PASS
 
-    def to_json(self) -> dict:
+    def to_dict(self) -> dict:
         return {"verdict": self.verdict.value, "out": self.out, "sizes": self.sizes,
                 "reference": f"dp={self.sizes[0]}",
-                "checks": {f"dp={size}": check.to_json() for size, check in self.checks.items()},
-                "runs": [run.to_json() for run in self.runs], "notes": self.notes,
+                "checks": {f"dp={size}": check.to_dict() for size, check in self.checks.items()},
+                "runs": [run.to_dict() for run in self.runs], "notes": self.notes,
                 "timings_s": {k: round(v, 3) for k, v in self.timings.items()}}
 
 
@@ -188,7 +188,7 @@ def verify_across(sizes: list[int], cmd: list[str] | None = None, out=None, *, s
     for size in sizes[1:]:
         say(f"comparing dp={size} with dp={sizes[0]} (rank {rank}'s replicated records)")
         result.checks[size] = compare_replicated(reference, out / f"dp{size}", rank=rank)
-    (out / "summary.json").write_text(json.dumps(result.to_json(), indent=2, default=str) + "\n")
+    (out / "summary.json").write_text(json.dumps(result.to_dict(), indent=2, default=str) + "\n")
     return result
 
 

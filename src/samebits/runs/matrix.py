@@ -39,7 +39,7 @@ from samebits.runs._launch import RunFailed
 from samebits.runs.bisect import bisect
 from samebits.runs.verify import VerifyResult, _prepare, _write_summary, default_out_dir, verify_recipe
 from samebits.stream import open_run
-from samebits.verdicts import Verdict
+from samebits.verdicts import ToDict, Verdict
 
 DEFAULT_CELLS = ("single", "dp2", "ep2")
 DEFAULT_PRECISIONS = ("fp32", "bf16", "fp8_delayed")
@@ -96,7 +96,7 @@ def split_list(text: str | None, what: str) -> list[str]:
 
 
 @dataclass
-class Agreement:
+class Agreement(ToDict):
     """A cell's run A against the baseline cell's run A (same precision)."""
 
     status: str  # "identical" | "differs" | "not compared" | "baseline"
@@ -111,13 +111,13 @@ class Agreement:
             return f"step {self.first_step}{ulp}"
         return {"not compared": "-"}.get(self.status, self.status)
 
-    def to_json(self) -> dict:
+    def to_dict(self) -> dict:
         return {"status": self.status, "by": self.by, "first_step": self.first_step, "max_ulp": self.max_ulp,
                 "detail": self.detail}
 
 
 @dataclass
-class CellResult:
+class CellResult(ToDict):
     """One (cell, precision): its verify result, or why it did not run."""
 
     cell: str
@@ -146,17 +146,17 @@ class CellResult:
             return "-"
         return {Verdict.IDENTICAL: "yes", Verdict.DIVERGED: "no"}.get(Verdict(result.verdict), "?")
 
-    def to_json(self) -> dict:
+    def to_dict(self) -> dict:
         return {"cell": self.cell, "precision": self.precision, "world_size": self.world_size,
                 "required": self.required, "verdict": self.verdict.value, "repeatable": self.check("independent"),
-                "resume": self.check("resume"), "agreement": self.agreement.to_json(),
+                "resume": self.check("resume"), "agreement": self.agreement.to_dict(),
                 "seconds": round(self.seconds, 3), "reason": self.reason, "out": self.out,
                 "explanations": self.verify.explanations if self.verify is not None else {},
                 "bisect": self.bisect}
 
 
 @dataclass
-class MatrixResult:
+class MatrixResult(ToDict):
     out: str
     baseline: str
     cells: list[CellResult]
@@ -184,10 +184,10 @@ class MatrixResult:
             return Verdict.INCOMPLETE  # nothing held and nothing failed: nothing was proven
         return Verdict.FAIL if self.failures() else Verdict.PASS
 
-    def to_json(self) -> dict:
+    def to_dict(self) -> dict:
         return {"verdict": self.verdict.value, "exit_code": self.verdict.exit_code, "out": self.out,
                 "baseline": self.baseline, "require_agreement": self.require_agreement,
-                "failures": self.failures(), "cells": [c.to_json() for c in self.cells], "notes": self.notes}
+                "failures": self.failures(), "cells": [c.to_dict() for c in self.cells], "notes": self.notes}
 
 
 def run_matrix(

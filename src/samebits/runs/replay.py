@@ -29,14 +29,14 @@ from samebits.runs._launch import failed, run_logged
 from samebits.runs.across import compare_replicated
 from samebits.runs.verify import RunInfo, _fill, _prepare, _recipe_argv
 from samebits.stream import open_run
-from samebits.verdicts import Verdict
+from samebits.verdicts import ToDict, Verdict
 
 REPLAY_PLACEHOLDERS = ("{nproc}", "{out}", "{step}", "{stop}", "{run}", "{ckpt}")
 INVARIANT_KEY, INVARIANT_VALUE = "grad_reduce", "invariant"
 
 
 @dataclass
-class ReplayResult:
+class ReplayResult(ToDict):
     """The replay's comparison with the recorded run over steps [step, stop)."""
 
     run: str
@@ -54,10 +54,10 @@ class ReplayResult:
     def verdict(self) -> Verdict:
         return Verdict(self.check.verdict)
 
-    def to_json(self) -> dict:
+    def to_dict(self) -> dict:
         return {"verdict": self.verdict.value, "run": self.run, "out": self.out, "step": self.step,
                 "stop": self.stop, "nproc": self.nproc, "recorded_world_size": self.recorded_world_size,
-                "check": self.check.to_json(), "runs": [r.to_json() for r in self.runs], "notes": self.notes,
+                "check": self.check.to_dict(), "runs": [r.to_dict() for r in self.runs], "notes": self.notes,
                 "timings_s": {k: round(v, 3) for k, v in self.timings.items()}}
 
 
@@ -126,7 +126,7 @@ def replay(run_dir, *, step: int, nproc: int = 1, num_steps: int = 1, cmd: list[
     result = ReplayResult(run=str(run_dir), out=str(out), step=step, stop=stop, nproc=nproc,
                           recorded_world_size=world_size, check=check, runs=[info],
                           timings={"replay": seconds})
-    (out / "summary.json").write_text(json.dumps(result.to_json(), indent=2, default=str) + "\n")
+    (out / "summary.json").write_text(json.dumps(result.to_dict(), indent=2, default=str) + "\n")
     return result
 
 

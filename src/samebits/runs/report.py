@@ -36,7 +36,7 @@ from typing import Any, Callable
 from samebits.compare import DiffResult, diff, divergent_steps
 from samebits.errors import ConfigError, IncomparableRunsError, StreamError
 from samebits.stream import Record, open_run
-from samebits.verdicts import Verdict
+from samebits.verdicts import ToDict, Verdict
 
 MAX_RANKS = 64  # heatmap rows; a larger world shows its first ranks and says how many were left out
 MAX_STEPS = 120  # heatmap and curve columns
@@ -82,7 +82,7 @@ class Pair:
 
 
 @dataclass
-class Report:
+class Report(ToDict):
     """The page and what it says: ``kind`` (verify, bisect, matrix, diff), the overall
     ``verdict`` (as the command that produced the inputs decided it, or the diff's), the
     section headings, the HTML text."""
@@ -96,7 +96,7 @@ class Report:
     notes: list[str] = field(default_factory=list)
     out: str = ""
 
-    def to_json(self) -> dict:
+    def to_dict(self) -> dict:
         return {"kind": self.kind, "verdict": self.verdict.value, "exit_code": self.verdict.exit_code,
                 "inputs": self.inputs, "out": self.out, "sections": self.sections,
                 "pairs": [{"label": p.label, "a": p.a, "b": p.b, "start_step": p.start_step,
@@ -382,7 +382,7 @@ def differing_records(a: str | Path, b: str | Path, *, rank: int, step: int) -> 
             continue
         kind, phase, name, occurrence = key
         rows.append({"kind": kind, "phase": phase, "name": name, "occurrence": occurrence,
-                     "a": None if ra is None else ra.to_json(), "b": None if rb is None else rb.to_json(),
+                     "a": None if ra is None else ra.to_dict(), "b": None if rb is None else rb.to_dict(),
                      "difference": _cell(ra, rb, bool(at_a), bool(at_b))[1]})
     return rows
 

@@ -30,7 +30,7 @@ from samebits.autorecord import environment_for
 from samebits.errors import ConfigError, SamebitsError
 from samebits.runs._launch import DEFAULT_TIMEOUT_S, judge_recipe_run, judge_recorded_run, run_logged
 from samebits.stream.writer import STEP_TIMES_SUFFIX
-from samebits.verdicts import Verdict
+from samebits.verdicts import ToDict, Verdict
 
 DEFAULT_GATE = 1.05
 DEFAULT_RESAMPLES = 4000
@@ -39,7 +39,7 @@ _LABELS = ("deterministic", "baseline")
 
 
 @dataclasses.dataclass
-class TaxResult:
+class TaxResult(ToDict):
     """The measured tax.  ``times[label][pair]`` holds the kept per-step seconds of that run."""
 
     out: str
@@ -59,7 +59,7 @@ class TaxResult:
     def verdict(self) -> Verdict:
         return judge(self.ci, self.gate)
 
-    def to_json(self) -> dict:
+    def to_dict(self) -> dict:
         medians = {label: float(np.median(np.concatenate([np.asarray(t) for t in runs])))
                    for label, runs in self.times.items()}
         return {"verdict": self.verdict.value, "exit_code": self.verdict.exit_code, "ratio": self.ratio,
@@ -234,7 +234,7 @@ def tax(out: str | Path | None = None, *, command: list[str] | None = None, comm
                                  confidence=confidence, seed=seed)
     commands = {label: shlex.join(argv) for label, argv in argvs.items()}
     result = TaxResult(str(out), commands, pairs, warmup, gate, times, ratio, ci, confidence, resamples, seed, notes)
-    (out / "tax.json").write_text(json.dumps(result.to_json(), indent=1) + "\n")
+    (out / "tax.json").write_text(json.dumps(result.to_dict(), indent=1) + "\n")
     return result
 
 

@@ -32,7 +32,7 @@ from samebits.compare import DiffResult, diff
 from samebits.errors import ConfigError, SamebitsError, StreamError
 from samebits.runs._launch import judge_recipe_run, judge_recorded_run, run_logged
 from samebits.stream import open_run
-from samebits.verdicts import Verdict
+from samebits.verdicts import ToDict, Verdict
 
 GUARANTEES = ("independent", "resume")
 PLACEHOLDERS = ("{out}", "{run}")  # in the command: this run's own work folder and its name
@@ -40,7 +40,7 @@ RESUME_PLACEHOLDERS = ("{step}", "{from}")  # in --resume-with only: the resume 
 
 
 @dataclass
-class RunInfo:
+class RunInfo(ToDict):
     """One launched run: its command, how it ended, and how long it took."""
 
     name: str
@@ -49,13 +49,13 @@ class RunInfo:
     seconds: float
     ended: str = "finished"  # "finished" | "stopped at step K (...)" | a tolerated crash
 
-    def to_json(self) -> dict:
+    def to_dict(self) -> dict:
         return {"name": self.name, "command": self.command, "exit_code": self.exit_code,
                 "seconds": round(self.seconds, 3), "ended": self.ended}
 
 
 @dataclass
-class VerifyResult:
+class VerifyResult(ToDict):
     """What verify found.  ``checks`` maps each guarantee to its `DiffResult`, or None when it
     was not checked; ``verdict`` is a `Verdict`: PASS (every check identical), FAIL (a check
     diverged), INCOMPLETE (a check could not decide, or nothing was checked)."""
@@ -87,16 +87,16 @@ class VerifyResult:
             return Verdict.INCOMPLETE
         return Verdict.PASS
 
-    def to_json(self) -> dict:
+    def to_dict(self) -> dict:
         return {
             "verdict": self.verdict.value,
             "checked": self.checked,
             "not_checked": self.not_checked,
             "out": self.out,
             "resume_at": self.resume_at,
-            "checks": {name: (r.to_json() if r is not None else None) for name, r in self.checks.items()},
+            "checks": {name: (r.to_dict() if r is not None else None) for name, r in self.checks.items()},
             "explanations": self.explanations,
-            "runs": [run.to_json() for run in self.runs],
+            "runs": [run.to_dict() for run in self.runs],
             "bisect_command": self.bisect_command,
             "resume_bisect_command": self.resume_bisect_command,
             "timings_s": {k: round(v, 3) for k, v in self.timings.items()},
@@ -375,7 +375,7 @@ def _state_differences(dir_a: Path, dir_b: Path, start: int | None, stop: int,
 
 
 def _write_summary(out: Path, result: VerifyResult) -> None:
-    (out / "summary.json").write_text(json.dumps(result.to_json(), indent=2, default=str) + "\n")
+    (out / "summary.json").write_text(json.dumps(result.to_dict(), indent=2, default=str) + "\n")
 
 
 __all__ = ["verify_recipe", "verify_command", "VerifyResult", "RunInfo", "GUARANTEES"]

@@ -26,6 +26,7 @@ import torch
 from samebits import fingerprint
 from samebits.errors import StreamError
 from samebits.stream import _format as fmt
+from samebits.verdicts import ToDict
 
 _STREAM_RE = re.compile(r"^rank-(\d{5,})\.sbs$")
 _DTYPE_NAMES = {code: str(dtype).removeprefix("torch.") for dtype, code in fingerprint.DTYPE_CODES.items()}
@@ -63,7 +64,7 @@ def _varint(buf, pos: int, end: int) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
-class Record:
+class Record(ToDict):
     """One decoded record.  Identity is (phase, name, occurrence, kind), never position."""
 
     kind: str  # "tensor" | "metric"
@@ -118,7 +119,7 @@ class Record:
         digest = "capped (no digest)" if self.capped else f"{self.digest:016x}"
         return f"{shape} {self.dtype} {digest}"
 
-    def to_json(self) -> dict:
+    def to_dict(self) -> dict:
         out = {"kind": self.kind, "phase": self.phase, "name": self.name, "occurrence": self.occurrence,
                "dtype": self.dtype}
         if self.kind == "metric":

@@ -34,7 +34,7 @@ import tomllib
 from pathlib import Path
 
 from samebits.errors import ConfigError
-from samebits.verdicts import Verdict
+from samebits.verdicts import ToDict, Verdict
 
 MANIFEST_NAME = "kernel-coverage.toml"
 KINDS = ("triton", "custom_op", "autograd")
@@ -63,7 +63,7 @@ class Row:
 
 
 @dataclasses.dataclass
-class CoverageResult:
+class CoverageResult(ToDict):
     packages: list[str]
     manifests: list[str]
     rows: list[Row]
@@ -79,7 +79,7 @@ class CoverageResult:
             return Verdict.INCOMPLETE
         return Verdict.PASS if self.ok else Verdict.FAIL
 
-    def to_json(self) -> dict:
+    def to_dict(self) -> dict:
         return {"verdict": self.verdict.value, "exit_code": self.verdict.exit_code, "packages": self.packages,
                 "manifests": self.manifests, "kernels": [dataclasses.asdict(row) for row in self.rows],
                 "updated": self.updated}

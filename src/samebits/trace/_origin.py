@@ -99,7 +99,7 @@ class OriginFinding:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         for side in ("a", "b"):
             record = out[side]
-            out[side] = None if record is None else record.to_json()
+            out[side] = None if record is None else record.to_dict()
         out["state_differs"] = list(self.state_differs)
         return out
 

@@ -43,7 +43,7 @@ def test_zero_code_recording_of_a_plain_script(tmp_path):
     assert (d.step, d.phase, d.name) == (2, "forward", "Sequential")
     reader = samebits.open_run(runs["a"]).stream(0)
     phases = {r.phase for r in next(iter(reader.steps())).records()}
-    assert phases == {"forward", "grads", "params", "optimizer"}
+    assert phases == {"forward", "backward", "grads", "params", "optimizer"}
     names = {r.name for r in next(iter(samebits.open_run(runs["a"]).stream(0).steps())).records()}
     assert {"0.weight", "2.bias", "0.weight.exp_avg"} <= names
     # the state census of each step start, in its own stream (not part of the verdict)
@@ -55,6 +55,50 @@ def test_zero_code_recording_of_a_plain_script(tmp_path):
     assert "optim0.step" in second  # the optimizer is known after its first step
     (outcome,) = read_outcomes(runs["a"])
     assert (outcome["ended"], outcome["rank"], outcome["streams_closed"]) == ("clean", 0, True)
+
+
+LOGITS_SCRIPT = textwrap.dedent("""
+    import struct, sys, torch
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x = torch.randn(2, 6, 8, generator=gen)
+        y = torch.randint(0, 4, (2, 6), generator=gen)
+        if len(sys.argv) > 1 and step == 1:
+            y[0, 0] = (y[0, 0] + 1) % 4          # planted: a label, which no module sees
+        opt.zero_grad()
+        for micro in range(2):                   # gradient accumulation: two backward() per step
+            logits = model(x[micro])             # the model returns logits, not a loss
+            loss = torch.nn.functional.cross_entropy(logits, y[micro]) / 2
+            print("loss", step, micro, struct.pack("<f", loss.item()).hex())
+            loss.backward()
+        opt.step()
+""")
+
+
+def test_the_root_passed_to_backward_is_recorded(tmp_path):
+    """A plain loop whose model returns logits: the loss exists only as the root of
+    ``backward()``.  It is recorded with its exact bits, once per call (two micro-batches),
+    and a change that no module sees (a label) is caught at the root, before the gradients."""
+    script = tmp_path / "train.py"
+    script.write_text(LOGITS_SCRIPT)
+    a = _samebits_run("--out", tmp_path / "a", "--", sys.executable, script)
+    b = _samebits_run("--out", tmp_path / "b", "--", sys.executable, script, "planted")
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    printed = {}
+    for line in a.stdout.splitlines():
+        _, step, micro, bits = line.split()
+        printed[int(step), int(micro)] = bits
+    for block in samebits.open_run(tmp_path / "a").stream(0).steps():
+        roots = [r for r in block.records() if r.phase == "backward"]
+        assert [(r.kind, r.name, r.occurrence) for r in roots] == [("metric", "root", 0), ("metric", "root", 1)]
+        for root in roots:  # the exact float32 bits the script computed
+            assert (root.dtype, root.raw.hex()) == ("float32", printed[block.step, root.occurrence])
+    result = samebits.diff(tmp_path / "a", tmp_path / "b", allow_config_diff=True)
+    d = result.first_divergence
+    assert (d.step, d.phase, d.name, d.occurrence) == (1, "backward", "root", 0)
 
 
 def test_run_reports_a_missing_program(tmp_path, capsys):

@@ -9,6 +9,11 @@ fires, so launcher processes and data-loader workers record nothing:
   state after each ``optimizer.step()``; the step is the count of optimizer steps;
 * a module forward hook: the outputs of *top-level* module forwards (where most scripts'
   loss lives), under phase ``forward``;
+* a wrapper around ``torch.autograd.backward`` (which ``Tensor.backward`` calls): the root the
+  script passes to ``backward()``, under phase ``backward`` as ``root`` (a metric with its exact
+  bits when it has one element, else a tensor; ``root.K`` for the K-th of several roots in one
+  call, and one occurrence per call, e.g. per micro-batch).  Plain loops whose model returns
+  logits, not a loss, are recorded down to the loss this way;
 * the recorder's own atexit close.
 
 Besides the records, every process that recorded leaves an outcome file saying how its own
@@ -174,6 +179,22 @@ class _AutoRecorder:
             with self._ours():
                 self._rec().tensors(self.step, "forward", [(n, t.detach()) for n, t in leaves])
 
+    def backward_root(self, tensors) -> None:
+        """Record the root(s) of a ``backward()`` call at the current step."""
+        roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        named = [("root" if len(roots) == 1 else f"root.{index}", root) for index, root in enumerate(roots)
+                 if isinstance(root, torch.Tensor)]
+        if not named:
+            return
+        rec = self._rec()
+        with self._ours():
+            for name, root in named:
+                root = _local(root.detach())
+                if root.numel() == 1 and root.layout == torch.strided and not root.is_nested:
+                    rec.metrics(self.step, phase="backward", **{name: root.reshape(())})
+                else:
+                    rec.tensors(self.step, "backward", [(name, root)])
+
     def after_optimizer_step(self, optimizer, args, kwargs):
         if self.first_optimizer is None:
             self.first_optimizer = optimizer
@@ -227,7 +248,28 @@ def install() -> bool:
     register_module_forward_pre_hook(_state.pre_forward)
     register_module_forward_hook(_state.post_forward, always_call=True)
     register_optimizer_step_post_hook(_state.after_optimizer_step)
+    _wrap_backward(_state)
     return True
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (the recorded stream is per rank); other tensors as they are."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+def _wrap_backward(state: _AutoRecorder) -> None:
+    """Record every ``backward()`` root, then run the backward that was there (the tracer's
+    wrapper, if tracing is on, or torch's own)."""
+    previous = torch.autograd.backward
+
+    def backward(tensors, *args, **kwargs):
+        state.backward_root(tensors)
+        return previous(tensors, *args, **kwargs)
+
+    backward.__wrapped__ = previous
+    backward.__doc__ = previous.__doc__
+    torch.autograd.backward = backward
 
 
 _TRACE_VARIABLES = ("SAMEBITS_TRACE", "SAMEBITS_TEST_PERTURB", "SAMEBITS_TRACE_DUMP_OP", "SAMEBITS_TRACE_STOP_AFTER")

@@ -153,3 +153,21 @@ def test_summary_of_many_ranks_stays_short(tmp_path, capsys):
     assert main(["diff", "--json", str(a), str(b)]) == 1
     payload = json.loads(capsys.readouterr().out)
     assert len(payload["divergences_by_rank"]) == 13 and len(payload["first_divergence"]["ranks"]) == 11
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux /proc to list mappings")
+def test_an_open_run_holds_no_stream_mapped(tmp_path):
+    """At thousands of ranks a Run must not keep a mapping per stream: it reads the headers and
+    closes them; a rank's stream is opened when it is read, and released when closed."""
+    _write(tmp_path / "a", world_size=48, num_steps=2)
+
+    def mapped():
+        return sum(1 for line in Path("/proc/self/maps").read_text().splitlines() if str(tmp_path) in line)
+
+    run = samebits.open_run(tmp_path / "a")
+    assert len(run.headers) == 48 and mapped() == 0
+    reader = run.stream(7)
+    assert [block.step for block in reader.steps()] == [0, 1] and mapped() == 1
+    reader.close()
+    assert mapped() == 0
+    assert samebits.diff(tmp_path / "a", tmp_path / "a").identical and mapped() == 0

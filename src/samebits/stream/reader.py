@@ -745,14 +745,13 @@ class Run:
             )
         self.files = dict(sorted(files.items()))
         self.ranks = list(self.files)
-        self._unused = {}
-        try:
-            for rank, path in self.files.items():
-                self._unused[rank] = StreamReader(path)
-        except StreamError:
-            self.close()
-            raise
-        self.headers = {rank: reader.header for rank, reader in self._unused.items()}
+        # Read every header, keeping no stream open: at thousands of ranks a Run must not hold
+        # thousands of mappings; `stream(rank)` opens a rank's stream when it is read.
+        self.headers = {}
+        for rank, path in self.files.items():
+            reader = StreamReader(path)
+            self.headers[rank] = reader.header
+            reader.close()
         for rank, header in self.headers.items():
             if header["rank"] != rank:
                 raise StreamError(
@@ -770,8 +769,7 @@ class Run:
     def stream(self, rank: int) -> StreamReader:
         if rank not in self.files:
             raise StreamError(f"{self.path}: no stream for rank {rank} (recorded ranks: {self.ranks}).")
-        unused = self._unused.pop(rank, None)  # the reader that read the header, if not yet handed out
-        return unused if unused is not None else StreamReader(self.files[rank])
+        return StreamReader(self.files[rank])
 
     def closed_cleanly(self) -> bool:
         """True when every rank of the world wrote its stream and closed it cleanly."""
@@ -780,9 +778,7 @@ class Run:
         return all(self.stream(rank).step_index() is not None for rank in self.ranks)
 
     def close(self) -> None:
-        for reader in self._unused.values():
-            reader.close()
-        self._unused.clear()
+        """Nothing to release: a Run keeps no stream open (kept for callers that close it)."""
 
 
 def open_run(path: str | os.PathLike) -> Run:

@@ -1,34 +1,52 @@
 """Recorder overhead on the reference recipe: step time with recording on versus off.
 
-    python benchmarks/bench_recipe.py [--steps 30] [--rounds 3] [--json]
+    python benchmarks/bench_recipe.py [--blocks 40] [--reps 300] [--json]
 
-One process (world size 1), the default recipe config.  "off" passes no recorder;
-"params+grads" fingerprints every gradient and parameter each step (the issue's measure);
-"everything" records all the recipe records (tokens, block outputs and logits, metrics,
-gradients, parameters).  Two more rows split the overhead: "no-op recorder" (the recipe's
-own recording code with a recorder that does nothing) and "digest only" (the same plus one
-batched `body_sums` of grads and of params, nothing written).  Rounds alternate the modes so all see the same machine; the figure
-is the median step time over all rounds, first steps of each run (warm-up) excluded.
-Target: params+grads overhead under 2% of step time.
+One process (world size 1), the default recipe config, one model trained once.  The modes
+take turns step by step: each *block* runs one training step per mode, in a fresh random
+order, so every mode sees the same machine (other processes, turbo, cache state) and the
+same point of training.  A mode's overhead is the ratio of its summed step times to those of
+"off" over the blocks, minus one, with a 95% bootstrap confidence interval (blocks resampled):
+on a shared machine, read the interval, not the point.
+
+Modes: "off" passes no recorder; "params+grads" fingerprints every gradient and parameter
+each step (the issue's measure); "everything" records all the recipe records (state census,
+tokens, block outputs and logits, metrics, gradients, parameters).  "no-op recorder" runs
+the recipe's own recording code with a recorder that does nothing (the *plumbing*); "digest
+only" adds one batched `body_sums` of the grads and of the params, nothing written.
+
+The split of params+grads, in two ways.  In the steps: the time spent inside the recorder
+per step ("record": its `tensors`/`global_tensors`/`metrics` bookkeeping, less the digest,
+which is timed apart on the same tensors right after the step; "encode": `end_step` fetching
+the sums, finalizing and building the records and the frame; "write": the file write and
+flush).  In a tight loop (--reps): the same records of the last step recorded again and
+again, each part's median with a bootstrap interval; steadier, and what a code change to the
+recorder moves.  "Plumbing" is the no-op recorder's overhead.  Target: params+grads overhead
+under 2% of step time.
+
+Uses `samebits.recipes.loop._Run` (the per-rank state of `train`) to run single steps.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import shutil
-import statistics
 import tempfile
+import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import samebits
-from samebits.fingerprint import body_sums
-from samebits.recipes import train
-from samebits.recipes.config import RecipeConfig
+from samebits.fingerprint import body_sums, global_body_sums
+from samebits.recipes import RecipeConfig, session
+from samebits.recipes.loop import _Run
 
-WARMUP_STEPS = 3
+WARMUP_BLOCKS = 2
+BOOTSTRAP_RESAMPLES = 2000
 
 
 class _NoOpRecorder:
@@ -53,48 +71,184 @@ class _DigestOnly(_NoOpRecorder):
             body_sums([t for _, t in named_tensors])
 
 
-MODES = {
-    "off": lambda root: None,
-    "no-op recorder": lambda root: _NoOpRecorder(),
-    "digest only": lambda root: _DigestOnly(),
-    "params+grads": lambda root: samebits.Recorder(root, rank=0, world_size=1, phases="grads,params"),
-    "everything": lambda root: samebits.Recorder(root, rank=0, world_size=1),
-}
+class _Timed:
+    """Wraps a Recorder and adds the seconds spent in each of its calls to `spent`."""
+
+    def __init__(self, recorder: samebits.Recorder):
+        self.recorder = recorder
+        self.spent = {"record": 0.0, "encode": 0.0, "write": 0.0}
+        self.last: dict[str, list] = {}  # the step's tensors, to time their digest apart
+        flush = recorder._flush
+
+        def timed_flush():
+            start = time.perf_counter()
+            flush()
+            self.spent["write"] += time.perf_counter() - start
+
+        recorder._flush = timed_flush
+
+    def tensors(self, step, phase, named_tensors):
+        named_tensors = list(named_tensors)
+        self.last[phase] = named_tensors
+        start = time.perf_counter()
+        self.recorder.tensors(step, phase, named_tensors)
+        self.spent["record"] += time.perf_counter() - start
+
+    def global_tensors(self, step, phase, named_tensors, group=None):
+        named_tensors = list(named_tensors)
+        self.last["global:" + phase] = named_tensors
+        start = time.perf_counter()
+        self.recorder.global_tensors(step, phase, named_tensors, group=group)
+        self.spent["record"] += time.perf_counter() - start
+
+    def metrics(self, step, **values):
+        self.last_metrics = values
+        start = time.perf_counter()
+        self.recorder.metrics(step, **values)
+        self.spent["record"] += time.perf_counter() - start
+
+    def end_step(self, step):
+        write_before = self.spent["write"]
+        start = time.perf_counter()
+        result = self.recorder.end_step(step)
+        self.spent["encode"] += time.perf_counter() - start - (self.spent["write"] - write_before)
+        return result
+
+    def close(self):
+        self.recorder.close()
+
+    def digest_seconds(self) -> float:
+        """The digest alone of what the last step recorded, as the recorder computes it."""
+        start = time.perf_counter()
+        for phase, named in self.last.items():
+            if phase.startswith("global:"):
+                global_body_sums([(n, t) for n, t in named if t is not None])
+            elif phase in ("grads", "params"):
+                body_sums([t for _, t in named if t is not None])
+        return time.perf_counter() - start
 
 
-def step_times(steps: int, mode: str) -> list[float]:
+def component_split(timed: _Timed, first_step: int, reps: int, rng: np.random.Generator) -> dict:
+    """Per-step cost of each part of recording params+grads, in a tight loop on the tensors of
+    the last recorded step: digest, then the recorder's calls (the same records as in training)."""
+    parts: dict[str, list[float]] = {"record": [], "digest": [], "encode": [], "write": []}
+    last = dict(timed.last)
+    for rep in range(reps):
+        step = first_step + rep
+        digest = timed.digest_seconds()
+        before = dict(timed.spent)
+        for phase, named in last.items():
+            if phase.startswith("global:"):
+                timed.global_tensors(step, phase.removeprefix("global:"), named)
+            else:
+                timed.tensors(step, phase, named)
+        timed.metrics(step, **timed.last_metrics)
+        timed.end_step(step)
+        parts["digest"].append(digest)
+        parts["record"].append(timed.spent["record"] - before["record"] - digest)
+        parts["encode"].append(timed.spent["encode"] - before["encode"])
+        parts["write"].append(timed.spent["write"] - before["write"])
+    return {part: bootstrap_median(np.array(v), rng) for part, v in parts.items()}
+
+
+def _recorder(root: Path, **kwargs) -> samebits.Recorder:
+    return samebits.Recorder(root, rank=0, world_size=1, **kwargs)
+
+
+def bootstrap_median(values: np.ndarray, rng: np.random.Generator) -> tuple[float, float, float]:
+    """The median of `values` and its 95% bootstrap interval."""
+    picks = rng.integers(0, len(values), size=(BOOTSTRAP_RESAMPLES, len(values)))
+    low, high = np.percentile(np.median(values[picks], axis=1), [2.5, 97.5])
+    return float(np.median(values)), float(low), float(high)
+
+
+def bootstrap_overhead(mode: np.ndarray, off: np.ndarray, rng: np.random.Generator) -> tuple[float, float, float]:
+    """The median over blocks of mode / off - 1 (paired: the same block), with its 95% bootstrap
+    interval.  A median of paired ratios: a load spike on one step moves it little."""
+    return bootstrap_median(mode / off - 1, rng)
+
+
+def run(blocks: int, seed: int, reps: int) -> dict:
     root = Path(tempfile.mkdtemp(prefix="samebits-bench-"))
+    cfg = RecipeConfig()
     try:
-        recorder = MODES[mode](root)
-        result = train(RecipeConfig(), steps=steps, recorder=recorder)
-        if recorder is not None:
-            recorder.close()
-        return [m["step_time_s"] for m in result.metrics[WARMUP_STEPS:]]
+        with session(cfg):
+            timed = _Timed(_recorder(root / "params+grads", phases="grads,params"))
+            modes = {
+                "off": None,
+                "no-op recorder": _NoOpRecorder(),
+                "digest only": _DigestOnly(),
+                "params+grads": timed,
+                "everything": _recorder(root / "everything"),
+            }
+            trainer = _Run(cfg, 0, 1)
+            order = random.Random(seed)
+            times = {mode: [] for mode in modes}
+            split = {"record": [], "digest": [], "encode": [], "write": []}
+            for block in range(WARMUP_BLOCKS + blocks):
+                names = list(modes)
+                order.shuffle(names)
+                for mode in names:
+                    spent = dict(timed.spent)
+                    metrics, _ = trainer.train_step(modes[mode])
+                    trainer.step += 1
+                    if block < WARMUP_BLOCKS:
+                        continue
+                    times[mode].append(metrics["step_time_s"])
+                    if mode == "params+grads":
+                        digest = timed.digest_seconds()
+                        split["digest"].append(digest)
+                        split["record"].append(timed.spent["record"] - spent["record"] - digest)
+                        split["encode"].append(timed.spent["encode"] - spent["encode"])
+                        split["write"].append(timed.spent["write"] - spent["write"])
+            rng = np.random.default_rng(seed)
+            tight = component_split(timed, trainer.step, reps, rng)
+            for recorder in modes.values():
+                if recorder is not None:
+                    recorder.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    off = np.array(times["off"])
+    overhead = {mode: bootstrap_overhead(np.array(t), off, rng) for mode, t in times.items() if mode != "off"}
+    step_off = float(np.median(off))
+    return {
+        "torch": torch.__version__, "threads": torch.get_num_threads(), "blocks": blocks,
+        "step_ms": {mode: 1e3 * float(np.median(t)) for mode, t in times.items()},
+        "overhead": {mode: {"point": p, "ci95": [low, high]} for mode, (p, low, high) in overhead.items()},
+        "params+grads_in_steps_ms": {part: 1e3 * float(np.median(v)) for part, v in split.items()},
+        "params+grads_split_ms": {part: {"median": 1e3 * m, "ci95": [1e3 * low, 1e3 * high]}
+                                  for part, (m, low, high) in tight.items()},
+        "params+grads_split_pct_of_step": {part: 100 * m / step_off for part, (m, _, _) in tight.items()},
+        "split_reps": reps,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--blocks", type=int, default=40, help="measured blocks (one step per mode each)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the mode order and the bootstrap")
+    parser.add_argument("--reps", type=int, default=300, help="tight-loop repetitions of the split")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    times = {mode: [] for mode in MODES}
-    for _ in range(args.rounds):
-        for mode in MODES:
-            times[mode] += step_times(args.steps, mode)
-    medians = {mode: statistics.median(t) for mode, t in times.items()}
-    result = {"torch": torch.__version__, "steps_per_run": args.steps, "rounds": args.rounds,
-              "step_ms": {m: v * 1e3 for m, v in medians.items()},
-              "overhead": {m: medians[m] / medians["off"] - 1 for m in MODES if m != "off"}}
+    result = run(args.blocks, args.seed, args.reps)
     if args.json:
         print(json.dumps(result, indent=2))
         return
-    print(f"{'recording':<14} {'step (ms)':>10} {'overhead':>9}")
-    for mode, value in medians.items():
-        overhead = "-" if mode == "off" else f"{100 * (value / medians['off'] - 1):+.1f}%"
-        print(f"{mode:<14} {value * 1e3:>10.2f} {overhead:>9}")
+    print(f"{'recording':<15} {'step (ms)':>10} {'overhead':>9}   95% CI")
+    for mode, value in result["step_ms"].items():
+        if mode == "off":
+            print(f"{mode:<15} {value:>10.2f} {'-':>9}")
+            continue
+        o = result["overhead"][mode]
+        print(f"{mode:<15} {value:>10.2f} {100 * o['point']:>+8.2f}%   "
+              f"[{100 * o['ci95'][0]:+.2f}%, {100 * o['ci95'][1]:+.2f}%]")
+    print("params+grads, time in the recorder during the steps (ms, medians): "
+          + ", ".join(f"{part} {ms:.3f}" for part, ms in result["params+grads_in_steps_ms"].items()))
+    print(f"params+grads split, tight loop of {result['split_reps']} steps' records (median ms [95% CI], "
+          "% of the median off step):")
+    for part, value in result["params+grads_split_ms"].items():
+        print(f"  {part:<7} {value['median']:.3f} [{value['ci95'][0]:.3f}, {value['ci95'][1]:.3f}]  "
+              f"{result['params+grads_split_pct_of_step'][part]:.2f}%")
     print("target: params+grads overhead < 2%")
 
 

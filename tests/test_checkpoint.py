@@ -621,8 +621,9 @@ def _worker(out_dir: Path) -> None:
 
 if __name__ == "__main__":
     _worker(Path(sys.argv[1]))
-# Everything is written. Skip the C++ static destructors: under load a gloo process
-# occasionally aborts there (SIGABRT, "terminate called without an active exception").
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+    # Everything is written. Skip the C++ static destructors: under load a gloo process
+    # occasionally aborts there (SIGABRT, "terminate called without an active exception").
+    # Inside this block: at module level, pytest's import of this file would end the session.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -13,6 +13,8 @@ import pytest
 from samebits.cli import main
 from samebits.cli.matrix import render
 from samebits.errors import ConfigError
+from samebits.runs import cells as C
+from samebits.runs import distance
 from samebits.runs import matrix as M
 from samebits.verdicts import Verdict
 
@@ -20,16 +22,19 @@ TINY = ["num_layers=2", "seq_len=32", "micro_batch_size=2", "vocab_size=256"]
 
 
 def test_cell_names():
-    assert M.parse_cell("single") == M.Cell("single", 1, ())
-    tp_dp = M.parse_cell("tp2-dp2")
+    assert C.parse_cell("single") == C.Cell("single", 1, ())
+    tp_dp = C.parse_cell("tp2-dp2")
     assert tp_dp.world_size == 4
     assert tp_dp.overrides == ("pp=1", "dp_replicate=2", "dp_shard=1", "tp=2", "ep=1")
-    assert M.parse_cell("ep2").world_size == 2 and "ep=2" in M.parse_cell("ep2").overrides  # EP rides on DP
-    assert M.parse_cell("pp2-fsdp2-tp2").world_size == 8
+    assert C.parse_cell("ep2").world_size == 2 and "ep=2" in C.parse_cell("ep2").overrides  # EP rides on DP
+    assert C.parse_cell("pp2-fsdp2-tp2").world_size == 8
+    assert C.parse_cell("pp2-fsdp2-tp2").sizes == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 2, "ep": 1}
+    assert C.cell_name(C.parse_cell("ep2-tp2-pp2").sizes) == "pp2-tp2-ep2"  # the canonical order
+    assert C.cell_name(C.parse_cell("single").sizes) == "single"
     for bad, message in [("tp", "names no parallel size|not one of"), ("tp2-tp2", "each at most once"),
                          ("ep2-dp4", "must equal dp's size"), ("cp2", "not one of dpN")]:
         with pytest.raises(ConfigError, match=message):
-            M.parse_cell(bad)
+            C.parse_cell(bad)
 
 
 def test_ulp_distance_counts_representable_values():
@@ -38,8 +43,8 @@ def test_ulp_distance_counts_representable_values():
     assert M._max_ulp({"grad_norm": ("float32", one)}, {"grad_norm": ("float32", next_up)}) == 3
     # across zero: -0.0 and +0.0 are the same point; the smallest subnormals either side are 2 apart
     neg_tiny, pos_tiny = struct.pack("<I", 0x80000001), struct.pack("<I", 0x00000001)
-    assert M._ordered(struct.pack("<f", -0.0)) == M._ordered(struct.pack("<f", 0.0)) == 0
-    assert abs(M._ordered(neg_tiny) - M._ordered(pos_tiny)) == 2
+    assert distance.ordered(struct.pack("<f", -0.0)) == distance.ordered(struct.pack("<f", 0.0)) == 0
+    assert abs(distance.ordered(neg_tiny) - distance.ordered(pos_tiny)) == 2
     assert M._max_ulp({"lr": ("float64", struct.pack("<d", 0.5))}, {"lr": ("float32", one)}) is None
 
 

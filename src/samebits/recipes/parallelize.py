@@ -27,7 +27,6 @@ engine, named in docs/recipe.md.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -42,12 +41,11 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from samebits.errors import ConfigError
 from samebits.recipes.config import RecipeConfig
+from samebits.runs import cells
 from samebits.recipes.model import MLP, MoE, Block, Transformer
 from samebits.recipes.parallel import ExpertParallelDispatcher
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first, as torchtitan
-_CELL_PART = re.compile(r"(fsdp|dp|tp|pp|ep)([1-9][0-9]*)")
-_CELL_FIELD = {"dp": "dp_replicate", "fsdp": "dp_shard", "tp": "tp", "pp": "pp", "ep": "ep"}
 
 
 # --- sizes and cells ---------------------------------------------------------------------
@@ -121,38 +119,17 @@ class ParallelDims:
 
 
 def parse_cell(name: str) -> dict[str, int]:
-    """Config overrides of a cell name such as "tp2-dp2", "fsdp2-tp2", "pp2", "ep2", "dp4".
-
-    dpN = plain data parallel (experts replicated, ep=1), fsdpN = FSDP2 sharding, tpN, ppN,
-    epN = expert parallel over N data-parallel replicas (implies dpN).  Every size not named
-    is 1, so a cell fixes the whole layout.
-    """
-    text = name.strip().lower()
-    parts = text.split("-") if text else []
-    values: dict[str, int] = {}
-    for part in parts:
-        match = _CELL_PART.fullmatch(part)
-        if match is None or _CELL_FIELD[match.group(1)] in values:
-            raise ConfigError(f"cell {name!r}: {part!r} is not one of dpN, fsdpN, tpN, ppN, "
-                              "epN (each at most once, joined by '-'), e.g. tp2-dp2")
-        values[_CELL_FIELD[match.group(1)]] = int(match.group(2))
-    if not values:
-        raise ConfigError(f"cell {name!r} names no parallel size; e.g. dp2, fsdp2, tp2-dp2")
-    if "ep" in values and values.setdefault("dp_replicate", values["ep"]) != values["ep"]:
-        raise ConfigError(f"cell {name!r}: epN runs over the data-parallel replicas, so N "
-                          f"must equal dp's size ({values['dp_replicate']})")
-    return {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1, "ep": 1, **values}
+    """Config overrides of a cell name such as "tp2-dp2", "fsdp2-tp2", "pp2", "ep2", "dp4"
+    ("single": every size 1), in the library's cell grammar (`samebits.runs.cells`, which
+    `samebits matrix` reads too): dpN = plain data parallel (experts replicated, ep=1), fsdpN
+    = FSDP2 sharding, tpN, ppN, epN = expert parallel over N data-parallel replicas (implies
+    dpN).  Every size not named is 1, so a cell fixes the whole layout."""
+    return cells.parse_cell(name).sizes
 
 
 def cell_name(dims: ParallelDims) -> str:
     """The canonical cell name of a layout ("single" for one rank)."""
-    parts = [f"pp{dims.pp}" if dims.pp > 1 else "", f"tp{dims.tp}" if dims.tp > 1 else "",
-             f"fsdp{dims.dp_shard}" if dims.dp_shard > 1 else ""]
-    if dims.ep > 1:
-        parts.append(f"ep{dims.ep}")
-    elif dims.dp_replicate > 1:
-        parts.append(f"dp{dims.dp_replicate}")
-    return "-".join(p for p in parts if p) or "single"
+    return cells.cell_name(dims.sizes())
 
 
 # --- the layout ----------------------------------------------------------------------------

@@ -21,13 +21,13 @@ The verdict is proof or nothing:
 A cell name is ``-``-joined parallel sizes (``dpN`` plain data parallel, ``fsdpN`` FSDP2,
 ``tpN``, ``ppN``, ``epN`` expert parallel over N data-parallel replicas), or ``single`` (one
 rank).  The recipe gets the layout as config overrides (``--set dp_replicate=.. dp_shard=..
-tp=.. pp=.. ep=..``, every size not named 1), the same reading as `samebits.recipes.parse_cell`;
-the world size is their product (EP rides on the data-parallel replicas).
+tp=.. pp=.. ep=..``, every size not named 1), in the one cell grammar (`samebits.runs.cells`) that
+the recipe's ``--cell`` reads too; the world size is their product (EP rides on the
+data-parallel replicas).
 """
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +37,8 @@ from samebits.compare import diff
 from samebits.errors import ConfigError, SamebitsError, StreamError
 from samebits.runs._launch import RunFailed
 from samebits.runs.bisect import bisect
+from samebits.runs.cells import Cell, parse_cell
+from samebits.runs.distance import ulp_distance
 from samebits.runs.verify import VerifyResult, _prepare, _write_summary, default_out_dir, verify_recipe
 from samebits.stream import open_run
 from samebits.verdicts import ToDict, Verdict
@@ -50,41 +52,6 @@ DEFAULT_GLOBAL_BATCH = 8
 # dropout and router jitter draw per data-parallel replica, and the load-balancing loss is
 # each rank's own.  Off, two layouts compute the same function of the same global batch.
 LAYOUT_INDEPENDENT = ("dropout=0", "moe_jitter_eps=0", "moe_aux_loss_coeff=0")
-_CELL_PART = re.compile(r"(dp|fsdp|tp|pp|ep)([1-9]\d*)")
-_CELL_FIELD = {"dp": "dp_replicate", "fsdp": "dp_shard", "tp": "tp", "pp": "pp", "ep": "ep"}
-
-
-@dataclass(frozen=True)
-class Cell:
-    """One parallel layout: its name, world size and the recipe config overrides it sets."""
-
-    name: str
-    world_size: int
-    overrides: tuple[str, ...]
-    data_parallel: int = 1  # ranks that read different samples (dp_replicate * dp_shard)
-
-
-def parse_cell(name: str) -> Cell:
-    """``"tp2-dp2"`` -> Cell(world_size=4, overrides=(pp=1, dp_replicate=2, dp_shard=1, tp=2, ep=1))."""
-    text = name.strip().lower()
-    if text == "single":
-        return Cell("single", 1, ())
-    values: dict[str, int] = {}
-    for part in text.split("-") if text else []:
-        match = _CELL_PART.fullmatch(part)
-        if match is None or _CELL_FIELD[match.group(1)] in values:
-            raise ConfigError(f"cell {name!r}: {part!r} is not one of dpN, fsdpN, tpN, ppN, epN (each at most once, "
-                              "joined by '-'), e.g. tp2-dp2; or 'single' for one rank")
-        values[_CELL_FIELD[match.group(1)]] = int(match.group(2))
-    if not values:
-        raise ConfigError(f"cell {name!r} names no parallel size; e.g. single, dp2, fsdp2, tp2-dp2")
-    if "ep" in values and values.setdefault("dp_replicate", values["ep"]) != values["ep"]:
-        raise ConfigError(f"cell {name!r}: epN runs over the data-parallel replicas, so N must equal dp's size "
-                          f"({values['dp_replicate']})")
-    sizes = {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1, "ep": 1, **values}
-    world = sizes["pp"] * sizes["dp_replicate"] * sizes["dp_shard"] * sizes["tp"]
-    return Cell(text, world, tuple(f"{key}={value}" for key, value in sizes.items()),
-                sizes["dp_replicate"] * sizes["dp_shard"])
 
 
 def split_list(text: str | None, what: str) -> list[str]:
@@ -378,17 +345,11 @@ def _max_ulp(a: dict[str, tuple[str, bytes]], b: dict[str, tuple[str, bytes]]) -
     worst = 0
     for name, (dtype, raw) in a.items():
         other_dtype, other_raw = b[name]
-        if dtype != other_dtype or dtype not in ("float32", "float64", "float16", "bfloat16"):
+        ulp = ulp_distance(dtype, raw, other_raw) if dtype == other_dtype else None
+        if ulp is None:
             return None
-        worst = max(worst, abs(_ordered(raw) - _ordered(other_raw)))
+        worst = max(worst, ulp)
     return worst
-
-
-def _ordered(raw: bytes) -> int:
-    """A float's bits as an integer that counts representable values (ulp steps) from zero."""
-    bits = int.from_bytes(raw, "little")
-    sign = 1 << (8 * len(raw) - 1)
-    return -(bits & (sign - 1)) if bits & sign else bits
 
 
 def _bisect_cell(c: CellResult, cell: Cell, steps: int, overrides: list[str], nondeterministic: bool,
@@ -404,6 +365,6 @@ def _bisect_cell(c: CellResult, cell: Cell, steps: int, overrides: list[str], no
             "origin": None if found.origin is None else found.origin.to_dict()}
 
 
-__all__ = ["run_matrix", "MatrixResult", "CellResult", "Agreement", "Cell", "parse_cell", "split_list",
+__all__ = ["run_matrix", "MatrixResult", "CellResult", "Agreement", "split_list",
            "DEFAULT_CELLS", "DEFAULT_PRECISIONS", "DEFAULT_MAX_WORLD_SIZE", "DEFAULT_GLOBAL_BATCH",
            "LAYOUT_INDEPENDENT"]

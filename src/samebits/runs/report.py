@@ -27,7 +27,6 @@ import html
 import json
 import math
 import re
-import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +34,7 @@ from typing import Any, Callable
 
 from samebits.compare import DiffResult, diff, divergent_steps
 from samebits.errors import ConfigError, IncomparableRunsError, StreamError
+from samebits.runs.distance import float_value, metric_distance
 from samebits.stream import Record, open_run
 from samebits.verdicts import ToDict, Verdict
 
@@ -46,7 +46,6 @@ MAX_PAIRS = 6  # compared pairs on one page (a matrix may hold many failing cell
 
 _OWN_VARIABLES = ("env.SAMEBITS_", "env.TORCHELASTIC_")  # set per run by samebits / torchrun, as in diff's notes
 _UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
-_FLOAT_FORMATS = {"float64": "<d", "float32": "<f", "float16": "<e"}
 
 
 def _esc(value: Any) -> str:
@@ -390,41 +389,6 @@ def differing_records(a: str | Path, b: str | Path, *, rank: int, step: int) -> 
 def _key_label(key: tuple) -> str:
     kind, phase, name, occurrence = key
     return f"{phase}/{name}" + (f" #{occurrence}" if occurrence else "")
-
-
-# ---------------------------------------------------------------------------------------------
-# exact distances between recorded values
-
-
-def _ordered(raw: bytes) -> int:
-    """A float's bits as an integer counting representable values from zero (ulp steps)."""
-    bits = int.from_bytes(raw, "little")
-    sign = 1 << (8 * len(raw) - 1)
-    return -(bits & (sign - 1)) if bits & sign else bits
-
-
-def metric_distance(a: Record, b: Record) -> tuple[int | None, float | None]:
-    """(ulps, relative difference) between two float metrics from their exact bits, or None
-    for what is not defined (different dtypes, non-float metrics, non-finite values)."""
-    if a.raw is None or b.raw is None or a.dtype != b.dtype or len(a.raw) != len(b.raw):
-        return None, None
-    value_a, value_b = _float(a), _float(b)
-    if value_a is None or value_b is None or not (math.isfinite(value_a) and math.isfinite(value_b)):
-        return None, None  # an ulp count across inf/nan or for non-floats means nothing
-    ulp = abs(_ordered(a.raw) - _ordered(b.raw)) if a.dtype in ("float64", "float32", "float16", "bfloat16") else None
-    scale = max(abs(value_a), abs(value_b))
-    relative = 0.0 if value_a == value_b else (abs(value_a - value_b) / scale if scale else None)
-    return ulp, relative
-
-
-def _float(record: Record) -> float | None:
-    if record.raw is None:
-        return None
-    fmt = _FLOAT_FORMATS.get(record.dtype)
-    if fmt is not None:
-        return struct.unpack(fmt, bytes(record.raw))[0]
-    value = record.value
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -816,8 +780,8 @@ def _chart(name: str, series_a: dict[int, Record], series_b: dict[int, Record], 
     """One metric of both runs as an inline SVG line chart, b's steps marked by bit agreement."""
     width, height, left, right, top, bottom = 760, 170, 70, 12, 12, 26
     steps = sorted(set(series_a) | set(series_b))[:MAX_STEPS * 4]
-    values = [v for s in steps for v in (_float(series_a[s]) if s in series_a else None,
-                                        _float(series_b[s]) if s in series_b else None)
+    values = [v for s in steps for v in (float_value(series_a[s]) if s in series_a else None,
+                                        float_value(series_b[s]) if s in series_b else None)
               if v is not None and math.isfinite(v)]
     equal = sum(1 for s in steps if s in series_a and s in series_b and series_a[s].raw == series_b[s].raw)
     both = sum(1 for s in steps if s in series_a and s in series_b)
@@ -845,7 +809,7 @@ def _chart(name: str, series_a: dict[int, Record], series_b: dict[int, Record], 
     def line(series: dict[int, Record], dash: str, colour: str) -> str:
         points = []
         for s in steps:
-            value = _float(series[s]) if s in series else None
+            value = float_value(series[s]) if s in series else None
             if value is not None and math.isfinite(value):
                 points.append(f"{x(s):.1f},{y(value):.1f}")
         if not points:
@@ -856,7 +820,7 @@ def _chart(name: str, series_a: dict[int, Record], series_b: dict[int, Record], 
     for s in steps:
         if s not in series_b:
             continue
-        value = _float(series_b[s])
+        value = float_value(series_b[s])
         if value is None or not math.isfinite(value):
             continue
         if s not in series_a:
@@ -885,4 +849,4 @@ def _chart(name: str, series_a: dict[int, Record], series_b: dict[int, Record], 
     return f"<h3 class=\"mono\">{_esc(name)}</h3><p class=\"mono\">{_esc(caption)}</p>{svg}"
 
 
-__all__ = ["build_report", "write_report", "differing_records", "Report", "Pair", "metric_distance"]
+__all__ = ["build_report", "write_report", "differing_records", "Report", "Pair"]

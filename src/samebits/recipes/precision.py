@@ -308,13 +308,22 @@ def _linear(module: nn.Linear, x: torch.Tensor, matmul) -> torch.Tensor:
     Under tensor parallelism (DTensor weight: Shard(0) column-parallel, Shard(1) row-parallel)
     the GEMM runs on this rank's shards and its result goes back as a DTensor (Shard(-1), or
     Partial for the row-parallel sum that the plan's all-reduce completes).  Scales are then
-    those of the local shards: another rounding than one device's, repeatable all the same."""
+    those of the local shards: another rounding than one device's, repeatable all the same.
+
+    The column-parallel input is replicated, but its gradient from this rank's output columns
+    is only a partial sum: ``to_local`` must say so (``grad_placements=[Partial()]``), so that
+    the plan's input conversion all-reduces it in the backward (Megatron's "f").  Without it
+    the replicated parameters upstream (norms, embedding) took each TP rank's partial
+    gradient and drifted apart across TP ranks, which a checkpoint (replicated state saved
+    once) then hid: a resume loaded rank 0's copy everywhere and diverged at its first step."""
     weight, placement = module.weight, None
     if isinstance(weight, DTensor):
         (shard,) = weight.placements  # a 1-D TP mesh
-        placement = Shard(x.dim() - 1) if shard == Shard(0) else Partial()
+        column = shard == Shard(0)
+        placement = Shard(x.dim() - 1) if column else Partial()
         mesh, weight = weight.device_mesh, weight.to_local()
-        x = x.to_local() if isinstance(x, DTensor) else x
+        if isinstance(x, DTensor):  # column: Replicate (grad Partial); row: Shard(-1) (grad the same)
+            x = x.to_local(grad_placements=[Partial()] if column else None)
     out = matmul(x.reshape(-1, x.shape[-1]), weight)
     out = out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
     if placement is not None:

@@ -661,13 +661,17 @@ def test_shared_torch_helpers(monkeypatch):
     assert [n for n, _ in tu.optimizer_params(opt, {id(model.weight): "weight"})] == ["weight", "group1.param0"]
     if dist.is_initialized():  # a process group (another test's) decides first
         assert tu.process_rank() == dist.get_rank() and tu.rank_and_world_size()[1] == dist.get_world_size()
-    monkeypatch.setattr(tu, "_distributed_rank_world", lambda: None)  # then the launcher's variables
+    monkeypatch.setattr(tu, "_distributed_rank_world", lambda group=None: None)  # then the launcher's variables
     for name in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     assert tu.process_rank() is None and tu.rank_and_world_size() == (0, 1)
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert tu.process_rank() == 3 and tu.rank_and_world_size() == (3, 4)
+    # Code that runs collectives asks the process group only: without one it is alone.
+    assert tu.group_rank_and_world_size() == (0, 1)
+    monkeypatch.setattr(tu, "_distributed_rank_world", lambda group=None: (1, 2) if group == "pair" else (5, 8))
+    assert tu.group_rank_and_world_size("pair") == (1, 2) and tu.group_rank_and_world_size() == (5, 8)
     site = tu.call_site(1)
     assert site.startswith(__file__) and site.endswith("in test_shared_torch_helpers")
     assert tu.call_site(1, skip=(__file__,)) != site

@@ -6,7 +6,9 @@
 * `is_uninitialized_op`: ops whose outputs are uninitialised memory (bytes that are not results);
 * `AutogradScopes`: which forward code created the autograd node running in backward;
 * `optimizer_params`: an optimizer's parameters with their names;
-* `process_rank` / `rank_and_world_size`: this process's rank, from torch.distributed or the launcher.
+* `process_rank` / `rank_and_world_size`: this process's rank, from torch.distributed or the launcher;
+  `group_rank_and_world_size`: torch.distributed's only, for code that runs collectives;
+* `outside_dispatch_modes`: samebits' own torch work, unseen by the program's dispatch modes.
 
 Foundation layer: imports torch and nothing of samebits, so every package may use it.
 """
@@ -22,6 +24,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import _disable_current_modes
 
 TORCH_DIR = os.path.dirname(torch.__file__)
 SAMEBITS_DIR = os.path.dirname(os.path.abspath(__file__))  # src/samebits
@@ -130,6 +133,17 @@ def is_uninitialized_op(name: str) -> bool:
     return name.startswith(UNINITIALIZED_PREFIXES) or name in UNINITIALIZED_NAMES
 
 
+# -- samebits' own torch work ----------------------------------------------------------------
+
+
+def outside_dispatch_modes():
+    """``with outside_dispatch_modes():`` the torch work inside is samebits' own, not the
+    program's (the state census a training loop records at a step's start): every dispatch
+    mode in force (a tracer's, a probe's, the user's) is popped for its duration and pushed
+    back after, so none of them sees it, counts it or shifts an op id for it."""
+    return _disable_current_modes()
+
+
 # -- module scope in backward ----------------------------------------------------------------
 
 _get_sequence_nr = torch._C._autograd._get_sequence_nr
@@ -175,12 +189,12 @@ def optimizer_params(optimizer, names: dict[int, str]) -> Iterator[tuple[str, to
 # -- ranks -----------------------------------------------------------------------------------
 
 
-def _distributed_rank_world() -> tuple[int, int] | None:
+def _distributed_rank_world(group=None) -> tuple[int, int] | None:
     try:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
+            return dist.get_rank(group), dist.get_world_size(group)
     except Exception:
         pass
     return None
@@ -205,3 +219,11 @@ def rank_and_world_size() -> tuple[int, int]:
         return found
     rank, world = _launcher_int("RANK"), _launcher_int("WORLD_SIZE")
     return (0 if rank is None else rank), (1 if world is None else world)
+
+
+def group_rank_and_world_size(group=None) -> tuple[int, int]:
+    """(rank, world size) in ``group`` (default: the world) once torch.distributed has a
+    process group, else (0, 1) whatever the launcher's variables say: for code that runs
+    collectives (barriers, all-gathers), which need the group, not the launcher's intent."""
+    found = _distributed_rank_world(group)
+    return found if found is not None else (0, 1)

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from samebits._torchutil import group_rank_and_world_size
 from samebits.checkpoint._bundle import StateBundle, apply, collect, empty_tensors
 from samebits.checkpoint._errors import CheckpointError, CheckpointLayoutError
 
@@ -63,7 +64,7 @@ def save(path: str | os.PathLike, bundle: StateBundle) -> Path:
     """
     if "step" not in bundle.progress:
         raise CheckpointError('bundle.progress has no "step": set it to the next step to run')
-    rank, world_size = _rank_and_world_size()
+    rank, world_size = group_rank_and_world_size()
     root = Path(path)
     step = int(bundle.progress["step"])
     final, tmp = root / f"step-{step}", root / f".tmp-step-{step}"
@@ -200,7 +201,7 @@ def load(path: str | os.PathLike, bundle: StateBundle) -> Path:
     Collective, like `save`.  Refuses (CheckpointLayoutError) a checkpoint written by another
     world size or layout.  Returns the directory it loaded.
     """
-    rank, world_size = _rank_and_world_size()
+    rank, world_size = group_rank_and_world_size()
     directory = resolve(path)
     meta = _read_meta(directory / "meta.json")
     if meta["world_size"] != world_size or meta["layout"] != dict(bundle.layout):
@@ -386,12 +387,6 @@ def _quiet_single_process():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def _rank_and_world_size() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def _barrier(world_size: int) -> None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from samebits._inject import with_injection
+from samebits._torchutil import process_rank
 from samebits.determinism._probe import DEFAULT_NAMESPACES, Probe
 from samebits.errors import SamebitsError
 
@@ -97,7 +98,7 @@ def _save(*, complete: bool) -> None:
     if _child.get("pid") != os.getpid():
         return
     probe = _child["probe"]
-    payload = {"pid": os.getpid(), "rank": os.environ.get("RANK"), "argv": sys.argv,
+    payload = {"pid": os.getpid(), "rank": process_rank(), "argv": sys.argv,
                "complete": complete, "steps": _child["steps"],
                "step_limit_reached": _child["limit_reached"], "report": probe.report().to_dict()}
     path = os.path.join(_child["dir"], f"process-{os.getpid()}.json")

@@ -8,24 +8,13 @@ The variables (``SAMEBITS_DIR``, ``_DISABLE``, ``_STEPS``, ``_RANKS``, ``_PHASES
 from __future__ import annotations
 
 import fnmatch
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from samebits import settings
+from samebits._torchutil import rank_and_world_size
 from samebits.errors import ConfigError
 from samebits.settings import parse_ranks, parse_steps  # noqa: F401  (re-exported: tracing reads windows too)
-
-
-def _default_rank_world() -> tuple[int, int]:
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-    except Exception:
-        pass
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
 @dataclass(frozen=True)
@@ -70,7 +59,7 @@ class RecorderSettings:
             directory = settings.read("SAMEBITS_DIR")
         if directory is None and enabled:
             raise ConfigError("Recorder needs a directory: pass one or set SAMEBITS_DIR.")
-        default_rank, default_world = _default_rank_world()
+        default_rank, default_world = rank_and_world_size()
         try:
             rank = default_rank if rank is None else int(rank)
             world_size = default_world if world_size is None else int(world_size)

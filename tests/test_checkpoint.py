@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import samebits
 from samebits import checkpoint
@@ -47,6 +48,40 @@ def _assert_same_run(a, b):
 def _same_params(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(
         torch.equal(a[n].view(torch.int32), b[n].view(torch.int32)) for n in a)
+
+
+# --- the state census is samebits' own torch work ----------------------------------------
+
+
+class _SeenOps(TorchDispatchMode):
+    """Every ATen op dispatched while it is in force (what a tracer's mode would see)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_state_census_runs_outside_the_dispatch_modes_in_force():
+    """A mode pushed around a training loop (the tracer's rung 3) never sees the census's ops,
+    whoever calls it; the mode is back in force right after, for the loop's own ops."""
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()  # per-parameter "step" tensors: the census stacks them (ATen ops)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    with _SeenOps() as seen:
+        records = checkpoint.state_census(optimizers=[optimizer], schedulers=[scheduler],
+                                          generators={"g": torch.Generator().manual_seed(1)})
+        assert seen.ops == []
+        torch.ones(2).add_(1)
+    assert "aten::add_" in seen.ops
+    assert [name for name, _ in records if name.startswith(("optim", "sched"))] == [
+        "optim0.step", "optim0.lr", "sched0.last_epoch", "sched0.lr"]
+    assert records[[n for n, _ in records].index("optim0.step")][1].tolist() == [1, 1]
 
 
 # --- world size 1, in process ----------------------------------------------------------

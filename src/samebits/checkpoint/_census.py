@@ -19,7 +19,9 @@ Each record holds the exact bits of one state, so equal digests mean equal state
     sched<i>.lr         LR scheduler i's get_last_lr()
 
 It runs every step, so it reads states without copying more than they hold and syncs a
-device at most once per device (optimizer step counts kept on a GPU).
+device at most once per device (optimizer step counts kept on a GPU).  Its torch work is
+samebits' own, not the training loop's: it runs outside every dispatch mode in force, so a
+tracer (or any other mode) called around the loop never sees it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any
 
 import torch
 
+from samebits._torchutil import outside_dispatch_modes
 from samebits.errors import ConfigError
 
 try:  # a dependency of samebits, but the census works without it (no rng.numpy record)
@@ -60,7 +63,11 @@ def state_census(*, optimizers: Sequence[Any] = (), schedulers: Sequence[Any] = 
     schedulers = _checked_sequence("schedulers", schedulers, _is_scheduler,
                                    "an LR scheduler (last_epoch and get_last_lr())")
     user = _checked_generators(generators)
+    with outside_dispatch_modes():
+        return _census(optimizers, schedulers, user, include_cuda)
 
+
+def _census(optimizers, schedulers, user, include_cuda: bool) -> list[tuple[str, torch.Tensor]]:
     records: list[tuple[str, torch.Tensor]] = [("rng.python", _python_state())]
     if _np is not None:
         records.append(("rng.numpy", _numpy_global_state()))

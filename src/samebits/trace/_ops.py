@@ -21,36 +21,14 @@ outputs count as seen, so their first consumer does not record the garbage eithe
 
 from __future__ import annotations
 
-import os
-import sys
-
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from samebits._torchutil import (SAMEBITS_DIR, TORCH_DIR, call_site, is_uninitialized_op, op_tensor_args,
-                                 op_tensor_outputs)
+from samebits._torchutil import call_site, is_uninitialized_op, op_tensor_args, op_tensor_outputs
 from samebits.trace._config import record_name
 from samebits.trace._tensors import TRACE_DIR, digestable, version_of
 
 NORMAL, SKIP, NOISE, VIEW = 0, 1, 2, 3
 _SKIP_NAMESPACES = {"c10d", "profiler", "record_function"}
-_LOOP_PHASES = frozenset({"forward", "reduce", "post"})  # the training loop's own code runs here
-_LIBRARY_DIR = SAMEBITS_DIR + os.sep  # samebits itself ...
-_CLIENT_DIR = os.path.join(SAMEBITS_DIR, "recipes") + os.sep  # ... but the recipe is traced like a user's code
-
-
-def _called_by_samebits() -> bool:
-    """True when the nearest Python caller outside torch is samebits library code that a
-    training loop called itself (``samebits.checkpoint.state_census`` recorded by the loop).
-    Only asked for ops outside every module in the loop's phases: never on the model's ops,
-    backward or the optimizer.  (samebits' own hooks run inside `Tracer.suspended()`.)"""
-    frame = sys._getframe(2)
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if filename.startswith((TORCH_DIR, TRACE_DIR, "<")):
-            frame = frame.f_back
-            continue
-        return filename.startswith(_LIBRARY_DIR) and not filename.startswith(_CLIENT_DIR)
-    return False
 
 
 class _OpInfo:
@@ -74,7 +52,9 @@ class _OpInfo:
 
 class OpMode(TorchDispatchMode):
     """The tracer's dispatch mode; pushed only for the steps rung 3 (or a test hook) needs.
-    Samebits' own torch work runs inside `Tracer.suspended()` and passes straight through."""
+    Samebits' own torch work passes straight through: the Recorder's and the tracer's run
+    inside `Tracer.suspended()`, a state census outside every dispatch mode
+    (`samebits._torchutil.outside_dispatch_modes`).  The mode never asks who called an op."""
 
     def __init__(self, tracer):
         super().__init__()
@@ -92,8 +72,6 @@ class OpMode(TorchDispatchMode):
         if t.busy or s is None or info.kind == SKIP:
             return func(*args, **kwargs)
         phase = t.current_phase()
-        if not s.frames and phase in _LOOP_PHASES and _called_by_samebits():
-            return func(*args, **kwargs)
         if phase == "backward":
             entry = s.autograd.running()
             scope, site = entry if entry is not None else ("", None)

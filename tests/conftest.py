@@ -12,6 +12,14 @@ import pytest
 import torch
 
 import samebits
+from _hygiene import exits_at_import
+
+
+def pytest_sessionstart(session):
+    found = exits_at_import()
+    if found:  # importing such a file would end the session with exit code 0, nothing run
+        pytest.exit(f"exit call at import in {', '.join(found)}: move it under `if __name__ == \"__main__\":`",
+                    returncode=1)
 
 
 def write_run(directory, *, world_size=2, num_steps=5, num_tensors=4, plant=None, config=None,

@@ -1,4 +1,5 @@
-"""Shared output helpers for the CLI: terminal-safe text, aligned plain-text tables, JSON.
+"""Shared output helpers for the CLI: terminal-safe text, aligned plain-text tables, JSON,
+and `print_result`, how a command ends (its result, printed; its verdict, the exit code).
 
 Everything a person reads passes through `escape`: names, phases, paths and config values
 come from files and runs, and a control character in one (an ANSI escape sequence, a
@@ -103,3 +104,13 @@ def progress_printer(command: str, file=None) -> Callable[[str], None]:
 def print_json(obj: Any) -> None:
     json.dump(obj, sys.stdout, indent=2, sort_keys=False, default=str)
     sys.stdout.write("\n")
+
+
+def print_result(result: Any, as_json: bool, render: Callable[[Any], str]) -> int:
+    """A command's last act: print ``result`` (``result.to_dict()`` as JSON, or ``render(result)``
+    for a person) and return its verdict's exit code."""
+    if as_json:
+        print_json(result.to_dict())
+    else:
+        echo(render(result))
+    return result.verdict.exit_code

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import shlex
 
-from samebits.cli._format import echo, print_json, progress_printer, table
+from samebits.cli._format import print_result, progress_printer, table
+from samebits.cli._options import add_out_option, add_recipe_options, add_run_timeout_option
 from samebits.errors import ConfigError
 from samebits.runs import bisect
 
@@ -26,17 +27,11 @@ def register(sub) -> None:
     parser.add_argument("--b-step-offset", dest="b_step_offset", type=int, default=None, metavar="K",
                         help="side B resumes at step K (A's checkpoint of step K): its steps are numbered from "
                         "K, and every stage compares and traces only steps >= K (needs --a and --b)")
-    parser.add_argument("--out", default=None, help="output directory (default: samebits-out/bisect-TIME)")
+    add_out_option(parser, "bisect")
     parser.add_argument("--stop-after", type=int, default=None, metavar="STEP",
                         help="end every run after this step (long commands)")
-    parser.add_argument("--run-timeout", type=float, default=1800, metavar="SECONDS",
-                        help="kill a run that takes longer and report a hang (default 1800)")
-    parser.add_argument("--steps", type=int, default=4, help="recipe: training steps per run (default 4)")
-    parser.add_argument("--nproc", type=int, default=2, help="recipe: ranks (default 2)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="recipe: config override, repeatable")
-    parser.add_argument("--nondeterministic", action="store_true",
-                        help="recipe: its nondeterministic path (index_put_ accumulate, 2 threads)")
+    add_run_timeout_option(parser)
+    add_recipe_options(parser, steps=4, nproc=2, nondeterministic=True)
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("cmd", nargs="*", metavar="-- CMD", help="a command to bisect against itself")
     parser.set_defaults(func=run)
@@ -68,11 +63,7 @@ def run(args) -> int:
                     nondeterministic=args.nondeterministic, overrides=args.overrides,
                     stop_after=args.stop_after, run_timeout=args.run_timeout,
                     b_step_offset=args.b_step_offset, progress=progress)
-    if args.json:
-        print_json(result.to_dict())
-    else:
-        echo(render(result))
-    return result.verdict.exit_code
+    return print_result(result, args.json, render)
 
 
 def render(result) -> str:

@@ -22,7 +22,7 @@ except ImportError:  # Python 3.10
 
 from samebits.cli._format import echo, print_json, table
 from samebits.determinism._rules import run_checks, rules
-from samebits.errors import ConfigError, SamebitsError
+from samebits.errors import ConfigError
 from samebits.verdicts import EXIT_BAD_VERDICT, EXIT_CANNOT_RUN, EXIT_OK
 
 _MAX_KEYS_SHOWN = 10

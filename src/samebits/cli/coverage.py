@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from samebits.cli._format import echo, print_json
+from samebits.cli._format import print_result
 from samebits.testing._options import add_to_argparse
 from samebits.testing.coverage import check_coverage, render_coverage
 
@@ -25,8 +25,4 @@ def register(sub) -> None:
 
 def run(args) -> int:
     result = check_coverage(args.packages, manifest=args.samebits_manifest, update=args.samebits_update)
-    if args.json:
-        print_json(result.to_dict())
-    else:
-        echo(render_coverage(result))
-    return result.verdict.exit_code
+    return print_result(result, args.json, render_coverage)

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import os
-
+from samebits._torchutil import process_rank
 from samebits.cli._format import escape, print_json, table
 from samebits.compare import DiffResult, GlobalDiffResult, diff
 from samebits.errors import ConfigError, IncomparableRunsError
@@ -55,7 +54,7 @@ def run(args) -> int:
             print_json({"verdict": "incomparable", "error": str(err), "differences": err.differences})
             return EXIT_CANNOT_RUN
         raise
-    if args.distributed and os.environ.get("RANK", "0") != "0":
+    if args.distributed and process_rank() not in (None, 0):
         return result.verdict.exit_code  # every process holds the result; process 0 prints it
     records = None
     if args.all_records and isinstance(result, DiffResult) and result.first_divergence is not None:
@@ -84,17 +83,9 @@ def render(result: DiffResult, title: str | None = None) -> str:
     c = result.compared
     counts = (f"{c['ranks']} rank(s) x {c['steps']} step(s), {c['records']:,} records compared"
               f" ({c['steps_identical_by_root']} step(s) equal by root)")
-    lines = [escape(title or f"samebits diff {result.a} {result.b}")]
-    if result.verdict is Verdict.IDENTICAL:
-        lines.append(f"IDENTICAL: bit for bit. {counts}")
-    elif result.verdict is Verdict.INCOMPLETE:
-        lines.append("INCOMPLETE: could not decide (no divergence found in what was compared, but not "
-                     "everything could be compared)")
-        lines.extend(f"  - {escape(reason)}" for reason in result.incomplete[:_SHOWN])
-        if len(result.incomplete) > _SHOWN:
-            lines.append(f"  ... and {len(result.incomplete) - _SHOWN} more reason(s) (all of them: --json)")
-        lines.append(f"compared: {counts}")
-    else:
+    lines = _headline(result, title or f"samebits diff {result.a} {result.b}", counts,
+                      identical="bit for bit", searched="divergence")
+    if result.verdict is Verdict.DIVERGED:
         d = result.first_divergence
         where = f"{d.phase}/{d.name}" if d.name is not None else d.detail
         lines.append(f"DIVERGED at step {d.step}, rank {d.rank}: {escape(where)}")
@@ -121,7 +112,24 @@ def render(result: DiffResult, title: str | None = None) -> str:
     return "\n".join(lines)
 
 
-_SHOWN = 10  # divergent ranks listed by name; a run of thousands of ranks stays readable
+_SHOWN = 10  # divergent ranks (and reasons) listed by name; a run of thousands of ranks stays readable
+
+
+def _headline(result: DiffResult | GlobalDiffResult, title: str, counts: str, *, identical: str,
+              searched: str) -> list[str]:
+    """The title line and, unless the runs diverged, the whole verdict: IDENTICAL with the
+    counts, or INCOMPLETE with its first reasons and the counts (both ways of comparing)."""
+    lines = [escape(title)]
+    if result.verdict is Verdict.IDENTICAL:
+        lines.append(f"IDENTICAL: {identical}. {counts}")
+    elif result.verdict is Verdict.INCOMPLETE:
+        lines.append(f"INCOMPLETE: could not decide (no {searched} found in what was compared, but not "
+                     "everything could be compared)")
+        lines.extend(f"  - {escape(reason)}" for reason in result.incomplete[:_SHOWN])
+        if len(result.incomplete) > _SHOWN:
+            lines.append(f"  ... and {len(result.incomplete) - _SHOWN} more reason(s) (all of them: --json)")
+        lines.append(f"compared: {counts}")
+    return lines
 
 
 def _rank_counts(result: DiffResult) -> str:
@@ -152,15 +160,9 @@ def render_global(result: GlobalDiffResult, title: str | None = None) -> str:
     c = result.compared
     counts = (f"{c['tensors']} global tensor(s) x {c['steps']} common step(s) compared "
               f"(a: {c['ranks_a']} rank(s) of world {c['world_size_a']}, b: {c['ranks_b']} of world {c['world_size_b']})")
-    lines = [escape(title or f"samebits diff --by global {result.a} {result.b}")]
-    if result.verdict is Verdict.IDENTICAL:
-        lines.append(f"IDENTICAL: every full tensor bit for bit at every common step. {counts}")
-    elif result.verdict is Verdict.INCOMPLETE:
-        lines.append("INCOMPLETE: could not decide (no difference found in what was compared, but not "
-                     "everything could be compared)")
-        lines.extend(f"  - {escape(reason)}" for reason in result.incomplete)
-        lines.append(f"compared: {counts}")
-    else:
+    lines = _headline(result, title or f"samebits diff --by global {result.a} {result.b}", counts,
+                      identical="every full tensor bit for bit at every common step", searched="difference")
+    if result.verdict is Verdict.DIVERGED:
         at_first = result.differing_at_first_step
         num_differing = sum(t.status != "identical" for t in result.tensors)
         lines.append(f"DIVERGED at step {result.first_step}: {len(at_first)} of {len(result.tensors)} global "

@@ -11,18 +11,9 @@ import sys
 
 from samebits.cli import EXIT_BAD_VERDICT, EXIT_CANNOT_RUN, EXIT_OK
 from samebits.cli._format import echo, print_json, table
+from samebits.cli._options import positive_int
 from samebits.determinism._probe_command import probe_command
 from samebits.determinism._ops import lookup_op
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"--steps must be a positive integer, got {text!r}")
-    return value
 
 
 def register(subparsers) -> None:
@@ -32,7 +23,7 @@ def register(subparsers) -> None:
                     "ATen op executed twice on identical inputs, and list the ops whose two "
                     "results differ bit for bit.  Example: "
                     "samebits probe --steps 1 -- python train.py")
-    parser.add_argument("--steps", type=_positive_int, metavar="N",
+    parser.add_argument("--steps", type=positive_int, metavar="N",
                         help="stop the program after N optimizer steps (default: run it all)")
     parser.add_argument("--namespace", action="append", metavar="NS", default=None,
                         help="op namespace to probe (repeatable; default aten, prims, samebits)")

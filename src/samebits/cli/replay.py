@@ -5,7 +5,8 @@ from __future__ import annotations
 import shlex
 import sys
 
-from samebits.cli._format import echo, escape, print_json, table
+from samebits.cli._format import echo, escape, print_result, table
+from samebits.cli._options import add_out_option, add_run_timeout_option
 from samebits.compare import DiffResult
 from samebits.runs.replay import ReplayResult, replay
 from samebits.verdicts import Verdict
@@ -27,9 +28,8 @@ def register(sub) -> None:
     parser.add_argument("--nproc", type=int, default=1, help="ranks of the replay (default 1)")
     parser.add_argument("--ckpt", default=None, metavar="DIR",
                         help="the checkpoint folder (default RUN/ckpt or RUN/../ckpt)")
-    parser.add_argument("--out", default=None, help="output directory (default: samebits-out/replay-TIME)")
-    parser.add_argument("--run-timeout", type=float, default=None, metavar="SECONDS",
-                        help="kill a replay that takes longer and report a hang (default 1800)")
+    add_out_option(parser, "replay")
+    add_run_timeout_option(parser, "kill a replay that takes longer and report a hang")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("--with", dest="replay_with", default=None, metavar="'CMD'",
                         help="the training command to replay with (quoted), e.g. 'torchrun --nproc-per-node "
@@ -44,11 +44,7 @@ def run(args) -> int:
     command = shlex.split(args.replay_with) if args.replay_with else None
     result = replay(args.run_dir, step=args.step, nproc=args.nproc, num_steps=args.num_steps, cmd=command,
                     ckpt=args.ckpt, out=args.out, run_timeout=args.run_timeout, progress=progress)
-    if args.json:
-        print_json(result.to_dict())
-    else:
-        echo(render(result))
-    return result.verdict.exit_code
+    return print_result(result, args.json, render)
 
 
 def render(result: ReplayResult) -> str:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from samebits.cli._format import echo, print_json, table
+from samebits.cli._format import echo, print_result, table
+from samebits.cli._options import add_out_option, add_recipe_options, add_run_timeout_option
 from samebits.runs.tax import DEFAULT_GATE, TaxResult, tax
 
 
@@ -23,18 +24,14 @@ def register(sub) -> None:
                         help=f"fail when the interval's upper bound exceeds this ratio (default {DEFAULT_GATE})")
     parser.add_argument("--pairs", type=int, default=5, help="paired runs (default 5)")
     parser.add_argument("--warmup", type=int, default=2, help="timed steps dropped at the start of each run (default 2)")
-    parser.add_argument("--steps", type=int, default=12, help="recipe: steps per run (default 12)")
-    parser.add_argument("--nproc", type=int, default=1, help="recipe: ranks (default 1)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="recipe: override one config field in both runs (repeatable)")
+    add_recipe_options(parser, steps=12, nproc=1)
     parser.add_argument("--a", dest="cmd_a", default=None, metavar="'CMD'", help="the deterministic command, quoted")
     parser.add_argument("--b", dest="cmd_b", default=None, metavar="'CMD'", help="the baseline command, quoted")
     parser.add_argument("--confidence", type=float, default=0.95, help="interval coverage (default 0.95)")
     parser.add_argument("--resamples", type=int, default=4000, help="bootstrap resamples (default 4000)")
     parser.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
-    parser.add_argument("--run-timeout", type=float, default=1800, metavar="SECONDS",
-                        help="kill a run that takes longer (default 1800)")
-    parser.add_argument("--out", default=None, help="output directory (default: samebits-out/tax-TIME)")
+    add_run_timeout_option(parser)
+    add_out_option(parser, "tax")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("cmd", nargs="*", metavar="-- CMD", help="a command holding {deterministic}")
     parser.set_defaults(func=run)
@@ -45,11 +42,7 @@ def run(args) -> int:
                  pairs=args.pairs, steps=args.steps, warmup=args.warmup, gate=args.gate, nproc=args.nproc,
                  overrides=args.overrides, resamples=args.resamples, confidence=args.confidence, seed=args.seed,
                  run_timeout=args.run_timeout, progress=lambda line: echo(line, file=sys.stderr, flush=True))
-    if args.json:
-        print_json(result.to_dict())
-    else:
-        echo(render(result))
-    return result.verdict.exit_code
+    return print_result(result, args.json, render)
 
 
 def render(result: TaxResult) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from samebits.cli._format import echo, print_json, table
+from samebits.cli._format import print_result, table
 from samebits.trace import find_origins
 from samebits.verdicts import Verdict
 
@@ -25,11 +25,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     report = find_origins(args.a, args.b, step=args.step)
-    if args.json:
-        print_json(report.to_dict())
-    else:
-        echo(render(report))
-    return report.verdict.exit_code
+    return print_result(report, args.json, render)
 
 
 def render(report) -> str:

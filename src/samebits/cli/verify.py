@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import time
 
-from samebits.cli._format import echo, print_json, progress_printer, table
-from samebits.cli._options import add_recording_options, recording_options
-from samebits.verdicts import Verdict
+from samebits.cli._format import print_result, progress_printer, table
+from samebits.cli._options import (add_out_option, add_recipe_options, add_recording_options, add_run_timeout_option,
+                                   recording_options)
 from samebits.cli.replay import check_row_table
 from samebits.runs.across import parse_across, verify_across
 from samebits.runs.verify import VerifyResult, verify_command, verify_recipe
+from samebits.verdicts import Verdict
 
 
 def register(sub) -> None:
@@ -23,23 +24,17 @@ def register(sub) -> None:
         "(a run that raised, a damaged stream, --require-resume without a resume check). "
         "Resume your own script: docs/resume.md.",
     )
-    parser.add_argument("--out", default=None, help="output directory (default: samebits-out/verify-TIME)")
-    parser.add_argument("--steps", type=int, default=8, help="training steps per run (recipe; default 8)")
+    add_out_option(parser, "verify")
+    add_recipe_options(parser, steps=8, nproc=2, nondeterministic=True)
     parser.add_argument("--resume-at", type=int, default=None, metavar="K",
                         help="the resume step: recipe default steps/2; with a command it is required "
                              "with --resume-with (samebits cannot know where your script checkpoints)")
-    parser.add_argument("--nproc", type=int, default=2, help="ranks (recipe; default 2)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="recipe config override, repeatable")
-    parser.add_argument("--nondeterministic", action="store_true",
-                        help="use the recipe's nondeterministic path: the verdict must show where it diverges")
     parser.add_argument("--resume-with", default=None, metavar="'CMD'",
                         help="with a command: how to resume it from A's checkpoint; {from} is A's work folder "
                              "(the {out} A ran with), {step} the --resume-at step, {out} C's own work folder")
     parser.add_argument("--require-resume", action="store_true",
                         help="exit 2 unless the resume guarantee is checked too (for CI)")
-    parser.add_argument("--run-timeout", type=float, default=None, metavar="SECONDS",
-                        help="with a command: kill a run that takes longer and report a hang (default 1800)")
+    add_run_timeout_option(parser, "with a command: kill a run that takes longer and report a hang")
     parser.add_argument("--across", default=None, metavar="dp=1,2,4",
                         help="run at each data-parallel size and compare rank 0's replicated records with the "
                              "first size (grad_reduce=invariant; a command gets {nproc} and {out} filled in; "
@@ -66,11 +61,7 @@ def run(args) -> int:
                                overrides=args.overrides, nondeterministic=args.nondeterministic,
                                progress=progress, record=recording_options(args))
     result.timings["total"] = time.perf_counter() - start
-    if args.json:
-        print_json(result.to_dict())
-    else:
-        echo(render(result))
-    return result.verdict.exit_code
+    return print_result(result, args.json, render)
 
 
 def run_across(args, progress, start: float) -> int:
@@ -78,9 +69,10 @@ def run_across(args, progress, start: float) -> int:
     across = verify_across(parse_across(args.across), args.cmd or None, args.out, steps=args.steps,
                            overrides=args.overrides, run_timeout=args.run_timeout, progress=progress)
     across.timings["total"] = time.perf_counter() - start
-    if args.json:
-        print_json(across.to_dict())
-        return across.verdict.exit_code
+    return print_result(across, args.json, render_across)
+
+
+def render_across(across) -> str:
     reference = f"dp={across.sizes[0]}"
     lines = [f"samebits verify --across: {across.verdict.value.upper()} (each size against {reference}, by rank 0's "
              "replicated records)", "",
@@ -88,8 +80,7 @@ def run_across(args, progress, start: float) -> int:
     lines += [f"note: {note}" for check in across.checks.values() for note in check.notes[:1]]
     lines.append("wall time: " + ", ".join(f"{k} {v:.1f} s" for k, v in across.timings.items()))
     lines.append(f"streams, logs and summary.json in {across.out}")
-    echo("\n".join(lines))
-    return across.verdict.exit_code
+    return "\n".join(lines)
 
 
 _LABELS = {"independent": "1. independent runs: A = B", "resume": "2. resume: A = C"}

@@ -37,8 +37,9 @@ LAYER_OF = {component: index for index, (_, members) in enumerate(LAYERS) for co
 # load time, so importing them at module level would make that dependency mandatory.
 LAZY_OK = {"samebits.kernels._triton_gemm", "samebits.kernels._triton_combine", "samebits.kernels._triton_digest"}
 # The pytest plugin loads in every pytest run of the environment: its hooks load the byte-test
-# modules (which import torch) only in a session that uses them.
-LAZY_OK |= {"samebits.testing._harness", "samebits.testing._golden", "samebits.testing.coverage"}
+# modules (which import torch) only in a session that uses them (tests/test_testing.py checks
+# that loading the plugin imports no torch).
+LAZY_OK |= {"samebits.testing._harness", "samebits.testing._golden"}
 
 
 def _module_name(path: Path) -> str:
@@ -181,7 +182,7 @@ def test_one_serialiser_name():
     from samebits.compare import Divergence
     from samebits.verdicts import ToDict
 
-    divergence = Divergence(rank=0, step=3)
+    divergence = Divergence(step=3, rank=0, reason="content")
     assert isinstance(divergence, ToDict)
     with pytest.warns(DeprecationWarning, match="use to_dict"):
         assert divergence.to_json() == divergence.to_dict()

@@ -11,9 +11,14 @@ several times so that a busy machine cannot hide it.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import struct
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -296,6 +301,31 @@ def test_golden_digests_missing_recorded_and_changed(pytester):
     out = changed.stdout.str()
     assert "outputs changed: intended? rerun with --samebits-update and commit the new file" in out
     assert "output: float32 [8, 8]" in out and "grad of input[0]: float32 [8, 8]" in out
+
+
+# -- the plugin loads in every pytest session of the environment ---------------------------
+
+def plugin_imports(pythonpath: str | None = None) -> list[str]:
+    """The heavy modules that importing the pytest plugin loads, in a fresh interpreter."""
+    code = ("import sys, samebits.testing.pytest_plugin; "
+            "print(','.join(m for m in ('torch', 'numpy') if m in sys.modules))")
+    env = dict(os.environ, PYTHONPATH=pythonpath) if pythonpath else None
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    return [name for name in out.stdout.strip().split(",") if name]
+
+
+def test_the_plugin_imports_no_torch_until_a_test_uses_it(tmp_path):
+    """pytest loads the plugin in every session of an environment where samebits is installed:
+    loading it must not import torch (the reason its two byte-test imports sit in functions,
+    the only samebits imports tests/test_architecture.py allows there besides Triton's)."""
+    assert plugin_imports() == []
+    # The check can fail: a copy of the package whose plugin imports a heavy module at the top
+    # (numpy, which the harness imports too: the same failure as torch, seconds cheaper).
+    package = Path(__file__).resolve().parent.parent / "src" / "samebits"
+    shutil.copytree(package, tmp_path / "samebits", ignore=shutil.ignore_patterns("__pycache__", "*.so", "csrc"))
+    plugin = tmp_path / "samebits" / "testing" / "pytest_plugin.py"
+    plugin.write_text(plugin.read_text().replace("import pytest\n", "import numpy\nimport pytest\n", 1))
+    assert plugin_imports(str(tmp_path)) == ["numpy"]
 
 
 # -- options shared with the CLI ----------------------------------------------------------

@@ -24,10 +24,12 @@ import pytest
 from samebits.errors import SamebitsError
 from samebits.testing import _options
 from samebits.testing._options import OPTIONS, add_to_pytest
+from samebits.testing.coverage import check_coverage, render_coverage  # parses sources: no torch
 
 # The plugin loads in every pytest run of an environment where samebits is installed, also
 # in projects that never use it: it imports nothing that imports torch until a test uses a
-# marker or fixture of its own (the function-level imports below; docs/architecture.md).
+# marker or fixture of its own (the two function-level imports below, of the modules that
+# import torch; docs/architecture.md).  tests/test_testing.py checks it.
 
 _MARKER = ("bitwise(runs=None, threads=None, grads=True, contention=None, seed=0): run the test several "
            "times (at each thread count) and compare everything it returns, and the gradients, bit for bit")
@@ -144,8 +146,6 @@ def pytest_sessionfinish(session, exitstatus) -> None:
         state.written = [str(path) for path, file in state.golden_files.items() if file.save()]
     packages = state.option("coverage")
     if packages:
-        from samebits.testing.coverage import check_coverage  # only with --samebits-coverage
-
         try:
             state.coverage = check_coverage(packages, manifest=state.option("manifest"))
         except SamebitsError as err:
@@ -182,6 +182,4 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
         if isinstance(state.coverage, SamebitsError):
             write(f"kernel coverage: could not check: {state.coverage}")
         else:
-            from samebits.testing.coverage import render_coverage
-
             write(render_coverage(state.coverage))

@@ -41,6 +41,7 @@ def test_shared_options_are_spelled_defaulted_and_documented_once():
 @pytest.mark.parametrize("argv", [
     ["bisect", "--steps", "0"], ["verify", "--nproc", "-1"], ["tax", "--steps", "x"],
     ["bisect", "--run-timeout", "0"], ["replay", "RUN", "--step", "1", "--run-timeout", "nan"],
+    ["replay", "RUN", "--step", "1", "--nproc", "0"],
     ["probe", "--steps", "0", "--", "true"],
 ])
 def test_counts_and_timeouts_must_be_positive(argv, capsys):

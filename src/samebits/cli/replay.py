@@ -6,7 +6,7 @@ import shlex
 import sys
 
 from samebits.cli._format import echo, escape, print_result, table
-from samebits.cli._options import add_out_option, add_run_timeout_option
+from samebits.cli._options import add_out_option, add_run_timeout_option, positive_int
 from samebits.compare import DiffResult
 from samebits.runs.replay import ReplayResult, replay
 from samebits.verdicts import Verdict
@@ -24,8 +24,8 @@ def register(sub) -> None:
     )
     parser.add_argument("run_dir", metavar="RUN", help="the recorded run (its stream folder)")
     parser.add_argument("--step", type=int, required=True, metavar="K", help="the first step to replay")
-    parser.add_argument("--num-steps", type=int, default=1, metavar="N", help="steps to replay (default 1)")
-    parser.add_argument("--nproc", type=int, default=1, help="ranks of the replay (default 1)")
+    parser.add_argument("--num-steps", type=positive_int, default=1, metavar="N", help="steps to replay (default 1)")
+    parser.add_argument("--nproc", type=positive_int, default=1, metavar="N", help="ranks of the replay (default 1)")
     parser.add_argument("--ckpt", default=None, metavar="DIR",
                         help="the checkpoint folder (default RUN/ckpt or RUN/../ckpt)")
     add_out_option(parser, "replay")

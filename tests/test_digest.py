@@ -418,6 +418,24 @@ def test_body_sums_then_finalize_is_digest_many():
         fingerprint.finalize(sums[:2], headers)
 
 
+def test_finalize_packed_is_finalize():
+    """The Recorder's vectorised finalize: the same digests as the Python loop, packed little
+    endian, for sums and headers across the whole 64-bit range (numpy's uint64 wraps)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    sums = rng.integers(0, 2**64, size=200, dtype=np.uint64, endpoint=False)
+    sums[:3] = [0, 2**64 - 1, 2**63]
+    headers = [int(h) for h in rng.integers(0, 2**64, size=200, dtype=np.uint64)]
+    headers[:3] = [2**64 - 1, 0, 1]
+    packed = fingerprint.finalize_packed(sums, headers)
+    expected = fingerprint.finalize([int(s) for s in sums], headers)
+    assert [int.from_bytes(packed[i : i + 8], "little") for i in range(0, len(packed), 8)] == expected
+    assert fingerprint.finalize_packed(np.zeros(0, dtype=np.uint64), []) == b""
+    with pytest.raises(ValueError, match="2 body sums but 3 headers"):
+        fingerprint.finalize_packed(sums[:2], headers[:3])
+
+
 def test_bad_inputs_have_clear_errors():
     with pytest.raises(TypeError, match="got list"):
         fingerprint.digest([1.0, 2.0])

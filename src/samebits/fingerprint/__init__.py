@@ -38,6 +38,6 @@ from samebits.fingerprint._global import GlobalSums, GlobalTensor, global_body_s
 
 # Internal but stable, not in __all__: the Recorder and the tracer build on them.
 from samebits.fingerprint._digest import body_sums  # noqa: F401
-from samebits.fingerprint._spec import DTYPE_CODES, finalize, header  # noqa: F401
+from samebits.fingerprint._spec import DTYPE_CODES, finalize, finalize_packed, header  # noqa: F401
 
 __all__ = ["digest", "digest_many", "global_digests"]

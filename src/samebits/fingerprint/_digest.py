@@ -22,9 +22,10 @@ from samebits.errors import ConfigError
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _checked_header(t: object) -> int:
-    """Header of `t`, after checking it is a tensor whose bytes we can digest."""
-    if not isinstance(t, torch.Tensor):
+def _check(t: object) -> None:
+    """Check that `t` is a tensor whose bytes we can digest (TypeError / ConfigError)."""
+    plain = type(t) is torch.Tensor  # the usual case: no subclass checks to run
+    if not plain and not isinstance(t, torch.Tensor):
         raise TypeError(f"samebits can only digest torch.Tensor objects, got {type(t).__name__}")
     if t.layout is not torch.strided:
         raise ConfigError(
@@ -33,11 +34,16 @@ def _checked_header(t: object) -> int:
         )
     if t.is_meta:
         raise ConfigError("samebits cannot digest a tensor on the meta device: it has no data")
-    if type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):
+    if not plain and is_traceable_wrapper_subclass(t):
         raise ConfigError(
             f"samebits cannot digest a {type(t).__name__} directly: it is a wrapper without its "
             "own data; digest the tensors inside it (e.g. DTensor.to_local())"
         )
+
+
+def _checked_header(t: object) -> int:
+    """Header of `t`, after checking it is a tensor whose bytes we can digest."""
+    _check(t)
     return header(t.dtype, t.shape)
 
 
@@ -122,7 +128,7 @@ def body_sums(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     """
     tensors = list(tensors)
     for t in tensors:
-        _checked_header(t)
+        _check(t)  # only the check: the header is the caller's, from metadata it has cached
     devices = {t.device for t in tensors}
     if len(devices) > 1:
         raise ConfigError(

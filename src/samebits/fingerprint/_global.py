@@ -417,12 +417,15 @@ def global_body_sums(named_tensors, *, group=None) -> tuple[list[str], GlobalSum
         raise ConfigError(f"global digests take tensors on one device, got {', '.join(sorted(map(str, devices)))}; "
                           "call once per device.")
     device = devices.pop() if devices else torch.device("cpu")
-    sums = torch.zeros(len(names), dtype=torch.int64, device=device)
     consistent = torch.ones((), dtype=torch.bool, device=device)
     # Unsharded tensors: the ordinary digest path (one native call on CPU).
     whole = [i for i, plan in enumerate(plans) if plan is None]
-    if whole:
-        sums[whole] = _digest.body_sums([locals_[i] for i in whole]).to(device)
+    if len(whole) == len(plans):  # nothing sharded (e.g. one rank): no scatter into a zeroed vector
+        sums = _digest.body_sums(locals_).to(device)
+    else:
+        sums = torch.zeros(len(names), dtype=torch.int64, device=device)
+        if whole:
+            sums[whole] = _digest.body_sums([locals_[i] for i in whole]).to(device)
     # Sharded tensors: one reduction per group of ranks, in order of first appearance.
     by_group: dict = {}
     for i, key in enumerate(keys):

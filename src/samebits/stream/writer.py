@@ -226,11 +226,14 @@ class Recorder:
         to_digest: dict[torch.device, tuple[int, list[torch.Tensor]]] = {}  # device -> (first index, tensors)
         self._check_text(phase, "phase", step)
         filters_names = self.settings.filters_names
+        valid_names, heads = self._valid_names, self._heads
         for name, tensor in named_tensors:
-            name = str(name)
+            if name.__class__ is not str:
+                name = str(name)
             if filters_names and not self.settings.name_selected(phase, name):
                 continue  # left out by include/exclude: no record, no digest
-            self._check_text(name, "name", step)
+            if name not in valid_names:
+                self._check_text(name, "name", step)
             key = (fmt.RECORD_TENSOR, phase, name)
             occurrence = occurrences.get(key)
             if occurrence is None:
@@ -244,7 +247,7 @@ class Recorder:
                     f"Recorder.tensors(step={step}, phase={phase!r}): {name!r} is a "
                     f"{type(tensor).__name__}, not a torch.Tensor; record numbers with metrics()."
                 )
-            if tensor.is_nested or tensor.layout != torch.strided:
+            if tensor.layout is not torch.strided or tensor.is_nested:
                 kind = "a nested tensor" if tensor.is_nested else f"a {tensor.layout} tensor"
                 raise ConfigError(
                     f"Recorder.tensors(step={step}, phase={phase!r}): {name!r} is {kind}; only dense "
@@ -252,7 +255,9 @@ class Recorder:
                     "t.to_dense() for sparse) under their own names."
                 )
             capped = cap is not None and tensor.nbytes > cap
-            head, header = self._tensor_head(tensor.dtype, tensor.shape, capped)
+            dtype, shape = tensor.dtype, tensor.shape
+            cached = heads.get((dtype, shape, capped))
+            head, header = cached if cached is not None else self._tensor_head(dtype, shape, capped)
             if capped:
                 records.append((fmt.RECORD_TENSOR, phase, name, occurrence, head, 0, None))
                 continue
@@ -326,7 +331,7 @@ class Recorder:
                 records.append((fmt.RECORD_TENSOR, full_phase, name, occurrence, _ABSENT_HEAD, 0, None))
                 continue
             i = position[name]
-            head, header = self._tensor_head(result.dtypes[i], torch.Size(result.shapes[i]), False)
+            head, header = self._tensor_head(result.dtypes[i], result.shapes[i], False)  # a tuple: keys like a Size
             records.append((fmt.RECORD_TENSOR, full_phase, name, occurrence, head, header,
                             (device, queue.num_sums + i)))
         queue.sums.append(result.sums)
@@ -560,24 +565,30 @@ class Recorder:
             data = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().numpy()
             sums[device] = data[: 8 * queue.num_sums].view(np.uint64)
             metric_bytes[device] = data[8 * queue.num_sums :].tobytes()
-        digested = [r for r in pending.records if r[0] == fmt.RECORD_TENSOR and r[6] is not None]
-        body_sums = [0] * len(digested)
-        groups: dict = {}  # device -> (positions in `digested`, indices into that device's sums)
-        for position, record in enumerate(digested):
-            group = groups.get(record[6][0]) or groups.setdefault(record[6][0], ([], []))
-            group[0].append(position)
-            group[1].append(record[6][1])
-        for device, (positions, indices) in groups.items():
-            for position, value in zip(positions, sums[device][indices].tolist()):
-                body_sums[position] = value
-        digests = iter(fingerprint.finalize(body_sums, [r[5] for r in digested]))
+        # The step's digests, finalized at once: packed[8k : 8k + 8] is the k-th digested record's.
+        digested = [r for r in pending.records if r[6] is not None and r[0] == fmt.RECORD_TENSOR]
+        if len(sums) == 1:  # one device: the usual case
+            (device_sums,) = sums.values()
+            values = device_sums[[r[6][1] for r in digested]]
+        else:
+            values = np.empty(len(digested), dtype=np.uint64)
+            groups: dict = {}  # device -> (positions in `digested`, indices into that device's sums)
+            for position, record in enumerate(digested):
+                group = groups.get(record[6][0]) or groups.setdefault(record[6][0], ([], []))
+                group[0].append(position)
+                group[1].append(record[6][1])
+            for device, (positions, indices) in groups.items():
+                values[positions] = sums[device][indices]
+        packed = fingerprint.finalize_packed(values, [r[5] for r in digested])
         body = bytearray()
         encoded = self._encoded
+        at = 0
         for kind, phase, name, occurrence, head, _, where in pending.records:
             if where is None:
                 payload = b""
             elif kind == fmt.RECORD_TENSOR:
-                payload = fmt.pack_u64(next(digests))
+                payload = packed[at : at + 8]
+                at += 8
             elif isinstance(where, bytes):
                 payload = where
             else:

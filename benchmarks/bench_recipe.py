@@ -209,13 +209,14 @@ def run(blocks: int, seed: int, reps: int) -> dict:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     off = np.array(times["off"])
-    overhead = {mode: bootstrap_overhead(np.array(t), off, rng) for mode, t in times.items() if mode != "off"}
-    step_off = float(np.median(off))
+    overhead = {mode: bootstrap_overhead(np.array(t), off, rng) for mode, t in times.items()
+                if mode != "off" and blocks}  # --blocks 0: the tight-loop split alone
+    step_off = float(np.median(off)) if blocks else float("nan")
     return {
         "torch": torch.__version__, "threads": torch.get_num_threads(), "blocks": blocks,
-        "step_ms": {mode: 1e3 * float(np.median(t)) for mode, t in times.items()},
+        "step_ms": {mode: 1e3 * float(np.median(t)) for mode, t in times.items() if blocks},
         "overhead": {mode: {"point": p, "ci95": [low, high]} for mode, (p, low, high) in overhead.items()},
-        "params+grads_in_steps_ms": {part: 1e3 * float(np.median(v)) for part, v in split.items()},
+        "params+grads_in_steps_ms": {part: 1e3 * float(np.median(v)) for part, v in split.items() if blocks},
         "params+grads_split_ms": {part: {"median": 1e3 * m, "ci95": [1e3 * low, 1e3 * high]}
                                   for part, (m, low, high) in tight.items()},
         "params+grads_split_pct_of_step": {part: 100 * m / step_off for part, (m, _, _) in tight.items()},
@@ -225,7 +226,8 @@ def run(blocks: int, seed: int, reps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--blocks", type=int, default=40, help="measured blocks (one step per mode each)")
+    parser.add_argument("--blocks", type=int, default=40,
+                        help="measured blocks (one step per mode each); 0: only the tight-loop split")
     parser.add_argument("--seed", type=int, default=0, help="seeds the mode order and the bootstrap")
     parser.add_argument("--reps", type=int, default=300, help="tight-loop repetitions of the split")
     parser.add_argument("--json", action="store_true")

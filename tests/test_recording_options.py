@@ -13,6 +13,7 @@ import samebits
 from samebits.autorecord import recording_variables
 from samebits.cli import main
 from samebits.stream import catalogue
+from samebits.stream.reader import open_run
 from samebits.verdicts import Verdict
 
 
@@ -96,3 +97,20 @@ def test_run_options_reach_zero_code_recording_and_show_lists_them(tmp_path, cap
     assert "rank 0, step 2: 4 name(s) in 2 phase(s)" in text and "0.weight" in text
     assert main(["show", str(out), "--records", "--step", "0"]) == 2  # outside the recorded window
     assert "has no step 0" in capsys.readouterr().err
+
+
+def test_wants_says_what_would_be_written(tmp_path):
+    """`wants` matches what `tensors` keeps: phases and the step window filter, a disabled
+    recorder or an unrecorded rank wants nothing."""
+    rec = samebits.Recorder(tmp_path / "a", rank=0, world_size=1, phases="grads,params", steps="2:4")
+    asked = {(step, phase): rec.wants(step, phase) for step in range(5) for phase in ("params", "state")}
+    for step in range(5):
+        for phase in ("params", "state"):
+            rec.tensors(step, phase, {"w": torch.ones(2)})
+    rec.close()
+    reader = open_run(tmp_path / "a").stream(0)
+    written = {(block.step, record.phase) for block in reader.steps() for record in block.records()}
+    reader.close()
+    assert {key for key, wanted in asked.items() if wanted} == written == {(2, "params"), (3, "params")}
+    assert not samebits.Recorder(tmp_path / "b", rank=0, world_size=1, enabled=False).wants(0, "params")
+    assert not samebits.Recorder(tmp_path / "c", rank=1, world_size=2, ranks="0").wants(0, "params")

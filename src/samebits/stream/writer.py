@@ -198,6 +198,15 @@ class Recorder:
 
     # -- recording --------------------------------------------------------------------
 
+    def wants(self, step: int, phase: str) -> bool:
+        """Whether `tensors`/`metrics` of ``phase`` at ``step`` would write anything: the
+        recorder is enabled, this rank is recorded and the step and phase pass their filters.
+        Lets a caller skip *building* records that would be dropped (a state census, captured
+        activations): ``if rec.wants(step, "state"): rec.tensors(step, "state", census())``.
+        Name filters (include/exclude) apply per tensor later.  `global_tensors` is collective:
+        call it on every rank whatever this says."""
+        return self.active and self.settings.selected(step, phase)
+
     def tensors(self, step: int, phase: str, named_tensors) -> None:
         """Record ``(name, tensor)`` pairs (or a mapping) under ``phase`` at ``step``.
 

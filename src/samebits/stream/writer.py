@@ -326,12 +326,14 @@ class Recorder:
         if not self.active:
             return
         pending = self._step(step)
+        valid_names, heads = self._valid_names, self._heads
         for name, _ in named:
-            self._check_text(name, "name", step)
+            if name not in valid_names:
+                self._check_text(name, "name", step)
         device = result.sums.device
         queue = pending.devices.get(device) or pending.devices.setdefault(device, _DeviceQueue())
         records, occurrences = [], {}
-        position = {name: i for i, name in enumerate(names)}
+        i = 0  # position in `names`: the present tensors, in order (names are unique)
         for name, tensor in named:
             key = (fmt.RECORD_TENSOR, full_phase, name)
             occurrence = occurrences.get(key, pending.occurrences.get(key, 0))
@@ -339,10 +341,12 @@ class Recorder:
             if tensor is None:
                 records.append((fmt.RECORD_TENSOR, full_phase, name, occurrence, _ABSENT_HEAD, 0, None))
                 continue
-            i = position[name]
-            head, header = self._tensor_head(result.dtypes[i], result.shapes[i], False)  # a tuple: keys like a Size
+            dtype, shape = result.dtypes[i], result.shapes[i]  # a tuple: keys the cache like a Size
+            cached = heads.get((dtype, shape, False))
+            head, header = cached if cached is not None else self._tensor_head(dtype, shape, False)
             records.append((fmt.RECORD_TENSOR, full_phase, name, occurrence, head, header,
                             (device, queue.num_sums + i)))
+            i += 1
         queue.sums.append(result.sums)
         queue.num_sums += len(names)
         pending.records.extend(records)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,6 +17,7 @@ from samebits.errors import ConfigError
 from samebits.runs import cells as C
 from samebits.runs import distance
 from samebits.runs import matrix as M
+from samebits.runs.verify import VerifyResult
 from samebits.verdicts import Verdict
 
 TINY = ["num_layers=2", "seq_len=32", "micro_batch_size=2", "vocab_size=256"]
@@ -99,3 +101,59 @@ def test_a_nondeterministic_cell_is_caught_even_when_not_required(tmp_path):
     assert cell.check("independent") == "no" and cell.verdict is Verdict.FAIL, cell.to_dict()
     assert result.verdict is Verdict.FAIL and result.verdict.exit_code == 1
     assert any("independent diverged" in line for line in result.failures())
+
+
+def test_bisect_failures_flag_reaches_the_matrix(tmp_path, monkeypatch, capsys):
+    """The command line passes --bisect-failures through (the runs are in the test below)."""
+    seen = {}
+
+    def fake_run_matrix(out, **kwargs):
+        seen.update(kwargs)
+        return M.MatrixResult(str(out), "single", [])
+
+    monkeypatch.setattr("samebits.cli.matrix.run_matrix", fake_run_matrix)
+    main(["matrix", "--out", str(tmp_path / "m"), "--cells", "tp2", "--bisect-failures", "--json"])
+    assert seen["bisect_failures"] is True
+    main(["matrix", "--out", str(tmp_path / "n"), "--cells", "tp2", "--json"])
+    assert seen["bisect_failures"] is False
+    capsys.readouterr()
+
+
+def _diverged_verify(out, **_kwargs):
+    """verify_recipe's answer for a cell whose two independent runs differ (no runs made)."""
+    check = SimpleNamespace(verdict="diverged", incomplete=[], notes=[], to_dict=lambda: {"verdict": "diverged"})
+    return VerifyResult(str(out), {"independent": check, "resume": None}, {}, None)
+
+
+@pytest.mark.slow
+def test_bisect_failures_localises_a_planted_fault(tmp_path, monkeypatch):
+    """A tp2 cell whose row-parallel linears sum their chunks in a random order (the planted
+    fault ``fault_tp_racy_accumulate``) is bisected, and --bisect-failures names where: step
+    0, the forward, the first block's attention output projection, the op that draws the
+    order; in the table (the why column, the conclusion under it) and in the JSON
+    (``bisect.origin``).  The bisection's runs are real; the cell's verify runs (which catch
+    this fault in tests/test_parallel_cells.py) are answered "independent runs diverged" to
+    keep the test short."""
+    monkeypatch.setattr(M, "verify_recipe", _diverged_verify)
+    result = M.run_matrix(tmp_path / "m", cells=["tp2"], precisions=["fp32"], steps=1, bisect_failures=True,
+                          overrides=[*TINY, "fault_tp_racy_accumulate=true"])
+    (cell,) = result.cells
+    assert cell.verdict is Verdict.FAIL and cell.check("independent") == "no", cell.to_dict()
+    report = json.loads(json.dumps(result.to_dict()))  # what --json prints
+    origin = report["cells"][0]["bisect"]["origin"]
+    assert origin is not None, report["cells"][0]["bisect"]
+    assert (origin["step"], origin["phase"], origin["module"]) == (0, "forward", "layers.0.attn.out"), origin
+    assert origin["rank"] in (0, 1) and origin["op"] == "aten::randperm"
+    assert json.loads((tmp_path / "m" / "summary.json").read_text())["cells"][0]["bisect"]["origin"] == origin
+    assert "tp2 fp32, bisect: the RNG op aten::randperm" in render(result)  # the conclusion under the table
+    assert _why_column(render(result)) == \
+        "bisect:step0,rank{rank},forward,layers.0.attn.out,aten::randperm".format(**origin)
+
+
+def _why_column(text: str) -> str:
+    """The last column of a one-row matrix table, its wrapped lines joined without spaces
+    (a narrow column wraps inside words too)."""
+    lines = text.splitlines()
+    rule = next(i for i, line in enumerate(lines) if line.startswith("----"))
+    why_at = lines[rule].rindex(" -") + 1
+    return "".join(line[why_at:].replace(" ", "") for line in lines[rule + 1:lines.index("", rule)])

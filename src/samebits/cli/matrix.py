@@ -73,7 +73,7 @@ def run(args) -> int:
 def render(result: MatrixResult) -> str:
     rows = [[c.cell, c.precision, str(c.world_size), ("yes" if c.required else "no"), c.verdict.value.upper(),
              c.check("independent"), c.check("resume"), c.agreement.short(), f"{c.seconds:.1f}",
-             c.reason or "-"] for c in result.cells]
+             c.reason or _bisect_short(c.bisect) or "-"] for c in result.cells]
     lines = [f"samebits matrix: {result.verdict.value.upper()} (baseline {result.baseline}"
              + ("; agreement required)" if result.require_agreement else ")"), "",
              table(["cell", "precision", "ranks", "required", "verdict", "repeatable", "resume",
@@ -94,3 +94,16 @@ def render(result: MatrixResult) -> str:
                  "distance of the global metrics there; layouts may legitimately differ in the last bits")
     lines.append(f"streams, logs and summary.json in {result.out}")
     return "\n".join(lines)
+
+
+def _bisect_short(found: dict | None) -> str:
+    """The table's word on a bisected cell: where its origin is (the full conclusion follows
+    the table)."""
+    if not found:
+        return ""
+    origin = found.get("origin")
+    if not origin:
+        return "bisect: " + ("error" if "error" in found else "not localised")
+    where = [f"step {origin.get('step')}", f"rank {origin.get('rank')}", origin.get("phase"),
+             origin.get("module") or None, origin.get("op")]
+    return "bisect: " + ", ".join(str(part) for part in where if part)

@@ -20,7 +20,8 @@ from samebits.runs import matrix as M
 from samebits.runs.verify import VerifyResult
 from samebits.verdicts import Verdict
 
-TINY = ["num_layers=2", "seq_len=32", "micro_batch_size=2", "vocab_size=256"]
+TINY = ["num_layers=2", "seq_len=32", "vocab_size=256"]
+GLOBAL_BATCH = 2  # samples per step in every cell: the tiny model's micro-batch of 2 on one data-parallel rank
 
 
 def test_cell_names():
@@ -55,7 +56,7 @@ def test_matrix_passes_and_reports_cells_that_cannot_start(tmp_path, capsys):
     # matrix still passes, and says why the cell did not run.
     code = main(["matrix", "--out", str(tmp_path / "m"), "--cells", "single,dp4", "--precisions", "fp32",
                  "--required", "single", "--max-world-size", "2", "--steps", "2",
-                 *[part for item in TINY for part in ("--set", item)], "--json"])
+                 "--global-batch", str(GLOBAL_BATCH), *[part for item in TINY for part in ("--set", item)], "--json"])
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["verdict"] == "pass", report
     single, dp4 = report["cells"]
@@ -80,6 +81,15 @@ def test_a_required_cell_that_cannot_start_fails_with_the_reason(tmp_path, capsy
     assert "dp16 fp9 (required): cannot start: needs 16 ranks" in text
 
 
+def test_a_micro_batch_override_conflicts_with_the_global_batch(tmp_path, capsys):
+    # A --set micro_batch_size would silently win over each cell's share of the global
+    # batch, and the cells would train on different batches: refused, with both ways out.
+    code = main(["matrix", "--out", str(tmp_path / "m"), "--cells", "single,dp2", "--set", "micro_batch_size=2"])
+    error = capsys.readouterr().err
+    assert code == 2 and "--set micro_batch_size=2 conflicts with --global-batch 8" in error, error
+    assert "--global-batch 0" in error and not (tmp_path / "m").exists()
+
+
 def test_a_missing_dependency_is_named(tmp_path, monkeypatch):
     # A torchao that cannot be imported, as on a machine without it.
     fake = tmp_path / "site" / "torchao"
@@ -87,7 +97,8 @@ def test_a_missing_dependency_is_named(tmp_path, monkeypatch):
     (fake / "__init__.py").write_text("raise ImportError('No module named torchao (test stand-in)')\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path / "site"),
                                                                    os.environ.get("PYTHONPATH")])))
-    result = M.run_matrix(tmp_path / "m", cells=["single"], precisions=["mxfp8"], steps=2, overrides=TINY)
+    result = M.run_matrix(tmp_path / "m", cells=["single"], precisions=["mxfp8"], steps=2, overrides=TINY,
+                          global_batch=GLOBAL_BATCH)
     assert result.verdict is Verdict.FAIL
     (cell,) = result.cells
     assert not cell.started and "needs torchao, which is not installed: pip install torchao==" in cell.reason
@@ -136,7 +147,7 @@ def test_bisect_failures_localises_a_planted_fault(tmp_path, monkeypatch):
     keep the test short."""
     monkeypatch.setattr(M, "verify_recipe", _diverged_verify)
     result = M.run_matrix(tmp_path / "m", cells=["tp2"], precisions=["fp32"], steps=1, bisect_failures=True,
-                          overrides=[*TINY, "fault_tp_racy_accumulate=true"])
+                          global_batch=GLOBAL_BATCH, overrides=[*TINY, "fault_tp_racy_accumulate=true"])
     (cell,) = result.cells
     assert cell.verdict is Verdict.FAIL and cell.check("independent") == "no", cell.to_dict()
     report = json.loads(json.dumps(result.to_dict()))  # what --json prints

@@ -194,6 +194,14 @@ def run_matrix(
     if baseline not in names:
         raise ConfigError(f"--baseline {baseline!r} is not one of the cells ({', '.join(names)})")
     wanted = _required(required, names, precisions)
+    sets_batch = [item for item in overrides if item.partition("=")[0].strip() == "micro_batch_size"]
+    if global_batch is not None and sets_batch:
+        # The matrix sets each cell's micro-batch from the global batch; a later --set would
+        # win silently, and the cells would train on different global batches.
+        raise ConfigError(f"--set {sets_batch[0]} conflicts with --global-batch {global_batch}: the matrix sets "
+                          f"each cell's micro_batch_size to {global_batch} / its data-parallel size, so that every "
+                          "cell trains on the same global batch; drop the --set, or pass --global-batch 0 to keep "
+                          "the recipe's micro-batch per rank")
     out = _prepare(out or default_out_dir("matrix"))
     result = MatrixResult(str(out), baseline, [], require_agreement)
     common = [*(LAYOUT_INDEPENDENT if layout_independent else ()), *overrides]
@@ -222,7 +230,8 @@ def run_matrix(
         for c in result.cells:
             if c.check("independent") == "no":
                 say(f"bisecting {c.cell} {c.precision} ...")
-                c.bisect = _bisect_cell(c, parse_cell(c.cell), steps, common, nondeterministic, say)
+                cell = parse_cell(c.cell)  # bisected on the cell's own batch, as verified
+                c.bisect = _bisect_cell(c, cell, steps, [*_batch(cell, global_batch), *common], nondeterministic, say)
     _write_summary(out, result)
     return result
 
@@ -249,13 +258,11 @@ def _run_cell(c: CellResult, cell: Cell, precision: str, *, steps: int, resume_a
         c.reason = (f"cannot start: needs {cell.world_size} ranks, more than this matrix allows "
                     f"({max_world_size}; raise --max-world-size)")
         return
-    batch = []
-    if global_batch is not None:
-        if global_batch % cell.data_parallel:
-            c.reason = (f"cannot start: the global batch of {global_batch} does not split over "
-                        f"{cell.data_parallel} data-parallel ranks (choose --global-batch)")
-            return
-        batch = [f"micro_batch_size={global_batch // cell.data_parallel}"]
+    if global_batch is not None and global_batch % cell.data_parallel:
+        c.reason = (f"cannot start: the global batch of {global_batch} does not split over "
+                    f"{cell.data_parallel} data-parallel ranks (choose --global-batch)")
+        return
+    batch = _batch(cell, global_batch)
     start = time.perf_counter()
     try:
         c.verify = verify_recipe(c.out, steps=steps, resume_at=resume_at, nproc=cell.world_size,
@@ -273,6 +280,11 @@ def _run_cell(c: CellResult, cell: Cell, precision: str, *, steps: int, resume_a
         notes = [note for check in c.verify.checks.values() if check is not None
                  for note in (check.incomplete or check.notes)]
         c.reason = "could not decide: " + ("; ".join(notes[:2]) or "no step compared")
+
+
+def _batch(cell: Cell, global_batch: int | None) -> list[str]:
+    """The cell's micro-batch override: its share of the global batch (none: the recipe's)."""
+    return [] if global_batch is None else [f"micro_batch_size={global_batch // cell.data_parallel}"]
 
 
 def _agreement(c: CellResult, base: CellResult | None) -> Agreement:

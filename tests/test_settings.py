@@ -42,3 +42,16 @@ def test_read_parses_and_names_the_variable_on_bad_values():
             settings.read(name, {name: value})
     with pytest.raises(ConfigError, match="not a samebits setting"):
         settings.read("SAMEBITS_NOPE", {})
+
+
+def test_a_launcher_rank_that_is_not_a_number_is_refused(tmp_path, monkeypatch):
+    """RANK=abc was taken for rank 0: a second process would write rank 0's stream again."""
+    import samebits
+    from samebits.errors import ConfigError
+
+    monkeypatch.setenv("RANK", "abc")
+    with pytest.raises(ConfigError, match=r"RANK='abc' in the environment is not a whole number"):
+        samebits.Recorder(tmp_path / "run")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert samebits.Recorder(tmp_path / "run").rank == 3

@@ -26,6 +26,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
+from samebits.errors import ConfigError
+
 TORCH_DIR = os.path.dirname(torch.__file__)
 SAMEBITS_DIR = os.path.dirname(os.path.abspath(__file__))  # src/samebits
 
@@ -201,8 +203,16 @@ def _distributed_rank_world(group=None) -> tuple[int, int] | None:
 
 
 def _launcher_int(name: str) -> int | None:
+    """The launcher's ``RANK``/``WORLD_SIZE``; None when unset.  A value that is not a whole
+    number is refused: taking it for rank 0 would write rank 0's stream twice."""
     value = os.environ.get(name, "").strip()
-    return int(value) if value.isdigit() else None
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ConfigError(f"{name}={value!r} in the environment is not a whole number: it is the launcher's "
+                          f"{'rank of this process' if name == 'RANK' else 'number of processes'} "
+                          "(torchrun sets it); unset it or set it to a number.")
+    return int(value)
 
 
 def process_rank() -> int | None:

@@ -58,6 +58,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from samebits import settings
+from samebits._torchutil import group_rank_and_world_size
 from samebits.checkpoint import capture_rng_state, restore_rng_state
 from samebits.errors import ConfigError
 from samebits.fingerprint import digest_many
@@ -189,7 +190,7 @@ class StepValidator:
         self.recorder, self.on_verdict, self.group = recorder, on_verdict, group
         text = settings.read(FLIP_ENV)
         self.fault = fault if fault is not None else (FaultSpec.parse(text) if text else None)
-        self.rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+        self.rank = group_rank_and_world_size(group)[0]
         self.results: list[RerunResult] = []
         self.last: RerunResult | None = None
         self._mean = self._var = 0.0

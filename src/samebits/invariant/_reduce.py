@@ -24,6 +24,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from samebits._torchutil import group_rank_and_world_size
 from samebits.errors import ConfigError, SamebitsError
 from samebits.invariant._fixed import (DEFAULT_BLOCK_SIZE, EXPONENT_NONFINITE, block_exponents, decode, encode,
                                        fraction_bits)
@@ -45,12 +46,6 @@ class ReduceStats(ToDict):
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
-
-
-def _group_info(group) -> tuple[int, int]:
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def ring_bytes(kind: str, num_bytes: int, world_size: int) -> int:
@@ -104,7 +99,7 @@ def reduce_blocks(micro_batches: list[torch.Tensor], *, num_micro_batches: int, 
     the fraction bits, so it must be the same at every DP size).  Returns the reduced fp32
     blocks, the same bits on every rank and at every DP size.
     """
-    rank, world_size = _group_info(group)
+    rank, world_size = group_rank_and_world_size(group)
     if not micro_batches:
         raise ConfigError(f"rank {rank}: no micro-batch gradient to reduce (call accumulate() after "
                           "each micro-batch's backward)")
@@ -169,7 +164,7 @@ class GradientAccumulator:
                  micro_batch_size: int | None = None, rng_key: str = "step_micro_batch",
                  loss_normalization: str = "global_tokens", block_size: int = DEFAULT_BLOCK_SIZE,
                  group=None):
-        self.rank, self.world_size = _group_info(group)
+        self.rank, self.world_size = group_rank_and_world_size(group)
         Preconditions(num_micro_batches=num_micro_batches, world_size=self.world_size,
                       micro_batch_size=micro_batch_size, rng_key=rng_key,
                       loss_normalization=loss_normalization).check()
@@ -295,7 +290,7 @@ class InvariantHookState:
     _fresh: bool = True
 
     def __post_init__(self):
-        _, world_size = _group_info(self.group)
+        _, world_size = group_rank_and_world_size(self.group)
         Preconditions(num_micro_batches=self.num_micro_batches, world_size=world_size).check()
         self.num_local_micro_batches = self.num_micro_batches // world_size
 
@@ -307,7 +302,7 @@ def invariant_comm_hook(state: InvariantHookState, bucket) -> torch.futures.Futu
     writes them to ``p.grad``, which the next backward adds to: 0 + g = g, exactly); on the
     k-th it reduces all M micro-batches and returns the sum."""
     grads = bucket.gradients()
-    layout = _Blocks([g.numel() for g in grads], DEFAULT_BLOCK_SIZE, _group_info(state.group)[1])
+    layout = _Blocks([g.numel() for g in grads], DEFAULT_BLOCK_SIZE, group_rank_and_world_size(state.group)[1])
     # Kept per parameter: DDP rebuilds its buckets after the first iteration (other members,
     # other order), and the Python objects of bucket.parameters() are new on every call.
     keys = [(p.data_ptr(), p.numel()) for p in bucket.parameters()]

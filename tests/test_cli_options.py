@@ -15,9 +15,9 @@ from samebits.runs._launch import DEFAULT_TIMEOUT_S
 from samebits.verdicts import Verdict
 
 # The commands that take each shared option (cli/matrix.py adds the recipe group too).
-RECIPE = {"bisect": (4, 2), "tax": (12, 1), "verify": (8, 2)}
+RECIPE = {"bisect": (4, 2), "tax": (12, 1), "verify": (8, 2), "matrix": (6, None)}
 RUN_TIMEOUT = ("bisect", "replay", "tax", "verify")
-OUT = ("bisect", "replay", "tax", "verify")
+OUT = ("bisect", "matrix", "replay", "tax", "verify")
 
 
 def _actions(command: str) -> dict:
@@ -28,7 +28,11 @@ def _actions(command: str) -> dict:
 def test_shared_options_are_spelled_defaulted_and_documented_once():
     for command, (steps, nproc) in RECIPE.items():
         flags = _actions(command)
-        assert (flags["--steps"].default, flags["--nproc"].default) == (steps, nproc), command
+        assert flags["--steps"].default == steps, command
+        if nproc is None:  # the command chooses ranks itself (matrix: each cell's)
+            assert "--nproc" not in flags, command
+        else:
+            assert flags["--nproc"].default == nproc, command
         assert flags["--set"].dest == "overrides" and flags["--set"].default == []
         assert flags["--steps"].help == f"recipe: training steps per run (default {steps})"
     for command in RUN_TIMEOUT:
@@ -42,13 +46,13 @@ def test_shared_options_are_spelled_defaulted_and_documented_once():
     ["bisect", "--steps", "0"], ["verify", "--nproc", "-1"], ["tax", "--steps", "x"],
     ["bisect", "--run-timeout", "0"], ["replay", "RUN", "--step", "1", "--run-timeout", "nan"],
     ["replay", "RUN", "--step", "1", "--nproc", "0"],
-    ["probe", "--steps", "0", "--", "true"],
+    ["probe", "--steps", "0", "--", "true"], ["matrix", "--steps", "0"], ["matrix", "--resume-at", "-2"],
 ])
 def test_counts_and_timeouts_must_be_positive(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2  # argparse: could not run, nothing started
-    option = next(a for a in argv if a in ("--steps", "--nproc", "--run-timeout"))
+    option = next(a for a in argv if a in ("--steps", "--nproc", "--run-timeout", "--resume-at"))
     assert f"argument {option}: give a positive" in capsys.readouterr().err
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from samebits.cli._format import echo, print_json, table
+from samebits.cli._format import echo, print_result, table
+from samebits.cli._options import add_out_option, add_recipe_options, positive_int
 from samebits.runs.matrix import (DEFAULT_CELLS, DEFAULT_GLOBAL_BATCH, DEFAULT_MAX_WORLD_SIZE, DEFAULT_PRECISIONS,
                                   LAYOUT_INDEPENDENT, MatrixResult, run_matrix, split_list)
 
@@ -33,12 +34,9 @@ def register(sub) -> None:
                         help="fail unless every cell is bitwise identical to the baseline")
     parser.add_argument("--bisect-failures", action="store_true",
                         help="bisect each cell whose independent runs diverged (samebits bisect)")
-    parser.add_argument("--steps", type=int, default=6, help="training steps per run (default 6)")
-    parser.add_argument("--resume-at", type=int, default=None, metavar="K", help="the resume step (default steps/2)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="recipe config override for every cell, repeatable")
-    parser.add_argument("--nondeterministic", action="store_true",
-                        help="every cell on the recipe's nondeterministic path (the matrix must catch it)")
+    add_recipe_options(parser, steps=6, nondeterministic=True)  # --set applies to every cell
+    parser.add_argument("--resume-at", type=positive_int, default=None, metavar="K",
+                        help="the resume step (default steps/2)")
     parser.add_argument("--global-batch", type=int, default=DEFAULT_GLOBAL_BATCH, metavar="N",
                         help=f"samples per step in every cell, split over its data-parallel ranks "
                              f"(default {DEFAULT_GLOBAL_BATCH}; 0: the recipe's micro-batch per rank)")
@@ -47,7 +45,7 @@ def register(sub) -> None:
                              f"{' '.join(LAYOUT_INDEPENDENT)}), at the cost of layouts that cannot agree")
     parser.add_argument("--max-world-size", type=int, default=DEFAULT_MAX_WORLD_SIZE, metavar="N",
                         help=f"a cell with more ranks cannot start (default {DEFAULT_MAX_WORLD_SIZE})")
-    parser.add_argument("--out", default=None, help="output directory (default: samebits-out/matrix-TIME)")
+    add_out_option(parser, "matrix")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.set_defaults(func=run)
 
@@ -63,11 +61,7 @@ def run(args) -> int:
         nondeterministic=args.nondeterministic, max_world_size=args.max_world_size,
         global_batch=args.global_batch or None, layout_independent=not args.keep_randomness,
         require_agreement=args.require_agreement, bisect_failures=args.bisect_failures, progress=progress)
-    if args.json:
-        print_json(result.to_dict())
-    else:
-        echo(render(result))
-    return result.verdict.exit_code
+    return print_result(result, args.json, render)
 
 
 def render(result: MatrixResult) -> str:

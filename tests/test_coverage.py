@@ -134,7 +134,9 @@ def test_our_own_kernels_are_covered(capsys):
     recorded byte test whose hashes match."""
     assert main(["coverage", "samebits.kernels"]) == EXIT_OK
     out = capsys.readouterr().out
-    assert "kernel coverage of samebits.kernels: PASS: 11 of 11" in out
+    assert "kernel coverage of samebits.kernels: PASS: 11 of 11" in out  # the recipe's entries: not in scope
+    assert main(["coverage", "samebits"]) == EXIT_OK  # the recipe's autograd Functions too
+    assert "kernel coverage of samebits: PASS: 14 of 14" in capsys.readouterr().out
     assert main(["coverage", "--json"]) == EXIT_OK  # the default package is ours
     data = json.loads(capsys.readouterr().out)
     kinds = {row["kind"] for row in data["kernels"]}
@@ -186,6 +188,9 @@ def test_missing_test_and_gone_kernel_fail(planted):
                         + '\n[[kernel]]\nname = "planted/ops.py::removed"\nkind = "triton"\ntests = []\n')
     result = statuses(check_coverage(["planted"]))
     assert result["planted::double"] == "test missing" and result["removed"] == "gone"
+    # an entry outside the package checked is another package's: neither judged nor gone
+    manifest.write_text(manifest.read_text() + '\n[[kernel]]\nname = "elsewhere/ops.py::other"\nkind = "triton"\ntests = []\n')
+    assert "other" not in statuses(check_coverage(["planted"]))
 
 
 def test_bad_inputs_exit_2(planted, tmp_path, capsys):

@@ -314,7 +314,10 @@ def check_coverage(packages: list[str], *, manifest: str | os.PathLike | None = 
     for path, directories in groups.items():
         book = Manifest.read(path)
         kernels = {k.name: k for directory in directories for k in find_kernels(directory, book.root)}
-        entries = {entry["name"]: entry for entry in book.entries}
+        # An entry for a kernel outside the packages checked (the manifest may serve a larger
+        # package too) is not judged here: it is neither covered nor gone.
+        entries = {entry["name"]: entry for entry in book.entries
+                   if _within(book.root / entry["name"].split("::", 1)[0], directories)}
         if update:
             changed = False
             for name, entry in entries.items():
@@ -330,6 +333,11 @@ def check_coverage(packages: list[str], *, manifest: str | os.PathLike | None = 
         for name in sorted(set(kernels) | set(entries)):
             rows.append(_judge(kernels.get(name), entries.get(name), book.root))
     return CoverageResult(list(packages), [str(p) for p in groups], rows, updated)
+
+
+def _within(path: Path, directories: list[Path]) -> bool:
+    path = path.resolve()
+    return any(path.is_relative_to(directory.resolve()) for directory in directories)
 
 
 def render_coverage(result: CoverageResult) -> str:

@@ -25,7 +25,8 @@ Recorder, the tracer) use separately:
     ...                                                    # rest of the step
     digests = finalize(sums, headers)                      # one sync, at step end
 
-`body_sums`, `header`, `finalize` and `DTYPE_CODES` are internal but stable: other samebits
+`body_sums`, `header`, `finalize` (and `finalize_packed`, the same for a numpy array of sums,
+as packed little-endian bytes) and `DTYPE_CODES` are internal but stable: other samebits
 packages may rely on them.  `_reference.body_sum(data_uint8_1d)` is the torch-ops oracle that
 every backend (the C library here, the CUDA kernel in samebits.kernels) must match bit for bit.
 """

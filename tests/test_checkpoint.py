@@ -626,6 +626,7 @@ def _worker(out_dir: Path) -> None:
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    torch.manual_seed(0)  # replicas: the same weights on both ranks (save refuses drifted ones)
     bundle = StateBundle(model=nn.Linear(2, 2), progress={"step": 0}, layout={"dp": 2})
     random.seed(10 + rank), np.random.seed(20 + rank), torch.manual_seed(30 + rank)
     jitter = torch.Generator().manual_seed(40 + rank)
@@ -662,3 +663,47 @@ if __name__ == "__main__":
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _drifted_replica_worker(rank: int, world: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    found = {}
+    try:
+        torch.manual_seed(0)  # the same weights on both ranks: replicas
+        model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+        bundle = lambda **kw: StateBundle(model=model, progress={"step": 1}, **kw)  # noqa: E731
+        checkpoint.save(Path(out) / "equal", bundle())
+        found["equal"] = "saved"
+        if rank == 1:  # one replica drifts by one bit
+            with torch.no_grad():
+                model[1].weight.view(-1).view(torch.int32)[0] ^= 1
+        try:
+            checkpoint.save(Path(out) / "drifted", bundle())
+            found["drifted"] = "saved"
+        except CheckpointError as err:
+            found["drifted"] = str(err)
+        checkpoint.save(Path(out) / "declared", bundle(rank_local={"1.weight"}))  # meant to differ
+        found["declared"] = "saved"
+    finally:
+        dist.destroy_process_group()
+    Path(f"{out}/found.{rank}.json").write_text(json.dumps(found))
+    sys.stdout.flush()
+    os._exit(0)  # skip gloo's C++ static destructors (they abort now and then under load)
+
+
+def test_saving_replicas_that_differ_between_ranks_is_refused(tmp_path):
+    """DCP keeps one copy of a tensor that is not rank-local (rank 0's): when the replicas
+    differ, a resume would silently give every rank rank 0's value.  save refuses on every
+    rank and names the tensor and the ranks; declared rank-local, it saves."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_drifted_replica_worker, args=(2, f"file://{tmp_path / 'init'}", str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        found = json.loads((tmp_path / f"found.{rank}.json").read_text())
+        assert found["equal"] == "saved" and found["declared"] == "saved"
+        assert found["drifted"].startswith(f"rank {rank}: 1 tensor(s) that the checkpoint stores once differ "
+                                           "between ranks: model/1.weight (rank 0 vs rank 1)"), found
+        assert "StateBundle.rank_local" in found["drifted"]
+    assert not (tmp_path / "drifted" / "step-1").exists()

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from samebits._torchutil import group_rank_and_world_size
+from samebits.fingerprint import digest_many
 from samebits.checkpoint._bundle import StateBundle, apply, collect, empty_tensors
 from samebits.checkpoint._errors import CheckpointError, CheckpointLayoutError
 
@@ -76,6 +77,8 @@ def save(path: str | os.PathLike, bundle: StateBundle) -> Path:
     _barrier(world_size)
 
     tensors, plain = collect(bundle, rank)
+    if world_size > 1:
+        _check_shared_tensors(tensors, rank)
     import torch.distributed.checkpoint as dcp  # here: importing it takes ~0.6 s
 
     with _quiet_single_process():
@@ -98,6 +101,40 @@ def save(path: str | os.PathLike, bundle: StateBundle) -> Path:
         _commit(root, tmp, final)
     _barrier(world_size)
     return final
+
+
+def _check_shared_tensors(tensors: dict[str, torch.Tensor], rank: int) -> None:
+    """Refuse, on every rank, to save a tensor that is not rank-local but differs between ranks.
+
+    DCP stores one copy of such a tensor (rank 0's), so a resume would give every rank rank 0's
+    value and the run would change at the resume: replicas that drifted apart (a missing
+    gradient all-reduce did exactly that once) must be found here, not after the resume.  A
+    tensor held by one rank only (a pipeline stage's), DTensors (DCP saves their shards) and
+    other tensor subclasses (their layout is theirs to save) are not compared.  One digest per tensor and one small all-gather."""
+    from torch.distributed.tensor import DTensor
+
+    shared = {key: t for key, t in tensors.items()
+              if "@rank" not in key and isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
+              and (type(t) is torch.Tensor or type(t) is torch.nn.Parameter)}  # tensor subclasses: DCP's own
+    mine = dict(zip(shared, digest_many(shared.values())))
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    differing = []
+    for key in sorted(set().union(*gathered)):
+        holders = {r: digests[key] for r, digests in enumerate(gathered) if key in digests}
+        if len(set(holders.values())) > 1:
+            first = min(holders)
+            odd = [r for r, value in holders.items() if value != holders[first]]
+            differing.append(f"{key} (rank {first} vs rank{'s' if len(odd) > 1 else ''} "
+                             f"{', '.join(map(str, odd))})")
+    if differing:
+        more = f" and {len(differing) - 5} more" if len(differing) > 5 else ""
+        raise CheckpointError(
+            f"rank {rank}: {len(differing)} tensor(s) that the checkpoint stores once differ between ranks: "
+            f"{'; '.join(differing[:5])}{more}. A resume would give every rank rank 0's copy. If such a tensor is "
+            "meant to differ per rank (a shard, a per-rank buffer), list it in StateBundle.rank_local; if it is a "
+            "replica, the replicas drifted apart (samebits.check_replicas names them at any step): find why "
+            "before saving.")
 
 
 def _commit(root: Path, complete: Path, final: Path) -> None:

@@ -22,7 +22,8 @@ class OpEntry:
     ``n/a``.  cpu_flag / cuda_flag: behaviour under ``torch.use_deterministic_algorithms
     (True)``: ``repeatable``, ``raises`` (no deterministic kernel) or ``n/a``.
     thread_count_changes_bits: True when repeatable at a fixed thread count but the bits
-    change with the count; None when it does not apply (the op varies anyway).
+    change with the count; None when it does not apply (the op varies anyway) or depends on
+    the CPU (the kernel a library picks for its instruction set).
     """
 
     id: str

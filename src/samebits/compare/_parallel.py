@@ -117,11 +117,18 @@ def _process_group():
     if not dist.is_available() or not all(os.environ.get(v) for v in ("MASTER_ADDR", "RANK", "WORLD_SIZE")):
         raise ConfigError("a distributed comparison runs under torchrun (or with torch.distributed initialised): "
                           "torchrun --nproc-per-node N -m samebits diff --distributed RUN_A RUN_B")
+    global started_process_group
     dist.init_process_group("gloo")
+    started_process_group = True
     try:
         yield
     finally:
         dist.destroy_process_group()
+
+
+# Set once this process has started (and ended) a gloo group of its own: `python -m samebits`
+# then ends with os._exit, since gloo's C++ static destructors abort now and then at exit.
+started_process_group = False
 
 
 def _paths(run_a: Run, run_b: Run, ranks: list[int]) -> list[tuple[int, str, str]]:

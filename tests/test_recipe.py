@@ -187,6 +187,44 @@ def test_recorder_sees_each_phase_in_order():
     assert names["grads"] == names["params"] and "layers.1.ffn.experts.w1" in names["params"]
 
 
+class FilteringRecorder(FakeRecorder):
+    """Keeps only some phases at some steps, as `Recorder.wants` says; counts forward hooks."""
+
+    def __init__(self, keep):
+        super().__init__()
+        self.keep, self.asked = keep, []
+
+    def wants(self, step, phase):
+        self.asked.append((step, phase))
+        return (step, phase) in self.keep
+
+    def tensors(self, step, phase, named_tensors):
+        assert (step, phase) in self.keep, f"built records the recorder drops: {step} {phase}"
+        super().tensors(step, phase, named_tensors)
+
+    def metrics(self, step, **values):
+        assert (step, "metrics") in self.keep, f"built metrics the recorder drops at step {step}"
+        super().metrics(step, **values)
+
+
+def test_records_the_recorder_drops_are_never_built(monkeypatch):
+    import samebits.recipes.loop as loop_module
+    census_calls, hooked = [], []
+    real_census, real_hooks = loop_module.checkpoint.state_census, loop_module._block_outputs
+    monkeypatch.setattr(loop_module.checkpoint, "state_census",
+                        lambda **kw: census_calls.append(1) or real_census(**kw))
+    monkeypatch.setattr(loop_module, "_block_outputs",
+                        lambda model, enabled: hooked.append(enabled) or real_hooks(model, enabled))
+    keep = {(0, "params"), (1, "state"), (1, "forward"), (1, "metrics")}
+    recorder = FilteringRecorder(keep)
+    result = train(_tiny(), steps=2, recorder=recorder)
+    assert result.end_step == 2
+    assert [(s, p) for s, p, _ in recorder.calls] == [
+        (0, "params"), (0, "end_step"), (1, "state"), (1, "forward"), (1, "metrics"), (1, "end_step")]
+    assert len(census_calls) == 1 and hooked == [False, True]  # no census, no hooks at step 0
+    assert {p for _, p in recorder.asked} == {"state", "data", "forward", "metrics", "grads", "params"}
+
+
 def test_recorder_divergence_stops_the_run():
     result = train(_tiny(), steps=5, recorder=FakeRecorder(diverge_at=1))
     assert result.stopped_at == 1 and result.end_step == 2 and len(result.metrics) == 2

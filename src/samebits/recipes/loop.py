@@ -201,32 +201,33 @@ class _Run:
     def train_step(self, rec) -> tuple[dict[str, float], bool | None]:
         cfg, step, model = self.cfg, self.step, self.model
         start = time.perf_counter()
+        keep = _wanted_phases(rec, step)
 
         # State census at step start: every RNG, step counts, learning rates.  A resumed run
         # that differs here names the state its checkpoint did not restore.
-        if rec is not None:
+        if keep(checkpoint.STATE_PHASE):
             rec.tensors(step, checkpoint.STATE_PHASE, checkpoint.state_census(
                 optimizers=[self.optimizer], schedulers=[self.scheduler],
                 generators={JITTER_GENERATOR: self.jitter}) + self.precision.state_records())
 
         if self.accumulator is not None:
-            return self._invariant_step(rec, start)
+            return self._invariant_step(rec, start, keep)
 
         # Data: this rank's micro-batch of the global step batch.
         tokens = self.data.next().to(self.layout.device)  # (B, T+1)
-        if rec is not None:
+        if keep("data"):
             rec.tensors(step, "data", [("tokens", tokens)])
 
         # Forward and losses; through a pipeline, forward and backward of each micro-batch.
         self.optimizer.zero_grad(set_to_none=True)
-        with _block_outputs(model, enabled=rec is not None) as activations, \
+        with _block_outputs(model, enabled=keep("forward")) as activations, \
                 self.precision.autocast(self.layout.device.type):
             if self.layout.pipeline is None:
                 output = model(tokens[:, :-1])
                 losses, logits = _losses(output, tokens, cfg), output.logits.detach()
             else:
                 losses, logits = self._pipeline_step(tokens)
-        if rec is not None:
+        if keep("forward"):
             rec.tensors(step, "forward", [*_merge_microbatches(activations),
                                           *([("logits", logits)] if logits is not None else [])])
 
@@ -236,9 +237,10 @@ class _Run:
         parallel.reduce_gradients(model, self.layout)
         grad_norm = parallel.clip_grad_norm(model, self.layout, cfg.grad_clip)
         lr = self.scheduler.get_last_lr()[0]  # the rate this step's update uses
-        if rec is not None:
+        if keep("metrics"):
             rec.metrics(step, **{k: v.detach() for k, v in losses.items()},
                         grad_norm=grad_norm, lr=lr)
+        if keep("grads"):
             rec.tensors(step, "grads", [(n, parallelize.local(p.grad))
                                         for n, p in model.named_parameters()
                                         if p.grad is not None])
@@ -247,9 +249,10 @@ class _Run:
         self.optimizer.step()
         self.scheduler.step()
         ok = None
-        if rec is not None:
+        if keep("params"):
             rec.tensors(step, "params", [(n, parallelize.local(p.detach()))
                                          for n, p in model.named_parameters()])
+        if rec is not None:
             if hasattr(rec, "global_tensors"):  # layout-independent: diff across cells
                 rec.global_tensors(step, "params", [(n, p.detach()) for n, p in
                                                     model.named_parameters()],
@@ -265,7 +268,7 @@ class _Run:
         return metrics, ok
 
 
-    def _invariant_step(self, rec, start: float) -> tuple[dict[str, float], bool | None]:
+    def _invariant_step(self, rec, start: float, keep) -> tuple[dict[str, float], bool | None]:
         """A step whose bits do not depend on the DP size: this rank's micro-batches of the
         global batch, each with dropout and router jitter keyed by (step, micro-batch) and its
         loss divided by the number of micro-batches (all hold the same token count: a global
@@ -277,7 +280,7 @@ class _Run:
         for index in acc.micro_batches():
             samples = np.arange(first + index * size, first + (index + 1) * size)
             tokens = torch.from_numpy(self.data.source.tokens(samples)).to(self.layout.device)
-            if rec is not None:
+            if keep("data"):
                 rec.tensors(step, "data", [(f"tokens.mb{index}", tokens)])
             with acc.micro_batch(step, index, generators=[self.jitter]), \
                     self.precision.autocast(self.layout.device.type):
@@ -295,15 +298,17 @@ class _Run:
             dist.all_reduce(parts)  # one nonzero row per micro-batch: exact in any order
         losses = dict(zip(names, parts.sum(dim=0) / count))  # the global mean, a fixed order
         lr = self.scheduler.get_last_lr()[0]
-        if rec is not None:
+        if keep("metrics"):
             rec.metrics(step, **losses, grad_norm=grad_norm, lr=lr)
+        if keep("grads"):
             rec.tensors(step, "grads", [(n, p.grad) for n, p in model.named_parameters()
                                         if p.grad is not None])
         self.optimizer.step()
         self.scheduler.step()
         ok = None
-        if rec is not None:
+        if keep("params"):
             rec.tensors(step, "params", [(n, p.detach()) for n, p in model.named_parameters()])
+        if rec is not None:
             ok = rec.end_step(step)
         metrics = {"step": step, **{k: float(v) for k, v in losses.items()},
                    **{f"mean_{k}": float(v) for k, v in losses.items()},
@@ -332,6 +337,18 @@ class _Run:
 
 
 LOSS_NAMES = ("loss", "lm_loss", "load_balancing_loss", "mtp_loss")
+
+
+def _wanted_phases(rec, step: int):
+    """phase -> whether ``rec`` keeps that phase's records at ``step``, so records it would drop
+    (a step or phase filtered out, a rank not recorded) are never built: no census, no
+    activation hooks, no parameter lists.  A duck-typed recorder without ``wants`` keeps all."""
+    if rec is None:
+        return lambda phase: False
+    wants = getattr(rec, "wants", None)
+    if wants is None:
+        return lambda phase: True
+    return lambda phase: wants(step, phase)
 
 
 def _merge_microbatches(activations: list[tuple[str, torch.Tensor]]):

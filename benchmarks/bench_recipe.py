@@ -7,13 +7,17 @@ take turns step by step: each *block* runs one training step per mode, in a fres
 order, so every mode sees the same machine (other processes, turbo, cache state) and the
 same point of training.  A mode's overhead is the ratio of its summed step times to those of
 "off" over the blocks, minus one, with a 95% bootstrap confidence interval (blocks resampled):
-on a shared machine, read the interval, not the point.
+on a shared machine, read the interval, not the point.  The same is reported in process CPU
+time (`time.process_time` around each step, all threads): a process that is descheduled by
+others accrues none, so with OMP_NUM_THREADS=1 (no spinning worker threads) the CPU-time
+overhead is the steadier figure on a busy machine (it still sees cache and memory contention).
 
 Modes: "off" passes no recorder; "params+grads" fingerprints every gradient and parameter
 each step (the issue's measure); "everything" records all the recipe records (state census,
-tokens, block outputs and logits, metrics, gradients, parameters).  "no-op recorder" runs
-the recipe's own recording code with a recorder that does nothing (the *plumbing*); "digest
-only" adds one batched `body_sums` of the grads and of the params, nothing written.
+tokens, block outputs and logits, metrics, gradients, parameters, global parameter digests).
+"no-op recorder" runs the recipe's own recording code for params+grads with a recorder that
+does nothing (the *plumbing*: the recipe builds no record a recorder's `wants` declines);
+"digest only" adds one batched `body_sums` of the grads and of the params, nothing written.
 
 The split of params+grads, in two ways.  In the steps: the time spent inside the recorder
 per step ("record": its `tensors`/`global_tensors`/`metrics` bookkeeping, less the digest,
@@ -50,7 +54,12 @@ BOOTSTRAP_RESAMPLES = 2000
 
 
 class _NoOpRecorder:
-    """The recorder interface the recipe calls, doing nothing: isolates the recipe's own cost."""
+    """The recorder interface the recipe calls, doing nothing: isolates the recipe's own cost.
+    It wants the phases params+grads records (as that Recorder's `wants` says), so the recipe
+    builds the same records for both."""
+
+    def wants(self, step, phase):
+        return phase in ("grads", "params")
 
     def tensors(self, step, phase, named_tensors):
         pass
@@ -184,17 +193,21 @@ def run(blocks: int, seed: int, reps: int) -> dict:
             trainer = _Run(cfg, 0, 1)
             order = random.Random(seed)
             times = {mode: [] for mode in modes}
+            cpu_times = {mode: [] for mode in modes}
             split = {"record": [], "digest": [], "encode": [], "write": []}
             for block in range(WARMUP_BLOCKS + blocks):
                 names = list(modes)
                 order.shuffle(names)
                 for mode in names:
                     spent = dict(timed.spent)
+                    cpu_start = time.process_time()
                     metrics, _ = trainer.train_step(modes[mode])
+                    cpu = time.process_time() - cpu_start
                     trainer.step += 1
                     if block < WARMUP_BLOCKS:
                         continue
                     times[mode].append(metrics["step_time_s"])
+                    cpu_times[mode].append(cpu)
                     if mode == "params+grads":
                         digest = timed.digest_seconds()
                         split["digest"].append(digest)
@@ -211,11 +224,16 @@ def run(blocks: int, seed: int, reps: int) -> dict:
     off = np.array(times["off"])
     overhead = {mode: bootstrap_overhead(np.array(t), off, rng) for mode, t in times.items()
                 if mode != "off" and blocks}  # --blocks 0: the tight-loop split alone
+    cpu_off = np.array(cpu_times["off"])
+    cpu_overhead = {mode: bootstrap_overhead(np.array(t), cpu_off, rng) for mode, t in cpu_times.items()
+                    if mode != "off" and blocks}
     step_off = float(np.median(off)) if blocks else float("nan")
     return {
         "torch": torch.__version__, "threads": torch.get_num_threads(), "blocks": blocks,
         "step_ms": {mode: 1e3 * float(np.median(t)) for mode, t in times.items() if blocks},
         "overhead": {mode: {"point": p, "ci95": [low, high]} for mode, (p, low, high) in overhead.items()},
+        "step_cpu_ms": {mode: 1e3 * float(np.median(t)) for mode, t in cpu_times.items() if blocks},
+        "cpu_overhead": {mode: {"point": p, "ci95": [low, high]} for mode, (p, low, high) in cpu_overhead.items()},
         "params+grads_in_steps_ms": {part: 1e3 * float(np.median(v)) for part, v in split.items() if blocks},
         "params+grads_split_ms": {part: {"median": 1e3 * m, "ci95": [1e3 * low, 1e3 * high]}
                                   for part, (m, low, high) in tight.items()},
@@ -236,14 +254,17 @@ def main() -> None:
     if args.json:
         print(json.dumps(result, indent=2))
         return
-    print(f"{'recording':<15} {'step (ms)':>10} {'overhead':>9}   95% CI")
+    print(f"{result['threads']} thread(s), {result['blocks']} blocks; wall = step time, cpu = process CPU time")
+    print(f"{'recording':<15} {'wall ms':>9} {'overhead':>9} {'95% CI':>20}  {'cpu ms':>9} {'overhead':>9} {'95% CI':>20}")
     for mode, value in result["step_ms"].items():
+        cpu = result["step_cpu_ms"][mode]
         if mode == "off":
-            print(f"{mode:<15} {value:>10.2f} {'-':>9}")
+            print(f"{mode:<15} {value:>9.2f} {'-':>9} {'':>20}  {cpu:>9.2f} {'-':>9}")
             continue
-        o = result["overhead"][mode]
-        print(f"{mode:<15} {value:>10.2f} {100 * o['point']:>+8.2f}%   "
-              f"[{100 * o['ci95'][0]:+.2f}%, {100 * o['ci95'][1]:+.2f}%]")
+        o, c = result["overhead"][mode], result["cpu_overhead"][mode]
+        interval = [f"[{100 * x['ci95'][0]:+.2f}%, {100 * x['ci95'][1]:+.2f}%]" for x in (o, c)]
+        print(f"{mode:<15} {value:>9.2f} {100 * o['point']:>+8.2f}% {interval[0]:>20}  "
+              f"{cpu:>9.2f} {100 * c['point']:>+8.2f}% {interval[1]:>20}")
     print("params+grads, time in the recorder during the steps (ms, medians): "
           + ", ".join(f"{part} {ms:.3f}" for part, ms in result["params+grads_in_steps_ms"].items()))
     print(f"params+grads split, tight loop of {result['split_reps']} steps' records (median ms [95% CI], "

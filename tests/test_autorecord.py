@@ -174,3 +174,39 @@ def test_zero_code_recordings_own_work_is_never_traced(tmp_path):
     foreign = [name for name in ops
                if name.rpartition("/")[2].rpartition(":")[0] in ("aten::copy_", "aten::lift_fresh", "aten::detach")]
     assert not foreign, foreign
+
+
+def test_closing_the_tracer_keeps_a_backward_wrapper_installed_after_it():
+    """Zero-code recording wraps torch.autograd.backward on top of the tracer's wrapper; a
+    tracer closed first must not take that wrapper away with its own."""
+    import torch
+
+    from samebits.trace import _tracer
+
+    torchs_own, torchs_grad = torch.autograd.backward, torch.autograd.grad
+    _tracer._patch_autograd()
+    assert torch.autograd.backward is not torchs_own
+    _tracer._unpatch_autograd()
+    assert torch.autograd.backward is torchs_own  # nothing on top: restored exactly
+
+    _tracer._patch_autograd()
+    tracers = torch.autograd.backward
+    roots = []
+
+    def recording(tensors, *args, **kwargs):  # what autorecord._wrap_backward installs
+        roots.append(tensors)
+        return tracers(tensors, *args, **kwargs)
+
+    torch.autograd.backward = recording
+    try:
+        _tracer._unpatch_autograd()
+        assert torch.autograd.backward is recording
+        x = torch.ones(2, requires_grad=True)
+        (x * 3).sum().backward()  # through the recording wrapper and the inert tracer wrapper
+        assert len(roots) == 1 and x.grad.tolist() == [3.0, 3.0]
+        _tracer._patch_autograd()  # tracing anew reuses the wrapper still in the chain
+        assert torch.autograd.backward is recording
+    finally:
+        torch.autograd.backward = tracers
+        _tracer._unpatch_autograd()
+        assert torch.autograd.backward is torchs_own and torch.autograd.grad is torchs_grad

@@ -635,14 +635,15 @@ def _rank_of(recorder) -> int:
 
 # -- torch.autograd.backward / grad -------------------------------------------------------------
 
-_autograd_originals: dict[str, Any] = {}
+_autograd_originals: dict[str, Any] = {}  # name -> what our wrapper calls
+_autograd_patches: dict[str, Any] = {}  # name -> our wrapper, while it is in the chain
 
 
 def _patch_autograd() -> None:
-    if _autograd_originals:
-        return
-    original_backward, original_grad = torch.autograd.backward, torch.autograd.grad
-    _autograd_originals.update(backward=original_backward, grad=original_grad)
+    """Wrap torch.autograd.backward and grad, each unless our wrapper is still in the chain
+    (in place, or left under another wrapper by `_unpatch_autograd`)."""
+    original_backward = _autograd_originals.get("backward", torch.autograd.backward)
+    original_grad = _autograd_originals.get("grad", torch.autograd.grad)
 
     def backward(tensors, grad_tensors=None, *args, **kwargs):
         tracer = _active
@@ -665,13 +666,23 @@ def _patch_autograd() -> None:
         tracer.after_backward("grad", n, result)
         return result
 
-    torch.autograd.backward, torch.autograd.grad = backward, grad
+    for name, original, wrapper in (("backward", original_backward, backward), ("grad", original_grad, grad)):
+        if name not in _autograd_originals:
+            _autograd_originals[name] = original
+            _autograd_patches[name] = wrapper
+            setattr(torch.autograd, name, wrapper)
 
 
 def _unpatch_autograd() -> None:
-    if _autograd_originals:
-        torch.autograd.backward = _autograd_originals.pop("backward")
-        torch.autograd.grad = _autograd_originals.pop("grad")
+    """Put back each function this module replaced, if it is still the one there.  One that
+    somebody wrapped since (zero-code recording's backward-root wrapper) stays: restoring the
+    original under it would drop their wrapper, and ours passes straight through with no
+    tracer active.  It is then reused, not wrapped again, if tracing starts anew."""
+    for name in ("backward", "grad"):
+        if name in _autograd_patches and getattr(torch.autograd, name) is _autograd_patches[name]:
+            setattr(torch.autograd, name, _autograd_originals.pop(name))
+            del _autograd_patches[name]
+
 
 
 # -- torch.optim.Optimizer.__init__ (zero-code arming) --------------------------------------------

@@ -43,6 +43,15 @@ def spec_fmix64(x: int) -> int:
     return x ^ (x >> 33)
 
 
+def spec_mix2(x: int) -> int:
+    """Digest version 2's word mixer, on the two 32-bit halves (high, low) of x."""
+    high, low = x >> 32, x & 0xFFFFFFFF
+    for key in (0x9E3779B8, 0x85EBCA6A, 0xC2B2AE34, 0x27D4EB2E, 0x165667B0):
+        product = low * key  # < 2**64
+        high, low = low ^ (product & 0xFFFFFFFF), high ^ (product >> 32)  # xor, then swap
+    return (high << 32) | low
+
+
 def spec_bytes(t: torch.Tensor) -> bytes:
     t = t.detach().resolve_conj().resolve_neg()
     return bytes(bit_copy(t).reshape(-1).view(torch.uint8).tolist())
@@ -53,7 +62,7 @@ def spec_body_sum(data: bytes, first_word: int = 0) -> int:
     total = 0
     for j in range(len(data) // 8):
         w = int.from_bytes(data[8 * j : 8 * j + 8], "little")
-        total += spec_fmix64((w + (first_word + j + 1) * 0x9E3779B97F4A7C15) & MASK64)
+        total += spec_mix2((w + (first_word + j + 1) * 0x9E3779B97F4A7C15) & MASK64)
     return total & MASK64
 
 
@@ -161,7 +170,7 @@ def test_worked_example_from_doc():
     for j in range(len(padded) // 8):
         w = int.from_bytes(padded[8 * j : 8 * j + 8], "little")
         a = (w + (j + 1) * 0x9E3779B97F4A7C15) & MASK64
-        expected |= {f"w_{j}": w, f"a_{j}": a, f"m_{j}": spec_fmix64(a)}
+        expected |= {f"w_{j}": w, f"a_{j}": a, f"m_{j}": spec_mix2(a)}
     expected["S"] = spec_body_sum(data)
     h = 0x243F6A8885A308D3
     for k, x in enumerate([fingerprint.DTYPE_CODES[t.dtype], t.dim(), *t.shape, len(data)], 1):
@@ -169,6 +178,93 @@ def test_worked_example_from_doc():
     expected["D"] = fingerprint.digest(t)
     assert {name: int(value, 16) for name, value in values.items()} == expected
     assert spec_fmix64(h ^ expected["S"]) == expected["D"]
+
+
+# --- the word mixer: a bijection with full avalanche ------------------------------------------
+
+MIX_KEYS = (0x9E3779B8, 0x85EBCA6A, 0xC2B2AE34, 0x27D4EB2E, 0x165667B0)
+
+
+def low_half_map_is_bijective(key: int, bits: int = 16) -> bool:
+    """Whether lo -> lo ^ (lo * key) is a bijection on `bits`-bit numbers.  Bit i of lo * key
+    depends on bits <= i of lo, and only on bits < i when the key is even, so the map is
+    triangular and its restriction to the low `bits` bits decides it for 32 bits too."""
+    import numpy as np
+
+    lo = np.arange(1 << bits, dtype=np.uint64)
+    image = (lo ^ (lo * np.uint64(key))) & np.uint64((1 << bits) - 1)
+    return len(np.unique(image)) == 1 << bits
+
+
+def spec_unmix2(x: int, keys=MIX_KEYS) -> int:
+    """The inverse of spec_mix2: undo each round (swap back, recover low bit by bit, then high)."""
+    high, low = x >> 32, x & 0xFFFFFFFF
+    for key in reversed(keys):
+        mixed_low, high = high, low  # before the swap: (high ^ p_hi, low ^ p_lo) = (low, high)
+        low = 0
+        for bit in range(32):  # bit i of mixed_low = bit i of low ^ bit i of (low * key)
+            guess = low | (((mixed_low ^ (low * key)) >> bit) & 1) << bit
+            low = guess
+        high ^= (low * key) >> 32
+    return (high << 32) | low
+
+
+def test_mix2_is_a_bijection():
+    """Every change inside one word changes its term (docs/digest.md, "Why this construction")
+    because each round is invertible; an odd key would break that (the faulty variant)."""
+    for key in MIX_KEYS:
+        assert key % 2 == 0 and low_half_map_is_bijective(key)
+    assert not low_half_map_is_bijective(MIX_KEYS[0] | 1)  # odd: bit 0 always cancels
+    generator = torch.Generator().manual_seed(0)
+    for x in torch.randint(-(2**63), 2**63 - 1, (200,), generator=generator).tolist():
+        x &= MASK64
+        assert spec_unmix2(spec_mix2(x)) == x
+    assert spec_mix2(0) == 0  # a fixed point; the position offset (j+1)*G keeps zeros apart
+
+
+def avalanche(mix, num_inputs: int = 10_000) -> torch.Tensor:
+    """[64, 64] frequencies: how often output bit o flips when input bit i is flipped, over
+    random inputs (int64 bits)."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randint(-(2**63), 2**63 - 1, (num_inputs,), dtype=torch.int64, generator=generator)
+    flips = torch.ones(64, dtype=torch.int64) << torch.arange(64)  # bit 63: -2**63
+    y = mix(x)
+    flipped = mix((x[None, :] ^ flips[:, None]).reshape(-1)).reshape(64, num_inputs)
+    changed = flipped ^ y[None, :]  # [input bit, input]
+    return torch.stack([((row[:, None] >> torch.arange(64)) & 1).double().mean(dim=0) for row in changed])
+
+
+def mix_rounds(num_rounds: int):
+    def mix(x: torch.Tensor) -> torch.Tensor:
+        x = x.clone()
+        for key in MIX_KEYS[:num_rounds]:
+            x ^= (x & 0xFFFFFFFF) * key
+            x = ((x >> 32) & 0xFFFFFFFF) | (x << 32)
+        return x
+
+    return mix
+
+
+def test_mix2_avalanche():
+    """Flipping any one input bit flips every output bit with probability ~1/2 (10^4 random
+    inputs, all 64 x 64 pairs within [0.45, 0.55]): a change confined to one half randomises
+    both halves.  The package's mixer is the one measured; three rounds (the faulty variant)
+    fail."""
+    frequencies = avalanche(_reference.mix2)
+    assert 0.45 <= frequencies.min() and frequencies.max() <= 0.55, (frequencies.min(), frequencies.max())
+    assert torch.equal(_reference.mix2(torch.arange(-50, 50)), mix_rounds(5)(torch.arange(-50, 50)))
+    weak = avalanche(mix_rounds(3), num_inputs=2000)
+    assert weak.min() < 0.45 or weak.max() > 0.55
+
+
+def test_mix2_matches_its_spec_transcription():
+    from samebits.fingerprint import _spec
+
+    generator = torch.Generator().manual_seed(2)
+    values = torch.randint(-(2**63), 2**63 - 1, (500,), generator=generator)
+    mixed = _reference.mix2(values).tolist()
+    for x, m in zip(values.tolist(), mixed):
+        assert u64(m) == spec_mix2(x & MASK64) == _spec.mix2(x)
 
 
 # --- what the digest detects (hypothesis, bounded) ------------------------------------------

@@ -255,19 +255,19 @@ MASK64 = (1 << 64) - 1
 
 
 def python_body_sum(data: bytes) -> int:
-    """The spec in plain Python integers: an implementation independent of torch and Triton."""
-    def fmix64(x):
-        x ^= x >> 33
-        x = (x * 0xFF51AFD7ED558CCD) & MASK64
-        x ^= x >> 33
-        x = (x * 0xC4CEB9FE1A85EC53) & MASK64
-        return x ^ (x >> 33)
+    """The spec (digest version 2) in plain Python integers: independent of torch and Triton."""
+    def mix2(x):
+        high, low = x >> 32, x & 0xFFFFFFFF
+        for key in (0x9E3779B8, 0x85EBCA6A, 0xC2B2AE34, 0x27D4EB2E, 0x165667B0):
+            product = low * key
+            high, low = low ^ (product & 0xFFFFFFFF), high ^ (product >> 32)
+        return (high << 32) | low
 
     data = data + bytes(-len(data) % 8)
     total = 0
     for j in range(len(data) // 8):
         word = int.from_bytes(data[8 * j: 8 * j + 8], "little")
-        total += fmix64((word + (j + 1) * 0x9E3779B97F4A7C15) & MASK64)
+        total += mix2((word + (j + 1) * 0x9E3779B97F4A7C15) & MASK64)
     return total & MASK64
 
 

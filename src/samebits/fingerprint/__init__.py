@@ -25,6 +25,7 @@ Recorder, the tracer) use separately:
     ...                                                    # rest of the step
     digests = finalize(sums, headers)                      # one sync, at step end
 
+`DIGEST_VERSION` (the version of the digest's definition that every persisted digest records),
 `body_sums`, `header`, `finalize` (and `finalize_packed`, the same for a numpy array of sums,
 as packed little-endian bytes) and `DTYPE_CODES` are internal but stable: other samebits
 packages may rely on them.  `_reference.body_sum(data_uint8_1d)` is the torch-ops oracle that
@@ -39,6 +40,6 @@ from samebits.fingerprint._global import GlobalSums, GlobalTensor, global_body_s
 
 # Internal but stable, not in __all__: the Recorder and the tracer build on them.
 from samebits.fingerprint._digest import body_sums  # noqa: F401
-from samebits.fingerprint._spec import DTYPE_CODES, finalize, finalize_packed, header  # noqa: F401
+from samebits.fingerprint._spec import DIGEST_VERSION, DTYPE_CODES, finalize, finalize_packed, header  # noqa: F401
 
 __all__ = ["digest", "digest_many", "global_digests"]

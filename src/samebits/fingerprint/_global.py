@@ -298,7 +298,7 @@ def _word_values(rows: torch.Tensor, first_shift: int) -> torch.Tensor:
 
 
 def _shifted_body_sum(words: torch.Tensor, first_words: torch.Tensor) -> torch.Tensor:
-    """sum_{r,k} fmix64(words[r, k] + (first_words[r] + k + 1)*G) for int64 ``words`` [R, q],
+    """sum_{r,k} mix2(words[r, k] + (first_words[r] + k + 1)*G) for int64 ``words`` [R, q],
     by the digest's own body-sum backend (the C library on CPU, the kernel on GPU): that
     backend numbers the words of its input 0 .. R*q-1, so word (r, k) is first offset by
     (first_words[r] - r*q)*G, which the backend's (r*q + k + 1)*G completes.  A new tensor,
@@ -309,9 +309,9 @@ def _shifted_body_sum(words: torch.Tensor, first_words: torch.Tensor) -> torch.T
 
 
 def _mix_words(words: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """fmix64(w_j + (j+1)*G) elementwise (int64)."""
+    """mix2(w_j + (j+1)*G) elementwise (int64)."""
     x = (indices + 1) * _GOLDEN + words
-    return _reference._fmix64_(x, torch.empty_like(x))
+    return _reference._mix2_(x, torch.empty_like(x))
 
 
 def _local_sum(data: torch.Tensor, plan: _Plan, straddle_slots: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,13 @@
 """Reference body sum of the digest in plain torch ops: runs on any device, defines the answer.
 
-This is the spec's step 3 written for clarity, not speed.  It is the fallback when the
+This is the spec's step 3 (digest version 2) written for clarity, not speed.  It is the fallback when the
 compiled CPU library is missing and on devices without a dedicated kernel, and the oracle
 that the C library and the CUDA kernel (`samebits.kernels.digest_body`) are tested against.
 
 torch has no uint64 arithmetic, so words are int64: +, * and sum wrap mod 2^64 exactly like
-unsigned arithmetic (two's complement), and the logical right shift x >> 33 is the arithmetic
-shift with the 33 sign-extended bits masked off.  No op here reads a value back to the host,
+unsigned arithmetic (two's complement), and the logical right shift x >> 32 is the arithmetic
+shift with the 32 sign-extended bits masked off.  A product (x mod 2^32) * K of two 32-bit
+numbers may exceed 2^63: int64 multiplication wraps, so its bits are still the exact product.  No op here reads a value back to the host,
 so on a GPU the whole computation is queued without synchronising.
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from samebits.fingerprint._spec import FMIX_MUL1, FMIX_MUL2, GOLDEN, MASK64
+from samebits.fingerprint._spec import GOLDEN, MASK64, MIX_KEYS
 from samebits.errors import ConfigError
 
 # Words per batch of ops.  On CPU, small enough that the two int64 work buffers stay in cache
@@ -30,32 +31,35 @@ def _as_int64(x: int) -> int:
     return x - (1 << 64) if x >> 63 else x
 
 
-_MUL1 = _as_int64(FMIX_MUL1)
-_MUL2 = _as_int64(FMIX_MUL2)
 _GOLDEN = _as_int64(GOLDEN)
-_LOW_31_BITS = (1 << 31) - 1  # what survives a logical shift right by 33
+_LOW_32_BITS = (1 << 32) - 1
 
 
-def _fmix64_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """The murmur3 64-bit finalizer, in place on int64 `x`; `scratch` is a buffer like `x`."""
-    for multiplier in (_MUL1, _MUL2, None):
-        torch.bitwise_right_shift(x, 33, out=scratch)
-        scratch &= _LOW_31_BITS  # arithmetic shift -> logical shift
+def _mix2_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """mix2 (docs/digest.md, step 3), in place on int64 `x`; `scratch` is a buffer like `x`.
+
+    Each round: x ^= (x & 0xFFFFFFFF) * K, then swap the 32-bit halves.
+    """
+    for key in MIX_KEYS:
+        torch.bitwise_and(x, _LOW_32_BITS, out=scratch)
+        scratch *= key
         x ^= scratch
-        if multiplier is not None:
-            x *= multiplier
+        torch.bitwise_left_shift(x, 32, out=scratch)  # low half up
+        x >>= 32  # arithmetic shift: the high half down, sign bits above it...
+        x &= _LOW_32_BITS  # ...masked off
+        x |= scratch
     return x
 
 
-def fmix64(x: torch.Tensor) -> torch.Tensor:
-    """The murmur3 64-bit finalizer, elementwise on an int64 tensor."""
-    return _fmix64_(x.clone(), torch.empty_like(x))
+def mix2(x: torch.Tensor) -> torch.Tensor:
+    """mix2, elementwise on an int64 tensor."""
+    return _mix2_(x.clone(), torch.empty_like(x))
 
 
 def body_sum(data: torch.Tensor) -> torch.Tensor:
     """Body sum S of a tensor's bytes: `data` is 1-D uint8; returns a 0-dim int64 on its device.
 
-    S = sum_j fmix64(w_j + (j+1)*G) mod 2^64 over the zero-padded little-endian words w_j,
+    S = sum_j mix2(w_j + (j+1)*G) mod 2^64 over the zero-padded little-endian words w_j,
     as the int64 with the same bits.
     """
     if data.dtype != torch.uint8 or data.dim() != 1:
@@ -87,10 +91,10 @@ def body_sum_at(data: torch.Tensor, first_word: int) -> torch.Tensor:
         torch.arange(first_word + start + 1, first_word + stop + 1, out=x)  # j + 1
         x *= _GOLDEN
         x += chunk.view(torch.int64)
-        total += _fmix64_(x, scratch[: stop - start]).sum()
+        total += _mix2_(x, scratch[: stop - start]).sum()
     if num_bytes % 8:  # the tail word, zero-padded
         tail = torch.zeros(8, dtype=torch.uint8, device=device)
         tail[: num_bytes % 8] = data[8 * num_full :]
         offset = _as_int64((first_word + num_full + 1) * GOLDEN)
-        total += fmix64(tail.view(torch.int64) + offset).sum()
+        total += mix2(tail.view(torch.int64) + offset).sum()
     return total

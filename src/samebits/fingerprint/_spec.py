@@ -22,6 +22,15 @@ HEADER_SEED = 0x243F6A8885A308D3  # H starts here (the hex digits of pi)
 FMIX_MUL1 = 0xFF51AFD7ED558CCD
 FMIX_MUL2 = 0xC4CEB9FE1A85EC53
 
+# The version of the digest's definition.  Every persisted digest (stream headers, golden
+# files) carries it; digests of different versions are never compared.  1: the body term was
+# fmix64(w_j + (j+1)*G).  2: it is mix2(w_j + (j+1)*G), which vectorizes with 32x32->64
+# multiplies only (docs/digest.md, "Why this construction").
+DIGEST_VERSION = 2
+# mix2's round keys, in order: even 32-bit constants (evenness makes each round a bijection).
+MIX_KEYS = (0x9E3779B8, 0x85EBCA6A, 0xC2B2AE34, 0x27D4EB2E, 0x165667B0)
+MASK32 = (1 << 32) - 1
+
 # Codes are part of every published digest: never change or reuse one, only append.
 # Names are resolved with getattr so that an older torch simply lacks the newer dtypes.
 _DTYPE_CODE_BY_NAME = {
@@ -110,6 +119,18 @@ def fmix64(x: int) -> int:
     x ^= x >> 33
     x = (x * FMIX_MUL2) & MASK64
     x ^= x >> 33
+    return x
+
+
+def mix2(x: int) -> int:
+    """The body's word mixer (digest version 2) on a Python int (taken mod 2^64).
+
+    Five rounds of: x ^= (x mod 2^32) * K; swap the 32-bit halves of x.
+    """
+    x &= MASK64
+    for key in MIX_KEYS:
+        x ^= (x & MASK32) * key
+        x = (x >> 32) | ((x & MASK32) << 32)
     return x
 
 

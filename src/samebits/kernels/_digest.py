@@ -21,7 +21,8 @@ def digest_body(data: torch.Tensor) -> torch.Tensor:
 
     Returns:
         0-dim int64 on data.device holding the two's complement of
-        S = sum_j fmix64(w_j + (j + 1) * 0x9E3779B97F4A7C15) mod 2^64, where w_j are the
+        S = sum_j mix2(w_j + (j + 1) * 0x9E3779B97F4A7C15) mod 2^64 (digest version 2; mix2
+        is in docs/digest.md), where w_j are the
         little-endian uint64 words of data zero-padded to a multiple of 8.  0 for L = 0.
         Bit-for-bit the reference body; no host sync.
 

@@ -1,7 +1,7 @@
 """Triton kernel of the digest body: one pass over the bytes, a wrapping uint64 sum.
 
 Stage 1: each program reads WORDS_PER_PROGRAM consecutive 8-byte words (as int64 loads when
-the data pointer is 8-byte aligned, as bytes otherwise), mixes each word with fmix64, keeps a
+the data pointer is 8-byte aligned, as bytes otherwise), mixes each word with mix2, keeps a
 per-lane wrapping sum across its loop and writes one partial.  The last, partial word (< 8
 bytes) is read with masked byte loads.  Stage 2: one program adds the partials in index
 order.  Wrapping addition is associative and commutative, so the result is the same for
@@ -23,13 +23,19 @@ PARTIAL_BLOCK = 1024
 
 
 @triton.jit
-def _fmix64(x):
-    x ^= x >> 33
-    x *= 0xFF51AFD7ED558CCD
-    x ^= x >> 33
-    x *= 0xC4CEB9FE1A85EC53
-    x ^= x >> 33
-    return x
+def _mix_round(x, key):
+    x ^= (x & 0xFFFFFFFF) * key  # a 32x32->64 multiply of the low half (uint64)
+    return (x >> 32) | (x << 32)  # swap the halves
+
+
+@triton.jit
+def _mix2(x):
+    """Digest version 2's word mixer (docs/digest.md, step 3); keys as in fingerprint._spec."""
+    x = _mix_round(x, 0x9E3779B8)
+    x = _mix_round(x, 0x85EBCA6A)
+    x = _mix_round(x, 0xC2B2AE34)
+    x = _mix_round(x, 0x27D4EB2E)
+    return _mix_round(x, 0x165667B0)
 
 
 @triton.jit
@@ -59,7 +65,7 @@ def _digest_body_kernel(
             b = tl.load(byte_ptr + offsets, mask=offsets < num_bytes, other=0).to(tl.uint64)
             w = tl.sum(b << (tl.arange(0, 8)[None, :].to(tl.uint64) * 8), axis=1)
         key = (base + 1).to(tl.uint64) * 0x9E3779B97F4A7C15 + lane_key
-        h = _fmix64(w + key)
+        h = _mix2(w + key)
         acc += tl.where(valid, h, 0)
     if WORD_ALIGNED:
         # The zero-padded last word, if the length is not a multiple of 8 (masked byte loads).
@@ -69,7 +75,7 @@ def _digest_body_kernel(
         in_tail = (pos < num_bytes) & (pos >= first * 8) & (pos < last * 8)
         b = tl.load(byte_ptr + pos, mask=in_tail, other=0).to(tl.uint64)
         w = tl.sum(b << (tl.arange(0, 8).to(tl.uint64) * 8), axis=0)
-        h = _fmix64(w + (num_full_words + 1).to(tl.uint64) * 0x9E3779B97F4A7C15)
+        h = _mix2(w + (num_full_words + 1).to(tl.uint64) * 0x9E3779B97F4A7C15)
         tail_j = num_full_words + lanes * 0  # (BLOCK,) the tail word's index, on lane 0 only
         owns_tail = (lanes == 0) & (tail_j < num_words) & (tail_j >= first) & (tail_j < last)
         acc += tl.where(owns_tail, h, 0)

@@ -123,3 +123,66 @@ def test_cli_show_and_dump_subprocess(make_run):
     missing = subprocess.run([sys.executable, "-m", "samebits", "dump", str(run), "--step", "99"],
                              capture_output=True, text=True)
     assert missing.returncode == 2 and "no step 99" in missing.stderr
+
+
+# -- digest versions: streams of different digest definitions are never compared -----------------
+
+def as_digest_version_1(run_dir):
+    """Make every stream of ``run_dir`` look written before digest version 2: its header loses
+    the digest_version field (renamed to a key of the same length, so no offset moves), which
+    is how a stream of digest version 1 reads; the frame's checksum is recomputed."""
+    import zlib
+
+    from samebits.stream import _format as fmt
+
+    for path in run_dir.glob("rank-*.sbs"):
+        data = bytearray(path.read_bytes())
+        length, start = fmt.decode_varint(data, 1)
+        payload = bytes(data[start : start + length])
+        key = f'"{fmt.DIGEST_VERSION_KEY}"'.encode()
+        assert key in payload
+        payload = payload.replace(key, b'"' + b"written_by_v1".ljust(len(key) - 2, b"_") + b'"')
+        data[start : start + length] = payload
+        data[start + length : start + length + 4] = zlib.crc32(payload, zlib.crc32(data[:start])).to_bytes(4, "little")
+        path.write_bytes(bytes(data))
+    return run_dir
+
+
+def test_runs_of_different_digest_versions_are_refused(make_run, capsys):
+    from samebits.fingerprint import DIGEST_VERSION
+    from samebits.stream import open_run
+
+    a, old = make_run(), as_digest_version_1(make_run())
+    assert open_run(a).digest_version == DIGEST_VERSION == 2
+    assert open_run(old).digest_version == 1 and open_run(old).stream(0).digest_version == 1
+    for first, second in ((a, old), (old, a)):
+        with pytest.raises(IncomparableRunsError, match=r"digest version [12]\) with .* \(digest version [12]\)") as info:
+            samebits.diff(first, second)
+        message = str(info.value)
+        assert str(a) in message and str(old) in message
+        assert f"re-record {old} (digest version 1) with this samebits (digest version 2)" in message
+        with pytest.raises(IncomparableRunsError, match="digest version"):
+            samebits.diff(first, second, by="global")
+        with pytest.raises(IncomparableRunsError, match="digest version"):
+            list(samebits.compare.divergent_steps(first, second))
+    # The CLI: no verdict of IDENTICAL or DIVERGED, the incomparable exit code and the reason.
+    assert main(["diff", str(a), str(old), "--json"]) == 2
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["verdict"] == "incomparable" and "digest version" in json.dumps(payload)
+    assert main(["diff", str(old), str(a)]) == 2
+    captured = capsys.readouterr()
+    assert "digest version 1" in captured.out + captured.err
+    assert "IDENTICAL" not in captured.out and "DIVERGED" not in captured.out
+    # Two runs of the same (old) version still compare: their digests are the same function.
+    assert samebits.diff(old, as_digest_version_1(make_run())).identical
+
+
+def test_a_v1_stream_is_not_extended_or_used_as_a_live_reference(make_run, tmp_path):
+    from samebits.errors import ConfigError
+
+    old = as_digest_version_1(make_run(world_size=1))
+    with pytest.raises(ConfigError, match=r"reference run .* digest version 1.*Re-record the reference"):
+        samebits.Recorder(tmp_path / "live", rank=0, world_size=1, reference=old)
+    assert not (tmp_path / "live" / "rank-00000.sbs").exists()
+    with pytest.raises(StreamError, match=r"cannot append: the stream was recorded with digest version 1"):
+        samebits.Recorder(old, rank=0, world_size=1, config={"lr": 0.1}, append=True)

@@ -303,6 +303,26 @@ def test_golden_digests_missing_recorded_and_changed(pytester):
     assert "output: float32 [8, 8]" in out and "grad of input[0]: float32 [8, 8]" in out
 
 
+def test_golden_file_of_another_digest_version_is_refused_until_re_recorded(pytester):
+    """A golden file written before digest version 2 (no digest_version field) holds digests of
+    another function: checking it must stop with how to re-record, never report a change."""
+    pytester.makepyfile(test_golden=GOLDEN_TEST.format(scale="1.5"))
+    pytester.runpytest_inprocess(*INNER, "--samebits-update").assert_outcomes(passed=1)
+    path = pytester.path / "__samebits__" / "test_golden.py.json"
+    data = json.loads(path.read_text())
+    assert data["digest_version"] == 2
+    del data["digest_version"]  # how a file recorded with digest version 1 looks
+    path.write_text(json.dumps(data))
+    old = pytester.runpytest_inprocess(*INNER)
+    old.assert_outcomes(failed=1)
+    out = old.stdout.str()
+    assert "recorded with digest version 1" in out and "--samebits-update" in out
+    assert "outputs changed" not in out
+    pytester.runpytest_inprocess(*INNER, "--samebits-update").assert_outcomes(passed=1)
+    assert json.loads(path.read_text())["digest_version"] == 2
+    pytester.runpytest_inprocess(*INNER).assert_outcomes(passed=1)
+
+
 # -- the plugin loads in every pytest session of the environment ---------------------------
 
 def plugin_imports(pythonpath: str | None = None) -> list[str]:

@@ -21,7 +21,7 @@ from typing import Any, Iterator
 from samebits.compare import _parallel
 from samebits.errors import ConfigError, IncomparableRunsError
 from samebits.stream import _format as fmt
-from samebits.stream.reader import Record, Run, StreamReader, open_run
+from samebits.stream.reader import Record, Run, StreamReader, open_run, require_same_digest_version
 from samebits.verdicts import ToDict, Verdict
 from samebits.compare._global import GlobalDiffResult, GlobalTensorResult, diff_global
 
@@ -128,7 +128,7 @@ def diff(
     (e.g. a resumed run from its resume step on).  ``verify`` decodes and compares every
     step's records instead of deciding equal steps by their (recomputed) roots.  Raises
     `ConfigError` for an empty window, `IncomparableRunsError` when the runs cannot be
-    compared (world size, config, recorded names), `StreamError` when a stream is
+    compared (digest version, world size, config, recorded names), `StreamError` when a stream is
     unreadable or damaged (naming file, byte offset and frame).
 
     ``by="global"`` compares runs of any layouts and world sizes by their global records
@@ -147,6 +147,7 @@ def diff(
                               "or by \"global\" tensor (runs of different layouts; --by global).")
         return diff_global(a, b, start=start, stop=stop)
     run_a, run_b = open_run(a), open_run(b)
+    require_same_digest_version(run_a, run_b)  # before anything is compared: never a verdict across versions
     try:
         notes: list[str] = []
         incomplete = _missing_ranks(run_a, run_b)
@@ -230,6 +231,7 @@ def divergent_steps(a, b, *, start_step: int | None = None, stop_step: int | Non
     start, stop = _window(start_step, stop_step)
     run_a = a if isinstance(a, Run) else open_run(a)
     run_b = b if isinstance(b, Run) else open_run(b)
+    require_same_digest_version(run_a, run_b)
     try:
         for rank in [r for r in run_a.ranks if r in run_b.files]:
             found = _Walk(start, stop, False).rank(rank, run_a.stream(rank), run_b.stream(rank))

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from samebits.stream.reader import Run, open_run
+from samebits.stream.reader import Run, open_run, require_same_digest_version
 from samebits.stream.writer import GLOBAL_PHASE_PREFIX
 from samebits.verdicts import ToDict, Verdict
 
@@ -161,6 +161,7 @@ def diff_global(a: str | os.PathLike, b: str | os.PathLike, *, start: int = 0, s
     """Compare the global records of runs ``a`` and ``b`` (any world sizes and layouts) over
     ``start <= step < stop``.  Raises `StreamError` for a damaged stream."""
     run_a, run_b = open_run(a), open_run(b)
+    require_same_digest_version(run_a, run_b)
     steps_a = steps_b = None
     try:
         steps_a = _RunSteps(run_a, "a", start, stop)

@@ -7,7 +7,8 @@ A stream is a sequence of *frames*.  Every frame is::
 
 Frame kinds:
 
-* ``HEADER``  JSON: schema, run id, rank, world size, coordinates, config, environment.
+* ``HEADER``  JSON: schema, digest version, run id, rank, world size, coordinates, config,
+  environment.
   The first frame of a stream.  A later HEADER frame starts a new *segment* (a resumed
   process appending to the same stream).
 * ``NAMES``   new interned strings (tensor/metric names and phases): varint first id,
@@ -52,6 +53,10 @@ class MalformedBytes(StreamError, ValueError):
 SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)  # a reader accepts these; the writer writes SCHEMA_VERSION
 MAGIC = b"SAMEBITS"  # the first bytes of the HEADER payload, before the JSON
+# The header key holding the version of the digest the stream's digests were computed with
+# (fingerprint.DIGEST_VERSION, docs/digest.md).  Streams written before it existed lack it:
+# their digests are version 1.
+DIGEST_VERSION_KEY = "digest_version"
 STREAM_SUFFIX = ".sbs"
 
 FRAME_HEADER, FRAME_NAMES, FRAME_STEP, FRAME_CLOSE, FRAME_INDEX = 1, 2, 3, 4, 5
@@ -69,6 +74,11 @@ MAX_STEP = 2**63 - 1  # steps are 0 <= step <= MAX_STEP (int64 everywhere they a
 
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
+
+
+def digest_version_of(header: dict) -> int:
+    """The digest version of a stream header (1 when the header predates the field)."""
+    return header.get(DIGEST_VERSION_KEY, 1)
 
 
 def stream_filename(rank: int) -> str:

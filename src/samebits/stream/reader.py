@@ -24,7 +24,7 @@ from typing import Iterator
 import torch
 
 from samebits import fingerprint
-from samebits.errors import StreamError
+from samebits.errors import IncomparableRunsError, StreamError
 from samebits.stream import _format as fmt
 from samebits.verdicts import ToDict
 
@@ -211,6 +211,11 @@ class StreamReader:
         self._schema = fmt.SCHEMA_VERSION
 
     @property
+    def digest_version(self) -> int:
+        """The version of the digest this stream's digests were computed with (docs/digest.md)."""
+        return fmt.digest_version_of(self.header)
+
+    @property
     def num_segments(self) -> int:
         return len(self.segments)
 
@@ -336,11 +341,17 @@ class StreamReader:
         for key in ("config", "environment", "coords"):
             if not isinstance(header.get(key, {}), dict):
                 problems.append(f"{key} is not an object")
+        version = fmt.digest_version_of(header)
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            problems.append(f"{fmt.DIGEST_VERSION_KEY} = {version!r:.40}")
         if self.segments and not problems:
             first = self.segments[0]
             if (header["rank"], header["world_size"]) != (first["rank"], first["world_size"]):
                 problems.append(f"segment of rank {header['rank']}/{header['world_size']} appended to a stream "
                                 f"of rank {first['rank']}/{first['world_size']}")
+            elif version != fmt.digest_version_of(first):
+                problems.append(f"a segment of digest version {version} appended to a stream of digest version "
+                                f"{fmt.digest_version_of(first)} (its digests cannot be compared with each other)")
         if problems:
             raise StreamError(f"{self.path}: header at byte {offset} is invalid ({'; '.join(problems)}): the file "
                               "is corrupt or was not written by samebits.Recorder.")
@@ -761,6 +772,12 @@ class Run:
         if len(sizes) != 1:
             raise StreamError(f"{self.path}: ranks disagree on the world size ({sorted(sizes)}): streams of different runs mixed?")
         self.world_size = sizes.pop()
+        versions = {rank: fmt.digest_version_of(h) for rank, h in self.headers.items()}
+        if len(set(versions.values())) != 1:
+            shown = ", ".join(f"rank {rank}: {version}" for rank, version in versions.items())
+            raise StreamError(f"{self.path}: ranks were recorded with different digest versions ({shown}): "
+                              "streams of different samebits versions mixed? Re-record the run.")
+        self.digest_version = versions[self.ranks[0]]
 
     @property
     def header(self) -> dict:
@@ -779,6 +796,23 @@ class Run:
 
     def close(self) -> None:
         """Nothing to release: a Run keeps no stream open (kept for callers that close it)."""
+
+
+def require_same_digest_version(run_a: Run, run_b: Run) -> None:
+    """Refuse to compare runs whose digests are of different versions: they are different
+    functions of the same tensors, so every record would look different (never a verdict)."""
+    version_a, version_b = run_a.digest_version, run_b.digest_version
+    if version_a == version_b:
+        return
+    current = fingerprint.DIGEST_VERSION
+    old = [f"{run.path} (digest version {v})" for run, v in ((run_a, version_a), (run_b, version_b)) if v != current]
+    fix = (f"re-record {' and '.join(old)} with this samebits (digest version {current})" if old else
+           "compare them with the samebits versions that recorded them")
+    raise IncomparableRunsError(
+        f"cannot compare {run_a.path} (digest version {version_a}) with {run_b.path} (digest version {version_b}): "
+        f"digests of different versions differ for identical tensors. To compare, {fix}.",
+        [f"digest version: {version_a} vs {version_b}"],
+    )
 
 
 def open_run(path: str | os.PathLike) -> Run:

@@ -153,6 +153,7 @@ class Recorder:
         self.path = s.directory / fmt.stream_filename(s.rank)
         header = {
             "schema": fmt.SCHEMA_VERSION,
+            fmt.DIGEST_VERSION_KEY: fingerprint.DIGEST_VERSION,
             "run_id": run_id or settings.read("SAMEBITS_RUN_ID") or _launcher_run_id() or uuid.uuid4().hex,
             "rank": s.rank,
             "world_size": s.world_size,
@@ -169,7 +170,15 @@ class Recorder:
             "determinism": _determinism_record(),
         }
         if reference is not None:  # before creating anything: a bad reference leaves no file behind
-            self._reference = open_run(reference).stream(s.rank).steps()
+            reference_run = open_run(reference)
+            if reference_run.digest_version != fingerprint.DIGEST_VERSION:
+                raise ConfigError(
+                    f"reference run {reference_run.path} was recorded with digest version "
+                    f"{reference_run.digest_version}; this samebits computes digest version "
+                    f"{fingerprint.DIGEST_VERSION}, so no step could match. Re-record the reference "
+                    "with this samebits, or record without a reference."
+                )
+            self._reference = reference_run.stream(s.rank).steps()
             self._reference_step = None
         if append and self.path.exists():
             try:
@@ -669,6 +678,13 @@ class Recorder:
         self._lock()  # before reading: a live writer may still be adding frames
         existing = StreamReader(self.path)
         try:
+            if existing.digest_version != fingerprint.DIGEST_VERSION:
+                raise StreamError(
+                    f"{self.path}: cannot append: the stream was recorded with digest version "
+                    f"{existing.digest_version}, this samebits computes digest version "
+                    f"{fingerprint.DIGEST_VERSION} (steps of both could not be compared). Record the "
+                    "resumed run into a new directory, or re-record it from the start."
+                )
             last = None
             for block in existing.steps():
                 last = block.step

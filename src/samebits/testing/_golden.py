@@ -4,7 +4,9 @@ kept in a file next to the test, so an intended numerical change is told apart f
 The file is ``<test dir>/__samebits__/<test file>.json``, keyed by test (its pytest id
 without the path) and then by check name.  A missing file or entry fails with how to create
 it; a changed digest fails naming each changed value.  ``update=True`` (pytest
-``--samebits-update``) records instead; commit the file.
+``--samebits-update``) records instead; commit the file.  The file records the digest version
+(docs/digest.md) its digests were computed with; a file of another version is refused, not
+compared (its digests differ for identical tensors), until it is re-recorded.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from samebits.errors import ConfigError
-from samebits.fingerprint import digest
+from samebits.fingerprint import DIGEST_VERSION, digest
 from samebits.testing._bits import Leaf
 from samebits.testing._harness import _producer, collect, seeded
 
@@ -73,14 +75,29 @@ class GoldenFile:
                                       "rerun with --samebits-update to rewrite it.")
                 self._data = data
             else:
-                self._data = {"schema": SCHEMA, "recorded_with": _environment(), "tests": {}}
+                self._data = self._empty()
         return self._data
+
+    @staticmethod
+    def _empty() -> dict:
+        return {"schema": SCHEMA, "digest_version": DIGEST_VERSION, "recorded_with": _environment(), "tests": {}}
+
+    def digest_version(self) -> int:
+        """The digest version of the recorded digests (files written before it was recorded: 1)."""
+        return self._load().get("digest_version", 1)
 
     def check(self, test: str, key: str, values: dict[str, str]) -> None:
         """Raise ``AssertionError`` unless ``values`` equal the recorded ones."""
         if not self.path.exists():
             raise AssertionError(f"no golden digests for {test} ({self.path} does not exist): run "
                                  "with --samebits-update and commit the file.")
+        if self.digest_version() != DIGEST_VERSION:
+            raise ConfigError(
+                f"{self.path}: golden digests recorded with digest version {self.digest_version()}, this "
+                f"samebits computes digest version {DIGEST_VERSION}: they cannot be compared (identical "
+                "outputs would look changed). Re-record the file: rerun its tests with "
+                "--samebits-update and commit it."
+            )
         recorded = self._load()["tests"].get(test, {}).get(key)
         if recorded is None:
             raise AssertionError(f"no golden digests for {test} [{key}] in {self.path}: run with "
@@ -102,6 +119,9 @@ class GoldenFile:
 
     def record(self, test: str, key: str, values: dict[str, str]) -> None:
         data = self._load()
+        if self.digest_version() != DIGEST_VERSION:  # old digests cannot be kept beside new ones
+            data = self._data = self._empty()
+            self.changed = True
         if data["tests"].get(test, {}).get(key) != values:
             data["tests"].setdefault(test, {})[key] = values
             data["recorded_with"] = _environment()

@@ -180,11 +180,21 @@ def test_schema1_streams_are_still_read_and_checked(tmp_path):
     assert block.schema == 1 and block.records()[0].digest == 1234
     result = samebits.diff(tmp_path / "a", tmp_path / "b")
     assert result.verdict is Verdict.DIVERGED and result.first_divergence.name == "w"
-    # appending continues it as a schema-2 segment; both segments read back and verify
-    with samebits.Recorder(tmp_path / "a", rank=0, world_size=1, append=True) as rec:
-        rec.tensors(1, "params", [("w", torch.ones(3))])
-    reader = open_run(tmp_path / "a").stream(0)
-    assert [(b.step, b.schema) for b in reader.steps()] == [(0, 1), (1, 2)] and reader.closed_cleanly
+    # A schema-1 stream predates digest version 2: appending version-2 digests to it is refused
+    # (its steps and the new ones could not be compared), and the stream is left as it was.
+    before = (tmp_path / "a" / "rank-00000.sbs").read_bytes()
+    assert open_run(tmp_path / "a").digest_version == 1
+    with pytest.raises(StreamError, match="cannot append: the stream was recorded with digest version 1"):
+        samebits.Recorder(tmp_path / "a", rank=0, world_size=1, append=True)
+    assert (tmp_path / "a" / "rank-00000.sbs").read_bytes() == before
+    # A segment of another digest version inside one stream is refused by the reader too.
+    _schema1_stream(tmp_path / "c" / "rank-00000.sbs", 1234)
+    path = tmp_path / "c" / "rank-00000.sbs"
+    header = {"schema": 2, "digest_version": 2, "rank": 0, "world_size": 1, "config": {}, "coords": {},
+              "environment": {}}
+    path.write_bytes(path.read_bytes() + fmt.frame(fmt.FRAME_HEADER, fmt.MAGIC + json.dumps(header).encode()))
+    with pytest.raises(StreamError, match="a segment of digest version 2 appended to a stream of digest version 1"):
+        list(open_run(tmp_path / "c").stream(0).steps())
 
 
 # -- steps, names and tensors the Recorder refuses -----------------------------------------

@@ -1,9 +1,10 @@
 #!/bin/bash
 # Cycles per 64 bytes of the digest's hot loop by llvm-mca (LLVM 19), GCC 12 -O3 code.
-# old_loop: (first+i+1)*G as written before ea1f4ff; new_loop: the running offset (current digest.c).
+# old_loop: (first+i+1)*G as written before ea1f4ff; new_loop: the running offset (digest version 1).
+# v2 rows: the intrinsics loops of digest version 2 (mix2), taken from src/samebits/fingerprint/csrc/digest.c.
 # Needs gcc and llvm-mca 19 (Debian: apt-get install gcc llvm-19). Writes nothing here: works in a temp dir.
 set -e; here="$(cd "$(dirname "$0")" && pwd)"; work="$(mktemp -d)"; trap 'rm -rf "$work"' EXIT
-cp "$here"/loops.c "$here"/*.loop "$work"; cd "$work"
+cp "$here"/loops.c "$here"/*.loop "$here"/../../src/samebits/fingerprint/csrc/digest.c "$work"; cd "$work"
 extract() { python3 - "$1" "$2" <<'PY'
 import sys,re
 lines=open(sys.argv[1]).read().split('\n')
@@ -32,3 +33,9 @@ for cpu in skylake-avx512 icelake-server sapphirerapids znver4; do
   mca v4y.new_loop.loop $cpu 32; mca v3.old_loop.loop $cpu 32; mca v3.new_loop.loop $cpu 32
   mca sum_zmm.loop $cpu 256; mca cand.loop $cpu 64; done
 mca v3.old_loop.loop znver3 32; mca v3.new_loop.loop znver3 32; mca sum_ymm.loop znver3 128
+# Digest version 2: no -march; each loop carries its own target attribute.
+gcc -O3 -S -o v2.s digest.c
+for fn in sum_words_avx512 sum_words_avx2 sum_words_sse2; do extract v2.s $fn > v2.$fn.loop; done
+for cpu in skylake-avx512 icelake-server sapphirerapids znver4; do
+  mca v2.sum_words_avx512.loop $cpu 64; mca v2.sum_words_avx2.loop $cpu 64; mca v2.sum_words_sse2.loop $cpu 32; done
+mca v2.sum_words_avx2.loop znver3 64; mca v2.sum_words_sse2.loop znver3 32

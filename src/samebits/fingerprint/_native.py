@@ -18,7 +18,7 @@ import torch  # noqa: F401  (loads torch's libgomp before ours; see the module d
 
 from samebits.errors import ConfigError
 
-_ABI_VERSION = 2  # csrc/digest.c SAMEBITS_ABI_VERSION: 2 = digest version 2 (mix2)
+_ABI_VERSION = 2  # the ABI version in csrc/digest.c; 2 = digest version 2 (mix2)
 _BUILD_HINT = "build it with `pip install -e .` (or `pip install .`) from the samebits repository"
 
 

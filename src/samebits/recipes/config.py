@@ -131,6 +131,13 @@ class RecipeConfig:
     """Tensor parallelism (DTensor `parallelize_module`): attention and dense MLPs split by
     heads / hidden columns; must divide num_heads and ffn_hidden_size."""
 
+    sequence_parallel: bool = True
+    """With tp > 1, shard the residual stream along the sequence on the TP ranks between
+    the TP linears (torchtitan's SequenceParallel: norms, dropout and residual adds on
+    seq_len / tp positions; all-gather before, reduce-scatter after each attention and
+    feed-forward); seq_len must be divisible by tp.  False keeps the stream replicated on
+    the TP ranks (Megatron TP alone).  No effect at tp=1."""
+
     pp: int = 1
     """Pipeline stages (`torch.distributed.pipelining`): the blocks split evenly in order."""
 
@@ -272,6 +279,10 @@ class RecipeConfig:
         need(self.num_heads % self.tp == 0 and self.ffn_hidden_size % self.tp == 0,
              f"tp={self.tp} must divide num_heads={self.num_heads} and "
              f"ffn_hidden_size={self.ffn_hidden_size}")
+        need(not (self.sequence_parallel and self.tp > 1) or self.seq_len % self.tp == 0,
+             f"sequence_parallel with tp={self.tp} shards the sequence over the TP ranks: "
+             f"seq_len={self.seq_len} must be divisible by tp; change seq_len or set "
+             "sequence_parallel=false")
         need(self.pp <= self.num_layers,
              f"pp={self.pp} stages need at least as many blocks; num_layers={self.num_layers}")
         need(self.pp == 1 or self.micro_batch_size % self.pp_microbatches == 0,

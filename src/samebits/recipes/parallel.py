@@ -118,8 +118,10 @@ class ExpertParallelDispatcher:
 
 
 def reduce_gradients(model: nn.Module, layout) -> None:
-    """Average grads over the plain-DP replicas (one flat all-reduce of the local parts: TP
-    shards stay shards), scale expert grads by 1/dp_replicate.  FSDP2 reduces its own."""
+    """Complete the TP-partial grads (below), then average grads over the plain-DP replicas
+    (one flat all-reduce of the local parts: TP shards stay shards), scale expert grads by
+    1/dp_replicate.  FSDP2 reduces its own."""
+    _complete_partial_grads(model)
     replicas = layout.dims.dp_replicate
     if replicas == 1:
         return
@@ -138,6 +140,29 @@ def reduce_gradients(model: nn.Module, layout) -> None:
         offset += grad.numel()
     for grad in experts:
         grad.div_(replicas)
+
+
+def _complete_partial_grads(model: nn.Module) -> None:
+    """Sum the grads DTensor left Partial over their mesh and make them what their parameter
+    is (Replicate): under sequence parallelism a norm's weight is replicated but each TP rank
+    back-propagates through its own sequence shard, so its grad is a partial sum.  One flat
+    all-reduce per mesh: gloo's sum is bitwise repeatable and equal on every rank.  (FSDP2
+    completes the grads of the parameters it manages itself, before its reduce-scatter.)"""
+    by_mesh: dict = {}
+    for param in model.parameters():
+        grad = param.grad
+        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            by_mesh.setdefault(grad.device_mesh, []).append(param)
+    for mesh, params in by_mesh.items():
+        (group,) = [mesh.get_group(i) for i in range(mesh.ndim)]  # the 1-D TP mesh
+        flat = torch.cat([p.grad.to_local().reshape(-1) for p in params])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for param in params:
+            local = flat[offset:offset + param.grad.to_local().numel()].view_as(param.grad.to_local())
+            offset += local.numel()
+            param.grad = DTensor.from_local(local.clone(), mesh, param.placements, run_check=False,
+                                            shape=param.shape, stride=param.stride())
 
 
 def clip_grad_norm(model: nn.Module, layout, max_norm: float) -> torch.Tensor:

@@ -7,8 +7,21 @@ the architecture, this file the parallelism), on PyTorch's own engines.
 - a named `DeviceMesh` ("pp", "dp_replicate", "dp_shard", "tp"), built from the config;
 - TP: DTensor `parallelize_module`: fused QKV and the dense MLP's up projection column-wise,
   the attention output and the MLP's down projection row-wise (Megatron's split; the fused
-  QKV is head-major, so a column shard holds whole heads); no sequence parallelism yet
-  (the residual stream is replicated on the TP ranks);
+  QKV is head-major, so a column shard holds whole heads);
+- SP (`sequence_parallel`, on with TP by default, as torchtitan): between the TP linears the
+  residual stream is sharded along the sequence (Shard(1)), so the norms, dropout and
+  residual adds run on seq_len / tp positions per TP rank: `SequenceParallel` norms,
+  `PrepareModuleInput` all-gathers attention's and the MLP's input (Shard(1) -> Replicate),
+  `RowwiseParallel(output_layouts=Shard(1))` reduce-scatters their output instead of
+  all-reducing it.  The stream enters the shards at the first block (a slice; its backward
+  all-gathers) and leaves them after the last block (all-gather), pipeline stages passing
+  shards; MoE layers route the whole (gathered) sequence, replicated as without SP; the
+  head (final norm, output layer) and the MTP depths run on the whole sequence, because an
+  MTP depth d pairs positions t and t + d across shard boundaries (the MTP block is TP'd
+  without SP).  Dropout on a shard uses the whole stream's mask (each rank draws it all and
+  keeps its rows), so the RNG advances and the masks are as without SP.  The norms' weights
+  are Replicate DTensors whose grads come out Partial (each rank saw its positions):
+  `parallel.reduce_gradients` sums them over the TP ranks;
 - FSDP2: `fully_shard` per block and at the root, over "dp_shard";
 - plain DP over "dp_replicate": one flat all-reduce of the gradients (`parallel.py`);
 - EP over "dp_replicate": the all_to_all dispatcher of `parallel.py` on that mesh group;
@@ -36,8 +49,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.distributed.tensor import DTensor, Partial
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                               PrepareModuleInputOutput, PrepareModuleOutput,
+                                               RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
 
 from samebits.errors import ConfigError
 from samebits.recipes.config import RecipeConfig
@@ -146,6 +162,7 @@ class ParallelLayout:
     mesh: DeviceMesh | None = None
     expert_param_names: frozenset[str] = frozenset()  # EP shards: rank-local parameters
     pipeline: Pipeline | None = None
+    sequence_parallel: bool = False  # the TP ranks hold sequence shards of the stream
 
     @property
     def coords(self) -> dict[str, int]:
@@ -159,10 +176,12 @@ class ParallelLayout:
     @property
     def checkpoint_layout(self) -> dict[str, int]:
         """What a checkpoint stores as its layout (loading under another one is refused):
-        {"dp", "ep"} as before the mesh, plus "dp_shard", "tp" and "pp" where > 1."""
+        {"dp", "ep"} as before the mesh, plus "dp_shard", "tp" and "pp" where > 1, and
+        "sequence_parallel": 1 under TP with SP (its norms are DTensors: other state)."""
         dims = self.dims
         extra = {"dp_shard": dims.dp_shard, "tp": dims.tp, "pp": dims.pp}
-        return {"dp": dims.dp, "ep": dims.ep, **{k: v for k, v in extra.items() if v > 1}}
+        layout = {"dp": dims.dp, "ep": dims.ep, **{k: v for k, v in extra.items() if v > 1}}
+        return {**layout, "sequence_parallel": 1} if self.sequence_parallel else layout
 
     @property
     def expert_group(self):
@@ -196,7 +215,9 @@ def parallelize(model: Transformer, cfg: RecipeConfig, rank: int, world_size: in
     if dims.pp > 1:
         _prune_to_stage(model, coords["pp"], dims.pp)
     if dims.tp > 1:
-        apply_tensor_parallel(model, layout.mesh["tp"], racy=cfg.fault_tp_racy_accumulate)
+        layout.sequence_parallel = cfg.sequence_parallel
+        apply_tensor_parallel(model, layout.mesh["tp"], racy=cfg.fault_tp_racy_accumulate,
+                              sequence_parallel=cfg.sequence_parallel, dropout=cfg.dropout)
     model.to(device)
     if dims.dp_shard > 1:
         apply_fsdp(model, layout.mesh["dp_shard"])
@@ -230,26 +251,110 @@ def _shard_experts(model: Transformer, dims: ParallelDims, ep_rank: int, layout,
 # --- tensor parallelism --------------------------------------------------------------------
 
 
-def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, racy: bool = False) -> None:
+def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, racy: bool = False,
+                          sequence_parallel: bool = False, dropout: float = 0.0) -> None:
     """Megatron's split on every block (and MTP block): QKV and MLP up column-parallel,
-    attention output and MLP down row-parallel.  Embedding, norms, router, experts and the
-    output layer stay replicated (their inputs are identical on the TP ranks)."""
-    blocks = [m for m in model.modules() if isinstance(m, Block)]
-    for block in blocks:
-        plan: dict[str, Any] = {"attn.qkv": ColwiseParallel(), "attn.out": RowwiseParallel()}
-        if isinstance(block.ffn, MLP):
-            plan.update({"ffn.up": ColwiseParallel(), "ffn.down": RowwiseParallel()})
-        parallelize_module(block, tp_mesh, plan)
+    attention output and MLP down row-parallel.  The embedding, router, experts and the
+    output layer stay replicated.
+
+    Without sequence parallelism the residual stream, and so the norms, is replicated on the
+    TP ranks.  With it (torchtitan's plan) the stream of the main blocks is sharded along the
+    sequence (Shard(1)): see `_sequence_parallel_plan`."""
+    blocks = [m for m in model.layers.values()]
+    mtp_blocks = [m.block for m in (model.mtp or [])]
+    for block in blocks + mtp_blocks:
+        sharded = sequence_parallel and block in blocks
+        parallelize_module(block, tp_mesh, _sequence_parallel_plan(block) if sharded
+                           else _tensor_parallel_plan(block))
+        if sharded and dropout > 0:
+            _shard_dropout(block, tp_mesh, dropout)
         if racy:
             for row_parallel in [block.attn.out] + ([block.ffn.down] if isinstance(block.ffn, MLP) else []):
                 row_parallel.forward = _RacyRowParallel(row_parallel)
+    if sequence_parallel:
+        # The stream enters the sequence shards at the first block and leaves them after the
+        # last (a pipeline stage passes its shard on): the head reads the whole sequence,
+        # since an MTP depth d pairs position t with t + d, across shard boundaries.
+        held = dict(model.layers.items())  # a pipeline stage holds some of the blocks
+        first, last = held.get("0"), held.get(str(model.cfg.num_layers - 1))
+        if first is not None:
+            parallelize_module(first, tp_mesh, PrepareModuleInput(
+                input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                use_local_output=True))
+        if last is not None:
+            parallelize_module(last, tp_mesh, PrepareModuleOutput(
+                output_layouts=(Shard(1), None), desired_output_layouts=(Replicate(), None),
+                use_local_output=True))
+
+
+def _tensor_parallel_plan(block: Block) -> dict[str, Any]:
+    """Megatron TP alone: the block's input and output are replicated on the TP ranks."""
+    plan: dict[str, Any] = {"attn.qkv": ColwiseParallel(), "attn.out": RowwiseParallel()}
+    if isinstance(block.ffn, MLP):
+        plan.update({"ffn.up": ColwiseParallel(), "ffn.down": RowwiseParallel()})
+    return plan
+
+
+def _sequence_parallel_plan(block: Block) -> dict[str, Any]:
+    """TP with sequence parallelism (torchtitan's llama plan): the block's input and output
+    are this rank's seq_len / tp positions (plain tensors, Shard(1) of the stream).
+
+    The norms run on the shard (`SequenceParallel`: their weights become Replicate DTensors,
+    whose gradients DTensor all-reduces); attention and the dense MLP all-gather their input
+    (`PrepareModuleInput` Shard(1) -> Replicate, Megatron's "g") and their row-parallel output
+    projection reduce-scatters (`RowwiseParallel(output_layouts=Shard(1))`) instead of
+    all-reducing.  An MoE layer routes the whole sequence, replicated as without SP (router,
+    jitter and experts see the same rows on every TP rank, EP included): its input is
+    all-gathered and its output sliced back to the shard (the slice's backward all-gathers
+    the gradient, so every TP rank back-propagates the same full gradient)."""
+    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                use_local_output=True)
+    plan: dict[str, Any] = {
+        "attn_norm": SequenceParallel(), "attn": gather,
+        "attn.qkv": ColwiseParallel(), "attn.out": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+    }
+    if isinstance(block.ffn, MLP):
+        plan.update({"ffn": gather, "ffn.up": ColwiseParallel(),
+                     "ffn.down": RowwiseParallel(output_layouts=Shard(1))})
+    else:
+        plan["ffn"] = PrepareModuleInputOutput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Replicate(), None), desired_output_layouts=(Shard(1), None),
+            use_local_output=True)
+    return plan
+
+
+def _shard_dropout(block: Block, tp_mesh: DeviceMesh, rate: float) -> None:
+    """The block's residual dropout on a sequence shard, with the mask of the whole stream:
+    each TP rank draws the full (B, T, D) mask from the global RNG (the same state on every
+    TP rank) and keeps its rows, so the shards get different masks, the RNG advances as
+    without SP (the replicated MTP block after the layers still draws equal masks on the TP
+    ranks), and the masks are those the same run without SP draws.  The block's own dropout
+    is switched off (rate 0 draws nothing) and the attention and feed-forward outputs, this
+    rank's shard after the row-parallel reduce-scatter, are dropped out by forward hooks."""
+    tp_rank, tp_size = tp_mesh.get_local_rank(), tp_mesh.size()
+
+    def drop(_module, _inputs, output):
+        out, rest = (output[0], output[1:]) if isinstance(output, tuple) else (output, None)
+        if _module.training:
+            batch, seq_len, dim = out.shape  # (B, T/tp, D)
+            keep = torch.empty(batch, seq_len * tp_size, dim, dtype=out.dtype,
+                               device=out.device).bernoulli_(1 - rate).div_(1 - rate)
+            out = out * keep[:, tp_rank * seq_len:(tp_rank + 1) * seq_len]
+        return out if rest is None else (out, *rest)
+
+    block.dropout = 0.0
+    block.attn.register_forward_hook(drop)
+    block.ffn.register_forward_hook(drop)
 
 
 class _RacyRowParallel:
     """PLANTED FAULT (fault_tp_racy_accumulate): a row-parallel linear whose local product
     x_local @ w_local.T is summed over its input dimension in chunks, in an order drawn from
     the operating system's entropy on each call, as a kernel adding partial sums in arrival
-    order would.  The partial result then goes through the usual TP all-reduce."""
+    order would.  The partial result then goes through the usual TP all-reduce (the
+    reduce-scatter under sequence parallelism)."""
 
     NUM_CHUNKS = 8
 

@@ -189,9 +189,10 @@ def _replicated_params_by_rank(run_dir: Path) -> dict[int, dict[tuple[int, str],
 @pytest.mark.slow
 @pytest.mark.parametrize("label", ["tp2-a", "tp2-fp8-a"])
 def test_replicated_parameters_stay_equal_on_the_tp_ranks(runs_2, label):
-    """The residual stream is replicated on the TP ranks, so are the norms, the embedding,
-    the router, the experts and the output layer: after every step, bit for bit (the
-    root invariant behind the resume test above)."""
+    """The norms (Replicate DTensors under sequence parallelism, whose Partial grads the
+    recipe sums over the TP ranks), the embedding, the router, the experts and the output
+    layer are replicated on the TP ranks: after every step, bit for bit (the root invariant
+    behind the resume test above)."""
     by_rank = _replicated_params_by_rank(runs_2 / label)
     assert by_rank[0] and by_rank[0].keys() == by_rank[1].keys()
     differing = sorted(key for key in by_rank[0] if by_rank[0][key] != by_rank[1][key])
@@ -205,10 +206,14 @@ def _first(result) -> samebits.compare.Divergence:
 
 @pytest.mark.slow
 def test_racy_tensor_parallel_accumulate_is_caught_in_the_tp_layer(runs_2):
+    run = samebits.open_run(runs_2 / "tp_racy-a")
+    assert run.header["config"]["sequence_parallel"] is True  # TP with SP, the default
+    run.close()
     result = samebits.diff(runs_2 / "tp_racy-a", runs_2 / "tp_racy-b")
     first = _first(result)
     # The first record to differ: the first block's output (its row-parallel attention
-    # output projection sums in a racing order), on both TP ranks, at step 0.
+    # output projection sums in a racing order before the reduce-scatter), on both TP
+    # ranks, at step 0.
     assert (first.step, first.phase, first.name) == (0, "forward", "layers.0")
     assert sorted(result.ranks_diverged_first) == [0, 1]
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from samebits.fingerprint import _native, digest, digest_many
+from samebits.fingerprint import DIGEST_VERSION, _native, digest, digest_many
 
 GIB = 1 << 30
 SINGLE_TENSOR_BYTES = 256 << 20
@@ -70,6 +70,7 @@ def machine_info() -> dict:
         "torch": torch.__version__,
         "num_threads": torch.get_num_threads(),
         "native": _native.describe(),
+        "digest_version": DIGEST_VERSION,
         "commit": commit or "unknown",
     }
 
@@ -133,7 +134,7 @@ def format_table(results: dict) -> str:
     lines = [
         f"{machine['cpu']} ({machine['num_cores']} cores, load {machine['load_average_1min']:.1f}"
         f" at start), torch {machine['torch']}, {machine['num_threads']} threads, "
-        f"digest library {machine['native']}, commit {machine['commit']}",
+        f"digest version {machine['digest_version']}, library {machine['native']}, commit {machine['commit']}",
         "",
         f"{'tensor':<18} {'digest':>9} {'sum()':>9} {'hash_tensor':>12} "
         f"{'vs sum':>8} {'vs hash':>8}   (GiB/s)",

@@ -82,7 +82,7 @@ def warn_missing() -> None:
         warnings.warn(
             "samebits: the compiled digest library (samebits/fingerprint/_libdigest*.so) is not "
             "built, so CPU digests use the torch reference implementation (same digests, about "
-            f"10x slower); {_BUILD_HINT}",
+            f"30x slower); {_BUILD_HINT}",
             stacklevel=3,
         )
 

@@ -3,7 +3,9 @@ failures each guarantee must catch (nondeterministic path; a random state lost o
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import re
 import shlex
@@ -21,9 +23,21 @@ from samebits.runs.verify import VerifyResult, verify_recipe
 pytestmark = pytest.mark.slow
 
 
-def test_both_guarantees_hold_on_the_recipe(tmp_path, capsys):
-    code = main(["verify", "--out", str(tmp_path / "v"), "--steps", "4", "--resume-at", "2", "--json"])
-    payload = json.loads(capsys.readouterr().out)
+@pytest.fixture(scope="module")
+def recipe_verified(tmp_path_factory):
+    """One `samebits verify --json` of the recipe (4 steps, resume at 2) with an exported
+    OMP_NUM_THREADS=2, as on most clusters; the tests below each read it (a recipe verify is
+    three 2-rank runs)."""
+    out = tmp_path_factory.mktemp("recipe") / "v"
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as monkeypatch, contextlib.redirect_stdout(printed):
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        code = main(["verify", "--out", str(out), "--steps", "4", "--resume-at", "2", "--json"])
+    return out, code, json.loads(printed.getvalue())
+
+
+def test_both_guarantees_hold_on_the_recipe(recipe_verified):
+    out, code, payload = recipe_verified
     assert code == 0, payload
     assert payload["verdict"] == "pass"
     assert payload["checked"] == ["independent", "resume"] and payload["not_checked"] == []
@@ -31,7 +45,7 @@ def test_both_guarantees_hold_on_the_recipe(tmp_path, capsys):
     assert independent["verdict"] == "identical" and independent["compared"]["ranks"] == 2
     assert independent["compared"]["steps"] == 4 and independent["compared"]["records"] > 0
     assert resume["verdict"] == "identical" and resume["compared"]["steps"] == 2
-    assert (tmp_path / "v" / "summary.json").exists()
+    assert (out / "summary.json").exists()
 
 
 def test_nondeterministic_path_is_caught_and_located(tmp_path):
@@ -209,13 +223,12 @@ def test_a_run_that_refuses_shows_its_violations_first(tmp_path, monkeypatch):
     assert message.index("[env-nccl-algo]") < message.index("the end of its log")
 
 
-def test_the_recipe_honours_an_exported_thread_count(tmp_path, monkeypatch):
+def test_the_recipe_honours_an_exported_thread_count(recipe_verified):
     import samebits
 
-    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # as on most clusters
-    result = verify_recipe(tmp_path / "v", steps=2, resume_at=1)
-    assert result.verdict is Verdict.PASS
-    assert samebits.open_run(tmp_path / "v" / "a").header["config"]["num_threads"] == 2
+    out, _, payload = recipe_verified  # run with OMP_NUM_THREADS=2 exported, as on most clusters
+    assert Verdict(payload["verdict"]) is Verdict.PASS
+    assert samebits.open_run(out / "a").header["config"]["num_threads"] == 2
 
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "resume.md"

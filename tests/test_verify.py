@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 def recipe_verified(tmp_path_factory):
     """One `samebits verify --json` of the recipe (4 steps, resume at 2) with an exported
     OMP_NUM_THREADS=2, as on most clusters; the tests below each read it (a recipe verify is
-    three 2-rank runs)."""
+    four 2-rank runs: A, B, C to its checkpoint, C resumed)."""
     out = tmp_path_factory.mktemp("recipe") / "v"
     printed = io.StringIO()
     with pytest.MonkeyPatch.context() as monkeypatch, contextlib.redirect_stdout(printed):

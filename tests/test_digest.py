@@ -470,6 +470,23 @@ def test_native_parallel_chunks_equal_reference():
 
 
 @needs_native
+@pytest.mark.parametrize("isa", ["portable", "sse2", "avx2", "avx512f"])
+def test_every_vector_loop_equals_the_spec(isa):
+    """Each compiled loop, not only the one picked for this CPU (the others are otherwise never
+    run here): lengths around the vector steps, unaligned starts, positions beyond 32 bits."""
+    if _native.body_sum_with(isa, torch.zeros(8, dtype=torch.uint8)) is None:
+        pytest.skip(f"this build or CPU has no {isa} loop")
+    base = random_tensor(torch.uint8, (8 * 300 + 16,), 11)
+    for offset in (0, 3):
+        for length in (0, 5, 8, 31, 32, 63, 64, 65, 8 * 17 + 3, 8 * 300):
+            data = base[offset : offset + length]
+            for first_word in (0, 2**32 + 5):
+                expected = spec_body_sum(spec_bytes(data), first_word)
+                assert _native.body_sum_with(isa, data, first_word) == expected, (offset, length, first_word)
+    assert _native.body_sum_with("no-such-loop", base) is None
+
+
+@needs_native
 @pytest.mark.parametrize("first_word", [0, 1, 2**32 - 1, 2**32 + 5, 2**40 + 3, 2**61])
 def test_positions_beyond_32_bits(first_word):
     """Word indices of tensors too big to allocate (> 4 G words) wrap the same way everywhere."""

@@ -18,7 +18,7 @@ import torch  # noqa: F401  (loads torch's libgomp before ours; see the module d
 
 from samebits.errors import ConfigError
 
-_ABI_VERSION = 2  # the ABI version in csrc/digest.c; 2 = digest version 2 (mix2)
+_ABI_VERSION = 3  # the ABI version in csrc/digest.c (3: digest version 2, samebits_body_sum_with)
 _BUILD_HINT = "build it with `pip install -e .` (or `pip install .`) from the samebits repository"
 
 
@@ -42,6 +42,9 @@ def _load() -> ctypes.CDLL | None:
     lib.samebits_digest_has_openmp.restype = ctypes.c_int
     lib.samebits_body_sum_at.restype = ctypes.c_uint64
     lib.samebits_body_sum_at.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64]
+    lib.samebits_body_sum_with.restype = ctypes.c_int
+    lib.samebits_body_sum_with.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64,
+                                           ctypes.c_void_p]
     lib.samebits_body_sums.restype = None
     lib.samebits_body_sums.argtypes = [
         ctypes.c_uint64,  # num_tensors
@@ -123,3 +126,13 @@ def body_sum_at(data: torch.Tensor, first_word: int) -> int:
     """Unsigned body sum of row-major CPU `data` as if its first word had index `first_word`."""
     assert LIB is not None
     return LIB.samebits_body_sum_at(data.data_ptr(), data.nbytes, first_word)
+
+
+def body_sum_with(isa: str, data: torch.Tensor, first_word: int = 0) -> int | None:
+    """`body_sum_at` computed by one named vector loop ("portable", "sse2", "avx2", "avx512f")
+    instead of the one picked for this CPU; None when this build or CPU lacks it.  For tests."""
+    assert LIB is not None
+    out = ctypes.c_uint64()
+    if not LIB.samebits_body_sum_with(isa.encode(), data.data_ptr(), data.nbytes, first_word, ctypes.byref(out)):
+        return None
+    return out.value

@@ -38,9 +38,10 @@
 #define SAMEBITS_X86 0
 #endif
 
-/* 2: mix2 replaced fmix64 in the body (digest version 2); a library of another ABI version
- * computes other digests and is refused by _native.py. */
-#define SAMEBITS_ABI_VERSION 2
+/* The interface _native.py expects; a library of another ABI version is refused there.
+ * 1: digest version 1.  2: mix2 replaced fmix64 in the body (digest version 2).
+ * 3: samebits_body_sum_with added (digest version 2). */
+#define SAMEBITS_ABI_VERSION 3
 
 static const uint64_t GOLDEN = 0x9E3779B97F4A7C15ULL; /* G: the per-position offset step */
 
@@ -265,6 +266,38 @@ SAMEBITS_EXPORT uint64_t samebits_body_sum_at(const void *data, uint64_t num_byt
         s += mix2(w + (first_word + num_full + 1) * GOLDEN);
     }
     return s;
+}
+
+/* For tests: the body sum with one named loop ("portable", "sse2", "avx2", "avx512f") instead
+ * of the one picked at load time, so that every loop the CPU can run is checked, not only the
+ * widest.  Returns 0 (and leaves *out alone) when this build or CPU lacks that loop. */
+SAMEBITS_EXPORT int samebits_body_sum_with(const char *isa, const void *data, uint64_t num_bytes,
+                                           uint64_t first_word, uint64_t *out)
+{
+    const unsigned char *p = (const unsigned char *)data;
+    uint64_t num_full = num_bytes / 8, offset = (first_word + 1) * GOLDEN, done = 0, s;
+    if (strcmp(isa, "portable") == 0) {
+        s = sum_words_portable(p, num_full, offset);
+        done = num_full;
+    }
+#if SAMEBITS_X86
+    else if (strcmp(isa, "sse2") == 0)
+        s = sum_words_sse2(p, num_full, offset, &done);
+    else if (strcmp(isa, "avx2") == 0 && __builtin_cpu_supports("avx2"))
+        s = sum_words_avx2(p, num_full, offset, &done);
+    else if (strcmp(isa, "avx512f") == 0 && __builtin_cpu_supports("avx512f"))
+        s = sum_words_avx512(p, num_full, offset, &done);
+#endif
+    else
+        return 0;
+    s += sum_words_portable(p + 8 * done, num_full - done, offset + done * GOLDEN);
+    if (num_bytes % 8) {
+        uint64_t w = 0;
+        memcpy(&w, p + 8 * num_full, num_bytes % 8);
+        s += mix2(w + (first_word + num_full + 1) * GOLDEN);
+    }
+    *out = s;
+    return 1;
 }
 
 #ifdef _OPENMP

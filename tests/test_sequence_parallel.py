@@ -25,7 +25,8 @@ from samebits.verdicts import Verdict
 
 TINY = ["num_layers=2", "seq_len=32", "micro_batch_size=2"]
 STEPS = 2
-JOBS = [("sp", []), ("nosp", ["sequence_parallel=false"])]  # both the tp2 cell
+JOBS = [("sp", []), ("nosp", ["sequence_parallel=false"]),  # all the tp2 cell
+        ("sp-mtp0", ["mtp_num_layers=0"])]  # without MTP the head is sequence-parallel too
 
 
 # --- config and layout (no processes) ----------------------------------------------------
@@ -133,6 +134,16 @@ def test_global_digests_compare_tp2_with_sp_against_one_rank(runs):
     assert (first["step"], first["phase"]) == (0, "params") and first["name"] in first["tensors"]
     statuses = {t["name"]: t["status"] for t in report["tensors"]}
     assert set(statuses.values()) <= {"identical", "differs"} and "differs" in statuses.values()
+
+
+@pytest.mark.slow
+def test_without_mtp_the_head_is_sequence_parallel(runs):
+    """The output layer is column-parallel over the vocabulary (each TP rank holds half of
+    it) and the final norm runs on the shard; the ranks agree on every global digest."""
+    params = _records(runs / "sp-mtp0", 0, 0, "params")
+    assert tuple(params["output.weight"].shape) == (256, 64) and "mtp.0.proj.weight" not in params
+    result = samebits.diff(runs / "sp-mtp0", runs / "sp-mtp0", by="global")
+    assert result.verdict is Verdict.IDENTICAL and result.compared["tensors"] == 16, result.to_dict()
 
 
 # --- the worker -------------------------------------------------------------------------------

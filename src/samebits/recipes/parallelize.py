@@ -15,10 +15,12 @@ the architecture, this file the parallelism), on PyTorch's own engines.
   `RowwiseParallel(output_layouts=Shard(1))` reduce-scatters their output instead of
   all-reducing it.  The stream enters the shards at the first block (a slice; its backward
   all-gathers) and leaves them after the last block (all-gather), pipeline stages passing
-  shards; MoE layers route the whole (gathered) sequence, replicated as without SP; the
-  head (final norm, output layer) and the MTP depths run on the whole sequence, because an
-  MTP depth d pairs positions t and t + d across shard boundaries (the MTP block is TP'd
-  without SP).  Dropout on a shard uses the whole stream's mask (each rank draws it all and
+  shards; MoE layers route the whole (gathered) sequence, replicated as without SP.
+  Without MTP the head is sequence-parallel too (final norm `SequenceParallel`, output
+  layer `ColwiseParallel(input_layouts=Shard(1))` with replicated logits); with MTP the
+  stream is gathered after the last block and the head and MTP depths run on the whole
+  sequence, because a depth d pairs positions t and t + d across shard boundaries (the MTP
+  block is TP'd without SP).  Dropout on a shard uses the whole stream's mask (each rank draws it all and
   keeps its rows), so the RNG advances and the masks are as without SP.  The norms' weights
   are Replicate DTensors whose grads come out Partial (each rank saw its positions):
   `parallel.reduce_gradients` sums them over the TP ranks;
@@ -272,16 +274,22 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, racy: bool
             for row_parallel in [block.attn.out] + ([block.ffn.down] if isinstance(block.ffn, MLP) else []):
                 row_parallel.forward = _RacyRowParallel(row_parallel)
     if sequence_parallel:
-        # The stream enters the sequence shards at the first block and leaves them after the
-        # last (a pipeline stage passes its shard on): the head reads the whole sequence,
-        # since an MTP depth d pairs position t with t + d, across shard boundaries.
+        # The stream enters the sequence shards at the first block; a pipeline stage passes
+        # its shard on.  Without MTP the head is sequence-parallel too (torchtitan's): the
+        # final norm on the shard, the output layer column-parallel over the vocabulary,
+        # gathering its input and its logits.  With MTP the stream leaves the shards after
+        # the last block: a depth d pairs position t with t + d, across shard boundaries.
         held = dict(model.layers.items())  # a pipeline stage holds some of the blocks
         first, last = held.get("0"), held.get(str(model.cfg.num_layers - 1))
         if first is not None:
             parallelize_module(first, tp_mesh, PrepareModuleInput(
                 input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
                 use_local_output=True))
-        if last is not None:
+        if last is not None and model.cfg.mtp_num_layers == 0:
+            parallelize_module(model, tp_mesh, {
+                "norm": SequenceParallel(),
+                "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
+        elif last is not None:
             parallelize_module(last, tp_mesh, PrepareModuleOutput(
                 output_layouts=(Shard(1), None), desired_output_layouts=(Replicate(), None),
                 use_local_output=True))

@@ -193,7 +193,7 @@ def test_schema1_streams_are_still_read_and_checked(tmp_path):
     header = {"schema": 2, "digest_version": 2, "rank": 0, "world_size": 1, "config": {}, "coords": {},
               "environment": {}}
     path.write_bytes(path.read_bytes() + fmt.frame(fmt.FRAME_HEADER, fmt.MAGIC + json.dumps(header).encode()))
-    with pytest.raises(StreamError, match="a segment of digest version 2 appended to a stream of digest version 1"):
+    with pytest.raises(StreamError, match="has digest version 2, appended to a stream of digest version 1"):
         list(open_run(tmp_path / "c").stream(0).steps())
 
 

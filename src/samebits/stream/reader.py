@@ -350,8 +350,10 @@ class StreamReader:
                 problems.append(f"segment of rank {header['rank']}/{header['world_size']} appended to a stream "
                                 f"of rank {first['rank']}/{first['world_size']}")
             elif version != fmt.digest_version_of(first):
-                problems.append(f"a segment of digest version {version} appended to a stream of digest version "
-                                f"{fmt.digest_version_of(first)} (its digests cannot be compared with each other)")
+                raise StreamError(f"{self.path}: the segment at byte {offset} has digest version {version}, appended "
+                                  f"to a stream of digest version {fmt.digest_version_of(first)} (by an older "
+                                  "samebits resuming it?): their digests cannot be compared with each other. "
+                                  "Re-record the run, or read only its first segment's steps.")
         if problems:
             raise StreamError(f"{self.path}: header at byte {offset} is invalid ({'; '.join(problems)}): the file "
                               "is corrupt or was not written by samebits.Recorder.")

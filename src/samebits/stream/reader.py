@@ -353,7 +353,7 @@ class StreamReader:
                 raise StreamError(f"{self.path}: the segment at byte {offset} has digest version {version}, appended "
                                   f"to a stream of digest version {fmt.digest_version_of(first)} (by an older "
                                   "samebits resuming it?): their digests cannot be compared with each other. "
-                                  "Re-record the run, or read only its first segment's steps.")
+                                  "Re-record the run with one samebits version.")
         if problems:
             raise StreamError(f"{self.path}: header at byte {offset} is invalid ({'; '.join(problems)}): the file "
                               "is corrupt or was not written by samebits.Recorder.")

@@ -19,7 +19,8 @@ def register(sub) -> None:
         "origin op's outputs. With no command: the reference recipe. With --a/--b: two commands (a code "
         "change, an upgrade, a thread count), each first checked for repeatability. With --b-step-offset K: "
         "B resumes A's checkpoint of step K, and only steps >= K are compared (a resume that `samebits "
-        "verify --resume-with` found differs). "
+        "verify --resume-with` found differs). With no command and --resume-at K: the recipe's resume (its A "
+        "saves at step K, its B resumes there; what `samebits verify` found differs in its run C). "
         "Exit 0 identical, 1 diverged, 2 could not run.",
     )
     parser.add_argument("--a", dest="cmd_a", default=None, metavar="'CMD'", help="side A, a quoted command")
@@ -27,6 +28,9 @@ def register(sub) -> None:
     parser.add_argument("--b-step-offset", dest="b_step_offset", type=int, default=None, metavar="K",
                         help="side B resumes at step K (A's checkpoint of step K): its steps are numbered from "
                         "K, and every stage compares and traces only steps >= K (needs --a and --b)")
+    parser.add_argument("--resume-at", dest="resume_at", type=int, default=None, metavar="K",
+                        help="the reference recipe's resume: A saves a checkpoint at step K and B resumes it; "
+                        "only steps >= K are compared (no command; for your own, --b-step-offset)")
     add_out_option(parser, "bisect")
     parser.add_argument("--stop-after", type=int, default=None, metavar="STEP",
                         help="end every run after this step (long commands)")
@@ -50,10 +54,14 @@ def run(args) -> int:
 
     if args.b_step_offset is not None and not (args.cmd_a and args.cmd_b):
         raise ConfigError("--b-step-offset needs --a and --b: the run to resume from (A) and the command that "
-                          "resumes it at that step (B); the reference recipe has no resume to bisect.")
+                          "resumes it at that step (B); for the reference recipe's resume, --resume-at K.")
+    if args.resume_at is not None and cmd_a is not None:
+        raise ConfigError("--resume-at bisects the reference recipe's resume; for your own commands give --a "
+                          "(the run that saves), --b (the command that resumes) and --b-step-offset K.")
     if cmd_a is None:
         progress(f"samebits bisect: the reference recipe, {args.nproc} rank(s), {args.steps} steps"
-                 + (", nondeterministic path" if args.nondeterministic else ""))
+                 + (", nondeterministic path" if args.nondeterministic else "")
+                 + (f"; b resumes a's checkpoint of step {args.resume_at}" if args.resume_at is not None else ""))
     else:
         progress(f"samebits bisect: a = {shlex.join(cmd_a)}" + (f"\n                 b = {shlex.join(cmd_b)}"
                                                                  if cmd_b else " (twice)")
@@ -62,7 +70,7 @@ def run(args) -> int:
     result = bisect(cmd_a, cmd_b, out=args.out, steps=args.steps, nproc=args.nproc,
                     nondeterministic=args.nondeterministic, overrides=args.overrides,
                     stop_after=args.stop_after, run_timeout=args.run_timeout,
-                    b_step_offset=args.b_step_offset, progress=progress)
+                    b_step_offset=args.b_step_offset, resume_at=args.resume_at, progress=progress)
     return print_result(result, args.json, render)
 
 

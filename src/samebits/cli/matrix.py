@@ -33,7 +33,8 @@ def register(sub) -> None:
     parser.add_argument("--require-agreement", action="store_true",
                         help="fail unless every cell is bitwise identical to the baseline")
     parser.add_argument("--bisect-failures", action="store_true",
-                        help="bisect each cell whose independent runs diverged (samebits bisect)")
+                        help="bisect each cell whose independent runs diverged, or whose resume diverged where they held "
+                        "(samebits bisect; --resume-at for a resume)")
     add_recipe_options(parser, steps=6, nondeterministic=True)  # --set applies to every cell
     parser.add_argument("--resume-at", type=positive_int, default=None, metavar="K",
                         help="the resume step (default steps/2)")
@@ -81,7 +82,8 @@ def render(result: MatrixResult) -> str:
             if len(explanations) > 5:
                 lines.append(f"  ... and {len(explanations) - 5} more (summary.json)")
         if c.bisect is not None:
-            lines.append(f"{c.cell} {c.precision}, bisect: {c.bisect.get('conclusion') or c.bisect.get('error')}")
+            of = " of the resume" if c.bisect.get("of") == "resume" else ""
+            lines.append(f"{c.cell} {c.precision}, bisect{of}: {c.bisect.get('conclusion') or c.bisect.get('error')}")
     for note in result.notes:
         lines.append(f"note: {note}")
     lines.append("agreement: identical, or the first step whose global records differ and the largest ulp "

@@ -40,7 +40,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from samebits import settings
-from samebits.autorecord import environment_for
+from samebits.autorecord import environment_for, recording_variables, with_variables
 from samebits.checkpoint import describe_state_record
 from samebits.errors import ConfigError, SamebitsError
 from samebits.runs._launch import failed, run_logged, teardown_note
@@ -78,8 +78,10 @@ class Command:
 
     def launch(self, out_dir: Path, config: TraceConfig, log: Path, timeout: float | None = None) -> float:
         env = dict(os.environ)
-        if self.recipe:
+        if self.recipe:  # it records itself; a resume bisect records only steps >= K on both sides
             argv = self.argv + ["--out", str(out_dir)]
+            if self.from_step is not None:
+                env = with_variables(env, recording_variables(steps=f"{self.from_step}:"))
         else:
             env = environment_for(out_dir, command=shlex.join(self.argv), step_offset=self.step_offset,
                                   steps=None if self.from_step is None else f"{self.from_step}:")
@@ -173,8 +175,8 @@ class Elements:
 @dataclass
 class Origin:
     """What the bisection concludes: ``kind`` (op, probe, collective, order, generator,
-    input_batch, replicas, initial_state, control_flow, below_dispatcher, not_localised), the
-    sentence for a person, and the finding it rests on."""
+    input_batch, replicas, initial_state, resume_state, control_flow, below_dispatcher,
+    not_localised), the sentence for a person, and the finding it rests on."""
 
     kind: str
     conclusion: str
@@ -500,6 +502,18 @@ class _Bisector:
                                 f"the parameters differ before step {found.step}, the first traced step "
                                 f"({found.label} on rank {found.rank}): initialisation (its seed) or the "
                                 "loaded checkpoint differs, so no training op is the origin")
+        names = found.state_differs
+        if self.from_step is not None and found.step == self.from_step and names and \
+                not any(name.startswith("rng.") for name in names):
+            # B resumed at this step, each side repeats itself, and the state census taken at the
+            # step's start, before any op, already differs: what the checkpoint saves and restores.
+            # (A generator that differs is narrowed on instead: to the RNG op that draws from it.)
+            listed = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            return _origin(found, None, "resume_state",
+                           f"the resumed run starts step {found.step} in another state than the run it resumes "
+                           f"(rank {found.rank}): {listed} differ at the step's start, before any op ran, and each "
+                           "side repeats itself: the checkpoint does not save or restore them. "
+                           + describe_state_record(names[0]))
         return None
 
     def _collective_site(self, found: OriginFinding) -> str | None:
@@ -740,11 +754,14 @@ def _control_flow(finding: OriginFinding) -> ControlFlow:
 def bisect(cmd_a: list[str] | None = None, cmd_b: list[str] | None = None, *, out=None,
            steps: int = 4, nproc: int = 2, nondeterministic: bool = False, overrides=(),
            stop_after: int | None = None, run_timeout: float | None = 1800, b_step_offset: int | None = None,
-           progress: Callable[[str], None] | None = None) -> BisectResult:
+           resume_at: int | None = None, progress: Callable[[str], None] | None = None) -> BisectResult:
     """Find where two runs part, and the op that is the origin.
 
     * no command: the reference recipe twice (``steps``, ``nproc``, ``nondeterministic``,
-      ``overrides`` as in ``samebits verify``);
+      ``overrides`` as in ``samebits verify``); with ``resume_at`` K, its resume, as
+      `samebits verify`'s runs A and C: one run saves the checkpoint of step K (under
+      ``out``/ckpt), every B resumes it, every A runs through; only steps >= K are compared
+      and traced;
     * ``cmd_a`` only: that command twice (its run-to-run nondeterminism);
     * ``cmd_a`` and ``cmd_b``: each checked for repeatability, then A against B.
 
@@ -761,10 +778,17 @@ def bisect(cmd_a: list[str] | None = None, cmd_b: list[str] | None = None, *, ou
     if b_step_offset is not None:
         if not cmd_a or cmd_b is None:
             raise ConfigError("--b-step-offset needs --a and --b: the run to resume from (A) and the command "
-                              "that resumes it at that step (B); the reference recipe has no resume to bisect.")
+                              "that resumes it at that step (B); for the reference recipe's resume, --resume-at K.")
         if b_step_offset < 0:
             raise ConfigError(f"--b-step-offset {b_step_offset}: a step number cannot be negative; give the "
                               "step the resumed command B starts from (as in --resume-at K).")
+    if resume_at is not None:
+        if cmd_a:
+            raise ConfigError("--resume-at bisects the reference recipe's resume; for your own commands give "
+                              "--a (the run that saves), --b (the command that resumes) and --b-step-offset K.")
+        if not 0 < resume_at < steps:
+            raise ConfigError(f"--resume-at {resume_at} must be between 1 and {steps - 1} (inside the run of "
+                              f"--steps {steps}).")
     out = Path(out) if out is not None else default_out_dir()
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out} exists and is not empty: samebits never overwrites runs. "
@@ -773,7 +797,12 @@ def bisect(cmd_a: list[str] | None = None, cmd_b: list[str] | None = None, *, ou
     if not cmd_a:
         side_a, side_b = recipe_commands(steps=steps, nproc=nproc, nondeterministic=nondeterministic,
                                          overrides=overrides)
-        same = True
+        same = resume_at is None
+        if resume_at is not None:
+            ckpt = _save_recipe_checkpoint(side_a.argv, resume_at, out, run_timeout, progress)
+            side_a = Command("a", side_a.argv, recipe=True, from_step=resume_at)
+            side_b = Command("b", side_b.argv + ["--resume-from", str(ckpt)], recipe=True, step_offset=resume_at,
+                             from_step=resume_at)
     else:
         side_a = Command("a", list(cmd_a), from_step=b_step_offset)
         same = cmd_b is None
@@ -783,6 +812,21 @@ def bisect(cmd_a: list[str] | None = None, cmd_b: list[str] | None = None, *, ou
     result = bisector.bisect()
     _write_summary(out, result)
     return result
+
+
+def _save_recipe_checkpoint(argv: list[str], step: int, out: Path, timeout: float | None,
+                            progress: Callable[[str], None] | None) -> Path:
+    """Run the recipe once up to ``step`` and save its checkpoint there (`samebits verify`'s
+    run C before its resume), untraced and unrecorded: every B of the bisect resumes from it,
+    while every A runs through from step 0.  Returns the checkpoint root."""
+    ckpt, log = out / "ckpt", out / "logs" / "save.log"
+    save = argv + ["--save-at", str(step), "--ckpt", str(ckpt)]
+    (progress or (lambda message: None))(f"[0] save   the checkpoint of step {step} that every run b resumes ...")
+    env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
+    code, _ = run_logged(save, log, env=env, timeout=timeout, label="save")
+    if code != 0 or not (ckpt / f"step-{step}").is_dir():
+        raise failed("save", save, code, log, why="" if code else f"it saved no checkpoint of step {step} in {ckpt}")
+    return ckpt
 
 
 def _write_summary(out: Path, result: BisectResult) -> None:

@@ -184,7 +184,8 @@ def run_matrix(
     micro-batch is global_batch / its data-parallel size; None: the recipe's micro-batch per
     rank).  ``layout_independent``: turn off the per-replica randomness and per-rank losses
     (``LAYOUT_INDEPENDENT``) so that layouts compute the same function and agreement means
-    something.  ``bisect_failures``: bisect each cell whose independent runs diverged."""
+    something.  ``bisect_failures``: bisect each cell whose independent runs diverged, or,
+    where they held, whose resume diverged (A saves at the resume step, B resumes there)."""
     say = progress or (lambda message: None)
     parsed = [parse_cell(name) for name in cells]
     if not parsed or not precisions:
@@ -228,10 +229,14 @@ def run_matrix(
         c.agreement = _agreement(c, by_key.get((baseline, c.precision)))
     if bisect_failures:
         for c in result.cells:
-            if c.check("independent") == "no":
-                say(f"bisecting {c.cell} {c.precision} ...")
+            # Independent runs that differ are bisected first (a resume cannot hold without them);
+            # a cell whose runs repeat but whose resume differs is bisected on the resume.
+            resume = c.check("independent") == "yes" and c.check("resume") == "no"
+            if c.check("independent") == "no" or resume:
+                say(f"bisecting {c.cell} {c.precision}{' (its resume)' if resume else ''} ...")
                 cell = parse_cell(c.cell)  # bisected on the cell's own batch, as verified
-                c.bisect = _bisect_cell(c, cell, steps, [*_batch(cell, global_batch), *common], nondeterministic, say)
+                c.bisect = _bisect_cell(c, cell, steps, [*_batch(cell, global_batch), *common], nondeterministic,
+                                        say, resume_at=c.verify.resume_at if resume else None)
     _write_summary(out, result)
     return result
 
@@ -365,15 +370,18 @@ def _max_ulp(a: dict[str, tuple[str, bytes]], b: dict[str, tuple[str, bytes]]) -
 
 
 def _bisect_cell(c: CellResult, cell: Cell, steps: int, overrides: list[str], nondeterministic: bool,
-                 say: Callable[[str], None]) -> dict:
+                 say: Callable[[str], None], resume_at: int | None = None) -> dict:
+    """Bisect the cell's independent runs (the first 4 steps), or with ``resume_at`` its resume
+    (the verified steps: A saves at ``resume_at``, B resumes there)."""
     try:
-        found = bisect(out=Path(c.out) / "bisect", steps=min(steps, 4), nproc=cell.world_size,
-                       nondeterministic=nondeterministic,
+        found = bisect(out=Path(c.out) / "bisect", steps=min(steps, 4) if resume_at is None else steps,
+                       nproc=cell.world_size, nondeterministic=nondeterministic, resume_at=resume_at,
                        overrides=[*cell.overrides, f"precision={c.precision}", *overrides],
                        progress=lambda m: say("      " + m.strip()))
     except SamebitsError as err:
         return {"error": str(err).splitlines()[0]}
-    return {"conclusion": found.conclusion, "verdict": str(found.verdict), "out": found.out,
+    return {"of": "resume" if resume_at is not None else "independent",
+            "conclusion": found.conclusion, "verdict": str(found.verdict), "out": found.out,
             "origin": None if found.origin is None else found.origin.to_dict()}
 
 

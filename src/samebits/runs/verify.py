@@ -181,10 +181,11 @@ def verify_recipe(
     }
     result = VerifyResult(str(out), checks, timings, resume_at, [], runs)
     result.explanations = _explain(result, out / "a", out / "b", out / "c")
-    result.bisect_command = shlex.join(
-        ["samebits", "bisect", "--steps", str(steps), "--nproc", str(nproc)]
-        + [part for item in overrides for part in ("--set", item)]
-        + (["--nondeterministic"] if nondeterministic else []))
+    bisect_argv = (["samebits", "bisect", "--steps", str(steps), "--nproc", str(nproc)]
+                   + [part for item in overrides for part in ("--set", item)]
+                   + (["--nondeterministic"] if nondeterministic else []))
+    result.bisect_command = shlex.join(bisect_argv)
+    result.resume_bisect_command = shlex.join(bisect_argv + ["--resume-at", str(resume_at)])
     _write_summary(out, result)
     return result
 

@@ -299,13 +299,16 @@ def _context_name(record: Record) -> str:
 
 
 def _classify_step(rank: int, step: int, records_a: list[Record], records_b: list[Record]) -> OriginFinding | None:
-    """The step's first difference, classified; None when only context records differ."""
+    """The step's first difference, classified; None when only context records differ.
+    ``state_differs`` holds the census records both runs took whose contents differ; one that
+    only one run took is no evidence of a differing value (a resumed process has not seen its
+    optimizer step yet when the tracer takes its first census)."""
     context_b = {r.key: r for r in records_b if is_context(r)}
     state_differs = []
     for record in records_a:
         if is_context(record):
             other = context_b.get(record.key)
-            if (other is None or not record.same_content(other)) and _context_name(record) not in state_differs:
+            if other is not None and not record.same_content(other) and _context_name(record) not in state_differs:
                 state_differs.append(_context_name(record))
     records_a = [r for r in records_a if not is_context(r)]
     records_b = [r for r in records_b if not is_context(r)]

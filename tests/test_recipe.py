@@ -312,10 +312,25 @@ def test_cli_prints_one_line_per_step(capsys):
     assert "grad_norm" in lines[0] and "lr 3.00e-04" in lines[0] and lines[0].endswith("ms")
 
 
+def test_cli_keep_going_saves_and_trains_on_like_an_uninterrupted_run(tmp_path, capsys):
+    """--save-at K --keep-going: the checkpoint of step K, and the run goes on to --steps with
+    the same bits as a run that never saved (verify's run A saves this way; B never saves)."""
+    assert main(["--steps", "3", *TINY_ARGS]) == 0
+    plain = capsys.readouterr().out.splitlines()
+    assert main(["--steps", "3", *TINY_ARGS, "--save-at", "1", "--ckpt", str(tmp_path / "ckpt"), "--keep-going"]) == 0
+    saving = capsys.readouterr().out.splitlines()
+    assert saving[1].startswith("saved ") and saving[1].endswith("(before step 1); going on"), saving
+    assert (tmp_path / "ckpt" / "step-1").is_dir()
+    steps = [line for line in saving if line.startswith("step")]
+    # the loss's float bits (in brackets) and every other field but the time are the same
+    assert [line.rsplit("|", 1)[0] for line in steps] == [line.rsplit("|", 1)[0] for line in plain]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--set", "nope=1"], "expected key=value"),
     (["--save-at", "1"], "--save-at and --ckpt go together"),
     (["--reference", "x"], "--reference needs --out"),
+    (["--keep-going"], "--keep-going needs --save-at"),
     (["--set", "moe_combine=index_put_accumulate"], "moe_combine"),
 ])
 def test_cli_errors_exit_2(argv, message, capsys):

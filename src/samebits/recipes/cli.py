@@ -6,6 +6,7 @@ print.
     python -m samebits.recipes --steps 20 --out runs/a         # record streams
     python -m samebits.recipes --steps 20 --out runs/b --reference runs/a  # live check
     python -m samebits.recipes --steps 20 --save-at 10 --ckpt ckpt        # save, exit
+    python -m samebits.recipes --steps 20 --save-at 10 --ckpt ckpt --keep-going  # save, go on
     python -m samebits.recipes --steps 20 --resume-from ckpt                # continue
     python -m samebits.recipes --preset nondeterministic --set seed=3
     torchrun --nproc_per_node 4 -m samebits.recipes --cell tp2-dp2 --steps 3  # a parallel cell
@@ -50,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--save-at", type=int, metavar="K",
                         help="save a checkpoint before step K into --ckpt, then exit")
     parser.add_argument("--ckpt", type=Path, help="checkpoint root for --save-at")
+    parser.add_argument("--keep-going", action="store_true",
+                        help="after --save-at, train on to --steps instead of exiting")
     parser.add_argument("--resume-from", type=Path, metavar="DIR",
                         help="checkpoint root (its latest) or step-K directory to resume from")
     return parser
@@ -64,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = cfg.with_overrides(args.overrides)
         if (args.save_at is None) != (args.ckpt is None):
             raise ConfigError("--save-at and --ckpt go together: give both or neither")
+        if args.keep_going and args.save_at is None:
+            raise ConfigError("--keep-going needs --save-at K and --ckpt DIR (it trains on after saving)")
         if args.reference is not None and args.out is None:
             raise ConfigError("--reference needs --out (the live check runs in the recorder)")
     except ValueError as err:
@@ -77,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                 recorder = _make_recorder(args, cfg, rank, world_size)
             try:
                 result = train(cfg, steps=args.steps, recorder=recorder, save_at=args.save_at,
-                               ckpt_dir=args.ckpt, resume_from=args.resume_from, log=True)
+                               ckpt_dir=args.ckpt, resume_from=args.resume_from, keep_going=args.keep_going,
+                               log=True)
             finally:
                 if recorder is not None and hasattr(recorder, "close"):
                     recorder.close()
@@ -85,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"samebits.recipes: error (rank {rank}): {err}", file=sys.stderr)
         return EXIT_CANNOT_RUN
     if rank == 0:
-        if result.checkpoint is not None:
+        if result.checkpoint is not None and not args.keep_going:
             print(f"saved {result.checkpoint} (before step {result.end_step}); exiting")
         if result.stopped_at is not None:
             print(f"stopped at step {result.stopped_at}: diverged from reference")

@@ -47,12 +47,13 @@ class TrainResult:
 
 def train(config: RecipeConfig, *, steps: int, recorder: Any = None, save_at: int | None = None,
           ckpt_dir: str | Path | None = None, resume_from: str | Path | None = None,
-          log: bool = False) -> TrainResult:
+          keep_going: bool = False, log: bool = False) -> TrainResult:
     """Run optimizer steps [start, steps) on this rank; start is 0 or the resumed step.
 
     Joins the torchrun process group when the environment names one (or uses one already
     initialised); otherwise runs as world size 1.  `save_at=K` saves to `ckpt_dir` before
-    step K and returns.  `recorder` (duck-typed, see docs/recipe.md) receives the per-step
+    step K and returns (``keep_going``: then trains on to ``steps``, as a training job that
+    saves and continues).  `recorder` (duck-typed, see docs/recipe.md) receives the per-step
     records; when its `end_step` returns False on any rank, every rank stops.
     """
     if save_at is not None and (ckpt_dir is None or not 0 <= save_at <= steps):
@@ -62,7 +63,7 @@ def train(config: RecipeConfig, *, steps: int, recorder: Any = None, save_at: in
         if resume_from is not None:
             run.resume(resume_from)
         return run.loop(steps, recorder=recorder, save_at=save_at, ckpt_dir=ckpt_dir,
-                        log=log and rank == 0)
+                        keep_going=keep_going, log=log and rank == 0)
 
 
 @contextlib.contextmanager
@@ -172,15 +173,18 @@ class _Run:
                           + "); the run will not be bitwise equal to an uninterrupted one",
                           stacklevel=3)
 
-    def loop(self, steps: int, *, recorder, save_at, ckpt_dir, log: bool) -> TrainResult:
+    def loop(self, steps: int, *, recorder, save_at, ckpt_dir, log: bool, keep_going: bool = False) -> TrainResult:
         result = TrainResult(start_step=self.step, end_step=self.step)
         if save_at is not None and save_at < self.step:
             raise ConfigError(f"save_at={save_at} is before the resumed step {self.step}")
         tracer = trace.attach_from_env(self.model, recorder)  # off unless SAMEBITS_TRACE* is set
         while True:
-            if self.step == save_at:
+            if self.step == save_at and result.checkpoint is None:
                 result.checkpoint = checkpoint.save(ckpt_dir, self.bundle())
-                break
+                if not keep_going:
+                    break
+                if log:
+                    print(f"saved {result.checkpoint} (before step {self.step}); going on", flush=True)
             if self.step >= steps:
                 break
             with tracer.step(self.step):  # encloses the whole step, the recorder's end_step too

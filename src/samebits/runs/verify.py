@@ -3,7 +3,9 @@
 * A and B: two independent runs from the same initial state must be bitwise identical
   at every step (guarantee 1, "independent").
 * C: a fresh process resumes from A's checkpoint at step k and runs to the end; from step
-  k on it must be bitwise identical to A (guarantee 2, "resume").
+  k on it must be bitwise identical to A (guarantee 2, "resume").  On the reference recipe
+  A saves at step k and trains on, as a job that checkpoints does, and B never saves, so
+  A = B also shows that saving leaves a run as it was.
 
 B and C check themselves live against A's step roots and stop at the first divergent
 step, so no compute is spent after the answer is known.  The same check runs on the
@@ -135,8 +137,8 @@ def verify_recipe(
     progress: Callable[[str], None] | None = None,
     record: dict | None = None,
 ) -> VerifyResult:
-    """Run the reference recipe A, B and C (save at ``resume_at``, default ``steps // 2``;
-    resume) and compare.  Both guarantees are always checked.  ``record``: what to record
+    """Run the reference recipe A (saves at ``resume_at``, default ``steps // 2``, and trains
+    on), B (never saves) and C (resumes A's checkpoint) and compare.  Both guarantees are always checked.  ``record``: what to record
     (`samebits.autorecord.recording_variables`' arguments)."""
     if steps < 2:
         raise ConfigError(f"--steps {steps}: verify needs at least 2 steps (one before and one after the resume).")
@@ -153,10 +155,12 @@ def verify_recipe(
         base += ["--set", item]
     if nondeterministic:
         base += ["--preset", "nondeterministic"]
+    # A saves at the resume step and trains on, as a job that checkpoints does; B never saves
+    # (so A = B also says that saving leaves the run as it was); C resumes A's checkpoint.
     stages = [
-        ("A", base + ["--out", str(out / "a")], False),
+        ("A", base + ["--out", str(out / "a"), "--save-at", str(resume_at), "--ckpt", str(out / "ckpt"),
+                      "--keep-going"], False),
         ("B", base + ["--out", str(out / "b"), "--reference", str(out / "a")], True),
-        ("C (save)", base + ["--out", str(out / "c"), "--save-at", str(resume_at), "--ckpt", str(out / "ckpt")], False),
         ("C (resume)", base + ["--out", str(out / "c"), "--resume-from", str(out / "ckpt"), "--reference",
                                str(out / "a")], True),
     ]

@@ -569,7 +569,8 @@ class _Bisector:
     def _finish(self, final: OriginFinding, subtree: str | None, evidence: _Evidence) -> Origin:
         """The origin object and its conclusion, with the dump for an op, probe or collective."""
         elements = None
-        if final.classification == "origin" and final.category in ("op", "collective", "probe"):
+        rng_op = final.category == "op" and final.op in RNG_OPS  # its conclusion needs no element data
+        if final.classification == "origin" and final.category in ("op", "collective", "probe") and not rng_op:
             elements = self._dump(final, subtree)
         if not evidence.reproduced:
             return _origin(final, None, "not_localised",

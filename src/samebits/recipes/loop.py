@@ -244,23 +244,22 @@ class _Run:
         if keep("metrics"):
             rec.metrics(step, **{k: v.detach() for k, v in losses.items()},
                         grad_norm=grad_norm, lr=lr)
+        # One walk of the module tree for all of this step's records (it costs about as much as
+        # digesting the tiny recipe's parameters); the same parameter objects after the update.
+        named = list(model.named_parameters()) if rec is not None else []
         if keep("grads"):
-            rec.tensors(step, "grads", [(n, parallelize.local(p.grad))
-                                        for n, p in model.named_parameters()
-                                        if p.grad is not None])
+            rec.tensors(step, "grads", [(n, parallelize.local(p.grad)) for n, p in named if p.grad is not None])
 
         # Update.
         self.optimizer.step()
         self.scheduler.step()
         ok = None
-        if keep("params"):
-            rec.tensors(step, "params", [(n, parallelize.local(p.detach()))
-                                         for n, p in model.named_parameters()])
         if rec is not None:
-            if hasattr(rec, "global_tensors"):  # layout-independent: diff across cells
-                rec.global_tensors(step, "params", [(n, p.detach()) for n, p in
-                                                    model.named_parameters()],
-                                   group=self.layout.expert_group)
+            detached = [(n, p.detach()) for n, p in named]
+            if keep("params"):
+                rec.tensors(step, "params", [(n, parallelize.local(p)) for n, p in detached])
+            if hasattr(rec, "global_tensors"):  # layout-independent: diff across cells (collective)
+                rec.global_tensors(step, "params", detached, group=self.layout.expert_group)
             ok = rec.end_step(step)
 
         local = torch.stack([v.detach() for v in losses.values()])
@@ -304,14 +303,14 @@ class _Run:
         lr = self.scheduler.get_last_lr()[0]
         if keep("metrics"):
             rec.metrics(step, **losses, grad_norm=grad_norm, lr=lr)
+        named = list(model.named_parameters()) if keep("grads") or keep("params") else []
         if keep("grads"):
-            rec.tensors(step, "grads", [(n, p.grad) for n, p in model.named_parameters()
-                                        if p.grad is not None])
+            rec.tensors(step, "grads", [(n, p.grad) for n, p in named if p.grad is not None])
         self.optimizer.step()
         self.scheduler.step()
         ok = None
         if keep("params"):
-            rec.tensors(step, "params", [(n, p.detach()) for n, p in model.named_parameters()])
+            rec.tensors(step, "params", [(n, p.detach()) for n, p in named])
         if rec is not None:
             ok = rec.end_step(step)
         metrics = {"step": step, **{k: float(v) for k, v in losses.items()},

@@ -309,6 +309,10 @@ def test_digest_equals_reference_on_odd_sizes(size):
     data = torch.randint(0, 256, (size,), dtype=torch.uint8,
                          generator=torch.Generator().manual_seed(size))
     assert as_uint64(kernels.digest_body(data)) == python_body_sum(data.numpy().tobytes())
+    # All-ones bytes: mix2's products (x & 0xFFFFFFFF) * K come near 2**64 and every half swap
+    # moves set bits, so uint64 overflow or a wrong shift in the kernel shows here.
+    ones = torch.full((size,), 0xFF, dtype=torch.uint8)
+    assert as_uint64(kernels.digest_body(ones)) == python_body_sum(ones.numpy().tobytes())
 
 
 @needs_triton

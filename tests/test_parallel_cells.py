@@ -144,6 +144,9 @@ def _identical(a: Path, b: Path, **kwargs) -> None:
 @pytest.mark.parametrize("cell", CELLS_2)
 def test_two_rank_cell_runs_and_repeats(runs_2, cell):
     _identical(runs_2 / f"{cell}-a", runs_2 / f"{cell}-b")
+    # and by global digests: every rank of a shard group records the same full-tensor digest
+    # (expert shards were digested shard by shard when the recipe passed detached tensors)
+    _identical(runs_2 / f"{cell}-a", runs_2 / f"{cell}-b", by="global")
     run = samebits.open_run(runs_2 / f"{cell}-a")
     assert run.header["config"]["parallel"] == {"cell": cell, "mesh": parse_cell(cell)}
     assert {h["coords"]["tp"] for h in run.headers.values()} == set(range(parse_cell(cell)["tp"]))
@@ -153,6 +156,7 @@ def test_two_rank_cell_runs_and_repeats(runs_2, cell):
 @pytest.mark.parametrize("cell", CELLS_4)
 def test_four_rank_cell_runs_and_repeats(runs_4, cell):
     _identical(runs_4 / f"{cell}-a", runs_4 / f"{cell}-b")
+    _identical(runs_4 / f"{cell}-a", runs_4 / f"{cell}-b", by="global")
 
 
 @pytest.mark.slow

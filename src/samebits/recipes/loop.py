@@ -259,7 +259,10 @@ class _Run:
             if keep("params"):
                 rec.tensors(step, "params", [(n, parallelize.local(p)) for n, p in detached])
             if hasattr(rec, "global_tensors"):  # layout-independent: diff across cells (collective)
-                rec.global_tensors(step, "params", detached, group=self.layout.expert_group)
+                # The parameters themselves: a detached tensor loses the shard attributes
+                # (tensor_model_parallel, partition_dim) that make expert shards global.
+                with torch.no_grad():
+                    rec.global_tensors(step, "params", named, group=self.layout.expert_group)
             ok = rec.end_step(step)
 
         local = torch.stack([v.detach() for v in losses.values()])

@@ -28,6 +28,7 @@ from samebits.errors import ConfigError
 from samebits.runs._launch import failed, judge_recipe_run, run_logged
 from samebits.runs.verify import RunInfo, _fill, _prepare, _recipe_argv
 from samebits.stream import open_run
+from samebits.stream.reader import require_same_digest_version
 from samebits.verdicts import ToDict, Verdict
 
 ACROSS_PLACEHOLDERS = ("{nproc}", "{out}")  # in a command for --across: the rank count, the run's folder
@@ -57,6 +58,7 @@ def compare_replicated(a, b, *, rank: int = 0, start_step: int | None = None, st
     wanted = None if phases is None else set(phases)
     run_a, run_b = open_run(a), open_run(b)
     try:
+        require_same_digest_version(run_a, run_b)  # digests of two versions never compare
         steps_a = _rank_steps(run_a, rank, start, stop_step, wanted)
         steps_b = _rank_steps(run_b, rank, start, stop_step, wanted)
     finally:

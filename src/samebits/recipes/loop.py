@@ -255,9 +255,8 @@ class _Run:
         self.scheduler.step()
         ok = None
         if rec is not None:
-            detached = [(n, p.detach()) for n, p in named]
             if keep("params"):
-                rec.tensors(step, "params", [(n, parallelize.local(p)) for n, p in detached])
+                rec.tensors(step, "params", [(n, parallelize.local(p.detach())) for n, p in named])
             if hasattr(rec, "global_tensors"):  # layout-independent: diff across cells (collective)
                 # The parameters themselves: a detached tensor loses the shard attributes
                 # (tensor_model_parallel, partition_dim) that make expert shards global.

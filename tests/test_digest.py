@@ -478,7 +478,9 @@ def test_every_vector_loop_equals_the_spec(isa):
         pytest.skip(f"this build or CPU has no {isa} loop")
     base = random_tensor(torch.uint8, (8 * 300 + 16,), 11)
     for offset in (0, 3):
-        for length in (0, 5, 8, 31, 32, 63, 64, 65, 8 * 17 + 3, 8 * 300):
+        # 8 * 32 and up: the AVX2/AVX-512 loops' four streams (a 64-byte line of each at a time),
+        # with and without a tail of whole lines and of words
+        for length in (0, 5, 8, 31, 32, 63, 64, 65, 8 * 17 + 3, 8 * 32, 8 * 40, 8 * 64 + 8 * 7 + 3, 8 * 300):
             data = base[offset : offset + length]
             for first_word in (0, 2**32 + 5):
                 expected = spec_body_sum(spec_bytes(data), first_word)

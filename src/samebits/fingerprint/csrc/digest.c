@@ -12,7 +12,8 @@
  * multiply into vpmuludq (it emulates a full 64-bit multiply with three), so the hot loop is
  * written with intrinsics, once per instruction set: AVX-512F, AVX2, and SSE2 (every x86-64);
  * the best one for the running CPU is picked once at load time.  A shipped build never depends
- * on the build machine's CPU.  Other architectures get the plain C loop.  Inputs above
+ * on the build machine's CPU.  The AVX2 and AVX-512 loops read four parts of the buffer at once
+ * (STREAMS, below) to keep DRAM busy from one core.  Other architectures get the plain C loop.  Inputs above
  * PARALLEL_MIN_BYTES are split into chunks summed by OpenMP threads; wrapping addition is
  * associative and commutative, so the result does not depend on the thread count or order.
  */
@@ -58,6 +59,16 @@ static const uint64_t GOLDEN = 0x9E3779B97F4A7C15ULL; /* G: the per-position off
  * prefetcher has enough loads in flight to keep up with DRAM.  Measured on Zen 3: +30-40%. */
 #define PREFETCH_BYTES 4096
 
+/* The AVX2 and AVX-512 loops read STREAMS parts of a buffer at once, one 64-byte line of each
+ * per iteration, each prefetched STREAM_PREFETCH_BYTES ahead.  One sequential stream leaves
+ * DRAM bandwidth unused on one core (a plain load loop reads ~10% slower than torch's sum(),
+ * which also reads several rows at once); four streams keep more misses in flight and give the
+ * hardware prefetchers four streams to follow.  Measured on Zen 3, 256 MiB, 1 thread:
+ * 0.92x -> 1.1x of sum() (benchmarks/RESULTS.md).  The sum is the same: each word keeps its
+ * own position term, and the terms are added modulo 2^64 in another order. */
+#define STREAMS 4
+#define STREAM_PREFETCH_BYTES 2048
+
 static inline uint64_t mix_round(uint64_t x, uint32_t key)
 {
     x ^= (uint64_t)(uint32_t)x * key; /* high half ^= high32(lo*K), low half ^= low32(lo*K) */
@@ -93,17 +104,29 @@ static uint64_t sum_words_portable(const unsigned char *p, uint64_t num_words, u
 #define ROUND_256(x, k) x = _mm256_shuffle_epi32(_mm256_xor_si256(x, _mm256_mul_epu32(x, k)), 0xB1)
 #define ROUND_512(x, k) x = _mm512_shuffle_epi32(_mm512_xor_si512(x, _mm512_mul_epu32(x, k)), 0xB1)
 
-/* Each returns the sum over the first (num_words rounded down to its vector step) words and
- * sets *done to that count; the caller adds the rest with sum_words_portable. */
+/* The loops below (sum_words_*, and sum_lines_* for the tail that the streams leave) return
+ * the sum over the first *done words, num_words rounded down to their step; the caller adds the
+ * rest with sum_words_portable.  mix_line_* mixes one 64-byte line for the tail loops. */
 
-__attribute__((target("avx512f"))) static uint64_t sum_words_avx512(const unsigned char *p,
+/* mix2 of the 8 words of one 64-byte line at p, whose offsets (j+1)*G are the lanes of o. */
+__attribute__((target("avx512f"), always_inline)) static inline __m512i mix_line_avx512(
+    const unsigned char *p, __m512i o)
+{
+    __m512i x = _mm512_add_epi64(_mm512_loadu_si512((const void *)p), o);
+    ROUND_512(x, _mm512_set1_epi64(MIX_KEY_0));
+    ROUND_512(x, _mm512_set1_epi64(MIX_KEY_1));
+    ROUND_512(x, _mm512_set1_epi64(MIX_KEY_2));
+    ROUND_512(x, _mm512_set1_epi64(MIX_KEY_3));
+    ROUND_512(x, _mm512_set1_epi64(MIX_KEY_4));
+    return x;
+}
+
+/* One stream: the tail that the STREAMS loop leaves (under STREAMS lines). */
+__attribute__((target("avx512f"))) static uint64_t sum_lines_avx512(const unsigned char *p,
                                                                    uint64_t num_words,
                                                                    uint64_t offset,
                                                                    uint64_t *done)
 {
-    const __m512i k0 = _mm512_set1_epi64(MIX_KEY_0), k1 = _mm512_set1_epi64(MIX_KEY_1),
-                  k2 = _mm512_set1_epi64(MIX_KEY_2), k3 = _mm512_set1_epi64(MIX_KEY_3),
-                  k4 = _mm512_set1_epi64(MIX_KEY_4);
     const __m512i step = _mm512_set1_epi64((long long)(8 * GOLDEN));
     __m512i o = _mm512_add_epi64(
         _mm512_set1_epi64((long long)offset),
@@ -114,54 +137,158 @@ __attribute__((target("avx512f"))) static uint64_t sum_words_avx512(const unsign
     uint64_t i = 0;
     for (; i + 8 <= num_words; i += 8) {
         _mm_prefetch((const char *)(p + 8 * i + PREFETCH_BYTES), _MM_HINT_T0);
-        __m512i x = _mm512_add_epi64(_mm512_loadu_si512((const void *)(p + 8 * i)), o);
+        s = _mm512_add_epi64(s, mix_line_avx512(p + 8 * i, o));
         o = _mm512_add_epi64(o, step);
-        ROUND_512(x, k0);
-        ROUND_512(x, k1);
-        ROUND_512(x, k2);
-        ROUND_512(x, k3);
-        ROUND_512(x, k4);
-        s = _mm512_add_epi64(s, x);
     }
     *done = i;
     return (uint64_t)_mm512_reduce_add_epi64(s);
 }
 
-__attribute__((target("avx2"))) static uint64_t sum_words_avx2(const unsigned char *p,
-                                                               uint64_t num_words, uint64_t offset,
-                                                               uint64_t *done)
+/* STREAMS streams of `per` words each (a multiple of 8), then the rest with one stream. */
+__attribute__((target("avx512f"))) static uint64_t sum_words_avx512(const unsigned char *p,
+                                                                   uint64_t num_words,
+                                                                   uint64_t offset,
+                                                                   uint64_t *done)
+{
+    const uint64_t per = num_words / (8 * STREAMS) * 8;
+    const __m512i step = _mm512_set1_epi64((long long)(8 * GOLDEN));
+    const __m512i lanes =
+        _mm512_set_epi64((long long)(7 * GOLDEN), (long long)(6 * GOLDEN), (long long)(5 * GOLDEN),
+                         (long long)(4 * GOLDEN), (long long)(3 * GOLDEN), (long long)(2 * GOLDEN),
+                         (long long)GOLDEN, 0);
+    const unsigned char *q[STREAMS];
+    __m512i o[STREAMS];
+    for (int k = 0; k < STREAMS; k++) {
+        q[k] = p + 8 * per * k;
+        o[k] = _mm512_add_epi64(_mm512_set1_epi64((long long)(offset + per * k * GOLDEN)), lanes);
+    }
+    const __m512i k0 = _mm512_set1_epi64(MIX_KEY_0), k1 = _mm512_set1_epi64(MIX_KEY_1),
+                  k2 = _mm512_set1_epi64(MIX_KEY_2), k3 = _mm512_set1_epi64(MIX_KEY_3),
+                  k4 = _mm512_set1_epi64(MIX_KEY_4);
+    __m512i s = _mm512_setzero_si512();
+    for (uint64_t i = 0; i < per; i += 8) {
+        __m512i x[STREAMS]; /* each round on all streams' lines together, as in the AVX2 loop */
+        for (int k = 0; k < STREAMS; k++) {
+            _mm_prefetch((const char *)(q[k] + 8 * i + STREAM_PREFETCH_BYTES), _MM_HINT_T0);
+            x[k] = _mm512_add_epi64(_mm512_loadu_si512((const void *)(q[k] + 8 * i)), o[k]);
+            o[k] = _mm512_add_epi64(o[k], step);
+        }
+        for (int k = 0; k < STREAMS; k++)
+            ROUND_512(x[k], k0);
+        for (int k = 0; k < STREAMS; k++)
+            ROUND_512(x[k], k1);
+        for (int k = 0; k < STREAMS; k++)
+            ROUND_512(x[k], k2);
+        for (int k = 0; k < STREAMS; k++)
+            ROUND_512(x[k], k3);
+        for (int k = 0; k < STREAMS; k++)
+            ROUND_512(x[k], k4);
+        for (int k = 0; k < STREAMS; k++)
+            s = _mm512_add_epi64(s, x[k]);
+    }
+    uint64_t start = STREAMS * per, rest = 0;
+    uint64_t t = sum_lines_avx512(p + 8 * start, num_words - start, offset + start * GOLDEN, &rest);
+    *done = start + rest;
+    return (uint64_t)_mm512_reduce_add_epi64(s) + t;
+}
+
+/* mix2 of the 8 words of one 64-byte line at p (two vectors), summed; the offsets (j+1)*G of
+ * the first vector's words are the lanes of o, the second's are 4*G further. */
+__attribute__((target("avx2"), always_inline)) static inline __m256i mix_line_avx2(
+    const unsigned char *p, __m256i o)
 {
     const __m256i k0 = _mm256_set1_epi64x(MIX_KEY_0), k1 = _mm256_set1_epi64x(MIX_KEY_1),
                   k2 = _mm256_set1_epi64x(MIX_KEY_2), k3 = _mm256_set1_epi64x(MIX_KEY_3),
                   k4 = _mm256_set1_epi64x(MIX_KEY_4);
-    const __m256i step = _mm256_set1_epi64x((long long)(4 * GOLDEN));
-    __m256i o = _mm256_add_epi64(_mm256_set1_epi64x((long long)offset),
-                                 _mm256_set_epi64x((long long)(3 * GOLDEN),
-                                                   (long long)(2 * GOLDEN), (long long)GOLDEN, 0));
+    __m256i x = _mm256_add_epi64(_mm256_loadu_si256((const __m256i *)p), o);
+    __m256i y = _mm256_add_epi64(_mm256_loadu_si256((const __m256i *)(p + 32)),
+                                 _mm256_add_epi64(o, _mm256_set1_epi64x((long long)(4 * GOLDEN))));
+    ROUND_256(x, k0);
+    ROUND_256(y, k0);
+    ROUND_256(x, k1);
+    ROUND_256(y, k1);
+    ROUND_256(x, k2);
+    ROUND_256(y, k2);
+    ROUND_256(x, k3);
+    ROUND_256(y, k3);
+    ROUND_256(x, k4);
+    ROUND_256(y, k4);
+    return _mm256_add_epi64(x, y);
+}
+
+/* The lanes' offsets within a vector of 4 words: 0, G, 2G, 3G. */
+#define LANES_256                                                                          \
+    _mm256_set_epi64x((long long)(3 * GOLDEN), (long long)(2 * GOLDEN), (long long)GOLDEN, 0)
+
+/* One stream: the tail that the STREAMS loop leaves (under STREAMS lines). */
+__attribute__((target("avx2"))) static uint64_t sum_lines_avx2(const unsigned char *p,
+                                                               uint64_t num_words, uint64_t offset,
+                                                               uint64_t *done)
+{
+    const __m256i step = _mm256_set1_epi64x((long long)(8 * GOLDEN));
+    __m256i o = _mm256_add_epi64(_mm256_set1_epi64x((long long)offset), LANES_256);
     __m256i s = _mm256_setzero_si256();
     uint64_t i = 0;
-    for (; i + 8 <= num_words; i += 8) { /* two vectors (one cache line) per iteration */
+    for (; i + 8 <= num_words; i += 8) {
         _mm_prefetch((const char *)(p + 8 * i + PREFETCH_BYTES), _MM_HINT_T0);
-        __m256i x = _mm256_add_epi64(_mm256_loadu_si256((const __m256i *)(p + 8 * i)), o);
+        s = _mm256_add_epi64(s, mix_line_avx2(p + 8 * i, o));
         o = _mm256_add_epi64(o, step);
-        __m256i y = _mm256_add_epi64(_mm256_loadu_si256((const __m256i *)(p + 8 * i + 32)), o);
-        o = _mm256_add_epi64(o, step);
-        ROUND_256(x, k0);
-        ROUND_256(y, k0);
-        ROUND_256(x, k1);
-        ROUND_256(y, k1);
-        ROUND_256(x, k2);
-        ROUND_256(y, k2);
-        ROUND_256(x, k3);
-        ROUND_256(y, k3);
-        ROUND_256(x, k4);
-        ROUND_256(y, k4);
-        s = _mm256_add_epi64(s, _mm256_add_epi64(x, y));
     }
     *done = i;
     uint64_t lanes[4];
     _mm256_storeu_si256((__m256i *)lanes, s);
     return lanes[0] + lanes[1] + lanes[2] + lanes[3];
+}
+
+/* STREAMS streams of `per` words each (a multiple of 8), then the rest with one stream. */
+__attribute__((target("avx2"))) static uint64_t sum_words_avx2(const unsigned char *p,
+                                                               uint64_t num_words, uint64_t offset,
+                                                               uint64_t *done)
+{
+    const uint64_t per = num_words / (8 * STREAMS) * 8;
+    const __m256i step = _mm256_set1_epi64x((long long)(8 * GOLDEN));
+    const __m256i lanes = LANES_256;
+    const unsigned char *q[STREAMS];
+    __m256i o[STREAMS];
+    for (int k = 0; k < STREAMS; k++) {
+        q[k] = p + 8 * per * k;
+        o[k] = _mm256_add_epi64(_mm256_set1_epi64x((long long)(offset + per * k * GOLDEN)), lanes);
+    }
+    const __m256i k0 = _mm256_set1_epi64x(MIX_KEY_0), k1 = _mm256_set1_epi64x(MIX_KEY_1),
+                  k2 = _mm256_set1_epi64x(MIX_KEY_2), k3 = _mm256_set1_epi64x(MIX_KEY_3),
+                  k4 = _mm256_set1_epi64x(MIX_KEY_4);
+    const __m256i half = _mm256_set1_epi64x((long long)(4 * GOLDEN));
+    __m256i s = _mm256_setzero_si256();
+    for (uint64_t i = 0; i < per; i += 8) {
+        /* All 2 * STREAMS vectors go through each round together: independent multiplies to
+         * overlap (on Zen 3 +15% over mixing one line at a time). */
+        __m256i x[2 * STREAMS];
+        for (int k = 0; k < STREAMS; k++) {
+            _mm_prefetch((const char *)(q[k] + 8 * i + STREAM_PREFETCH_BYTES), _MM_HINT_T0);
+            x[2 * k] = _mm256_add_epi64(_mm256_loadu_si256((const __m256i *)(q[k] + 8 * i)), o[k]);
+            x[2 * k + 1] = _mm256_add_epi64(
+                _mm256_loadu_si256((const __m256i *)(q[k] + 8 * i + 32)), _mm256_add_epi64(o[k], half));
+            o[k] = _mm256_add_epi64(o[k], step);
+        }
+        for (int v = 0; v < 2 * STREAMS; v++)
+            ROUND_256(x[v], k0);
+        for (int v = 0; v < 2 * STREAMS; v++)
+            ROUND_256(x[v], k1);
+        for (int v = 0; v < 2 * STREAMS; v++)
+            ROUND_256(x[v], k2);
+        for (int v = 0; v < 2 * STREAMS; v++)
+            ROUND_256(x[v], k3);
+        for (int v = 0; v < 2 * STREAMS; v++)
+            ROUND_256(x[v], k4);
+        for (int v = 0; v < 2 * STREAMS; v++)
+            s = _mm256_add_epi64(s, x[v]);
+    }
+    uint64_t start = STREAMS * per, rest = 0;
+    uint64_t t = sum_lines_avx2(p + 8 * start, num_words - start, offset + start * GOLDEN, &rest);
+    *done = start + rest;
+    uint64_t lanes4[4];
+    _mm256_storeu_si256((__m256i *)lanes4, s);
+    return lanes4[0] + lanes4[1] + lanes4[2] + lanes4[3] + t;
 }
 
 static uint64_t sum_words_sse2(const unsigned char *p, uint64_t num_words, uint64_t offset,

@@ -8,7 +8,7 @@ cp "$here"/loops.c "$here"/*.loop "$here"/../../src/samebits/fingerprint/csrc/di
 extract() { python3 - "$1" "$2" <<'PY'
 import sys,re
 lines=open(sys.argv[1]).read().split('\n')
-start=lines.index(sys.argv[2]+':')
+start=next(i for i,l in enumerate(lines) if re.match(re.escape(sys.argv[2])+r'(\.\w+\.\d+)?:$',l))  # GCC may clone: f.constprop.0
 end=next(i for i in range(start,len(lines)) if lines[i].startswith('\t.size'))
 body=lines[start:end]; best=None
 labels={l[:-1]:i for i,l in enumerate(body) if re.match(r'^\.L\w+:$',l)}
@@ -35,7 +35,12 @@ for cpu in skylake-avx512 icelake-server sapphirerapids znver4; do
 mca v3.old_loop.loop znver3 32; mca v3.new_loop.loop znver3 32; mca sum_ymm.loop znver3 128
 # Digest version 2: no -march; each loop carries its own target attribute.
 gcc -O3 -S -o v2.s digest.c
-for fn in sum_words_avx512 sum_words_avx2 sum_words_sse2; do extract v2.s $fn > v2.$fn.loop; done
+# sum_words_avx512/avx2: the four-stream loops (4 lines = 256 bytes per iteration);
+# sum_lines_*: the one-stream loops that take the tail (64 bytes per iteration).
+for fn in sum_words_avx512 sum_lines_avx512 sum_words_avx2 sum_lines_avx2 sum_words_sse2; do
+  extract v2.s $fn > v2.$fn.loop; done
 for cpu in skylake-avx512 icelake-server sapphirerapids znver4; do
-  mca v2.sum_words_avx512.loop $cpu 64; mca v2.sum_words_avx2.loop $cpu 64; mca v2.sum_words_sse2.loop $cpu 32; done
-mca v2.sum_words_avx2.loop znver3 64; mca v2.sum_words_sse2.loop znver3 32
+  mca v2.sum_words_avx512.loop $cpu 256; mca v2.sum_lines_avx512.loop $cpu 64
+  mca v2.sum_words_avx2.loop $cpu 256; mca v2.sum_lines_avx2.loop $cpu 64; mca v2.sum_words_sse2.loop $cpu 32; done
+for cpu in znver3 skylake alderlake; do
+  mca v2.sum_words_avx2.loop $cpu 256; mca v2.sum_lines_avx2.loop $cpu 64; mca v2.sum_words_sse2.loop $cpu 32; done

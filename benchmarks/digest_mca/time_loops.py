@@ -1,9 +1,10 @@
 """Times body loops against torch's x.sum() on one float32 buffer, in one process, interleaved.
 
     python benchmarks/digest_mca/time_loops.py candidates [--repeats 9]     # phase-1 loops
+    python benchmarks/digest_mca/time_loops.py streams [--repeats 21]       # phase-2: streams
     python benchmarks/digest_mca/time_loops.py versions [--threads 2]       # v1 vs v2 library
 
-`candidates` compiles candidates.c (gcc -O3 -march=x86-64-v3) into a temp dir; `versions`
+`candidates` and `streams` compile candidates.c (gcc -O3 -march=x86-64-v3) into a temp dir; `versions`
 builds digest.c of the last digest-version-1 commit (--v1-commit) the way setup.py does and
 loads it beside the installed version-2 library.  Each number is the median of --repeats
 rounds (each round times every loop once, in turn), after a warm-up.  --bytes sets the buffer
@@ -26,6 +27,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 CANDIDATES = ["u64_sum", "fmix_v1", "mix2_no_prefetch", "mix2_prefetch_2k", "mix2_prefetch_4k",
               "mix2_prefetch_8k", "feistel4"]
+STREAMS = ["load_1s", "load_2s", "load_4s", "mix2_1s_2k", "mix2_2s_2k", "mix2_4s_1k", "mix2_4s_2k",
+           "mix2_4s_4k", "mix2_8s_2k", "rot4_4s_2k"]
 
 
 def build(source: Path, out: Path, flags: list[str]) -> ctypes.CDLL:
@@ -35,7 +38,7 @@ def build(source: Path, out: Path, flags: list[str]) -> ctypes.CDLL:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["candidates", "versions"])
+    parser.add_argument("mode", choices=["candidates", "streams", "versions"])
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--bytes", type=int, default=256 << 20)
@@ -46,9 +49,9 @@ def main() -> None:
     batch = max(1, (64 << 20) // x.nbytes)  # small buffers: time several calls per sample
     loops = {"torch_sum": x.sum}
     with tempfile.TemporaryDirectory() as tmp:
-        if args.mode == "candidates":
+        if args.mode in ("candidates", "streams"):
             lib = build(HERE / "candidates.c", Path(tmp) / "candidates.so", ["-march=x86-64-v3"])
-            for name in CANDIDATES:
+            for name in CANDIDATES if args.mode == "candidates" else STREAMS:
                 fn = getattr(lib, name)
                 fn.restype, fn.argtypes = ctypes.c_uint64, [ctypes.c_void_p, ctypes.c_uint64]
                 loops[name] = (lambda fn=fn: fn(x.data_ptr(), x.nbytes // 8))

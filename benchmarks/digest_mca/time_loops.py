@@ -3,9 +3,10 @@
     python benchmarks/digest_mca/time_loops.py candidates [--repeats 9]     # phase-1 loops
     python benchmarks/digest_mca/time_loops.py streams [--repeats 21]       # phase-2: streams
     python benchmarks/digest_mca/time_loops.py versions [--threads 2]       # v1 vs v2 library
+    python benchmarks/digest_mca/time_loops.py versions --old-commit 34a23eb # one stream vs four
 
 `candidates` and `streams` compile candidates.c (gcc -O3 -march=x86-64-v3) into a temp dir; `versions`
-builds digest.c of the last digest-version-1 commit (--v1-commit) the way setup.py does and
+builds digest.c of an older commit (--old-commit; default: the last of digest version 1) the way setup.py does and
 loads it beside the installed version-2 library.  Each number is the median of --repeats
 rounds (each round times every loop once, in turn), after a warm-up.  --bytes sets the buffer
 size (default 256 MiB: DRAM-bound; 1.5 MB stays in cache); small buffers are timed in batches.
@@ -42,7 +43,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--bytes", type=int, default=256 << 20)
-    parser.add_argument("--v1-commit", default="940be0e~1", help="a commit whose digest.c is version 1")
+    parser.add_argument("--old-commit", "--v1-commit", dest="old_commit", default="940be0e~1",
+                        help="the commit whose digest.c to time beside the installed library (default: the last of digest version 1)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     x = torch.randn(args.bytes // 4)
@@ -56,11 +58,11 @@ def main() -> None:
                 fn.restype, fn.argtypes = ctypes.c_uint64, [ctypes.c_void_p, ctypes.c_uint64]
                 loops[name] = (lambda fn=fn: fn(x.data_ptr(), x.nbytes // 8))
         else:
-            source = Path(tmp) / "digest_v1.c"
-            source.write_text(subprocess.run(["git", "show", f"{args.v1_commit}:src/samebits/fingerprint/csrc/digest.c"],
+            source = Path(tmp) / "digest_old.c"
+            source.write_text(subprocess.run(["git", "show", f"{args.old_commit}:src/samebits/fingerprint/csrc/digest.c"],
                                              cwd=ROOT, capture_output=True, text=True, check=True).stdout)
-            libs = {"digest_v1": build(source, Path(tmp) / "v1.so", ["-fvisibility=hidden", "-fopenmp"]),
-                    "digest_v2": ctypes.CDLL(next((ROOT / "src/samebits/fingerprint").glob("_libdigest*.so")))}
+            libs = {f"old {args.old_commit}": build(source, Path(tmp) / "old.so", ["-fvisibility=hidden", "-fopenmp"]),
+                    "installed": ctypes.CDLL(next((ROOT / "src/samebits/fingerprint").glob("_libdigest*.so")))}
             pointers = (ctypes.c_uint64 * 1)(x.data_ptr())
             sizes = (ctypes.c_uint64 * 1)(x.nbytes)
             out = (ctypes.c_uint64 * 1)()

@@ -161,6 +161,12 @@ def test_diff_by_global_verdicts(tmp_path):
     assert fewer.verdict.exit_code == 1
     split = samebits.diff(tmp_path / "one", tmp_path / "split", by="global")  # ranks of b disagree at step 1
     assert split.first_step == 1 and any("ranks 0 and 1" in note for note in split.notes)
+    assert split.verdict == "diverged"
+    assert [(t.name, t.status, t.first_step) for t in split.tensors] == [("x", "identical", None),
+                                                                          ("y", "ranks_disagree", 1)]
+    assert "ranks of run b disagree" in split.tensors[1].detail
+    both = samebits.diff(tmp_path / "split", tmp_path / "split", by="global")  # the same inconsistency twice
+    assert both.tensors[1].status == "ranks_disagree" and "run a and run b" in both.tensors[1].detail
     assert samebits.diff(tmp_path / "one", tmp_path / "two", by="global", start_step=2).verdict == "incomplete"
     with pytest.raises(ConfigError, match="by = 'rank'"):
         samebits.diff(tmp_path / "one", tmp_path / "two", by="rank")

@@ -29,7 +29,9 @@ VALUES_NOT_RECORDED = "values not recorded (streams hold digests only)"
 @dataclass
 class GlobalTensorResult(ToDict):
     """One global tensor across the window: ``status`` is "identical", "differs",
-    "only_in_a" or "only_in_b"; ``first_step`` the first step it differs (or is missing)."""
+    "ranks_disagree" (the ranks of one run hold different digests for it, so that run holds a
+    value the other does not: ``detail`` names the run, the notes the ranks), "only_in_a" or
+    "only_in_b"; ``first_step`` the first step it differs (or is missing)."""
 
     phase: str
     name: str
@@ -185,7 +187,7 @@ def diff_global(a: str | os.PathLike, b: str | os.PathLike, *, start: int = 0, s
                 steps_compared += 1
             for key in list(records_a) + [k for k in records_b if k not in records_a]:
                 _compare(results, key, step, records_a.get(key), records_b.get(key),
-                         key in inconsistent_a or key in inconsistent_b,
+                         [label for label, bad in (("a", inconsistent_a), ("b", inconsistent_b)) if key in bad],
                          missing_step="a" if not records_a else "b" if not records_b else None)
         incomplete = steps_a.incomplete + steps_b.incomplete
         compared = {"steps": steps_compared, "tensors": len(results),
@@ -218,7 +220,10 @@ def diff_global(a: str | os.PathLike, b: str | os.PathLike, *, start: int = 0, s
                             compared=compared, notes=notes, incomplete=incomplete)
 
 
-def _compare(results: dict, key: tuple, step: int, rec_a, rec_b, inconsistent: bool, missing_step: str | None) -> None:
+def _compare(results: dict, key: tuple, step: int, rec_a, rec_b, inconsistent: list[str],
+             missing_step: str | None) -> None:
+    """Fold one step's records of `key` into its result; `inconsistent` names the runs ("a",
+    "b") whose ranks disagree on it at this step."""
     result = results.get(key)
     if result is None:
         result = results[key] = GlobalTensorResult(phase=key[0], name=key[1], occurrence=key[2], status="identical",
@@ -232,7 +237,10 @@ def _compare(results: dict, key: tuple, step: int, rec_a, rec_b, inconsistent: b
             return
         result.status, result.first_step = "differs", step
         if inconsistent:
-            result.detail = "the ranks of one run disagree on its global digest (see notes)"
+            result.status = "ranks_disagree"
+            runs = " and ".join(f"run {label}" for label in inconsistent)
+            result.detail = (f"the ranks of {runs} disagree on its global digest at step {step} (see notes); "
+                             f"digest shown: the first rank's")
         elif (rec_a.dtype, rec_a.shape) != (rec_b.dtype, rec_b.shape):
             result.detail = f"global shape/dtype differ: a {rec_a.summary()}, b {rec_b.summary()}"
         else:

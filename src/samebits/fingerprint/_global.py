@@ -36,7 +36,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -80,6 +80,9 @@ class GlobalSums:
     dtypes: list[torch.dtype]
     shapes: list[tuple[int, ...]]
     consistent: torch.Tensor
+    # Per tensor: True where the caller's own body sum of the local part stands for the global
+    # one (``known`` and not sharded); that entry of ``sums`` is 0, not computed.
+    reused: list[bool] = field(default_factory=list)
 
     def headers(self) -> list[int]:
         return [header(d, s) for d, s in zip(self.dtypes, self.shapes)]
@@ -214,6 +217,9 @@ def _plan(global_shape: tuple[int, ...], itemsize: int, mesh: _Mesh) -> _Plan:
 
 def _layout(name: str, t: torch.Tensor, group) -> tuple[torch.Tensor, tuple[int, ...], _Mesh | None, object]:
     """(local tensor, global shape, sharding or None for "digest as it is", reduction key)."""
+    cls = t.__class__
+    if (cls is torch.Tensor or cls is torch.nn.Parameter) and not getattr(t, "tensor_model_parallel", False):
+        return t, tuple(t.shape), None, None  # the usual case, first: no detach (the digest reads bytes)
     if DTensor is not None and isinstance(t, DTensor):
         spec_mesh = t.device_mesh
         placements = []
@@ -374,7 +380,26 @@ def _names_check(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> int
     return h
 
 
-def global_body_sums(named_tensors, *, group=None) -> tuple[list[str], GlobalSums]:
+def all_unsharded(tensors) -> bool:
+    """Whether each of ``tensors`` (None allowed) is a plain tensor or parameter that no layout
+    shards (not a DTensor, no Megatron ``tensor_model_parallel``): its global digest is then its
+    local one, on every rank."""
+    for t in tensors:
+        if t is None:
+            continue
+        cls = t.__class__
+        if (cls is not torch.Tensor and cls is not torch.nn.Parameter) or getattr(t, "tensor_model_parallel", False):
+            return False
+    return True
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t`` as a plain tensor sharing its storage: a DTensor's local shard,
+    any other tensor itself (a Megatron shard is its own local part)."""
+    return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
+
+
+def global_body_sums(named_tensors, *, group=None, known=None) -> tuple[list[str], GlobalSums]:
     """The full tensors' body sums S, computed shard by shard: (names, `GlobalSums`).
 
     Collective: every rank of every group involved must call it with the same names in the
@@ -382,6 +407,13 @@ def global_body_sums(named_tensors, *, group=None) -> tuple[list[str], GlobalSum
     (per mesh dim for a multi-dim mesh that is not the whole world); no host synchronisation
     (the sums stay on the tensors' device).  ``group`` is the tensor-parallel group of
     Megatron-style shards (plain tensors with ``tensor_model_parallel=True``).
+
+    ``known`` (one bool per tensor, optional): the caller already holds the body sum of that
+    tensor's `local_part` *as its bytes are now* (it digested them for a local record a moment
+    ago, with nothing run in between).  For a tensor that is not sharded that sum is the global
+    one, so its bytes are not read again: its entry of ``sums`` is 0 and ``reused`` is True.
+    (Sharded tensors are computed as always.)  Ranks may differ in ``known``: unsharded tensors
+    take no part in the reduction.
     """
     if isinstance(named_tensors, Mapping):
         named_tensors = named_tensors.items()
@@ -418,8 +450,14 @@ def global_body_sums(named_tensors, *, group=None) -> tuple[list[str], GlobalSum
                           "call once per device.")
     device = devices.pop() if devices else torch.device("cpu")
     consistent = torch.ones((), dtype=torch.bool, device=device)
-    # Unsharded tensors: the ordinary digest path (one native call on CPU).
-    whole = [i for i, plan in enumerate(plans) if plan is None]
+    # Unsharded tensors: the ordinary digest path (one native call on CPU), less those whose
+    # local body sum the caller holds (``known``): for them the local sum is the global one.
+    if known is not None and len(known) != len(plans):
+        raise ConfigError(f"global digests: known has {len(known)} entries for {len(plans)} tensors; "
+                          "pass one bool per tensor, in order.")
+    reused = [plan is None and bool(known[i]) for i, plan in enumerate(plans)] if known is not None \
+        else [False] * len(plans)
+    whole = [i for i, plan in enumerate(plans) if plan is None and not reused[i]]
     if len(whole) == len(plans):  # nothing sharded (e.g. one rank): no scatter into a zeroed vector
         sums = _digest.body_sums(locals_).to(device)
     else:
@@ -440,7 +478,7 @@ def global_body_sums(named_tensors, *, group=None) -> tuple[list[str], GlobalSum
         body, ok = _assemble(vector, [plans[i] for i in members], check, len(ranks))
         consistent &= ok
         sums[members] = body
-    return names, GlobalSums(sums, dtypes, shapes, consistent)
+    return names, GlobalSums(sums, dtypes, shapes, consistent, reused)
 
 
 def _contribution(local_tensors: list[torch.Tensor], plans: list[_Plan], check: int, device) -> torch.Tensor:

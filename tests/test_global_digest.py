@@ -292,3 +292,38 @@ def test_tp1_against_tp2_by_global_tensor(pool, tmp_path, capsys):
     assert empty.verdict == "incomplete"
 
 
+
+
+def test_tensors_and_global_with_shards_records_what_the_two_calls_record(tmp_path):
+    """DTensor shards (computed for the global record), a replicated DTensor and a Megatron
+    tensor of a one-rank group (unsharded: the local sum reused), a plain tensor, an absent one:
+    `tensors_and_global` writes what `tensors` of the local parts and `global_tensors` write."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        full = torch.arange(15.0).reshape(5, 3)
+        megatron = torch.arange(4.0)
+        megatron.tensor_model_parallel, megatron.partition_dim = True, 0
+        named = [("shard", distribute_tensor(full, mesh, [Shard(1)])),
+                 ("rep", distribute_tensor(full + 1, mesh, [Replicate()])),
+                 ("megatron", megatron), ("plain", torch.ones(2, dtype=torch.bfloat16)), ("none", None)]
+        with samebits.Recorder(tmp_path / "one", rank=0, world_size=1) as rec:
+            for step in range(3):
+                rec.tensors_and_global(step, "params", named)
+        with samebits.Recorder(tmp_path / "two", rank=0, world_size=1) as rec:
+            for step in range(3):
+                rec.tensors(step, "params", [(n, t.to_local() if hasattr(t, "to_local") else t) for n, t in named])
+                rec.global_tensors(step, "params", named)
+    finally:
+        dist.destroy_process_group()
+    one, two = (samebits.open_run(tmp_path / d).stream(0) for d in ("one", "two"))
+    assert [b.root for b in one.steps()] == [b.root for b in two.steps()]
+    records = list(next(samebits.open_run(tmp_path / "one").stream(0).steps()).records())
+    global_ = {r.name: r.digest for r in records if r.phase == "global:params"}
+    assert global_ == {"shard": samebits.digest(full), "rep": samebits.digest(full + 1),
+                       "megatron": samebits.digest(megatron), "plain": samebits.digest(torch.ones(2, dtype=torch.bfloat16)),
+                       "none": None}

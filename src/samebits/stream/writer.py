@@ -32,6 +32,8 @@ import torch
 
 from samebits import fingerprint, settings
 from samebits.determinism import active_record
+from samebits.fingerprint._digest import body_sums_of_checked
+from samebits.fingerprint._global import all_unsharded, local_part
 from samebits.fingerprint._spec import dtype_code
 from samebits.errors import ConfigError, StreamError
 from samebits.stream import _format as fmt
@@ -40,6 +42,7 @@ from samebits.stream.reader import StreamReader, open_run
 from samebits.stream.settings import RecorderSettings
 
 _ABSENT_HEAD = bytes((0, fmt.FLAG_ABSENT, 0))  # dtype code 0 ("none"), flags, ndim 0
+_MAX_CALL_PLANS = 64  # phases remembered (a program that makes up new phase names forgets them)
 # Phases of records made by `Recorder.global_tensors`: digests of full (global) tensors.
 GLOBAL_PHASE_PREFIX = "global:"
 _FLOAT64_CODE, _INT64_CODE = dtype_code(torch.float64), dtype_code(torch.int64)
@@ -62,10 +65,54 @@ class _PendingStep:
     opened: float = field(default_factory=time.perf_counter)  # wall clock of its first record (step times)
     # (kind, phase, name, occurrence, head bytes, digest header, where): `where` is
     # (device, sum index) for a digested tensor, (device, offset, size) for a device metric,
-    # bytes for a host metric, None for an absent or capped tensor.
+    # (None, index into host_payloads) for a host metric, None for an absent or capped tensor.
+    # Nothing in a record changes from step to step when the same things are recorded (the
+    # values live in the sums and payloads), so equal record lists share one encoding.
     records: list = field(default_factory=list)
     devices: dict = field(default_factory=dict)  # device -> _DeviceQueue
     occurrences: dict = field(default_factory=dict)
+    host_payloads: list = field(default_factory=list)  # the 8 bytes of each host metric
+    tensor_phases: set = field(default_factory=set)  # phases with tensor records so far
+
+
+@dataclass
+class _CallPlan:
+    """The records of one `tensors` call, made again without per-record work while the next
+    call of its phase, at the same point of its step (first of that phase, the same number of
+    digests queued before it), passes the same names and the same kinds of tensors.  Every
+    decision of a record (name filters, size cap, head, occurrence) follows from those."""
+
+    names: list  # str only
+    metas: list  # per tensor: (class, dtype, shape, device, layout), None for None
+    device: object  # the one device digested on; None when nothing is digested
+    base: int  # digests queued on that device before the call
+    records: list
+    occurrences: dict
+    digest_positions: list  # positions in the call of the digested tensors, in order
+    slots: list  # per position: the `where` of its digest, or None
+    # `tensors_and_global` after it, when every global digest was its local one (nothing
+    # sharded, nothing filtered or capped): the global records and their occurrences.
+    global_records: list | None = None
+    global_occurrences: dict | None = None
+
+
+@dataclass
+class _StepTemplate:
+    """The encoding of a step's records, reused while a later step has equal records: its
+    body with the payloads left zero, and where each payload goes."""
+
+    records: list
+    device: object  # the one device of the step's sums and metric bytes (None: none)
+    sum_indices: np.ndarray  # per digested record, its index in the device's sums
+    headers: np.ndarray  # uint64 digest headers, same order
+    digest_at: np.ndarray  # intp [n, 8]: the body offsets of each digest's bytes
+    metric_at: list  # (body offset, where) per metric record
+    body: bytes
+
+
+def _tensor_metas(pairs) -> list:
+    """What a call plan is checked against: each tensor's kind (raises for non-tensors)."""
+    return [(t.__class__, t.dtype, t.shape, t.device, t.layout) if t is not None else None for _, t in pairs]
 
 
 class Recorder:
@@ -136,9 +183,14 @@ class Recorder:
         self._names: dict[str, int] = {}
         self._valid_names: set[str] = set()  # strings checked to be encodable
         self._names_hasher = fmt.new_names_hasher()  # the names key of the step root
+        self._names_key: bytes | None = None  # its digest, until a name is added
+        self._written = 0  # the file offset the buffer starts at
         self._heads: dict[tuple, bytes] = {}
         self._index: list[tuple[int, int, int, int]] = []  # (step, records, root, frame offset)
         self._encoded: dict[tuple, tuple[bytes, bytes]] = {}
+        self._plans: dict[str, _CallPlan] = {}  # phase -> its last `tensors` call (see _CallPlan)
+        self._plan_used: _CallPlan | None = None  # the plan the last `_tensors` call used or made
+        self._template: _StepTemplate | None = None  # the last step's encoding (see _StepTemplate)
         self._new_names: list[str] = []
         self._buffer = bytearray()
         self._steps_since_flush = 0
@@ -201,6 +253,7 @@ class Recorder:
             self._lock()
             header["segment"] = 0
         self._times = _StepTimes(self.path, header)  # wall time per step, beside the stream: never compared
+        self._written = self._file.tell()
         self._buffer += fmt.frame(fmt.FRAME_HEADER, fmt.MAGIC + json.dumps(header, sort_keys=True).encode())
         self._flush()
         _open_recorders.add(self)
@@ -226,17 +279,47 @@ class Recorder:
             return
         if self._own_work is not None:
             with self._own_work():
-                return self._tensors(step, phase, named_tensors)
-        return self._tensors(step, phase, named_tensors)
+                self._tensors(step, phase, named_tensors)
+                return
+        self._tensors(step, phase, named_tensors)
 
-    def _tensors(self, step: int, phase: str, named_tensors) -> None:
+    def _tensors(self, step: int, phase: str, named_tensors) -> list | None:
+        """Records the call's tensors; returns the `where` of each position's digest (None where
+        nothing is digested), or None when the step or phase is not recorded."""
         if step.__class__ is not int or not 0 <= step <= fmt.MAX_STEP:  # before the window check:
             step = _check_step(step, self.rank)  # a bad step is an error, never silently dropped
         if not self.settings.selected(step, phase):
-            return
+            return None
         pending = self._step(step)
         if isinstance(named_tensors, Mapping):
             named_tensors = named_tensors.items()
+        pairs = named_tensors if named_tensors.__class__ is list else list(named_tensors)
+        self._plan_used = None
+        first_of_phase = phase not in pending.tensor_phases
+        plan = self._plans.get(phase) if first_of_phase else None
+        if plan is not None and [name for name, _ in pairs] == plan.names:
+            try:
+                metas = _tensor_metas(pairs)
+            except Exception:  # not a tensor, a nested tensor: the full path below says what is wrong
+                metas = None
+            queue = pending.devices.get(plan.device) if plan.device is not None else None
+            if metas == plan.metas and (queue.num_sums if queue is not None else 0) == plan.base:
+                if plan.digest_positions:  # the tensors were checked when the plan was made
+                    sums = body_sums_of_checked([pairs[i][1] for i in plan.digest_positions], plan.device)
+                    if queue is None:
+                        queue = pending.devices[plan.device] = _DeviceQueue()
+                    queue.sums.append(sums)
+                    queue.num_sums += len(plan.digest_positions)
+                pending.records.extend(plan.records)
+                pending.occurrences.update(plan.occurrences)
+                pending.tensor_phases.add(phase)
+                self._plan_used = plan
+                return plan.slots
+        return self._tensors_in_full(step, phase, pairs, pending, first_of_phase)
+
+    def _tensors_in_full(self, step: int, phase: str, pairs: list, pending: _PendingStep,
+                         first_of_phase: bool) -> list:
+        """`_tensors` record by record, checking everything; leaves a call plan when it can."""
         cap = self.settings.max_tensor_bytes
         # Build this call's records apart and commit them at the end: a bad tensor raises
         # before anything is added, so the open step stays consistent.
@@ -245,9 +328,13 @@ class Recorder:
         self._check_text(phase, "phase", step)
         filters_names = self.settings.filters_names
         valid_names, heads = self._valid_names, self._heads
-        for name, tensor in named_tensors:
+        slots: list = [None] * len(pairs)
+        positions: list[int] = []  # of the digested tensors, in order
+        all_str = True
+        for position, (name, tensor) in enumerate(pairs):
             if name.__class__ is not str:
                 name = str(name)
+                all_str = False
             if filters_names and not self.settings.name_selected(phase, name):
                 continue  # left out by include/exclude: no record, no digest
             if name not in valid_names:
@@ -284,9 +371,11 @@ class Recorder:
             if batch is None:
                 queue = pending.devices.get(device)
                 batch = to_digest[device] = (queue.num_sums if queue else 0, [])
-            records.append((fmt.RECORD_TENSOR, phase, name, occurrence, head, header,
-                            (device, batch[0] + len(batch[1]))))
+            where = (device, batch[0] + len(batch[1]))
+            records.append((fmt.RECORD_TENSOR, phase, name, occurrence, head, header, where))
             batch[1].append(tensor)
+            slots[position] = where
+            positions.append(position)
         sums = {device: fingerprint.body_sums(batch) for device, (_, batch) in to_digest.items()}  # no sync
         for device, (_, batch) in to_digest.items():
             queue = pending.devices.get(device) or pending.devices.setdefault(device, _DeviceQueue())
@@ -294,6 +383,18 @@ class Recorder:
             queue.num_sums += len(batch)
         pending.records.extend(records)
         pending.occurrences.update(occurrences)
+        pending.tensor_phases.add(phase)
+        if first_of_phase and all_str and len(to_digest) <= 1:
+            try:
+                metas = _tensor_metas(pairs)
+            except Exception:  # a name filtered out before its value was looked at
+                return slots
+            (device, (base, _)), = to_digest.items() if to_digest else ((None, (0, None)),)
+            if len(self._plans) >= _MAX_CALL_PLANS:
+                self._plans.clear()
+            self._plans[phase] = self._plan_used = _CallPlan([name for name, _ in pairs], metas, device, base,
+                                                             records, occurrences, positions, slots)
+        return slots
 
     def global_tensors(self, step: int, phase: str, named_tensors, group=None) -> None:
         """Record the digests of the *full* tensors behind sharded ones (DTensor, FSDP2
@@ -315,19 +416,73 @@ class Recorder:
             step = _check_step(step, self.rank)
         if not self.settings.selected(step, phase):
             return
-        full_phase = GLOBAL_PHASE_PREFIX + str(phase)
-        if self.active:
-            self._check_text(phase, "phase", step)
         if isinstance(named_tensors, Mapping):
             named_tensors = named_tensors.items()
         named = [(str(name), tensor) for name, tensor in named_tensors]  # None: absent (no gradient)
-        present = [(name, tensor) for name, tensor in named if tensor is not None]
-        own_work = getattr(self, "_own_work", None)
+        own_work = self._own_work
         if own_work is not None:
             with own_work():
-                names, result = fingerprint.global_body_sums(present, group=group)
+                self._global_tensors(step, phase, named, group, None)
         else:
-            names, result = fingerprint.global_body_sums(present, group=group)
+            self._global_tensors(step, phase, named, group, None)
+
+    def tensors_and_global(self, step: int, phase: str, named_tensors, group=None) -> None:
+        """`tensors` of each tensor's local part (a DTensor's ``to_local()``, any other tensor as
+        it is) under ``phase``, then `global_tensors` of the tensors under ``global:phase``: the
+        same records, in the same order, as those two calls, for less.  A tensor that is not
+        sharded is digested once for both of its records (its global digest is its local one),
+        and the local parts of the call in one batch.  Collective, like `global_tensors`."""
+        if not self.settings.enabled:
+            return
+        if step.__class__ is not int or not 0 <= step <= fmt.MAX_STEP:
+            step = _check_step(step, self.rank)
+        if not self.settings.selected(step, phase):
+            return
+        if isinstance(named_tensors, Mapping):
+            named_tensors = named_tensors.items()
+        named = [(name if name.__class__ is str else str(name), tensor) for name, tensor in named_tensors]
+        own_work = self._own_work
+        if own_work is not None:
+            with own_work():
+                self._tensors_and_global(step, phase, named, group)
+        else:
+            self._tensors_and_global(step, phase, named, group)
+
+    def _tensors_and_global(self, step: int, phase: str, named: list, group) -> None:
+        if not self.active:  # a rank left out takes part in the reduction and records nothing
+            self._global_tensors(step, phase, named, group, None)
+            return
+        unsharded = all_unsharded([tensor for _, tensor in named])
+        slots = self._tensors(step, phase, named if unsharded else
+                              [(name, local_part(tensor) if tensor is not None else None) for name, tensor in named])
+        plan, pending = self._plan_used, self._pending
+        full_phase = GLOBAL_PHASE_PREFIX + str(phase)
+        if unsharded and plan is not None and plan.global_records is not None \
+                and full_phase not in pending.tensor_phases:
+            # The same call as when the plan's global records were made, and nothing sharded:
+            # every global record is its local record's digest again (no collective to join).
+            pending.records.extend(plan.global_records)
+            pending.occurrences.update(plan.global_occurrences)
+            pending.tensor_phases.add(full_phase)
+            return
+        made = self._global_tensors(step, phase, named, group, slots)
+        if plan is not None and made is not None:
+            plan.global_records, plan.global_occurrences = made
+
+    def _global_tensors(self, step: int, phase: str, named: list, group, slots: list | None):
+        """``slots``: per tensor, where this step already holds the digest of its local part
+        (from `_tensors` in this same call), or None; reused for the unsharded ones.  Returns
+        (records, occurrences) when every digest was reused and the phase was new in the step
+        (what a call plan keeps), else None."""
+        full_phase = GLOBAL_PHASE_PREFIX + str(phase)
+        if self.active:
+            self._check_text(phase, "phase", step)
+        present = [(name, tensor) for name, tensor in named if tensor is not None]
+        present_slots = known = None
+        if slots is not None:
+            present_slots = [slot for slot, (_, tensor) in zip(slots, named) if tensor is not None]
+            known = [slot is not None for slot in present_slots]
+        names, result = fingerprint.global_body_sums(present, group=group, known=known)
         if result.sums.device.type == "cpu" and not bool(result.consistent):  # free on CPU; on a GPU a sync
             raise ConfigError(f"Recorder.global_tensors(step={step}, phase={phase!r}) on rank {self.rank}: the "
                               "ranks of a shard group passed different tensors (names, dtypes or global shapes); "
@@ -340,12 +495,17 @@ class Recorder:
             if name not in valid_names:
                 self._check_text(name, "name", step)
         device = result.sums.device
+        reused = result.reused
+        computed = not all(reused)
         queue = pending.devices.get(device) or pending.devices.setdefault(device, _DeviceQueue())
+        base = queue.num_sums
         records, occurrences = [], {}
+        first_of_phase = full_phase not in pending.tensor_phases
+        seen = {} if first_of_phase else pending.occurrences
         i = 0  # position in `names`: the present tensors, in order (names are unique)
         for name, tensor in named:
             key = (fmt.RECORD_TENSOR, full_phase, name)
-            occurrence = occurrences.get(key, pending.occurrences.get(key, 0))
+            occurrence = occurrences.get(key, seen.get(key, 0))
             occurrences[key] = occurrence + 1
             if tensor is None:
                 records.append((fmt.RECORD_TENSOR, full_phase, name, occurrence, _ABSENT_HEAD, 0, None))
@@ -354,12 +514,15 @@ class Recorder:
             cached = heads.get((dtype, shape, False))
             head, header = cached if cached is not None else self._tensor_head(dtype, shape, False)
             records.append((fmt.RECORD_TENSOR, full_phase, name, occurrence, head, header,
-                            (device, queue.num_sums + i)))
+                            present_slots[i] if reused[i] else (device, base + i)))
             i += 1
-        queue.sums.append(result.sums)
-        queue.num_sums += len(names)
+        if computed:
+            queue.sums.append(result.sums)
+            queue.num_sums += len(names)
         pending.records.extend(records)
         pending.occurrences.update(occurrences)
+        pending.tensor_phases.add(full_phase)
+        return (records, occurrences) if first_of_phase and not computed else None
 
     def metrics(self, step: int, phase: str = "metrics", **values) -> None:
         """Record scalars with their exact bits: Python floats as float64, ints as int64,
@@ -414,7 +577,9 @@ class Recorder:
                 queue.num_metric_bytes += data.numel()
                 code = encoded
             else:
-                code, where = (_FLOAT64_CODE if isinstance(values[name], float) else _INT64_CODE), encoded
+                code, where = (_FLOAT64_CODE if isinstance(values[name], float) else _INT64_CODE), \
+                    (None, len(pending.host_payloads))
+                pending.host_payloads.append(encoded)
             key = (fmt.RECORD_METRIC, phase, name)
             occurrence = occurrences.get(key, 0)
             occurrences[key] = occurrence + 1
@@ -564,6 +729,7 @@ class Recorder:
             ident = self._names[text] = len(self._names)
             self._new_names.append(text)
             self._names_hasher.update(fmt.name_bytes(text))
+            self._names_key = None
         return ident
 
     def _check_text(self, text, what: str, step) -> None:
@@ -583,45 +749,25 @@ class Recorder:
     def _write_step(self, pending: _PendingStep) -> tuple[int, int]:
         sums, metric_bytes = {}, {}
         for device, queue in pending.devices.items():  # one device-to-host copy per device
+            if device.type == "cpu":  # numpy views of the CPU tensors: no torch ops, no copy but one
+                arrays = [s.numpy() for s in queue.sums]
+                sums[device] = (arrays[0] if len(arrays) == 1 else np.concatenate(arrays)).view(np.uint64) \
+                    if arrays else np.zeros(0, dtype=np.uint64)
+                metric_bytes[device] = b"".join([m.numpy().tobytes() for m in queue.metrics])
+                continue
             parts = [s.view(torch.uint8) for s in queue.sums] + queue.metrics
             data = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().numpy()
             sums[device] = data[: 8 * queue.num_sums].view(np.uint64)
             metric_bytes[device] = data[8 * queue.num_sums :].tobytes()
-        # The step's digests, finalized at once: packed[8k : 8k + 8] is the k-th digested record's.
-        digested = [r for r in pending.records if r[6] is not None and r[0] == fmt.RECORD_TENSOR]
-        if len(sums) == 1:  # one device: the usual case
-            (device_sums,) = sums.values()
-            values = device_sums[[r[6][1] for r in digested]]
+        template = self._template
+        if template is not None and len(sums) <= 1 and pending.records == template.records:
+            body = self._fill_template(template, pending, sums, metric_bytes)
         else:
-            values = np.empty(len(digested), dtype=np.uint64)
-            groups: dict = {}  # device -> (positions in `digested`, indices into that device's sums)
-            for position, record in enumerate(digested):
-                group = groups.get(record[6][0]) or groups.setdefault(record[6][0], ([], []))
-                group[0].append(position)
-                group[1].append(record[6][1])
-            for device, (positions, indices) in groups.items():
-                values[positions] = sums[device][indices]
-        packed = fingerprint.finalize_packed(values, [r[5] for r in digested])
-        body = bytearray()
-        encoded = self._encoded
-        at = 0
-        for kind, phase, name, occurrence, head, _, where in pending.records:
-            if where is None:
-                payload = b""
-            elif kind == fmt.RECORD_TENSOR:
-                payload = packed[at : at + 8]
-                at += 8
-            elif isinstance(where, bytes):
-                payload = where
-            else:
-                payload = metric_bytes[where[0]][where[1] : where[1] + where[2]]
-            key = (kind, phase, name, occurrence, head, len(payload))
-            prefixes = encoded.get(key)
-            if prefixes is None:
-                prefixes = encoded[key] = self._encode_prefixes(*key)
-            body += prefixes
-            body += payload
-        root_value = fmt.step_root(self._names_hasher.digest(), body)
+            body = self._encode_records(pending, sums, metric_bytes)
+        names_key = self._names_key
+        if names_key is None:
+            names_key = self._names_key = self._names_hasher.digest()
+        root_value = fmt.step_root(names_key, body)
         if self._new_names:
             names = bytearray()
             fmt.encode_varint(len(self._names) - len(self._new_names), names)
@@ -637,7 +783,7 @@ class Recorder:
         fmt.encode_varint(len(pending.records), prefix)
         prefix += fmt.pack_u64(root_value)
         self._index.append((pending.step, len(pending.records), root_value,
-                            self._file.tell() + len(self._buffer)))
+                            self._written + len(self._buffer)))
         self._buffer += fmt.frame(fmt.FRAME_STEP, prefix + body)
         self._last_step = pending.step
         self._times.add(pending.step, pending.opened)
@@ -648,9 +794,78 @@ class Recorder:
             self._flush()
         return root_value, len(pending.records)
 
+    def _metric_payload(self, where, pending: _PendingStep, metric_bytes: dict) -> bytes:
+        if where[0] is None:
+            return pending.host_payloads[where[1]]
+        return metric_bytes[where[0]][where[1] : where[1] + where[2]]
+
+    def _fill_template(self, template: _StepTemplate, pending: _PendingStep, sums: dict,
+                       metric_bytes: dict) -> bytearray:
+        """The step's body from the last step's encoding (equal records): its payloads put in."""
+        body = bytearray(template.body)
+        if len(template.sum_indices):
+            values = sums[template.device][template.sum_indices]
+            packed = np.frombuffer(fingerprint.finalize_packed(values, template.headers), dtype=np.uint8)
+            np.frombuffer(body, dtype=np.uint8)[template.digest_at] = packed.reshape(-1, 8)
+        for offset, where in template.metric_at:
+            payload = self._metric_payload(where, pending, metric_bytes)
+            body[offset : offset + len(payload)] = payload
+        return body
+
+    def _encode_records(self, pending: _PendingStep, sums: dict, metric_bytes: dict) -> bytearray:
+        """The step's body record by record; leaves its encoding as the template for the next."""
+        # The step's digests, finalized at once: packed[8k : 8k + 8] is the k-th digested record's.
+        digested = [r for r in pending.records if r[6] is not None and r[0] == fmt.RECORD_TENSOR]
+        if len(sums) == 1:  # one device: the usual case
+            (device_sums,) = sums.values()
+            sum_indices = np.array([r[6][1] for r in digested], dtype=np.intp)
+            values = device_sums[sum_indices]
+        else:
+            sum_indices = None
+            values = np.empty(len(digested), dtype=np.uint64)
+            groups: dict = {}  # device -> (positions in `digested`, indices into that device's sums)
+            for position, record in enumerate(digested):
+                group = groups.get(record[6][0]) or groups.setdefault(record[6][0], ([], []))
+                group[0].append(position)
+                group[1].append(record[6][1])
+            for device, (positions, indices) in groups.items():
+                values[positions] = sums[device][indices]
+        headers = np.array([r[5] for r in digested], dtype=np.uint64)
+        packed = fingerprint.finalize_packed(values, headers)
+        body = bytearray()
+        encoded = self._encoded
+        at = 0
+        digest_at, metric_at = [], []
+        for kind, phase, name, occurrence, head, _, where in pending.records:
+            if where is None:
+                payload = b""
+            elif kind == fmt.RECORD_TENSOR:
+                payload = packed[at : at + 8]
+                at += 8
+            else:
+                payload = self._metric_payload(where, pending, metric_bytes)
+            key = (kind, phase, name, occurrence, head, len(payload))
+            prefixes = encoded.get(key)
+            if prefixes is None:
+                prefixes = encoded[key] = self._encode_prefixes(*key)
+            body += prefixes
+            if where is not None and kind == fmt.RECORD_TENSOR:
+                digest_at.append(len(body))
+            elif where is not None:
+                metric_at.append((len(body), where))
+            body += payload
+        self._template = None
+        if len(sums) <= 1:  # one device (or none): its sums are indexed as in this step
+            self._template = _StepTemplate(
+                list(pending.records), next(iter(sums), None), sum_indices if sums else np.zeros(0, dtype=np.intp),
+                headers, np.array(digest_at, dtype=np.intp).reshape(-1, 1) + np.arange(8, dtype=np.intp),
+                metric_at, bytes(body))
+        return body
+
     def _flush(self) -> None:
         if self._buffer:
             self._file.write(self._buffer)
+            self._written += len(self._buffer)
             self._buffer.clear()
         self._file.flush()  # reaches the OS: survives SIGKILL of this process
         self._times.flush()

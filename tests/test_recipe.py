@@ -225,6 +225,61 @@ def test_records_the_recorder_drops_are_never_built(monkeypatch):
     assert {p for _, p in recorder.asked} == {"state", "data", "forward", "metrics", "grads", "params"}
 
 
+class _TwoCalls:
+    """A samebits.Recorder seen as a duck-typed recorder without `tensors_and_global`: the loop
+    then records the params with `tensors` and `global_tensors`."""
+
+    def __init__(self, recorder):
+        self.recorder = recorder
+
+    def __getattr__(self, name):
+        if name == "tensors_and_global":
+            raise AttributeError(name)
+        return getattr(self.recorder, name)
+
+
+def _stream_after_header(directory) -> bytes:
+    data = (Path(directory) / "rank-00000.sbs").read_bytes()
+    length, pos = samebits.stream._format.decode_varint(data, 1)
+    return data[pos + length + 4:]
+
+
+def test_params_in_one_call_are_recorded_as_in_two(tmp_path):
+    """The loop gives a Recorder's params to `tensors_and_global` (each parameter digested once
+    for its local and global record): the stream is the one the two calls write."""
+    from samebits.recipes import session
+
+    cfg = _tiny()
+    for name, wrap in (("one", lambda rec: rec), ("two", _TwoCalls)):
+        with session(cfg):
+            rec = samebits.Recorder(tmp_path / name, rank=0, world_size=1, run_id="same")
+            train(cfg, steps=3, recorder=wrap(rec))
+            rec.close()
+    one, two = _stream_after_header(tmp_path / "one"), _stream_after_header(tmp_path / "two")
+    assert len(one) > 1000 and one == two
+    steps = list(samebits.open_run(tmp_path / "one").stream(0).steps())
+    records = list(steps[2].records())
+    local = {r.name: r.digest for r in records if r.phase == "params"}
+    global_ = {r.name: r.digest for r in records if r.phase == "global:params"}
+    assert len(local) > 20 and local == global_  # one rank: every global digest is the local one
+
+
+def test_the_parameter_list_is_the_one_the_optimizer_updates(tmp_path):
+    """The loop lists the parameters once; a resume loads into those same tensors."""
+    from samebits.recipes import session
+    from samebits.recipes.loop import _Run
+
+    cfg = _tiny()
+    saved = train(cfg, steps=2, save_at=1, ckpt_dir=tmp_path / "ckpt")
+    with session(cfg):
+        run = _Run(cfg, 0, 1)
+        run.resume(saved.checkpoint)
+        run.train_step(None)
+        params = [p for group in run.optimizer.param_groups for p in group["params"]]
+        assert [(n, id(p)) for n, p in run.named_params] == [(n, id(p)) for n, p in run.model.named_parameters()]
+        assert {id(p) for _, p in run.named_params} == {id(p) for p in params}
+
+
 def test_recorder_divergence_stops_the_run():
     result = train(_tiny(), steps=5, recorder=FakeRecorder(diverge_at=1))
     assert result.stopped_at == 1 and result.end_step == 2 and len(result.metrics) == 2

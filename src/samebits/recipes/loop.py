@@ -141,6 +141,10 @@ class _Run:
         self.accumulator = GradientAccumulator(
             model.named_parameters(), num_micro_batches=cfg.num_micro_batches, seed=cfg.seed,
             micro_batch_size=cfg.micro_batch_size) if cfg.grad_reduce == "invariant" else None
+        # The parameters the optimizer updates, walked once: the records of every step list
+        # them (a walk of the module tree costs about as much as digesting the tiny recipe).
+        # Nothing replaces a parameter after this point (a resume loads into them in place).
+        self.named_params = list(model.named_parameters())
         self.step = 0
 
     def bundle(self) -> checkpoint.StateBundle:
@@ -244,24 +248,30 @@ class _Run:
         if keep("metrics"):
             rec.metrics(step, **{k: v.detach() for k, v in losses.items()},
                         grad_norm=grad_norm, lr=lr)
-        # One walk of the module tree for all of this step's records (it costs about as much as
-        # digesting the tiny recipe's parameters); the same parameter objects after the update.
-        named = list(model.named_parameters()) if rec is not None else []
+        named = self.named_params  # the same parameter objects after the update
         if keep("grads"):
-            rec.tensors(step, "grads", [(n, parallelize.local(p.grad)) for n, p in named if p.grad is not None])
+            rec.tensors(step, "grads", [(n, parallelize.local(g)) for n, p in named if (g := p.grad) is not None])
 
         # Update.
         self.optimizer.step()
         self.scheduler.step()
         ok = None
         if rec is not None:
-            if keep("params"):
-                rec.tensors(step, "params", [(n, parallelize.local(p.detach())) for n, p in named])
-            if hasattr(rec, "global_tensors"):  # layout-independent: diff across cells (collective)
-                # The parameters themselves: a detached tensor loses the shard attributes
-                # (tensor_model_parallel, partition_dim) that make expert shards global.
+            # The local params records, then the layout-independent global ones (diff across
+            # cells; collective).  Given the parameters themselves: a detached tensor loses the
+            # shard attributes (tensor_model_parallel, partition_dim) that make expert shards
+            # global.  A samebits.Recorder takes both in one call (an unsharded parameter is
+            # digested once for both records); a duck-typed recorder gets the two calls.
+            both = getattr(rec, "tensors_and_global", None)
+            if both is not None:
                 with torch.no_grad():
-                    rec.global_tensors(step, "params", named, group=self.layout.expert_group)
+                    both(step, "params", named, group=self.layout.expert_group)
+            else:
+                if keep("params"):
+                    rec.tensors(step, "params", [(n, parallelize.local(p.detach())) for n, p in named])
+                if hasattr(rec, "global_tensors"):
+                    with torch.no_grad():
+                        rec.global_tensors(step, "params", named, group=self.layout.expert_group)
             ok = rec.end_step(step)
 
         local = torch.stack([v.detach() for v in losses.values()])
@@ -305,7 +315,7 @@ class _Run:
         lr = self.scheduler.get_last_lr()[0]
         if keep("metrics"):
             rec.metrics(step, **losses, grad_norm=grad_norm, lr=lr)
-        named = list(model.named_parameters()) if keep("grads") or keep("params") else []
+        named = self.named_params
         if keep("grads"):
             rec.tensors(step, "grads", [(n, p.grad) for n, p in named if p.grad is not None])
         self.optimizer.step()

@@ -49,6 +49,7 @@ import torch
 
 import samebits
 from samebits.fingerprint import body_sums, global_body_sums
+from samebits.fingerprint._digest import body_sums_of_checked  # the Recorder's call plans use it
 from samebits.recipes import RecipeConfig, session
 from samebits.recipes.loop import _Run
 
@@ -149,15 +150,18 @@ class _Timed:
         self.recorder.close()
 
     def digest_seconds(self) -> float:
-        """The digest alone of what the last step recorded, as the recorder computes it."""
+        """The digest alone of what the last step recorded, as the recorder computes it (in a
+        repeated call, without the per-tensor checks of its first)."""
         start = time.perf_counter()
         for phase, named in self.last.items():
             if phase.startswith("global:"):
                 global_body_sums([(n, t) for n, t in named if t is not None])
             elif phase.startswith("both:"):  # one rank: the local sums stand for the global ones too
-                body_sums([t for _, t in named if t is not None])
+                tensors = [t for _, t in named if t is not None]
+                body_sums_of_checked(tensors, tensors[0].device)  # as a call plan runs it
             elif phase in ("grads", "params"):
-                body_sums([t for _, t in named if t is not None])
+                tensors = [t for _, t in named if t is not None]
+                body_sums_of_checked(tensors, tensors[0].device)
         return time.perf_counter() - start
 
 

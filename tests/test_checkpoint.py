@@ -564,8 +564,8 @@ def test_save_killed_mid_way_leaves_previous_checkpoint_loadable(tmp_path, strai
 
 
 def _torchrun(*args, timeout=180):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(29500 + os.getpid() % 1000), *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           *args]  # --standalone: a free port (pytest-xdist workers run beside each other)
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

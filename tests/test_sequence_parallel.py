@@ -56,8 +56,8 @@ def test_checkpoint_layout_says_whether_the_norms_are_sharded_state():
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("sp")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(32500 + os.getpid() % 100), __file__, str(out)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           __file__, str(out)]  # --standalone: a free port
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     single = [sys.executable, "-m", "samebits.recipes", "--cell", "single", "--steps", str(STEPS),

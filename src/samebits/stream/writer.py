@@ -410,21 +410,7 @@ class Recorder:
         absent.  The size cap does not apply.  One int64 all-reduce per group; on an
         accelerator the sums stay there until the step's one copy to the host.
         """
-        if not self.settings.enabled:
-            return
-        if step.__class__ is not int or not 0 <= step <= fmt.MAX_STEP:
-            step = _check_step(step, self.rank)
-        if not self.settings.selected(step, phase):
-            return
-        if isinstance(named_tensors, Mapping):
-            named_tensors = named_tensors.items()
-        named = [(str(name), tensor) for name, tensor in named_tensors]  # None: absent (no gradient)
-        own_work = self._own_work
-        if own_work is not None:
-            with own_work():
-                self._global_tensors(step, phase, named, group, None)
-        else:
-            self._global_tensors(step, phase, named, group, None)
+        self._collective_call(self._global_tensors, step, phase, named_tensors, group, None)
 
     def tensors_and_global(self, step: int, phase: str, named_tensors, group=None) -> None:
         """`tensors` of each tensor's local part (a DTensor's ``to_local()``, any other tensor as
@@ -432,6 +418,12 @@ class Recorder:
         same records, in the same order, as those two calls, for less.  A tensor that is not
         sharded is digested once for both of its records (its global digest is its local one),
         and the local parts of the call in one batch.  Collective, like `global_tensors`."""
+        self._collective_call(self._tensors_and_global, step, phase, named_tensors, group)
+
+    def _collective_call(self, method, step, phase: str, named_tensors, *args) -> None:
+        """Checks the step, lists ``named_tensors`` as (str name, tensor or None) pairs and
+        calls ``method(step, phase, named, *args)`` inside the recorder's own-work hook, unless
+        the recorder is off or does not record this step or phase (the same on every rank)."""
         if not self.settings.enabled:
             return
         if step.__class__ is not int or not 0 <= step <= fmt.MAX_STEP:
@@ -444,9 +436,9 @@ class Recorder:
         own_work = self._own_work
         if own_work is not None:
             with own_work():
-                self._tensors_and_global(step, phase, named, group)
+                method(step, phase, named, *args)
         else:
-            self._tensors_and_global(step, phase, named, group)
+            method(step, phase, named, *args)
 
     def _tensors_and_global(self, step: int, phase: str, named: list, group) -> None:
         if not self.active:  # a rank left out takes part in the reduction and records nothing

@@ -23,50 +23,11 @@ def pytest_sessionstart(session):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``-n N --dist loadgroup``): the tests that read one module- or
-    session-scoped fixture of a test file (a recipe verify, a torchrun of every cell) go to
-    one worker, so that the fixture runs once; the other tests are spread one by one.
-
-    Fixtures used together by one test share a group.  Only fixtures a test requests (by
-    argument, or through the fixtures it requests) group it: not autouse set-up, and not
-    those of conftest files or plugins.  A fixture imported into a second test file
-    (tests/test_replay.py takes tests/test_invariant.py's runs) is the same function there,
-    so the tests of both files join one group.
-
-    NOT YET IN EFFECT: the workers' test ids carry no ``@group`` suffix (xdist's own hook in
-    the worker runs before this one; ``tryfirst=True`` adds the marks in time but the ids
-    still showed none), so each worker may make a shared run once.  The suite is green so."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    parent: dict[str, str] = {}
-
-    def root(key: str) -> str:
-        while parent.setdefault(key, key) != key:
-            key = parent[key]
-        return key
-
-    shared = {}
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        keys, seen, pending = [], set(), list(getattr(info, "argnames", ()))
-        while pending:
-            name = pending.pop()
-            if name in seen or not info.name2fixturedefs.get(name):
-                continue
-            seen.add(name)
-            fixturedef = info.name2fixturedefs[name][-1]
-            pending.extend(fixturedef.argnames)
-            module = getattr(fixturedef.func, "__module__", None) or ""
-            if fixturedef.scope in ("module", "package", "session") and module.startswith("test_"):
-                keys.append(f"{module}.{fixturedef.func.__qualname__}")
-        for key in keys[1:]:
-            parent[root(key)] = root(keys[0])
-        shared[item] = keys
-    for item, keys in shared.items():
-        if keys:
-            item.add_marker(pytest.mark.xdist_group(root(keys[0])))
-    if hasattr(config, "workerinput"):  # an xdist worker: hand out the long tests first, so
-        # that the short ones fill the gaps at the end instead of one long test running alone
+    """Under pytest-xdist (the README's ``-n auto --dist loadfile``), each worker runs the long
+    tests first, so that the short ones fill the gaps at the end instead of one long test
+    running alone.  ``--dist loadfile`` keeps each test file on one worker, so a module-scoped
+    fixture (a recipe verify, a torchrun of every cell) runs once."""
+    if hasattr(config, "workerinput"):  # an xdist worker (all workers sort alike)
         items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 

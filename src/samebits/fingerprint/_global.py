@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -45,14 +46,17 @@ from samebits.errors import ConfigError
 from samebits.fingerprint import _digest, _reference
 from samebits.fingerprint._spec import GOLDEN, dtype_code, finalize, fmix64, header
 
-try:  # torch.distributed may be built without DTensor (some mobile / minimal builds)
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-except ImportError:  # pragma: no cover - every torch >= 2.4 desktop build has it
-    DTensor = Partial = Replicate = Shard = None
-try:  # FSDP2 + TP on one dim: right-to-left sharding expressed left to right (private in torch)
-    from torch.distributed.tensor.placement_types import _StridedShard
-except ImportError:  # pragma: no cover
-    _StridedShard = None
+
+def _dtensor_module():
+    """``torch.distributed.tensor`` if anything has imported it, else None.  No DTensor can
+    exist before that module is imported, so samebits does not import it itself: it costs
+    ~1.3 s of every process's start-up (every `samebits run`), more than the rest of samebits."""
+    return sys.modules.get("torch.distributed.tensor")
+
+
+def _is_dtensor(t) -> bool:
+    dtensor = _dtensor_module()
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
 
 _GOLDEN = _reference._as_int64(GOLDEN)
 _LOW_32_BITS = (1 << 32) - 1
@@ -220,7 +224,11 @@ def _layout(name: str, t: torch.Tensor, group) -> tuple[torch.Tensor, tuple[int,
     cls = t.__class__
     if (cls is torch.Tensor or cls is torch.nn.Parameter) and not getattr(t, "tensor_model_parallel", False):
         return t, tuple(t.shape), None, None  # the usual case, first: no detach (the digest reads bytes)
-    if DTensor is not None and isinstance(t, DTensor):
+    if _is_dtensor(t):
+        dtensor = _dtensor_module()
+        Partial, Replicate, Shard = dtensor.Partial, dtensor.Replicate, dtensor.Shard
+        # FSDP2 + TP on one dim: right-to-left sharding expressed left to right (private in torch)
+        _StridedShard = getattr(sys.modules.get("torch.distributed.tensor.placement_types"), "_StridedShard", None)
         spec_mesh = t.device_mesh
         placements = []
         for mesh_dim, p in enumerate(t.placements):
@@ -261,6 +269,8 @@ def _layout(name: str, t: torch.Tensor, group) -> tuple[torch.Tensor, tuple[int,
             return t.detach(), tuple(t.shape), None, None
         dim %= t.dim()
         global_shape = tuple(n * size if d == dim else n for d, n in enumerate(t.shape))
+        from torch.distributed.tensor import Shard  # loaded on first use (see _dtensor_module)
+
         mesh = _Mesh((size,), (Shard(dim),), (dist.get_rank(group),))
         return t.detach(), global_shape, mesh, ("group", group)
     if type(t) is not torch.Tensor and isinstance(t, torch.Tensor) and hasattr(t, "__tensor_flatten__"):
@@ -396,7 +406,7 @@ def all_unsharded(tensors) -> bool:
 def local_part(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t`` as a plain tensor sharing its storage: a DTensor's local shard,
     any other tensor itself (a Megatron shard is its own local part)."""
-    return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
+    return t.to_local() if _is_dtensor(t) else t
 
 
 def global_body_sums(named_tensors, *, group=None, known=None) -> tuple[list[str], GlobalSums]:

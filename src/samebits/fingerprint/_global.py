@@ -54,6 +54,13 @@ def _dtensor_module():
     return sys.modules.get("torch.distributed.tensor")
 
 
+def _is_plain(t) -> bool:
+    """A plain tensor or parameter that no layout shards (no Megatron ``tensor_model_parallel``):
+    its global digest is its local one.  The usual case, tested first and cheaply."""
+    cls = t.__class__
+    return (cls is torch.Tensor or cls is torch.nn.Parameter) and not getattr(t, "tensor_model_parallel", False)
+
+
 def _is_dtensor(t) -> bool:
     dtensor = _dtensor_module()
     return dtensor is not None and isinstance(t, dtensor.DTensor)
@@ -221,8 +228,7 @@ def _plan(global_shape: tuple[int, ...], itemsize: int, mesh: _Mesh) -> _Plan:
 
 def _layout(name: str, t: torch.Tensor, group) -> tuple[torch.Tensor, tuple[int, ...], _Mesh | None, object]:
     """(local tensor, global shape, sharding or None for "digest as it is", reduction key)."""
-    cls = t.__class__
-    if (cls is torch.Tensor or cls is torch.nn.Parameter) and not getattr(t, "tensor_model_parallel", False):
+    if _is_plain(t):
         return t, tuple(t.shape), None, None  # the usual case, first: no detach (the digest reads bytes)
     if _is_dtensor(t):
         dtensor = _dtensor_module()
@@ -394,13 +400,7 @@ def all_unsharded(tensors) -> bool:
     """Whether each of ``tensors`` (None allowed) is a plain tensor or parameter that no layout
     shards (not a DTensor, no Megatron ``tensor_model_parallel``): its global digest is then its
     local one, on every rank."""
-    for t in tensors:
-        if t is None:
-            continue
-        cls = t.__class__
-        if (cls is not torch.Tensor and cls is not torch.nn.Parameter) or getattr(t, "tensor_model_parallel", False):
-            return False
-    return True
+    return all(t is None or _is_plain(t) for t in tensors)
 
 
 def local_part(t: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Builds the one compiled piece of samebits: the CPU digest library (see docs/digest.md).
+"""Builds the one compiled piece of samebits: the CPU digest library (see docs/digest.md), which
+also encodes a Recorder's step frames (csrc/step_frame.c, docs/stream.md).
 
 All package metadata lives in pyproject.toml; this file only adds the C extension.  It is a
 plain shared library loaded with ctypes (no Python API), built through setuptools so that
@@ -18,7 +19,7 @@ import tempfile
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-DIGEST_SOURCE = "src/samebits/fingerprint/csrc/digest.c"
+SOURCES = ["src/samebits/fingerprint/csrc/digest.c", "src/samebits/fingerprint/csrc/step_frame.c"]
 
 
 def _compiler_accepts(compiler, flags: list[str]) -> bool:
@@ -64,7 +65,7 @@ setup(
     ext_modules=[
         Extension(
             "samebits.fingerprint._libdigest",
-            sources=[DIGEST_SOURCE],
+            sources=SOURCES,
             # A missing compiler must not block installation: the torch fallback still works.
             optional=True,
         )

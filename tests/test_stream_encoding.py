@@ -11,7 +11,11 @@ shortcuts existed, and with a fault planted in it to show the check can fail.
 from __future__ import annotations
 
 import hashlib
+import os
+import random
+import zlib
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +23,9 @@ import torch
 import samebits
 from samebits.errors import ConfigError
 from samebits.fingerprint import global_body_sums
+from samebits.fingerprint import _native
 from samebits.stream import _format as fmt
+from samebits.stream import writer
 from samebits.stream.writer import Recorder
 
 # sha256 (first 16 hex digits) of each recording below after its header frame (see
@@ -130,13 +136,22 @@ def test_the_shortcuts_write_the_bytes_of_the_full_path(tmp_path, name):
     assert _record(tmp_path / "two", one_call=False, **settings) == GOLDEN[name]
 
 
+@pytest.mark.parametrize("name", ["plain", "exclude", "steps"])
+def test_without_the_compiled_library_the_python_encoder_writes_the_same_bytes(tmp_path, monkeypatch, name):
+    """With the library, step templates are filled and STEP frames built in C (finalize_into,
+    step_frame); without it, in numpy and Python. The digests stay native here (only the
+    writer's view of the library is hidden), so this compares the two encoders."""
+    monkeypatch.setattr(writer, "_native", SimpleNamespace(available=lambda: False))
+    assert _record(tmp_path / "python", **SETTINGS[name]) == GOLDEN[name]
+
+
 def test_a_template_that_leaves_a_payload_out_is_caught(tmp_path, monkeypatch):
     real = Recorder._fill_template
 
-    def stale_metrics(self, template, pending, sums, metric_bytes):
+    def stale_metrics(self, template, pending):
         template.metric_at, saved = [], template.metric_at  # the metrics keep the template's bytes
         try:
-            return real(self, template, pending, sums, metric_bytes)
+            return real(self, template, pending)
         finally:
             template.metric_at = saved
 
@@ -207,3 +222,88 @@ def test_global_records_pointing_at_the_wrong_local_sums_are_caught(tmp_path, mo
     (block,) = samebits.open_run(tmp_path / "r").stream(0).steps()
     global_ = {r.name: r.digest for r in block.records() if r.phase == "global:params" and not r.absent}
     assert global_ != samebits.global_digests(_present(NAMED))
+
+
+# -- the native step frame (csrc/step_frame.c) and the one-pass plan check -------------------
+
+needs_library = pytest.mark.skipif(not _native.available(), reason="the compiled digest library is not built")
+
+
+@needs_library
+@pytest.mark.parametrize("portable", [0, 1])
+def test_native_sha256_and_crc32_match_hashlib_and_zlib(portable):
+    """Every length around the block and padding boundaries, and a long one; both SHA-256 codes
+    (the CPU's SHA extensions when it has them, and the portable one)."""
+    import ctypes
+
+    for length in [*range(0, 200), 1000, 2079, 65537]:
+        key, body = os.urandom(32), os.urandom(length)
+        out = ctypes.create_string_buffer(32)
+        _native.LIB.samebits_sha256_two(portable, key, 32, body, length, out)
+        assert out.raw == hashlib.sha256(key + body).digest(), length
+        assert _native.LIB.samebits_crc32(length, body, length) == zlib.crc32(body, length), length
+
+
+@needs_library
+def test_native_step_frames_equal_the_python_encoder():
+    framer, rng = _native.StepFramer(), random.Random(5)
+    for step, count, length in [(0, 0, 0), (1, 3, 50), (127, 128, 300), (2**63 - 1, 2**20, 5000),
+                                *((rng.randrange(2**40), rng.randrange(1000), rng.randrange(9000)) for _ in range(50))]:
+        key, body = os.urandom(32), os.urandom(length)
+        frame, root = framer.frame(key, step, count, body, length)
+        prefix = bytearray()
+        fmt.encode_varint(step, prefix)
+        fmt.encode_varint(count, prefix)
+        assert root == fmt.step_root(key, body)
+        assert bytes(frame) == fmt.frame(fmt.FRAME_STEP, bytes(prefix) + fmt.pack_u64(root) + body)
+    with pytest.raises(ValueError, match="32"):
+        framer.frame(b"short", 0, 0, b"", 0)
+
+
+def _plain_calls(step: int) -> list:
+    """Row-major tensors, but at step 2 the square one is transposed in place (same shape, other
+    strides), at step 3 another is a lazily negated view, at step 4 one gets other storage."""
+    m = torch.arange(16.0).reshape(4, 4) + step
+    if step == 2:
+        m.t_()
+    v = torch.arange(5.0) * (step + 1)
+    if step == 3:
+        v = torch._neg_view(v)
+    w = torch.full((3,), float(step), dtype=torch.bfloat16)
+    if step == 4:
+        w.data = torch.zeros(6, dtype=torch.bfloat16)[::2]  # same shape, strided storage
+    return [("m", m), ("v", v), ("w", w), ("i", torch.arange(7, dtype=torch.int32) - step)]
+
+
+def _plain_record(root: Path, *, forget: bool) -> bytes:
+    with Recorder(root, rank=0, world_size=1, run_id="fixture") as rec:
+        for step in range(6):
+            if forget:
+                rec._plans.clear()
+                rec._template = None
+            rec.tensors(step, "params", _plain_calls(step))
+    return _after_header(root / "rank-00000.sbs")
+
+
+@needs_library
+def test_a_repeated_call_of_row_major_tensors_takes_the_one_pass_check(tmp_path, monkeypatch):
+    """The one-pass check (`_plain_key`) is taken for such calls, and still sees a tensor that keeps
+    its shape but not its layout (transposed in place, a negated view, other storage): the bytes
+    equal the record-by-record path's, and the digests those of the tensors' values."""
+    taken = []
+    real = _native.body_sums_into
+    monkeypatch.setattr(_native, "body_sums_into", lambda *a: taken.append(1) or real(*a))
+    fast = _plain_record(tmp_path / "fast", forget=False)
+    assert len(taken) == 2  # steps 1 and 5 (steps 2-4 fail the check and go the full path)
+    assert fast == _plain_record(tmp_path / "full", forget=True)
+    steps = list(samebits.open_run(tmp_path / "fast").stream(0).steps())
+    for step, block in enumerate(steps):
+        expected = {name: samebits.digest(t) for name, t in _plain_calls(step)}
+        assert {r.name: r.digest for r in block.records()} == expected
+
+
+@needs_library
+def test_a_one_pass_check_blind_to_layout_is_caught(tmp_path, monkeypatch):
+    monkeypatch.setattr(writer, "_plain_key", lambda name, t: (name, t.__class__, t.dtype, t.shape, t.device,
+                                                                 t.layout, True, False, False))
+    assert _plain_record(tmp_path / "fast", forget=False) != _plain_record(tmp_path / "full", forget=True)

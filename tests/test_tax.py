@@ -83,6 +83,24 @@ def test_step_times_never_make_two_runs_differ(tmp_path):
     assert (tmp_path / "slow" / "rank-00000.steptimes").read_text() != (tmp_path / "fast" / "rank-00000.steptimes").read_text()
 
 
+def test_step_times_reach_the_file_every_64_steps_and_at_close(tmp_path):
+    """A step's write stays one system call: step times are written in batches (docs/stream.md)."""
+    rec = samebits.Recorder(tmp_path, rank=0, world_size=1)
+    path = tmp_path / "rank-00000.steptimes"
+
+    def lines():
+        return [line for line in path.read_text().splitlines() if not line.startswith("{")]
+
+    for step in range(70):
+        rec.metrics(step, loss=1.0)
+        rec.end_step(step)
+        if step == 62:
+            assert lines() == []  # 63 steps: none written yet
+    assert [int(line.split("\t")[0]) for line in lines()] == list(range(64))
+    rec.close()
+    assert [int(line.split("\t")[0]) for line in lines()] == list(range(70))
+
+
 def test_step_times_take_the_slowest_rank_and_skip_gaps(tmp_path):
     record(tmp_path / "run", rank=0, world_size=2, steps=3, sleep=0.0)
     record(tmp_path / "run", rank=1, world_size=2, steps=3, sleep=0.03)

@@ -14,11 +14,13 @@ import os
 import warnings
 from array import array
 
+import numpy as np
+
 import torch  # noqa: F401  (loads torch's libgomp before ours; see the module docstring)
 
 from samebits.errors import ConfigError
 
-_ABI_VERSION = 3  # the ABI version in csrc/digest.c (3: digest version 2, samebits_body_sum_with)
+_ABI_VERSION = 4  # the ABI version in csrc/digest.c (3: digest version 2, samebits_body_sum_with; 4: step frames)
 _BUILD_HINT = "build it with `pip install -e .` (or `pip install .`) from the samebits repository"
 
 
@@ -53,6 +55,34 @@ def _load() -> ctypes.CDLL | None:
         ctypes.c_void_p,  # uint64_t *out_sums
         ctypes.c_int,  # num_threads
     ]
+    lib.samebits_finalize_into.restype = None
+    lib.samebits_finalize_into.argtypes = [
+        ctypes.c_char_p,  # const unsigned char *template (a bytes object, passed without a copy)
+        ctypes.c_uint64,  # num_bytes
+        ctypes.c_uint64,  # n
+        ctypes.c_void_p,  # const uint64_t *sums
+        ctypes.c_void_p,  # const int64_t *sum_indices
+        ctypes.c_void_p,  # const uint64_t *headers
+        ctypes.c_void_p,  # const int64_t *offsets
+        ctypes.c_void_p,  # unsigned char *out
+    ]
+    lib.samebits_step_frame.restype = ctypes.c_uint64
+    lib.samebits_step_frame.argtypes = [
+        ctypes.c_char_p,  # const unsigned char *names_key (32 bytes)
+        ctypes.c_uint64,  # step
+        ctypes.c_uint64,  # num_records
+        ctypes.c_void_p,  # const unsigned char *body (bytes, or a ctypes array over a bytearray)
+        ctypes.c_uint64,  # body_len
+        ctypes.c_void_p,  # unsigned char *out
+        ctypes.c_uint64,  # out_capacity
+        ctypes.c_void_p,  # uint64_t *root
+    ]
+    lib.samebits_sha256_two.restype = None
+    lib.samebits_sha256_two.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint64, ctypes.c_char_p, ctypes.c_uint64,
+                                        ctypes.c_char_p]
+    lib.samebits_crc32.restype = ctypes.c_uint32
+    lib.samebits_crc32.argtypes = [ctypes.c_uint32, ctypes.c_char_p, ctypes.c_uint64]
+    lib.samebits_sha256_variant.restype = ctypes.c_char_p
     return lib
 
 
@@ -120,6 +150,84 @@ def body_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
         1 if _in_forked_child else torch.get_num_threads(),  # torch's thread budget, never more
     )
     return out
+
+
+def body_sums_into(data_ptrs: list[int], num_bytes: array, out_address: int) -> None:
+    """`body_sums` of buffers given by address and size (the caller read the addresses of
+    checked, row-major CPU tensors that it keeps alive), written as uint64 at ``out_address``."""
+    assert LIB is not None and len(data_ptrs) == len(num_bytes)
+    pointers = array("Q", data_ptrs)  # named: alive until the call returns
+    LIB.samebits_body_sums(len(pointers), pointers.buffer_info()[0], num_bytes.buffer_info()[0], out_address,
+                           1 if _in_forked_child else torch.get_num_threads())
+
+
+class StepFinalizer:
+    """Puts a step's digests into a copy of its encoded records in one native call (the
+    Recorder's step templates): ``fill(sums_address, num_sums)`` returns ``body`` with, for each
+    k, the 8 bytes of ``D = fmix64(headers[k] ^ sums[sum_indices[k]])`` at ``offsets[k]``.  The
+    returned bytearray is this object's own, overwritten by the next ``fill``; ``pointer`` is its
+    address for another native call."""
+
+    def __init__(self, body: bytes, sum_indices: np.ndarray, headers: np.ndarray, offsets: np.ndarray):
+        assert LIB is not None
+        self.body = bytes(body)
+        self.sum_indices = np.ascontiguousarray(sum_indices, dtype=np.int64)
+        self.headers = np.ascontiguousarray(headers, dtype=np.uint64)
+        self.offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+        n = len(self.sum_indices)
+        if not (len(self.headers) == len(self.offsets) == n):
+            raise ValueError(f"StepFinalizer: {n} sum indices, {len(self.headers)} headers, {len(self.offsets)} offsets")
+        if n and not (self.offsets.min() >= 0 and self.offsets.max() + 8 <= len(self.body)
+                      and self.sum_indices.min() >= 0):
+            raise ValueError("StepFinalizer: a digest offset outside the body, or a negative sum index")
+        self.num_sums_needed = int(self.sum_indices.max()) + 1 if n else 0
+        self.out = bytearray(len(self.body))
+        self.pointer = (ctypes.c_char * len(self.out)).from_buffer(self.out)  # pins out's buffer
+        self._args = (self.body, len(self.body), n)
+        self._pointers = (self.sum_indices.ctypes.data, self.headers.ctypes.data, self.offsets.ctypes.data,
+                          ctypes.addressof(self.pointer))
+
+    def fill(self, sums_address: int, num_sums: int) -> bytearray:
+        """``sums_address``: the address of the step's ``num_sums`` body sums (uint64, on the
+        CPU, kept alive by the caller)."""
+        if num_sums < self.num_sums_needed:
+            raise ValueError(f"StepFinalizer.fill: {num_sums} sums, the template reads {self.num_sums_needed}")
+        indices, headers, offsets, out = self._pointers
+        LIB.samebits_finalize_into(*self._args, sums_address, indices, headers, offsets, out)
+        return self.out
+
+
+class StepFramer:
+    """Encodes STEP frames (stream/_format.py: ``frame(FRAME_STEP, ...)`` with the step root of
+    `step_root`) in one native call: SHA-256, varints and CRC-32 in C.  ``frame`` returns a
+    memoryview of this object's own buffer, valid until the next call."""
+
+    def __init__(self):
+        assert LIB is not None
+        self._root = ctypes.c_uint64()
+        self._root_address = ctypes.addressof(self._root)
+        self._grow(4096)
+
+    def _grow(self, capacity: int) -> None:
+        self._out = bytearray(capacity)
+        self._out_view = (ctypes.c_char * capacity).from_buffer(self._out)
+        self._out_address = ctypes.addressof(self._out_view)
+
+    def frame(self, names_key: bytes, step: int, num_records: int, body, body_length: int) -> tuple[memoryview, int]:
+        """(the frame's bytes, the step root).  ``body``: bytes, or a ctypes pointer/array over a
+        buffer of ``body_length`` bytes (`StepFinalizer.pointer`)."""
+        if len(names_key) != 32:
+            raise ValueError(f"StepFramer.frame: the names key has {len(names_key)} bytes, not 32")
+        if isinstance(body, (bytes, bytearray)) and len(body) != body_length:
+            raise ValueError(f"StepFramer.frame: body_length {body_length} for a body of {len(body)} bytes")
+        needed = body_length + 43  # kind, 10-byte length, two 10-byte varints, root, crc
+        if needed > len(self._out):
+            self._grow(max(needed, 2 * len(self._out)))
+        size = LIB.samebits_step_frame(names_key, step, num_records, body, body_length, self._out_address,
+                                       len(self._out), self._root_address)
+        if size == 0:
+            raise RuntimeError(f"samebits_step_frame: a frame of {body_length} body bytes did not fit")
+        return memoryview(self._out)[:size], self._root.value
 
 
 def body_sum_at(data: torch.Tensor, first_word: int) -> int:

@@ -22,6 +22,7 @@ import time
 import uuid
 import warnings
 import weakref
+from array import array
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,7 @@ import torch
 
 from samebits import fingerprint, settings
 from samebits.determinism import active_record
+from samebits.fingerprint import _native
 from samebits.fingerprint._digest import body_sums_of_checked
 from samebits.fingerprint._global import all_unsharded, local_part
 from samebits.fingerprint._spec import dtype_code
@@ -51,9 +53,10 @@ _F64, _I64 = struct.Struct("<d"), struct.Struct("<q")
 
 @dataclass
 class _DeviceQueue:
-    """What one device holds for the step until its end: body sums, then metric bytes."""
+    """What one device holds for the step until its end: body sums, then metric bytes.  The
+    CPU's sums go into the Recorder's host buffer (`Recorder._host_sums`), not into ``sums``."""
 
-    sums: list = field(default_factory=list)  # int64 tensors from fingerprint.body_sums
+    sums: list = field(default_factory=list)  # int64 tensors from fingerprint.body_sums (accelerators)
     num_sums: int = 0
     metrics: list = field(default_factory=list)  # uint8 tensors: each metric's raw bytes
     num_metric_bytes: int = 0
@@ -70,9 +73,20 @@ class _PendingStep:
     # values live in the sums and payloads), so equal record lists share one encoding.
     records: list = field(default_factory=list)
     devices: dict = field(default_factory=dict)  # device -> _DeviceQueue
-    occurrences: dict = field(default_factory=dict)
+    occurrences: dict = field(default_factory=dict)  # read through counts()
+    # The occurrences of call plans reused in the step, merged into `occurrences` when something
+    # reads them: a plan's records are of a phase new in the step, so no key is in two of them.
+    plan_occurrences: list = field(default_factory=list)
     host_payloads: list = field(default_factory=list)  # the 8 bytes of each host metric
     tensor_phases: set = field(default_factory=set)  # phases with tensor records so far
+
+    def counts(self) -> dict:
+        """(kind, phase, name) -> records of it so far in the step."""
+        if self.plan_occurrences:
+            for occurrences in self.plan_occurrences:
+                self.occurrences.update(occurrences)
+            self.plan_occurrences.clear()
+        return self.occurrences
 
 
 @dataclass
@@ -94,6 +108,19 @@ class _CallPlan:
     # sharded, nothing filtered or capped): the global records and their occurrences.
     global_records: list | None = None
     global_occurrences: dict | None = None
+    # On the CPU with the compiled library: the byte sizes of the digested tensors (fixed by their
+    # dtypes and shapes), so that a repeated call reads only their addresses.
+    num_bytes: array | None = None
+    # When every tensor of the call was digested as it is (row-major, no lazy negation or
+    # conjugation) on the CPU: per tensor `_plain_key`, so that a repeated call checks names,
+    # kinds and layout in one pass, then reads the addresses.
+    plain_keys: list | None = None
+
+
+def _plain_key(name, t) -> tuple:
+    """What a call plan's one-pass check compares: name, `_tensor_metas` and the flags that
+    let the digest read the tensor's memory as it is (raises for None and non-tensors)."""
+    return (name, t.__class__, t.dtype, t.shape, t.device, t.layout, t.is_contiguous(), t.is_neg(), t.is_conj())
 
 
 @dataclass
@@ -108,6 +135,8 @@ class _StepTemplate:
     digest_at: np.ndarray  # intp [n, 8]: the body offsets of each digest's bytes
     metric_at: list  # (body offset, where) per metric record
     body: bytes
+    # The same in one native call (compiled digest library loaded, digests on one device).
+    finalizer: _native.StepFinalizer | None = None
 
 
 def _tensor_metas(pairs) -> list:
@@ -193,6 +222,10 @@ class Recorder:
         self._template: _StepTemplate | None = None  # the last step's encoding (see _StepTemplate)
         self._new_names: list[str] = []
         self._buffer = bytearray()
+        # The open step's CPU body sums, in one buffer reused every step (see _host_slots).
+        self._host_sums = np.zeros(0, dtype=np.uint64)
+        self._host_address = 0
+        self._framer = _native.StepFramer() if _native.available() else None  # STEP frames in C
         self._steps_since_flush = 0
         self._num_steps = self._num_records = 0
         self._reference = None
@@ -241,7 +274,7 @@ class Recorder:
                 raise
         else:
             try:
-                self._file = open(self.path, "xb")
+                self._file = open(self.path, "xb", buffering=0)  # unbuffered: one write per flush
             except FileExistsError:
                 raise StreamError(
                     f"{self.path} already exists: samebits never overwrites a stream. "
@@ -291,12 +324,31 @@ class Recorder:
         if not self.settings.selected(step, phase):
             return None
         pending = self._step(step)
-        if isinstance(named_tensors, Mapping):
-            named_tensors = named_tensors.items()
-        pairs = named_tensors if named_tensors.__class__ is list else list(named_tensors)
+        if named_tensors.__class__ is list:
+            pairs = named_tensors
+        else:
+            pairs = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         self._plan_used = None
         first_of_phase = phase not in pending.tensor_phases
         plan = self._plans.get(phase) if first_of_phase else None
+        if plan is not None and plan.plain_keys is not None:  # names, kinds, layouts in one pass
+            try:
+                keys = [_plain_key(name, t) for name, t in pairs]
+            except Exception:  # None, not a tensor: the paths below
+                keys = None
+            queue = pending.devices.get(plan.device)
+            if keys == plan.plain_keys and (queue.num_sums if queue is not None else 0) == plan.base:
+                pointers = [t.data_ptr() for _, t in pairs]
+                if 0 not in pointers:
+                    if queue is None:
+                        queue = pending.devices[plan.device] = _DeviceQueue()
+                    _native.body_sums_into(pointers, plan.num_bytes, self._host_slots(queue, len(pointers)))
+                    queue.num_sums += len(pointers)
+                    pending.records.extend(plan.records)
+                    pending.plan_occurrences.append(plan.occurrences)
+                    pending.tensor_phases.add(phase)
+                    self._plan_used = plan
+                    return plan.slots
         if plan is not None and [name for name, _ in pairs] == plan.names:
             try:
                 metas = _tensor_metas(pairs)
@@ -305,13 +357,21 @@ class Recorder:
             queue = pending.devices.get(plan.device) if plan.device is not None else None
             if metas == plan.metas and (queue.num_sums if queue is not None else 0) == plan.base:
                 if plan.digest_positions:  # the tensors were checked when the plan was made
-                    sums = body_sums_of_checked([pairs[i][1] for i in plan.digest_positions], plan.device)
+                    tensors = [pairs[i][1] for i in plan.digest_positions]
                     if queue is None:
                         queue = pending.devices[plan.device] = _DeviceQueue()
-                    queue.sums.append(sums)
-                    queue.num_sums += len(plan.digest_positions)
+                    pointers = None
+                    if plan.num_bytes is not None:  # on the CPU: the addresses of row-major tensors
+                        pointers = [t.data_ptr() for t in tensors
+                                    if t.is_contiguous() and not t.is_neg() and not t.is_conj()]
+                    if pointers is not None and len(pointers) == len(tensors) and 0 not in pointers:
+                        # straight into the host buffer: no tensor made, nothing to gather at the end
+                        _native.body_sums_into(pointers, plan.num_bytes, self._host_slots(queue, len(tensors)))
+                        queue.num_sums += len(tensors)
+                    else:  # views to copy, lazy negation, no library: as body_sums does
+                        self._queue_sums(queue, plan.device, body_sums_of_checked(tensors, plan.device), len(tensors))
                 pending.records.extend(plan.records)
-                pending.occurrences.update(plan.occurrences)
+                pending.plan_occurrences.append(plan.occurrences)
                 pending.tensor_phases.add(phase)
                 self._plan_used = plan
                 return plan.slots
@@ -342,7 +402,7 @@ class Recorder:
             key = (fmt.RECORD_TENSOR, phase, name)
             occurrence = occurrences.get(key)
             if occurrence is None:
-                occurrence = pending.occurrences.get(key, 0)
+                occurrence = pending.counts().get(key, 0)
             occurrences[key] = occurrence + 1
             if tensor is None:
                 records.append((fmt.RECORD_TENSOR, phase, name, occurrence, _ABSENT_HEAD, 0, None))
@@ -379,10 +439,9 @@ class Recorder:
         sums = {device: fingerprint.body_sums(batch) for device, (_, batch) in to_digest.items()}  # no sync
         for device, (_, batch) in to_digest.items():
             queue = pending.devices.get(device) or pending.devices.setdefault(device, _DeviceQueue())
-            queue.sums.append(sums[device])
-            queue.num_sums += len(batch)
+            self._queue_sums(queue, device, sums[device], len(batch))
         pending.records.extend(records)
-        pending.occurrences.update(occurrences)
+        pending.counts().update(occurrences)
         pending.tensor_phases.add(phase)
         if first_of_phase and all_str and len(to_digest) <= 1:
             try:
@@ -392,8 +451,16 @@ class Recorder:
             (device, (base, _)), = to_digest.items() if to_digest else ((None, (0, None)),)
             if len(self._plans) >= _MAX_CALL_PLANS:
                 self._plans.clear()
+            num_bytes = plain_keys = None
+            if device is not None and device.type == "cpu" and _native.available():
+                num_bytes = array("Q", [pairs[i][1].nbytes for i in positions])
+                if len(positions) == len(pairs):  # every tensor digested: maybe as it is
+                    plain_keys = [_plain_key(name, t) for name, t in pairs]
+                    if not all(key[6] and not key[7] and not key[8] for key in plain_keys):
+                        plain_keys = None
             self._plans[phase] = self._plan_used = _CallPlan([name for name, _ in pairs], metas, device, base,
-                                                             records, occurrences, positions, slots)
+                                                             records, occurrences, positions, slots,
+                                                             num_bytes=num_bytes, plain_keys=plain_keys)
         return slots
 
     def global_tensors(self, step: int, phase: str, named_tensors, group=None) -> None:
@@ -454,7 +521,7 @@ class Recorder:
             # The same call as when the plan's global records were made, and nothing sharded:
             # every global record is its local record's digest again (no collective to join).
             pending.records.extend(plan.global_records)
-            pending.occurrences.update(plan.global_occurrences)
+            pending.plan_occurrences.append(plan.global_occurrences)
             pending.tensor_phases.add(full_phase)
             return
         made = self._global_tensors(step, phase, named, group, slots)
@@ -493,7 +560,7 @@ class Recorder:
         base = queue.num_sums
         records, occurrences = [], {}
         first_of_phase = full_phase not in pending.tensor_phases
-        seen = {} if first_of_phase else pending.occurrences
+        seen = {} if first_of_phase else pending.counts()
         i = 0  # position in `names`: the present tensors, in order (names are unique)
         for name, tensor in named:
             key = (fmt.RECORD_TENSOR, full_phase, name)
@@ -509,10 +576,9 @@ class Recorder:
                             present_slots[i] if reused[i] else (device, base + i)))
             i += 1
         if computed:
-            queue.sums.append(result.sums)
-            queue.num_sums += len(names)
+            self._queue_sums(queue, device, result.sums, len(names))
         pending.records.extend(records)
-        pending.occurrences.update(occurrences)
+        pending.counts().update(occurrences)
         pending.tensor_phases.add(full_phase)
         return (records, occurrences) if first_of_phase and not computed else None
 
@@ -559,7 +625,7 @@ class Recorder:
             else:
                 raise ConfigError(f"Recorder.metrics(step={step}): {name!r} = {value} does not fit in int64; "
                                   "pass it as a float or a tensor.")
-        records, occurrences = pending.records, pending.occurrences
+        records, occurrences = pending.records, pending.counts()
         for name, value, encoded in checked:
             if value is not None:
                 data = value.detach().reshape(1).clone().view(torch.uint8)  # a copy: values change
@@ -689,6 +755,25 @@ class Recorder:
         self._pending = _PendingStep(step)
         return self._pending
 
+    def _host_slots(self, queue: _DeviceQueue, count: int) -> int:
+        """The address of ``count`` free sums after the CPU queue's in the host buffer (grown as
+        needed, its contents kept)."""
+        needed = queue.num_sums + count
+        if needed > len(self._host_sums):
+            grown = np.zeros(max(needed, 2 * len(self._host_sums), 256), dtype=np.uint64)
+            grown[: queue.num_sums] = self._host_sums[: queue.num_sums]
+            self._host_sums, self._host_address = grown, grown.ctypes.data
+        return self._host_address + 8 * queue.num_sums
+
+    def _queue_sums(self, queue: _DeviceQueue, device, sums: torch.Tensor, count: int) -> None:
+        """Adds ``count`` body sums (an int64 tensor on ``device``) to the step's queue of that device."""
+        if device.type == "cpu":
+            self._host_slots(queue, count)
+            self._host_sums[queue.num_sums : queue.num_sums + count] = sums.numpy().view(np.uint64)
+        else:
+            queue.sums.append(sums)
+        queue.num_sums += count
+
     def _tensor_head(self, dtype, shape, capped) -> tuple[bytes, int]:
         """(dtype code, flags, ndim, sizes) as bytes, and the digest header of (dtype, shape):
         the same for a tensor every step, so cached."""
@@ -738,28 +823,33 @@ class Recorder:
                               f"at position {err.start}); pass a valid string.") from None
         self._valid_names.add(text)
 
-    def _write_step(self, pending: _PendingStep) -> tuple[int, int]:
+    def _fetch(self, pending: _PendingStep) -> tuple[dict, dict]:
+        """Per device, the step's body sums (a uint64 numpy array) and its metric bytes: one
+        device-to-host copy per accelerator; the CPU's sums are already in the host buffer."""
         sums, metric_bytes = {}, {}
-        for device, queue in pending.devices.items():  # one device-to-host copy per device
-            if device.type == "cpu":  # numpy views of the CPU tensors: no torch ops, no copy but one
-                arrays = [s.numpy() for s in queue.sums]
-                sums[device] = (arrays[0] if len(arrays) == 1 else np.concatenate(arrays)).view(np.uint64) \
-                    if arrays else np.zeros(0, dtype=np.uint64)
+        for device, queue in pending.devices.items():
+            if device.type == "cpu":
+                sums[device] = self._host_sums[: queue.num_sums]
                 metric_bytes[device] = b"".join([m.numpy().tobytes() for m in queue.metrics])
                 continue
             parts = [s.view(torch.uint8) for s in queue.sums] + queue.metrics
             data = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().numpy()
             sums[device] = data[: 8 * queue.num_sums].view(np.uint64)
             metric_bytes[device] = data[8 * queue.num_sums :].tobytes()
+        return sums, metric_bytes
+
+    def _write_step(self, pending: _PendingStep) -> tuple[int, int]:
         template = self._template
-        if template is not None and len(sums) <= 1 and pending.records == template.records:
-            body = self._fill_template(template, pending, sums, metric_bytes)
+        if template is not None and pending.records == template.records:
+            body, body_bytes = self._fill_template(template, pending)
         else:
-            body = self._encode_records(pending, sums, metric_bytes)
+            body = self._encode_records(pending, *self._fetch(pending))
+            body_bytes = None
+        if body_bytes is None:
+            body_bytes = body = bytes(body)
         names_key = self._names_key
         if names_key is None:
             names_key = self._names_key = self._names_hasher.digest()
-        root_value = fmt.step_root(names_key, body)
         if self._new_names:
             names = bytearray()
             fmt.encode_varint(len(self._names) - len(self._new_names), names)
@@ -770,13 +860,18 @@ class Recorder:
                 names += data
             self._buffer += fmt.frame(fmt.FRAME_NAMES, names)
             self._new_names.clear()
-        prefix = bytearray()
-        fmt.encode_varint(pending.step, prefix)
-        fmt.encode_varint(len(pending.records), prefix)
-        prefix += fmt.pack_u64(root_value)
-        self._index.append((pending.step, len(pending.records), root_value,
-                            self._written + len(self._buffer)))
-        self._buffer += fmt.frame(fmt.FRAME_STEP, prefix + body)
+        offset = self._written + len(self._buffer)
+        if self._framer is not None:  # hash, varints and crc in one native call: the same bytes
+            frame, root_value = self._framer.frame(names_key, pending.step, len(pending.records), body_bytes, len(body))
+        else:
+            root_value = fmt.step_root(names_key, body)
+            prefix = bytearray()
+            fmt.encode_varint(pending.step, prefix)
+            fmt.encode_varint(len(pending.records), prefix)
+            prefix += fmt.pack_u64(root_value)
+            frame = fmt.frame(fmt.FRAME_STEP, prefix + body)
+        self._buffer += frame
+        self._index.append((pending.step, len(pending.records), root_value, offset))
         self._last_step = pending.step
         self._times.add(pending.step, pending.opened)
         self._num_steps += 1
@@ -791,18 +886,33 @@ class Recorder:
             return pending.host_payloads[where[1]]
         return metric_bytes[where[0]][where[1] : where[1] + where[2]]
 
-    def _fill_template(self, template: _StepTemplate, pending: _PendingStep, sums: dict,
-                       metric_bytes: dict) -> bytearray:
-        """The step's body from the last step's encoding (equal records): its payloads put in."""
-        body = bytearray(template.body)
-        if len(template.sum_indices):
-            values = sums[template.device][template.sum_indices]
-            packed = np.frombuffer(fingerprint.finalize_packed(values, template.headers), dtype=np.uint8)
-            np.frombuffer(body, dtype=np.uint8)[template.digest_at] = packed.reshape(-1, 8)
-        for offset, where in template.metric_at:
-            payload = self._metric_payload(where, pending, metric_bytes)
-            body[offset : offset + len(payload)] = payload
-        return body
+    def _fill_template(self, template: _StepTemplate, pending: _PendingStep) -> tuple[bytearray, Any]:
+        """The step's body from the last step's encoding (equal records): its payloads put in.
+        Returns (body, a ctypes pointer to it, or None): with the compiled library the copy and
+        the digests are one native call, and on the CPU the sums are read where they are."""
+        metric_bytes = None
+        if template.finalizer is not None:
+            if template.device.type == "cpu":
+                body = template.finalizer.fill(self._host_address, pending.devices[template.device].num_sums)
+            else:
+                sums, metric_bytes = self._fetch(pending)
+                device_sums = sums[template.device]
+                body = template.finalizer.fill(device_sums.ctypes.data, len(device_sums))
+            pointer = template.finalizer.pointer
+        else:
+            sums, metric_bytes = self._fetch(pending)
+            body, pointer = bytearray(template.body), None
+            if len(template.sum_indices):
+                values = sums[template.device][template.sum_indices]
+                packed = np.frombuffer(fingerprint.finalize_packed(values, template.headers), dtype=np.uint8)
+                np.frombuffer(body, dtype=np.uint8)[template.digest_at] = packed.reshape(-1, 8)
+        if template.metric_at:
+            if metric_bytes is None:
+                metric_bytes = self._fetch(pending)[1]
+            for offset, where in template.metric_at:
+                payload = self._metric_payload(where, pending, metric_bytes)
+                body[offset : offset + len(payload)] = payload
+        return body, pointer
 
     def _encode_records(self, pending: _PendingStep, sums: dict, metric_bytes: dict) -> bytearray:
         """The step's body record by record; leaves its encoding as the template for the next."""
@@ -848,19 +958,26 @@ class Recorder:
             body += payload
         self._template = None
         if len(sums) <= 1:  # one device (or none): its sums are indexed as in this step
+            sum_indices = sum_indices if sums else np.zeros(0, dtype=np.intp)
+            body = bytes(body)
+            finalizer = _native.StepFinalizer(body, sum_indices, headers, np.array(digest_at, dtype=np.int64)) \
+                if len(sum_indices) and _native.available() else None
             self._template = _StepTemplate(
-                list(pending.records), next(iter(sums), None), sum_indices if sums else np.zeros(0, dtype=np.intp),
-                headers, np.array(digest_at, dtype=np.intp).reshape(-1, 1) + np.arange(8, dtype=np.intp),
-                metric_at, bytes(body))
+                list(pending.records), next(iter(sums), None), sum_indices, headers,
+                np.array(digest_at, dtype=np.intp).reshape(-1, 1) + np.arange(8, dtype=np.intp),
+                metric_at, body, finalizer)
         return body
 
     def _flush(self) -> None:
-        if self._buffer:
-            self._file.write(self._buffer)
-            self._written += len(self._buffer)
-            self._buffer.clear()
-        self._file.flush()  # reaches the OS: survives SIGKILL of this process
-        self._times.flush()
+        """Hands the buffered frames to the OS (one write; they survive a SIGKILL of this process)."""
+        buffer = self._buffer
+        if buffer:
+            done = self._file.write(buffer)  # the file is unbuffered: this is the system call
+            while done < len(buffer):  # a short write (rare for a file): the rest
+                done += self._file.write(memoryview(buffer)[done:])
+            self._written += len(buffer)
+            buffer.clear()
+        self._times.flush_some()
         self._steps_since_flush = 0
 
     def _check_reference(self, step: int, root: int, count: int) -> bool | None:
@@ -879,7 +996,7 @@ class Recorder:
 
     def _open_for_append(self, header: dict) -> None:
         try:
-            self._file = open(self.path, "r+b")
+            self._file = open(self.path, "r+b", buffering=0)
         except OSError as err:
             raise StreamError(f"{self.path}: cannot open the stream to append ({err.strerror}).") from None
         self._lock()  # before reading: a live writer may still be adding frames
@@ -965,8 +1082,11 @@ class _StepTimes:
     tax` reads them (docs/stream.md, docs/tax.md).  A file that cannot be written costs a
     warning, never the recording."""
 
+    FLUSH_STEPS = 64  # step times reach the OS at least this often, and at close
+
     def __init__(self, stream_path: Path, header: dict):
         self.path = stream_path.with_suffix(STEP_TIMES_SUFFIX)
+        self._steps: list[tuple[int, float, float]] = []  # (step, opened, written), not yet formatted
         self._origin = time.perf_counter()
         self._lines: list[str] = [json.dumps({"schema": "samebits.step_times/1", "rank": header["rank"],
                                               "segment": header.get("segment", 0), "run_id": header["run_id"],
@@ -979,9 +1099,17 @@ class _StepTimes:
             self._file = None
 
     def add(self, step: int, opened: float) -> None:
-        self._lines.append(f"{step}\t{opened - self._origin:.6f}\t{time.perf_counter() - self._origin:.6f}\n")
+        self._steps.append((step, opened, time.perf_counter()))
+
+    def flush_some(self) -> None:
+        """`flush` every FLUSH_STEPS steps: a step's own write stays one system call."""
+        if len(self._steps) >= self.FLUSH_STEPS:
+            self.flush()
 
     def flush(self) -> None:
+        origin = self._origin
+        self._lines += [f"{step}\t{opened - origin:.6f}\t{written - origin:.6f}\n" for step, opened, written in self._steps]
+        self._steps.clear()
         if self._file is not None and self._lines:
             self._file.write("".join(self._lines))
             self._file.flush()

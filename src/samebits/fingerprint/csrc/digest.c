@@ -2,7 +2,8 @@
  *
  * For each buffer of L bytes, zero-padded to W = ceil(L/8) little-endian uint64 words:
  *     S = sum_{j<W} mix2(w_j + (j+1)*G)  mod 2^64          (digest version 2)
- * Headers and the final mix are done in Python: they need only metadata.
+ * Headers are computed in Python (they need only metadata); the final mix D = fmix64(H ^ S) is
+ * in Python for single digests and here for a Recorder's whole step (samebits_finalize_into).
  *
  * Loaded with ctypes, so this file uses no Python API: ctypes releases the GIL for the call.
  * Built by setup.py as a setuptools Extension (a plain shared library with a Python-style name).
@@ -41,8 +42,8 @@
 
 /* The interface _native.py expects; a library of another ABI version is refused there.
  * 1: digest version 1.  2: mix2 replaced fmix64 in the body (digest version 2).
- * 3: samebits_body_sum_with added (digest version 2). */
-#define SAMEBITS_ABI_VERSION 3
+ * 3: samebits_body_sum_with added (digest version 2).  4: samebits_finalize_into added. */
+#define SAMEBITS_ABI_VERSION 4
 
 static const uint64_t GOLDEN = 0x9E3779B97F4A7C15ULL; /* G: the per-position offset step */
 
@@ -507,4 +508,34 @@ SAMEBITS_EXPORT void samebits_body_sums(uint64_t num_tensors, const uint64_t *da
 #endif
     for (uint64_t i = 0; i < num_tensors; i++)
         out_sums[i] = samebits_body_sum_at((const void *)(uintptr_t)data_ptrs[i], num_bytes[i], 0);
+}
+
+/* fmix64 of the spec (MurmurHash3's finalizer): the header's and the final mix. */
+static inline uint64_t fmix64(uint64_t x)
+{
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ULL;
+    x ^= x >> 33;
+    return x;
+}
+
+/* The digests of a Recorder's step, written into its encoded records: for k < n,
+ *     D_k = fmix64(headers[k] ^ sums[sum_indices[k]])
+ * goes little endian into out[offsets[k] .. offsets[k] + 8), after out is copied from
+ * template[0 .. num_bytes) (the step's records with the digests left zero).  One call per step
+ * in place of a dozen numpy operations (stream/writer.py, step templates). */
+SAMEBITS_EXPORT void samebits_finalize_into(const unsigned char *template, uint64_t num_bytes, uint64_t n,
+                                            const uint64_t *sums, const int64_t *sum_indices,
+                                            const uint64_t *headers, const int64_t *offsets,
+                                            unsigned char *out)
+{
+    memcpy(out, template, num_bytes);
+    for (uint64_t k = 0; k < n; k++) {
+        uint64_t d = fmix64(headers[k] ^ sums[sum_indices[k]]);
+        unsigned char *at = out + offsets[k];
+        for (int b = 0; b < 8; b++) /* little endian whatever the host */
+            at[b] = (unsigned char)(d >> (8 * b));
+    }
 }

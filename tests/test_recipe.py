@@ -264,6 +264,43 @@ def test_params_in_one_call_are_recorded_as_in_two(tmp_path):
     assert len(local) > 20 and local == global_  # one rank: every global digest is the local one
 
 
+def _grads_before_the_update_and_recorded(directory, rescale_in_place: bool):
+    """Digests of the gradients just before each `optimizer.step()` (a step pre-hook), and the
+    grads records the loop writes (it records them after the update)."""
+    from samebits.fingerprint import digest_many
+    from samebits.recipes import session
+    from samebits.recipes.loop import _Run
+
+    cfg, before = _tiny(), []
+    with session(cfg):
+        run = _Run(cfg, 0, 1)
+
+        def pre_hook(optimizer, args, kwargs):
+            grads = [p.grad for _, p in run.named_params if p.grad is not None]
+            before.append(digest_many(grads))
+            if rescale_in_place:  # an optimizer that writes its gradients (as GradScaler unscales them)
+                for g in grads:
+                    g.mul_(0.5)
+
+        run.optimizer.register_step_pre_hook(pre_hook)
+        with samebits.Recorder(directory, rank=0, world_size=1, phases="grads") as rec:
+            for _ in range(2):
+                run.train_step(rec)
+                run.step += 1
+    recorded = [[r.digest for r in block.records()] for block in samebits.open_run(directory).stream(0).steps()]
+    return before, recorded
+
+
+def test_the_grads_recorded_after_the_update_are_the_updates_gradients(tmp_path):
+    """The loop records gradients next to the parameters, after `optimizer.step()` (one stretch of
+    recording per step): true only while the optimizer leaves them as they are. AdamW does; an
+    optimizer that rescales them in place would be caught here."""
+    before, recorded = _grads_before_the_update_and_recorded(tmp_path / "adamw", rescale_in_place=False)
+    assert len(recorded) == 2 and len(recorded[0]) > 20 and recorded == before
+    before, recorded = _grads_before_the_update_and_recorded(tmp_path / "rescaled", rescale_in_place=True)
+    assert recorded != before
+
+
 def test_the_parameter_list_is_the_one_the_optimizer_updates(tmp_path):
     """The loop lists the parameters once; a resume loads into those same tensors."""
     from samebits.recipes import session

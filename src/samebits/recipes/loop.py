@@ -249,14 +249,18 @@ class _Run:
             rec.metrics(step, **{k: v.detach() for k, v in losses.items()},
                         grad_norm=grad_norm, lr=lr)
         named = self.named_params  # the same parameter objects after the update
-        if keep("grads"):
-            rec.tensors(step, "grads", [(n, parallelize.local(g)) for n, p in named if (g := p.grad) is not None])
 
         # Update.
         self.optimizer.step()
         self.scheduler.step()
         ok = None
         if rec is not None:
+            # The gradients of this update, recorded after it: AdamW reads gradients and never
+            # writes them (tests/test_recipe.py checks their digests across optimizer.step()).
+            # Recorded next to the parameters, a step's recording runs in one stretch, while its
+            # code and the tensors are still in cache (benchmarks/RESULTS.md, issue 16).
+            if keep("grads"):
+                rec.tensors(step, "grads", [(n, parallelize.local(g)) for n, p in named if (g := p.grad) is not None])
             # The local params records, then the layout-independent global ones (diff across
             # cells; collective).  Given the parameters themselves: a detached tensor loses the
             # shard attributes (tensor_model_parallel, partition_dim) that make expert shards
@@ -316,11 +320,11 @@ class _Run:
         if keep("metrics"):
             rec.metrics(step, **losses, grad_norm=grad_norm, lr=lr)
         named = self.named_params
-        if keep("grads"):
-            rec.tensors(step, "grads", [(n, p.grad) for n, p in named if p.grad is not None])
         self.optimizer.step()
         self.scheduler.step()
         ok = None
+        if keep("grads"):  # after the update, as in train_step: the optimizer leaves gradients as they are
+            rec.tensors(step, "grads", [(n, p.grad) for n, p in named if p.grad is not None])
         if keep("params"):
             rec.tensors(step, "params", [(n, p.detach()) for n, p in named])
         if rec is not None:

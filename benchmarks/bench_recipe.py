@@ -5,9 +5,12 @@
 One process (world size 1), the default recipe config, one model trained once.  The modes
 take turns step by step: each *block* runs one training step per mode, in a fresh random
 order, so every mode sees the same machine (other processes, turbo, cache state) and the
-same point of training.  A mode's overhead is the ratio of its summed step times to those of
-"off" over the blocks, minus one, with a 95% bootstrap confidence interval (blocks resampled):
-on a shared machine, read the interval, not the point.  The same is reported in process CPU
+same point of training.  A mode's overhead is the median over blocks of its step time divided by
+that of "off" in the same block, minus one, with a 95% bootstrap confidence interval (blocks
+resampled): on a shared machine, read the interval, not the point.  The ratio of the summed step
+times (the cost over a whole run, more sensitive to a load spike) is printed beside it.  Separate
+processes of this benchmark differ by more than one interval (a process's memory placement
+decides its step time: 42 or 56 ms here); pool several runs before concluding.  The same is reported in process CPU
 time (`time.process_time` around each step, all threads): a process that is descheduled by
 others accrues none, so with OMP_NUM_THREADS=1 (no spinning worker threads) the CPU-time
 overhead is the steadier figure on a busy machine (it still sees cache and memory contention).
@@ -42,13 +45,14 @@ import random
 import shutil
 import tempfile
 import time
+from array import array
 from pathlib import Path
 
 import numpy as np
 import torch
 
 import samebits
-from samebits.fingerprint import body_sums, global_body_sums
+from samebits.fingerprint import _native, body_sums, global_body_sums
 from samebits.fingerprint._digest import body_sums_of_checked  # the Recorder's call plans use it
 from samebits.recipes import RecipeConfig, session
 from samebits.recipes.loop import _Run
@@ -98,6 +102,7 @@ class _Timed:
         self.spent = {"record": 0.0, "encode": 0.0, "write": 0.0}
         self.last: dict[str, list] = {}  # the step's tensors, to time their digest apart
         self.last_metrics: dict | None = None  # None: the recorder wants no metrics
+        self._sums = np.zeros(0, dtype=np.uint64)  # digest_seconds writes its sums here
         flush = recorder._flush
 
         def timed_flush():
@@ -150,19 +155,27 @@ class _Timed:
         self.recorder.close()
 
     def digest_seconds(self) -> float:
-        """The digest alone of what the last step recorded, as the recorder computes it (in a
-        repeated call, without the per-tensor checks of its first)."""
+        """The digest alone of what the last step recorded, as the recorder computes it in a
+        repeated call: the tensors' addresses and one native call (without the library, the
+        torch reference as `body_sums` runs it)."""
         start = time.perf_counter()
         for phase, named in self.last.items():
             if phase.startswith("global:"):
                 global_body_sums([(n, t) for n, t in named if t is not None])
-            elif phase.startswith("both:"):  # one rank: the local sums stand for the global ones too
-                tensors = [t for _, t in named if t is not None]
-                body_sums_of_checked(tensors, tensors[0].device)  # as a call plan runs it
-            elif phase in ("grads", "params"):
-                tensors = [t for _, t in named if t is not None]
+                continue
+            # "both:": one rank, the local sums stand for the global ones too
+            tensors = [t for _, t in named if t is not None]
+            if _native.available() and tensors[0].device.type == "cpu":
+                _native.body_sums_into([t.data_ptr() for t in tensors], array("Q", [t.nbytes for t in tensors]),
+                                       self._sums.ctypes.data if len(self._sums) >= len(tensors)
+                                       else self._grow_sums(len(tensors)))
+            else:
                 body_sums_of_checked(tensors, tensors[0].device)
         return time.perf_counter() - start
+
+    def _grow_sums(self, n: int) -> int:
+        self._sums = np.zeros(n, dtype=np.uint64)
+        return self._sums.ctypes.data
 
 
 def component_split(timed: _Timed, first_step: int, reps: int, rng: np.random.Generator) -> dict:
@@ -259,11 +272,13 @@ def run(blocks: int, seed: int, reps: int) -> dict:
     cpu_off = np.array(cpu_times["off"])
     cpu_overhead = {mode: bootstrap_overhead(np.array(t), cpu_off, rng) for mode, t in cpu_times.items()
                     if mode != "off" and blocks}
+    sum_ratio = {mode: float(np.sum(t) / np.sum(off) - 1) for mode, t in times.items() if mode != "off" and blocks}
     step_off = float(np.median(off)) if blocks else float("nan")
     return {
         "torch": torch.__version__, "threads": torch.get_num_threads(), "blocks": blocks,
         "step_ms": {mode: 1e3 * float(np.median(t)) for mode, t in times.items() if blocks},
         "overhead": {mode: {"point": p, "ci95": [low, high]} for mode, (p, low, high) in overhead.items()},
+        "overhead_of_summed_times": sum_ratio,
         "step_cpu_ms": {mode: 1e3 * float(np.median(t)) for mode, t in cpu_times.items() if blocks},
         "cpu_overhead": {mode: {"point": p, "ci95": [low, high]} for mode, (p, low, high) in cpu_overhead.items()},
         "params+grads_in_steps_ms": {part: 1e3 * float(np.median(v)) for part, v in split.items() if blocks},
@@ -289,7 +304,8 @@ def main() -> None:
         return
     print(f"{result['threads']} thread(s), {result['blocks']} blocks; wall = step time, cpu = process CPU time; "
           "load average {:.2f} before, {:.2f} after".format(*result["load_average"]))
-    print(f"{'recording':<15} {'wall ms':>9} {'overhead':>9} {'95% CI':>20}  {'cpu ms':>9} {'overhead':>9} {'95% CI':>20}")
+    print(f"{'recording':<15} {'wall ms':>9} {'overhead':>9} {'95% CI':>20}  {'cpu ms':>9} {'overhead':>9} {'95% CI':>20}"
+          f"  {'sum ratio':>9}")
     for mode, value in result["step_ms"].items():
         cpu = result["step_cpu_ms"][mode]
         if mode == "off":
@@ -298,7 +314,8 @@ def main() -> None:
         o, c = result["overhead"][mode], result["cpu_overhead"][mode]
         interval = [f"[{100 * x['ci95'][0]:+.2f}%, {100 * x['ci95'][1]:+.2f}%]" for x in (o, c)]
         print(f"{mode:<15} {value:>9.2f} {100 * o['point']:>+8.2f}% {interval[0]:>20}  "
-              f"{cpu:>9.2f} {100 * c['point']:>+8.2f}% {interval[1]:>20}")
+              f"{cpu:>9.2f} {100 * c['point']:>+8.2f}% {interval[1]:>20}  "
+              f"{100 * result['overhead_of_summed_times'][mode]:>+8.2f}%")
     print("params+grads, time in the recorder during the steps (ms, medians): "
           + ", ".join(f"{part} {ms:.3f}" for part, ms in result["params+grads_in_steps_ms"].items()))
     print(f"params+grads split, tight loop of {result['split_reps']} steps' records (median ms [95% CI], "

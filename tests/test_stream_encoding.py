@@ -275,6 +275,18 @@ def _plain_calls(step: int) -> list:
     return [("m", m), ("v", v), ("w", w), ("i", torch.arange(7, dtype=torch.int32) - step)]
 
 
+def test_a_call_with_a_complex_tensor_gets_no_one_pass_check(tmp_path):
+    """`_plain_key` leaves out the conjugate bit (only complex tensors carry it): such calls
+    take the general plan path, whose digests see a lazy conjugate."""
+    z = torch.complex(torch.arange(3.0), torch.ones(3))
+    with Recorder(tmp_path, rank=0, world_size=1) as rec:
+        for step, t in enumerate([z, z.conj(), z]):
+            rec.tensors(step, "p", [("z", t), ("x", torch.ones(2))])
+            assert rec._plans["p"].plain_keys is None
+    steps = list(samebits.open_run(tmp_path).stream(0).steps())
+    assert [next(iter(b.records())).digest for b in steps] == [samebits.digest(t) for t in [z, z.conj(), z]]
+
+
 def _plain_record(root: Path, *, forget: bool) -> bytes:
     with Recorder(root, rank=0, world_size=1, run_id="fixture") as rec:
         for step in range(6):
@@ -304,6 +316,6 @@ def test_a_repeated_call_of_row_major_tensors_takes_the_one_pass_check(tmp_path,
 
 @needs_library
 def test_a_one_pass_check_blind_to_layout_is_caught(tmp_path, monkeypatch):
-    monkeypatch.setattr(writer, "_plain_key", lambda name, t: (name, t.__class__, t.dtype, t.shape, t.device,
-                                                                 t.layout, True, False, False))
+    monkeypatch.setattr(writer, "_plain_key", lambda name, t: (name, t.__class__, t.dtype, t.shape, t.is_cpu,
+                                                                 t.layout, True, False))
     assert _plain_record(tmp_path / "fast", forget=False) != _plain_record(tmp_path / "full", forget=True)

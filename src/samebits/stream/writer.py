@@ -118,9 +118,17 @@ class _CallPlan:
 
 
 def _plain_key(name, t) -> tuple:
-    """What a call plan's one-pass check compares: name, `_tensor_metas` and the flags that
-    let the digest read the tensor's memory as it is (raises for None and non-tensors)."""
-    return (name, t.__class__, t.dtype, t.shape, t.device, t.layout, t.is_contiguous(), t.is_neg(), t.is_conj())
+    """What a call plan's one-pass check compares: name, `_tensor_metas` (``is_cpu`` for the
+    device: these plans are CPU-only) and the flags that let the digest read the tensor's memory
+    as it is (raises for None and non-tensors).  No ``is_conj()``: only complex tensors carry the
+    conjugate bit (torch asserts it), and a call with a complex tensor gets no plain keys."""
+    return (name, t.__class__, t.dtype, t.shape, t.is_cpu, t.layout, t.is_contiguous(), t.is_neg())
+
+
+def _digested_as_is(key: tuple, t) -> bool:
+    """Whether the tensor of `_plain_key` ``key`` is on the CPU, row-major, not lazily negated or
+    conjugated, and not complex."""
+    return key[4] is True and key[6] is True and key[7] is False and not t.is_complex() and not t.is_conj()
 
 
 @dataclass
@@ -456,7 +464,7 @@ class Recorder:
                 num_bytes = array("Q", [pairs[i][1].nbytes for i in positions])
                 if len(positions) == len(pairs):  # every tensor digested: maybe as it is
                     plain_keys = [_plain_key(name, t) for name, t in pairs]
-                    if not all(key[6] and not key[7] and not key[8] for key in plain_keys):
+                    if not all(_digested_as_is(key, t) for key, (_, t) in zip(plain_keys, pairs)):
                         plain_keys = None
             self._plans[phase] = self._plan_used = _CallPlan([name for name, _ in pairs], metas, device, base,
                                                              records, occurrences, positions, slots,

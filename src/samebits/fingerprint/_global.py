@@ -400,11 +400,7 @@ def all_unsharded(tensors) -> bool:
     """Whether each of ``tensors`` (None allowed) is a plain tensor or parameter that no layout
     shards (not a DTensor, no Megatron ``tensor_model_parallel``): its global digest is then its
     local one, on every rank."""
-    plain = (torch.Tensor, torch.nn.Parameter)  # `_is_plain`, inlined: called per step on every parameter
-    for t in tensors:
-        if t is not None and (t.__class__ not in plain or getattr(t, "tensor_model_parallel", False)):
-            return False
-    return True
+    return all(t is None or _is_plain(t) for t in tensors)
 
 
 def local_part(t: torch.Tensor) -> torch.Tensor:

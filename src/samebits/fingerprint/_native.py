@@ -142,13 +142,7 @@ def body_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
                     "no data pointer (a tensor subclass without storage?)"
                 )
     out = torch.empty(num_tensors, dtype=torch.int64)
-    LIB.samebits_body_sums(
-        num_tensors,
-        data_ptrs.buffer_info()[0],
-        num_bytes.buffer_info()[0],
-        out.data_ptr(),
-        1 if _in_forked_child else torch.get_num_threads(),  # torch's thread budget, never more
-    )
+    _sums_into(data_ptrs, num_bytes, out.data_ptr())
     return out
 
 
@@ -156,9 +150,12 @@ def body_sums_into(data_ptrs: list[int], num_bytes: array, out_address: int) -> 
     """`body_sums` of buffers given by address and size (the caller read the addresses of
     checked, row-major CPU tensors that it keeps alive), written as uint64 at ``out_address``."""
     assert LIB is not None and len(data_ptrs) == len(num_bytes)
-    pointers = array("Q", data_ptrs)  # named: alive until the call returns
-    LIB.samebits_body_sums(len(pointers), pointers.buffer_info()[0], num_bytes.buffer_info()[0], out_address,
-                           1 if _in_forked_child else torch.get_num_threads())
+    _sums_into(array("Q", data_ptrs), num_bytes, out_address)
+
+
+def _sums_into(data_ptrs: array, num_bytes: array, out_address: int) -> None:
+    LIB.samebits_body_sums(len(data_ptrs), data_ptrs.buffer_info()[0], num_bytes.buffer_info()[0], out_address,
+                           1 if _in_forked_child else torch.get_num_threads())  # torch's thread budget, never more
 
 
 class StepFinalizer:

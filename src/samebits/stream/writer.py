@@ -108,13 +108,12 @@ class _CallPlan:
     # sharded, nothing filtered or capped): the global records and their occurrences.
     global_records: list | None = None
     global_occurrences: dict | None = None
-    # On the CPU with the compiled library: the byte sizes of the digested tensors (fixed by their
-    # dtypes and shapes), so that a repeated call reads only their addresses.
-    num_bytes: array | None = None
     # When every tensor of the call was digested as it is (row-major, no lazy negation or
-    # conjugation) on the CPU: per tensor `_plain_key`, so that a repeated call checks names,
-    # kinds and layout in one pass, then reads the addresses.
+    # conjugation) on the CPU with the compiled library: per tensor `_plain_key`, so that a
+    # repeated call checks names, kinds and layout in one pass, and the byte sizes (fixed by
+    # dtypes and shapes), so that it then reads only the addresses.
     plain_keys: list | None = None
+    num_bytes: array | None = None
 
 
 def _plain_key(name, t) -> tuple:
@@ -125,10 +124,10 @@ def _plain_key(name, t) -> tuple:
     return (name, t.__class__, t.dtype, t.shape, t.is_cpu, t.layout, t.is_contiguous(), t.is_neg())
 
 
-def _digested_as_is(key: tuple, t) -> bool:
-    """Whether the tensor of `_plain_key` ``key`` is on the CPU, row-major, not lazily negated or
-    conjugated, and not complex."""
-    return key[4] is True and key[6] is True and key[7] is False and not t.is_complex() and not t.is_conj()
+def _digested_as_is(t) -> bool:
+    """Whether the native digest reads ``t``'s memory as it is, and `_plain_key` covers it: on the
+    CPU, row-major, not lazily negated, not complex (so never conjugated)."""
+    return t.is_cpu and t.is_contiguous() and not t.is_neg() and not t.is_complex()
 
 
 @dataclass
@@ -347,16 +346,12 @@ class Recorder:
             queue = pending.devices.get(plan.device)
             if keys == plan.plain_keys and (queue.num_sums if queue is not None else 0) == plan.base:
                 pointers = [t.data_ptr() for _, t in pairs]
-                if 0 not in pointers:
+                if 0 not in pointers:  # straight into the host buffer: no tensor, nothing to gather later
                     if queue is None:
                         queue = pending.devices[plan.device] = _DeviceQueue()
                     _native.body_sums_into(pointers, plan.num_bytes, self._host_slots(queue, len(pointers)))
                     queue.num_sums += len(pointers)
-                    pending.records.extend(plan.records)
-                    pending.plan_occurrences.append(plan.occurrences)
-                    pending.tensor_phases.add(phase)
-                    self._plan_used = plan
-                    return plan.slots
+                    return self._reuse_plan(pending, phase, plan)
         if plan is not None and [name for name, _ in pairs] == plan.names:
             try:
                 metas = _tensor_metas(pairs)
@@ -368,22 +363,17 @@ class Recorder:
                     tensors = [pairs[i][1] for i in plan.digest_positions]
                     if queue is None:
                         queue = pending.devices[plan.device] = _DeviceQueue()
-                    pointers = None
-                    if plan.num_bytes is not None:  # on the CPU: the addresses of row-major tensors
-                        pointers = [t.data_ptr() for t in tensors
-                                    if t.is_contiguous() and not t.is_neg() and not t.is_conj()]
-                    if pointers is not None and len(pointers) == len(tensors) and 0 not in pointers:
-                        # straight into the host buffer: no tensor made, nothing to gather at the end
-                        _native.body_sums_into(pointers, plan.num_bytes, self._host_slots(queue, len(tensors)))
-                        queue.num_sums += len(tensors)
-                    else:  # views to copy, lazy negation, no library: as body_sums does
-                        self._queue_sums(queue, plan.device, body_sums_of_checked(tensors, plan.device), len(tensors))
-                pending.records.extend(plan.records)
-                pending.plan_occurrences.append(plan.occurrences)
-                pending.tensor_phases.add(phase)
-                self._plan_used = plan
-                return plan.slots
+                    self._queue_sums(queue, plan.device, body_sums_of_checked(tensors, plan.device), len(tensors))
+                return self._reuse_plan(pending, phase, plan)
         return self._tensors_in_full(step, phase, pairs, pending, first_of_phase)
+
+    def _reuse_plan(self, pending: _PendingStep, phase: str, plan: _CallPlan) -> list:
+        """Adds a call plan's records to the step (its digests are queued); returns its slots."""
+        pending.records.extend(plan.records)
+        pending.plan_occurrences.append(plan.occurrences)
+        pending.tensor_phases.add(phase)
+        self._plan_used = plan
+        return plan.slots
 
     def _tensors_in_full(self, step: int, phase: str, pairs: list, pending: _PendingStep,
                          first_of_phase: bool) -> list:
@@ -460,12 +450,10 @@ class Recorder:
             if len(self._plans) >= _MAX_CALL_PLANS:
                 self._plans.clear()
             num_bytes = plain_keys = None
-            if device is not None and device.type == "cpu" and _native.available():
-                num_bytes = array("Q", [pairs[i][1].nbytes for i in positions])
-                if len(positions) == len(pairs):  # every tensor digested: maybe as it is
+            if device is not None and device.type == "cpu" and _native.available() and len(positions) == len(pairs):
+                if all(_digested_as_is(t) for _, t in pairs):  # every tensor digested, as it is
                     plain_keys = [_plain_key(name, t) for name, t in pairs]
-                    if not all(_digested_as_is(key, t) for key, (_, t) in zip(plain_keys, pairs)):
-                        plain_keys = None
+                    num_bytes = array("Q", [t.nbytes for _, t in pairs])
             self._plans[phase] = self._plan_used = _CallPlan([name for name, _ in pairs], metas, device, base,
                                                              records, occurrences, positions, slots,
                                                              num_bytes=num_bytes, plain_keys=plain_keys)
@@ -849,12 +837,11 @@ class Recorder:
     def _write_step(self, pending: _PendingStep) -> tuple[int, int]:
         template = self._template
         if template is not None and pending.records == template.records:
-            body, body_bytes = self._fill_template(template, pending)
+            body, body_ref = self._fill_template(template, pending)
         else:
-            body = self._encode_records(pending, *self._fetch(pending))
-            body_bytes = None
-        if body_bytes is None:
-            body_bytes = body = bytes(body)
+            body, body_ref = self._encode_records(pending, *self._fetch(pending)), None
+        if body_ref is None:  # what the native framer reads: bytes, or the finalizer's buffer
+            body_ref = body = bytes(body)
         names_key = self._names_key
         if names_key is None:
             names_key = self._names_key = self._names_hasher.digest()
@@ -870,7 +857,7 @@ class Recorder:
             self._new_names.clear()
         offset = self._written + len(self._buffer)
         if self._framer is not None:  # hash, varints and crc in one native call: the same bytes
-            frame, root_value = self._framer.frame(names_key, pending.step, len(pending.records), body_bytes, len(body))
+            frame, root_value = self._framer.frame(names_key, pending.step, len(pending.records), body_ref, len(body))
         else:
             root_value = fmt.step_root(names_key, body)
             prefix = bytearray()

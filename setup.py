@@ -66,6 +66,7 @@ setup(
         Extension(
             "samebits.fingerprint._libdigest",
             sources=SOURCES,
+            depends=["src/samebits/fingerprint/csrc/native.h"],  # shipped in the sdist, rebuilds on change
             # A missing compiler must not block installation: the torch fallback still works.
             optional=True,
         )

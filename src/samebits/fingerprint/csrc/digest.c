@@ -26,19 +26,7 @@
 #include <omp.h>
 #endif
 
-#if defined(_WIN32)
-#define SAMEBITS_EXPORT __declspec(dllexport)
-#else
-#define SAMEBITS_EXPORT __attribute__((visibility("default")))
-#endif
-
-/* x86-64 with GCC >= 9 or clang: per-function target attributes and __builtin_cpu_supports. */
-#if defined(__x86_64__) && defined(__GNUC__) && (defined(__clang__) || __GNUC__ >= 9)
-#define SAMEBITS_X86 1
-#include <immintrin.h>
-#else
-#define SAMEBITS_X86 0
-#endif
+#include "native.h"
 
 /* The interface _native.py expects; a library of another ABI version is refused there.
  * 1: digest version 1.  2: mix2 replaced fmix64 in the body (digest version 2).

@@ -18,18 +18,10 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(_WIN32)
-#define SAMEBITS_EXPORT __declspec(dllexport)
-#else
-#define SAMEBITS_EXPORT __attribute__((visibility("default")))
-#endif
+#include "native.h"
 
-#if defined(__x86_64__) && defined(__GNUC__) && (defined(__clang__) || __GNUC__ >= 9)
-#define SAMEBITS_X86 1
+#if SAMEBITS_X86
 #include <cpuid.h>
-#include <immintrin.h>
-#else
-#define SAMEBITS_X86 0
 #endif
 
 #define FRAME_STEP 3

@@ -18,11 +18,26 @@ fires, so launcher processes and data-loader workers record nothing:
 
 Besides the records, every process that recorded leaves an outcome file saying how its own
 code ended (clean, an uncaught exception, or stopped by the live check; see `_outcome`), so
-that a launcher never takes a crashed training run for a finished one.  At the first
-top-level forward of each step it records the *state census* (every RNG state, the step
-counts and learning rates of the optimizers seen so far) into a second stream in
-``SAMEBITS_DIR/state``: not part of the verdict (an unused, unseeded Python RNG differs
-between any two runs), but what names the missing state when a resumed run differs.
+that a launcher never takes a crashed training run for a finished one.
+
+The *state census* goes into a second stream in ``SAMEBITS_DIR/state``: not part of the
+verdict (an unused, unseeded Python RNG differs between any two runs), but what names the
+missing state when a run differs.  Per step:
+
+* ``state`` at the step's first top-level forward: every RNG state, every optimizer, LR
+  scheduler and GradScaler the program has made (tracked from their construction, see
+  `_tracking`: a resumed process that forgot to restore one still has it in its census),
+  every torch/NumPy generator it made (named by creation site), each DataLoader's position;
+* ``inputs``: the tensor arguments of each top-level forward (the batch);
+* ``state_end`` after the step's optimizer step: the generators again (a generator whose
+  state did not move during a step cannot explain that step);
+* in a resumed process's first step only, ``restored.params`` and ``restored.optimizer``:
+  parameters and optimizer state as the step begins, named as the main stream names them,
+  to compare with the uninterrupted run's records of the step before.
+
+Events on the global generators (restores, seeds, draws by data-loader iterators) go to
+``state/events-rank-NNNNN.jsonl``, and the lines samebits' callbacks say to
+``notes-rank-NNNNN.jsonl`` in the run directory.
 
 With ``SAMEBITS_REFERENCE`` set, each step's root is checked against the reference run as
 it is written; at the first step that differs the process says so on stderr, leaves
@@ -41,6 +56,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import sys
 import traceback
@@ -52,6 +68,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from samebits import settings
 from samebits._torchutil import optimizer_params, process_rank, tensor_leaves
 from samebits._inject import with_injection
+from samebits.autorecord._tracking import Tracking, install_tracking
 from samebits.autorecord._outcome import (
     STOPPED_MARKER,
     TRACEBACK_LINES,
@@ -66,6 +83,7 @@ from samebits.trace import install_zero_code
 
 ENV_ENABLE = "SAMEBITS_AUTORECORD"
 STATE_DIR = "state"  # the census stream's folder inside a run directory
+EVENTS_FILE = "events-rank-{rank:05d}.jsonl"  # in STATE_DIR: restores, seeds and draws of the global generators
 EXIT_STOPPED = 3  # the live check stopped the run at a step that differs from the reference
 
 _state = None
@@ -85,6 +103,9 @@ class _AutoRecorder:
         self.census_step: int | None = None  # the last step whose census is recorded
         self.exception: BaseException | None = None  # an uncaught one, seen by sys.excepthook
         self.exception_tail: list[str] = []
+        self.tracking = Tracking(lambda: self.step)  # what the program made, from construction
+        self.first_step = self.step  # a resumed process starts here
+        self.census_open: int | None = None  # the census step written at the step's end
 
     def _rec(self):
         if self.recorder is None:
@@ -103,16 +124,68 @@ class _AutoRecorder:
         any, must neither trace nor count it."""
         return self.tracer.suspended() if self.tracer is not None else contextlib.nullcontext()
 
+    def _tracked(self, live) -> list:
+        return [obj for obj, _ in live.alive()]
+
     def record_census(self) -> None:
-        """The state census at the start of ``self.step`` (once per step)."""
+        """The state census at the start of ``self.step`` (once per step); the census step
+        stays open for the step's inputs and its ``state_end``."""
         if self.census_step == self.step:
             return
         self.census_step = self.step
         self._rec()
-        if self.census is not None:
-            with self._ours():
-                self.census.tensors(self.step, STATE_PHASE, state_census(optimizers=self.optimizers))
-                self.census.end_step(self.step)
+        if self.census is None:
+            return
+        tracking = self.tracking
+        optimizers = self._tracked(tracking.optimizers)
+        optimizers += [o for o in self.optimizers if not any(o is seen for seen in optimizers)]
+        with self._ours():
+            self._close_census_step()
+            self.census.tensors(self.step, STATE_PHASE,
+                                state_census(optimizers=optimizers, schedulers=self._tracked(tracking.schedulers),
+                                             scalers=self._tracked(tracking.scalers),
+                                             generators=tracking.named_generators())
+                                + tracking.loader_positions())
+            if self.step == self.first_step and self.step > 0:
+                self._record_restored(optimizers)
+        self.census_open = self.step
+
+    def _record_restored(self, optimizers) -> None:
+        """A resumed process's parameters and optimizer state as its first step begins, named
+        as the main stream names them after each step (`after_optimizer_step`)."""
+        params, state, seen = [], [], set()
+        for optimizer in optimizers:
+            for name, param in optimizer_params(optimizer, self.param_names):
+                if id(param) in seen:
+                    continue
+                seen.add(id(param))
+                params.append((name, param.detach()))
+                for key, value in sorted(optimizer.state.get(param, {}).items()):
+                    if isinstance(value, torch.Tensor):
+                        state.append((f"{name}.{key}", value))
+        if not params:
+            for module in self.top_level_seen.values():
+                params += [(self.param_names.get(id(p), n), p.detach()) for n, p in module.named_parameters()]
+        self.census.tensors(self.step, "restored.params", params)
+        self.census.tensors(self.step, "restored.optimizer", state)
+
+    def _close_census_step(self) -> None:
+        """Write the open census step: its ``state_end`` (the generators now), then the events."""
+        step, self.census_open = self.census_open, None
+        if step is None or self.census is None:
+            return
+        self.census.tensors(step, "state_end",
+                            state_census(generators=self.tracking.named_generators()))
+        self.census.end_step(step)
+        self._write_events()
+
+    def _write_events(self) -> None:
+        events = self.tracking.new_events()
+        if not events or self.census is None:
+            return
+        path = self.census.settings.directory / EVENTS_FILE.format(rank=self.census.rank)
+        with open(path, "a", encoding="utf-8") as handle:
+            handle.writelines(json.dumps(event) + "\n" for event in events)
 
     # how the user's code ended: the launcher reads it (see _outcome)
     def excepthook(self, kind, value, tb) -> None:
@@ -124,6 +197,11 @@ class _AutoRecorder:
         if self.recorder is None and (self.exception is None or process_rank() is None):
             return  # a launcher (torchrun's agent reports its workers' failure) or a helper process
         streams_closed = True
+        try:
+            with self._ours():
+                self._close_census_step()
+        except Exception:  # noqa: BLE001 - say so in the outcome rather than hide it
+            streams_closed = False
         for recorder in (self.recorder, self.census):
             if recorder is not None:
                 try:
@@ -148,6 +226,8 @@ class _AutoRecorder:
         print(f"samebits: step {step} on rank {rec.rank} differs from the reference run {reference} "
               f"(its step root); stopping here, exit code {EXIT_STOPPED}. Details: samebits diff "
               f"{reference} {rec.settings.directory} --to-step {step + 1}", file=sys.stderr, flush=True)
+        with self._ours():
+            self._close_census_step()
         for recorder in (rec, self.census):
             if recorder is not None:
                 recorder.close()
@@ -160,13 +240,17 @@ class _AutoRecorder:
     # forward hooks: count nesting so only top-level outputs are recorded
     def pre_forward(self, module, args):
         if self.depth == 0:
+            self._name_params(module)
             self.record_census()
+            if self.census is not None:
+                inputs = list(tensor_leaves(args, type(module).__name__))
+                if inputs:
+                    with self._ours():
+                        self.census.tensors(self.step, "inputs", [(n, _local(t.detach())) for n, t in inputs])
         self.depth += 1
 
-    def post_forward(self, module, args, output):
-        self.depth -= 1
-        if self.depth != 0:
-            return
+    def _name_params(self, module) -> None:
+        """Name a top-level module's parameters the first time it runs."""
         if id(module) not in self.top_level_seen:
             self.top_level_seen[id(module)] = module
             prefix = ""
@@ -174,6 +258,11 @@ class _AutoRecorder:
                 prefix = type(module).__name__ + "."
             for name, param in module.named_parameters():
                 self.param_names.setdefault(id(param), prefix + name)
+
+    def post_forward(self, module, args, output):
+        self.depth -= 1
+        if self.depth != 0:
+            return
         leaves = list(tensor_leaves(output, type(module).__name__))
         if leaves:
             with self._ours():
@@ -218,6 +307,10 @@ class _AutoRecorder:
         if optimizer is self.first_optimizer:
             if tracer is not None:
                 tracer.finish_step(self.step)  # its records belong before the step is written
+            if self.census_step != self.step:
+                self.record_census()  # a step without a top-level forward still has its census
+            with self._ours():
+                self._close_census_step()
             if rec.end_step(self.step) is False:
                 self.stop(self.step)
             self.step += 1
@@ -245,6 +338,7 @@ def install() -> bool:
     if any(settings.is_set(name) for name in _TRACE_VARIABLES):
         state.tracer = install_zero_code(state._rec, state.step)  # a bad setting raises here, first
     _state = state
+    install_tracking(state.tracking)
     register_module_forward_pre_hook(_state.pre_forward)
     register_module_forward_hook(_state.post_forward, always_call=True)
     register_optimizer_step_post_hook(_state.after_optimizer_step)
@@ -324,4 +418,4 @@ def _text(value) -> str | None:
 
 
 __all__ = ["install", "environment_for", "recording_variables", "with_variables", "read_outcomes", "read_stop",
-           "STOPPED_MARKER", "STATE_DIR", "EXIT_STOPPED", "ENV_ENABLE"]
+           "STOPPED_MARKER", "STATE_DIR", "EVENTS_FILE", "EXIT_STOPPED", "ENV_ENABLE"]

@@ -15,7 +15,7 @@ the `STATE_PHASE` phase, so a resume that lost one shows which (`describe_state_
 """
 
 from samebits.checkpoint._bundle import StateBundle
-from samebits.checkpoint._census import STATE_PHASE, describe_state_record, state_census
+from samebits.checkpoint._census import STATE_PHASE, describe_state_record, global_rng_record, state_census
 from samebits.checkpoint._errors import CheckpointError, CheckpointLayoutError
 from samebits.checkpoint._rng import GLOBAL_RNG_NAMES, capture_rng_state, restore_rng_state
 from samebits.checkpoint._storage import DROP_RNG_ENV, SAVE_PAUSE_ENV, load, resolve, save
@@ -34,5 +34,6 @@ __all__ = [
     "SAVE_PAUSE_ENV",
     "state_census",
     "describe_state_record",
+    "global_rng_record",
     "STATE_PHASE",
 ]

@@ -15,8 +15,12 @@ Each record holds the exact bits of one state, so equal digests mean equal state
     rng.user.<name>     each named generator's state (torch.Generator, numpy.random.Generator)
     optim<i>.step       optimizer i's per-parameter "step" state, in param order (-1: no state)
     optim<i>.lr         optimizer i's param-group learning rates
+    optim<i>.hparams    optimizer i's other numeric group settings (betas, weight decay, eps, ...),
+                        group by group, keys sorted
     sched<i>.last_epoch LR scheduler i's position
+    sched<i>.step_count LR scheduler i's count of step() calls (its `_step_count`)
     sched<i>.lr         LR scheduler i's get_last_lr()
+    scaler<i>           GradScaler i: scale (NaN before its first use) and growth tracker
 
 It runs every step, so it reads states without copying more than they hold and syncs a
 device at most once per device (optimizer step counts kept on a GPU).  Its torch work is
@@ -49,25 +53,27 @@ _LR_NOT_RESTORED = "learning rate differs at step start: LR scheduler not restor
 
 
 def state_census(*, optimizers: Sequence[Any] = (), schedulers: Sequence[Any] = (),
-                 generators: Mapping[str, Any] | None = None,
+                 generators: Mapping[str, Any] | None = None, scalers: Sequence[Any] = (),
                  include_cuda: bool = True) -> list[tuple[str, torch.Tensor]]:
     """Named CPU tensors whose bits are this process's RNG, optimizer-step and LR state.
 
     Always in the same order: rng.python, rng.numpy, rng.torch_cpu, rng.cuda:<i> (when
     `include_cuda` and CUDA is initialised; the census never initialises it), rng.user.<name>
-    (sorted by name), then per optimizer optim<i>.step and optim<i>.lr, then per scheduler
-    sched<i>.last_epoch and sched<i>.lr.  A bad argument is a ConfigError naming it.
+    (sorted by name), then per optimizer optim<i>.step, optim<i>.lr and optim<i>.hparams,
+    then per scheduler sched<i>.last_epoch, sched<i>.step_count and sched<i>.lr, then per
+    GradScaler scaler<i>.  A bad argument is a ConfigError naming it.
     """
     optimizers = _checked_sequence("optimizers", optimizers, _is_optimizer,
                                    "a torch.optim.Optimizer (param_groups and state)")
     schedulers = _checked_sequence("schedulers", schedulers, _is_scheduler,
                                    "an LR scheduler (last_epoch and get_last_lr())")
+    scalers = _checked_sequence("scalers", scalers, _is_scaler, "a torch.amp.GradScaler")
     user = _checked_generators(generators)
     with outside_dispatch_modes():
-        return _census(optimizers, schedulers, user, include_cuda)
+        return _census(optimizers, schedulers, user, scalers, include_cuda)
 
 
-def _census(optimizers, schedulers, user, include_cuda: bool) -> list[tuple[str, torch.Tensor]]:
+def _census(optimizers, schedulers, user, scalers, include_cuda: bool) -> list[tuple[str, torch.Tensor]]:
     records: list[tuple[str, torch.Tensor]] = [("rng.python", _python_state())]
     if _np is not None:
         records.append(("rng.numpy", _numpy_global_state()))
@@ -81,11 +87,30 @@ def _census(optimizers, schedulers, user, include_cuda: bool) -> list[tuple[str,
         records.append((f"optim{index}.step", _optimizer_steps(optimizer)))
         records.append((f"optim{index}.lr", _float64([group["lr"] for group in
                                                       optimizer.param_groups])))
+        records.append((f"optim{index}.hparams", _hyperparameters(optimizer)))
     for index, scheduler in enumerate(schedulers):
         records.append((f"sched{index}.last_epoch",
                         torch.tensor([int(scheduler.last_epoch)], dtype=torch.int64)))
+        records.append((f"sched{index}.step_count",
+                        torch.tensor([int(getattr(scheduler, "_step_count", -1))], dtype=torch.int64)))
         records.append((f"sched{index}.lr", _float64(scheduler.get_last_lr())))
+    for index, scaler in enumerate(scalers):
+        records.append((f"scaler{index}", _scaler_state(scaler)))
     return records
+
+
+def global_rng_record(generator: str) -> torch.Tensor:
+    """The census tensor of one global generator, ``python``, ``numpy`` or ``torch_cpu``
+    (the bits of record ``rng.<generator>``), e.g. to compare a restored state with a census."""
+    with outside_dispatch_modes():
+        if generator == "python":
+            return _python_state()
+        if generator == "numpy" and _np is not None:
+            return _numpy_global_state()
+        if generator == "torch_cpu":
+            return torch.get_rng_state()
+    raise ConfigError(f"global_rng_record({generator!r}): not a global generator; use 'python', 'numpy' "
+                      "or 'torch_cpu'")
 
 
 def describe_state_record(name: str) -> str:
@@ -110,8 +135,17 @@ def describe_state_record(name: str) -> str:
                     "restored on resume, or a step skipped")
         if field == "lr":
             return f"{_LR_NOT_RESTORED} (optimizer {number}'s param-group lr)"
+        if field == "hparams":
+            return (f"optimizer {number}'s group settings (betas, weight decay, eps, ...) differ at step "
+                    "start: optimizer state not restored on resume, or the groups were built differently")
     if index.startswith("sched") and index[len("sched"):].isdigit() and field:
         return f"{_LR_NOT_RESTORED} (scheduler {index[len('sched'):]}'s {field})"
+    if index.startswith("scaler") and index[len("scaler"):].isdigit():
+        return (f"GradScaler {index[len('scaler'):]}'s scale or growth tracker differs at step start: "
+                "scaler.load_state_dict not called on resume")
+    if name.startswith("data."):
+        return (f"data loader {name.removeprefix('data.')} is at another position at step start "
+                "(batches yielded, iterators created): the data position was not restored on resume")
     return (f"training state {name!r} differs at step start: some state was not restored on "
             "resume, or was seeded from something that changes")
 
@@ -175,6 +209,29 @@ def _optimizer_steps(optimizer: Any) -> torch.Tensor:
     return values
 
 
+def _hyperparameters(optimizer: Any) -> torch.Tensor:
+    """float64: each group's numeric settings other than params and lr, keys sorted, tuples
+    (betas) flattened; a group setting that is not a number counts as NaN."""
+    values: list[float] = []
+    for group in optimizer.param_groups:
+        for key in sorted(k for k in group if k not in ("params", "lr") and isinstance(k, str)):
+            items = group[key] if isinstance(group[key], (tuple, list)) else (group[key],)
+            for item in items:
+                if isinstance(item, torch.Tensor) and item.numel() == 1:
+                    item = item.item()
+                values.append(float(item) if isinstance(item, (bool, int, float)) else float("nan"))
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def _scaler_state(scaler: Any) -> torch.Tensor:
+    """float64[2]: the current scale (NaN before the scaler's first use) and growth tracker."""
+    scale, tracker = getattr(scaler, "_scale", None), getattr(scaler, "_growth_tracker", None)
+    if not getattr(scaler, "_enabled", True):
+        return torch.tensor([float("nan"), -1.0], dtype=torch.float64)
+    return torch.tensor([float("nan") if scale is None else float(scale.reshape(-1)[0]),
+                         -1.0 if tracker is None else float(tracker.reshape(-1)[0])], dtype=torch.float64)
+
+
 def _float64(values: Sequence[Any]) -> torch.Tensor:
     return torch.tensor([float(v) for v in values], dtype=torch.float64)
 
@@ -233,6 +290,10 @@ def _is_optimizer(value: Any) -> bool:
 
 def _is_scheduler(value: Any) -> bool:
     return hasattr(value, "last_epoch") and callable(getattr(value, "get_last_lr", None))
+
+
+def _is_scaler(value: Any) -> bool:
+    return hasattr(value, "_growth_tracker") and callable(getattr(value, "get_scale", None))
 
 
 def _checked_sequence(argument: str, values: Any, check, wanted: str) -> Sequence[Any]:

@@ -28,12 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from samebits.autorecord import STATE_DIR, environment_for, read_stop, recording_variables, with_variables
-from samebits.checkpoint import STATE_PHASE, describe_state_record
+from samebits.autorecord import environment_for, read_stop, recording_variables, with_variables
 from samebits.compare import DiffResult, diff
-from samebits.errors import ConfigError, SamebitsError, StreamError
+from samebits.errors import ConfigError, SamebitsError
+from samebits.runs._explain import Finding, explain_independent, explain_resume, ordered
 from samebits.runs._launch import judge_recipe_run, judge_recorded_run, run_logged
-from samebits.stream import open_run
 from samebits.verdicts import ToDict, Verdict
 
 GUARANTEES = ("independent", "resume")
@@ -69,6 +68,7 @@ class VerifyResult(ToDict):
     notes: list[str] = field(default_factory=list)
     runs: list[RunInfo] = field(default_factory=list)
     explanations: dict[str, list[str]] = field(default_factory=dict)  # check -> what state differed
+    findings: list[Finding] = field(default_factory=list)  # the same, as claims: most specific first
     bisect_command: str = ""  # how to locate the origin op of an independent-runs divergence
     resume_bisect_command: str = ""  # the same for a resume divergence (A against the resumed run)
 
@@ -98,6 +98,7 @@ class VerifyResult(ToDict):
             "resume_at": self.resume_at,
             "checks": {name: (r.to_dict() if r is not None else None) for name, r in self.checks.items()},
             "explanations": self.explanations,
+            "findings": [finding.to_dict() for finding in self.findings],
             "runs": [run.to_dict() for run in self.runs],
             "bisect_command": self.bisect_command,
             "resume_bisect_command": self.resume_bisect_command,
@@ -184,7 +185,7 @@ def verify_recipe(
         "resume": diff(out / "a", out / "c", start_step=resume_at),
     }
     result = VerifyResult(str(out), checks, timings, resume_at, [], runs)
-    result.explanations = _explain(result, out / "a", out / "b", out / "c")
+    _explain(result, out / "a", out / "b", out / "c")
     bisect_argv = (["samebits", "bisect", "--steps", str(steps), "--nproc", str(nproc)]
                    + [part for item in overrides for part in ("--set", item)]
                    + (["--nondeterministic"] if nondeterministic else []))
@@ -274,7 +275,7 @@ def verify_command(
     checks = {"independent": diff(out / "a", out / "b"),
               "resume": diff(out / "a", out / "c", start_step=resume_at) if resume_with else None}
     result = VerifyResult(str(out), checks, timings, resume_at, notes, runs)
-    result.explanations = _explain(result, out / "a" / STATE_DIR, out / "b" / STATE_DIR, out / "c" / STATE_DIR)
+    _explain(result, out / "a", out / "b", out / "c")
     result.bisect_command = "samebits bisect -- " + command
     if any(placeholder in command for placeholder in PLACEHOLDERS):
         result.bisect_command += "   (put a scratch folder in place of {out} and {run})"
@@ -321,62 +322,23 @@ def _fill(argv: list[str], values: dict[str, str]) -> list[str]:
     return filled
 
 
-def _explain(result: VerifyResult, state_a: Path, state_b: Path, state_c: Path) -> dict[str, list[str]]:
-    """For a resume that diverged: the state census records that differ between A and C at a
-    step start from the resume step up to the divergent step (and do not also differ between
-    the independent runs A and B, which would make them no evidence about the checkpoint)."""
-    check = result.checks.get("resume")
-    if check is None or check.identical or check.first_divergence is None:
-        return {}
-    first = check.first_divergence
-    try:
-        differing = _state_differences(state_a, state_c, result.resume_at, first.step)
-        ambient = _state_differences(state_a, state_b, result.resume_at, first.step, first_only=False) \
-            if state_b.exists() else {}
-    except StreamError as err:
-        return {"resume": [f"(the state census could not be read: {err})"]}
-    lines = []
-    for (step, rank), names in sorted(differing.items()):
-        for name in names:
-            if name in ambient.get((step, rank), ()):
-                continue
-            description = describe_state_record(name)
-            lines.append(f"step {step}, rank {rank}: {description} [state census record {name}]")
-    return {"resume": lines} if lines else {}
-
-
-def _state_differences(dir_a: Path, dir_b: Path, start: int | None, stop: int,
-                       first_only: bool = True) -> dict[tuple[int, int], list[str]]:
-    """Per (step, rank), the names of state census records present in both runs whose
-    content differs, for start <= step <= stop; with ``first_only`` only each rank's first
-    such step."""
-    if not (dir_a.exists() and dir_b.exists()):
-        return {}
-    try:
-        run_a, run_b = open_run(dir_a), open_run(dir_b)
-    except StreamError:
-        return {}  # no census recorded (e.g. a run that stopped before its first forward)
-    found: dict[tuple[int, int], list[str]] = {}
-    for rank in run_a.ranks:
-        if rank not in run_b.files:
-            continue
-        steps_b = {}
-        for block in run_b.stream(rank).steps():
-            if (start or 0) <= block.step <= stop:
-                steps_b[block.step] = block.records()
-        for block in run_a.stream(rank).steps():
-            if block.step not in steps_b:
-                continue
-            records_b = {r.key: r for r in steps_b[block.step] if r.phase == STATE_PHASE}
-            names = [r.name for r in block.records()
-                     if r.phase == STATE_PHASE and r.key in records_b and not r.same_content(records_b[r.key])]
-            if names:
-                found[(block.step, rank)] = names
-                if first_only:
-                    break
-    run_a.close()
-    run_b.close()
-    return found
+def _explain(result: VerifyResult, run_a: Path, run_b: Path, run_c: Path) -> None:
+    """Fill ``result.findings`` and ``result.explanations``: for each check that diverged, what
+    differs in the state census at the step start (`samebits.runs._explain`)."""
+    findings: list[Finding] = []
+    independent = result.checks.get("independent")
+    if independent is not None and independent.first_divergence is not None and not independent.identical:
+        first = independent.first_divergence
+        order = first.detail if first.reason == "order" else None
+        findings += explain_independent(run_a, run_b, first.step, order)
+    resume = result.checks.get("resume")
+    if resume is not None and resume.first_divergence is not None and not resume.identical:
+        findings += explain_resume(run_a, run_b, run_c, result.resume_at or 0, resume.first_divergence.step)
+    result.findings = ordered(findings)
+    explanations: dict[str, list[str]] = {}
+    for finding in result.findings:
+        explanations.setdefault(finding.check, []).append(f"step {finding.step}, rank {finding.rank}: {finding.says}")
+    result.explanations = explanations
 
 
 def _write_summary(out: Path, result: VerifyResult) -> None:

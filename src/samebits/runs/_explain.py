@@ -1,0 +1,449 @@
+"""What differs between two runs' training state when they diverge: verify's findings.
+
+The state census (`samebits.checkpoint.state_census`, recorded by the recipe into its main
+stream and by zero-code recording into ``RUN/state``) holds, per step, every RNG, optimizer,
+LR scheduler, GradScaler and data-loader position; zero-code recording adds each step's
+inputs (``inputs``), the generators after the step (``state_end``), a resumed process's
+parameters and optimizer state as it begins (``restored.*``) and a log of restores and draws
+of the global generators (`samebits.autorecord.EVENTS_FILE`).  This module turns differences
+between those records into `Finding`s, each a claim with its evidence, most specific first:
+
+    off_by_one, model_params, optimizer_state, scheduler, grad_scaler, iteration_counter,
+    data_position, generator_consumed, generator, input_batch, order, script_said
+
+Rules that keep a finding honest:
+
+* a generator is named only if it moved during that step in one of the runs (an unseeded
+  generator the program never draws from differs between any two processes and explains
+  nothing);
+* a record present in one run and absent in the other is itself a finding ("C has no
+  optimizer state at step 4");
+* for a resume, state that also differs between the two independent runs A and B is no
+  evidence about the checkpoint and is left out.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from samebits.autorecord import EVENTS_FILE, STATE_DIR
+from samebits.checkpoint import STATE_PHASE, describe_state_record
+from samebits.errors import StreamError
+from samebits.stream import open_run
+from samebits.verdicts import ToDict
+
+NOTES_FILE = "notes-rank-{rank:05d}.jsonl"  # in a run directory: what samebits' callbacks said
+
+_RNG_GLOBAL = {"rng.python": "python", "rng.numpy": "numpy", "rng.torch_cpu": "torch_cpu"}
+
+
+@dataclass
+class Finding(ToDict):
+    """One claim about why two runs differ, with the record it rests on."""
+
+    check: str  # "resume" | "independent"
+    kind: str
+    step: int
+    rank: int
+    says: str
+    record: str | None = None
+    site: str | None = None  # file.py:N, when the claim has a place
+    generator: str | None = None  # kind generator/generator_consumed: torch_cpu, python, numpy, user:<site>
+
+    def to_dict(self) -> dict:
+        return {"check": self.check, "kind": self.kind, "step": self.step, "rank": self.rank,
+                "says": self.says, "record": self.record, "site": self.site, "generator": self.generator}
+
+
+class _Census:
+    """One run's census records per (rank, step): {phase: {name: Record}} (occurrences of a
+    name joined as name#k)."""
+
+    def __init__(self, path: Path, phases: tuple[str, ...] | None, first: int, last: int):
+        self.path = path
+        self.steps: dict[tuple[int, int], dict[str, dict]] = {}
+        run = open_run(path)
+        self.ranks = list(run.ranks)
+        for rank in run.ranks:
+            for block in run.stream(rank).steps():
+                if block.step < first:
+                    continue
+                if block.step > last:
+                    break
+                phases_of: dict[str, dict] = {}
+                for record in block.records():
+                    if phases is not None and record.phase not in phases:
+                        continue
+                    name = record.name if record.occurrence == 0 else f"{record.name}#{record.occurrence}"
+                    phases_of.setdefault(record.phase, {})[name] = record
+                self.steps[(rank, block.step)] = phases_of
+
+    def get(self, rank: int, step: int, phase: str) -> dict:
+        return self.steps.get((rank, step), {}).get(phase, {})
+
+
+def _census(directory: Path, first: int, last: int) -> _Census | None:
+    """The census of a run: zero-code recording's ``RUN/state``, else the main stream's
+    ``state`` phase (the recipe's); None when there is none."""
+    state_dir = directory / STATE_DIR
+    try:
+        if state_dir.is_dir():
+            return _Census(state_dir, None, first, last)
+        if directory.is_dir():
+            return _Census(directory, (STATE_PHASE,), first, last)
+    except StreamError:
+        return None
+    return None
+
+
+def _differing(a: dict, b: dict) -> list[str]:
+    return [name for name in a if name in b and not _same(a[name], b[name])]
+
+
+def _same(a, b) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.digest == b.digest and a.raw == b.raw
+
+
+def _used(census: _Census, rank: int, step: int, name: str) -> bool | None:
+    """Did generator record ``name`` move during ``step``?  None: not known (no state_end)."""
+    start, end = census.get(rank, step, STATE_PHASE), census.get(rank, step, "state_end")
+    if name not in start or name not in end:
+        return None
+    return not _same(start[name], end[name])
+
+
+def _generator_label(name: str) -> tuple[str, str]:
+    """(the generator's id for a finding, how a person calls it)."""
+    if name in _RNG_GLOBAL:
+        label = {"python": "Python `random`", "numpy": "NumPy's global generator (np.random)",
+                 "torch_cpu": "the torch CPU generator"}[_RNG_GLOBAL[name]]
+        return _RNG_GLOBAL[name], label
+    if name.startswith("rng.cuda:"):
+        return name.removeprefix("rng."), f"the torch CUDA generator of device {name.removeprefix('rng.cuda:')}"
+    site = name.removeprefix("rng.user.")
+    return f"user:{site}", f"the generator made at {site}"
+
+
+def _events(directory: Path, rank: int) -> list[dict]:
+    path = directory / STATE_DIR / EVENTS_FILE.format(rank=rank)
+    return _read_jsonl(path)
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    out = []
+    try:
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                item = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(item, dict):
+                out.append(item)
+    except OSError:
+        return []
+    return out
+
+
+def script_notes(directory: Path) -> list[dict]:
+    """What samebits' callbacks said in a run (``notes-rank-*.jsonl``), every rank."""
+    notes = []
+    if directory.is_dir():
+        for path in sorted(directory.glob("notes-rank-*.jsonl")):
+            notes += _read_jsonl(path)
+    return notes
+
+
+# --- resume ------------------------------------------------------------------------------
+
+
+def explain_resume(dir_a: Path, dir_b: Path | None, dir_c: Path, resume_at: int, diverged_at: int) -> list[Finding]:
+    """Findings for a resumed run C that differs from A from ``diverged_at`` on: the first step
+    in ``resume_at..diverged_at`` (per rank) whose state differs, what differs there."""
+    last = diverged_at + 1
+    census_a = _census(dir_a, 0, last)  # from step 0: which earlier step C's LR or batch matches
+    census_c = _census(dir_c, resume_at, last)
+    findings: list[Finding] = []
+    for note in script_notes(dir_c):
+        findings.append(Finding("resume", "script_said", int(note.get("step", resume_at) or resume_at),
+                                int(note.get("rank", 0) or 0), f"{note.get('owner', 'samebits')} said: "
+                                f"{note.get('message', '')}"))
+    if census_a is None or census_c is None:
+        return findings
+    census_b = _census(dir_b, resume_at, last) if dir_b is not None and dir_b.exists() else None
+    main_a = _main_records(dir_a, resume_at - 1) if (dir_c / STATE_DIR).is_dir() else {}
+    for rank in census_a.ranks:
+        for step in range(resume_at, diverged_at + 1):
+            found = _resume_step(census_a, census_b, census_c, main_a, dir_c, rank, step, resume_at)
+            if found:
+                findings += found
+                break
+    return findings
+
+
+def _main_records(directory: Path, step: int) -> dict[int, dict[str, dict]]:
+    """A's main-stream params and optimizer records of ``step``, per rank."""
+    try:
+        run = open_run(directory)
+    except StreamError:
+        return {}
+    out: dict[int, dict[str, dict]] = {}
+    for rank in run.ranks:
+        try:
+            for block in run.stream(rank).steps():
+                if block.step > step:
+                    break
+                if block.step == step:
+                    phases: dict[str, dict] = {}
+                    for record in block.records():
+                        if record.phase in ("params", "optimizer") and record.occurrence == 0:
+                            phases.setdefault(record.phase, {})[record.name] = record
+                    out[rank] = phases
+        except StreamError:
+            continue
+    return out
+
+
+def _resume_step(census_a, census_b, census_c, main_a, dir_c, rank, step, resume_at) -> list[Finding]:
+    state_a, state_c = census_a.get(rank, step, STATE_PHASE), census_c.get(rank, step, STATE_PHASE)
+    if not state_a or not state_c:
+        return []
+    ambient = set(_differing(state_a, census_b.get(rank, step, STATE_PHASE))) if census_b is not None else set()
+    findings: list[Finding] = []
+
+    def add(kind, says, record=None, **extra):
+        findings.append(Finding("resume", kind, step, rank, says, record, **extra))
+
+    differing = [n for n in _differing(state_a, state_c) if n not in ambient]
+    missing = [n for n in state_a if n not in state_c and not n.startswith("rng.user.")]
+    extra = [n for n in state_c if n not in state_a and not n.startswith("rng.user.")]
+    progress = [n for n in differing if _is_progress(n)]
+    # 1. off by one: C's progress at this step is A's of the step before or after
+    if step == resume_at and progress:
+        for other in (step - 1, step + 1):
+            state_other = census_a.get(rank, other, STATE_PHASE)
+            if state_other and all(n in state_other and _same(state_other[n], state_c[n]) for n in progress):
+                add("off_by_one", f"C's training state at its step {step} (optimizer step counts, learning rate, "
+                    f"scheduler and data position: {', '.join(progress)}) equals A's at step {other}, not at step "
+                    f"{step}: the resume is off by one (C resumed the checkpoint of step {other} but is numbered "
+                    f"from {step}; pass --resume-at {other}, or save at step {step})", progress[0])
+                return findings
+    # 2. what a resumed process restored: parameters and optimizer state as it begins
+    restored_params = census_c.get(rank, step, "restored.params")
+    restored_state = census_c.get(rank, step, "restored.optimizer")
+    main = main_a.get(rank, {})
+    if step == resume_at and main.get("params") and restored_params:
+        wrong = [n for n, r in main["params"].items() if n in restored_params and not _same(r, restored_params[n])]
+        if wrong:
+            add("model_params", f"the model's parameters as C's step {step} begins differ from A's after step "
+                f"{step - 1} ({len(wrong)} of {len(main['params'])}, first {wrong[0]}): the weights were not "
+                "loaded from the checkpoint, or were changed after the load (a stray re-initialisation, "
+                "e.g. model.apply(init) or reset_parameters() after load_state_dict)", f"params:{wrong[0]}")
+    if step == resume_at and main.get("optimizer") is not None and restored_params:
+        saved = main.get("optimizer", {})
+        lost = [n for n in saved if n not in restored_state]
+        wrong = [n for n in saved if n in restored_state and not _same(saved[n], restored_state[n])]
+        if saved and len(lost) == len(saved):
+            add("optimizer_state", f"C's optimizer holds no state as step {step} begins (A's holds "
+                f"{len(saved)} state tensors after step {step - 1}, e.g. {next(iter(saved))}): the optimizer "
+                "state was not restored (optimizer.load_state_dict(checkpoint['optimizer']) missing, or called "
+                "on another optimizer)", f"optimizer:{next(iter(saved))}")
+        elif lost or wrong:
+            first = (lost or wrong)[0]
+            add("optimizer_state", f"C's optimizer state as step {step} begins differs from A's after step "
+                f"{step - 1} ({len(lost)} state tensors missing, {len(wrong)} different; first {first}): the "
+                "optimizer state was restored only in part, or changed after the load", f"optimizer:{first}")
+    # 3. records that one run has and the other lacks
+    for name in missing:
+        add(_kind_of(name), f"C has no {_what(name)} at step {step}, A has: was it created and restored on "
+            f"resume? ({describe_state_record(name)})", name)
+    for name in extra:
+        add(_kind_of(name), f"C has a {_what(name)} at step {step} that A does not have", name)
+    # 4. state records that differ, by kind
+    optimizer_kinds = {n for n in differing if n.startswith("optim") and not n.endswith(".lr")}
+    if optimizer_kinds and not any(f.kind == "optimizer_state" for f in findings):
+        name = sorted(optimizer_kinds)[0]
+        add("optimizer_state", f"{describe_state_record(name)} (step {step})", name)
+    for name in differing:
+        if name.startswith("sched"):
+            add("scheduler", f"{describe_state_record(name)} (LR scheduler position at step {step}: restore it "
+                "with scheduler.load_state_dict)", name)
+            break
+    for name in differing:
+        if name.startswith("scaler"):
+            add("grad_scaler", f"{describe_state_record(name)} (step {step})", name)
+    lr = [n for n in differing if n.startswith("optim") and n.endswith(".lr")]
+    if lr and not any(n.startswith("sched") for n in differing):
+        same_as = _matching_step(census_a, rank, STATE_PHASE, lr[0], state_c[lr[0]], step)
+        evidence = f" (C's learning rate at step {step} is A's at step {same_as})" if same_as is not None else ""
+        add("iteration_counter", f"the learning rate of {lr[0].split('.')[0].replace('optim', 'optimizer ')} "
+            f"differs at step {step} and no LR scheduler state differs{evidence}: the script sets the LR "
+            "itself, from an iteration counter that was not restored from the checkpoint (restore it, e.g. "
+            "iter_num = checkpoint['iter_num'])", lr[0])
+    # 5. data: the loader's position, the batch itself
+    for name in differing:
+        if name.startswith("data."):
+            add("data_position", f"{describe_state_record(name)} (step {step}: skip the batches already seen, "
+                "or save and load the loader's state)", name, site=name.removeprefix("data.").split("#")[0])
+            break
+    inputs_a, inputs_c = census_a.get(rank, step, "inputs"), census_c.get(rank, step, "inputs")
+    changed_inputs = _differing(inputs_a, inputs_c)
+    batch_from = None
+    if changed_inputs:
+        batch_from = _matching_inputs(census_a, rank, inputs_c, step)
+        if batch_from is not None:
+            how = ("the resumed run drew again a batch that A had drawn before the checkpoint (a prefetched "
+                   "batch not saved with the checkpoint, or the RNG saved after the prefetch)"
+                   if batch_from == step + 1 else "the loader did not skip the batches already seen"
+                   if batch_from < step else "C's data is ahead of A's")
+            add("data_position", f"the input batch of step {step} differs: C's batch is A's batch of step "
+                f"{batch_from}: {how}", f"inputs:{changed_inputs[0]}")
+    # 6. generators: restored then drawn from, or just in another state (if used in the step)
+    generators = [n for n in differing if n.startswith("rng.")]
+    events = _events(dir_c, rank)
+    for name in generators:
+        used_a, used_c = _used(census_a, rank, step, name), _used(census_c, rank, step, name)
+        ident, label = _generator_label(name)
+        consumed = _restored_then_drawn(events, ident, state_a[name], resume_at)
+        if consumed is not None:
+            restore, draws = consumed
+            by = "; ".join(f"{d.get('by', 'code')} at {d.get('site')}" for d in draws) or \
+                "code that ran between the restore and the step's first forward"
+            add("generator_consumed", f"{label} was restored to A's state of step {step} at {restore.get('site')} "
+                f"({restore.get('call')}), then drawn from before the step began, by {by}: restore it after "
+                "that, or give that code its own generator", name, site=(draws[0].get("site") if draws else
+                                                                         restore.get("site")), generator=ident)
+            continue
+        if used_a is False and used_c is False:
+            continue  # never drawn from in this step: not a cause
+        add("generator", f"{label} is in another state at the start of step {step} and the step draws from it: "
+            f"{describe_state_record(name)}", name, generator=ident,
+            site=ident.removeprefix("user:") if ident.startswith("user:") else None)
+    if changed_inputs and batch_from is None and not any(f.kind in ("data_position", "generator",
+                                                                     "generator_consumed") for f in findings):
+        add("input_batch", f"the input batch of step {step} differs ({changed_inputs[0]}) while no recorded state "
+            "explains it: the data pipeline gives another batch after the resume", f"inputs:{changed_inputs[0]}")
+    return findings
+
+
+_ORDER = ["off_by_one", "script_said", "model_params", "optimizer_state", "scheduler", "grad_scaler",
+          "iteration_counter", "data_position", "generator_consumed", "generator", "input_batch", "order"]
+
+
+def ordered(findings: list[Finding]) -> list[Finding]:
+    """Most specific first (a stable sort by kind), then by step and rank."""
+    rank_of = {kind: i for i, kind in enumerate(_ORDER)}
+    return sorted(findings, key=lambda f: (f.step, rank_of.get(f.kind, len(_ORDER)), f.rank))
+
+
+def _is_progress(name: str) -> bool:
+    return (name.startswith("optim") and (name.endswith(".step") or name.endswith(".lr"))) or \
+        name.startswith("sched") or name.startswith("data.")
+
+
+def _kind_of(name: str) -> str:
+    if name.startswith("optim"):
+        return "optimizer_state"
+    if name.startswith("sched"):
+        return "scheduler"
+    if name.startswith("scaler"):
+        return "grad_scaler"
+    if name.startswith("data."):
+        return "data_position"
+    return "generator"
+
+
+def _what(name: str) -> str:
+    if name.startswith("optim"):
+        return f"optimizer {name.split('.')[0].removeprefix('optim')} ({name})"
+    if name.startswith("sched"):
+        return f"LR scheduler {name.split('.')[0].removeprefix('sched')} ({name})"
+    if name.startswith("scaler"):
+        return f"GradScaler ({name})"
+    if name.startswith("data."):
+        return f"data loader made at {name.removeprefix('data.')}"
+    return name
+
+
+def _matching_step(census: _Census, rank: int, phase: str, name: str, record, around: int) -> int | None:
+    for (r, step), phases in sorted(census.steps.items()):
+        if r == rank and step != around and name in phases.get(phase, {}) and _same(phases[phase][name], record):
+            return step
+    return None
+
+
+def _matching_inputs(census: _Census, rank: int, inputs: dict, around: int) -> int | None:
+    """The step of A whose inputs (the first top-level forward's) equal ``inputs``."""
+    if not inputs:
+        return None
+    for (r, step), phases in sorted(census.steps.items()):
+        mine = phases.get("inputs", {})
+        if r == rank and step != around and mine and all(n in mine and _same(mine[n], inputs[n]) for n in inputs):
+            return step
+    return None
+
+
+def _restored_then_drawn(events: list[dict], generator: str, record_a, resume_at: int):
+    """(the restore, the draws after it) when C restored ``generator`` to A's state at the
+    step start and something drew from it before that step began; else None."""
+    wanted = f"{record_a.digest:016x}" if record_a.digest is not None else None
+    restore, draws = None, []
+    for event in events:
+        if event.get("generator") != generator or event.get("step") != resume_at:
+            continue
+        if event.get("event") in ("restored", "seeded"):
+            restore = event if event.get("digest") == wanted else None
+            draws: list[dict] = []
+        elif event.get("event") == "drawn" and restore is not None:
+            draws.append(event)
+    if restore is None:
+        return None
+    return restore, draws
+
+
+# --- independent runs --------------------------------------------------------------------
+
+
+def explain_independent(dir_a: Path, dir_b: Path, diverged_at: int, order: str | None = None) -> list[Finding]:
+    """Findings for two independent runs that differ from ``diverged_at`` on: generators the
+    step draws from that are in other states, and the input batch."""
+    census_a = _census(dir_a, 0, diverged_at + 1)
+    census_b = _census(dir_b, 0, diverged_at + 1)
+    findings: list[Finding] = []
+    if order:
+        findings.append(Finding("independent", "order", diverged_at, 0, order))
+    if census_a is None or census_b is None:
+        return findings
+    for rank in census_a.ranks:
+        for step in range(0, diverged_at + 1):
+            state_a, state_b = census_a.get(rank, step, STATE_PHASE), census_b.get(rank, step, STATE_PHASE)
+            found = []
+            for name in _differing(state_a, state_b):
+                if not name.startswith("rng."):
+                    continue
+                if _used(census_a, rank, step, name) is False and _used(census_b, rank, step, name) is False:
+                    continue
+                ident, label = _generator_label(name)
+                found.append(Finding("independent", "generator", step, rank,
+                                     f"{label} is in another state in B than in A at the start of step {step}, "
+                                     f"and the step draws from it: {describe_state_record(name)} (seeded "
+                                     "from time, a process id or os.urandom? seed it with a constant)",
+                                     name, site=ident.removeprefix("user:") if ident.startswith("user:") else None,
+                                     generator=ident))
+            changed = _differing(census_a.get(rank, step, "inputs"), census_b.get(rank, step, "inputs"))
+            if changed and not found:
+                found.append(Finding("independent", "input_batch", step, rank,
+                                     f"the input batch of step {step} differs between A and B ({changed[0]}) while "
+                                     "every generator the step draws from is in the same state: the data pipeline "
+                                     "draws from an unseeded source (a worker's generator, a time seed); "
+                                     "`samebits bisect` narrows it", f"inputs:{changed[0]}"))
+            if found:
+                findings += found
+                break
+    return findings
+
+
+__all__ = ["Finding", "explain_resume", "explain_independent", "ordered", "script_notes", "NOTES_FILE"]

@@ -20,8 +20,8 @@ from samebits.checkpoint import _census
 from samebits.errors import ConfigError
 
 BASE_NAMES = ["rng.python", "rng.numpy", "rng.torch_cpu"]
-TRAINING_NAMES = ["rng.user.a_dropout", "rng.user.b_data", "optim0.step", "optim0.lr",
-                  "sched0.last_epoch", "sched0.lr"]
+TRAINING_NAMES = ["rng.user.a_dropout", "rng.user.b_data", "optim0.step", "optim0.lr", "optim0.hparams",
+                  "sched0.last_epoch", "sched0.step_count", "sched0.lr", "scaler0"]
 
 
 class Training:
@@ -35,10 +35,18 @@ class Training:
         self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1, gamma=0.5)
         self.generators = {"b_data": torch.Generator().manual_seed(1),
                            "a_dropout": torch.Generator().manual_seed(2)}
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
 
     def census(self):
         return state_census(optimizers=[self.optimizer], schedulers=[self.scheduler],
-                            generators=self.generators, include_cuda=False)
+                            generators=self.generators, scalers=[self.scaler], include_cuda=False)
+
+    def scaler_step(self):
+        self.scaler.scale(torch.ones(()))  # the scale exists from the first use
+        self.params[0].grad = torch.full_like(self.params[0], float("inf"))
+        self.scaler.unscale_(self.optimizer)
+        self.scaler.step(self.optimizer)  # an inf gradient: the step is skipped, the scale backs off
+        self.scaler.update()
 
     def optimizer_step(self, params=None):
         for param in params or self.params:
@@ -80,7 +88,10 @@ def test_two_identical_calls_give_equal_digests():
     (lambda t: torch.rand(1, generator=t.generators["b_data"]), {"rng.user.b_data"}),
     (lambda t: torch.rand(1, generator=t.generators["a_dropout"]), {"rng.user.a_dropout"}),
     (lambda t: t.optimizer_step(), {"optim0.step"}),
-    (lambda t: t.scheduler.step(), {"sched0.last_epoch", "sched0.lr", "optim0.lr"}),
+    (lambda t: t.scheduler.step(), {"sched0.last_epoch", "sched0.step_count", "sched0.lr", "optim0.lr"}),
+    (lambda t: t.optimizer.param_groups[1].update(weight_decay=0.5), {"optim0.hparams"}),
+    (lambda t: t.optimizer.param_groups[0].update(betas=(0.8, 0.99)), {"optim0.hparams"}),
+    (lambda t: t.scaler_step(), {"scaler0"}),
 ])
 def test_each_change_alters_exactly_its_own_records(change, expected):
     training = Training()
@@ -105,7 +116,8 @@ def test_restoring_every_state_makes_the_census_equal_again():
     training.optimizer_step()
     saved = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
              {name: gen.get_state() for name, gen in training.generators.items()},
-             copy.deepcopy(training.optimizer.state_dict()), training.scheduler.state_dict())
+             copy.deepcopy(training.optimizer.state_dict()), training.scheduler.state_dict(),
+             training.scaler.state_dict())
     before = _digests(training.census())
 
     random.random(), np.random.rand(), torch.rand(1)
@@ -113,9 +125,11 @@ def test_restoring_every_state_makes_the_census_equal_again():
         torch.rand(1, generator=generator)
     training.optimizer_step()
     training.scheduler.step()
+    training.optimizer.param_groups[0]["weight_decay"] = 0.3
+    training.scaler_step()
     assert _changed(before, _digests(training.census())) == set(before)
 
-    python, numpy_state, torch_cpu, generators, optimizer, scheduler = saved
+    python, numpy_state, torch_cpu, generators, optimizer, scheduler, scaler = saved
     random.setstate(python)
     np.random.set_state(numpy_state)
     torch.set_rng_state(torch_cpu)
@@ -123,6 +137,7 @@ def test_restoring_every_state_makes_the_census_equal_again():
         training.generators[name].set_state(state)
     training.optimizer.load_state_dict(optimizer)
     training.scheduler.load_state_dict(scheduler)  # the optimizer's state dict held its lrs
+    training.scaler.load_state_dict(scaler)
     assert _digests(training.census()) == before
 
 
@@ -211,6 +226,10 @@ def test_one_optimizer_not_in_a_list_is_a_config_error():
     ("sched0.last_epoch", "learning rate differs at step start: LR scheduler not restored on "
                           "resume"),
     ("sched2.lr", "learning rate differs at step start: LR scheduler not restored on resume"),
+    ("optim0.hparams", "optimizer 0's group settings (betas, weight decay, eps, ...) differ"),
+    ("sched0.step_count", "learning rate differs at step start: LR scheduler not restored on resume"),
+    ("scaler1", "GradScaler 1's scale or growth tracker differs at step start"),
+    ("data.train.py:40", "data loader train.py:40 is at another position at step start"),
     ("params/w1", "training state 'params/w1' differs at step start"),
 ])
 def test_each_record_name_has_its_sentence(name, sentence):

@@ -84,6 +84,7 @@ from samebits.trace import install_zero_code
 ENV_ENABLE = "SAMEBITS_AUTORECORD"
 STATE_DIR = "state"  # the census stream's folder inside a run directory
 EVENTS_FILE = "events-rank-{rank:05d}.jsonl"  # in STATE_DIR: restores, seeds and draws of the global generators
+NOTES_FILE = "notes-rank-{rank:05d}.jsonl"  # in the run directory: what a callback found (`note`)
 EXIT_STOPPED = 3  # the live check stopped the run at a step that differs from the reference
 
 _state = None
@@ -346,6 +347,25 @@ def install() -> bool:
     return True
 
 
+def note(owner: str, message: str, step: int | None = None) -> bool:
+    """Leave a finding of a callback or library in the run being recorded (``SAMEBITS_DIR``):
+    `samebits verify` shows it with the run's verdict, not only in the run's log.  False when
+    this process records no run."""
+    directory = settings.read("SAMEBITS_DIR")
+    if not directory:
+        return False
+    rank = process_rank() or 0
+    entry = {"owner": owner, "message": message, "rank": rank,
+             "step": step if step is not None else (_state.step if _state is not None else None)}
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, NOTES_FILE.format(rank=rank)), "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(entry) + "\n")
+    except OSError:
+        return False
+    return True
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor (the recorded stream is per rank); other tensors as they are."""
     to_local = getattr(tensor, "to_local", None)
@@ -418,4 +438,4 @@ def _text(value) -> str | None:
 
 
 __all__ = ["install", "environment_for", "recording_variables", "with_variables", "read_outcomes", "read_stop",
-           "STOPPED_MARKER", "STATE_DIR", "EVENTS_FILE", "EXIT_STOPPED", "ENV_ENABLE"]
+           "STOPPED_MARKER", "STATE_DIR", "EVENTS_FILE", "NOTES_FILE", "EXIT_STOPPED", "ENV_ENABLE", "note"]

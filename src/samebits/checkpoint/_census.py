@@ -20,7 +20,7 @@ Each record holds the exact bits of one state, so equal digests mean equal state
     sched<i>.last_epoch LR scheduler i's position
     sched<i>.step_count LR scheduler i's count of step() calls (its `_step_count`)
     sched<i>.lr         LR scheduler i's get_last_lr()
-    scaler<i>           GradScaler i: scale (NaN before its first use) and growth tracker
+    scaler<i>           GradScaler i: the scale and growth tracker its next step uses
 
 It runs every step, so it reads states without copying more than they hold and syncs a
 device at most once per device (optimizer step counts kept on a GPU).  Its torch work is
@@ -224,12 +224,16 @@ def _hyperparameters(optimizer: Any) -> torch.Tensor:
 
 
 def _scaler_state(scaler: Any) -> torch.Tensor:
-    """float64[2]: the current scale (NaN before the scaler's first use) and growth tracker."""
-    scale, tracker = getattr(scaler, "_scale", None), getattr(scaler, "_growth_tracker", None)
+    """float64[2]: the scale and growth tracker the scaler's next step uses (its initial ones
+    before its first use, as its state_dict says); NaN, -1 when it is disabled."""
     if not getattr(scaler, "_enabled", True):
         return torch.tensor([float("nan"), -1.0], dtype=torch.float64)
-    return torch.tensor([float("nan") if scale is None else float(scale.reshape(-1)[0]),
-                         -1.0 if tracker is None else float(tracker.reshape(-1)[0])], dtype=torch.float64)
+    scale, tracker = getattr(scaler, "_scale", None), getattr(scaler, "_growth_tracker", None)
+    scale = float(getattr(scaler, "_init_scale", float("nan"))) if scale is None else scale
+    tracker = float(getattr(scaler, "_init_growth_tracker", -1)) if tracker is None else tracker
+    values = [v.reshape(-1)[0].to(device="cpu", dtype=torch.float64) if isinstance(v, torch.Tensor)
+              else torch.tensor(float(v), dtype=torch.float64) for v in (scale, tracker)]
+    return torch.stack(values)
 
 
 def _float64(values: Sequence[Any]) -> torch.Tensor:

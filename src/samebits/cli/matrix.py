@@ -77,7 +77,7 @@ def render(result: MatrixResult) -> str:
         lines.append(f"failed: {line}")
     for c in result.cells:
         for check, explanations in (c.verify.explanations.items() if c.verify is not None else ()):
-            lines += [f"{c.cell} {c.precision}, {check}: what differs at step start:"]
+            lines += [f"{c.cell} {c.precision}, {check}: what differs (most specific first):"]
             lines += [f"  {line}" for line in explanations[:5]]
             if len(explanations) > 5:
                 lines.append(f"  ... and {len(explanations) - 5} more (summary.json)")

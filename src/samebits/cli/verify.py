@@ -112,7 +112,7 @@ def render(result: VerifyResult) -> str:
     if result.runs:
         lines += [table(["run", "exit", "ended"], [[r.name, str(r.exit_code), r.ended] for r in result.runs]), ""]
     for check, explanations in result.explanations.items():
-        lines += [f"{check}: what differs at step start:"] + [f"  {line}" for line in explanations]
+        lines += [f"{check}: what differs (most specific first):"] + [f"  {line}" for line in explanations]
     for note in result.notes:
         lines.append(f"note: {note}")
     times = ", ".join(f"{k} {v:.1f} s" for k, v in result.timings.items())

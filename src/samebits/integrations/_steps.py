@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from samebits import ConfigError, Recorder, settings
+from samebits.autorecord import note
 
 
 def zero_code_active() -> bool:
@@ -94,10 +95,14 @@ class StepRecorder:
             self.recorder = None
 
 
-def say(owner: str, message: str) -> None:
-    """One line on stderr from rank 0 (every rank would repeat it)."""
+def say(owner: str, message: str, *, finding: bool = False, step: int | None = None) -> None:
+    """One line on stderr from rank 0 (every rank would repeat it).  A ``finding`` (something
+    that makes the run differ) is also left in the recorded run, where `samebits verify`
+    shows it with its verdict (`samebits.autorecord.note`)."""
     if os.environ.get("RANK", "0") == "0":
         print(f"samebits ({owner}): {message}", file=sys.stderr, flush=True)
+        if finding:
+            note(owner, message, step)
 
 
 def optimizers_of(value: Any) -> Iterable[torch.optim.Optimizer]:

@@ -72,7 +72,7 @@ class SamebitsCallback(L.Callback):
         saved = checkpoint.get(_KEY)
         if saved is None:
             say(_OWNER, "the checkpoint holds no random states (saved without SamebitsCallback): "
-                        "this resume will not be bitwise exact")
+                        "this resume will not be bitwise exact", finding=True, step=trainer.global_step)
         elif saved["epoch_done"]:  # saved at an epoch's end: continue from the save
             restore_rng_state(saved["rng"])
             self._epoch_rng = saved["rng"]
@@ -93,7 +93,8 @@ class SamebitsCallback(L.Callback):
             say(_OWNER, f"this resume cannot be bitwise exact: the checkpoint was taken in the middle of "
                         f"epoch {saved['epoch']} (after {saved['batch_in_epoch']} batches) and the train data "
                         f"loader is not resumable, so Lightning restarts its epoch. Use a data loader with "
-                        f"state_dict/load_state_dict (torchdata's StatefulDataLoader) or checkpoint at epoch ends.")
+                        f"state_dict/load_state_dict (torchdata's StatefulDataLoader) or checkpoint at epoch ends.",
+                finding=True, step=trainer.global_step)
         restore_rng_state(saved["rng"])
 
     # --- recording -----------------------------------------------------------------------

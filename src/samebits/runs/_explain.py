@@ -28,13 +28,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from samebits.autorecord import EVENTS_FILE, STATE_DIR
+from samebits.autorecord import EVENTS_FILE, NOTES_FILE, STATE_DIR
 from samebits.checkpoint import STATE_PHASE, describe_state_record
 from samebits.errors import StreamError
 from samebits.stream import open_run
 from samebits.verdicts import ToDict
-
-NOTES_FILE = "notes-rank-{rank:05d}.jsonl"  # in a run directory: what samebits' callbacks said
 
 _RNG_GLOBAL = {"rng.python": "python", "rng.numpy": "numpy", "rng.torch_cpu": "torch_cpu"}
 
@@ -152,7 +150,7 @@ def script_notes(directory: Path) -> list[dict]:
     """What samebits' callbacks said in a run (``notes-rank-*.jsonl``), every rank."""
     notes = []
     if directory.is_dir():
-        for path in sorted(directory.glob("notes-rank-*.jsonl")):
+        for path in sorted(directory.glob(NOTES_FILE.replace("{rank:05d}", "*"))):
             notes += _read_jsonl(path)
     return notes
 
@@ -446,4 +444,4 @@ def explain_independent(dir_a: Path, dir_b: Path, diverged_at: int, order: str |
     return findings
 
 
-__all__ = ["Finding", "explain_resume", "explain_independent", "ordered", "script_notes", "NOTES_FILE"]
+__all__ = ["Finding", "explain_resume", "explain_independent", "ordered", "script_notes"]

@@ -476,7 +476,7 @@ class _Page:
                                              [[r.get("name"), r.get("exit_code"), r.get("ended"), r.get("seconds"),
                                                r.get("command")] for r in runs]))
         for check, lines in (summary.get("explanations") or {}).items():
-            self.add(f"<h3>{_esc(check)}: what differs at step start</h3><ul>"
+            self.add(f"<h3>{_esc(check)}: what differs (most specific first)</h3><ul>"
                      + "".join(f"<li>{_esc(line)}</li>" for line in lines) + "</ul>")
         for key in ("bisect_command", "resume_bisect_command"):
             if summary.get(key):

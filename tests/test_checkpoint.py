@@ -7,6 +7,7 @@ Run as a script under torchrun, this file is also the 2-rank worker the tests la
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -14,6 +15,7 @@ import os
 import pickle
 import shutil
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -143,7 +145,7 @@ def test_resaving_a_step_replaces_it_and_damage_is_reported(tmp_path, saved, str
     resumed = train(_tiny(), steps=STEPS, resume_from=root)
     assert _same_params(resumed.params, straight.params)
     (root / f"step-{SAVE_AT}" / "__0_0.distcp").write_bytes(b"")
-    with pytest.raises(CheckpointError, match="rank 0 could not read its tensors"):
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp, which has 0: the shard is truncated"):
         train(_tiny(), steps=STEPS, resume_from=root)
 
 
@@ -264,6 +266,7 @@ def test_metadata_unpickler_refuses_foreign_globals(tmp_path):
             return (os.system, (f"touch {evil}",))
 
     metadata.write_bytes(pickle.dumps(Evil()))
+    _resign_metadata(directory)
     with pytest.raises(CheckpointError, match="not a DCP metadata type"):
         checkpoint.load(tmp_path, StateBundle(model=nn.Linear(2, 2)))
     assert not evil.exists()
@@ -286,11 +289,50 @@ def _loaded_weight(root: Path) -> torch.Tensor:
     return model.weight.detach().clone()
 
 
-def _tamper_metadata(directory: Path, edit) -> None:
-    """Rewrite DCP's .metadata with `edit(metadata)` applied (a hostile or damaged file)."""
+def _sha256_of(value: dict) -> str:
+    """The checksum a samebits JSON file records: sha256 of its canonical text without it."""
+    import hashlib
+
+    text = json.dumps({k: v for k, v in value.items() if k != "sha256"}, sort_keys=True,
+                      separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _edit_json(path: Path, edit, *, resign: bool = True) -> None:
+    """Apply `edit(value)` to a checkpoint's JSON file.  `resign` re-records its checksum (what
+    a crafted file would do), so that the check under test is the one that refuses it; a
+    checkpoint written without checksums (older samebits) gets none."""
+    value = json.loads(path.read_text())
+    signed = "sha256" in value
+    edit(value)
+    if signed and resign:
+        value["sha256"] = _sha256_of(value)
+    # _TOO_DEEP stands for nesting deeper than `json` itself can write (or read)
+    path.write_text(json.dumps(value).replace(json.dumps(_TOO_DEEP), "[" * 100_000 + "]" * 100_000))
+
+
+_TOO_DEEP = "<100000 nested lists>"
+
+
+def _resign_metadata(directory: Path) -> None:
+    """Re-record the sha256 of .metadata in meta.json (where it records one)."""
+    import hashlib
+
+    def record(meta):
+        if "metadata_sha256" in meta:
+            meta["metadata_sha256"] = hashlib.sha256((directory / ".metadata").read_bytes()).hexdigest()
+
+    _edit_json(directory / "meta.json", record)
+
+
+def _tamper_metadata(directory: Path, edit, *, resign: bool = True) -> None:
+    """Rewrite DCP's .metadata with `edit(metadata)` applied (a hostile or damaged file),
+    re-recording its checksum unless `resign` is false."""
     metadata = pickle.loads((directory / ".metadata").read_bytes())
     edit(metadata)
     (directory / ".metadata").write_bytes(pickle.dumps(metadata))
+    if resign:
+        _resign_metadata(directory)
 
 
 def test_bytes_entry_in_dcp_metadata_is_refused_and_never_unpickled(tmp_path):
@@ -375,9 +417,15 @@ def _drop_world_size(path: Path) -> None:
     path.write_text(json.dumps(meta))
 
 
+def _truncate_resigned(path: Path) -> None:
+    _truncate(path)
+    _resign_metadata(path.parent)
+
+
 @pytest.mark.parametrize("name, damage, message", [
     ("rank-0.json", _truncate, r"rank-0\.json is damaged"),
-    (".metadata", _truncate, r"\.metadata is damaged"),
+    (".metadata", _truncate, r"\.metadata does not match the sha256 that meta\.json records"),
+    (".metadata", _truncate_resigned, r"\.metadata is damaged"),
     ("meta.json", _truncate, r"meta\.json is damaged"),
     ("meta.json", _drop_world_size, r"meta\.json has no 'world_size'"),
     ("rank-0.json", lambda p: p.write_text('{"rank": 0}'), r"rank-0\.json lacks"),
@@ -410,6 +458,388 @@ def test_latest_symlinked_out_of_the_root_is_refused(tmp_path):
     (root / "latest").write_text("step-7\n")
     with pytest.raises(CheckpointError, match="inside"):
         checkpoint.resolve(root)
+
+
+# --- all or nothing: what a crafted or damaged checkpoint cannot do (issue 25 item 5) ---------
+
+
+class _Hung(BaseException):
+    """Raised into a load that blocked: a BaseException, so no `except Exception` (or OSError)
+    in the code under test turns it into an ordinary error."""
+
+
+@contextlib.contextmanager
+def _no_hang(seconds: int = 10):
+    """A load that blocks (a FIFO opened for reading) fails the test instead of hanging it,
+    whatever the code under test makes of the interruption."""
+    fired = []
+
+    def alarm(signum, frame):
+        fired.append(1)
+        raise _Hung(f"the load hung for {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(seconds)
+    try:
+        yield
+    except _Hung:
+        pass
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        if fired:
+            pytest.fail(f"the load hung (interrupted after {seconds} s)")
+
+
+class _Warmup:
+    """A callable LR factor with state (LambdaLR saves its __dict__)."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def __call__(self, step: int) -> float:
+        return min(1.0, (step + 1) / self.steps)
+
+
+def _rich_bundle(seed: int, steps: int = 0) -> StateBundle:
+    """Model, AdamW, LambdaLR with a stateful factor, a torch and a NumPy generator, metadata;
+    `steps` optimizer steps taken (so the optimizer has state)."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _Warmup(3))
+    for _ in range(steps):
+        model(torch.randn(4, 2)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    return StateBundle(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                       progress={"step": steps, "consumed_samples": 4 * steps},
+                       generators={"t": torch.Generator().manual_seed(seed),
+                                   "n": np.random.default_rng(seed)},
+                       metadata={"config": {"seed": seed, "pair": (1, 2.5)}})
+
+
+def _snapshot(bundle: StateBundle) -> dict:
+    """Everything a load may change, as plain values and cloned tensors (for `_same`)."""
+    scheduler = bundle.lr_scheduler
+    return {
+        "model": {k: v.clone() for k, v in bundle.model.state_dict().items()},
+        "optimizer": _clone(bundle.optimizer.state_dict()),
+        "scheduler": _clone(scheduler.state_dict()),
+        "scheduler_attrs": sorted(vars(scheduler)),
+        "lambda_attrs": [sorted(vars(f)) for f in scheduler.lr_lambdas],
+        "progress": dict(bundle.progress), "metadata": _clone(bundle.metadata),
+        "rng": (random.getstate(), _clone(np.random.get_state(legacy=False)),
+                torch.get_rng_state().clone()),
+        "generators": {"t": bundle.generators["t"].get_state().clone(),
+                       "n": _clone(bundle.generators["n"].bit_generator.state)},
+    }
+
+
+def _clone(value):
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_clone(v) for v in value)
+    return value
+
+
+def _same(a, b) -> bool:
+    """Bitwise equality of snapshots (tensors by their bytes, floats by repr: NaN == NaN)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
+                                                       b.contiguous().reshape(-1).view(torch.uint8)))
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype
+                and a.tobytes() == b.tobytes())
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return (type(a) is type(b) and len(a) == len(b)
+                and all(_same(x, y) for x, y in zip(a, b)))
+    return type(a) is type(b) and repr(a) == repr(b)
+
+
+@pytest.fixture
+def rich(tmp_path):
+    """A saved rich bundle (2 steps) and its snapshot: (root, step directory, snapshot)."""
+    bundle = _rich_bundle(seed=0, steps=2)
+    directory = checkpoint.save(tmp_path / "ckpt", bundle)
+    return tmp_path / "ckpt", directory, _snapshot(bundle)
+
+
+def _refused_untouched(root: Path, match: str) -> CheckpointError:
+    """Load into a fresh bundle: CheckpointError matching `match`, and the bundle (and the
+    global random states) exactly as before the load: all or nothing."""
+    bundle = _rich_bundle(seed=1)
+    before = _snapshot(bundle)
+    with _no_hang():
+        with pytest.raises(CheckpointError, match=match) as caught:
+            checkpoint.load(root, bundle)
+    assert _same(_snapshot(bundle), before), "a refused load changed the bundle"
+    return caught.value
+
+
+def test_rich_bundle_round_trip_is_exact(rich):
+    root, _, saved = rich
+    bundle = _rich_bundle(seed=1)
+    with _no_hang():
+        checkpoint.load(root, bundle)
+    random.setstate(saved["rng"][0])  # the global states are compared by the snapshot: put the
+    np.random.set_state(saved["rng"][1])  # saved ones back where the fresh build drew from them
+    torch.set_rng_state(saved["rng"][2])
+    checkpoint.load(root, bundle)
+    assert _same(_snapshot(bundle), saved)
+
+
+def _shrink_chunk(metadata):
+    chunk = metadata.state_dict_metadata["model/0.weight"].chunks[0]
+    chunk.sizes = torch.Size([1, 2])  # rows 1 and 2 of the [3, 2] weight: no chunk
+
+
+def _overlap_chunks(metadata):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    entry = metadata.state_dict_metadata["model/0.weight"]
+    entry.chunks = [ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([2, 2])),
+                    ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([1, 2]))]
+
+
+def _chunk_outside(metadata):
+    chunk = metadata.state_dict_metadata["model/0.weight"].chunks[0]
+    chunk.offsets = torch.Size([1, 0])
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (_shrink_chunk, r"hold 2 element\(s\) of its 6"),
+    (_overlap_chunks, r"overlap"),  # 4 + 2 elements: as many as the tensor has, row 2 in none
+    (_chunk_outside, r"include one at \[1, 0\] of size \[3, 2\], outside it"),
+])
+def test_chunks_must_cover_every_element_of_a_tensor_exactly_once(rich, edit, problem):
+    """Metadata whose chunks leave elements of a tensor uncovered: DCP reads only the chunks,
+    so the old code loaded `torch.empty`'s uninitialised memory into the model (weights like
+    -4.3e34), silently.  Refused, naming the tensor and the file."""
+    root, directory, _ = rich
+    _tamper_metadata(directory, edit)
+    err = _refused_untouched(root, r"chunks of tensor 'model/0\.weight' \(\[3, 2\]\) " + problem)
+    assert str(directory / ".metadata") in str(err) and "uninitialised" in str(err)
+
+
+def _outside_copy(path: Path) -> Path:
+    outside = path.parent.parent.parent / "outside" / path.name
+    outside.parent.mkdir(exist_ok=True)
+    shutil.copy(path, outside)
+    return outside
+
+
+@pytest.mark.parametrize("name", ["meta.json", "rank-0.json", ".metadata", "__0_0.distcp", "latest"])
+def test_files_symlinked_out_of_the_checkpoint_are_refused(rich, name):
+    """A symlink to an identical file outside: the old code followed it (loaded the outside
+    file); now only regular files inside the checkpoint directory are opened."""
+    root, directory, _ = rich
+    path = root / name if name == "latest" else directory / name
+    outside = _outside_copy(path)
+    path.unlink()
+    path.symlink_to(outside)
+    _refused_untouched(root, rf"{re.escape(str(path))} is a symbolic link")
+
+
+@pytest.mark.parametrize("name", ["meta.json", "rank-0.json", ".metadata", "__0_0.distcp", "latest"])
+def test_a_fifo_in_place_of_a_file_is_refused_without_hanging(rich, name):
+    """Opening a FIFO for reading blocks until a writer comes: the old load hung on
+    rank-0.json, .metadata and the shards.  Files are opened non-blocking and must be regular."""
+    root, directory, _ = rich
+    path = root / name if name == "latest" else directory / name
+    path.unlink()
+    os.mkfifo(path)
+    _refused_untouched(root, rf"{re.escape(str(path))} is not a regular file \(a FIFO\)")
+
+
+def test_latest_is_read_with_a_size_bound(rich):
+    """`latest` holds one name: the old code read it whole (a 3 GiB one: out of memory); now
+    at most 4 KiB.  16 MiB of trailing blanks around a valid name show it: the old code read
+    them all and loaded."""
+    root, _, _ = rich
+    with open(root / "latest", "w") as file:
+        file.write("step-2\n")
+        file.truncate(16 << 20)  # sparse: 16 MiB of NUL bytes after the name
+    _refused_untouched(root, r"latest holds more than 4096 bytes")
+
+
+def _set(path: tuple, value):
+    def edit(tree):
+        for key in path[:-1]:
+            tree = tree[key]
+        tree[path[-1]] = value
+    return edit
+
+
+def _nest(depth: int):
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+_MALFORMED = [  # (id, edit of rank-0.json, the field the message must name)
+    ("huge-shape", _set(("tensors", "rng@rank0/torch_cpu", "shape"), [2 ** 40, 2 ** 40]),
+     r"tensor 'rng@rank0/torch_cpu'"),
+    ("numpy-pos", _set(("rng", "numpy", "pos"), 10 ** 6), r"field rng\.numpy\.pos"),
+    ("numpy-has-gauss", _set(("rng", "numpy", "has_gauss"), 7), r"field rng\.numpy\.has_gauss"),
+    ("numpy-bit-generator", _set(("rng", "numpy", "bit_generator"), "PCG64"),
+     r"field rng\.numpy\.bit_generator"),
+    ("python-gauss", _set(("rng", "python", "gauss"), "abc"), r"field rng\.python\.gauss"),
+    ("python-version", _set(("rng", "python", "version"), "x"), r"field rng\.python\.version"),
+    ("generator-state", _set(("rng", "generators", "n", "state", "inc"), "abc"),
+     r"field rng\.generators\.n"),
+    ("param-groups-empty", _set(("optimizer", "param_groups"), []),
+     r"field optimizer\.param_groups holds 0 group"),
+    ("param-group-lr", _set(("optimizer", "param_groups", 0, "lr"), "abc"),
+     r"field optimizer\.param_groups\[0\]\.lr"),
+    ("param-group-extra", _set(("optimizer", "param_groups", 0, "foreach_evil"), 1),
+     r"field optimizer\.param_groups\[0\]\.foreach_evil"),
+    ("state-points-elsewhere", _set(("optimizer", "state", "0.weight", "exp_avg"),
+                                    {"__tensor__": "model/0.weight"}),
+     r"field optimizer\.state\.0\.weight\.exp_avg: refers to tensor 'model/0\.weight'"),
+    ("progress-abc", _set(("progress",), "abc"), r"field progress"),
+    ("progress-step", _set(("progress", "step"), "2"), r"field progress\.step"),
+    ("deep-nesting", _set(("metadata", "config", "deep"), _nest(300)), r"field metadata\.config\.deep"),
+    ("very-deep-nesting", _set(("metadata",), _TOO_DEEP), r"rank-0\.json is damaged \(RecursionError"),
+    ("tuple-tag", _set(("metadata", "config", "pair"), {"__tuple__": 5}),
+     r"field metadata\.config\.pair: holds a __tuple__ tag on a number"),
+]
+
+
+@pytest.mark.parametrize("edit, field", [case[1:] for case in _MALFORMED],
+                         ids=[case[0] for case in _MALFORMED])
+def test_malformed_fields_are_a_checkpoint_error_naming_file_and_field(rich, edit, field):
+    """Crafted rank-0.json fields (checksum re-recorded, as a crafted file would): the old code
+    raised ValueError, TypeError, RecursionError or RuntimeError tracebacks, or loaded them and
+    failed later.  Now: a CheckpointError naming the file and the field and what to do, with
+    the bundle untouched."""
+    root, directory, _ = rich
+    _edit_json(directory / "rank-0.json", edit)
+    err = _refused_untouched(root, field)
+    assert str(directory / "rank-0.json") in str(err)
+    assert "older step-K directory" in str(err) or "build the" in str(err)
+
+
+def _bad_properties(metadata):
+    metadata.state_dict_metadata["model/0.weight"].properties = 5
+
+
+def _bad_size(metadata):
+    metadata.state_dict_metadata["model/0.weight"].size = "abc"
+
+
+@pytest.mark.parametrize("edit", [_bad_properties, _bad_size])
+def test_malformed_dcp_metadata_fields_are_a_checkpoint_error(rich, edit):
+    root, directory, _ = rich
+    _tamper_metadata(directory, edit)
+    err = _refused_untouched(root, r"the entry of tensor 'model/0\.weight' is malformed")
+    assert str(directory / ".metadata") in str(err)
+
+
+_SCHEDULER_EDITS = [  # (id, edit of rank-0.json's lr_scheduler, the field named)
+    ("overwrite-optimizer", ("optimizer",), "x", r"lr_scheduler\.optimizer: is not in the live"),
+    ("new-attribute", ("evil",), 1, r"lr_scheduler\.evil: is not in the live"),
+    ("attribute-type", ("last_epoch",), "abc", r"lr_scheduler\.last_epoch: is a string"),
+    ("list-length", ("base_lrs",), [0.1, 0.2, 0.3], r"lr_scheduler\.base_lrs: is a list of 3"),
+    ("lambda-new-attribute", ("lr_lambdas", 0, "evil"), 5,
+     r"lr_scheduler\.lr_lambdas\[0\]\.evil: is not in the live"),
+    ("lambda-attribute-type", ("lr_lambdas", 0, "steps"), "abc",
+     r"lr_scheduler\.lr_lambdas\[0\]\.steps: is a string"),
+]
+
+
+@pytest.mark.parametrize("path, value, field", [case[1:] for case in _SCHEDULER_EDITS],
+                         ids=[case[0] for case in _SCHEDULER_EDITS])
+def test_the_json_cannot_set_scheduler_attributes_outside_its_state_dict(rich, path, value, field):
+    """LRScheduler.load_state_dict is `__dict__.update(state)` (and LambdaLR updates its
+    factors' __dict__ too): the old code let the JSON set any attribute to anything (the
+    scheduler's optimizer to a string, say).  Now only the keys the live scheduler's own
+    state_dict has, of the kinds it has."""
+    root, directory, _ = rich
+    _edit_json(directory / "rank-0.json", _set(("lr_scheduler", *path), value))
+    _refused_untouched(root, rf"rank-0\.json: field {field}")
+
+
+def test_edited_json_that_still_parses_is_refused_by_its_checksum(rich):
+    """A hand edit or a flipped digit that leaves valid JSON (lr 0.1 -> 0.7): the old code loaded
+    it silently.  Each JSON file records the sha256 of its content."""
+    root, directory, _ = rich
+    _edit_json(directory / "rank-0.json", _set(("optimizer", "param_groups", 0, "lr"), 0.7),
+               resign=False)
+    _refused_untouched(root, r"rank-0\.json does not match the sha256 it records")
+
+
+def test_a_garbled_shard_is_refused_by_the_tensor_digests(rich):
+    """One bit of a weight's bytes in the shard flipped: the shard still loads, with another
+    value, which the old code took silently.  Every tensor read is checked against the digest
+    save recorded."""
+    root, directory, saved = rich
+    shard = directory / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    weight = saved["model"]["1.weight"].numpy().tobytes()
+    at = data.find(weight)
+    assert at > 0 and data.find(weight, at + 1) < 0
+    data[at + len(weight) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    _refused_untouched(root, r"tensor 'model/1\.weight': the bits read from the shards of .* have "
+                             r"digest [0-9a-f]{16}, but .*rank-0\.json records")
+
+
+def test_optimizer_state_follows_parameter_names_within_a_group(tmp_path):
+    """The saved group lists its parameters in another order than the live one (the model's
+    constructor order changed): torch maps state by position in the group, so the old code
+    gave each parameter another one's momentum.  State goes by name."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(2):
+        model(torch.randn(3, 2)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    checkpoint.save(tmp_path, StateBundle(model=model, optimizer=optimizer, progress={"step": 2}))
+    names = {id(p): n for n, p in model.named_parameters()}
+    saved = {names[id(p)]: s["momentum_buffer"] for p, s in optimizer.state.items()}
+
+    model2 = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    optimizer2 = torch.optim.SGD(list(model2.parameters())[::-1], lr=0.1, momentum=0.9)
+    checkpoint.load(tmp_path, StateBundle(model=model2, optimizer=optimizer2))
+    names2 = {id(p): n for n, p in model2.named_parameters()}
+    loaded = {names2[id(p)]: s["momentum_buffer"] for p, s in optimizer2.state.items()}
+    assert saved.keys() == loaded.keys()
+    assert all(torch.equal(saved[n], loaded[n]) for n in saved)
+
+
+def test_checkpoints_of_the_first_format_still_load(rich):
+    """samebits-checkpoint/1 (before the checksums and digests) loads, with every structural
+    check."""
+    root, directory, saved = rich
+
+    def first_format(meta):
+        meta["format"] = "samebits-checkpoint/1"
+        for field in ("sha256", "digest_version", "metadata_sha256"):
+            meta.pop(field, None)
+
+    def first_format_rank(plain):
+        plain.pop("sha256", None)
+        for spec in plain["tensors"].values():
+            spec.pop("digest", None)
+
+    _edit_json(directory / "meta.json", first_format, resign=False)
+    _edit_json(directory / "rank-0.json", first_format_rank, resign=False)
+    bundle = _rich_bundle(seed=1)
+    checkpoint.load(root, bundle)
+    assert _same(_snapshot(bundle)["model"], saved["model"])
+    assert _same(_snapshot(bundle)["optimizer"], saved["optimizer"])
 
 
 _FS_OPS = (("os", "rename"), ("os", "replace"), ("os", "link"), ("shutil", "rmtree"))

@@ -19,3 +19,17 @@ class CheckpointLayoutError(CheckpointError):
     the same rank, so resharding is refused: resume with the world size and layout stored
     in the checkpoint's meta.json.
     """
+
+
+class MalformedFieldError(CheckpointError):
+    """One field of a saved state is not what `save` (or `capture_rng_state`) writes.
+
+    `field` names it as a dotted path (``numpy.pos``, ``generators.data``), `problem` says
+    what is wrong with it.  `load` re-raises it as a `CheckpointError` that also names the
+    file; `restore_rng_state` raises it as is.
+    """
+
+    def __init__(self, field: str, problem: str):
+        self.field, self.problem = field, problem
+        super().__init__(f"random state field {field or '(the whole state)'}: {problem}; it is "
+                         "not a state that capture_rng_state returns")

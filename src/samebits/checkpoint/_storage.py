@@ -17,6 +17,13 @@ Loading never unpickles arbitrary objects: tensors go through DCP's `weights_onl
 DCP's metadata through an unpickler that only accepts DCP's own metadata classes and is
 then checked to describe tensors only (DCP would `torch.load(weights_only=False)` any entry
 declared as bytes), and everything else is JSON, checked for the fields samebits writes.
+
+Loading is all or nothing.  Only regular files inside the checkpoint directory are opened
+(`O_NOFOLLOW`, `S_ISREG`, a size bound each: no symlink out, no FIFO, no 3 GiB `latest`);
+every JSON file carries the sha256 of its content and meta.json that of `.metadata`; every
+tensor's chunks must tile it exactly (DCP would leave an uncovered element as `torch.empty`
+left it) inside the shard files' sizes; each tensor read is checked against the digest
+`save` recorded; and every field is checked before the live bundle changes (`_bundle`).
 """
 
 from __future__ import annotations
@@ -24,11 +31,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import hashlib
+import io
 import json
+import math
 import os
 import pickle
 import re
 import shutil
+import stat
 import sys
 import time
 import uuid
@@ -40,12 +51,20 @@ import torch
 import torch.distributed as dist
 
 from samebits._torchutil import group_rank_and_world_size
-from samebits.fingerprint import digest_many
-from samebits.checkpoint._bundle import StateBundle, apply, collect, empty_tensors
+from samebits.fingerprint import DIGEST_VERSION, DTYPE_CODES, digest_many
+from samebits.checkpoint._bundle import (DAMAGED, MAX_DEPTH, StateBundle, apply, check, collect,
+                                         empty_tensors)
 from samebits.checkpoint._errors import CheckpointError, CheckpointLayoutError
 
-FORMAT = "samebits-checkpoint/1"
+FORMAT = "samebits-checkpoint/2"
+# Written before the checksums and digests: loaded with every structural check, without them.
+_LEGACY_FORMATS = ("samebits-checkpoint/1",)
 LATEST = "latest"
+
+# The most bytes `load` reads of each file (a bigger one is damage, not a checkpoint to OOM on).
+_MAX_BYTES = {LATEST: 4096, "meta.json": 1 << 20, "rank": 256 << 20, ".metadata": 256 << 20}
+_MAX_DIMS = 64  # torch's own limit on a tensor's dimensions
+_MAX_CHUNKS = 1024  # per tensor; samebits writes one (DCP one per shard of a DTensor)
 
 # Directories of a commit in progress (see `_commit`); only `latest` can make one of them live.
 _STAGED, _ASIDE, _LINKED = ".staged-", ".old-", ".link-"
@@ -77,8 +96,11 @@ def save(path: str | os.PathLike, bundle: StateBundle) -> Path:
     _barrier(world_size)
 
     tensors, plain = collect(bundle, rank)
+    digests = _digests(tensors)
+    for key, value in digests.items():
+        plain["tensors"][key]["digest"] = f"{value:016x}"
     if world_size > 1:
-        _check_shared_tensors(tensors, rank)
+        _check_shared_tensors(digests, rank)
     import torch.distributed.checkpoint as dcp  # here: importing it takes ~0.6 s
 
     with _quiet_single_process():
@@ -95,7 +117,8 @@ def save(path: str | os.PathLike, bundle: StateBundle) -> Path:
     if rank == 0:
         _write_json(tmp / "meta.json", {
             "format": FORMAT, "world_size": world_size, "layout": dict(bundle.layout),
-            "step": step, "torch_version": torch.__version__,
+            "step": step, "torch_version": torch.__version__, "digest_version": DIGEST_VERSION,
+            "metadata_sha256": hashlib.sha256((tmp / ".metadata").read_bytes()).hexdigest(),
         })
         _fsync_dir(tmp)
         _commit(root, tmp, final)
@@ -103,25 +126,30 @@ def save(path: str | os.PathLike, bundle: StateBundle) -> Path:
     return final
 
 
-def _check_shared_tensors(tensors: dict[str, torch.Tensor], rank: int) -> None:
+def _digests(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    """key -> digest of each plain tensor (`load` checks what it reads against them; DTensors
+    and other tensor subclasses, whose bits DCP lays out itself, and dtypes the digest does
+    not cover have none)."""
+    plain = {key: t for key, t in tensors.items()
+             if (type(t) is torch.Tensor or type(t) is torch.nn.Parameter) and t.dtype in DTYPE_CODES}
+    return dict(zip(plain, digest_many(plain.values()))) if plain else {}
+
+
+def _check_shared_tensors(digests: dict[str, int], rank: int) -> None:
     """Refuse, on every rank, to save a tensor that is not rank-local but differs between ranks.
 
     DCP stores one copy of such a tensor (rank 0's), so a resume would give every rank rank 0's
     value and the run would change at the resume: replicas that drifted apart (a missing
     gradient all-reduce did exactly that once) must be found here, not after the resume.  A
     tensor held by one rank only (a pipeline stage's), DTensors (DCP saves their shards) and
-    other tensor subclasses (their layout is theirs to save) are not compared.  One digest per tensor and one small all-gather."""
-    from torch.distributed.tensor import DTensor
-
-    shared = {key: t for key, t in tensors.items()
-              if "@rank" not in key and isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
-              and (type(t) is torch.Tensor or type(t) is torch.nn.Parameter)}  # tensor subclasses: DCP's own
-    mine = dict(zip(shared, digest_many(shared.values())))
+    other tensor subclasses (their layout is theirs to save) are not compared: `_digests`
+    gives them none.  One small all-gather of the digests `save` records anyway."""
+    mine = {key: value for key, value in digests.items() if "@rank" not in key}
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     differing = []
     for key in sorted(set().union(*gathered)):
-        holders = {r: digests[key] for r, digests in enumerate(gathered) if key in digests}
+        holders = {r: theirs[key] for r, theirs in enumerate(gathered) if key in theirs}
         if len(set(holders.values())) > 1:
             first = min(holders)
             odd = [r for r, value in holders.items() if value != holders[first]]
@@ -215,13 +243,17 @@ def _set_latest(root: Path, name: str) -> None:
 
 def _latest_name(root: Path) -> str | None:
     """The directory name ROOT/latest holds (None without one), refused unless it is one
-    plain name of an entry inside ROOT."""
+    plain name of an entry inside ROOT.  `latest` itself must be a regular file (a symlink
+    could lead anywhere, a FIFO would block the load) of at most a few KiB."""
     pointer = root / LATEST
-    if not pointer.is_file():
+    if not os.path.lexists(pointer):
         return None
+    data = _read_regular(pointer, _MAX_BYTES[LATEST], "a checkpoint's `latest`",
+                         f"write the name of a step-K directory into {pointer}, or load a "
+                         "step-K directory")
     try:
-        name = pointer.read_text().strip()
-    except (OSError, UnicodeDecodeError) as err:
+        name = data.decode().strip()
+    except UnicodeDecodeError as err:
         raise CheckpointError(f"{pointer} cannot be read ({err}); write the name of a "
                               "step-K directory into it, or load a step-K directory") from None
     if (not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name
@@ -236,11 +268,14 @@ def load(path: str | os.PathLike, bundle: StateBundle) -> Path:
     """Load into the bundle in place; `path` is a root (follows `latest`) or a step-K dir.
 
     Collective, like `save`.  Refuses (CheckpointLayoutError) a checkpoint written by another
-    world size or layout.  Returns the directory it loaded.
+    world size or layout.  All or nothing: anything wrong with the checkpoint is a
+    `CheckpointError` naming the file (and field) before the bundle changes.  Returns the
+    directory it loaded.
     """
     rank, world_size = group_rank_and_world_size()
     directory = resolve(path)
-    meta = _read_meta(directory / "meta.json")
+    real = Path(os.path.realpath(directory))  # files are opened in it without following links
+    meta = _read_meta(directory / "meta.json", real / "meta.json")
     if meta["world_size"] != world_size or meta["layout"] != dict(bundle.layout):
         raise CheckpointLayoutError(
             f"{directory} was saved with world_size={meta['world_size']} and layout "
@@ -248,65 +283,93 @@ def load(path: str | os.PathLike, bundle: StateBundle) -> Path:
             f"layout {dict(bundle.layout)}; resume with the saved world size and layout "
             "(per-rank random states and shards cannot be moved bitwise)")
     rank_path = directory / f"rank-{rank}.json"
-    plain = _read_rank_manifest(rank_path, rank)
-    tensors = empty_tensors(plain)
+    plain = _read_rank_manifest(rank_path, real / rank_path.name, rank, meta)
+    skip = [name.strip() for name in os.environ.get(DROP_RNG_ENV, "").split(",") if name.strip()]
+    plan = check(bundle, plain, rank=rank, source=str(rank_path), skip_rng=skip)
+    metadata = _read_dcp_metadata(directory / ".metadata", real / ".metadata", meta)
+    metadata = _check_dcp_metadata(directory / ".metadata", real, metadata, plain["tensors"],
+                                   rank_path)
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
 
-    metadata = _read_dcp_metadata(directory)
-    _check_dcp_metadata(directory / ".metadata", metadata, plain["tensors"], rank_path)
-    reader = _safe_reader(directory, metadata)
+    tensors = empty_tensors(plain)
     try:
         with _quiet_single_process():
-            dcp.load(tensors, storage_reader=reader, planner=_tensor_only_planner(),
-                     no_dist=world_size == 1)
-    except CheckpointException as err:
+            dcp.load(tensors, storage_reader=_safe_reader(real, metadata),
+                     planner=_tensor_only_planner(), no_dist=world_size == 1)
+    except Exception as err:  # DCP wraps what a damaged shard raises (CheckpointException)
         raise CheckpointError(f"{directory}: rank {rank} could not read its tensors ({err}); "
                               "the shards are damaged or incomplete: load an older step") from err
-    skip = [name.strip() for name in os.environ.get(DROP_RNG_ENV, "").split(",") if name.strip()]
+    if meta["format"] == FORMAT:
+        _check_digests(tensors, plain["tensors"], meta, rank_path, directory)
     if skip:
         print(f"samebits.checkpoint: rank {rank} leaves out random state(s) {', '.join(skip)} "
               f"on purpose ({DROP_RNG_ENV}); the resume will not be bitwise",
               file=sys.stderr, flush=True)
-    try:
-        apply(bundle, tensors, plain, skip_rng=skip)
-    except (KeyError, IndexError, TypeError, AttributeError) as err:
-        # valid JSON, but not the tree `save` wrote (hand-edited or from another version)
-        raise CheckpointError(f"{rank_path} does not hold the values samebits writes "
-                              f"({type(err).__name__}: {err}); the file is damaged: load an "
-                              "older step-K directory or save again") from None
+    apply(bundle, tensors, plan)
     return directory
 
 
 def resolve(path: str | os.PathLike) -> Path:
     """The committed checkpoint directory `path` names (a step-K dir, or a root's latest)."""
     path = Path(path)
-    if (path / "meta.json").is_file():
-        return path
+    if os.path.lexists(path / "meta.json"):
+        return path  # a step-K directory (load opens meta.json only as a regular file)
     pointer = path / LATEST
     name = _latest_name(path)
     if name is None:
         raise CheckpointError(f"no checkpoint at {path}: neither meta.json nor a {LATEST!r} "
                               "file; give a checkpoint root or one of its step-K directories")
     directory = path / name
-    if directory.resolve().parent != path.resolve():  # e.g. step-K, a symlink to elsewhere
+    if directory.is_symlink() or directory.resolve().parent != path.resolve():
         raise CheckpointError(f"{pointer} names {name}, which leads to {directory.resolve()}, "
                               f"not a directory inside {path}; `latest` must name one of the "
                               "root's own step-K directories: load the other checkpoint by its "
                               "own path")
-    if not (directory / "meta.json").is_file():
+    if not directory.is_dir() or not os.path.lexists(directory / "meta.json"):
         raise CheckpointError(f"{pointer} names {directory.name}, which has no meta.json; "
                               "the checkpoint is incomplete: load an older step-K directory")
     return directory
 
 
+def _check_digests(tensors: dict[str, torch.Tensor], manifest: dict[str, Any], meta: dict[str, Any],
+                   rank_path: Path, directory: Path) -> None:
+    """Every tensor read has the bits `save` digested (a garbled shard reads as other values)."""
+    if meta["digest_version"] != DIGEST_VERSION:
+        warnings.warn(f"{directory} records tensor digests of version {meta['digest_version']}; "
+                      f"this samebits computes version {DIGEST_VERSION}, so the tensors read are "
+                      "not checked against them", stacklevel=3)
+        return
+    keys = [key for key, spec in manifest.items() if "digest" in spec]
+    for key, value in zip(keys, digest_many([tensors[key] for key in keys]) if keys else ()):
+        if f"{value:016x}" != manifest[key]["digest"]:
+            raise CheckpointError(
+                f"tensor {key!r}: the bits read from the shards of {directory} have digest "
+                f"{value:016x}, but {rank_path} records {manifest[key]['digest']} for it; the "
+                "shard is damaged: load an older step-K directory")
+
+
 def _safe_reader(directory: Path, metadata):
     """DCP's reader, handed the metadata that `_read_dcp_metadata` already unpickled safely
-    (DCP swallows errors raised inside `read_metadata`, so the check runs before it)."""
+    (DCP swallows errors raised inside `read_metadata`, so the check runs before it), opening
+    shards only as regular files of `directory` itself."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystem
     from torch.distributed.checkpoint.metadata import StorageMeta
 
+    class RegularFilesOnly(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, path, mode):
+            if mode != "rb" or Path(path).parent != directory:
+                raise CheckpointError(f"refusing to open {path} ({mode}) while loading "
+                                      f"{directory}")
+            with _open_regular(Path(path), "a shard") as file:
+                yield file
+
     class SafeFileSystemReader(dcp.FileSystemReader):
+        def __init__(self, path):
+            super().__init__(path)
+            self.fs = RegularFilesOnly()
+
         def read_metadata(self, *args: Any, **kwargs: Any):
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
@@ -316,15 +379,17 @@ def _safe_reader(directory: Path, metadata):
     return SafeFileSystemReader(directory)
 
 
-def _read_dcp_metadata(directory: Path):
-    """DCP's .metadata, unpickled under an allow-list of DCP's own metadata classes."""
-    path = directory / ".metadata"
+def _read_dcp_metadata(path: Path, real: Path, meta: dict[str, Any]):
+    """DCP's .metadata, checked against the sha256 meta.json records, unpickled under an
+    allow-list of DCP's own metadata classes."""
+    data = _read_regular(real, _MAX_BYTES[".metadata"], "DCP metadata",
+                         "load an older step-K directory", shown=path)
+    expected = meta.get("metadata_sha256")
+    if expected is not None and hashlib.sha256(data).hexdigest() != expected:
+        raise CheckpointError(f"{path} does not match the sha256 that meta.json records for "
+                              f"it; {DAMAGED}")
     try:
-        with open(path, "rb") as file:
-            return _MetadataUnpickler(file).load()
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing: the checkpoint is incomplete; load an "
-                              "older step-K directory") from None
+        return _MetadataUnpickler(io.BytesIO(data)).load()
     except CheckpointError:
         raise
     except Exception as err:  # a truncated or garbled pickle fails in many ways (EOFError, ...)
@@ -333,12 +398,17 @@ def _read_dcp_metadata(directory: Path):
                               "again") from None
 
 
-def _check_dcp_metadata(path: Path, metadata, manifest: dict[str, Any], rank_path: Path) -> None:
-    """Refuse DCP metadata that samebits did not write: a non-tensor entry (DCP unpickles a
-    bytes entry with `torch.load(weights_only=False)`: arbitrary code), a shard file outside
-    the checkpoint directory, a storage transform, or tensors that differ from the manifest."""
+def _check_dcp_metadata(path: Path, directory: Path, metadata, manifest: dict[str, Any],
+                        rank_path: Path):
+    """Refuse DCP metadata that samebits did not write (a non-tensor entry: DCP unpickles a
+    bytes entry with `torch.load(weights_only=False)`, arbitrary code; a shard file outside
+    the checkpoint directory; a storage transform; tensors that differ from the manifest;
+    chunks that do not tile their tensor exactly, or lie outside their shard file) and return
+    a clean copy holding this rank's tensors only, built from the checked values."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, StorageMeta,
+                                                       TensorProperties, TensorStorageMetadata)
 
     foreign = "the file was not written by samebits.checkpoint: load an older step-K directory"
     if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
@@ -351,29 +421,127 @@ def _check_dcp_metadata(path: Path, metadata, manifest: dict[str, Any], rank_pat
                 f"torch.load(weights_only=False), which can run code. Refusing to load: {foreign}")
     if not isinstance(metadata.storage_data, dict):
         raise CheckpointError(f"{path} has no shard index; {foreign}")
+    storage: dict[tuple[str, tuple[int, ...]], Any] = {}
     for index, info in metadata.storage_data.items():
+        fqn = getattr(index, "fqn", index)
         if not isinstance(info, _StorageInfo) or not isinstance(info.relative_path, str):
             raise CheckpointError(f"{path}: the shard index entry for {index} is not a "
                                   f"file location; {foreign}")
         if not _SHARD_FILE.fullmatch(info.relative_path):
-            raise CheckpointError(f"{path}: {getattr(index, 'fqn', index)!r} is stored in shard "
+            raise CheckpointError(f"{path}: {fqn!r} is stored in shard "
                                   f"file {info.relative_path!r}, not a __<rank>_<n>.distcp file "
                                   f"of this directory; refusing to read it: {foreign}")
         if info.transform_descriptors:
-            raise CheckpointError(f"{path}: {getattr(index, 'fqn', index)!r} is stored with "
+            raise CheckpointError(f"{path}: {fqn!r} is stored with "
                                   f"transforms {list(info.transform_descriptors)}, which samebits "
                                   f"never writes; {foreign}")
+        offsets = getattr(index, "offset", None)
+        if (not isinstance(index, MetadataIndex) or not isinstance(fqn, str)
+                or not _is_dims(offsets) or not _is_count(info.offset) or not _is_count(info.length)):
+            raise CheckpointError(f"{path}: the shard index entry for {fqn!r} is malformed "
+                                  f"({index}: {info}); {foreign}")
+        storage[(fqn, tuple(offsets))] = info
+
+    clean_entries, clean_storage, sizes = {}, {}, {}
+    spans: dict[str, list[tuple[int, int, str]]] = {}  # shard file -> (offset, end, tensor)
     for key, spec in manifest.items():
         entry = metadata.state_dict_metadata.get(key)
         if entry is None:
             raise CheckpointError(f"{rank_path} lists tensor {key!r}, which {path} does not "
                                   "hold; the checkpoint is incomplete: load an older step-K "
                                   "directory")
-        if list(entry.size) != spec["shape"] or entry.properties.dtype != getattr(torch, spec["dtype"]):
+        dtype = getattr(entry.properties, "dtype", None)
+        if (not isinstance(entry.properties, TensorProperties) or not isinstance(dtype, torch.dtype)
+                or not _is_dims(entry.size) or not isinstance(entry.chunks, list)):
+            raise CheckpointError(f"{path}: the entry of tensor {key!r} is malformed "
+                                  f"(properties {entry.properties!r}, size {entry.size!r}); "
+                                  f"{foreign}")
+        shape = list(entry.size)
+        if shape != spec["shape"] or dtype != getattr(torch, spec["dtype"]):
             raise CheckpointError(
                 f"tensor {key!r}: {rank_path} says {spec['dtype']}{spec['shape']} but {path} "
-                f"says {str(entry.properties.dtype).removeprefix('torch.')}{list(entry.size)}; "
+                f"says {str(dtype).removeprefix('torch.')}{shape}; "
                 "the checkpoint is damaged: load an older step-K directory")
+        chunks = _check_tiling(path, key, shape, entry.chunks, ChunkStorageMetadata)
+        clean_chunks = []
+        for offsets, sizes_ in chunks:
+            info = storage.get((key, offsets))
+            if info is None:
+                raise CheckpointError(f"{path}: tensor {key!r} has a chunk at {list(offsets)} "
+                                      f"that the shard index does not locate; {DAMAGED}")
+            if info.relative_path not in sizes:
+                sizes[info.relative_path] = _regular_size(directory / info.relative_path, path)
+            nbytes = math.prod(sizes_) * dtype.itemsize
+            if info.offset + info.length > sizes[info.relative_path] or nbytes > info.length:
+                raise CheckpointError(
+                    f"{path}: tensor {key!r}'s chunk at {list(offsets)} ({nbytes} bytes) is "
+                    f"stored at bytes {info.offset}..{info.offset + info.length} of "
+                    f"{info.relative_path}, which has {sizes[info.relative_path]}: the shard is "
+                    f"truncated or the index damaged; load an older step-K directory")
+            spans.setdefault(info.relative_path, []).append(
+                (info.offset, info.offset + info.length, key))
+            clean_chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets),
+                                                     sizes=torch.Size(sizes_)))
+            clean_storage[MetadataIndex(key, offsets)] = _StorageInfo(
+                info.relative_path, info.offset, info.length)
+        clean_entries[key] = TensorStorageMetadata(
+            properties=TensorProperties(dtype=dtype), size=torch.Size(shape), chunks=clean_chunks)
+    for name, file_spans in spans.items():  # so no byte is read into two tensors
+        file_spans.sort()
+        for (_, end, first), (start, _, second) in zip(file_spans, file_spans[1:]):
+            if start < end:
+                raise CheckpointError(f"{path}: tensors {first!r} and {second!r} are both stored "
+                                      f"in bytes {start}..{end} of {name}; {DAMAGED}")
+    version = metadata.version if isinstance(getattr(metadata, "version", None), str) else None
+    return Metadata(state_dict_metadata=clean_entries, storage_data=clean_storage,
+                    storage_meta=StorageMeta(), version=version)
+
+
+def _check_tiling(path: Path, key: str, shape: list[int], chunks: list, chunk_type
+                  ) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The chunks of one tensor cover each of its elements exactly once: each lies inside the
+    tensor, no two overlap and their sizes add up to its element count.  (DCP reads only what
+    the chunks cover, and an uncovered element would keep whatever `torch.empty` left.)"""
+    def refuse(problem: str) -> CheckpointError:
+        return CheckpointError(f"{path}: the chunks of tensor {key!r} ({list(shape)}) {problem}, "
+                               "so some of its elements would not be read (they would keep "
+                               f"uninitialised memory); {DAMAGED}")
+
+    if len(chunks) > _MAX_CHUNKS:
+        raise refuse(f"number {len(chunks)}, more than the {_MAX_CHUNKS} samebits accepts")
+    boxes = []
+    for chunk in chunks:
+        offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
+        if (not isinstance(chunk, chunk_type) or not _is_dims(offsets) or not _is_dims(sizes)
+                or len(offsets) != len(shape) or len(sizes) != len(shape)):
+            raise refuse(f"include {chunk!r}, which is not a chunk of a {len(shape)}-D tensor")
+        if any(o + n > dim for o, n, dim in zip(offsets, sizes, shape)):
+            raise refuse(f"include one at {list(offsets)} of size {list(sizes)}, outside it")
+        if math.prod(sizes) == 0 and math.prod(shape) > 0:
+            raise refuse(f"include an empty one at {list(offsets)}")
+        boxes.append((tuple(offsets), tuple(sizes)))
+    total = sum(math.prod(sizes) for _, sizes in boxes)
+    if total != math.prod(shape):
+        raise refuse(f"hold {total} element(s) of its {math.prod(shape)}")
+    boxes.sort()
+    for i, (offsets, sizes) in enumerate(boxes):
+        for other, other_sizes in boxes[i + 1:]:
+            if shape and other[0] >= offsets[0] + sizes[0]:
+                break  # sorted by the first offset: no later chunk reaches back into this one
+            if all(a < b + m and b < a + n
+                   for a, n, b, m in zip(offsets, sizes, other, other_sizes)):
+                raise refuse(f"overlap (at {list(offsets)} and {list(other)})")
+    return boxes
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_dims(value: Any) -> bool:
+    """A torch.Size (or tuple) of at most 64 non-negative ints: a shape or chunk offsets."""
+    return (isinstance(value, (torch.Size, tuple)) and len(value) <= _MAX_DIMS
+            and all(_is_count(n) for n in value))
 
 
 def _tensor_only_planner():
@@ -432,69 +600,202 @@ def _barrier(world_size: int) -> None:
 
 
 def _write_json(path: Path, value: Any) -> None:
+    """Write `value` with the sha256 of its content (`_signed`), fsync'd."""
+    parsed = json.loads(json.dumps(value))  # as `load` will see it (tuples as lists, ...)
     with open(path, "w") as file:
-        json.dump(value, file, indent=1)
+        json.dump({**parsed, "sha256": _content_sha256(parsed)}, file, indent=1)
         file.flush()
         os.fsync(file.fileno())
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        with open(path) as file:
-            value = json.load(file)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing: the checkpoint is incomplete or was written "
-                              "by another world size") from None
-    except (ValueError, OSError) as err:  # JSONDecodeError, UnicodeDecodeError are ValueErrors
-        raise CheckpointError(f"{path} is damaged ({err}); the checkpoint is truncated or "
-                              "corrupt: load an older step-K directory or save again") from None
-    if not isinstance(value, dict):
-        raise CheckpointError(f"{path} is damaged: it holds a JSON {type(value).__name__}, not "
-                              "an object; load an older step-K directory or save again")
+def _content_sha256(value: dict[str, Any]) -> str:
+    """sha256 of a JSON object's canonical text (sorted keys, no spaces): Python's float repr
+    and JSON's numbers round-trip, so it is the same after a load."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _signed(path: Path, value: dict[str, Any], required: bool) -> dict[str, Any]:
+    """`value` without its "sha256", which must match the rest (a JSON edit, a flipped digit
+    or a lost line that still parses is damage, not another checkpoint)."""
+    recorded = value.pop("sha256", None)
+    if recorded is None and not required:
+        return value
+    if recorded != _content_sha256(value):
+        raise CheckpointError(f"{path} does not match the sha256 it records for its content "
+                              f"({'none recorded' if recorded is None else recorded!r}); "
+                              f"{DAMAGED}")
     return value
 
 
-def _read_meta(path: Path) -> dict[str, Any]:
+def _read_json(path: Path, real: Path, limit: int) -> dict[str, Any]:
+    data = _read_regular(real, limit, "a checkpoint's JSON file",
+                         "load an older step-K directory or save again", shown=path)
+    try:
+        value = json.loads(data.decode())
+    except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError, nesting
+        raise CheckpointError(f"{path} is damaged ({type(err).__name__}: {str(err)[:200]}); the "
+                              "checkpoint is truncated or corrupt: load an older step-K directory "
+                              "or save again") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} is damaged: it holds a JSON {type(value).__name__}, not "
+                              "an object; load an older step-K directory or save again")
+    deep = _deeper_than(value, MAX_DEPTH)
+    if deep is not None:
+        raise CheckpointError(f"{path}: field {deep} is nested deeper than {MAX_DEPTH} levels, "
+                              f"which samebits never writes; {DAMAGED}")
+    return value
+
+
+def _deeper_than(value: Any, limit: int) -> str | None:
+    """The first field nested deeper than `limit` levels, without recursion (None if none)."""
+    stack = [(value, "", 0)]
+    while stack:
+        item, where, depth = stack.pop()
+        if depth > limit:
+            return where or "(the top level)"
+        if isinstance(item, dict):
+            stack.extend((v, f"{where}.{k}" if where else k, depth + 1) for k, v in item.items())
+        elif isinstance(item, list):
+            stack.extend((v, f"{where}[{i}]", depth + 1) for i, v in enumerate(item))
+    return None
+
+
+_META_FIELDS = {"format": str, "world_size": int, "layout": dict, "step": int,
+                "torch_version": str, "digest_version": int, "metadata_sha256": str}
+
+
+def _read_meta(path: Path, real: Path) -> dict[str, Any]:
     """meta.json, with the fields `load` relies on checked."""
-    meta = _read_json(path)
-    if meta.get("format") != FORMAT:
+    meta = _read_json(path, real, _MAX_BYTES["meta.json"])
+    if meta.get("format") != FORMAT and meta.get("format") not in _LEGACY_FORMATS:
         raise CheckpointError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}; "
                               "this is not a samebits checkpoint of this version")
-    expected = {"world_size": int, "layout": dict, "step": int}
-    for field_name, kind in expected.items():
+    legacy = meta["format"] != FORMAT
+    required = ["world_size", "layout", "step"] + ([] if legacy else
+                                                   ["digest_version", "metadata_sha256"])
+    for field_name in required:
         if field_name not in meta:
             raise CheckpointError(f"{path} has no {field_name!r}: it is damaged or was edited; "
                                   "load an older step-K directory or save again")
-        if not isinstance(meta[field_name], kind) or isinstance(meta[field_name], bool):
-            raise CheckpointError(f"{path}: {field_name!r} is {meta[field_name]!r}, not a "
+    for field_name, value in meta.items():
+        kind = _META_FIELDS.get(field_name)
+        if kind is None and field_name != "sha256":
+            raise CheckpointError(f"{path}: field {field_name!r} is not one samebits writes; "
+                                  f"{DAMAGED}")
+        if kind is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            raise CheckpointError(f"{path}: {field_name!r} is {value!r}, not a "
                                   f"{kind.__name__}; the file is damaged: load an older step-K "
                                   "directory or save again")
-    return meta
+    if meta["world_size"] < 1 or meta["step"] < 0:
+        raise CheckpointError(f"{path}: world_size {meta['world_size']}, step {meta['step']}: "
+                              f"not a world size and a step; {DAMAGED}")
+    return _signed(path, meta, required=not legacy)
 
 
-def _read_rank_manifest(path: Path, rank: int) -> dict[str, Any]:
-    """rank-<r>.json, with its fields and tensor manifest checked."""
-    plain = _read_json(path)
+def _read_rank_manifest(path: Path, real: Path, rank: int, meta: dict[str, Any]) -> dict[str, Any]:
+    """rank-<r>.json, with its fields and tensor manifest checked (`_bundle.check` checks the
+    rest against the bundle)."""
+    plain = _read_json(path, real, _MAX_BYTES["rank"])
+    legacy = meta["format"] != FORMAT
     missing = [name for name in _RANK_FIELDS if name not in plain]
     if missing or plain.get("rank") != rank:
         what = f"fields {missing}" if missing else f"rank {rank} (it says {plain.get('rank')!r})"
         raise CheckpointError(f"{path} lacks {what}: the file is damaged or was edited; load an "
                               "older step-K directory or save again")
+    extra = sorted(set(plain) - set(_RANK_FIELDS) - {"rank", "sha256"})
+    if extra:
+        raise CheckpointError(f"{path}: field {extra[0]!r} is not one samebits writes; {DAMAGED}")
     tensors = plain["tensors"]
-    bad = [key for key, spec in tensors.items() if not _is_tensor_spec(spec)] \
+    bad = [key for key, spec in tensors.items() if not _is_tensor_spec(spec, legacy)] \
         if isinstance(tensors, dict) else ["(the manifest is not a JSON object)"]
     if bad:
         raise CheckpointError(f"{path} lists tensors without a valid shape and dtype: "
                               f"{bad[:5]}; the file is damaged: load an older step-K directory")
+    plain = _signed(path, plain, required=not legacy)
+    step = plain["progress"].get("step") if isinstance(plain["progress"], dict) else None
+    if step != meta["step"] or isinstance(step, bool):
+        raise CheckpointError(f"{path}: field progress.step is {step!r}, but meta.json says step "
+                              f"{meta['step']}; {DAMAGED}")
     return plain
 
 
-def _is_tensor_spec(spec: Any) -> bool:
-    return (isinstance(spec, dict) and isinstance(spec.get("shape"), list)
-            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
-                    for n in spec["shape"])
+def _is_tensor_spec(spec: Any, legacy: bool) -> bool:
+    return (isinstance(spec, dict) and set(spec) <= {"shape", "dtype", "digest"}
+            and isinstance(spec.get("shape"), list) and len(spec["shape"]) <= _MAX_DIMS
+            and all(_is_count(n) for n in spec["shape"])
             and isinstance(spec.get("dtype"), str)
-            and isinstance(getattr(torch, spec["dtype"], None), torch.dtype))
+            and isinstance(getattr(torch, spec["dtype"], None), torch.dtype)
+            and ("digest" not in spec or (not legacy and isinstance(spec["digest"], str)
+                                          and re.fullmatch(r"[0-9a-f]{16}", spec["digest"]) is not None)))
+
+
+def _open_regular(path: Path, what: str, shown: Path | None = None):
+    """`path` opened for reading if it is a regular file, never through a symlink (which
+    could lead out of the checkpoint) and never blocking (a FIFO would hang the load)."""
+    flags = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+             | getattr(os, "O_CLOEXEC", 0))
+    shown = shown or path
+    try:
+        if os.path.islink(path):  # O_NOFOLLOW refuses it too; this names the problem
+            raise CheckpointError(f"{shown} is a symbolic link (to {os.readlink(path)}); {what} "
+                                  "is read only as a regular file inside the checkpoint "
+                                  "directory: replace the link by the file, or load an older "
+                                  "step-K directory")
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise CheckpointError(f"{shown} is missing: the checkpoint is incomplete or was written "
+                              "by another world size; load an older step-K directory") from None
+    except OSError as err:
+        raise CheckpointError(f"{shown} cannot be opened as {what} ({err}); load an older "
+                              "step-K directory") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise CheckpointError(f"{shown} is not a regular file ({_file_kind(mode)}); {what} is "
+                              "read only from a regular file inside the checkpoint directory: "
+                              "load an older step-K directory")
+    if flags & getattr(os, "O_NONBLOCK", 0):
+        os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def _read_regular(path: Path, limit: int, what: str, remedy: str, shown: Path | None = None) -> bytes:
+    """The bytes of a regular file (`_open_regular`) of at most `limit` bytes."""
+    shown = shown or path
+    with _open_regular(path, what, shown) as file:
+        data = file.read(limit + 1)
+    if len(data) > limit:
+        raise CheckpointError(f"{shown} holds more than {limit} bytes, more than {what} can be: "
+                              f"it is damaged or not a samebits file; {remedy}")
+    return data
+
+
+def _regular_size(path: Path, shown_from: Path) -> int:
+    """Size of a shard file, refused unless it is a regular file (not a link) of the directory."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{shown_from} locates tensors in {path.name}, which is missing: the "
+                              "checkpoint is incomplete; load an older step-K directory") from None
+    if stat.S_ISLNK(info.st_mode):
+        raise CheckpointError(f"{path} is a symbolic link (to {os.readlink(path)}); a shard is "
+                              "read only as a regular file inside the checkpoint directory: "
+                              "replace the link by the file, or load an older step-K directory")
+    if not stat.S_ISREG(info.st_mode):
+        raise CheckpointError(f"{path} is not a regular file ({_file_kind(info.st_mode)}); a shard "
+                              "is read only from a regular file inside the checkpoint directory: "
+                              "load an older step-K directory")
+    return info.st_size
+
+
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
 
 
 def _fsync_file(path: Path) -> None:

@@ -224,9 +224,8 @@ def _resume_step(census_a, census_b, census_c, main_a, dir_c, rank, step, resume
         for other in (step - 1, step + 1):
             state_other = census_a.get(rank, other, STATE_PHASE)
             if state_other and all(n in state_other and _same(state_other[n], state_c[n]) for n in progress):
-                add("off_by_one", f"C's training state at its step {step} (optimizer step counts, learning rate, "
-                    f"scheduler and data position: {', '.join(progress)}) equals A's at step {other}, not at step "
-                    f"{step}: the resume is off by one (C resumed the checkpoint of step {other} but is numbered "
+                add("off_by_one", f"C's training progress at its step {step} (census records "
+                    f"{', '.join(progress)}) equals A's at step {other}, not at step {step}: the resume is off by one (C resumed the checkpoint of step {other} but is numbered "
                     f"from {step}; pass --resume-at {other}, or save at step {step})", progress[0])
                 return findings
     # 2. what a resumed process restored: parameters and optimizer state as it begins
@@ -427,8 +426,9 @@ def explain_independent(dir_a: Path, dir_b: Path, diverged_at: int, order: str |
                 ident, label = _generator_label(name)
                 found.append(Finding("independent", "generator", step, rank,
                                      f"{label} is in another state in B than in A at the start of step {step}, "
-                                     f"and the step draws from it: {describe_state_record(name)} (seeded "
-                                     "from time, a process id or os.urandom? seed it with a constant)",
+                                     "and the step draws from it: it is seeded from something that changes "
+                                     "between runs (the time, a process id, os.urandom); seed it with a constant "
+                                     f"[census record {name}]",
                                      name, site=ident.removeprefix("user:") if ident.startswith("user:") else None,
                                      generator=ident))
             changed = _differing(census_a.get(rank, step, "inputs"), census_b.get(rank, step, "inputs"))

@@ -87,8 +87,21 @@ def add_recording_options(parser: argparse.ArgumentParser, *, steps_flag: str = 
     group.add_argument("--exclude", action="append", default=None, metavar="GLOB",
                        help="do not record tensors matching this glob, e.g. 'optimizer/*' (repeatable; "
                             "applied after --include)")
-    group.add_argument("--max-tensor-bytes", type=int, default=None, metavar="N",
-                       help="tensors larger than N bytes keep shape and dtype but no digest")
+    group.add_argument("--max-tensor-bytes", type=_positive_bytes, default=None, metavar="N",
+                       help="tensors larger than N bytes (N >= 1) keep shape and dtype but no digest: their values "
+                            "are not compared, so a comparison that meets one is INCOMPLETE")
+
+
+def _positive_bytes(text: str) -> int:
+    """--max-tensor-bytes: a positive number of bytes (0 or less would cap every tensor)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of bytes") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive number of bytes (the size cap must be >= 1; "
+                                         "leave the option out to digest every tensor)")
+    return value
 
 
 def recording_options(args: argparse.Namespace) -> dict:

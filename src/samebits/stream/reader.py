@@ -21,6 +21,7 @@ from pathlib import Path
 from struct import error as struct_error
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from samebits import fingerprint
@@ -38,6 +39,10 @@ _CORRUPT_HINT = ("Every frame before that byte is intact: compare up to the step
 
 class _Malformed(Exception):
     """Internal: a frame's bytes do not parse; turned into a StreamError naming the frame."""
+
+
+class _NewerWriter(Exception):
+    """Internal: a record of a kind this samebits does not know (a newer writer's)."""
 
 
 def _dtype_name(code: int) -> str:
@@ -155,6 +160,9 @@ class StepBlock:
     names_count: int  # how many names were interned before this block
     schema: int = fmt.SCHEMA_VERSION  # of the segment holding the step (decides the root encoding)
     names_key: bytes = field(default=b"", repr=False)  # the names key of the step root (schema 2)
+    # Whether the segment's header declares a size cap (``max_tensor_bytes``): only then may
+    # the step hold capped records (shape and dtype, no digest), compared by shape only.
+    may_cap: bool = False
 
     def records(self) -> list[Record]:
         return self.reader.decode(self)
@@ -185,6 +193,7 @@ class StreamReader:
             raise StreamError(f"{self.path}: cannot read the stream ({err}).") from None
         self.size = len(self._data)
         self._pos = 0
+        self._torn_scans: dict[int, int | None] = {}  # offset -> `_valid_frame_after` (computed once)
         self._tail_closed = self._ends_with_close_frame()
         self._reset_state()
         try:
@@ -209,6 +218,7 @@ class StreamReader:
         self._last_kind: int | None = None
         self._last_offset = 0
         self._schema = fmt.SCHEMA_VERSION
+        self._may_cap = False
 
     @property
     def digest_version(self) -> int:
@@ -295,25 +305,69 @@ class StreamReader:
             f"truncated at byte {offset} of {self.size}: {what} was cut short (writer killed "
             "mid-write); every complete record before it was read"
         )
+        unchecked = self._torn_scans.get(offset, (None, 0))[1]
+        if unchecked:
+            self.stop_reason += (f" (the bounded scan after it left {unchecked} possible frame(s) unchecked, so "
+                                 "a damaged length field cannot be ruled out)")
         self._pos = self.size
         return None
 
-    def _valid_frame_after(self, offset: int, scan: int = 1 << 20) -> int | None:
-        """The first byte after ``offset`` (within ``scan`` bytes) where a complete frame with a
-        valid checksum starts, or None.  A torn write leaves nothing complete after it."""
+    # The torn-frame scan (`_valid_frame_after`): how far after a frame that runs past the end
+    # it looks for a complete frame, and how much checksumming it may spend there.  Both are
+    # linear in the bytes scanned, so a crafted tail cannot make a read quadratic.
+    TORN_SCAN_BYTES = 1 << 20
+    TORN_SCAN_CHECKSUM_FACTOR = 32  # checksummed bytes <= this x the bytes scanned, + TORN_SCAN_BYTES
+    TORN_SCAN_CANDIDATES = 1 << 16  # frames checksummed at most
+
+    def _valid_frame_after(self, offset: int) -> int | None:
+        """A byte after ``offset`` (within `TORN_SCAN_BYTES`) where a complete frame with a valid
+        checksum starts, or None.  A torn write leaves nothing complete after it.  Candidates
+        (a frame kind, a length that ends inside the file) are found in one vectorised pass and
+        checksummed cheapest first within a budget linear in the bytes scanned; what the
+        budget leaves unchecked is counted (`_torn` says so).  Memoised per offset."""
+        if offset not in self._torn_scans:
+            self._torn_scans[offset] = self._scan_for_frame(offset)
+        return self._torn_scans[offset][0]
+
+    def _scan_for_frame(self, offset: int) -> tuple[int | None, int]:
+        """(`_valid_frame_after`, how many candidates the budget left unchecked)."""
         data, size = self._data, self.size
-        for pos in range(offset + 1, min(size, offset + scan)):
-            kind = data[pos]
-            if kind not in fmt.FRAME_KINDS:
-                continue
-            try:
-                length, start = fmt.decode_varint(data, pos + 1, min(size, pos + 11))
-            except (IndexError, ValueError):
-                continue
-            end = start + length + 4
-            if end <= size and zlib.crc32(data[pos:start + length]) == fmt.unpack_u32(data, start + length):
-                return pos
-        return None
+        first, stop = offset + 1, min(size, offset + self.TORN_SCAN_BYTES)
+        if stop <= first:
+            return None, 0
+        window = np.frombuffer(data, dtype=np.uint8, count=min(size, stop + 11) - first, offset=first).copy()
+        kinds = window[: stop - first]
+        candidates = np.flatnonzero(np.isin(kinds, np.array(sorted(fmt.FRAME_KINDS), dtype=np.uint8)))
+        if not len(candidates):
+            return None, 0
+        bytes_ = window.astype(np.int64)
+        last = len(bytes_) - 1
+        length = np.zeros(len(candidates), dtype=np.int64)
+        payload_at = np.full(len(candidates), -1, dtype=np.int64)  # window-relative; -1: not decoded
+        for i in range(5):  # varints of up to 5 bytes: lengths below 2**35
+            at = candidates + 1 + i
+            inside = at <= last
+            byte = np.where(inside, bytes_[np.minimum(at, last)], 0x80)
+            open_ = payload_at < 0
+            length = np.where(open_, length | ((byte & 0x7F) << (7 * i)), length)
+            ends = open_ & inside & (byte < 0x80)
+            payload_at[ends] = at[ends] + 1
+        frame_end = first + payload_at + length  # absolute: where the crc starts
+        keep = (payload_at >= 0) & (frame_end + 4 <= size)
+        candidates, frame_end = candidates[keep] + first, frame_end[keep]
+        cost = frame_end - candidates
+        order = np.argsort(cost, kind="stable")
+        budget = self.TORN_SCAN_CHECKSUM_FACTOR * (stop - first) + self.TORN_SCAN_BYTES
+        spent = checked = 0
+        for index in order.tolist():
+            spent += int(cost[index])
+            if spent > budget or checked >= self.TORN_SCAN_CANDIDATES:
+                return None, len(order) - checked
+            checked += 1
+            pos, end = int(candidates[index]), int(frame_end[index])
+            if zlib.crc32(data[pos:end]) == fmt.unpack_u32(data, end):
+                return pos, 0
+        return None, 0
 
     def _header(self, frame) -> dict:
         _, offset, payload = frame
@@ -359,6 +413,7 @@ class StreamReader:
                               "is corrupt or was not written by samebits.Recorder.")
         self.segments.append(header)
         self._schema = header["schema"]
+        self._may_cap = header.get("max_tensor_bytes") is not None
         return header
 
     def steps(self, verify: bool = False) -> Iterator[StepBlock]:
@@ -383,6 +438,7 @@ class StreamReader:
         self.closed_cleanly = False
         self._reset_state()
         self._schema = self.header["schema"]
+        self._may_cap = self.header.get("max_tensor_bytes") is not None
         self._last_kind = fmt.FRAME_HEADER
         data, size, crc32 = self._data, self.size, zlib.crc32
         unpack_u32, unpack_u64 = fmt._U32.unpack_from, fmt._U64.unpack_from
@@ -425,8 +481,8 @@ class StreamReader:
                         expected.append((value & 0x7F) | 0x80)
                         value >>= 7
                     expected.append(value)
-                    yield (StepBlock(step, count, stored, self, offset, len(self.names), self._schema, self._names_key),
-                           payload, pos + 8, pending)
+                    yield (StepBlock(step, count, stored, self, offset, len(self.names), self._schema, self._names_key,
+                                     self._may_cap), payload, pos + 8, pending)
                     continue
             frame = self._next_frame()
             if frame is None:
@@ -475,7 +531,7 @@ class StreamReader:
             offset >>= 7
         expected.append(offset)
         block = StepBlock(step, count, stored, self, self._last_offset, len(self.names), self._schema,
-                          self._names_key)
+                          self._names_key, self._may_cap)
         return block, payload, pos + 8, None
 
     def root_of(self, block: StepBlock, payload: bytes, records_at: int) -> int:
@@ -484,7 +540,9 @@ class StreamReader:
             return fmt.step_root(block.names_key, memoryview(payload)[records_at:])  # no copy
         try:
             return fmt.step_root_v1(self._parse_records(payload, records_at, block.num_records, block.names_count,
-                                                        canonical=True))
+                                                        canonical=True, may_cap=block.may_cap))
+        except _NewerWriter as err:
+            raise StreamError(f"{self.path}: step {block.step} (the step frame at byte {block.offset}): {err}") from None
         except _Malformed as err:
             raise self._corrupt(fmt.FRAME_STEP, block.offset, f"step {block.step}: {err}") from None
 
@@ -544,6 +602,8 @@ class StreamReader:
         see `adopt_verified_twin`)."""
         if not (self._tail_closed and other._tail_closed):
             return False
+        if (self.header.get("schema"), self.digest_version) != (other.header.get("schema"), other.digest_version):
+            return False  # the same bytes read another way (root encoding, digest): no twins
         mine, theirs = self._final_index_offset(), other._final_index_offset()
         if not (self._first_end <= mine <= self.size and other._first_end <= theirs <= other.size):
             return False
@@ -644,19 +704,26 @@ class StreamReader:
         try:
             _, pos = _varint(payload, 0, len(payload))
             _, pos = _varint(payload, pos, len(payload))
-            return self._parse_records(payload, pos + 8, block.num_records, block.names_count)
+            return self._parse_records(payload, pos + 8, block.num_records, block.names_count, may_cap=block.may_cap)
+        except _NewerWriter as err:
+            raise StreamError(f"{self.path}: step {block.step} (the step frame at byte {block.offset}): {err}") from None
         except _Malformed as err:
             raise StreamError(
                 f"{self.path}: step {block.step} (the step frame at byte {block.offset}) is malformed ({err}): "
                 "the file is corrupt. " + _CORRUPT_HINT
             ) from None
 
-    def _parse_records(self, payload: bytes, pos: int, count: int, names_count: int, canonical: bool = False):
+    def _parse_records(self, payload: bytes, pos: int, count: int, names_count: int, canonical: bool = False,
+                       may_cap: bool = True):
         """Decode ``count`` records from ``payload[pos:]``, checking every field; with
-        ``canonical`` return the schema-1 root input instead."""
+        ``canonical`` return the schema-1 root input instead.  A record identity (kind, phase,
+        name, occurrence) appears at most once in a step; a record of a kind this samebits does
+        not know is refused (it cannot be compared, and skipping it would call the step equal);
+        a capped record needs a segment whose header declares a size cap (``may_cap``)."""
         names, size = self.names, len(payload)
         records: list[Record] = []
         out = bytearray()
+        seen: set = set()
 
         def name(ident: int) -> str:
             if ident >= names_count:
@@ -672,14 +739,21 @@ class StreamReader:
             if end > size:
                 raise _Malformed(f"record {index} of {count} runs past the end of the frame")
             if kind not in (fmt.RECORD_TENSOR, fmt.RECORD_METRIC):
-                pos = end  # unknown record kinds are skipped: forward compatible
-                continue
+                raise _NewerWriter(
+                    f"record {index} of {count} is of kind {kind}, which this samebits does not know: the stream "
+                    f"was written by a newer samebits (its header says samebits {str(self.header.get('samebits')):.40}) "
+                    "or is corrupt. Compare it with the samebits version that wrote it.")
             phase_id, pos = _varint(payload, pos, end)
             name_id, pos = _varint(payload, pos, end)
             phase, label = name(phase_id), name(name_id)
             if canonical:
                 out += bytes((kind,)) + phase.encode() + b"\0" + label.encode() + b"\0" + payload[pos:end]
             occurrence, pos = _varint(payload, pos, end)
+            identity = (kind, phase, label, occurrence)  # by text: a name table may hold a name twice
+            if identity in seen:
+                raise _Malformed(f"record {index} ({phase}/{label}, occurrence {occurrence}) repeats an identity "
+                                 "already in the step (a writer gives each one its own occurrence)")
+            seen.add(identity)
             if pos >= end:
                 raise _Malformed(f"record {index} ({phase}/{label}) ends before its dtype")
             code = payload[pos]
@@ -690,8 +764,12 @@ class StreamReader:
                     raise _Malformed(f"record {index} ({phase}/{label}) ends before its shape")
                 flags, ndim = payload[pos], payload[pos + 1]
                 pos += 2
-                if flags & ~(fmt.FLAG_ABSENT | fmt.FLAG_CAPPED) or (code == 0) != bool(flags & fmt.FLAG_ABSENT):
+                if flags & ~(fmt.FLAG_ABSENT | fmt.FLAG_CAPPED) or (code == 0) != bool(flags & fmt.FLAG_ABSENT) \
+                        or flags == fmt.FLAG_ABSENT | fmt.FLAG_CAPPED:
                     raise _Malformed(f"record {index} ({phase}/{label}) has flags {flags} with dtype {dtype}")
+                if flags & fmt.FLAG_CAPPED and not may_cap:
+                    raise _Malformed(f"record {index} ({phase}/{label}) is flagged over the size cap, but its "
+                                     "segment's header declares no cap")
                 shape = []
                 for _ in range(ndim):
                     dim, pos = _varint(payload, pos, end)
@@ -780,6 +858,7 @@ class Run:
             raise StreamError(f"{self.path}: ranks were recorded with different digest versions ({shown}): "
                               "streams of different samebits versions mixed? Re-record the run.")
         self.digest_version = versions[self.ranks[0]]
+        _check_one_run(self.path, self.files, self.headers)
 
     @property
     def header(self) -> dict:
@@ -800,6 +879,47 @@ class Run:
         """Nothing to release: a Run keeps no stream open (kept for callers that close it)."""
 
 
+# How a stream's run id was chosen (the header's ``run_id_source``; docs/stream.md, "The
+# header").  Ids from these sources are shared by every rank of one run, so ranks that hold
+# different ones come from different runs.  A "directory" id is shared by the ranks that
+# created their streams in one directory on one host (a file there holds it); a "random" one
+# (or a stream from before the field) is this process's own and proves nothing.
+SHARED_RUN_ID_SOURCES = ("argument", "SAMEBITS_RUN_ID", "TORCHELASTIC_RUN_ID", "process group")
+DIRECTORY_RUN_ID_SOURCE = "directory"
+
+
+def _check_one_run(path: Path, files: dict, headers: dict) -> None:
+    """Refuse a run directory whose rank files come from different runs: ranks whose run ids
+    must agree (shared sources; directory ids of one host) but do not."""
+    groups: dict[tuple, dict[str, list[int]]] = {}
+    for rank, header in headers.items():
+        run_id, source = header.get("run_id"), header.get("run_id_source")
+        if not isinstance(run_id, str):
+            continue
+        if source in SHARED_RUN_ID_SOURCES:
+            scope = ("shared",)
+        elif source == DIRECTORY_RUN_ID_SOURCE:
+            environment = header.get("environment")
+            host = environment.get("hostname") if isinstance(environment, dict) else None
+            if not isinstance(host, str):
+                continue
+            scope = ("directory", host)
+        else:
+            continue
+        groups.setdefault(scope, {}).setdefault(run_id, []).append(rank)
+    for scope, by_id in groups.items():
+        if len(by_id) < 2:
+            continue
+        shown = "; ".join(
+            f"run id {run_id!r:.60} in {', '.join(files[r].name for r in ranks[:4])}"
+            + (f" and {len(ranks) - 4} more" if len(ranks) > 4 else "")
+            for run_id, ranks in sorted(by_id.items(), key=lambda kv: kv[1][0]))
+        raise StreamError(
+            f"{path}: the rank files come from different runs ({shown}): every rank of one run records "
+            "the same run id. Put each run's rank files in a directory of its own (a resumed run keeps "
+            "the id of the stream it appends to).")
+
+
 def require_same_digest_version(run_a: Run, run_b: Run) -> None:
     """Refuse to compare runs whose digests are of different versions: they are different
     functions of the same tensors, so every record would look different (never a verdict)."""
@@ -815,6 +935,28 @@ def require_same_digest_version(run_a: Run, run_b: Run) -> None:
         f"digests of different versions differ for identical tensors. To compare, {fix}.",
         [f"digest version: {version_a} vs {version_b}"],
     )
+
+
+STOPPED_MARKER = "stopped.json"
+"""Left in a run directory when the live check (`Recorder` ``reference``, ``SAMEBITS_REFERENCE``)
+stopped the run at a step whose root differs from the reference's: ``{"stopped_at": step,
+"rank", "reference", "reason"}`` (written by `samebits.autorecord` and the recipe)."""
+
+
+def read_stop_marker(directory: str | os.PathLike) -> dict | None:
+    """The live check's stop marker in ``directory``, or None; an unreadable one is ``{}``."""
+    path = Path(directory) / STOPPED_MARKER
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError):
+        return {}
+    try:
+        marker = json.loads(text)
+    except (ValueError, RecursionError):
+        return {}
+    return marker if isinstance(marker, dict) else {}
 
 
 def open_run(path: str | os.PathLike) -> Run:

@@ -71,7 +71,13 @@ class RecorderSettings:
         start, stop = parse_steps(steps, step_source) if steps is not None else settings.read("SAMEBITS_STEPS")
         rank_source = "ranks" if ranks is not None else "SAMEBITS_RANKS"
         selected = parse_ranks(ranks, rank_source) if ranks is not None else settings.read("SAMEBITS_RANKS")
+        cap_source = "max_tensor_bytes" if max_tensor_bytes is not None else "SAMEBITS_MAX_TENSOR_BYTES"
         cap = max_tensor_bytes if max_tensor_bytes is not None else settings.read("SAMEBITS_MAX_TENSOR_BYTES")
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ConfigError(
+                f"{cap_source}={cap!r}: the size cap is a positive number of bytes (tensors larger than it keep "
+                "shape and dtype but no digest, so their values are never compared). Leave it unset to digest "
+                "every tensor.")
         flush = flush_every if flush_every is not None else settings.read("SAMEBITS_FLUSH_STEPS")
         if flush < 1:
             raise ConfigError(f"flush_every must be >= 1 step, got {flush}.")

@@ -243,10 +243,17 @@ class Recorder:
             return
         s.directory.mkdir(parents=True, exist_ok=True)
         self.path = s.directory / fmt.stream_filename(s.rank)
+        self._pid = os.getpid()  # the owning process: a forked child never writes this stream
+        appending = append and self.path.exists()
+        # A stream continued by `append` keeps its own run id (`_open_for_append`); a new stream
+        # of a resumed run takes the id of the run's other streams, so the run stays one run.
+        chosen = (None, None) if appending else \
+            (_sibling_run_id(s.directory, s.rank) if append else None) or _choose_run_id(run_id, s.directory)
         header = {
             "schema": fmt.SCHEMA_VERSION,
             fmt.DIGEST_VERSION_KEY: fingerprint.DIGEST_VERSION,
-            "run_id": run_id or settings.read("SAMEBITS_RUN_ID") or _launcher_run_id() or uuid.uuid4().hex,
+            "run_id": chosen[0],
+            "run_id_source": chosen[1],
             "rank": s.rank,
             "world_size": s.world_size,
             "coords": dict(coords or {}),
@@ -272,7 +279,7 @@ class Recorder:
                 )
             self._reference = reference_run.stream(s.rank).steps()
             self._reference_step = None
-        if append and self.path.exists():
+        if appending:
             try:
                 self._open_for_append(header)
             except BaseException:
@@ -689,9 +696,13 @@ class Recorder:
         return RecorderHook(remove)
 
     def close(self) -> None:
-        """End the open step, write the closing frame and flush.  Idempotent."""
+        """End the open step, write the closing frame and flush.  Idempotent.  In a forked child
+        of the process that opened it, it does nothing: the stream, its lock note and its step
+        times are the parent's (the child's exit runs this at exit; it must not end them)."""
         if self._closed or not self.active:
             self._closed = True
+            return
+        if os.getpid() != self._pid:
             return
         if self._pending is not None:
             self.end_step()
@@ -967,6 +978,11 @@ class Recorder:
         """Hands the buffered frames to the OS (one write; they survive a SIGKILL of this process)."""
         buffer = self._buffer
         if buffer:
+            if os.getpid() != self._pid:
+                raise StreamError(
+                    f"{self.path} belongs to the Recorder of process {self._pid}; this is process {os.getpid()}, "
+                    "a fork of it: a forked child never writes its parent's stream. Open a Recorder of its own "
+                    "in the child (another directory or rank), or record in the parent.")
             done = self._file.write(buffer)  # the file is unbuffered: this is the system call
             while done < len(buffer):  # a short write (rare for a file): the rest
                 done += self._file.write(memoryview(buffer)[done:])
@@ -997,6 +1013,14 @@ class Recorder:
         self._lock()  # before reading: a live writer may still be adding frames
         existing = StreamReader(self.path)
         try:
+            mine = (header["rank"], header["world_size"])
+            theirs = (existing.header["rank"], existing.header["world_size"])
+            if mine != theirs:
+                raise StreamError(
+                    f"{self.path}: cannot append: the stream was recorded by rank {theirs[0]} of world size "
+                    f"{theirs[1]}, and this Recorder is rank {mine[0]} of world size {mine[1]}. A run keeps its "
+                    "world size and ranks (the reduction order changes with them): record the resumed run into a "
+                    "new directory and compare it with --from-step.")
             if existing.digest_version != fingerprint.DIGEST_VERSION:
                 raise StreamError(
                     f"{self.path}: cannot append: the stream was recorded with digest version "
@@ -1012,6 +1036,7 @@ class Recorder:
                 warnings.warn(f"samebits: appending to {self.path}, which was {existing.stop_reason}; "
                               "the torn frame is dropped.", stacklevel=3)
             names, end_offset, num_segments = list(existing.names), existing.end_offset, existing.num_segments
+            run_id, run_id_source = existing.header.get("run_id"), existing.header.get("run_id_source")
         finally:
             existing.close()
         self._last_step = last
@@ -1019,6 +1044,8 @@ class Recorder:
             self._names[text] = len(self._names)
             self._names_hasher.update(fmt.name_bytes(text))
         header["segment"] = num_segments
+        header["run_id"] = run_id
+        header["run_id_source"] = run_id_source
         self._file.truncate(end_offset)  # drop a torn tail frame, never a complete one
         self._file.seek(end_offset)
 
@@ -1120,6 +1147,8 @@ class _StepTimes:
 @atexit.register
 def _close_open_recorders() -> None:  # a script that forgot close() still gets its last step
     for recorder in list(_open_recorders):
+        if getattr(recorder, "_pid", None) != os.getpid():
+            continue  # a forked child's copy of its parent's recorder: the parent closes it
         try:
             recorder.close()
         except Exception:
@@ -1154,6 +1183,99 @@ def _jsonable(value):
 def _launcher_run_id() -> str | None:
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     return None if run_id in (None, "", "none") else run_id
+
+
+RUN_ID_FILE = ".samebits-run-id"  # in a run directory: the id its ranks agreed on (source "directory")
+_RUN_ID_KEY = "samebits/run_id"  # in the process group's store: the id its ranks agreed on
+
+
+def _choose_run_id(run_id, directory: Path) -> tuple[str, str]:
+    """(run id, its source): the same for every rank of one run whenever the ranks can agree
+    on one (docs/stream.md, "The header"): the argument, ``SAMEBITS_RUN_ID``, the launcher's
+    (torchrun's ``TORCHELASTIC_RUN_ID``), the process group's (the first rank to ask sets it in
+    the group's store), the run directory's (the first rank to create it writes it there), and
+    only then this process's own."""
+    if run_id:
+        return str(run_id), "argument"
+    value = settings.read("SAMEBITS_RUN_ID")
+    if value:
+        return value, "SAMEBITS_RUN_ID"
+    value = _launcher_run_id()
+    if value:
+        return value, "TORCHELASTIC_RUN_ID"
+    fresh = uuid.uuid4().hex
+    agreed = _process_group_run_id(fresh)
+    if agreed:
+        return agreed, "process group"
+    agreed = _directory_run_id(directory, fresh)
+    if agreed:
+        return agreed, "directory"
+    return fresh, "random"
+
+
+def _valid_run_id(value) -> str | None:
+    if isinstance(value, bytes):
+        try:
+            value = value.decode()
+        except UnicodeDecodeError:
+            return None
+    value = value.strip() if isinstance(value, str) else ""
+    return value if 0 < len(value) <= 200 and value.isprintable() else None
+
+
+def _process_group_run_id(fresh: str) -> str | None:
+    """The run id of the initialised process group: the first rank to ask stores ``fresh`` in
+    the group's store (compare-and-set), every later one reads it.  None without a group."""
+    try:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        store = dist.distributed_c10d._get_default_store()
+        return _valid_run_id(store.compare_set(_RUN_ID_KEY, "", fresh))
+    except Exception:  # no store, or one without compare-and-set: not agreed this way
+        return None
+
+
+def _directory_run_id(directory: Path, fresh: str) -> str | None:
+    """The run id in ``directory``'s `RUN_ID_FILE`, written now (atomically: a hard link of a
+    complete file, so the first rank wins and no rank reads half an id) if there is none."""
+    target = directory / RUN_ID_FILE
+    try:
+        return _valid_run_id(target.read_text())
+    except FileNotFoundError:
+        pass
+    except (OSError, UnicodeDecodeError):
+        return None
+    temporary = directory / f"{RUN_ID_FILE}.{os.getpid()}.{fresh[:8]}.tmp"
+    try:
+        temporary.write_text(fresh + "\n")
+        try:
+            os.link(temporary, target)
+        except FileExistsError:
+            pass
+        finally:
+            temporary.unlink(missing_ok=True)
+        return _valid_run_id(target.read_text())
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _sibling_run_id(directory: Path, rank: int) -> tuple[str, str] | None:
+    """(run id, source) of another rank's stream in ``directory`` (the lowest rank), or None:
+    a resumed run that starts a stream beside the ones it continues takes their id."""
+    for path in sorted(directory.glob("rank-*" + fmt.STREAM_SUFFIX)):
+        if path.name == fmt.stream_filename(rank):
+            continue
+        try:
+            reader = StreamReader(path)
+        except StreamError:
+            continue
+        header = reader.header
+        reader.close()
+        if isinstance(header.get("run_id"), str):
+            return header["run_id"], header.get("run_id_source")
+    return None
 
 
 def _samebits_version() -> str:

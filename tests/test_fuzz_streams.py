@@ -15,6 +15,8 @@ import zlib
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import samebits
 from samebits.cli import main
@@ -128,3 +130,229 @@ def test_mutants_are_reported_as_damage_with_file_offset_and_frame(tmp_path):
     with pytest.raises(SamebitsError, match=rf"rank-00000.sbs: step 2 \(the step frame at byte {step_frame[1]} "
                                             r".*stores root .* but its records hash to"):
         samebits.diff(pristine_dir, damaged_dir)
+
+
+# -- every verdict is the same in both argument orders (a property) ---------------------------
+
+NAMES = ("w0", "w1", "w2", "w3")
+_RUN_SPEC = st.fixed_dictionaries({
+    "steps": st.integers(1, 4),
+    "bump": st.none() | st.tuples(st.integers(0, 3), st.sampled_from(NAMES)),
+    "order": st.none() | st.tuples(st.integers(0, 3), st.permutations(NAMES)),
+    "skip": st.none() | st.integers(0, 3),
+    "extra": st.none() | st.integers(0, 3),
+    "window": st.none() | st.integers(1, 2),
+    "cap": st.booleans(),
+    "ending": st.sampled_from(["closed", "closed", "killed", "torn"]),
+})
+
+
+def _write_spec(directory, spec) -> list:
+    """Write one run as ``spec`` says; returns what it recorded: per step (step, records)."""
+    gen = torch.Generator().manual_seed(0)
+    values = {name: torch.randn(2, 3, generator=gen) for name in NAMES}
+    start = spec["window"] or 0
+    content = []
+    with samebits.Recorder(directory, rank=0, world_size=1, config={"lr": 0.1},
+                           max_tensor_bytes=8 if spec["cap"] else None,
+                           steps=f"{spec['window']}:" if spec["window"] else None) as rec:
+        for step in range(spec["steps"]):
+            if step == spec["skip"]:
+                continue
+            now = {n: v + 1.0 if spec["bump"] and step >= spec["bump"][0] and n == spec["bump"][1] else v
+                   for n, v in values.items()}
+            order = spec["order"][1] if spec["order"] and spec["order"][0] == step else NAMES
+            named = [(n, now[n]) for n in order] + ([("extra", torch.zeros(2))] if step == spec["extra"] else [])
+            rec.tensors(step, "params", named)
+            if step >= start:
+                content.append((step, [(n, t.view(-1).tolist()) for n, t in named]))
+            values = {n: v * 0.5 for n, v in values.items()}
+    path = directory / fmt.stream_filename(0)
+    data = path.read_bytes()
+    if spec["ending"] != "closed":  # a killed writer: no footer (and, torn, half a last frame)
+        frames = _frames(data)
+        index = next(f for f in frames if f[0] == fmt.FRAME_INDEX)
+        cut = index[1]
+        steps = [f for f in frames if f[0] == fmt.FRAME_STEP]
+        if spec["ending"] == "torn" and steps:
+            cut = steps[-1][1] + (steps[-1][3] + 4 - steps[-1][1]) // 2
+            content = content[:-1]
+        path.write_bytes(data[:cut])
+    return content
+
+
+def _outcome(a, b):
+    try:
+        result = samebits.diff(a, b)
+    except SamebitsError as err:
+        return type(err).__name__, None, None, None
+    first = result.first_divergence
+    return str(result.verdict), result.verdict.exit_code, None if first is None else first.step, \
+        tuple(result.ranks_diverged_first)
+
+
+def _check_symmetry(spec_a, spec_b) -> None:
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as scratch:
+        a, b = Path(scratch) / "a", Path(scratch) / "b"
+        content_a, content_b = _write_spec(a, spec_a), _write_spec(b, spec_b)
+        forward, backward = _outcome(a, b), _outcome(b, a)
+        assert forward == backward, (spec_a, spec_b, forward, backward)
+        # and the verdict is the truth: IDENTICAL exactly when both recorded the same values, in
+        # the same order, completely, and every value was compared
+        complete = all(s["ending"] == "closed" and not s["cap"] for s in (spec_a, spec_b))
+        same = content_a == content_b and bool(content_a)
+        assert (forward[0] == "identical") == (same and complete), (spec_a, spec_b, forward)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec_a=_RUN_SPEC, spec_b=_RUN_SPEC)
+def test_every_verdict_is_the_same_in_both_argument_orders(spec_a, spec_b):
+    _check_symmetry(spec_a, spec_b)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=_RUN_SPEC)
+def test_a_run_against_a_twin_with_one_change_is_symmetric(spec):
+    """The near misses: b differs from a in one respect only."""
+    for key, other in (("bump", (0, "w1")), ("order", (0, ("w1", "w0", "w2", "w3"))), ("cap", True),
+                       ("ending", "killed"), ("window", 1), ("skip", 1)):
+        if spec[key] != other:
+            _check_symmetry(spec, {**spec, key: other})
+
+
+@pytest.mark.slow
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec_a=_RUN_SPEC, spec_b=_RUN_SPEC)
+def test_every_verdict_is_the_same_in_both_argument_orders_at_length(spec_a, spec_b):
+    _check_symmetry(spec_a, spec_b)
+
+
+# -- forgeries: structurally valid streams (checksums, roots, footer recomputed) ---------------
+
+
+def _split_records(body: bytes) -> list[bytes]:
+    records, pos = [], 0
+    while pos < len(body):
+        length, start = fmt.decode_varint(body, pos + 1)
+        records.append(body[pos : start + length])
+        pos = start + length
+    return records
+
+
+def _reencode(data: bytes, edit) -> bytes:
+    """``data`` with ``edit(index, step, records) -> records | None`` applied to its step frames,
+    every checksum, root, the footer and the close frame recomputed (a forgery only the reader's
+    structural checks can tell)."""
+    out = bytearray()
+    names_hasher = fmt.new_names_hasher()
+    index, index_at = [], 0
+    steps_seen = 0
+    for kind, offset, start, end in _frames(data):
+        payload = data[start:end]
+        if kind == fmt.FRAME_NAMES:
+            _, pos = fmt.decode_varint(payload, 0)
+            _, pos = fmt.decode_varint(payload, pos)
+            names_hasher.update(payload[pos:])
+        elif kind == fmt.FRAME_STEP:
+            step, pos = fmt.decode_varint(payload, 0)
+            _, pos = fmt.decode_varint(payload, pos)
+            records = edit(steps_seen, step, _split_records(payload[pos + 8 :]))
+            steps_seen += 1
+            if records is None:
+                continue
+            if isinstance(records, tuple):  # (new step number, records)
+                step, records = records
+            body = b"".join(records)
+            root = fmt.step_root(names_hasher.digest(), body)
+            prefix = bytearray()
+            fmt.encode_varint(step, prefix)
+            fmt.encode_varint(len(records), prefix)
+            payload = bytes(prefix) + fmt.pack_u64(root) + body
+            index.append((step, len(records), root, len(out)))
+        elif kind == fmt.FRAME_INDEX:
+            entries = bytearray()
+            fmt.encode_varint(len(index), entries)
+            for step, count, root, at in index:
+                fmt.encode_varint(step, entries)
+                fmt.encode_varint(count, entries)
+                entries += fmt.pack_u64(root)
+                fmt.encode_varint(at, entries)
+            index_at, payload = len(out), bytes(entries)
+        elif kind == fmt.FRAME_CLOSE:
+            payload = fmt.pack_u64(index_at) + fmt.CLOSE_MAGIC
+        out += fmt.frame(kind, payload)
+    return bytes(out)
+
+
+def _forgeries(pristine: bytes, rng: random.Random):
+    """Structurally valid edits of a closed stream: each changes what the stream says."""
+    num_steps = sum(1 for f in _frames(pristine) if f[0] == fmt.FRAME_STEP)
+    for _ in range(NUM_FORGERIES):
+        which = rng.randrange(num_steps)
+        kind = rng.choice(["duplicate", "unknown-kind", "reorder", "drop-record", "drop-step", "renumber",
+                           "cap-flag"])
+
+        def edit(index, step, records, kind=kind, which=which):
+            if index != which:
+                return records
+            records = list(records)
+            if kind == "duplicate":
+                return records + [records[rng.randrange(len(records))]]
+            if kind == "unknown-kind":
+                return records + [bytes((rng.randrange(3, 256), 2)) + bytes(rng.randrange(256) for _ in range(2))]
+            if kind == "reorder":
+                i, j = rng.sample(range(len(records)), 2)
+                records[i], records[j] = records[j], records[i]
+                return records
+            if kind == "drop-record":
+                del records[rng.randrange(len(records))]
+                return records
+            if kind == "drop-step":
+                return None
+            if kind == "renumber":
+                return step + rng.choice([1, 2, 100]), records
+            tensors = [i for i, r in enumerate(records) if r[0] == fmt.RECORD_TENSOR and len(r) > 10]
+            i = rng.choice(tensors)  # cap-flag: a digested tensor re-flagged as capped (no digest)
+            record = bytearray(records[i])
+            length, body = fmt.decode_varint(record, 1)
+            flags_at = body + 3 + (1 if record[body + 2] else 0)  # phase, name, occurrence (1-byte ids)
+            record[flags_at] |= fmt.FLAG_CAPPED
+            ndim = record[flags_at + 1]
+            new_body = bytes(record[body : flags_at + 2 + ndim])
+            head = bytearray((fmt.RECORD_TENSOR,))
+            fmt.encode_varint(len(new_body), head)
+            records[i] = bytes(head) + new_body
+            return records
+
+        yield kind, _reencode(pristine, edit)
+
+
+NUM_FORGERIES = 140
+
+
+def test_forged_streams_never_compare_identical_in_either_order(tmp_path):
+    """Forgeries keep every checksum and root valid: only the structural checks (identities,
+    kinds, steps, footer, cap flags) and the record-by-record comparison can tell.  None may be
+    IDENTICAL, none a traceback, and both argument orders agree."""
+    pristine_dir, forged_dir = tmp_path / "pristine", tmp_path / "forged"
+    _write_small_run(pristine_dir)
+    path = fmt.stream_filename(0)
+    pristine = (pristine_dir / path).read_bytes()
+    assert _reencode(pristine, lambda i, s, r: r) == pristine  # the re-encoder is exact
+    rng = random.Random(20261202)
+    outcomes: dict[str, dict[str, int]] = {}
+    bad = []
+    for kind, data in _forgeries(pristine, rng):
+        shutil.rmtree(forged_dir, ignore_errors=True)
+        forged_dir.mkdir()
+        (forged_dir / path).write_bytes(data)
+        forward, backward = _outcome(pristine_dir, forged_dir), _outcome(forged_dir, pristine_dir)
+        outcomes.setdefault(kind, {}).setdefault(forward[0], 0)
+        outcomes[kind][forward[0]] += 1
+        if forward[0] == "identical" or forward != backward:
+            bad.append((kind, forward, backward))
+    assert bad == [], f"{bad[:5]} (outcomes: {outcomes})"
+    assert len(outcomes) == 7

@@ -28,6 +28,7 @@ not localised, with what was ruled out.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shlex
@@ -45,7 +46,7 @@ from samebits.checkpoint import describe_state_record
 from samebits.errors import ConfigError, SamebitsError
 from samebits.runs._launch import failed, run_logged, teardown_note
 from samebits.stream.reader import open_run
-from samebits.trace._config import ENV_VARS, LEVEL_NAMES, EventSpec, TraceConfig, parent_scope
+from samebits.trace._config import ENV_VARS, LEVEL_NAMES, EventSpec, TraceConfig, parent_scope, parse_record
 from samebits.trace._elements import compare_elements, same_values
 from samebits.trace._origin import OriginFinding, OriginReport, find_origins, find_replica_mismatch
 from samebits.trace._tracer import dump_filename
@@ -140,7 +141,9 @@ class Elements:
     pair: list[str]
     dumps: list[str]
     same_values: bool  # one output is a permutation of the other
-    inputs_identical: bool
+    inputs_identical: bool  # every input matched in value and position
+    inputs_differ: list[str] = field(default_factory=list)  # the input labels whose values differ
+    inputs_permuted: bool = False  # the inputs hold the same tensors, in other positions
 
     @property
     def differing(self) -> int | None:
@@ -169,7 +172,8 @@ class Elements:
 
     def to_dict(self) -> dict:
         return {**self.detail, "output": self.output, "pair": list(self.pair), "dumps": list(self.dumps),
-                "same_values": self.same_values, "inputs_identical": self.inputs_identical}
+                "same_values": self.same_values, "inputs_identical": self.inputs_identical,
+                "inputs_differ": list(self.inputs_differ), "inputs_permuted": self.inputs_permuted}
 
 
 @dataclass
@@ -287,6 +291,7 @@ class _Bisector:
         self.notes: list[str] = []
         self._sides: dict[str, Command] = {"a": side_a, "b": side_b}
         self.from_step = side_b.from_step  # a resume bisect: only steps >= this are compared and traced
+        self.resume_step = self.from_step  # b resumed a here (None when one side is bisected against itself)
         if self.from_step is not None:
             self.notes.append(f"b resumes at step {self.from_step} (its steps are numbered from there): only "
                               f"steps >= {self.from_step} are compared and traced")
@@ -330,6 +335,15 @@ class _Bisector:
         self.say(f"      -> {stage.summary}")
         return finding
 
+    def compare(self, a: Path, b: Path) -> OriginReport:
+        """`find_origins` of a pair of runs; in a resume bisect, aligned on the resume step's
+        phases (its "pre" work is no divergence), with a note when that dropped anything."""
+        report = find_origins(a, b, resume_step=self.resume_step)
+        for note in report.notes:
+            if note not in self.notes and self.resume_step is not None and "phase pre" in note:
+                self.notes.append(note)
+        return report
+
     def base_config(self, **changes) -> TraceConfig:
         config = TraceConfig(level=1, stop_after=self.stop_after).with_(**changes)
         if self.from_step and config.step_start < self.from_step:
@@ -355,7 +369,7 @@ class _Bisector:
                               + (f" (pair {attempt + 1} of {STEPS_ATTEMPTS})" if attempt else ""))
                 dirs = self.run_stage(stage, self.base_config(), [("a", a), ("b", b)])
                 _check_compared(dirs)
-                report = find_origins(dirs["a"], dirs["b"])
+                report = self.compare(dirs["a"], dirs["b"])
                 if not report.identical:
                     break
                 if attempt + 1 < STEPS_ATTEMPTS:
@@ -372,10 +386,12 @@ class _Bisector:
             self.say("      repeatable: " + ", ".join(f"{side} {'yes' if ok else 'NO'}" for side, ok in repeatable.items()))
             if not noise_a.identical:
                 compared, report, b = "a vs a (a is not repeatable: bisecting its run-to-run noise)", noise_a, a2
+                self.resume_step = None
             elif not noise_b.identical:
                 compared, report, a, b = "b vs b (b is not repeatable: bisecting its run-to-run noise)", noise_b, b, b2
+                self.resume_step = None
             else:
-                report = find_origins(dirs["a"], dirs["b"])
+                report = self.compare(dirs["a"], dirs["b"])
             if not (noise_a.identical and noise_b.identical):
                 self.notes.append(compared)
         self._sides = {"a": a, "b": b}
@@ -407,7 +423,7 @@ class _Bisector:
                                  + (f", in {pairs} pairs of runs" if pairs > 1 else ""))
             result.seconds = time.perf_counter() - start
             return result
-        result.origin = self._narrow(_earliest(report), result)
+        result.origin = self._reconcile(self._narrow(_earliest(report), result))
         result.conclusion = result.origin.conclusion
         parted = next((s.finding for s in reversed(self.stages) if s.finding is not None and s.finding.parted), None)
         if result.control_flow is None and parted is not None:
@@ -463,12 +479,15 @@ class _Bisector:
         """Findings that end the bisection where they are seen."""
         if found.classification == "control_flow":
             result.control_flow = _control_flow(found)
+            anchor = self._anchor(found.step)
+            if (self.resume_step is not None and found.step == self.resume_step and found.phase == "optimizer"
+                    and anchor is not None and anchor[1].phase == "optimizer"):
+                return self._optimizer_state(found, anchor)
             return _origin(found, None, "control_flow",
                                 f"the runs take different paths at step {found.step} on rank {found.rank}: "
                                 f"{found.parted or found.detail}")
         if found.classification == "order":
-            return _origin(found, None, "order", "the runs recorded the same values in a different order "
-                                f"at step {found.step}: nothing to narrow")
+            return self._explain_order(found)
         if found.category == "phase" and found.role == "in" and (found.event_id or "").startswith("forward/"):
             root = found.event_id.partition("/")[2].rpartition(":")[0]
             model = "the model's forward" if root == "model" else f"the forward of top-level module {root}"
@@ -483,10 +502,10 @@ class _Bisector:
         if found.category in ("op", "probe") and found.permuted:
             site = f" at {found.call_site}" if found.call_site else ""
             return _origin(found, None, "order",
-                                f"same values, different order: {found.op}{site} (step {found.step}, rank "
-                                f"{found.rank}) received the same tensors in another order. Something iterated "
-                                "in an order that changes between runs feeds it (a Python set, PYTHONHASHSEED, a "
-                                "dict keyed by ids, a file listing)")
+                                f"same values, different order: {found.op}{site} (step {found.step}, phase "
+                                f"{found.phase}, rank {found.rank}) received the same tensors in another order "
+                                f"({found.detail}). Something iterated in an order that changes between runs "
+                                "feeds it (a Python set, PYTHONHASHSEED, a dict keyed by ids, a file listing)")
         if found.category == "collective" and found.permuted:
             site = found.call_site or self._collective_site(found)
             found.call_site = site
@@ -502,18 +521,106 @@ class _Bisector:
                                 f"the parameters differ before step {found.step}, the first traced step "
                                 f"({found.label} on rank {found.rank}): initialisation (its seed) or the "
                                 "loaded checkpoint differs, so no training op is the origin")
-        names = found.state_differs
-        if self.from_step is not None and found.step == self.from_step and names and \
-                not any(name.startswith("rng.") for name in names):
+        # Python's and NumPy's generators differ between any two processes that do not seed them
+        # (and never feed an ATen op): they are no evidence of what a resume restores.
+        names = [name for name in found.state_differs if not name.startswith("rng.")]
+        if self.from_step is not None and found.step == self.from_step and names and not _torch_generators(found):
             # B resumed at this step, each side repeats itself, and the state census taken at the
             # step's start, before any op, already differs: what the checkpoint saves and restores.
-            # (A generator that differs is narrowed on instead: to the RNG op that draws from it.)
+            # (A torch generator that differs is narrowed on instead: to the RNG op that draws from it.)
             listed = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
             return _origin(found, None, "resume_state",
                            f"the resumed run starts step {found.step} in another state than the run it resumes "
                            f"(rank {found.rank}): {listed} differ at the step's start, before any op ran, and each "
                            "side repeats itself: the checkpoint does not save or restore them. "
-                           + describe_state_record(names[0]))
+                           + describe_state_record(names[0]), state_differs=names)
+        return None
+
+    def _reconcile(self, origin: Origin) -> Origin:
+        """The conclusion may never contradict an earlier stage's evidence.  A stage that found
+        "phase P of step S: inputs matched, output differs" bounds every later one: a final
+        kind about step S must be about phase P (an op, a probe, a collective, an ordering,
+        different ops, all in P), or about the state the step started from (`resume_state`),
+        or not localised.  A conclusion about another phase of that step (an earlier op whose
+        difference vanished, a resume's leftovers) explains nothing of P's difference: it
+        becomes `not_localised`, saying what the stages found and what was ruled out."""
+        if origin.kind in ("resume_state", "not_localised", "replicas"):
+            return origin
+        anchor = self._anchor(origin.step)
+        if anchor is None:
+            return origin
+        number, evidence = anchor
+        if _same_phase(evidence.phase, origin.phase):
+            return origin
+        stage = self.stages[number - 1]
+        self.notes.append(f"stage {number} ({stage.name}) found phase {evidence.phase} at step {evidence.step} to be "
+                          f"where inputs matched and the output differs; the finer stages concluded {origin.kind} in "
+                          f"phase {origin.phase}, which cannot explain it: not localised")
+        text = (f"not localised: stage {number} ({stage.name}, rung {stage.rung}) found the first difference at "
+                f"{evidence.where()}: {evidence.detail}; but the finer stages' first difference is in phase "
+                f"{origin.phase} ({origin.kind}: {origin.conclusion}), outside phase {evidence.phase}, so it does "
+                f"not explain it. Ruled out: every value recorded before phase {evidence.phase} of step "
+                f"{evidence.step} matched; the difference arises in phase {evidence.phase}, from a value its trace "
+                "does not record (state kept across steps, or code outside torch)")
+        return _origin(evidence, None, "not_localised", text + _state_sentence(evidence, " Also: "))
+
+    def _anchor(self, step: int) -> tuple[int, OriginFinding] | None:
+        """The earliest stage's evidence at ``step``: (stage number, finding) of the first stage
+        that found an event there whose inputs matched and whose output differs."""
+        for number, stage in enumerate(self.stages, 1):
+            found = stage.finding
+            if found is not None and found.classification == "origin" and found.step == step \
+                    and found.category != "state":
+                return number, found
+        return None
+
+    def _optimizer_state(self, found: OriginFinding, anchor: tuple[int, OriginFinding]) -> Origin:
+        """A resume bisect whose optimizer step, given the same gradients and parameters (an
+        earlier stage: its inputs matched, its output differs), runs other ops than the run it
+        resumes: the optimizer's own state (moments, momentum buffers) was not restored."""
+        number, evidence = anchor
+        a_has = _describe_event(found.a)
+        b_has = _describe_event(found.b)
+        return _origin(found, None, "resume_state",
+                       f"the resumed run's optimizer state differs at step {found.step} (rank {found.rank}): its "
+                       f"optimizer step got the same gradients and parameters (stage {number}: "
+                       f"{evidence.detail}) but runs other ops than the run it resumes (a: {a_has}; b: {b_has}): "
+                       "the optimizer's own state (momentum buffers, moments, step counts) is not saved or "
+                       "restored by the checkpoint (optimizer.load_state_dict)", state_differs=[])
+
+    def _explain_order(self, found: OriginFinding) -> Origin:
+        """Same values, another order: say what was reordered, and where it comes from."""
+        reordered = found.reordered
+        if reordered is not None and _is_optimizer_order(found):
+            site = found.call_site or self._event_site(found)
+            found.call_site = site
+            return _origin(found, None, "order",
+                           f"same values, different order: the optimizer's parameters are in another order at step "
+                           f"{found.step} (rank {found.rank}): it holds the same parameters with the same values, "
+                           f"in another order (a: {_some(reordered['a'])}; b: {_some(reordered['b'])})"
+                           + (f", for the optimizer built at {site}" if site else "")
+                           + ". Its param groups are built from something iterated in an order that changes between "
+                           "runs (a Python set, PYTHONHASHSEED, a dict keyed by ids): nothing differs in value yet, "
+                           "but whatever follows that order does (clipping or foreach kernels over the list, and "
+                           "its state_dict: a checkpoint's state goes to other parameters)")
+        what = f": {found.detail}" if found.detail else ""
+        return _origin(found, None, "order",
+                       f"same values, different order: the runs recorded the same values in another order at step "
+                       f"{found.step} (rank {found.rank}){what}. Something iterated in an order that changes between "
+                       "runs (a Python set, a dict keyed by ids, hooks or threads) decides it")
+
+    def _event_site(self, found: OriginFinding) -> str | None:
+        """The call site of a rung-1 event (an optimizer's: where it was built): one re-run of
+        its step at rung 1 with call sites."""
+        stage = Stage("sites", "phases", f"step {found.step}, call sites of phase events, then stop")
+        config = self.base_config(step_start=found.step, step_stop=found.step + 1, stop_after=found.step,
+                                  call_sites=True)
+        dirs = self.run_stage(stage, config, self.sides())
+        report = self.compare(dirs["a"], dirs["b"])
+        self.conclude(stage, report)
+        for finding in report.findings.values():
+            if finding.call_site and finding.category == found.category and finding.event_id == found.event_id:
+                return finding.call_site
         return None
 
     def _collective_site(self, found: OriginFinding) -> str | None:
@@ -522,7 +629,7 @@ class _Bisector:
         config = self.base_config(step_start=found.step, step_stop=found.step + 1, stop_after=found.step,
                                   call_sites=True)
         dirs = self.run_stage(stage, config, self.sides())
-        report = find_origins(dirs["a"], dirs["b"])
+        report = self.compare(dirs["a"], dirs["b"])
         self.conclude(stage, report)
         for finding in report.findings.values():
             if finding.call_site and finding.category == "collective":
@@ -546,7 +653,7 @@ class _Bisector:
             stage = Stage(name, LEVEL_NAMES[level], ", ".join(filter(None, [window, where])))
             config = self.base_config(level=level, step_start=start, **stop, **changes)
             dirs = self.run_stage(stage, config, self.sides())
-            report = find_origins(dirs["a"], dirs["b"])
+            report = self.compare(dirs["a"], dirs["b"])
             self.conclude(stage, report)
             if not report.findings:
                 self.notes.append(f"the {name} stage's re-run (attempt {attempt + 1}) did not diverge "
@@ -613,6 +720,21 @@ class _Bisector:
                                 f"{final.step} on rank {final.rank}: the generator it draws from was in another "
                                 "state (a torch.Generator passed to it, seeded from something that changes, or "
                                 "not restored on resume)")
+        if elements is not None and not elements.inputs_identical:
+            # The trace saw every input recorded before the op match; its dumps say otherwise.
+            if elements.inputs_permuted:
+                return _origin(final, elements, "order",
+                               f"same values, different order: {what} (step {final.step}, phase {final.phase}, rank "
+                               f"{final.rank}) was given the same input tensors in another order (its dumps: "
+                               f"inputs {', '.join(elements.inputs_differ[:6])} hold each other's values). Something "
+                               "iterated in an order that changes between runs feeds it (a Python set, "
+                               "PYTHONHASHSEED, a dict keyed by ids, a file listing)")
+            return _origin(final, elements, "not_localised",
+                           f"not localised: the first difference is the output of {what} (step {final.step}, phase "
+                           f"{final.phase}, rank {final.rank}), but its dumps show its inputs differ "
+                           f"({', '.join(elements.inputs_differ[:6])}) although every value recorded before it "
+                           "matched: a value computed before it reached it through another argument, so it is not "
+                           "the origin. Ruled out: every traced value before it at that step")
         if elements is not None and elements.same_values:
             return _origin(final, elements, "order",
                                 f"same values, different order: the output of {what} (step {final.step}, rank "
@@ -723,17 +845,67 @@ def _first_difference(dumps: list[tuple[str, Path]]) -> Elements | None:
             if out_b is None:
                 continue
             detail = compare_elements(out_a, out_b)
+            differ = _differing_inputs(dump_a["inputs"], dump_b["inputs"])
             elements = Elements(
                 detail, label, [label_a, label_b], [str(path_a), str(path_b)],
                 same_values=bool(detail["differing"]) and same_values(out_a, out_b),
-                inputs_identical=all(
-                    name in dump_b["inputs"] and compare_elements(t, dump_b["inputs"][name])["differing"] == 0
-                    for name, t in dump_a["inputs"].items()))
+                inputs_identical=not differ, inputs_differ=differ,
+                inputs_permuted=bool(differ) and _same_tensors(dump_a["inputs"], dump_b["inputs"]))
             if chosen is None:
                 chosen = elements
             if elements.differing:
                 return elements
     return chosen
+
+
+def _differing_inputs(inputs_a: dict, inputs_b: dict) -> list[str]:
+    """The labels of the dumped inputs that differ (in value, shape or presence) between two dumps."""
+    differ = []
+    for name in list(inputs_a) + [n for n in inputs_b if n not in inputs_a]:
+        a, b = inputs_a.get(name), inputs_b.get(name)
+        if a is None or b is None or a.dtype != b.dtype or a.shape != b.shape \
+                or compare_elements(a, b)["differing"]:
+            differ.append(name)
+    return differ
+
+
+def _same_tensors(inputs_a: dict, inputs_b: dict) -> bool:
+    """Both dumps hold the same input tensors (bit for bit), whatever their positions."""
+    def contents(inputs):
+        return sorted((str(t.dtype), tuple(t.shape),
+                       hashlib.sha256(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).digest())
+                      for t in inputs.values())
+    return len(inputs_a) == len(inputs_b) and contents(inputs_a) == contents(inputs_b)
+
+
+def _same_phase(evidence: str | None, final: str | None) -> bool:
+    """A finer stage's phase is about the evidence's phase (recomputation runs in backward)."""
+    def norm(phase):
+        return "backward" if phase == "recompute" else phase
+    return evidence is None or norm(evidence) == norm(final)
+
+
+def _is_optimizer_order(found: OriginFinding) -> bool:
+    """An order finding over what the optimizer holds in its parameter order: the gradients it
+    is given and its parameters and state after the step (traced ``reduce:N``/``optimizer:N``,
+    or zero-code recording's ``grads``, ``params`` and ``optimizer`` records)."""
+    if found.category == "phase":
+        return (found.event_id or "").startswith(("reduce:", "optimizer:"))
+    phase = (found.phase or "").rpartition(".")[2]
+    return found.category == "record" and phase in ("grads", "params", "optimizer")
+
+
+def _describe_event(record) -> str:
+    if record is None:
+        return "nothing"
+    ref = parse_record(record.phase, record.name)
+    if ref is None:
+        return f"record {record.phase}/{record.name}"
+    return f"{ref.event_id} ({ref.role} {ref.label})"
+
+
+def _some(labels: list[str], n: int = 4) -> str:
+    return ", ".join(labels[:n]) + (f", ... ({len(labels)} in all)" if len(labels) > n else "")
 
 
 def _origin(finding: OriginFinding, elements: Elements | None, kind: str, conclusion: str,

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from samebits._torchutil import call_site
+from samebits.trace._config import PRE_PHASE
 from samebits.trace._tensors import TRACE_DIR
 
 
@@ -97,7 +98,9 @@ def _wrap(name, original):
         arguments = dict(bound.arguments)
         phase = tracer.current_phase()
         group = group_name(arguments.get("group"))
-        n = state.next_number("collective", (group, name))
+        # Collectives count per group in a step (every rank names a collective alike), those of
+        # the step's "pre" work apart: a resumed process's start-up shifts no later id.
+        n = state.next_number("collective", (group, name) if phase != PRE_PHASE else (PRE_PHASE, group, name))
         event_id = f"{group}/{name}:{n}"
         perturb, dump = tracer.special_for(event_id, phase) if state.special else (False, False)
         inputs = get_inputs(arguments)

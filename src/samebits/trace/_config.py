@@ -8,8 +8,10 @@ reads them, `TraceConfig.to_env()` writes them.
 Record naming.  Every traced record has phase ``trace:<category>:<training phase>`` and name
 ``<event id>|<role>:<label>``; role is ``in`` (recorded before or as the event starts) or
 ``out``.  Categories: ``state``, ``phase``, ``collective``, ``module``, ``op``, ``probe``.
-Training phases: ``forward``, ``backward``, ``recompute``, ``reduce`` (after the last backward,
-before the optimizer: gradient reduction, clipping), ``optimizer``, ``post``, ``init``.
+Training phases: ``pre`` (a step's work before its first forward, backward or optimizer step:
+the previous iteration's logging, a resumed process's start-up), ``forward``, ``backward``,
+``recompute``, ``reduce`` (after the last backward, before the optimizer: gradient reduction,
+clipping), ``optimizer``, ``post``, ``init``.
 """
 
 from __future__ import annotations
@@ -30,8 +32,11 @@ CATEGORIES = ("state", "phase", "collective", "module", "op", "probe", "census")
 # Context records: observed at a step's start, never events (never an origin on their own).
 CONTEXT_CATEGORIES = ("census",)
 CENSUS_EVENT, CENSUS_PHASE = "census", "start"  # trace:census:start / census|at:rng.torch_cpu
+PRE_PHASE = "pre"  # a step's work before its first phase boundary (not the census's "start")
+# A list argument's provenance: which recorded tensors it holds, sorted (@set) and in order (@order).
+ORDER_LABEL, SET_LABEL = "@order", "@set"
 STATE_RECORD_PHASE = STATE_PHASE  # the census as a training loop records it (plain records)
-TRAINING_PHASES = ("init", "forward", "backward", "recompute", "reduce", "optimizer", "post")
+TRAINING_PHASES = ("init", "pre", "forward", "backward", "recompute", "reduce", "optimizer", "post")
 
 ENV_VARS = ("SAMEBITS_TRACE", "SAMEBITS_TRACE_STEPS", "SAMEBITS_TRACE_RANKS", "SAMEBITS_TRACE_MODULE",
             "SAMEBITS_TRACE_STACK", "SAMEBITS_TRACE_DUMP_OP", "SAMEBITS_TRACE_DUMP_DIR",
@@ -203,6 +208,12 @@ def record_phase(category: str, training_phase: str) -> str:
 
 def record_name(event_id: str, role: str, label) -> str:
     return f"{event_id}|{role}:{label}"
+
+
+def source_prefix(training_phase: str, event_id: str, role: str) -> str:
+    """What `StepState.mark_all_seen` prefixes to a label: ``phase|<event id>|<role>:``, so that
+    a tensor's source is its record's phase and name (stable across runs)."""
+    return f"{training_phase}|{event_id}|{role}:"
 
 
 class TraceRef(NamedTuple):

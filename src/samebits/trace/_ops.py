@@ -21,11 +21,14 @@ outputs count as seen, so their first consumer does not record the garbage eithe
 
 from __future__ import annotations
 
+import zlib
+
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from samebits._torchutil import call_site, is_uninitialized_op, op_tensor_args, op_tensor_outputs
-from samebits.trace._config import record_name
-from samebits.trace._tensors import TRACE_DIR, digestable, version_of
+from samebits.trace._config import ORDER_LABEL, SET_LABEL, record_name, source_prefix
+from samebits.trace._tensors import TRACE_DIR, digestable, geometry, version_of
 
 NORMAL, SKIP, NOISE, VIEW = 0, 1, 2, 3
 _SKIP_NAMESPACES = {"c10d", "profiler", "record_function"}
@@ -96,19 +99,28 @@ class OpMode(TorchDispatchMode):
         if info.kind != NORMAL or not (recorded or perturb or dump):
             out = func(*args, **kwargs)
             if recorded and info.kind == NOISE:
-                s.mark_all_seen(op_tensor_outputs(out))
+                s.mark_all_seen(op_tensor_outputs(out), source_prefix(phase, event_id, "out"))
             elif recorded and info.kind == VIEW:
-                if all(s.is_seen(x) for _, x in op_tensor_args(args, kwargs)):
-                    s.mark_all_seen(op_tensor_outputs(out))
+                viewed = op_tensor_args(args, kwargs)
+                if all(s.is_seen(x) for _, x in viewed):
+                    # A view's bytes are its input's: its source is the input's, where it sits
+                    # (never the view op's id, which counts in call order).
+                    if viewed:
+                        base = s.source_of(viewed[0][1])
+                        for _, o in op_tensor_outputs(out):
+                            s.mark_view(o, viewed[0][1], None if base is None else base + geometry(o))
             return out
 
         inputs = op_tensor_args(args, kwargs)
+        lists = _list_arguments(inputs, s) if recorded else None
         if info.writes and recorded:  # the op may overwrite an input: digest inputs first
             pre = [(record_name(event_id, "in", label), x) for label, x in inputs
                    if digestable(x) and not s.is_seen(x)]
+            s.mark_all_seen(pre, phase + "|")  # a fresh input's source is its record
+            if lists:
+                pre += _provenance(t, s, event_id, lists)
             if pre:
                 t.record_named("op", phase, pre)
-                s.mark_all_seen(pre)
         versions = [version_of(x) for _, x in inputs] if info.writes else None
         dump_inputs = t.copies(inputs) if dump else None  # before the op: it may write into them
 
@@ -128,10 +140,44 @@ class OpMode(TorchDispatchMode):
                 for label, x in inputs:
                     if digestable(x) and not s.is_seen(x):
                         named.append((record_name(event_id, "in", label), x))
+                s.mark_all_seen(named, phase + "|")
+                if lists:
+                    named += _provenance(t, s, event_id, lists)
             named += [(record_name(event_id, "out", label), o) for label, o in outputs]
             t.record_named("op", phase, named)
-            s.mark_all_seen(inputs)
-            s.mark_all_seen(outputs)
+            s.mark_all_seen(outputs, source_prefix(phase, event_id, "out"))
+            s.mark_all_seen(inputs, source_prefix(phase, event_id, "in"))
         if dump:
             t.dump(event_id, phase, name, dump_inputs, outputs, site)
         return out
+
+
+def _list_arguments(inputs: list, state) -> dict[str, list]:
+    """The op's list arguments of two tensors or more (labels ``"0.3"``, ``"key.1"``) that hold
+    a tensor already recorded in the step: their order is checked by provenance."""
+    groups: dict[str, list] = {}
+    for label, x in inputs:
+        head, dot, _ = label.partition(".")
+        if dot:
+            groups.setdefault(head, []).append(x)
+    return {head: items for head, items in groups.items()
+            if len(items) > 1 and any(state.is_seen(x) for x in items)}
+
+
+def _provenance(tracer, state, event_id: str, lists: dict[str, list]) -> list:
+    """Two small records per list argument: the sources of its tensors (a hash of the record
+    that first held each one: `StepState.source_of`) sorted (``in:<arg>@set``: which tensors)
+    and in argument order (``in:<arg>@order``).  A tensor recorded before is not recorded
+    again as an input, so without them an op given the same tensors in another order (a list
+    built from a Python set) would look like an op whose inputs all matched."""
+    named = []
+    with tracer.suspended():
+        for head, items in lists.items():
+            hashes = [_source_hash(state.source_of(x)) for x in items]
+            named.append((record_name(event_id, "in", head + SET_LABEL), torch.tensor(sorted(hashes), dtype=torch.int64)))
+            named.append((record_name(event_id, "in", head + ORDER_LABEL), torch.tensor(hashes, dtype=torch.int64)))
+    return named
+
+
+def _source_hash(source: str | None) -> int:
+    return 0 if source is None else zlib.crc32(source.encode())

@@ -41,12 +41,15 @@ from samebits.compare import RankStep, divergent_steps
 from samebits.determinism import lookup_op
 from samebits.errors import IncomparableRunsError
 from samebits.stream.reader import Record, Run, open_run
-from samebits.trace._config import (CONTEXT_CATEGORIES, PHASE_PREFIX, STATE_RECORD_PHASE, TRAINING_PHASES,
-                                    parse_record, split_op_id)
+from samebits.trace._config import (CONTEXT_CATEGORIES, ORDER_LABEL, PHASE_PREFIX, PRE_PHASE, SET_LABEL,
+                                    STATE_RECORD_PHASE, TRAINING_PHASES, parse_record, split_op_id)
 from samebits.trace._tracer import call_sites_filename
 from samebits.verdicts import Verdict
 
-_PLAIN_PHASE_ORDER = {"data": 1, "forward": 1, "metrics": 4, "grads": 4, "params": 5, "optimizer": 5}
+# Where an ordinary record's phase sits among the training phases (for ordering findings).
+_PLAIN_PHASE_ORDER = {plain: TRAINING_PHASES.index(training) for plain, training in (
+    ("data", "forward"), ("forward", "forward"), ("metrics", "reduce"), ("grads", "reduce"), ("params", "optimizer"),
+    ("optimizer", "optimizer"))}
 
 
 @dataclass
@@ -73,7 +76,8 @@ class OriginFinding:
     detail: str = ""
     parted: str | None = None  # where the recorded sequences part, when they do (control flow)
     state_differs: list[str] = field(default_factory=list)  # census records that differ at the step's start
-    permuted: bool = False  # a collective input: the group's inputs are the same tensors in another order
+    permuted: bool = False  # an op's or collective's inputs are the same tensors in another order
+    reordered: dict | None = None  # an order finding: {"group": what holds them, "a": labels, "b": labels}
 
     def sort_key(self) -> tuple:
         if self.category in (None, "record"):
@@ -210,20 +214,26 @@ def _read_step(run: Run, rank: int, step: int) -> list[Record] | None:
 
 
 def find_origins(a: str | os.PathLike, b: str | os.PathLike, *, step: int | None = None,
-                 ranks=None) -> OriginReport:
+                 ranks=None, resume_step: int | None = None) -> OriginReport:
     """Classify the first divergent record of every rank of runs `a` and `b`.
 
     ``step``: look only at that step (a narrowed re-run traces one step); otherwise each
-    rank's first differing step.  Raises `IncomparableRunsError` for different world sizes.
+    rank's first differing step.  ``resume_step`` K: run b resumed a's checkpoint at step K,
+    so at step K the records of training phase ``pre`` (the work before the step's first
+    forward, backward or optimizer step) are not compared: in a they are the tail of step
+    K-1 (logging after the optimizer step), in b the resumed process's start-up (building
+    the optimizer, a prefetch the checkpoint then replaces).  The phases after it are
+    compared as ever: the tracer records again, where it is first used, anything "pre" made.
+    Raises `IncomparableRunsError` for different world sizes.
     """
     runs = _Runs(a, b)
     try:
-        return _find_origins(runs, a, b, step, ranks)
+        return _find_origins(runs, a, b, step, ranks, resume_step)
     finally:
         runs.close()
 
 
-def _find_origins(runs: _Runs, a, b, step: int | None, ranks) -> OriginReport:
+def _find_origins(runs: _Runs, a, b, step: int | None, ranks, resume_step: int | None = None) -> OriginReport:
     run_a, run_b = runs.run_a, runs.run_b
     if run_a.world_size != run_b.world_size:
         raise IncomparableRunsError(
@@ -249,7 +259,16 @@ def _find_origins(runs: _Runs, a, b, step: int | None, ranks) -> OriginReport:
                 findings[found.rank] = OriginFinding(found.rank, found.step, "control_flow",
                                                      detail=_missing_detail(found))
                 continue
-            finding = _classify_step(found.rank, found.step, found.records_a, found.records_b)
+            records_a, records_b = found.records_a, found.records_b
+            if found.step == resume_step:
+                records_a, records_b, dropped = _drop_pre(records_a), _drop_pre(records_b), (records_a, records_b)
+                counts = [len(dropped[0]) - len(records_a), len(dropped[1]) - len(records_b)]
+                if any(counts) and not any(f"step {found.step}, rank {found.rank}:" in n for n in notes):
+                    notes.append(f"step {found.step}, rank {found.rank}: b resumed here, so the records of phase "
+                                 f"pre (before the step's first forward, backward or optimizer step) are not "
+                                 f"compared: a's {counts[0]} (the tail of step {found.step - 1}, e.g. logging "
+                                 f"after its optimizer step), b's {counts[1]} (its start-up)")
+            finding = _classify_step(found.rank, found.step, records_a, records_b)
             if finding is not None:
                 findings[found.rank] = finding
             elif stop is None:
@@ -265,6 +284,11 @@ def _find_origins(runs: _Runs, a, b, step: int | None, ranks) -> OriginReport:
         notes.append(f"nothing was compared: no rank of {a} recorded "
                      + ("any step" if step is None else f"step {step}") + " that both runs have")
     return OriginReport(str(a), str(b), verdict, first_step, findings, origins, notes)
+
+
+def _drop_pre(records: list[Record]) -> list[Record]:
+    """The records of a step without those of training phase ``pre``."""
+    return [r for r in records if not (r.phase.startswith(PHASE_PREFIX) and r.phase.endswith(":" + PRE_PHASE))]
 
 
 def _missing_detail(found: RankStep) -> str:
@@ -350,8 +374,46 @@ def _classify_events(rank: int, step: int, records_a: list[Record], records_b: l
         return _content(rank, step, *first_plain)
     if keys_a == keys_b:
         return None
-    return OriginFinding(rank, step, "order", detail="the same records with the same values, in a different order "
-                   "(hooks or threads ran in another order)")
+    return _reordered(rank, step, records_a, records_b)
+
+
+def _group_of(record: Record) -> str:
+    """What a record belongs to, for saying what was reordered: its event (traced records) or
+    its phase (ordinary records, e.g. zero-code recording's ``grads``)."""
+    ref = parse_record(record.phase, record.name)
+    if ref is None:
+        return f"records {record.phase}"
+    return f"{ref.category} {ref.event_id} ({ref.training_phase}, {ref.role})"
+
+
+def _label_of(record: Record) -> str:
+    ref = parse_record(record.phase, record.name)
+    return record.name if ref is None else ref.label
+
+
+def _reordered(rank: int, step: int, records_a: list[Record], records_b: list[Record]) -> OriginFinding:
+    """The same records with the same values, in another order: where the order first differs,
+    and what holds them (an event's tensors, e.g. the gradients the optimizer step is given in
+    its parameter order, or a phase of ordinary records), with both orders of its labels."""
+    position = next(p for p, (ra, rb) in enumerate(zip(records_a, records_b)) if ra.key != rb.key)
+    first = records_a[position]
+    finding = _fields(rank, step, "order", position, first)
+    finding.a, finding.b = first, records_b[position]
+    group = _group_of(first)
+    labels_a = [_label_of(r) for r in records_a if _group_of(r) == group]
+    labels_b = [_label_of(r) for r in records_b if _group_of(r) == group]
+    if labels_a != labels_b:
+        finding.reordered = {"group": group, "a": labels_a, "b": labels_b}
+        finding.detail = (f"the same records with the same values, in another order: {group} holds the same "
+                          f"{len(labels_a)} tensors in another order (a: {_some(labels_a)}; b: {_some(labels_b)})")
+    else:  # the groups themselves come in another order (hooks or threads ran in another order)
+        finding.detail = (f"the same records with the same values, in another order: at record #{position} a has "
+                          f"{_describe(first)}, b has {_describe(records_b[position])}")
+    return finding
+
+
+def _some(labels: list[str], n: int = 4) -> str:
+    return ", ".join(labels[:n]) + (f", ... ({len(labels)})" if len(labels) > n else "")
 
 
 def _contents(records: list[Record]) -> list:
@@ -363,15 +425,43 @@ def _check_permuted_inputs(finding: OriginFinding, first: Record, records_a: lis
     """An op whose inputs differ by position but are the same tensors in another order (a
     ``torch.cat`` over a Python set): the order it was given them in changes between runs."""
     prefix = f"{finding.event_id}|in:"
+    label = finding.label or ""
+    if label.endswith((ORDER_LABEL, SET_LABEL)):
+        _check_list_provenance(finding, first, records_a, records_b)
+        return
 
     def inputs(records):
-        return [r for r in records if r.phase == first.phase and r.name.startswith(prefix)]
+        return [r for r in records if r.phase == first.phase and r.name.startswith(prefix)
+                and not r.name.endswith((ORDER_LABEL, SET_LABEL))]
 
     in_a, in_b = inputs(records_a), inputs(records_b)
     if len(in_a) > 1 and _contents(in_a) == _contents(in_b):
         finding.permuted = True
         finding.detail = (f"the {len(in_a)} inputs of {finding.event_id} are the same tensors in both runs, in "
                           "another order: the order it is given them in changes between runs")
+
+
+def _check_list_provenance(finding: OriginFinding, first: Record, records_a: list[Record],
+                           records_b: list[Record]) -> None:
+    """The first difference is a list argument's provenance (`_ops._provenance`): the tensors
+    it holds were recorded before, with equal values, but the op got them in another order
+    (``@order`` differs, ``@set`` matched) or got other ones (``@set`` differs)."""
+    label = finding.label or ""
+    head = label[: -len(ORDER_LABEL)] if label.endswith(ORDER_LABEL) else label[: -len(SET_LABEL)]
+    count = first.shape[0] if first.shape else 0
+    where = f"list argument {head} of {finding.event_id}"
+    if label.endswith(ORDER_LABEL):
+        name = first.name[: -len(ORDER_LABEL)] + SET_LABEL
+        set_a = next((r for r in records_a if r.phase == first.phase and r.name == name), None)
+        set_b = next((r for r in records_b if r.phase == first.phase and r.name == name), None)
+        if set_a is not None and set_b is not None and set_a.same_content(set_b):
+            finding.permuted = True
+            finding.detail = (f"{where} holds the same {count} tensors as in the other run (recorded before it, "
+                              "with equal values), in another order: the order it is given them in changes "
+                              "between runs")
+            return
+    finding.detail = (f"{where} holds other tensors than in the other run (the {count} tensors recorded before it "
+                      "have equal values, but others of them are passed)")
 
 
 def _check_permuted_collectives(finding: OriginFinding, first: Record, records_a: list[Record],
@@ -468,7 +558,9 @@ def _fields(rank, step, classification, position, record: Record | None) -> Orig
 def _annotate(finding: OriginFinding, runs: _Runs) -> None:
     if finding.category == "collective" and finding.classification == "origin":
         _check_collective_inputs(finding, runs)
-    if finding.category in ("op", "probe", "collective") and finding.event_id:
+    if finding.event_id and (finding.category in ("op", "probe", "collective") or (
+            finding.category == "phase" and finding.event_id.startswith(("reduce:", "optimizer:")))):
+        # (an optimizer's phase events: where it was built, else where its step() was called)
         finding.call_site = runs.call_site(finding.rank, finding.step, finding.phase, finding.event_id)
     if finding.category == "op" and finding.op:
         finding.catalog = _catalog_line(finding.op)

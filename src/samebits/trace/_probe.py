@@ -25,6 +25,7 @@ import functools
 from samebits._torchutil import tensor_leaves
 from samebits.errors import ConfigError
 from samebits.trace import _tracer
+from samebits.trace._config import source_prefix
 
 
 def _leaves(value) -> list:
@@ -65,7 +66,7 @@ class TraceProbe:
         if recorded:
             fresh = state.unseen(self._inputs)
             tracer.record("probe", event_id, "in", fresh, phase)
-            state.mark_all_seen(fresh)
+            state.mark_all_seen(fresh, source_prefix(phase, event_id, "in"))
         dump_inputs = tracer.copies(self._inputs) if dump else None
         self._event = (tracer, state, tracer.step_now, event_id, phase, recorded, dump_inputs)
         return self
@@ -81,7 +82,7 @@ class TraceProbe:
         pairs = _leaves(values[0] if len(values) == 1 else list(values))
         if recorded:
             tracer.record("probe", event_id, "out", pairs, phase)
-            state.mark_all_seen(pairs)
+            state.mark_all_seen(pairs, source_prefix(phase, event_id, "out"))
         if dump_inputs is not None:
             tracer.dump(event_id, phase, f"probe:{self.name}", dump_inputs, pairs, None)
 

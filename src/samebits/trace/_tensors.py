@@ -24,6 +24,14 @@ def version_of(t: torch.Tensor) -> int | None:
         return None
 
 
+def geometry(t: torch.Tensor) -> str:
+    """``@offset:(sizes):(strides)``: where a view sits in its base's storage."""
+    try:
+        return f"@{t.storage_offset()}:{tuple(t.shape)}:{t.stride()}"
+    except (RuntimeError, NotImplementedError):  # no strides (sparse, nested)
+        return f"@?:{tuple(t.shape)}"
+
+
 def nudge(t: torch.Tensor) -> None:
     """Move the first element of ``t`` by one ulp (integers by one, booleans flipped), in place."""
     if t.numel() == 0:

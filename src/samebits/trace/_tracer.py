@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import warnings
 import weakref
 from pathlib import Path
@@ -33,12 +34,13 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from samebits._torchutil import AutogradScopes, optimizer_params, process_rank, tensor_leaves
+from samebits._torchutil import AutogradScopes, call_site, optimizer_params, process_rank, tensor_leaves
 from samebits.checkpoint import state_census
 from samebits.trace import _collectives
-from samebits.trace._config import CENSUS_EVENT, CENSUS_PHASE, TraceConfig, record_name, record_phase
+from samebits.trace._config import (CENSUS_EVENT, CENSUS_PHASE, PRE_PHASE, TraceConfig, record_name, record_phase,
+                                    source_prefix)
 from samebits.trace._ops import OpMode
-from samebits.trace._tensors import digestable, nudge, version_of
+from samebits.trace._tensors import TRACE_DIR, digestable, geometry, nudge, version_of
 
 _active: "Tracer | None" = None
 
@@ -82,7 +84,7 @@ class StepState:
 
     def __init__(self, step: int, level: int, special: list, ops_needed: bool):
         self.step, self.level, self.special, self.ops_needed = step, level, special, ops_needed
-        self.stage = "forward"
+        self.stage = PRE_PHASE  # until the step's first forward, backward or optimizer step
         self.scope = ""
         self.frames: list[Frame] = []
         self.autograd = AutogradScopes()  # backward op -> (scope, call site) of the forward op
@@ -101,6 +103,11 @@ class StepState:
         return self._numbers.get((kind, key), 0)
 
     def enter_stage(self, stage: str) -> None:
+        if self.stage == PRE_PHASE and stage != PRE_PHASE:
+            # What the step's "pre" work made (the previous iteration's logging, a resumed
+            # process's start-up) is recorded again where it is first used after it, so that
+            # the phases after "pre" can be compared on their own (a resume bisect drops "pre").
+            self._seen.clear()
         self.stage = stage
 
     def push(self, frame: Frame) -> None:
@@ -122,21 +129,54 @@ class StepState:
             self.call_sites[f"{phase}|{event_id}"] = site
 
     # each tensor version is recorded once per step
+    # (entries: id -> (version, weakref, source, weakref of the tensor a view follows, or None))
     def is_seen(self, t: torch.Tensor) -> bool:
         entry = self._seen.get(id(t))
         if entry is not None and entry[1]() is t:
+            if entry[3] is not None:  # a view output: seen while what it views is
+                viewed = entry[3]()
+                return viewed is not None and self.is_seen(viewed)
             return entry[0] is not None and entry[0] == version_of(t)
         base = t._base  # a view of a recorded base holds recorded bytes
         return base is not None and self.is_seen(base)
 
-    def mark_seen(self, t: torch.Tensor) -> None:
-        version = version_of(t)
-        if version is not None:
-            self._seen[id(t)] = (version, weakref.ref(t))
+    def source_of(self, t: torch.Tensor) -> str | None:
+        """Where the recorded bytes of ``t`` (at its current version) were first seen in this
+        step: ``phase|record name`` (a view: its base's, with its offset, sizes and strides).
+        Names do not depend on arrival order, so two runs that give an op the same tensors
+        give it the same sources, in the same order or not."""
+        entry = self._seen.get(id(t))
+        if entry is not None and entry[1]() is t:
+            return entry[2] if self.is_seen(t) else None
+        base = t._base
+        if base is None:
+            return None
+        source = self.source_of(base)
+        if source is None:
+            return None
+        return source + geometry(t)
 
-    def mark_all_seen(self, pairs) -> None:
-        for _, t in pairs:
-            self.mark_seen(t)
+    def mark_seen(self, t: torch.Tensor, source: str | None = None) -> None:
+        version = version_of(t)
+        if version is None:
+            return
+        entry = self._seen.get(id(t))
+        if entry is not None and entry[1]() is t and (entry[0] == version or (entry[3] is not None and self.is_seen(t))):
+            return  # already seen at this version: it keeps its first source
+        self._seen[id(t)] = (version, weakref.ref(t), source, None)
+
+    def mark_view(self, t: torch.Tensor, viewed: torch.Tensor, source: str | None) -> None:
+        """``t`` is a view op's output of the seen tensor ``viewed``: seen while ``viewed`` is.
+        (Inside the dispatch mode a view's version counter is not yet its base's, so its
+        version then says nothing; `detach` outputs have no ``_base`` to follow.)"""
+        if version_of(t) is None:
+            return
+        self._seen[id(t)] = (None, weakref.ref(t), source, weakref.ref(viewed))
+
+    def mark_all_seen(self, pairs, prefix: str = "") -> None:
+        """Mark each (label, tensor) seen; its source is ``prefix + label``."""
+        for label, t in pairs:
+            self.mark_seen(t, prefix + str(label))
 
     def unseen(self, pairs) -> list:
         return [(label, t) for label, t in pairs if not self.is_seen(t)]
@@ -179,7 +219,10 @@ class Tracer:
         self.roots: list[torch.nn.Module] = []
         self._root_ids: set[int] = set()
         self._state_recorded = False
-        self._optimizers: list = []  # seen at their first step: their step counts and lrs go in the census
+        # Optimizers (weak references) from their construction (zero-code) or first step: their
+        # step counts and lrs go in the census, so that a resumed process's first census has them.
+        self._optimizers: list = []
+        self._optimizer_sites: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # -> where it was built
         self._census_warned = False
         self._census_step: int | None = None  # the step whose census is recorded
         self._grad_hooks: list = []
@@ -408,7 +451,7 @@ class Tracer:
         never calls it an origin, but names the generator that differs when an RNG op is one."""
         try:
             with self.suspended():
-                pairs = state_census(optimizers=tuple(self._optimizers))
+                pairs = state_census(optimizers=self.optimizers())
         except Exception as err:  # the census must never break the traced program
             if not self._census_warned:
                 self._census_warned = True
@@ -443,8 +486,8 @@ class Tracer:
             else:
                 fqn = f"{state.scope}.{type(module).__name__}" if state.scope else type(module).__name__
         if is_root and phase != "recompute":
-            if state.stage in ("reduce", "post"):
-                state.enter_stage("forward")  # a new micro-batch (or evaluation) after a backward
+            if state.stage in (PRE_PHASE, "reduce", "post"):
+                state.enter_stage("forward")  # the step's first forward, or a new micro-batch (or evaluation)
             phase = state.stage
             self._record_state()
             if state.level >= 1 and self._census_step != self.step_now:
@@ -457,12 +500,13 @@ class Tracer:
             label = fqn or "model"
             frame.forward_n = state.next_number("phase", "forward/" + label)
             pairs = _labelled(args)
-            self.record("phase", f"forward/{label}:{frame.forward_n}", "in", pairs, phase)
-            state.mark_all_seen(pairs)
+            event = f"forward/{label}:{frame.forward_n}"
+            self.record("phase", event, "in", pairs, phase)
+            state.mark_all_seen(pairs, source_prefix(phase, event, "in"))
         if frame.recorded:
             pairs = state.unseen(_labelled(args))
             self.record("module", f"{fqn}:{count}", "in", pairs, phase)
-            state.mark_all_seen(pairs)
+            state.mark_all_seen(pairs, source_prefix(phase, f"{fqn}:{count}", "in"))
 
     def _post_forward(self, module, args, kwargs=None, output=None) -> None:
         # (module, args, kwargs, output); when forward raised, torch passes fewer arguments
@@ -477,7 +521,7 @@ class Tracer:
             leaves = _labelled(output)
             pairs = state.unseen(leaves)
             self.record("module", f"{fqn}:{frame.count}", "out", pairs, phase)
-            state.mark_all_seen(pairs)
+            state.mark_all_seen(pairs, source_prefix(phase, f"{fqn}:{frame.count}", "out"))
             if phase == "forward" and torch.is_grad_enabled():
                 self._hook_backward(fqn, frame.count, leaves, _labelled(args))
         if frame.is_root and frame.forward_n is not None:
@@ -512,9 +556,22 @@ class Tracer:
 
     # -- optimizer and autograd (rung 1) -------------------------------------------------------
 
+    def optimizers(self) -> tuple:
+        """The optimizers seen so far (built, or stepped), in that order, those still alive."""
+        return tuple(o for o in (ref() for ref in self._optimizers) if o is not None)
+
+    def note_optimizer(self, optimizer, site: str | None = None) -> None:
+        """An optimizer was built (zero-code: at its construction, at ``site``) or stepped."""
+        if not any(ref() is optimizer for ref in self._optimizers):
+            self._optimizers.append(weakref.ref(optimizer))
+        if site is not None:
+            try:
+                self._optimizer_sites.setdefault(optimizer, site)
+            except TypeError:  # not weakly referenceable
+                pass
+
     def _optimizer_pre(self, optimizer, args, kwargs) -> None:
-        if not any(o is optimizer for o in self._optimizers):
-            self._optimizers.append(optimizer)
+        self.note_optimizer(optimizer)
         state = self.now
         if state is None:
             return
@@ -522,6 +579,10 @@ class Tracer:
             n = state.peek_number("phase", "optimizer")
             self.record("phase", f"reduce:{n}", "out",
                         [(name, p.grad) for name, p in optimizer_params(optimizer, self.param_names)], "reduce")
+            if self.config.call_sites:  # where the optimizer was built (its parameter order), else its step() call
+                site = self._optimizer_sites.get(optimizer) or call_site(2, skip=(TRACE_DIR, "<"))
+                state.note_call_site("reduce", f"reduce:{n}", site)
+                state.note_call_site("optimizer", f"optimizer:{n}", site)
         state.enter_stage("optimizer")
 
     def optimizer_post(self, optimizer, args=None, kwargs=None) -> None:
@@ -688,6 +749,9 @@ def _unpatch_autograd() -> None:
 # -- torch.optim.Optimizer.__init__ (zero-code arming) --------------------------------------------
 
 _optimizer_init: list = []
+# Frames that are not the user's when an optimizer is built: the tracer's, and zero-code
+# recording's constructor wrappers (a sibling folder; trace imports nothing above it).
+_OWN_DIRS = (TRACE_DIR, os.path.join(os.path.dirname(TRACE_DIR), "autorecord") + os.sep, "<")
 
 
 def _patch_optimizer_init() -> None:
@@ -702,8 +766,10 @@ def _patch_optimizer_init() -> None:
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
         tracer = _active
-        if tracer is not None and not tracer.armed and not tracer.busy:
-            tracer.arm()
+        if tracer is not None and not tracer.busy:
+            tracer.note_optimizer(self, call_site(2, skip=_OWN_DIRS))
+            if not tracer.armed:
+                tracer.arm()
 
     torch.optim.Optimizer.__init__ = __init__
 

@@ -6,6 +6,7 @@ End-to-end bisection over subprocesses is in test_bisect.py.
 from __future__ import annotations
 
 import contextlib
+import json
 
 import torch
 import torch.distributed as dist
@@ -675,3 +676,117 @@ def test_shared_torch_helpers(monkeypatch):
     site = tu.call_site(1)
     assert site.startswith(__file__) and site.endswith("in test_shared_torch_helpers")
     assert tu.call_site(1, skip=(__file__,)) != site
+
+
+# -- a step's "pre" work, list provenance, reordered records, views (issue 24) ------------------
+
+
+def _step_with_pre_work(directory, *, level=3, pre=None, optimizer_site=None, version_bump=False, call_sites=False):
+    """One traced step of an explicit loop that does work before its first forward (``pre``)."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = samebits.Recorder(directory, rank=0, world_size=1)
+    tracer = attach(model, rec, TraceConfig(level=level, call_sites=call_sites))
+    if optimizer_site is not None:
+        tracer.note_optimizer(opt, optimizer_site)
+    x = torch.ones(5, 4)
+    if version_bump:
+        x.add_(1.0)  # written before the step (as torch.load's set_ does): version 1
+    try:
+        with tracer.step(0):
+            if pre is not None:
+                pre()
+            bias = torch.full((2,), 0.5).add(0.25)  # made before the first forward, used after it
+            out = model(x)
+            loss = (out + bias).square().mean() + x.view(-1).sum() * 0
+            loss.backward()
+            opt.step()
+            rec.end_step(0)
+    finally:
+        tracer.close()
+        rec.close()
+    return directory
+
+
+def test_work_before_the_first_forward_is_phase_pre_and_recorded_again_after_it(tmp_path):
+    """The ops before a step's first forward (the previous iteration's logging, a resumed
+    process's start-up) are phase "pre", counted apart; what they made is recorded again
+    where it is first used after it, so the phases after "pre" stand on their own."""
+    refs = traced(records(_step_with_pre_work(tmp_path / "a")))
+    pre = [(ref.event_id, ref.role) for ref, _ in refs if ref.training_phase == "pre"]
+    assert ("/aten::add:0", "out") in pre
+    forward_add = [ref.label for ref, _ in refs if ref.category == "op" and ref.training_phase == "forward"
+                   and ref.event_id == "/aten::add:0" and ref.role == "in"]
+    assert "1" in forward_add  # bias: recorded in "pre", recorded again as the forward add's input
+
+
+def test_a_view_of_a_tensor_written_before_the_step_counts_as_seen(tmp_path):
+    """Inside the dispatch mode a view's version is not yet its base's: a view of a tensor at
+    version 1 (loaded from a checkpoint) must not be taken for an unseen tensor."""
+    refs = traced(records(_step_with_pre_work(tmp_path / "a", version_bump=True)))
+    assert not [ref for ref, _ in refs if ref.category == "op" and ref.role == "in" and ref.label == "0"
+                and ref.event_id.startswith("/aten::sum")]  # x.view(-1): seen at the forward's input
+
+
+def test_a_resume_step_is_compared_without_its_pre_work(tmp_path):
+    """b resumed at step 2: a's "pre" holds the tail of step 1 (logging), b's its start-up.
+    Aligned on the phases, the optimizer is where they part, and a note says what was dropped."""
+    for run, pre, update in (("a", ("/aten::_local_scalar_dense:0|in:0", torch.ones(())), 1.0),
+                             ("b", ("/aten::randint:0|out:0", torch.arange(4)), 2.0)):
+        with samebits.Recorder(tmp_path / run, rank=0, world_size=1) as rec:
+            rec.tensors(2, "trace:op:pre", [pre])
+            rec.tensors(2, "trace:phase:forward", [("forward/model:0|in:0", torch.ones(3))])
+            rec.tensors(2, "trace:phase:reduce", [("reduce:0|out:w", torch.ones(3))])
+            rec.tensors(2, "trace:phase:optimizer", [("optimizer:0|out:w", torch.full((3,), update))])
+    assert find_origins(tmp_path / "a", tmp_path / "b").first.classification == "control_flow"
+    report = find_origins(tmp_path / "a", tmp_path / "b", resume_step=2)
+    finding = report.first
+    assert (finding.classification, finding.phase, finding.event_id) == ("origin", "optimizer", "optimizer:0")
+    assert any("phase pre" in note and "a's 1" in note and "b's 1" in note for note in report.notes)
+
+
+def test_a_list_given_in_another_order_is_permuted_never_all_inputs_matched(tmp_path):
+    """Tensors recorded before an op are not recorded again as its inputs; a list argument's
+    provenance (@set, @order) tells the same tensors in another order (a set-ordered
+    parameter list fed to clip_grad_norm_'s _foreach_norm) from other tensors."""
+    def run(name, order):
+        def extra(step, loss):
+            parts = [loss * 1.0, loss * 2.0, loss * 3.0]  # outputs of traced ops: seen
+            return loss + torch.stack([parts[i] for i in order]).mul(torch.arange(3.0)).sum() * 1e-3
+        return train(tmp_path / name, TraceConfig(level=3), extra=extra, steps=1)
+
+    a, b, c = run("a", (0, 1, 2)), run("b", (2, 0, 1)), run("c", (0, 0, 2))
+    finding = find_origins(a, b).first
+    assert (finding.op, finding.classification, finding.permuted, finding.label) == \
+        ("aten::stack", "receiver", True, "0@order")
+    assert "holds the same 3 tensors as in the other run" in finding.detail
+    assert "all inputs" not in finding.detail
+    other = find_origins(a, c).first
+    assert (other.op, other.label, other.permuted) == ("aten::stack", "0@set", False)
+    assert "holds other tensors" in other.detail
+
+
+def test_records_in_another_order_say_what_was_reordered(tmp_path):
+    """The optimizer's parameters in another order (param groups from a set): same records,
+    same values; the finding names the event that holds them and both orders."""
+    for run, names in (("a", ("w1", "w2", "w3")), ("b", ("w3", "w1", "w2"))):
+        with samebits.Recorder(tmp_path / run, rank=0, world_size=1) as rec:
+            rec.tensors(0, "trace:phase:forward", [("forward/model:0|out:0", torch.ones(2))])
+            rec.tensors(0, "trace:phase:reduce", [(f"reduce:0|out:{n}", torch.full((2,), float(n[1])))
+                                                  for n in names])
+    finding = find_origins(tmp_path / "a", tmp_path / "b").first
+    assert (finding.classification, finding.category, finding.event_id, finding.phase) == \
+        ("order", "phase", "reduce:0", "reduce")
+    assert finding.reordered == {"group": "phase reduce:0 (reduce, out)", "a": ["w1", "w2", "w3"],
+                                 "b": ["w3", "w1", "w2"]}
+
+
+def test_the_optimizer_is_in_the_census_from_its_construction(tmp_path):
+    """Zero-code recording tells the tracer of an optimizer when it is built: a resumed process's
+    first census (before its first optimizer step) has its step counts and lrs, and the
+    optimizer's phase events get the site where it was built."""
+    run = _step_with_pre_work(tmp_path / "a", level=1, optimizer_site="train.py:7 in build", call_sites=True)
+    census = {ref.label for ref, _ in traced(records(run)) if ref.category == "census"}
+    assert {"optim0.step", "optim0.lr"} <= census
+    sites = json.loads((run / "trace-rank-00000.json").read_text())["steps"]["0"]
+    assert sites["reduce|reduce:0"] == sites["optimizer|optimizer:0"] == "train.py:7 in build"

@@ -351,7 +351,7 @@ def _classify_events(rank: int, step: int, records_a: list[Record], records_b: l
         for position in range(parted):  # a value that differs first may be what changed the flow
             ra, rb = records_a[position], records_b[position]
             if not ra.same_content(rb) and ra.phase.startswith(PHASE_PREFIX):
-                finding = _content(rank, step, position, ra, rb)
+                finding = _traced_content(rank, step, position, ra, rb, records_a, records_b)
                 finding.parted = parting.detail
                 return finding
         parting.parted = parting.detail
@@ -362,12 +362,7 @@ def _classify_events(rank: int, step: int, records_a: list[Record], records_b: l
         rb = by_key_b[ra.key]
         if not ra.same_content(rb):
             if ra.phase.startswith(PHASE_PREFIX):
-                finding = _content(rank, step, position, ra, rb)
-                if finding.category == "collective" and finding.role == "in":
-                    _check_permuted_collectives(finding, ra, records_a, records_b)
-                elif finding.category in ("op", "probe") and finding.role == "in":
-                    _check_permuted_inputs(finding, ra, records_a, records_b)
-                return finding
+                return _traced_content(rank, step, position, ra, rb, records_a, records_b)
             if first_plain is None:
                 first_plain = (position, ra, rb)
     if first_plain is not None:
@@ -375,6 +370,18 @@ def _classify_events(rank: int, step: int, records_a: list[Record], records_b: l
     if keys_a == keys_b:
         return None
     return _reordered(rank, step, records_a, records_b)
+
+
+def _traced_content(rank, step, position, ra: Record, rb: Record, records_a: list[Record],
+                    records_b: list[Record]) -> OriginFinding:
+    """A traced record whose value differs, classified; an input is checked for being the
+    same tensors in another order (an op's, a collective group's)."""
+    finding = _content(rank, step, position, ra, rb)
+    if finding.category == "collective" and finding.role == "in":
+        _check_permuted_collectives(finding, ra, records_a, records_b)
+    elif finding.category in ("op", "probe") and finding.role == "in":
+        _check_permuted_inputs(finding, ra, records_a, records_b)
+    return finding
 
 
 def _group_of(record: Record) -> str:

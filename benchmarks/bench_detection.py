@@ -9,11 +9,14 @@ Each case is a small training script with one planted fault (tests/corpus/*.py, 
 marked `# PLANTED`) and the samebits command that should find it.  The command runs with
 `--json`; its output is judged strictly against the case's expectation (tests/corpus/README.md):
 
-* hit    the verdict is right and the origin is the planted line or the expected class;
-* miss   the fault was not localised: no origin, a receiver/untraced finding, a run that
-         could not be judged, a timeout;
-* wrong  samebits named something else: another line, another step, a verdict that
-         contradicts the fault (PASS/IDENTICAL for a run that crashed or really differs).
+* hit    the verdict is right and the origin is the planted line or the expected class
+         (verify: the right step and, where the case says what explains it, the right
+         first finding);
+* miss   the fault was not localised: no origin, a receiver/untraced finding, no finding, a
+         run that could not be judged, a timeout;
+* wrong  samebits named something else: another line, another step, another finding first,
+         a verdict that contradicts the fault (PASS/IDENTICAL for a run that crashed or
+         really differs).
 
 A benchmark, not a gate: it exits 0 whatever the score (2 only for bad arguments).
 """
@@ -41,6 +44,7 @@ MANIFEST = CORPUS / "cases.json"
 CLASS_KINDS = {
     "input batch": {"input_batch"},
     "generator:torch_cpu": {"generator"},
+    "generator:user": {"generator"},
     "same values different order": {"order"},
     "collective order": {"order", "collective", "control_flow"},
     "replicas differ": {"replicas"},
@@ -52,6 +56,18 @@ GENERATORS = {
     "python": re.compile(r"python `?random|rng\.python", re.I),
     "numpy": re.compile(r"numpy|np\.random", re.I),
 }
+# The generators whose state a census records for the whole process: a private generator's
+# case must not blame them (their state is the same in both runs of such a script).
+GLOBAL_GENERATORS = {
+    "torch_cpu": re.compile(r"torch[ _.]?cpu (rng|random|generator) state|rng\.torch_cpu|global torch", re.I),
+    "python": GENERATORS["python"],
+    "numpy": GENERATORS["numpy"],
+}
+PRIVATE_GENERATOR = re.compile(r"private generator", re.I)
+# The kinds of verify's findings (`--json` "findings", most specific first); a case's
+# `explains` names one of them.
+FINDING_KINDS = ("off_by_one", "model_params", "optimizer_state", "scheduler", "grad_scaler", "iteration_counter",
+                 "data_position", "generator_consumed", "generator", "input_batch", "order", "script_said")
 # Kinds that claim where the difference comes from; any other kind (not_localised,
 # below_dispatcher, receiver-style findings) is "not localised".
 CLAIMS = {"op", "probe", "collective", "generator", "input_batch", "order", "initial_state", "replicas"}
@@ -75,14 +91,32 @@ def load_cases(path: Path = MANIFEST) -> list[dict]:
     return json.loads(path.read_text())["cases"]
 
 
+def _alternatives(value: str | list[str] | None) -> list[str]:
+    """A `file_line`/`site` expectation: one `x.py:N`, or a list of places that are each right."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
+def describe_explains(explains: dict | None) -> str:
+    if not explains:
+        return ""
+    extra = [explains.get("generator"), " or ".join(_alternatives(explains.get("site"))) or None]
+    return f"; explains: {explains['kind']}" + "".join(f" {x}" for x in extra if x)
+
+
 def describe_expected(case: dict) -> str:
     exp = case["expected"]
     if "exit" in exp:
         return f"exit {exp['exit']} (failed run), never PASS/identical"
-    origin = exp["origin"]
+    origin = exp.get("origin", {})
     if "resume_diverged_at" in exp:
-        return f"FAIL: A = B identical, resume diverged at step {exp['resume_diverged_at']}"
-    where = " + ".join(x for x in (origin.get("class"), origin.get("file_line")) if x)
+        return (f"FAIL: A = B identical, resume diverged at step {exp['resume_diverged_at']}"
+                + describe_explains(exp.get("explains")))
+    if "independent_diverged_at" in exp:
+        return (f"FAIL: A and B diverge at step {exp['independent_diverged_at']}"
+                + describe_explains(exp.get("explains")))
+    where = " + ".join(x for x in (origin.get("class"), " or ".join(_alternatives(origin.get("file_line")))) if x)
     at = f"step {exp['step']}" if "step" in exp else ""
     if "phase" in exp:
         at += f" {exp['phase']}"
@@ -144,6 +178,14 @@ def summarise(payload: dict | None, exit_code: int | None, stderr: str) -> str:
             else:
                 first = check.get("first_divergence") or {}
                 parts.append(f"{name}: diverged at step {first.get('step')} ({first.get('phase')}/{first.get('name')})")
+        findings = payload.get("findings")
+        if findings:
+            top = findings[0]
+            detail = " ".join(str(x) for x in (top.get("generator"), top.get("site")) if x)
+            parts.append(f"finding: {top.get('check')} {top.get('kind')} step {top.get('step')}"
+                         + (f" ({detail})" if detail else ""))
+        elif findings is not None:
+            parts.append("no finding")
         return "; ".join(parts)
     origin = payload.get("origin")
     if origin is None:
@@ -168,7 +210,7 @@ def judge(case: dict, payload: dict | None, exit_code: int | None, stderr: str) 
         return "wrong", f"a verdict (exit {exit_code}) for a run that crashed"
     if exit_code not in (0, 1) or payload is None:
         return "miss", f"could not run (exit {exit_code})"
-    if "resume_diverged_at" in exp:
+    if "resume_diverged_at" in exp or "independent_diverged_at" in exp:
         return _judge_verify(exp, payload)
     return _judge_bisect(case, exp, payload)
 
@@ -183,6 +225,20 @@ def _identical(check: dict | None) -> bool | None:
 
 def _judge_verify(exp: dict, payload: dict) -> tuple[str, str]:
     checks = payload.get("checks", {})
+    if "independent_diverged_at" in exp:  # the fault makes every run differ (no resume)
+        if str(payload.get("verdict", "")).lower() == "pass":
+            return "wrong", "PASS for runs that differ"
+        independent = checks.get("independent")
+        if independent is None:
+            return "miss", "the independent runs were not compared"
+        if _identical(independent):
+            return "wrong", "independent runs reported identical; they differ"
+        step = (independent.get("first_divergence") or {}).get("step")
+        if step != exp["independent_diverged_at"]:
+            return "wrong", f"A and B diverged at step {step}, expected {exp['independent_diverged_at']}"
+        if "explains" in exp:
+            return _judge_explains(exp["explains"], payload, "independent")
+        return "hit", "A and B diverged at the step the fault acts"
     if str(payload.get("verdict", "")).lower() == "pass":
         return "wrong", "PASS for a resume that is not exact"
     if exp.get("independent") == "identical" and _identical(checks.get("independent")) is False:
@@ -195,7 +251,44 @@ def _judge_verify(exp: dict, payload: dict) -> tuple[str, str]:
     step = (resume.get("first_divergence") or {}).get("step")
     if step != exp["resume_diverged_at"]:
         return "wrong", f"resume diverged at step {step}, expected {exp['resume_diverged_at']}"
+    if "explains" in exp:
+        return _judge_explains(exp["explains"], payload, "resume")
     return "hit", "resume diverged at the step the fault acts"
+
+
+def _generator_name(value: str | None) -> str | None:
+    """`torch_cpu`, `python`, `numpy` as they are; `user:<path>/x.py:N` as `user:x.py:N`."""
+    if not value or not value.startswith("user:"):
+        return value
+    site = _file_line(value.removeprefix("user:"))
+    return f"user:{site}" if site else value
+
+
+def _judge_explains(want: dict, payload: dict, check: str) -> tuple[str, str]:
+    """The verdict and step are right; now the first finding must name the fault: its kind,
+    and its site and generator where the case gives them."""
+    findings = payload.get("findings")
+    if not findings:
+        return "miss", "verdict right, but no finding explains it"
+    first = findings[0]
+    kind = first.get("kind")
+    if first.get("check") not in (None, check):
+        return "wrong", f"the first finding ({kind}) is about the {first.get('check')} check, not the {check} one"
+    if kind != want["kind"]:
+        return "wrong", f"first finding {kind}, expected {want['kind']}"
+    if "site" in want:
+        site = _file_line(first.get("site"))
+        if site is None:
+            return "miss", f"{kind} right, but no site (expected {' or '.join(_alternatives(want['site']))})"
+        if site not in _alternatives(want["site"]):
+            return "wrong", f"{kind} right, site {site}, expected {' or '.join(_alternatives(want['site']))}"
+    if "generator" in want:
+        named = _generator_name(first.get("generator"))
+        if named is None:
+            return "miss", f"{kind} right, but it names no generator (expected {want['generator']})"
+        if named != want["generator"]:
+            return "wrong", f"{kind} right, generator {named}, expected {want['generator']}"
+    return "hit", f"{kind}" + (f" at {_file_line(first.get('site'))}" if "site" in want else "")
 
 
 def origin_kind(origin: dict) -> str:
@@ -224,9 +317,13 @@ def _judge_bisect(case: dict, exp: dict, payload: dict) -> tuple[str, str]:
         return ("wrong" if claims else "miss"), f"{kind} at step {origin.get('step')}, expected step {exp['step']}"
     if "class" in want:
         if kind not in CLASS_KINDS[want["class"]]:
+            if want["class"] == "generator:user" and kind == "input_batch":
+                return "miss", "input batch: the batch differs, but not the generator that drew it"
             if claims:
                 return "wrong", f"{kind} {origin.get('op') or origin.get('id') or ''} @ {site}, not {want['class']}"
             return "miss", f"not localised ({kind}), not {want['class']}"
+        if want["class"] == "generator:user":
+            return _judge_private_generator(want, origin)
         if want["class"].startswith("generator:"):
             wanted = want["class"].partition(":")[2]
             named = [name for name, pattern in GENERATORS.items() if pattern.search(origin.get("conclusion") or "")]
@@ -236,8 +333,9 @@ def _judge_bisect(case: dict, exp: dict, payload: dict) -> tuple[str, str]:
                 return "wrong", f"the conclusion names {', '.join(named)}, not {wanted}"
             if len(named) > 1:
                 return "miss", f"vague: the conclusion names {len(named)} generators ({', '.join(named)})"
-        if "file_line" in want and site != want["file_line"]:
-            return ("wrong" if site else "miss"), f"{kind} right, call site {site}, expected {want['file_line']}"
+        if "file_line" in want and site not in _alternatives(want["file_line"]):
+            expected = " or ".join(_alternatives(want["file_line"]))
+            return ("wrong" if site else "miss"), f"{kind} right, call site {site}, expected {expected}"
         if want["class"] == "collective order" and "order" not in (origin.get("conclusion") or "").lower():
             return "miss", f"{kind} at the planted call, but no word of the order"
         return "hit", want["class"]
@@ -247,11 +345,29 @@ def _judge_bisect(case: dict, exp: dict, payload: dict) -> tuple[str, str]:
         return "wrong", f"{kind}, expected the op at {want['file_line']}"
     if site is None:
         return "miss", f"{kind} {origin.get('op') or origin.get('id')} without a call site"
-    if site != want["file_line"]:
-        return "wrong", f"call site {site}, expected {want['file_line']}"
+    if site not in _alternatives(want["file_line"]):
+        return "wrong", f"call site {site}, expected {' or '.join(_alternatives(want['file_line']))}"
     if "phase" in exp and origin.get("phase") != exp["phase"]:
         return "wrong", f"phase {origin.get('phase')}, expected {exp['phase']}"
     return "hit", "planted line"
+
+
+def _judge_private_generator(want: dict, origin: dict) -> tuple[str, str]:
+    """Kind `generator` for a private torch.Generator: the conclusion must name that generator,
+    by its creation site (`x.py:N`, the case's `file_line`) or as a private generator, and
+    no process-wide generator (their state is the same in both runs here)."""
+    conclusion = origin.get("conclusion") or ""
+    sites = {f"{name}:{line}" for name, line in CALL_SITE.findall(conclusion)}
+    named_site = bool(sites & set(_alternatives(want.get("file_line"))))
+    private = named_site or bool(PRIVATE_GENERATOR.search(conclusion))
+    blamed = [name for name, pattern in GLOBAL_GENERATORS.items() if pattern.search(conclusion)]
+    if private and blamed:
+        return "miss", f"vague: the private generator and {', '.join(blamed)}"
+    if private:
+        return "hit", "generator:user" + (" (its creation site)" if named_site else " (a private generator)")
+    if blamed:
+        return "wrong", f"the conclusion blames {', '.join(blamed)}, not the private generator"
+    return "miss", "generator, but the conclusion names neither the private generator nor its creation site"
 
 
 def run_case(case: dict, *, timeout: float, keep: Path | None = None) -> Score:
@@ -280,7 +396,7 @@ def run_case(case: dict, *, timeout: float, keep: Path | None = None) -> Score:
         payload = None
     outcome, why = judge(case, payload, exit_code, stderr)
     got = summarise(payload, exit_code, stderr)
-    said = ((payload or {}).get("origin") or {}).get("conclusion") or (payload or {}).get("conclusion") or ""
+    said = _said(payload)
     if payload is None:
         said = _first_line(stderr) if exit_code is not None else f"killed after {timeout:.0f} s"
     if keep is not None:
@@ -293,6 +409,14 @@ def run_case(case: dict, *, timeout: float, keep: Path | None = None) -> Score:
                  said)
 
 
+def _said(payload: dict | None) -> str:
+    """samebits' own sentence: bisect's conclusion, or verify's first finding."""
+    payload = payload or {}
+    findings = payload.get("findings") or [{}]
+    return ((payload.get("origin") or {}).get("conclusion") or payload.get("conclusion")
+            or findings[0].get("says") or "")
+
+
 def rejudge(case: dict, kept: Path) -> Score:
     """Score a case again from the raw output that ``--keep`` saved (after a matcher change)."""
     raw = json.loads((kept / f"{case['name']}.json").read_text())
@@ -301,7 +425,7 @@ def rejudge(case: dict, kept: Path) -> Score:
     except json.JSONDecodeError:
         payload = None
     outcome, why = judge(case, payload, raw["exit"], raw["stderr"])
-    said = ((payload or {}).get("origin") or {}).get("conclusion") or (payload or {}).get("conclusion") or ""
+    said = _said(payload)
     if payload is None:
         said = _first_line(raw["stderr"]) if raw["exit"] is not None else "killed (timeout)"
     return Score(case["name"], case["setting"], describe_expected(case), summarise(payload, raw["exit"], raw["stderr"]),

@@ -229,7 +229,7 @@ def test_one_optimizer_not_in_a_list_is_a_config_error():
     ("optim0.hparams", "optimizer 0's group settings (betas, weight decay, eps, ...) differ"),
     ("sched0.step_count", "learning rate differs at step start: LR scheduler not restored on resume"),
     ("scaler1", "GradScaler 1's scale or growth tracker differs at step start"),
-    ("data.train.py:40", "data loader train.py:40 is at another position at step start"),
+    ("data.train.py:40", "data loader train.py:40 is at another position in its epoch at step start"),
     ("params/w1", "training state 'params/w1' differs at step start"),
 ])
 def test_each_record_name_has_its_sentence(name, sentence):

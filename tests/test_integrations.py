@@ -184,3 +184,28 @@ def test_verify_with_resume_on_a_lightning_script(tmp_path, callback):
         assert result.verdict is Verdict.FAIL
         assert result.checks["independent"].verdict is Verdict.IDENTICAL
         assert result.checks["resume"].divergences[0].step == 4
+        # Lightning's checkpoint holds no random state: the torch generator, which the step
+        # draws from (dropout, the new epoch's shuffle), is named; nothing else is
+        first = result.findings[0]
+        assert (first.kind, first.generator, first.step) == ("generator", "torch_cpu", 4), result.findings
+        assert all(f.generator not in ("python", "numpy") for f in result.findings)
+
+
+@pytest.mark.slow
+def test_verify_shows_the_lightning_callbacks_own_finding(tmp_path):
+    """A mid-epoch resume with a plain loader: the callback knows why it cannot be exact, and
+    verify prints that with its verdict, not only in logs/c.log."""
+    import sys
+    from pathlib import Path
+
+    from samebits.runs import verify_command
+
+    script = str(Path(__file__).parent / "scripts_integrations" / "lightning_train.py")
+    cmd = [sys.executable, script, "--workdir", "{out}", "--steps", "8", "--save-every", "5"]
+    resume = " ".join([sys.executable, script, "--workdir", "{out}", "--steps", "8",
+                       "--resume", "{from}/ckpt/step=5.ckpt"])
+    result = verify_command(cmd, tmp_path / "v", resume_with=resume, resume_at=5)
+    assert result.verdict is Verdict.FAIL
+    said = [f for f in result.findings if f.kind == "script_said"]
+    assert said and "the checkpoint was taken in the middle of epoch 1" in said[0].says
+    assert any("cannot be bitwise exact" in line for line in result.explanations["resume"])

@@ -91,8 +91,9 @@ class Tracking:
         return named
 
     def loader_positions(self) -> list[tuple[str, torch.Tensor]]:
-        """``data.<site>``: int64[batches yielded by its newest iterator (-1: none yet),
-        iterators made] for each live DataLoader."""
+        """``data.<site>``: int64[1], the batches its newest iterator yielded (-1: none yet), for
+        each live DataLoader: the position in the epoch, which a resume must restore (how many
+        iterators a process made is its own history, not state)."""
         records, seen = [], set()
         for loader, site in self.loaders.alive():
             name = f"data.{site or 'unknown'}"
@@ -104,7 +105,7 @@ class Tracking:
             state = loader.__dict__.get("_samebits_position", [None, 0])
             iterator = state[0]() if state[0] is not None else None
             yielded = int(getattr(iterator, "_num_yielded", -1)) if iterator is not None else -1
-            records.append((name, torch.tensor([yielded, state[1]], dtype=torch.int64)))
+            records.append((name, torch.tensor([yielded], dtype=torch.int64)))
         return records
 
     def new_events(self) -> list[dict]:

@@ -144,8 +144,8 @@ def describe_state_record(name: str) -> str:
         return (f"GradScaler {index[len('scaler'):]}'s scale or growth tracker differs at step start: "
                 "scaler.load_state_dict not called on resume")
     if name.startswith("data."):
-        return (f"data loader {name.removeprefix('data.')} is at another position at step start "
-                "(batches yielded, iterators created): the data position was not restored on resume")
+        return (f"data loader {name.removeprefix('data.')} is at another position in its epoch at step "
+                "start (batches its iterator yielded): the data position was not restored on resume")
     return (f"training state {name!r} differs at step start: some state was not restored on "
             "resume, or was seeded from something that changes")
 

@@ -281,30 +281,40 @@ def _resume_step(census_a, census_b, census_c, main_a, dir_c, rank, step, resume
             "itself, from an iteration counter that was not restored from the checkpoint (restore it, e.g. "
             "iter_num = checkpoint['iter_num'])", lr[0])
     # 5. data: the loader's position, the batch itself
+    position_differs = False
     for name in differing:
         if name.startswith("data."):
+            position_differs = True
             add("data_position", f"{describe_state_record(name)} (step {step}: skip the batches already seen, "
                 "or save and load the loader's state)", name, site=name.removeprefix("data.").split("#")[0])
             break
+    events = _events(dir_c, rank)
+    generators = []  # (name, restored then drawn) for the generators that explain this step
+    for name in (n for n in differing if n.startswith("rng.")):
+        consumed = _restored_then_drawn(events, _generator_label(name)[0], state_a[name], resume_at)
+        used = (_used(census_a, rank, step, name), _used(census_c, rank, step, name))
+        if consumed is not None or used != (False, False):  # a generator nobody drew from explains nothing
+            generators.append((name, consumed))
     inputs_a, inputs_c = census_a.get(rank, step, "inputs"), census_c.get(rank, step, "inputs")
     changed_inputs = _differing(inputs_a, inputs_c)
-    batch_from = None
-    if changed_inputs:
-        batch_from = _matching_inputs(census_a, rank, inputs_c, step)
-        if batch_from is not None:
+    batch_from = _matching_inputs(census_a, rank, inputs_c, step) if changed_inputs else None
+    order_evidence = ""
+    if batch_from is not None:
+        if batch_from == step + 1:
             how = ("the resumed run drew again a batch that A had drawn before the checkpoint (a prefetched "
-                   "batch not saved with the checkpoint, or the RNG saved after the prefetch)"
-                   if batch_from == step + 1 else "the loader did not skip the batches already seen"
-                   if batch_from < step else "C's data is ahead of A's")
+                   "batch not saved with the checkpoint, or the RNG saved after the prefetch)")
+        elif position_differs or not generators:
+            how = "the loader did not skip the batches already seen" if batch_from < step else "C's data is ahead"
+        else:
+            how = None  # the same position, an earlier batch: the order was drawn from an old generator state
+            order_evidence = (f"; C's batch of step {step} is A's batch of step {batch_from}: the data order "
+                              "was drawn from this generator in an earlier state")
+        if how is not None:
             add("data_position", f"the input batch of step {step} differs: C's batch is A's batch of step "
                 f"{batch_from}: {how}", f"inputs:{changed_inputs[0]}")
     # 6. generators: restored then drawn from, or just in another state (if used in the step)
-    generators = [n for n in differing if n.startswith("rng.")]
-    events = _events(dir_c, rank)
-    for name in generators:
-        used_a, used_c = _used(census_a, rank, step, name), _used(census_c, rank, step, name)
+    for name, consumed in generators:
         ident, label = _generator_label(name)
-        consumed = _restored_then_drawn(events, ident, state_a[name], resume_at)
         if consumed is not None:
             restore, draws = consumed
             by = "; ".join(f"{d.get('by', 'code')} at {d.get('site')}" for d in draws) or \
@@ -314,10 +324,8 @@ def _resume_step(census_a, census_b, census_c, main_a, dir_c, rank, step, resume
                 "that, or give that code its own generator", name, site=(draws[0].get("site") if draws else
                                                                          restore.get("site")), generator=ident)
             continue
-        if used_a is False and used_c is False:
-            continue  # never drawn from in this step: not a cause
         add("generator", f"{label} is in another state at the start of step {step} and the step draws from it: "
-            f"{describe_state_record(name)}", name, generator=ident,
+            f"{describe_state_record(name)}{order_evidence}", name, generator=ident,
             site=ident.removeprefix("user:") if ident.startswith("user:") else None)
     if changed_inputs and batch_from is None and not any(f.kind in ("data_position", "generator",
                                                                      "generator_consumed") for f in findings):

@@ -917,7 +917,8 @@ def _check_one_run(path: Path, files: dict, headers: dict) -> None:
         raise StreamError(
             f"{path}: the rank files come from different runs ({shown}): every rank of one run records "
             "the same run id. Put each run's rank files in a directory of its own (a resumed run keeps "
-            "the id of the stream it appends to).")
+            "the id of the stream it appends to; ranks of one run that recorded into directories of their "
+            "own agree on an id when given one: SAMEBITS_RUN_ID or Recorder(run_id=...)).")
 
 
 def require_same_digest_version(run_a: Run, run_b: Run) -> None:

@@ -244,16 +244,11 @@ class Recorder:
         s.directory.mkdir(parents=True, exist_ok=True)
         self.path = s.directory / fmt.stream_filename(s.rank)
         self._pid = os.getpid()  # the owning process: a forked child never writes this stream
-        appending = append and self.path.exists()
-        # A stream continued by `append` keeps its own run id (`_open_for_append`); a new stream
-        # of a resumed run takes the id of the run's other streams, so the run stays one run.
-        chosen = (None, None) if appending else \
-            (_sibling_run_id(s.directory, s.rank) if append else None) or _choose_run_id(run_id, s.directory)
         header = {
             "schema": fmt.SCHEMA_VERSION,
             fmt.DIGEST_VERSION_KEY: fingerprint.DIGEST_VERSION,
-            "run_id": chosen[0],
-            "run_id_source": chosen[1],
+            "run_id": None,  # chosen below, once nothing can refuse the Recorder before it writes
+            "run_id_source": None,
             "rank": s.rank,
             "world_size": s.world_size,
             "coords": dict(coords or {}),
@@ -279,6 +274,12 @@ class Recorder:
                 )
             self._reference = reference_run.stream(s.rank).steps()
             self._reference_step = None
+        appending = append and self.path.exists()
+        if not appending:
+            # A stream continued by `append` keeps its own run id (`_open_for_append`); a new
+            # stream of a resumed run takes the id of the run's other streams: it stays one run.
+            header["run_id"], header["run_id_source"] = \
+                (_sibling_run_id(s.directory, s.rank) if append else None) or _choose_run_id(run_id, s.directory)
         if appending:
             try:
                 self._open_for_append(header)

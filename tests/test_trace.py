@@ -790,3 +790,22 @@ def test_the_optimizer_is_in_the_census_from_its_construction(tmp_path):
     assert {"optim0.step", "optim0.lr"} <= census
     sites = json.loads((run / "trace-rank-00000.json").read_text())["steps"]["0"]
     assert sites["reduce|reduce:0"] == sites["optimizer|optimizer:0"] == "train.py:7 in build"
+
+
+def test_gradients_detached_into_grad_count_as_seen(tmp_path):
+    """Autograd `detach`es a backward op's output into ``.grad`` and drops the output: the
+    gradient is still the recorded tensor, so a clip over the gradients records their
+    provenance, not their values again."""
+    model = make_model()
+    rec = samebits.Recorder(tmp_path / "a", rank=0, world_size=1)
+    tracer = attach(model, rec, TraceConfig(level=3))
+    try:
+        with tracer.step(0):
+            model(torch.ones(5, 4)).square().mean().backward()
+            torch.nn.utils.clip_grad_norm_(list(model.parameters()), 0.01)
+            rec.end_step(0)
+    finally:
+        tracer.close()
+        rec.close()
+    labels = [ref.label for ref, _ in traced(records(tmp_path / "a")) if ref.event_id == "/aten::_foreach_norm:0"]
+    assert labels[:2] == ["0@set", "0@order"] and not [label for label in labels if label.startswith("0.")]

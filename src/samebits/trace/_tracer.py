@@ -133,9 +133,11 @@ class StepState:
     def is_seen(self, t: torch.Tensor) -> bool:
         entry = self._seen.get(id(t))
         if entry is not None and entry[1]() is t:
-            if entry[3] is not None:  # a view output: seen while what it views is
-                viewed = entry[3]()
-                return viewed is not None and self.is_seen(viewed)
+            viewed = entry[3]() if entry[3] is not None else None
+            if viewed is not None:  # a view output: seen while what it views is
+                return self.is_seen(viewed)
+            # (what it viewed is gone, e.g. a gradient `detach`ed into .grad: by then the view
+            # shares its version counter, so the version it had is the view's)
             return entry[0] is not None and entry[0] == version_of(t)
         base = t._base  # a view of a recorded base holds recorded bytes
         return base is not None and self.is_seen(base)
@@ -167,11 +169,11 @@ class StepState:
 
     def mark_view(self, t: torch.Tensor, viewed: torch.Tensor, source: str | None) -> None:
         """``t`` is a view op's output of the seen tensor ``viewed``: seen while ``viewed`` is.
-        (Inside the dispatch mode a view's version counter is not yet its base's, so its
+        (Inside the dispatch mode a view's version counter is not yet its base's, so its own
         version then says nothing; `detach` outputs have no ``_base`` to follow.)"""
         if version_of(t) is None:
             return
-        self._seen[id(t)] = (None, weakref.ref(t), source, weakref.ref(viewed))
+        self._seen[id(t)] = (version_of(viewed), weakref.ref(t), source, weakref.ref(viewed))
 
     def mark_all_seen(self, pairs, prefix: str = "") -> None:
         """Mark each (label, tensor) seen; its source is ``prefix + label``."""

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "tests" / "corpus"
@@ -136,7 +137,7 @@ def test_manifest_is_well_formed():
     assert len(BY_NAME) == len(CASES), "case names must be unique"
     settings = {case["setting"] for case in CASES}
     assert {"plain loop", "DDP over gloo, 2 ranks", "HF Trainer, tiny GPT-2", "nanoGPT-style train.py",
-            "DataLoader loop"} <= settings
+            "DataLoader loop", "Lightning"} <= settings
     assert [p for case in CASES for p in manifest_problems(case)] == []
     verify_cases = [c for c in CASES if c["samebits"][0] == "verify" and "exit" not in c["expected"]]
     assert all("explains" in c["expected"] for c in verify_cases), "every verify case says what explains it"
@@ -308,6 +309,31 @@ def test_hf_trainer_script_runs(tmp_path):
     proc = _run(bench.expand(case["run"], tmp_path) + ["--steps", "2"], tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "'loss'" in proc.stdout + proc.stderr
+
+
+def test_hf_trainer_resume_script_saves_and_resumes(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    script = str(CORPUS / "hf_trainer_resume_skip.py")
+    first = _run([sys.executable, script, "--out", str(tmp_path / "a"), "--steps", "4"], tmp_path, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert (tmp_path / "a" / "checkpoint-4" / "rng_state.pth").exists()
+    resumed = _run([sys.executable, script, "--out", str(tmp_path / "c"), "--steps", "5",
+                    "--resume", str(tmp_path / "a" / "checkpoint-4")], tmp_path, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert (tmp_path / "c" / "checkpoint-5").exists()
+
+
+def test_lightning_script_saves_and_resumes(tmp_path):
+    pytest.importorskip("lightning")
+    script = str(CORPUS / "lightning_mid_epoch.py")
+    first = _run([sys.executable, script, "--out", str(tmp_path / "a"), "--steps", "4"], tmp_path, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "rng" in torch.load(tmp_path / "a" / "step=4.ckpt", weights_only=False)  # the module's hook
+    resumed = _run([sys.executable, script, "--out", str(tmp_path / "c"), "--steps", "5",
+                    "--resume", str(tmp_path / "a" / "step=4.ckpt")], tmp_path, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resuming from a checkpoint that ended before the epoch ended" in resumed.stderr + resumed.stdout
 
 
 def test_bench_skips_a_case_whose_requirements_are_missing():

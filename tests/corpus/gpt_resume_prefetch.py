@@ -3,8 +3,9 @@ global torch generator and prefetches the next batch; resumed from ckpt.pt.
 
 Planted fault: the checkpoint saves `torch.get_rng_state()` at the top of iteration K, when
 iteration K's batch has already been drawn (prefetched during iteration K-1); the resumed
-process restores that state and calls `get_batch` again before its first iteration, so
-it draws another batch for iteration K (A's next one) and every draw after it shifts.
+process restores that state and calls `get_batch` again before its first iteration: the
+restored generator is drawn from once more than in A, iteration K trains on another batch
+and every draw after it shifts.
 Run:    python gpt_resume_prefetch.py --out DIR [--max-iters N] [--ckpt-at K]   # DIR/ckpt.pt at K
         python gpt_resume_prefetch.py --out DIR --resume-from DIR_A              # init_from = 'resume'
 """

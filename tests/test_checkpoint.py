@@ -528,6 +528,7 @@ def _snapshot(bundle: StateBundle) -> dict:
         "optimizer": _clone(bundle.optimizer.state_dict()),
         "scheduler": _clone(scheduler.state_dict()),
         "scheduler_attrs": sorted(vars(scheduler)),
+        "scheduler_bound": scheduler.optimizer is bundle.optimizer,  # not in its state_dict
         "lambda_attrs": [sorted(vars(f)) for f in scheduler.lr_lambdas],
         "progress": dict(bundle.progress), "metadata": _clone(bundle.metadata),
         "rng": (random.getstate(), _clone(np.random.get_state(legacy=False)),

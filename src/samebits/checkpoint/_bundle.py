@@ -439,11 +439,17 @@ def _resolve(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
 
 
 def _check_kind(saved: Any, live: Any, where: str, fields: _Fields) -> None:
-    """`saved` may only set what `live` (the live object's own state_dict) has, of the kind
-    it has: dicts a subset of its keys, lists and tuples its length, numbers for numbers."""
+    """`saved` must be what `live` (the live object's own state_dict) is, value for value of
+    the same kind: dicts with its keys (no more: `load_state_dict` would set them as
+    attributes; no fewer: it may need them), lists and tuples of its length, numbers for
+    numbers, strings for strings, null for null."""
     if isinstance(live, dict):
         if not isinstance(saved, dict):
             raise fields.bad(where, f"is a {_kind(saved)}, but the live state has an object here")
+        lacking = sorted(set(map(str, live)) - set(saved))
+        if lacking:
+            raise fields.bad(f"{where}.{lacking[0]}", "is missing; the live object's state_dict "
+                                                      "has it")
         for key, value in saved.items():
             if key not in live:
                 raise fields.bad(f"{where}.{key}", "is not in the live object's state_dict "

@@ -290,13 +290,14 @@ def load(path: str | os.PathLike, bundle: StateBundle) -> Path:
     metadata = _check_dcp_metadata(directory / ".metadata", real, metadata, plain["tensors"],
                                    rank_path)
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     tensors = empty_tensors(plain)
     try:
         with _quiet_single_process():
             dcp.load(tensors, storage_reader=_safe_reader(real, metadata),
                      planner=_tensor_only_planner(), no_dist=world_size == 1)
-    except Exception as err:  # DCP wraps what a damaged shard raises (CheckpointException)
+    except (Exception, CheckpointException) as err:  # DCP wraps what a damaged shard raises
         raise CheckpointError(f"{directory}: rank {rank} could not read its tensors ({err}); "
                               "the shards are damaged or incomplete: load an older step") from err
     if meta["format"] == FORMAT:

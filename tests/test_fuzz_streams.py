@@ -356,3 +356,107 @@ def test_forged_streams_never_compare_identical_in_either_order(tmp_path):
             bad.append((kind, forward, backward))
     assert bad == [], f"{bad[:5]} (outcomes: {outcomes})"
     assert len(outcomes) == 7
+
+
+# -- the reliability table (python tests/test_fuzz_streams.py [PAIRS]) -------------------------
+
+
+def reliability_table(num_pairs: int = 300) -> str:
+    """Every mutant and forgery above, crafted torn tails and ``num_pairs`` run pairs of the
+    property's generator, each compared in both argument orders: how many were tried, called
+    IDENTICAL although damaged or different, raised something other than a samebits error,
+    took over 20 s, or got another verdict in the other order (and, for equal complete pairs,
+    were not IDENTICAL)."""
+    import collections
+    import signal
+    import tempfile
+    from pathlib import Path
+
+    class Hang(Exception):
+        pass
+
+    def alarm(*_):
+        raise Hang()
+
+    signal.signal(signal.SIGALRM, alarm)
+
+    def outcome(a, b):
+        signal.alarm(20)
+        try:
+            r = samebits.diff(a, b)
+            return str(r.verdict), None if r.first_divergence is None else r.first_divergence.step
+        except SamebitsError as err:
+            return type(err).__name__, None
+        except Hang:
+            return "HANG", None
+        except Exception as err:  # noqa: BLE001 - a traceback is what is counted
+            return "TRACEBACK " + type(err).__name__, None
+        finally:
+            signal.alarm(0)
+
+    rows: dict = {}
+
+    def tally(group, fwd, bwd, must_not_be_identical=True):
+        row = rows.setdefault(group, collections.Counter())
+        row["tried"] += 1
+        if must_not_be_identical and "identical" in (fwd[0], bwd[0]):
+            row["false IDENTICAL"] += 1
+        row["tracebacks"] += sum(x[0].startswith("TRACEBACK") for x in (fwd, bwd))
+        row["hangs"] += sum(x[0] == "HANG" for x in (fwd, bwd))
+        row["asymmetric"] += fwd != bwd
+
+    scratch = Path(tempfile.mkdtemp())
+    pristine_dir, damaged = scratch / "pristine", scratch / "damaged"
+    _write_small_run(pristine_dir)
+    name = fmt.stream_filename(0)
+    pristine = (pristine_dir / name).read_bytes()
+
+    def place(data):
+        shutil.rmtree(damaged, ignore_errors=True)
+        damaged.mkdir()
+        (damaged / name).write_bytes(data)
+
+    for kind, data in _mutants(pristine, random.Random(20261201)):
+        if data != pristine:
+            place(data)
+            tally(f"random mutants ({kind})", outcome(pristine_dir, damaged), outcome(damaged, pristine_dir))
+    for kind, data in _forgeries(pristine, random.Random(20261202)):
+        place(data)
+        tally(f"forgeries ({kind})", outcome(pristine_dir, damaged), outcome(damaged, pristine_dir))
+    head = pristine[: _frames(pristine)[0][3] + 4]
+    for period, length in ((4, 1 << 20), (5, 1 << 19), (4, 1 << 14), (6, 1 << 20)):
+        varint = bytearray()
+        fmt.encode_varint(length, varint)
+        unit = bytes((fmt.FRAME_STEP,)) + bytes(varint)
+        unit += bytes(max(0, period - len(unit)))
+        place(head + bytes((fmt.FRAME_STEP, 0xFF, 0xFF, 0xFF, 0x0F)) + unit * ((2 << 20) // len(unit)))
+        tally("crafted torn tails (2 MiB)", outcome(pristine_dir, damaged), outcome(damaged, pristine_dir))
+
+    @settings(max_examples=num_pairs, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(a=_RUN_SPEC, b=_RUN_SPEC)
+    def pairs(a, b):
+        with tempfile.TemporaryDirectory() as d:
+            pa, pb = Path(d) / "a", Path(d) / "b"
+            ca, cb = _write_spec(pa, a), _write_spec(pb, b)
+            fwd, bwd = outcome(pa, pb), outcome(pb, pa)
+            equal = ca == cb and bool(ca) and all(s["ending"] == "closed" and not s["cap"] for s in (a, b))
+            tally("run pairs (the property's generator)", fwd, bwd, must_not_be_identical=not equal)
+            if equal and fwd[0] != "identical":
+                rows["run pairs (the property's generator)"]["false alarm"] += 1
+
+    pairs()
+    shutil.rmtree(scratch, ignore_errors=True)
+    cols = ["tried", "false IDENTICAL", "tracebacks", "hangs", "asymmetric", "false alarm"]
+    lines = ["| group | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    total: collections.Counter = collections.Counter()
+    for group, row in rows.items():
+        total.update(row)
+        lines.append(f"| {group} | " + " | ".join(str(row[c]) for c in cols) + " |")
+    lines.append("| **all** | " + " | ".join(str(total[c]) for c in cols) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(reliability_table(int(sys.argv[1]) if len(sys.argv) > 1 else 300))

@@ -20,10 +20,17 @@ step seen; when it does not diverge at all, they try again, a bounded number of 
 
 The conclusion is proof or "not localised": a model input that already differs is the data
 pipeline; an RNG op whose inputs matched, with a generator whose state differed at the step
-start, is that generator; an origin op whose two outputs hold the same values in another
-order is an ordering problem; "below the dispatcher" needs a module whose inputs matched
-and whose output differs with no ATen op inside it to blame.  Anything else is reported as
-not localised, with what was ruled out.
+start, is that generator; the same values in another order (an op's list argument, its two
+outputs, or whole records such as the optimizer's parameters) are an ordering problem, named;
+"below the dispatcher" needs a module whose inputs matched and whose output differs with no
+ATen op inside it to blame.  Anything else is reported as not localised, with what was ruled
+out.  A conclusion never contradicts an earlier stage: once a stage found "phase P: inputs
+matched, output differs", the final kind is about P, about the state the step started from,
+or not localised (`_Bisector._reconcile`).
+
+A resume bisect (side B resumes A's checkpoint at step K) compares step K aligned on its
+phases: the work before the step's first forward/backward/optimizer step (training phase
+``pre``: A's leftovers of step K-1, B's start-up) is not compared there.
 """
 
 from __future__ import annotations

@@ -17,13 +17,16 @@ is then classified from the trace's record names (``<event>|in:..`` / ``<event>|
   When a traced value differs *before* that point, that value is classified instead (a
   difference in data often causes the different flow, e.g. MoE routing) and ``parted``
   still says where the sequences part.
-* ``order``    same records, same values, different order (e.g. hooks firing in another order).
+* ``order``    same records, same values, different order (e.g. hooks firing in another order,
+  the optimizer's parameters in another order): ``reordered`` says what holds them.
 
 Context records (the state census, ``trace:census:*`` or a loop's own ``state`` phase) are
 never classified: a step where only they differ is not a divergence.  Each finding lists
 the census records that differ in its step (``state_differs``), and a receiver whose event's
-inputs (an op's, or a process group's collectives') are the same tensors in another order
-is marked ``permuted``.
+inputs (an op's, by their values or by a list argument's ``@set``/``@order`` provenance, or a
+process group's collectives') are the same tensors in another order is marked ``permuted``.
+With ``resume_step`` K (run b resumed run a there), step K is compared without its records of
+training phase ``pre`` (a's tail of step K-1, b's start-up).
 
 `find_origins` returns every rank's finding and the origins, earliest first.  It reads the
 runs through `samebits.compare.divergent_steps`, the comparison engine's one walk (streams

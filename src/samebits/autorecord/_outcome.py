@@ -20,9 +20,7 @@ import json
 import os
 from pathlib import Path
 
-STOPPED_MARKER = "stopped.json"
-"""Left in a run directory when the live check (``--reference``) stopped the run at its first
-step that differs; launchers such as torchrun replace the process's own exit code."""
+from samebits.stream.reader import STOPPED_MARKER, read_stop_marker
 
 OUTCOME_PREFIX = "outcome-"
 TRACEBACK_LINES = 8  # lines of the traceback's end kept in the outcome file
@@ -65,15 +63,9 @@ def read_outcomes(directory: str | os.PathLike) -> list[dict]:
 
 
 def read_stop(directory: str | os.PathLike) -> dict | None:
-    """The live check's stop marker in ``directory`` (step, rank, reason), or None."""
-    path = Path(directory) / STOPPED_MARKER
-    if not path.exists():
-        return None
-    try:
-        marker = json.loads(path.read_text())
-    except (OSError, ValueError):
-        marker = {}
-    return marker if isinstance(marker, dict) else {}
+    """The live check's stop marker in ``directory`` (step, rank, reason), or None (one
+    definition: `samebits.stream.reader.read_stop_marker`, which the comparator reads too)."""
+    return read_stop_marker(directory)
 
 
 def write_stop(directory: str | os.PathLike, *, step: int, rank: int | None, reference: str = "",

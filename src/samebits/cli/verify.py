@@ -5,11 +5,12 @@ from __future__ import annotations
 import time
 
 from samebits.cli._format import print_result, progress_printer, table
-from samebits.cli._options import (add_out_option, add_recipe_options, add_recording_options, add_run_timeout_option,
-                                   recording_options)
+from samebits.cli._options import (MAX_NPROC, add_out_option, add_recipe_options, add_recording_options,
+                                   add_run_timeout_option, recording_options, step_number)
 from samebits.cli.replay import check_row_table
 from samebits.runs.across import parse_across, verify_across
 from samebits.runs.verify import VerifyResult, verify_command, verify_recipe
+from samebits.errors import ConfigError
 from samebits.verdicts import Verdict
 
 
@@ -26,7 +27,7 @@ def register(sub) -> None:
     )
     add_out_option(parser, "verify")
     add_recipe_options(parser, steps=8, nproc=2, nondeterministic=True)
-    parser.add_argument("--resume-at", type=int, default=None, metavar="K",
+    parser.add_argument("--resume-at", type=step_number, default=None, metavar="K",
                         help="the resume step: recipe default steps/2; with a command it is required "
                              "with --resume-with (samebits cannot know where your script checkpoints)")
     parser.add_argument("--resume-with", default=None, metavar="'CMD'",
@@ -66,7 +67,11 @@ def run(args) -> int:
 
 def run_across(args, progress, start: float) -> int:
     """`--across dp=...`: one run per data-parallel size, each compared with the first."""
-    across = verify_across(parse_across(args.across), args.cmd or None, args.out, steps=args.steps,
+    sizes = parse_across(args.across)
+    if max(sizes) > MAX_NPROC:
+        raise ConfigError(f"--across {args.across}: a data-parallel size is at most {MAX_NPROC} (ranks of one run "
+                          "on this machine)")
+    across = verify_across(sizes, args.cmd or None, args.out, steps=args.steps,
                            overrides=args.overrides, run_timeout=args.run_timeout, progress=progress)
     across.timings["total"] = time.perf_counter() - start
     return print_result(across, args.json, render_across)
@@ -104,7 +109,8 @@ def render(result: VerifyResult) -> str:
             where = f"step {d.step}, rank {d.rank}: " + (f"{d.phase}/{d.name}" if d.name else d.detail)
             rows.append([label, "DIVERGED", counts, where])
         else:
-            rows.append([label, verdict.value.upper(), counts, "; ".join(check.notes[:2]) or "-"])
+            why = list(getattr(check, "incomplete", []) or [])[:1] or check.notes[:2]
+            rows.append([label, verdict.value.upper(), counts, "; ".join(why) or "-"])
     checked = " and ".join(result.checked) or "nothing"
     headline = f"samebits verify: {result.verdict.value.upper()} (checked: {checked}"
     headline += f"; not checked: {', '.join(result.not_checked)})" if result.not_checked else ")"

@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    _safe_output()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
@@ -54,14 +55,27 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:  # a file the command needed could not be read or written
         print(f"samebits {args.command}: error: {escape(err, keep_newlines=True)}", file=sys.stderr)
         return EXIT_CANNOT_RUN
-    except KeyboardInterrupt:
-        print(f"samebits {args.command}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM/SIGHUP during a run (its processes were ended)
+        signum = getattr(err, "signum", signal.SIGINT)
+        what = "interrupted" if signum == signal.SIGINT else f"terminated ({signal.Signals(signum).name})"
+        print(f"samebits {args.command}: {what}", file=sys.stderr)
+        return EXIT_INTERRUPTED if signum == signal.SIGINT else 128 + signum
     try:
         sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
     except BrokenPipeError:
         _silence_stdout()  # the whole output was produced: the verdict's code still stands
     return code
+
+
+def _safe_output() -> None:
+    """A character the terminal's encoding cannot show is written as a backslash escape, never
+    raised as UnicodeEncodeError (`escape` already makes every character of a file name or a
+    record name visible and encodable as UTF-8; this covers a terminal that is not UTF-8)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(errors="backslashreplace")
+        except (AttributeError, ValueError, OSError):  # not a text file of io (replaced, or closed)
+            pass
 
 
 def _silence_stdout() -> None:

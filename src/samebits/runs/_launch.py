@@ -18,11 +18,15 @@ handler closes them even when the training raised):
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import re
 import shlex
 import signal
 import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -49,26 +53,185 @@ class RunFailed(SamebitsError):
 
 def run_logged(argv: list[str], log: Path, *, env: dict | None = None, header: str = "",
                timeout: float | None = DEFAULT_TIMEOUT_S, label: str = "") -> tuple[int, float]:
-    """Run ``argv`` with its output in ``log``; return (exit code, seconds)."""
+    """Run ``argv`` with its output in ``log``; return (exit code, seconds).
+
+    The run is started in a session of its own, and it does not outlive an interrupted call:
+    when it runs past ``timeout``, or samebits is interrupted (Ctrl-C, SIGTERM, SIGHUP: raised
+    here as `Interrupted`) while it waits, every process the run started is ended
+    (`end_process_tree`: torchrun's agent, and its workers, which torchrun starts in sessions of
+    their own).  On Linux the run also gets SIGTERM if samebits itself dies (SIGKILL included)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with open(log, "w") as handle:
         handle.write("$ " + (header + " " if header else "") + shlex.join(argv) + "\n")
         handle.flush()
-        try:
-            process = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, env=env,
-                                       start_new_session=True)
-        except FileNotFoundError:
-            raise SamebitsError(f"cannot run {argv[0]!r}: no such program. Check the command.") from None
-        try:
-            code = process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)  # the run and every process it started
-            process.wait()
-            raise SamebitsError(f"run {label} ({shlex.join(argv)}) did not finish within {timeout:.0f} s "
-                                f"(a hang, e.g. ranks waiting on each other); its log: {log}. Raise "
-                                "--run-timeout if it is merely slow.") from None
+        with _signals_interrupt():
+            try:
+                process = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, env=env,
+                                           start_new_session=True, preexec_fn=_die_with_parent())
+            except FileNotFoundError:
+                raise SamebitsError(f"cannot run {argv[0]!r}: no such program. Check the command.") from None
+            try:
+                code = process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                end_process_tree(process)  # the run and every process it started
+                raise SamebitsError(f"run {label} ({shlex.join(argv)}) did not finish within {timeout:.0f} s "
+                                    f"(a hang, e.g. ranks waiting on each other); its log: {log}. Raise "
+                                    "--run-timeout if it is merely slow.") from None
+            except BaseException:  # Ctrl-C, SIGTERM, SIGHUP (`Interrupted`), or anything else: no orphans
+                end_process_tree(process)
+                raise
     return code, time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------------------------
+# ending a run's whole process tree
+
+END_GRACE_S = 5.0  # after SIGTERM, how long a run's processes may take to end before SIGKILL
+
+
+class Interrupted(KeyboardInterrupt):
+    """samebits was told to stop (SIGINT, SIGTERM or SIGHUP, ``signum``) while it waited for a
+    run; the run's processes have been ended.  A `KeyboardInterrupt`, so that whoever handles
+    Ctrl-C handles it; the CLI exits with 128 + ``signum``, as a shell reports a signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"received {_signal_name(signum)}")
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_interrupt():
+    """While a run is waited for (main thread only): SIGINT, SIGTERM and SIGHUP raise
+    `Interrupted` once, so that the run is ended before samebits exits (their default would end
+    samebits alone and leave the run's processes running); repeats are ignored while the run is
+    ended.  A signal whose handler is not the default (ignored under nohup, or a program's own)
+    is left alone."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    raised = []
+
+    def handler(signum, frame):
+        if not raised:
+            raised.append(signum)
+            raise Interrupted(signum)
+
+    previous = {}
+    for signum in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if signum is None:
+            continue
+        current = signal.getsignal(signum)
+        if current in (signal.SIG_DFL, signal.default_int_handler):
+            previous[signum] = signal.signal(signum, handler)
+    try:
+        yield
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
+
+
+def _die_with_parent():
+    """Linux: a ``preexec_fn`` that has the kernel send the run SIGTERM when samebits dies, even
+    by SIGKILL (``PR_SET_PDEATHSIG``; torchrun's agent then ends its workers).  None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # samebits died before the line above: nobody is left to end the run
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
+
+
+def end_process_tree(process: subprocess.Popen, grace: float = END_GRACE_S) -> None:
+    """End a run started in a session of its own, with every process it started: SIGTERM to its
+    process group and to each descendant and the groups they lead (torchrun starts its workers
+    in sessions of their own, out of reach of the group), ``grace`` seconds to end, then SIGKILL
+    to whatever is left.  Descendants are found in /proc (Linux), before the first signal and
+    while the run's first process lives (orphans are re-parented away from it)."""
+    tree = _descendants(process.pid)
+    _signal_tree(process.pid, tree, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if process.poll() is None:
+            tree.update(_descendants(process.pid))
+        elif not any(_same_process(pid, started) for pid, started in tree.items()):
+            break
+        time.sleep(0.05)
+    _signal_tree(process.pid, tree, signal.SIGKILL)
+    try:
+        process.wait(timeout=grace)
+    except subprocess.TimeoutExpired:  # pragma: no cover - a process SIGKILL cannot end (uninterruptible I/O)
+        pass
+
+
+def _signal_tree(leader: int, tree: dict[int, int], signum: int) -> None:
+    own = os.getpgrp()
+    groups = {leader}
+    for pid, started in tree.items():
+        if _same_process(pid, started):
+            try:
+                groups.add(os.getpgid(pid))
+                os.kill(pid, signum)
+            except (ProcessLookupError, PermissionError):
+                pass
+    for group in groups - {own}:
+        try:
+            os.killpg(group, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _descendants(root: int) -> dict[int, int]:
+    """``{pid: start time}`` of every living descendant of ``root`` (Linux /proc; {} elsewhere)."""
+    children: dict[int, list[int]] = {}
+    started: dict[int, int] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return {}
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        stat = _proc_stat(int(entry))
+        if stat is not None:
+            children.setdefault(stat[0], []).append(int(entry))
+            started[int(entry)] = stat[1]
+    found: dict[int, int] = {}
+    pending = list(children.get(root, ()))
+    while pending:
+        pid = pending.pop()
+        if pid not in found:
+            found[pid] = started[pid]
+            pending.extend(children.get(pid, ()))
+    return found
+
+
+def _proc_stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time) of a living process, from /proc/PID/stat; None when it is gone
+    or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            text = file.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    fields = text[text.rfind(")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
+    if len(fields) < 20 or fields[0] in ("Z", "X"):
+        return None
+    return int(fields[1]), int(fields[19])
+
+
+def _same_process(pid: int, started: int) -> bool:
+    """Whether ``pid`` still is the process that started at ``started`` (not a reused pid)."""
+    stat = _proc_stat(pid)
+    return stat is not None and stat[1] == started
 
 
 def failed(label: str, argv: list[str], code: int, log: Path, *, why: str = "",
@@ -167,5 +330,5 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-__all__ = ["run_logged", "failed", "judge_recipe_run", "judge_recorded_run", "RunFailed", "teardown_note",
+__all__ = ["run_logged", "end_process_tree", "Interrupted", "END_GRACE_S", "failed", "judge_recipe_run", "judge_recorded_run", "RunFailed", "teardown_note",
            "DEFAULT_TIMEOUT_S"]

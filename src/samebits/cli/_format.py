@@ -14,22 +14,38 @@ import re
 import sys
 import textwrap
 import time
+import unicodedata
 from typing import Any, Callable, Iterable, Sequence
 
-# C0 and C1 controls, DEL, and the Unicode bidi embedding/override/isolate characters.
-_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
-_UNSAFE_KEEP_NEWLINES = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+# What `escape` writes visibly instead of passing on: C0 and C1 controls and DEL (Cc), format
+# characters (Cf: the bidi marks, embeddings, overrides and isolates U+061C, U+200E/F,
+# U+202A-E, U+2066-9, zero-width characters, tag characters), the line and paragraph separators
+# (Zl, Zp) and lone surrogates (Cs: the bytes of a path that is not UTF-8, as Python decodes them).
+_UNSAFE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+# Candidates: every character but printable ASCII (and the newline, when kept); `_escaped`
+# returns the safe ones unchanged, so plain ASCII text costs one scan.
+_CANDIDATES = re.compile("[^\x20-\x7e]")
+_CANDIDATES_KEEP_NEWLINES = re.compile("[^\x20-\x7e\n]")
 
 
 def _escaped(match: re.Match) -> str:
-    code = ord(match.group())
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+    char = match.group()
+    code = ord(char)
+    if code < 0x20 or 0x7f <= code <= 0x9f:
+        return f"\\x{code:02x}"
+    if 0xdc80 <= code <= 0xdcff:  # a byte that was not UTF-8 (os.fsdecode's surrogateescape): shown as that byte
+        return f"\\x{code - 0xdc00:02x}"
+    if unicodedata.category(char) in _UNSAFE_CATEGORIES:
+        return f"\\u{code:04x}" if code <= 0xffff else f"\\U{code:08x}"
+    return char
 
 
 def escape(value: Any, keep_newlines: bool = False) -> str:
-    """``str(value)`` with every control character written as a visible escape (``\\x1b``)."""
+    """``str(value)`` with every control, format and bidi character written as a visible escape
+    (``\\x1b``, ``\\u202e``) and every byte of a non-UTF-8 path as ``\\xNN``: the result can
+    neither drive the terminal nor fail to encode."""
     text = value if isinstance(value, str) else str(value)
-    return (_UNSAFE_KEEP_NEWLINES if keep_newlines else _UNSAFE).sub(_escaped, text)
+    return (_CANDIDATES_KEEP_NEWLINES if keep_newlines else _CANDIDATES).sub(_escaped, text)
 
 
 TABLE_WIDTH = 100  # columns a table may take; a wider cell wraps onto more lines

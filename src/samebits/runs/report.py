@@ -26,8 +26,11 @@ from __future__ import annotations
 import html
 import json
 import math
+import os
 import re
+import stat
 import time
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -45,16 +48,32 @@ MAX_TENSOR_STEPS = 24  # per-tensor table columns, from the first divergent step
 MAX_PAIRS = 6  # compared pairs on one page (a matrix may hold many failing cells)
 
 _OWN_VARIABLES = ("env.SAMEBITS_", "env.TORCHELASTIC_")  # set per run by samebits / torchrun, as in diff's notes
-_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+# What `_esc` writes visibly (as the terminal output does, `samebits.cli._format.escape`): C0 and
+# C1 controls (Cc), format characters (Cf: bidi marks, embeddings, overrides and isolates such
+# as U+061C, U+202E, U+2066-9; zero-width and tag characters), line and paragraph separators
+# (Zl, Zp) and lone surrogates (Cs: the bytes of a non-UTF-8 path, which UTF-8 cannot encode).
+_UNSAFE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+_CANDIDATES = re.compile("[^\x20-\x7e]")  # `_visible` keeps the safe ones
+
+
+def _visible(match: re.Match) -> str:
+    char = match.group()
+    code = ord(char)
+    if code < 0x20 or 0x7f <= code <= 0x9f:
+        return f"\\x{code:02x}"
+    if 0xdc80 <= code <= 0xdcff:  # a byte that was not UTF-8 (surrogateescape): shown as that byte
+        return f"\\x{code - 0xdc00:02x}"
+    if unicodedata.category(char) in _UNSAFE_CATEGORIES:
+        return f"\\u{code:04x}" if code <= 0xffff else f"\\U{code:08x}"
+    return char
 
 
 def _esc(value: Any) -> str:
-    """Text for the page: control and bidi characters written as visible escapes (as the
-    terminal output does), then HTML-escaped, quotes included (safe in attributes too)."""
+    """Text for the page: control, format (bidi) and separator characters and the bytes of a
+    non-UTF-8 path written as visible escapes (as the terminal output does), then
+    HTML-escaped, quotes included (safe in attributes too)."""
     text = value if isinstance(value, str) else str(value)
-    text = _UNSAFE.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}",
-                       text)
-    return html.escape(text, quote=True)
+    return html.escape(_CANDIDATES.sub(_visible, text), quote=True)
 
 
 @dataclass
@@ -159,17 +178,114 @@ def build_report(inputs: list[str | Path], *, start_step: int | None = None, all
 
 
 def _summary(path: Path) -> dict | None:
+    """The ``summary.json`` in ``path``, checked field by field (`_SUMMARY`): None when there is
+    none; `ConfigError` naming the file and the field when it is not a regular file, not JSON,
+    or a field has the wrong type (a page is never built from a summary it would misread)."""
     file = path / "summary.json"
-    if not file.is_file():
-        return None
     try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ConfigError(f"{file}: cannot be read as JSON ({err}); was the command interrupted while writing "
+        # O_NONBLOCK: a FIFO in place of the summary must not block the open
+        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise ConfigError(f"{file}: cannot be read ({err.strerror or err}).") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else \
+            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "something else"
+        raise ConfigError(f"{file}: {kind}, not a regular file; expected the summary.json a samebits command wrote.")
+    with os.fdopen(fd, "rb") as handle:
+        try:
+            raw = handle.read()
+        except OSError as err:
+            raise ConfigError(f"{file}: cannot be read ({err.strerror or err}).") from None
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        reason = "nested too deeply" if isinstance(err, RecursionError) else str(err)
+        raise ConfigError(f"{file}: cannot be read as JSON ({reason}); was the command interrupted while writing "
                           "it? Re-run the command, or report two of its run directories instead.") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{file}: not a samebits summary (a JSON object was expected).")
+        raise ConfigError(f"{file}: not a samebits summary (a JSON object was expected, found {_json_type(data)}).")
+    kind = "matrix" if "cells" in data else "bisect" if "stages" in data else "verify" if "checks" in data else None
+    if kind is not None:  # (an object of none of them is refused by `build_report`, with what it expected)
+        _check_fields(data, _SUMMARY[kind], file, "")
     return data
+
+
+# What the page reads of each summary, by type: a dict spec lists the fields it may read (each
+# optional: absent or null is an empty value), `_Each` a mapping's values (``null``: a value may
+# be null), `[spec]` a list's items, `_Required` a field that must be present, and a type a leaf;
+# anything not listed is shown as text, whatever it holds.
+class _Each:
+    def __init__(self, spec, null: bool = False):
+        self.spec, self.null = spec, null
+
+
+class _Required:
+    def __init__(self, spec):
+        self.spec = spec
+
+
+_CHECK = {"verdict": str, "first_divergence": dict, "compared": dict, "notes": list}
+_SUMMARY = {
+    "verify": {"verdict": _Required(str), "checks": _Each(_CHECK, null=True), "resume_at": int, "runs": [dict],
+               "explanations": _Each(list), "notes": list, "sizes": list},
+    "bisect": {"verdict": _Required(str), "stages": [{"runs_s": dict}], "control_flow": dict,
+               "origin": {"elements": {"values": [dict], "dumps": list}, "state_differs": list, "params": list,
+                          "ranks": list},
+               "notes": list},
+    "matrix": {"verdict": _Required(str), "cells": [{"agreement": dict, "out": str}], "failures": list,
+               "notes": list},
+}
+
+
+def _check_fields(value: Any, spec: Any, file: Path, where: str) -> None:
+    if isinstance(spec, _Required):
+        spec = spec.spec
+    if isinstance(spec, dict):
+        if not isinstance(value, dict):
+            raise _wrong_type(file, where, "an object", value)
+        for key, inner in spec.items():
+            at = f"{where}.{key}" if where else key
+            if key not in value:
+                if isinstance(inner, _Required):
+                    raise ConfigError(f"{file}: field {at!r} is missing; is the file from this samebits version?")
+                continue
+            if value[key] is not None:
+                _check_fields(value[key], inner, file, at)
+        return
+    if isinstance(spec, _Each):
+        if not isinstance(value, dict):
+            raise _wrong_type(file, where, "an object", value)
+        for key, item in value.items():
+            if item is not None or not spec.null:
+                _check_fields(item, spec.spec, file, f"{where}.{key}")
+        return
+    if isinstance(spec, list):
+        if not isinstance(value, list):
+            raise _wrong_type(file, where, "a list", value)
+        for index, item in enumerate(value):
+            _check_fields(item, spec[0], file, f"{where}[{index}]")
+        return
+    if not isinstance(value, spec) or (spec is int and isinstance(value, bool)):
+        raise _wrong_type(file, where, {str: "a string", int: "an integer", list: "a list", dict: "an object"}[spec],
+                          value)
+
+
+def _wrong_type(file: Path, where: str, expected: str, value: Any) -> ConfigError:
+    return ConfigError(f"{file}: field {where!r} must be {expected}, found {_json_type(value)}; is the file from this "
+                       "samebits version, and whole?")
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    return {dict: "an object", list: "a list", str: "a string", int: "a number", float: "a number"}.get(
+        type(value), type(value).__name__)
 
 
 def _verdict(value: Any, where: Path) -> Verdict:

@@ -5,36 +5,125 @@ takes an option spells, documents, defaults and checks it the same way.
 * `add_recipe_options`: the reference recipe's size and config (`verify`, `bisect`, `tax`, `matrix`);
 * `add_out_option`, `add_run_timeout_option`: where a command that launches runs writes, and
   how long one run may take;
-* `positive_int`, `positive_float`: argparse types that reject 0 and negatives with a sentence.
+* argparse types that check a value before any work starts, and say the valid range:
+  `positive_int` (counts), `step_number` (steps, ranks, offsets), `rank_count` (processes of
+  one run), `positive_float` (timeouts, ratios), `open_unit_interval` (a confidence), `int_range`;
+* `check_input_file`, `check_input_directory`: what a command reads must be a regular file (a FIFO
+  in place of a stream would hang the reader, a device would feed it forever).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import stat
+from pathlib import Path
+from typing import Callable
 
+from samebits.errors import ConfigError
 from samebits.runs._launch import DEFAULT_TIMEOUT_S
 
+MAX_COUNT = 10**9  # steps, pairs, ...: a count above this is a typo, not a run
+MAX_NPROC = 1024  # processes of one run on one machine (--nproc, a matrix cell's world size)
 
-def positive_int(text: str) -> int:
-    """argparse ``type``: an integer >= 1 (argparse names the option in the error)."""
+
+def _integer(text: str) -> int | None:
     try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"give a positive integer, e.g. 2; got {text!r}")
-    return value
+        return int(text)
+    except ValueError:  # also "1e30", "1.5" and numbers of more than 4300 digits
+        return None
+
+
+def int_range(low: int, high: int, example: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer from ``low`` to ``high``."""
+    def check(text: str) -> int:
+        value = _integer(text)
+        if value is None or not low <= value <= high:
+            wanted = {0: "a non-negative integer", 1: "a positive integer"}.get(low, f"an integer from {low:,}")
+            raise argparse.ArgumentTypeError(f"give {wanted} up to {high:,}, e.g. {example}; got {text!r}")
+        return value
+
+    return check
+
+
+positive_int = int_range(1, MAX_COUNT, 2)
+positive_int.__doc__ = "argparse ``type``: a count: an integer from 1 to `MAX_COUNT` (argparse names the option)."
+step_number = int_range(0, MAX_COUNT, 3)
+step_number.__doc__ = "argparse ``type``: a step (or rank, or offset): an integer from 0 to `MAX_COUNT`."
+rank_count = int_range(1, MAX_NPROC, 2)
+rank_count.__doc__ = "argparse ``type``: processes of one run: an integer from 1 to `MAX_NPROC`."
 
 
 def positive_float(text: str) -> float:
-    """argparse ``type``: a number > 0 (argparse names the option in the error)."""
+    """argparse ``type``: a finite number > 0 (argparse names the option in the error)."""
     try:
         value = float(text)
     except ValueError:
         value = 0.0
-    if not value > 0:  # also rejects nan
+    if not 0 < value < math.inf:  # also rejects nan
         raise argparse.ArgumentTypeError(f"give a positive number, e.g. 600; got {text!r}")
     return value
+
+
+def open_unit_interval(text: str) -> float:
+    """argparse ``type``: a number strictly between 0 and 1 (a confidence, a coverage)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < 1:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"give a number strictly between 0 and 1, e.g. 0.95; got {text!r}")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs: what a command reads must be a regular file
+
+_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
+_READ_SUFFIXES = (".sbs", ".json")  # the files samebits reads in a run or output directory
+
+
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular one is, from its ``st_mode``: "a FIFO (named pipe)", ..."""
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def check_input_file(path: str | os.PathLike, what: str) -> None:
+    """Raise `ConfigError` when ``path`` exists but is not a regular file (after symbolic links):
+    reading a FIFO blocks until a writer comes, a device never ends.  ``what``: what was
+    expected, e.g. "a fingerprint stream".  A path that does not exist, or cannot be looked at,
+    is left to the reader, which says so in its own words."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return
+    if not stat.S_ISREG(mode):
+        raise ConfigError(f"{path}: {file_kind(mode)}, not a regular file; expected {what}.")
+
+
+def check_input_directory(path: str | os.PathLike, depth: int = 0) -> None:
+    """`check_input_file` for every stream (``*.sbs``) and JSON file (a summary, a stop marker, an
+    outcome, a trace) in the directory ``path`` and, ``depth`` levels down, in its
+    subdirectories (an output directory holds runs ``a``, ``b``, ``c``, stages and cells).
+    Anything but a directory is left to the command, which says what it expected."""
+    path = Path(path)
+    try:
+        entries = list(os.scandir(path))
+    except (OSError, ValueError):
+        return
+    for entry in sorted(entries, key=lambda e: e.name):
+        if entry.name.endswith(_READ_SUFFIXES):
+            check_input_file(path / entry.name, "a fingerprint stream (rank-NNNNN.sbs, as samebits wrote it)"
+                             if entry.name.endswith(".sbs") else "a JSON file, as samebits wrote it")
+        elif depth > 0:
+            try:
+                subdirectory = entry.is_dir(follow_symlinks=False)
+            except OSError:
+                continue
+            if subdirectory:
+                check_input_directory(path / entry.name, depth - 1)
 
 
 def add_recipe_options(parser: argparse.ArgumentParser, *, steps: int, nproc: int | None = None,
@@ -46,7 +135,7 @@ def add_recipe_options(parser: argparse.ArgumentParser, *, steps: int, nproc: in
     parser.add_argument("--steps", type=positive_int, default=steps, metavar="N",
                         help=f"recipe: training steps per run (default {steps})")
     if nproc is not None:
-        parser.add_argument("--nproc", type=positive_int, default=nproc, metavar="N",
+        parser.add_argument("--nproc", type=rank_count, default=nproc, metavar="N",
                             help=f"recipe: ranks (default {nproc})")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="recipe: override one config field, e.g. --set seed=3 (repeatable)")

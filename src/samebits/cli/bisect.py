@@ -5,7 +5,7 @@ from __future__ import annotations
 import shlex
 
 from samebits.cli._format import print_result, progress_printer, table
-from samebits.cli._options import add_out_option, add_recipe_options, add_run_timeout_option
+from samebits.cli._options import add_out_option, add_recipe_options, add_run_timeout_option, step_number
 from samebits.errors import ConfigError
 from samebits.runs import bisect
 
@@ -25,14 +25,14 @@ def register(sub) -> None:
     )
     parser.add_argument("--a", dest="cmd_a", default=None, metavar="'CMD'", help="side A, a quoted command")
     parser.add_argument("--b", dest="cmd_b", default=None, metavar="'CMD'", help="side B, a quoted command")
-    parser.add_argument("--b-step-offset", dest="b_step_offset", type=int, default=None, metavar="K",
+    parser.add_argument("--b-step-offset", dest="b_step_offset", type=step_number, default=None, metavar="K",
                         help="side B resumes at step K (A's checkpoint of step K): its steps are numbered from "
                         "K, and every stage compares and traces only steps >= K (needs --a and --b)")
-    parser.add_argument("--resume-at", dest="resume_at", type=int, default=None, metavar="K",
+    parser.add_argument("--resume-at", dest="resume_at", type=step_number, default=None, metavar="K",
                         help="the reference recipe's resume: A saves a checkpoint at step K and B resumes it; "
                         "only steps >= K are compared (no command; for your own, --b-step-offset)")
     add_out_option(parser, "bisect")
-    parser.add_argument("--stop-after", type=int, default=None, metavar="STEP",
+    parser.add_argument("--stop-after", type=step_number, default=None, metavar="STEP",
                         help="end every run after this step (long commands)")
     add_run_timeout_option(parser)
     add_recipe_options(parser, steps=4, nproc=2, nondeterministic=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import stat
 import sys
 
 try:
@@ -21,6 +22,7 @@ except ImportError:  # Python 3.10
     tomllib = None
 
 from samebits.cli._format import echo, print_json, table
+from samebits.cli._options import file_kind
 from samebits.determinism._rules import run_checks, rules
 from samebits.errors import ConfigError
 from samebits.verdicts import EXIT_BAD_VERDICT, EXIT_CANNOT_RUN, EXIT_OK
@@ -112,10 +114,20 @@ def load_config(path: str) -> dict:
     if ext == ".toml" and tomllib is None:
         raise ConfigError(f"--config {path}: TOML needs Python 3.11+ (tomllib); use JSON")
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        # O_NONBLOCK: a FIFO in place of the file must not block the open (nor a device the read)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as err:
         raise ConfigError(f"--config {path}: cannot read it: {err.strerror or err}") from err
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise ConfigError(f"--config {path}: {file_kind(mode)}, not a regular file; expected a .json or .toml "
+                          "config file.")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            raw = f.read()
+        except OSError as err:
+            raise ConfigError(f"--config {path}: cannot read it: {err.strerror or err}") from err
     try:
         if ext == ".json":
             config = json.loads(raw.decode("utf-8"))
@@ -127,6 +139,8 @@ def load_config(path: str) -> dict:
     except json.JSONDecodeError as err:
         raise ConfigError(f"--config {path}: invalid JSON at line {err.lineno}, column "
                             f"{err.colno}: {err.msg}") from err
+    except RecursionError:
+        raise ConfigError(f"--config {path}: nested too deeply to be a config") from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"--config {path}: invalid TOML: {err}") from err
     if not isinstance(config, dict):

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from samebits._torchutil import process_rank
-from samebits.cli._format import escape, print_json, table
+from samebits.cli._format import echo, escape, print_json, table
+from samebits.cli._options import check_input_directory
 from samebits.compare import DiffResult, GlobalDiffResult, diff
 from samebits.errors import ConfigError, IncomparableRunsError
 from samebits.runs.report import differing_records
@@ -45,6 +46,8 @@ def run(args) -> int:
     if args.all_records and args.by == "global":
         raise ConfigError("--all lists the records of one rank (--by local); --by global already lists every "
                           "global tensor.")
+    check_input_directory(args.run_a)
+    check_input_directory(args.run_b)
     try:
         result = diff(args.run_a, args.run_b, start_step=args.from_step, stop_step=args.to_step, by=args.by,
                       allow_config_diff=args.allow_config_diff, verify=args.verify, jobs=args.jobs,
@@ -63,9 +66,9 @@ def run(args) -> int:
     if args.json:
         print_json(result.to_dict() if records is None else {**result.to_dict(), "differing_records": records})
     else:
-        print(render_global(result) if isinstance(result, GlobalDiffResult) else render(result))
+        echo(render_global(result) if isinstance(result, GlobalDiffResult) else render(result))
         if records is not None:
-            print(render_records(records, result.first_divergence))
+            echo(render_records(records, result.first_divergence))
     return result.verdict.exit_code
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from samebits.cli._format import print_json, table
+from samebits.cli._format import echo, print_json, table
+from samebits.cli._options import check_input_directory, step_number
 from samebits.errors import SamebitsError
 from samebits.stream import open_run
 
@@ -11,14 +12,15 @@ def register(sub) -> None:
     parser = sub.add_parser("dump", help="print the records of one rank and step",
                             description="Print the records of one rank at one step (or all steps).")
     parser.add_argument("run", metavar="RUN")
-    parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--step", type=int, default=None, help="the step to print (default: every step)")
+    parser.add_argument("--rank", type=step_number, default=0)
+    parser.add_argument("--step", type=step_number, default=None, help="the step to print (default: every step)")
     parser.add_argument("--phase", default=None, help="only records of this phase")
     parser.add_argument("--json", action="store_true", help="print records as JSON")
     parser.set_defaults(func=run)
 
 
 def run(args) -> int:
+    check_input_directory(args.run)
     run_dir = open_run(args.run)
     reader = run_dir.stream(args.rank)
     run_dir.close()
@@ -38,8 +40,8 @@ def run(args) -> int:
         print_json([{"step": s["step"], "root": s["root"], "records": [r.to_dict() for r in s["records"]]} for s in out])
         return 0
     for s in out:
-        print(f"step {s['step']}  rank {args.rank}  root {s['root']}  ({len(s['records'])} records)")  # numbers only: nothing to escape
-        print(table(["phase", "name", "#", "kind", "value"],
-                    [[r.phase, r.name, r.occurrence, r.kind, r.summary()] for r in s["records"]]))
-        print()
+        echo(f"step {s['step']}  rank {args.rank}  root {s['root']}  ({len(s['records'])} records)")
+        echo(table(["phase", "name", "#", "kind", "value"],
+                   [[r.phase, r.name, r.occurrence, r.kind, r.summary()] for r in s["records"]]))
+        echo()
     return 0

@@ -5,9 +5,15 @@ from __future__ import annotations
 import sys
 
 from samebits.cli._format import echo, print_result, table
-from samebits.cli._options import add_out_option, add_recipe_options, positive_int
+from samebits.cli._options import add_out_option, add_recipe_options, positive_int, rank_count, step_number
+from samebits.errors import ConfigError
 from samebits.runs.matrix import (DEFAULT_CELLS, DEFAULT_GLOBAL_BATCH, DEFAULT_MAX_WORLD_SIZE, DEFAULT_PRECISIONS,
                                   LAYOUT_INDEPENDENT, MatrixResult, run_matrix, split_list)
+
+
+# The recipe's precisions (`samebits.recipes.precision.PrecisionName`; the recipe is a client, not
+# imported here: tests/test_cli_inputs.py keeps the two lists equal).
+PRECISIONS = ("fp32", "bf16", "bf16_params", "fp8_tensorwise", "fp8_delayed", "mxfp8", "nvfp4")
 
 
 def register(sub) -> None:
@@ -24,8 +30,7 @@ def register(sub) -> None:
     parser.add_argument("--cells", default=",".join(DEFAULT_CELLS), metavar="CELL,...",
                         help=f"parallel layouts (default {','.join(DEFAULT_CELLS)})")
     parser.add_argument("--precisions", default=",".join(DEFAULT_PRECISIONS), metavar="P,...",
-                        help=f"fp32, bf16, bf16_params, fp8_tensorwise, fp8_delayed, mxfp8, nvfp4 "
-                             f"(default {','.join(DEFAULT_PRECISIONS)})")
+                        help=f"{', '.join(PRECISIONS)} (default {','.join(DEFAULT_PRECISIONS)})")
     parser.add_argument("--required", default=None, metavar="CELL[:P],...",
                         help="cells (or cell:precision pairs) that must run and hold (default: all)")
     parser.add_argument("--baseline", default=None, metavar="CELL",
@@ -38,13 +43,13 @@ def register(sub) -> None:
     add_recipe_options(parser, steps=6, nondeterministic=True)  # --set applies to every cell
     parser.add_argument("--resume-at", type=positive_int, default=None, metavar="K",
                         help="the resume step (default steps/2)")
-    parser.add_argument("--global-batch", type=int, default=DEFAULT_GLOBAL_BATCH, metavar="N",
+    parser.add_argument("--global-batch", type=step_number, default=DEFAULT_GLOBAL_BATCH, metavar="N",
                         help=f"samples per step in every cell, split over its data-parallel ranks "
                              f"(default {DEFAULT_GLOBAL_BATCH}; 0: the recipe's micro-batch per rank)")
     parser.add_argument("--keep-randomness", action="store_true",
                         help="keep dropout, router jitter and the load-balancing loss (default off in every cell: "
                              f"{' '.join(LAYOUT_INDEPENDENT)}), at the cost of layouts that cannot agree")
-    parser.add_argument("--max-world-size", type=int, default=DEFAULT_MAX_WORLD_SIZE, metavar="N",
+    parser.add_argument("--max-world-size", type=rank_count, default=DEFAULT_MAX_WORLD_SIZE, metavar="N",
                         help=f"a cell with more ranks cannot start (default {DEFAULT_MAX_WORLD_SIZE})")
     add_out_option(parser, "matrix")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -55,8 +60,13 @@ def run(args) -> int:
     def progress(message: str) -> None:
         echo(message, file=sys.stderr, flush=True)
 
+    precisions = split_list(args.precisions, "precisions")
+    unknown = [p for p in precisions if p not in PRECISIONS]
+    if unknown:
+        raise ConfigError(f"--precisions: {', '.join(map(repr, unknown))} is not a precision; give a comma-separated "
+                          f"list of {', '.join(PRECISIONS)}")
     result = run_matrix(
-        args.out, cells=split_list(args.cells, "cells"), precisions=split_list(args.precisions, "precisions"),
+        args.out, cells=split_list(args.cells, "cells"), precisions=precisions,
         required=split_list(args.required, "required") if args.required is not None else None,
         baseline=args.baseline, steps=args.steps, resume_at=args.resume_at, overrides=args.overrides,
         nondeterministic=args.nondeterministic, max_world_size=args.max_world_size,

@@ -6,7 +6,8 @@ import shlex
 import sys
 
 from samebits.cli._format import echo, escape, print_result, table
-from samebits.cli._options import add_out_option, add_run_timeout_option, positive_int
+from samebits.cli._options import (add_out_option, add_run_timeout_option, check_input_directory, positive_int,
+                                   rank_count, step_number)
 from samebits.compare import DiffResult
 from samebits.runs.replay import ReplayResult, replay
 from samebits.verdicts import Verdict
@@ -23,9 +24,9 @@ def register(sub) -> None:
         "{run} and {ckpt} filled in. Exit 0 IDENTICAL, 1 DIVERGED, 2 could not run or decide.",
     )
     parser.add_argument("run_dir", metavar="RUN", help="the recorded run (its stream folder)")
-    parser.add_argument("--step", type=int, required=True, metavar="K", help="the first step to replay")
+    parser.add_argument("--step", type=step_number, required=True, metavar="K", help="the first step to replay")
     parser.add_argument("--num-steps", type=positive_int, default=1, metavar="N", help="steps to replay (default 1)")
-    parser.add_argument("--nproc", type=positive_int, default=1, metavar="N", help="ranks of the replay (default 1)")
+    parser.add_argument("--nproc", type=rank_count, default=1, metavar="N", help="ranks of the replay (default 1)")
     parser.add_argument("--ckpt", default=None, metavar="DIR",
                         help="the checkpoint folder (default RUN/ckpt or RUN/../ckpt)")
     add_out_option(parser, "replay")
@@ -41,6 +42,7 @@ def run(args) -> int:
     def progress(message: str) -> None:
         echo(message, file=sys.stderr, flush=True)
 
+    check_input_directory(args.run_dir)
     command = shlex.split(args.replay_with) if args.replay_with else None
     result = replay(args.run_dir, step=args.step, nproc=args.nproc, num_steps=args.num_steps, cmd=command,
                     ckpt=args.ckpt, out=args.out, run_timeout=args.run_timeout, progress=progress)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from samebits.cli._format import echo, print_json, progress_printer, table
+from samebits.cli._options import check_input_directory
 from samebits.runs.report import write_report
 
 
@@ -32,6 +33,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    for path in args.inputs:  # one output directory holds its runs (a, b, c), stages and cells two levels down
+        check_input_directory(path, depth=2 if len(args.inputs) == 1 else 0)
     progress = progress_printer("report")
     progress(f"samebits report: {' '.join(args.inputs)} -> {args.out}")
     report = write_report(args.inputs, args.out, start_step=args.from_step,

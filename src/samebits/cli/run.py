@@ -6,7 +6,7 @@ import sys
 
 from samebits.autorecord import read_outcomes, read_stop
 from samebits.cli._format import echo
-from samebits.cli._options import add_recording_options, recording_options
+from samebits.cli._options import add_recording_options, check_input_directory, recording_options, step_number
 from samebits.compare import diff
 from samebits.errors import SamebitsError
 from samebits.runs.record import run_recorded
@@ -27,7 +27,7 @@ def register(sub) -> None:
     parser.add_argument("--reference", default=None, metavar="RUN",
                         help="check each step live against this earlier run: at the first step that differs, "
                              "print it and stop the command (its processes exit with code 3)")
-    parser.add_argument("--step-offset", type=int, default=None, metavar="K",
+    parser.add_argument("--step-offset", type=step_number, default=None, metavar="K",
                         help="number the first step K (a resumed run, so its steps line up with the run it "
                              "resumes; default 0)")
     add_recording_options(parser)
@@ -36,6 +36,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    if args.reference is not None:
+        check_input_directory(args.reference)
     code = run_recorded(args.cmd, args.out, reference=args.reference, step_offset=args.step_offset,
                         **recording_options(args))
     say = lambda message: echo(f"samebits run: {message}", file=sys.stderr)  # noqa: E731

@@ -4,6 +4,7 @@ what one step recorded (`--records`)."""
 from __future__ import annotations
 
 from samebits.cli._format import echo, escape, print_json, table
+from samebits.cli._options import check_input_directory, step_number
 from samebits.stream import catalogue, summarise
 from samebits.verdicts import EXIT_OK
 
@@ -15,13 +16,14 @@ def register(sub) -> None:
                                         "shape), to choose what to record with --phases/--include/--exclude.")
     parser.add_argument("run", metavar="RUN")
     parser.add_argument("--records", action="store_true", help="list the records of one step (default: the first)")
-    parser.add_argument("--step", type=int, default=None, help="with --records: this step")
-    parser.add_argument("--rank", type=int, default=None, help="with --records: this rank (default: the lowest)")
+    parser.add_argument("--step", type=step_number, default=None, help="with --records: this step")
+    parser.add_argument("--rank", type=step_number, default=None, help="with --records: this rank (default: the lowest)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.set_defaults(func=run)
 
 
 def run(args) -> int:
+    check_input_directory(args.run)
     if args.records:
         return show_records(args)
     summary = summarise(args.run)

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import math
 import sys
 
 from samebits.cli._format import echo, print_result, table
-from samebits.cli._options import add_out_option, add_recipe_options, add_run_timeout_option
+from samebits.cli._options import (add_out_option, add_recipe_options, add_run_timeout_option, int_range,
+                                   open_unit_interval, positive_int, step_number)
+from samebits.errors import ConfigError
 from samebits.runs.tax import DEFAULT_GATE, TaxResult, tax
+
+
+MAX_RESAMPLES = 10**6  # the bootstrap holds resamples x pairs x steps indices in memory
 
 
 def register(sub) -> None:
@@ -22,14 +28,16 @@ def register(sub) -> None:
     )
     parser.add_argument("--gate", type=float, default=DEFAULT_GATE,
                         help=f"fail when the interval's upper bound exceeds this ratio (default {DEFAULT_GATE})")
-    parser.add_argument("--pairs", type=int, default=5, help="paired runs (default 5)")
-    parser.add_argument("--warmup", type=int, default=2, help="timed steps dropped at the start of each run (default 2)")
+    parser.add_argument("--pairs", type=positive_int, default=5, help="paired runs (default 5)")
+    parser.add_argument("--warmup", type=step_number, default=2, help="timed steps dropped at the start of each run (default 2)")
     add_recipe_options(parser, steps=12, nproc=1)
     parser.add_argument("--a", dest="cmd_a", default=None, metavar="'CMD'", help="the deterministic command, quoted")
     parser.add_argument("--b", dest="cmd_b", default=None, metavar="'CMD'", help="the baseline command, quoted")
-    parser.add_argument("--confidence", type=float, default=0.95, help="interval coverage (default 0.95)")
-    parser.add_argument("--resamples", type=int, default=4000, help="bootstrap resamples (default 4000)")
-    parser.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
+    parser.add_argument("--confidence", type=open_unit_interval, default=0.95,
+                        help="interval coverage, between 0 and 1 (default 0.95)")
+    parser.add_argument("--resamples", type=int_range(100, MAX_RESAMPLES, 4000), default=4000,
+                        help=f"bootstrap resamples, 100 to {MAX_RESAMPLES:,} (default 4000)")
+    parser.add_argument("--seed", type=int_range(0, 2**64 - 1, 0), default=0, help="bootstrap seed (default 0)")
     add_run_timeout_option(parser)
     add_out_option(parser, "tax")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -38,6 +46,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    if not math.isfinite(args.gate):  # the library refuses a gate <= 0; nan or inf would decide nothing
+        raise ConfigError(f"--gate {args.gate}: a ratio gate is a positive finite number, e.g. 1.05.")
     result = tax(args.out, command=args.cmd or None, command_a=args.cmd_a, command_b=args.cmd_b,
                  pairs=args.pairs, steps=args.steps, warmup=args.warmup, gate=args.gate, nproc=args.nproc,
                  overrides=args.overrides, resamples=args.resamples, confidence=args.confidence, seed=args.seed,

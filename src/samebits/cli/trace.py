@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from samebits.cli._format import print_result, table
+from samebits.cli._options import check_input_directory, step_number
 from samebits.trace import find_origins
 from samebits.verdicts import Verdict
 
@@ -18,12 +19,14 @@ def register(sub) -> None:
     )
     parser.add_argument("a", help="run directory A")
     parser.add_argument("b", help="run directory B")
-    parser.add_argument("--step", type=int, default=None, help="look only at this step")
+    parser.add_argument("--step", type=step_number, default=None, help="look only at this step")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.set_defaults(func=run)
 
 
 def run(args) -> int:
+    check_input_directory(args.a)
+    check_input_directory(args.b)
     report = find_origins(args.a, args.b, step=args.step)
     return print_result(report, args.json, render)
 

@@ -71,14 +71,20 @@ def test_matrix_passes_and_reports_cells_that_cannot_start(tmp_path, capsys):
     assert "samebits matrix: INCOMPLETE" in render(M.MatrixResult("o", "single", []))
 
 
-def test_a_required_cell_that_cannot_start_fails_with_the_reason(tmp_path, capsys):
-    code = main(["matrix", "--out", str(tmp_path / "m"), "--cells", "single,dp16", "--precisions", "fp9",
-                 "--max-world-size", "2", "--steps", "2"])
-    text = capsys.readouterr().out
-    assert code == Verdict.FAIL.exit_code == 1, text
+def test_a_required_cell_that_cannot_start_fails_with_the_reason(tmp_path):
+    # The library runs what it is given: a cell that cannot start is a FAIL with its reason
+    # (the CLI refuses an unknown precision before any work: tests/test_cli_inputs.py).
+    result = M.run_matrix(tmp_path / "m", cells=["single", "dp16"], precisions=["fp9"], max_world_size=2, steps=2)
+    text = render(result)
+    assert result.verdict is Verdict.FAIL and result.verdict.exit_code == 1, text
     assert "samebits matrix: FAIL" in text
     assert "single fp9 (required): cannot start: samebits.recipes: error: precision='fp9' is not one of" in text
     assert "dp16 fp9 (required): cannot start: needs 16 ranks" in text
+
+
+def test_the_cli_refuses_an_unknown_precision_before_any_work(tmp_path, capsys):
+    code = main(["matrix", "--out", str(tmp_path / "m"), "--cells", "single", "--precisions", "fp9"])
+    assert code == 2 and "fp9" in capsys.readouterr().err and not (tmp_path / "m").exists()
 
 
 def test_a_micro_batch_override_conflicts_with_the_global_batch(tmp_path, capsys):

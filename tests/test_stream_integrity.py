@@ -430,3 +430,21 @@ def test_byte_equal_streams_with_headers_of_other_lengths(tmp_path):
         samebits.diff(tmp_path / "a", tmp_path / "c")
     with pytest.raises(StreamError, match="step index .* disagrees"):
         list(open_run(tmp_path / "c").stream(0).steps())
+
+
+def test_the_reader_refuses_a_fifo_without_blocking(tmp_path):
+    """A FIFO in place of a stream is refused by the reader itself (library callers too), at
+    once: the open does not wait for a writer."""
+    import os
+
+    import pytest
+
+    from samebits.errors import StreamError
+    from samebits.stream import StreamReader
+
+    fifo = tmp_path / "rank-00000.sbs"
+    os.mkfifo(fifo)
+    with pytest.raises(StreamError, match="not a regular file \\(a FIFO\\)"):
+        StreamReader(fifo)
+    with pytest.raises(StreamError, match="a directory"):
+        StreamReader(tmp_path)

@@ -15,6 +15,7 @@ import json
 import mmap
 import os
 import re
+import stat
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,6 +169,14 @@ class StepBlock:
         return self.reader.decode(self)
 
 
+def _file_type(mode: int) -> str:
+    for check, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                        (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
+        if check(mode):
+            return name
+    return "not a regular file"
+
+
 class StreamReader:
     """Sequential, verifying reader of one rank's stream file."""
 
@@ -180,8 +189,15 @@ class StreamReader:
         self.end_offset = 0  # the end of the last complete frame
         self._data = b""
         try:
-            with open(self.path, "rb") as file:
-                self.size = os.fstat(file.fileno()).st_size
+            # O_NONBLOCK: a FIFO in place of a stream must not block the open; the opened file
+            # itself is then checked (no window between a check and the open)
+            descriptor = os.open(self.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+            with open(descriptor, "rb") as file:
+                status = os.fstat(file.fileno())
+                if not stat.S_ISREG(status.st_mode):
+                    raise StreamError(f"{self.path}: not a regular file ({_file_type(status.st_mode)}); a "
+                                      "fingerprint stream is a regular rank-NNNNN.sbs file written by samebits.")
+                self.size = status.st_size
                 if self.size:
                     self._data = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
         except FileNotFoundError:
@@ -189,6 +205,9 @@ class StreamReader:
         except PermissionError:
             raise StreamError(f"{self.path}: permission denied; make the stream readable "
                               f"(e.g. chmod a+r {self.path}) and retry.") from None
+        except IsADirectoryError:
+            raise StreamError(f"{self.path}: a directory, not a stream file; pass the run directory that holds "
+                              "it, or the rank-NNNNN.sbs file itself.") from None
         except (OSError, ValueError) as err:
             raise StreamError(f"{self.path}: cannot read the stream ({err}).") from None
         self.size = len(self._data)

@@ -540,7 +540,10 @@ class _Bisector:
                            f"the resumed run starts step {found.step} in another state than the run it resumes "
                            f"(rank {found.rank}): {listed} differ at the step's start, before any op ran, and each "
                            "side repeats itself: the checkpoint does not save or restore them. "
-                           + describe_state_record(names[0]), state_differs=names)
+                           + describe_state_record(names[0])
+                           + (". An LR the loop computes from its own iteration counter differs the same way when "
+                              "the checkpoint's counter is not restored" if names[0].endswith(".lr") else ""),
+                           state_differs=names)
         return None
 
     def _reconcile(self, origin: Origin) -> Origin:

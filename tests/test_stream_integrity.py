@@ -6,6 +6,7 @@ from __future__ import annotations
 import builtins
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -360,7 +361,15 @@ def test_permission_denied_is_a_clear_error(make_run, monkeypatch, capsys):
             raise PermissionError(13, "Permission denied", str(path))
         return real_open(path, *args, **kwargs)
 
+    real_os_open = os.open
+
+    def refusing_os_open(path, *args, **kwargs):  # the reader opens with os.open (O_NONBLOCK)
+        if str(path).endswith("rank-00001.sbs") and str(b) in str(path):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_os_open(path, *args, **kwargs)
+
     monkeypatch.setattr(builtins, "open", refusing_open)
+    monkeypatch.setattr(os, "open", refusing_os_open)
     assert main(["diff", str(a), str(b)]) == 2
     assert "permission denied" in capsys.readouterr().err
 

@@ -427,3 +427,22 @@ def test_sigterm_to_samebits_verify_ends_the_run_s_whole_tree(tmp_path):
         assert _gone_within(pids, 5.0) == [], err
         assert samebits.returncode == 128 + signal.SIGTERM
         assert "samebits verify: terminated (SIGTERM)" in err
+
+
+@pytestmark_linux
+def test_sigterm_to_samebits_run_ends_the_command_s_whole_tree(tmp_path):
+    """`samebits run -- CMD` keeps CMD on our terminal, and still leaves no process behind."""
+    script, pids_file = tmp_path / "tree.py", tmp_path / "pids"
+    script.write_text(_TREE)
+    samebits = subprocess.Popen([sys.executable, "-m", "samebits", "run", "--out", str(tmp_path / "out"), "--",
+                                 sys.executable, str(script), str(pids_file)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    with _reaping(pids):
+        try:
+            pids.extend(_wait_for(pids_file))
+        finally:
+            samebits.send_signal(signal.SIGTERM)
+            _, err = samebits.communicate(timeout=30)
+        assert _gone_within(pids, 5.0) == [], err
+        assert samebits.returncode == 128 + signal.SIGTERM, err

@@ -84,6 +84,23 @@ def run_logged(argv: list[str], log: Path, *, env: dict | None = None, header: s
     return code, time.perf_counter() - start
 
 
+def run_attached(argv: list[str], *, env: dict | None = None) -> int:
+    """Run ``argv`` on samebits' own terminal (its output to ours, Ctrl-C reaching it as usual);
+    return its exit code.  Like `run_logged` it does not outlive samebits: when samebits is
+    told to stop (SIGTERM, SIGHUP, Ctrl-C) while it waits, the run and every process it started
+    are ended, and on Linux the run gets SIGTERM if samebits itself dies."""
+    with _signals_interrupt():
+        try:
+            process = subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent())
+        except FileNotFoundError:
+            raise SamebitsError(f"cannot run {argv[0]!r}: no such program. Check the command after `--`.") from None
+        try:
+            return process.wait()
+        except BaseException:
+            end_process_tree(process)
+            raise
+
+
 # ---------------------------------------------------------------------------------------------
 # ending a run's whole process tree
 
@@ -158,6 +175,7 @@ def end_process_tree(process: subprocess.Popen, grace: float = END_GRACE_S) -> N
     while the run's first process lives (orphans are re-parented away from it)."""
     tree = _descendants(process.pid)
     _signal_tree(process.pid, tree, signal.SIGTERM)
+    _signal_itself(process, signal.SIGTERM)  # a run that leads no group of its own (`run_attached`)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
         if process.poll() is None:
@@ -166,10 +184,19 @@ def end_process_tree(process: subprocess.Popen, grace: float = END_GRACE_S) -> N
             break
         time.sleep(0.05)
     _signal_tree(process.pid, tree, signal.SIGKILL)
+    _signal_itself(process, signal.SIGKILL)
     try:
         process.wait(timeout=grace)
     except subprocess.TimeoutExpired:  # pragma: no cover - a process SIGKILL cannot end (uninterruptible I/O)
         pass
+
+
+def _signal_itself(process: subprocess.Popen, signum: int) -> None:
+    if process.poll() is None:  # not yet reaped: the pid is still this run's
+        try:
+            process.send_signal(signum)
+        except ProcessLookupError:
+            pass
 
 
 def _signal_tree(leader: int, tree: dict[int, int], signum: int) -> None:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import shlex
-import subprocess
 from pathlib import Path
 
 from samebits.autorecord import environment_for
 from samebits.errors import ConfigError, SamebitsError
+from samebits.runs._launch import run_attached
 
 
 def check_out_dir(out) -> Path:
@@ -33,10 +33,7 @@ def run_recorded(cmd: list[str], out, *, reference=None, step_offset: int | None
         raise ConfigError(f"--step-offset {step_offset}: must be >= 0.")
     check_out_dir(out)
     env = environment_for(out, command=shlex.join(cmd), reference=reference, step_offset=step_offset, **what)
-    try:
-        return subprocess.call(cmd, env=env)
-    except FileNotFoundError:
-        raise SamebitsError(f"cannot run {cmd[0]!r}: no such program. Check the command after `--`.") from None
+    return run_attached(cmd, env=env)
 
 
 __all__ = ["run_recorded", "check_out_dir"]

@@ -1138,3 +1138,72 @@ def test_saving_replicas_that_differ_between_ranks_is_refused(tmp_path):
                                            "between ranks: model/1.weight (rank 0 vs rank 1)"), found
         assert "StateBundle.rank_local" in found["drifted"]
     assert not (tmp_path / "drifted" / "step-1").exists()
+
+
+def _one_rank_refuses_worker(rank: int, world: int, init: str, out: str) -> None:
+    """Save with 2 ranks; damage rank 1's part (its JSON: refused before the shards are read;
+    its numpy state's bytes in its own shard: refused after); load on both."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    found = {}
+    try:
+        def bundle():
+            torch.manual_seed(0)  # replicas: the same weights on both ranks
+            return StateBundle(model=nn.Linear(2, 2), progress={"step": 1}, layout={"dp": 2})
+
+        np.random.seed(10 + rank)
+        key = checkpoint.capture_rng_state()["numpy"]["key"].numpy().tobytes()
+        for case in ("json", "shard"):
+            root = Path(out) / case
+            directory = checkpoint.save(root, bundle())
+            if rank == 1 and case == "json":
+                _truncate(directory / "rank-1.json")
+            if rank == 1 and case == "shard":
+                shard = directory / "__1_0.distcp"
+                data = bytearray(shard.read_bytes())
+                data[data.find(key) + 100] ^= 1
+                shard.write_bytes(bytes(data))
+            dist.barrier()
+            fresh = bundle()
+            with torch.no_grad():
+                fresh.model.weight.add_(1)
+            before = fresh.model.weight.detach().clone()
+            start = time.monotonic()
+            try:
+                checkpoint.load(root, fresh)
+                found[case] = "loaded"
+            except CheckpointError as err:
+                found[case] = str(err)
+            found[f"{case}_seconds"] = time.monotonic() - start
+            found[f"{case}_untouched"] = torch.equal(fresh.model.weight, before)
+            dist.barrier()
+    finally:
+        Path(f"{out}/found.{rank}.json").write_text(json.dumps(found))
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # skip gloo's C++ static destructors (they abort now and then under load)
+
+
+def test_a_rank_that_refuses_makes_every_rank_refuse_without_waiting(tmp_path):
+    """All or nothing across ranks: rank 1's part of the checkpoint is damaged.  The old code
+    refused on rank 1 only, while rank 0 went on into DCP's collective read (where it waited
+    for rank 1) or loaded its own part.  Now the ranks agree before reading the shards and
+    before applying: every rank refuses, at once, naming the rank and its reason, and every
+    bundle is left as it was."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_one_rank_refuses_worker, args=(2, f"file://{tmp_path / 'init'}", str(tmp_path)),
+             nprocs=2, join=True)
+    found = [json.loads((tmp_path / f"found.{rank}.json").read_text()) for rank in range(2)]
+    assert "rank-1.json is damaged" in found[1]["json"], found
+    assert found[0]["json"].startswith("rank 1 refused the checkpoint before reading the shards "
+                                       "(CheckpointError: "), found
+    assert "numpy/key" in found[1]["shard"] and "digest" in found[1]["shard"], found
+    assert found[0]["shard"].startswith("rank 1 refused the checkpoint after reading the shards"), found
+    for rank in range(2):
+        for case in ("json", "shard"):
+            assert found[rank][f"{case}_untouched"] and found[rank][f"{case}_seconds"] < 30, found

@@ -57,7 +57,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from samebits import checkpoint
-from samebits.checkpoint import CheckpointError, StateBundle
+from samebits.checkpoint import CheckpointError
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_checkpoint import (  # noqa: E402  (the shared bundle and snapshot helpers)

@@ -332,16 +332,18 @@ def _check_optimizer(bundle: StateBundle, saved: Any, fields: _Fields, rank: int
     return {"state": loaded_state, "param_groups": loaded_groups}
 
 
-def apply(bundle: StateBundle, tensors: Mapping[str, torch.Tensor], plan: Plan) -> None:
-    """Put loaded values back into the bundle's live objects: the random states are tried on
-    scratch generators first, so nothing changes unless everything can."""
-    rng = _resolve(plan.rng, tensors)
+def check_loaded(bundle: StateBundle, tensors: Mapping[str, torch.Tensor], plan: Plan) -> None:
+    """The last check before `apply`: the loaded random states, tried on scratch generators."""
     try:
-        check_rng_state(rng, bundle.generators, skip=plan.skip_rng)
+        check_rng_state(_resolve(plan.rng, tensors), bundle.generators, skip=plan.skip_rng)
     except MalformedFieldError as err:
         raise CheckpointError(f"{plan.source}: field rng.{err.field}: {err.problem}; "
                               f"{DAMAGED}") from None
 
+
+def apply(bundle: StateBundle, tensors: Mapping[str, torch.Tensor], plan: Plan) -> None:
+    """Put loaded values back into the bundle's live objects (`check` and `check_loaded` have
+    passed on every rank: nothing here refuses what they accepted)."""
     missing, unexpected = bundle.model.load_state_dict(
         {name: tensors[key] for name, key in plan.model.items()}, strict=False)
     if missing or unexpected:  # `check` matched them: a model that changed since
@@ -355,7 +357,7 @@ def apply(bundle: StateBundle, tensors: Mapping[str, torch.Tensor], plan: Plan) 
     bundle.progress.update(plan.progress)
     bundle.metadata.clear()
     bundle.metadata.update(plan.metadata)
-    restore_rng_state(rng, bundle.generators, skip=plan.skip_rng)
+    restore_rng_state(_resolve(plan.rng, tensors), bundle.generators, skip=plan.skip_rng)
 
 
 def _optimizer_param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, str]:

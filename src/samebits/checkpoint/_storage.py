@@ -52,9 +52,10 @@ import torch.distributed as dist
 
 from samebits._torchutil import group_rank_and_world_size
 from samebits.fingerprint import DIGEST_VERSION, DTYPE_CODES, digest_many
-from samebits.checkpoint._bundle import (DAMAGED, MAX_DEPTH, StateBundle, apply, check, collect,
-                                         empty_tensors)
+from samebits.checkpoint._bundle import (DAMAGED, MAX_DEPTH, StateBundle, apply, check,
+                                         check_loaded, collect, empty_tensors)
 from samebits.checkpoint._errors import CheckpointError, CheckpointLayoutError
+from samebits.errors import SamebitsError
 
 FORMAT = "samebits-checkpoint/2"
 # Written before the checksums and digests: loaded with every structural check, without them.
@@ -268,46 +269,73 @@ def load(path: str | os.PathLike, bundle: StateBundle) -> Path:
     """Load into the bundle in place; `path` is a root (follows `latest`) or a step-K dir.
 
     Collective, like `save`.  Refuses (CheckpointLayoutError) a checkpoint written by another
-    world size or layout.  All or nothing: anything wrong with the checkpoint is a
-    `CheckpointError` naming the file (and field) before the bundle changes.  Returns the
-    directory it loaded.
+    world size or layout.  All or nothing, on every rank: anything wrong with the checkpoint
+    is a `CheckpointError` naming the file (and field) before any bundle changes, and the ranks
+    agree before reading the shards and before applying, so one rank's refusal is every
+    rank's (none waits in a collective for a rank that gave up).  Returns the directory it
+    loaded.
     """
     rank, world_size = group_rank_and_world_size()
-    directory = resolve(path)
-    real = Path(os.path.realpath(directory))  # files are opened in it without following links
-    meta = _read_meta(directory / "meta.json", real / "meta.json")
-    if meta["world_size"] != world_size or meta["layout"] != dict(bundle.layout):
-        raise CheckpointLayoutError(
-            f"{directory} was saved with world_size={meta['world_size']} and layout "
-            f"{meta['layout']}, but rank {rank} loads it with world_size={world_size} and "
-            f"layout {dict(bundle.layout)}; resume with the saved world size and layout "
-            "(per-rank random states and shards cannot be moved bitwise)")
-    rank_path = directory / f"rank-{rank}.json"
-    plain = _read_rank_manifest(rank_path, real / rank_path.name, rank, meta)
-    skip = [name.strip() for name in os.environ.get(DROP_RNG_ENV, "").split(",") if name.strip()]
-    plan = check(bundle, plain, rank=rank, source=str(rank_path), skip_rng=skip)
-    metadata = _read_dcp_metadata(directory / ".metadata", real / ".metadata", meta)
-    metadata = _check_dcp_metadata(directory / ".metadata", real, metadata, plain["tensors"],
-                                   rank_path)
+    with _agreed(rank, world_size, "before reading the shards"):
+        directory = resolve(path)
+        real = Path(os.path.realpath(directory))  # files are opened without following links
+        meta = _read_meta(directory / "meta.json", real / "meta.json")
+        if meta["world_size"] != world_size or meta["layout"] != dict(bundle.layout):
+            raise CheckpointLayoutError(
+                f"{directory} was saved with world_size={meta['world_size']} and layout "
+                f"{meta['layout']}, but rank {rank} loads it with world_size={world_size} and "
+                f"layout {dict(bundle.layout)}; resume with the saved world size and layout "
+                "(per-rank random states and shards cannot be moved bitwise)")
+        rank_path = directory / f"rank-{rank}.json"
+        plain = _read_rank_manifest(rank_path, real / rank_path.name, rank, meta)
+        skip = [name.strip() for name in os.environ.get(DROP_RNG_ENV, "").split(",")
+                if name.strip()]
+        plan = check(bundle, plain, rank=rank, source=str(rank_path), skip_rng=skip)
+        metadata = _read_dcp_metadata(directory / ".metadata", real / ".metadata", meta)
+        metadata = _check_dcp_metadata(directory / ".metadata", real, metadata,
+                                       plain["tensors"], rank_path)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     tensors = empty_tensors(plain)
-    try:
+    try:  # collective: DCP raises on every rank when one fails
         with _quiet_single_process():
             dcp.load(tensors, storage_reader=_safe_reader(real, metadata),
                      planner=_tensor_only_planner(), no_dist=world_size == 1)
     except (Exception, CheckpointException) as err:  # DCP wraps what a damaged shard raises
         raise CheckpointError(f"{directory}: rank {rank} could not read its tensors ({err}); "
                               "the shards are damaged or incomplete: load an older step") from err
-    if meta["format"] == FORMAT:
-        _check_digests(tensors, plain["tensors"], meta, rank_path, directory)
+    with _agreed(rank, world_size, "after reading the shards"):
+        if meta["format"] == FORMAT:
+            _check_digests(tensors, plain["tensors"], meta, rank_path, directory)
+        check_loaded(bundle, tensors, plan)
     if skip:
         print(f"samebits.checkpoint: rank {rank} leaves out random state(s) {', '.join(skip)} "
               f"on purpose ({DROP_RNG_ENV}); the resume will not be bitwise",
               file=sys.stderr, flush=True)
     apply(bundle, tensors, plan)
     return directory
+
+
+@contextlib.contextmanager
+def _agreed(rank: int, world_size: int, when: str):
+    """Run the block's checks on every rank, then agree (one all-gather): if any rank refused,
+    every rank raises, the others with a `CheckpointError` naming that rank and its reason."""
+    mine = None
+    try:
+        yield
+    except SamebitsError as err:
+        mine = err
+    if world_size > 1:
+        gathered: list = [None] * world_size
+        dist.all_gather_object(gathered, None if mine is None else f"{type(mine).__name__}: {mine}")
+        refused = [(r, reason) for r, reason in enumerate(gathered) if reason is not None]
+        if refused and mine is None:
+            other, reason = refused[0]
+            raise CheckpointError(f"rank {other} refused the checkpoint {when} ({reason}), so "
+                                  f"rank {rank} leaves its bundle as it was too")
+    if mine is not None:
+        raise mine
 
 
 def resolve(path: str | os.PathLike) -> Path:

@@ -1,13 +1,11 @@
-"""A tiny character-level GPT trained the nanoGPT way (train.py), with minGPT-style weight-decay
-parameter groups built from sets of parameter names.
+"""A tiny character-level GPT trained the nanoGPT way (train.py, bias=False), resumed from ckpt.pt.
 
-Planted fault: the groups list each set's names in set order, not `sorted(...)`: a set of strings
-iterates in an order that follows PYTHONHASHSEED, random per process.  The groups hold the
-same parameters with the same values in another order, so the optimizer's state (and its
-state_dict) and the gradient clipping over the optimizer's parameters see them in another
-order every run; the clipping's total norm sums their squares in that order.  (A resume in
-another process is worse: `optimizer.load_state_dict` maps A's state to parameters by
-position, so moments land on other parameters, or a shape error stops it.)
+Planted fault: the no-decay parameter group lists the layernorm weights by iterating a Python set
+of their names, whose order follows PYTHONHASHSEED (random per process).  A run is
+unaffected (the group holds the same parameters; AdamW updates each on its own), but the
+optimizer's state_dict identifies parameters by their position in the groups: a resumed
+process, with another hash seed, loads A's moments into other layernorm weights (all of
+one shape, so nothing complains) and its first update after the resume differs.
 Run:    python gpt_set_param_groups.py --out DIR [--max-iters N] [--ckpt-at K]   # DIR/ckpt.pt at K
         python gpt_set_param_groups.py --out DIR --resume-from DIR_A              # init_from = 'resume'
 """
@@ -37,7 +35,7 @@ block_size = 16
 vocab_size = 64
 n_layer, n_head, n_embd = 2, 2, 32
 dropout = 0.1
-bias = True
+bias = False  # no biases in Linears and LayerNorms: a bit better and faster
 gradient_accumulation_steps = 2
 learning_rate = 1e-3
 weight_decay = 1e-1
@@ -157,18 +155,15 @@ class GPT(nn.Module):
         return logits, loss
 
     def configure_optimizers(self, weight_decay, learning_rate, betas):
-        # sort every parameter into exactly one of two sets: weights of matmuls and embeddings
-        # decay, biases and layernorm weights do not
-        decay, no_decay = set(), set()
-        for mn, m in self.named_modules():
-            for pn, p in m.named_parameters(recurse=False):
-                fpn = f"{mn}.{pn}" if mn else pn
-                (decay if pn == "weight" and isinstance(m, (nn.Linear, nn.Embedding)) else no_decay).add(fpn)
-        param_dict = dict(self.named_parameters())
-        decay &= param_dict.keys()  # the tied lm_head.weight is transformer.wte.weight
-        assert decay | no_decay == param_dict.keys() and not decay & no_decay
-        optim_groups = [{"params": [param_dict[pn] for pn in names], "weight_decay": wd}  # PLANTED
-                        for names, wd in ((decay, weight_decay), (no_decay, 0.0))]
+        param_dict = {pn: p for pn, p in self.named_parameters() if p.requires_grad}
+        # every 2D tensor (matmul weights, embeddings) decays; the layernorm weights do not
+        no_decay = {pn for pn, p in param_dict.items() if p.dim() < 2}
+        decay_params = [p for pn, p in param_dict.items() if pn not in no_decay]
+        nodecay_params = [param_dict[pn] for pn in no_decay]  # PLANTED
+        optim_groups = [
+            {"params": decay_params, "weight_decay": weight_decay},
+            {"params": nodecay_params, "weight_decay": 0.0},
+        ]
         return torch.optim.AdamW(optim_groups, lr=learning_rate, betas=betas)
 
 
@@ -250,8 +245,7 @@ while True:
         X, Y = get_batch("train")  # prefetch the next batch while the backward runs
         loss.backward()
     if grad_clip != 0.0:
-        # clip what the optimizer trains
-        torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], grad_clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 

@@ -82,7 +82,7 @@ def test_state_census_runs_outside_the_dispatch_modes_in_force():
         torch.ones(2).add_(1)
     assert "aten::add_" in seen.ops
     assert [name for name, _ in records if name.startswith(("optim", "sched"))] == [
-        "optim0.step", "optim0.lr", "sched0.last_epoch", "sched0.lr"]
+        "optim0.step", "optim0.lr", "optim0.hparams", "sched0.last_epoch", "sched0.step_count", "sched0.lr"]
     assert records[[n for n, _ in records].index("optim0.step")][1].tolist() == [1, 1]
 
 

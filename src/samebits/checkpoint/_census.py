@@ -31,6 +31,7 @@ tracer (or any other mode) called around the loop never sees it.
 from __future__ import annotations
 
 import random
+import re
 import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -49,6 +50,7 @@ except ImportError:  # pragma: no cover - exercised by loading this file with nu
 STATE_PHASE = "state"
 
 _NOT_RESTORED = "seeded from something that changes, or not restored on resume"
+_SITE = re.compile(r"\.py:\d+(#\d+)?$")
 _LR_NOT_RESTORED = "learning rate differs at step start: LR scheduler not restored on resume"
 
 
@@ -125,8 +127,10 @@ def describe_state_record(name: str) -> str:
         return (f"torch CUDA RNG state of device {name.removeprefix('rng.cuda:')} differs at "
                 f"step start: {_NOT_RESTORED}")
     if name.startswith("rng.user."):
-        return f"generator '{name.removeprefix('rng.user.')}' state differs at step start: " \
-               f"{_NOT_RESTORED}"
+        user = name.removeprefix("rng.user.")
+        if _SITE.search(user):  # zero-code recording names the generators a program makes by site
+            return f"the private generator made at {user} is in another state at step start: {_NOT_RESTORED}"
+        return f"generator '{user}' state differs at step start: {_NOT_RESTORED}"
     index, _, field = name.partition(".")
     if index.startswith("optim") and index[len("optim"):].isdigit():
         number = index[len("optim"):]

@@ -409,6 +409,34 @@ def _restored_then_drawn(events: list[dict], generator: str, record_a, resume_at
     return restore, draws
 
 
+# --- for bisect --------------------------------------------------------------------------
+
+
+def unused_generators(names: list[str], dir_a: Path, dir_b: Path, rank: int, step: int) -> list[str]:
+    """The generator records among ``names`` (``rng.*``) that neither run drew from during
+    ``step`` on ``rank``, by the zero-code census's ``state`` and ``state_end``: no suspects.
+    A generator whose use is not known (no census, e.g. the recipe's) is kept as a suspect."""
+    wanted = [name for name in names if name.startswith("rng.")]
+    if not wanted:
+        return []
+    censuses = [_census(directory, step, step) for directory in (dir_a, dir_b)]
+    if any(census is None for census in censuses):
+        return []
+    return [name for name in wanted
+            if all(_used(census, rank, step, name) is False for census in censuses)]
+
+
+def private_generators_differing(dir_a: Path, dir_b: Path, rank: int, step: int) -> list[str]:
+    """The generators the program made (``rng.user.<site>``, zero-code census) that are in other
+    states in the two runs at the start of ``step`` and that one of them drew from in it."""
+    censuses = [_census(directory, step, step) for directory in (dir_a, dir_b)]
+    if any(census is None for census in censuses):
+        return []
+    state_a, state_b = (census.get(rank, step, STATE_PHASE) for census in censuses)
+    return [name for name in _differing(state_a, state_b) if name.startswith("rng.user.")
+            and any(_used(census, rank, step, name) is not False for census in censuses)]
+
+
 # --- independent runs --------------------------------------------------------------------
 
 
@@ -452,4 +480,5 @@ def explain_independent(dir_a: Path, dir_b: Path, diverged_at: int, order: str |
     return findings
 
 
-__all__ = ["Finding", "explain_resume", "explain_independent", "ordered", "script_notes"]
+__all__ = ["Finding", "explain_resume", "explain_independent", "ordered", "script_notes", "unused_generators",
+           "private_generators_differing"]

@@ -51,6 +51,7 @@ from samebits import settings
 from samebits.autorecord import environment_for, recording_variables, with_variables
 from samebits.checkpoint import describe_state_record
 from samebits.errors import ConfigError, SamebitsError
+from samebits.runs._explain import private_generators_differing, unused_generators
 from samebits.runs._launch import failed, run_logged, teardown_note
 from samebits.stream.reader import open_run
 from samebits.trace._config import ENV_VARS, LEVEL_NAMES, EventSpec, TraceConfig, parent_scope, parse_record
@@ -346,6 +347,14 @@ class _Bisector:
         """`find_origins` of a pair of runs; in a resume bisect, aligned on the resume step's
         phases (its "pre" work is no divergence), with a note when that dropped anything."""
         report = find_origins(a, b, resume_step=self.resume_step)
+        for finding in report.findings.values():
+            # the generators the program made (zero-code census, by creation site) join the
+            # tracer's census; a generator nobody drew from in the step is no suspect
+            private = private_generators_differing(a, b, finding.rank, finding.step)
+            finding.state_differs += [name for name in private if name not in finding.state_differs]
+            unused = unused_generators(finding.state_differs, a, b, finding.rank, finding.step)
+            finding.state_differs = [name for name in finding.state_differs if name not in unused]
+            finding.state_unused = unused
         for note in report.notes:
             if note not in self.notes and self.resume_step is not None and "phase pre" in note:
                 self.notes.append(note)
@@ -927,7 +936,7 @@ def _origin(finding: OriginFinding, elements: Elements | None, kind: str, conclu
                   finding.event_id, finding.category, finding.classification, finding.call_site, elements,
                   finding.catalog, finding.detail,
                   list(finding.state_differs if state_differs is None else state_differs),
-                  list(finding.state_differs))
+                  list(finding.state_differs) + list(finding.state_unused))
 
 
 def _control_flow(finding: OriginFinding) -> ControlFlow:

@@ -79,6 +79,7 @@ class OriginFinding:
     detail: str = ""
     parted: str | None = None  # where the recorded sequences part, when they do (control flow)
     state_differs: list[str] = field(default_factory=list)  # census records that differ at the step's start
+    state_unused: list[str] = field(default_factory=list)  # generators that differ but neither run drew from
     permuted: bool = False  # an op's or collective's inputs are the same tensors in another order
     reordered: dict | None = None  # an order finding: {"group": what holds them, "a": labels, "b": labels}
 
@@ -108,6 +109,7 @@ class OriginFinding:
             record = out[side]
             out[side] = None if record is None else record.to_dict()
         out["state_differs"] = list(self.state_differs)
+        out["state_unused"] = list(self.state_unused)
         return out
 
 

@@ -86,6 +86,7 @@ def test_bisect_validates_its_options(capsys):
     assert "not both" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_identical_runs_stop_after_the_first_stage(tmp_path, capsys, script):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(script), "2"]
@@ -107,6 +108,7 @@ def test_identical_runs_stop_after_the_first_stage(tmp_path, capsys, script):
                  {"step": 2, "rank": 0, "phase": "backward", "module": "3", "op": "aten::mm",
                   "id": "3/aten::mm:1"}, id="backward-op"),
 ])
+@pytest.mark.slow
 def test_a_perturbed_event_is_reported_as_the_origin(tmp_path, capsys, monkeypatch, script, perturb, expected):
     result, err = bisect_json(capsys, tmp_path, "--", sys.executable, str(script), "3",
                               env={"SAMEBITS_TEST_PERTURB": perturb}, monkeypatch=monkeypatch)
@@ -124,6 +126,7 @@ def test_a_perturbed_event_is_reported_as_the_origin(tmp_path, capsys, monkeypat
     assert "[4] dump" in err or "[2] dump" in err
 
 
+@pytest.mark.slow
 def test_two_commands_with_another_initialisation(tmp_path, capsys, script):
     result, _ = bisect_json(capsys, tmp_path, "--a", f"{sys.executable} {script} 2 0",
                             "--b", f"{sys.executable} {script} 2 1")

@@ -43,6 +43,7 @@ def assert_no_false_claims(result: dict) -> None:
     assert result["origin"]["kind"] != "initial_state" or result["origin"]["step"] == 0
 
 
+@pytest.mark.slow
 def test_an_op_in_the_models_own_forward_and_its_backward(tmp_path, capsys):
     """`pooled[idx]` in the top-level forward: its backward (index_put_ accumulate) races."""
     code, result, err = bisect(capsys, tmp_path, *script_command("toplevel_index.py"))
@@ -56,6 +57,7 @@ def test_an_op_in_the_models_own_forward_and_its_backward(tmp_path, capsys):
     assert_no_false_claims(result)
 
 
+@pytest.mark.slow
 def test_same_values_in_another_order_names_the_call(tmp_path, capsys):
     """Gradients gathered from a Python set (PYTHONHASHSEED differs per process)."""
     code, result, err = bisect(capsys, tmp_path, *script_command("set_order.py"))
@@ -82,6 +84,7 @@ def test_an_input_batch_that_differs_is_the_data_pipeline(tmp_path, capsys):
     assert_no_false_claims(result)
 
 
+@pytest.mark.slow
 def test_an_rng_op_names_the_generator_that_differs(tmp_path, capsys):
     """Dropout after the global generator was reseeded from the clock."""
     code, result, err = bisect(capsys, tmp_path, *script_command("dropout_seed.py"))
@@ -96,6 +99,7 @@ def test_an_rng_op_names_the_generator_that_differs(tmp_path, capsys):
     assert_no_false_claims(result)
 
 
+@pytest.mark.slow
 def test_a_rerun_that_diverges_earlier_is_traced_from_there(tmp_path, capsys, monkeypatch):
     """The n-th run fires at the step the schedule says: the steps stage sees step 2, the
     modules stage's re-run step 0 (untraced there): bisect must trace from step 0, never
@@ -130,6 +134,7 @@ def test_a_side_that_crashes_is_an_error_never_identical(tmp_path, capsys):
     assert "exited with code 1" in err and "out of data" in err
 
 
+@pytest.mark.slow
 def test_data_parallel_replicas_that_start_apart(tmp_path, capsys):
     """`manual_seed(seed + rank)` before the model: each run repeats itself bit for bit, but
     the replicas (same reduced gradients on every rank) hold different weights."""

@@ -25,6 +25,8 @@ import pytest
 
 from samebits.runs import bisect
 
+pytestmark = pytest.mark.slow  # end-to-end bisects of a nanoGPT-shaped trainer (1-3 min in all)
+
 SCRIPT = Path(__file__).resolve().parent / "scripts_bisect" / "nanogpt.py"
 K = 2  # the resume step: an eval iteration (eval every 2)
 

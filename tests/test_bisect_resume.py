@@ -25,6 +25,7 @@ def _commands(ckpt: Path, restore_rng: bool) -> list[str]:
             "--b-step-offset", str(K)]
 
 
+@pytest.mark.slow
 def test_resume_that_forgets_the_rng_state_diverges_at_the_resume_step(tmp_path, capsys):
     code = main(["bisect", "--out", str(tmp_path / "o"), *_commands(tmp_path / "ckpt", False), "--json"])
     payload = json.loads(capsys.readouterr().out)

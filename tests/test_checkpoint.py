@@ -1031,6 +1031,7 @@ def test_two_ranks_rng_states_restored_on_their_own_rank(two_ranks):
     assert not torch.equal(two_ranks[0]["straight"][name], two_ranks[1]["straight"][name])
 
 
+@pytest.mark.slow
 def test_two_ranks_save_exit_resume_cli_is_bitwise_equal(tmp_path, two_ranks):
     module = ["-m", "samebits.recipes", "--steps", str(STEPS), *_tiny_cli_args()]
     root = tmp_path / "ckpt"

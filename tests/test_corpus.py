@@ -231,6 +231,7 @@ PLAIN = [c for c in CASES if c["setting"] == "plain loop" and c["samebits"][0] =
          and "exit" not in c["expected"]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", PLAIN, ids=[c["name"] for c in PLAIN])
 def test_plain_script_runs(case, tmp_path):
     proc = _run(bench.expand(case["run"], tmp_path) + ["--steps", "3"], tmp_path)
@@ -238,6 +239,7 @@ def test_plain_script_runs(case, tmp_path):
     assert re.search(r"step 2 loss \d", proc.stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["resume_data_position", "resume_lr_scheduler"])
 def test_resume_script_saves_and_resumes(name, tmp_path):
     script = str(CORPUS / f"{name}.py")
@@ -253,6 +255,7 @@ GPT_SCRIPTS = sorted({c["planted"].partition(":")[0] for c in CASES if c["settin
 LOADER_SCRIPTS = sorted({c["planted"].partition(":")[0] for c in CASES if c["setting"] == "DataLoader loop"})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", GPT_SCRIPTS)
 def test_nanogpt_script_checkpoints_and_resumes(script, tmp_path):
     """Scratch with a checkpoint at iteration 1, then init_from = 'resume' from it."""
@@ -272,6 +275,7 @@ def test_nanogpt_script_checkpoints_and_resumes(script, tmp_path):
     assert "iter 2: loss" in resumed.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", LOADER_SCRIPTS)
 def test_loader_script_checkpoints_and_resumes(script, tmp_path):
     """Checkpoints every 2 steps, then a resume from step2.pt."""
@@ -285,6 +289,7 @@ def test_loader_script_checkpoints_and_resumes(script, tmp_path):
     assert resumed.stdout.startswith("step 2 ") and "step 1 " not in resumed.stdout
 
 
+@pytest.mark.slow
 def test_crash_script_crashes_after_clean_steps(tmp_path):
     proc = _run([sys.executable, str(CORPUS / "crash_mid_run.py")], tmp_path)
     assert proc.returncode != 0 and "IndexError" in proc.stderr
@@ -294,6 +299,7 @@ def test_crash_script_crashes_after_clean_steps(tmp_path):
 DDP = [c for c in CASES if c["setting"].startswith("DDP")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", DDP, ids=[c["name"] for c in DDP])
 def test_ddp_script_runs_on_two_ranks(case, tmp_path):
     script = bench.expand(case["run"], tmp_path)[-1]
@@ -302,6 +308,7 @@ def test_ddp_script_runs_on_two_ranks(case, tmp_path):
     assert "rank 0 step 1 loss" in proc.stdout and "rank 1 step 1 loss" in proc.stdout
 
 
+@pytest.mark.slow
 def test_hf_trainer_script_runs(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
@@ -311,6 +318,7 @@ def test_hf_trainer_script_runs(tmp_path):
     assert "'loss'" in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_hf_trainer_resume_script_saves_and_resumes(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
@@ -324,6 +332,7 @@ def test_hf_trainer_resume_script_saves_and_resumes(tmp_path):
     assert (tmp_path / "c" / "checkpoint-5").exists()
 
 
+@pytest.mark.slow
 def test_lightning_script_saves_and_resumes(tmp_path):
     pytest.importorskip("lightning")
     script = str(CORPUS / "lightning_mid_epoch.py")

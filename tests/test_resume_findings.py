@@ -24,7 +24,6 @@ from samebits.runs._explain import (explain_independent, explain_resume, ordered
 SCRIPT = Path(__file__).parent / "scripts_resume" / "minigpt.py"
 CKPT_AT = 3
 
-pytestmark = pytest.mark.slow
 
 
 def _record(out: Path, *script_args: str, reference: Path | None = None, step_offset: int | None = None) -> Path:
@@ -66,55 +65,65 @@ def _resume_findings(runs, shape: str, bug: str, *, step_offset: int = CKPT_AT, 
     return findings
 
 
+@pytest.mark.slow
 def test_a_correct_resume_is_identical(runs):
     a = runs["plain"]
     c = _record(runs["root"] / "plain-c-ok", "--resume-from", str(a / "work"), reference=a, step_offset=CKPT_AT)
     assert diff(a, c, start_step=CKPT_AT, allow_config_diff=True).identical
 
 
+@pytest.mark.slow
 def test_optimizer_state_not_restored_is_named(runs):
     first = _resume_findings(runs, "plain", "optim")[0]
     assert (first.kind, first.step) == ("optimizer_state", CKPT_AT)
     assert "holds no state" in first.says and "load_state_dict" in first.says
 
 
+@pytest.mark.slow
 def test_iteration_counter_not_restored_is_named_with_its_evidence(runs):
     first = _resume_findings(runs, "plain", "iter")[0]
     assert (first.kind, first.record) == ("iteration_counter", "optim0.lr")
     assert "A's at step 0" in first.says  # the LR schedule restarted
 
 
+@pytest.mark.slow
 def test_a_stray_reinit_after_the_load_is_named(runs):
     first = _resume_findings(runs, "plain", "reinit")[0]
     assert first.kind == "model_params" and "fc.weight" in first.says
 
 
+@pytest.mark.slow
 def test_a_prefetched_batch_drawn_again_is_named(runs):
     first = _resume_findings(runs, "plain", "prefetch")[0]
     assert first.kind == "data_position" and f"A's batch of step {CKPT_AT + 1}" in first.says
 
 
+@pytest.mark.slow
 def test_a_resume_off_by_one_is_named(runs):
     first = _resume_findings(runs, "plain", "none", step_offset=CKPT_AT + 1)[0]
     assert first.kind == "off_by_one" and f"A's at step {CKPT_AT}" in first.says
 
 
+@pytest.mark.slow
 def test_a_scheduler_not_restored_is_named(runs):
     first = _resume_findings(runs, "sched", "sched", extra=("--sched",))[0]
     assert first.kind == "scheduler" and first.record.startswith("sched0.")
 
 
+@pytest.mark.slow
 def test_a_loader_that_does_not_skip_is_named(runs):
     first = _resume_findings(runs, "loader", "noskip", extra=("--loader",))[0]
     assert first.kind == "data_position" and first.record.startswith("data.minigpt.py:")
 
 
+@pytest.mark.slow
 def test_a_generator_restored_then_drawn_by_the_loader_is_named(runs):
     first = _resume_findings(runs, "loader", "consumed", extra=("--loader",))[0]
     assert (first.kind, first.generator) == ("generator_consumed", "torch_cpu")
     assert "DataLoader iterator" in first.says and first.site.startswith("minigpt.py:")
 
 
+@pytest.mark.slow
 def test_a_time_seeded_private_generator_is_named_by_its_site(runs, tmp_path):
     a = _record(tmp_path / "a", "--bug", "timeseed")
     b = _record(tmp_path / "b", "--bug", "timeseed", reference=a)
@@ -130,7 +139,8 @@ def test_a_time_seeded_private_generator_is_named_by_its_site(runs, tmp_path):
 
 
 def test_verify_prints_and_writes_the_finding(tmp_path):
-    """The whole command, zero-code: the first finding in --json and in summary.json."""
+    """The whole command, zero-code: the first finding in --json and in summary.json (in the
+    fast suite: the end-to-end check that a broken resume is caught and named)."""
     out = tmp_path / "v"
     proc = subprocess.run([sys.executable, "-m", "samebits", "verify", "--json", "--out", str(out),
                            "--resume-with", f"{sys.executable} {SCRIPT} --out {{out}} --resume-from {{from}} --bug optim",
@@ -139,6 +149,8 @@ def test_verify_prints_and_writes_the_finding(tmp_path):
     assert proc.returncode == 1, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert result["verdict"] == "fail"
+    assert result["checks"]["independent"]["verdict"] == "identical"  # guarantee 1 held
+    assert result["checks"]["resume"]["verdict"] == "diverged"  # guarantee 2 did not: named below
     assert result["findings"][0]["kind"] == "optimizer_state"
     assert "holds no state" in result["explanations"]["resume"][0]
     assert json.loads((out / "summary.json").read_text())["findings"] == result["findings"]

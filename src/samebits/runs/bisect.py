@@ -629,31 +629,24 @@ class _Bisector:
                        "runs (a Python set, a dict keyed by ids, hooks or threads) decides it")
 
     def _event_site(self, found: OriginFinding) -> str | None:
-        """The call site of a rung-1 event (an optimizer's: where it was built): one re-run of
-        its step at rung 1 with call sites."""
-        stage = Stage("sites", "phases", f"step {found.step}, call sites of phase events, then stop")
-        config = self.base_config(step_start=found.step, step_stop=found.step + 1, stop_after=found.step,
-                                  call_sites=True)
-        dirs = self.run_stage(stage, config, self.sides())
-        report = self.compare(dirs["a"], dirs["b"])
-        self.conclude(stage, report)
-        for finding in report.findings.values():
-            if finding.call_site and finding.category == found.category and finding.event_id == found.event_id:
-                return finding.call_site
-        return None
+        """The call site of a rung-1 event (an optimizer's: where it was built)."""
+        return self._site_of(found, "phase events", lambda f: f.category == found.category
+                             and f.event_id == found.event_id)
 
     def _collective_site(self, found: OriginFinding) -> str | None:
-        """The call site of a collective: one re-run of its step at rung 1 with call sites."""
-        stage = Stage("sites", "phases", f"step {found.step}, call sites of collectives, then stop")
+        """The call site of a collective."""
+        return self._site_of(found, "collectives", lambda f: f.category == "collective")
+
+    def _site_of(self, found: OriginFinding, what: str, matches) -> str | None:
+        """One re-run of ``found``'s step at rung 1 with call sites: the call site of the first
+        finding that ``matches``."""
+        stage = Stage("sites", "phases", f"step {found.step}, call sites of {what}, then stop")
         config = self.base_config(step_start=found.step, step_stop=found.step + 1, stop_after=found.step,
                                   call_sites=True)
         dirs = self.run_stage(stage, config, self.sides())
         report = self.compare(dirs["a"], dirs["b"])
         self.conclude(stage, report)
-        for finding in report.findings.values():
-            if finding.call_site and finding.category == "collective":
-                return finding.call_site
-        return None
+        return next((f.call_site for f in report.findings.values() if f.call_site and matches(f)), None)
 
     def _traced_rerun(self, name: str, level: int, first_step: int, last_step: int | None, evidence: _Evidence,
                       where: str = "", **changes) -> OriginFinding | None:

@@ -10,7 +10,8 @@ constructors of every kind of training state, once per process:
   ``numpy.random.default_rng``: generators are named by creation site (``train.py:30``);
 * ``torch.utils.data.DataLoader`` (its creation site, its iterators and their position).
 
-It also keeps a short log of *events* on the global generators: a restore or a seed
+It also keeps a short log of *events* on the global generators: each one's state as the
+process starts (``initial``), a restore or a seed
 (``torch.set_rng_state``, ``torch.manual_seed``, ``random.setstate``, ``np.random.set_state``,
 ...) with the digest of the state it set, and a draw by a data loader's iterator (creating it
 draws a base seed; its first batch draws the sampler's seed).  The verify explanation reads
@@ -161,6 +162,13 @@ def install_tracking(tracking: Tracking) -> None:
     _track_generators(tracking)
     _track_loaders(tracking)
     _track_restores(tracking)
+    for generator in ("python", "numpy", "torch_cpu"):  # as the program finds them, before its own code
+        try:
+            with outside_dispatch_modes():
+                state = digest(global_rng_record(generator))
+        except Exception:  # noqa: BLE001 - (numpy missing) no initial state to compare with
+            continue
+        tracking.event(generator, "initial", None, digest=f"{state:016x}")
 
 
 def _track_generators(tracking: Tracking) -> None:

@@ -57,10 +57,11 @@ class Finding(ToDict):
 
 class _Census:
     """One run's census records per (rank, step): {phase: {name: Record}} (occurrences of a
-    name joined as name#k)."""
+    name joined as name#k), and the events of its global generators."""
 
     def __init__(self, path: Path, phases: tuple[str, ...] | None, first: int, last: int):
         self.path = path
+        self.events: dict[int, list[dict]] = {}
         self.steps: dict[tuple[int, int], dict[str, dict]] = {}
         run = open_run(path)
         self.ranks = list(run.ranks)
@@ -80,6 +81,23 @@ class _Census:
 
     def get(self, rank: int, step: int, phase: str) -> dict:
         return self.steps.get((rank, step), {}).get(phase, {})
+
+    def state_before(self, rank: int, step: int, name: str) -> str | None:
+        """The digest (hex) of global generator ``name`` before the process's first step
+        ``step``: its last seed or restore before that step, else its state as the process
+        started; None when not known."""
+        generator = _RNG_GLOBAL.get(name)
+        if generator is None:
+            return None
+        if rank not in self.events:
+            self.events[rank] = _read_jsonl(self.path / EVENTS_FILE.format(rank=rank))
+        before = None
+        for event in self.events[rank]:
+            if event.get("generator") != generator or not isinstance(event.get("step"), int):
+                continue
+            if event["step"] <= step and event.get("event") in ("initial", "seeded", "restored"):
+                before = event.get("digest")
+        return before
 
 
 def _census(directory: Path, first: int, last: int) -> _Census | None:
@@ -105,11 +123,22 @@ def _same(a, b) -> bool:
 
 
 def _used(census: _Census, rank: int, step: int, name: str) -> bool | None:
-    """Did generator record ``name`` move during ``step``?  None: not known (no state_end)."""
+    """Did generator record ``name`` move during ``step``: between the step's first forward and
+    its end, or before that first forward (since the step before ended, or, in a process's
+    first step, since its last seed or restore, or since the process started)?  None: not
+    known (no ``state_end``, or no state to compare with before a first step)."""
     start, end = census.get(rank, step, STATE_PHASE), census.get(rank, step, "state_end")
     if name not in start or name not in end:
         return None
-    return not _same(start[name], end[name])
+    if not _same(start[name], end[name]):
+        return True
+    if (rank, step - 1) in census.steps:  # (every caller reads the step before too)
+        previous = census.get(rank, step - 1, "state_end")
+        return not _same(previous[name], start[name]) if name in previous else None
+    before = census.state_before(rank, step, name)  # the process's first recorded step
+    if before is None or start[name].digest is None:
+        return None
+    return before != f"{start[name].digest:016x}"
 
 
 def _generator_label(name: str) -> tuple[str, str]:
@@ -163,7 +192,7 @@ def explain_resume(dir_a: Path, dir_b: Path | None, dir_c: Path, resume_at: int,
     in ``resume_at..diverged_at`` (per rank) whose state differs, what differs there."""
     last = diverged_at + 1
     census_a = _census(dir_a, 0, last)  # from step 0: which earlier step C's LR or batch matches
-    census_c = _census(dir_c, resume_at, last)
+    census_c = _census(dir_c, max(0, resume_at - 1), last)
     findings: list[Finding] = []
     for note in script_notes(dir_c):
         findings.append(Finding("resume", "script_said", int(note.get("step", resume_at) or resume_at),
@@ -171,7 +200,7 @@ def explain_resume(dir_a: Path, dir_b: Path | None, dir_c: Path, resume_at: int,
                                 f"{note.get('message', '')}"))
     if census_a is None or census_c is None:
         return findings
-    census_b = _census(dir_b, resume_at, last) if dir_b is not None and dir_b.exists() else None
+    census_b = _census(dir_b, max(0, resume_at - 1), last) if dir_b is not None and dir_b.exists() else None
     main_a = _main_records(dir_a, resume_at - 1) if (dir_c / STATE_DIR).is_dir() else {}
     for rank in census_a.ranks:
         for step in range(resume_at, diverged_at + 1):
@@ -297,7 +326,8 @@ def _resume_step(census_a, census_b, census_c, main_a, dir_c, rank, step, resume
     events = _events(dir_c, rank)
     generators = []  # (name, restored then drawn) for the generators that explain this step
     for name in (n for n in differing if n.startswith("rng.")):
-        consumed = _restored_then_drawn(events, _generator_label(name)[0], state_a[name], resume_at)
+        consumed = (_restored_then_drawn(events, _generator_label(name)[0], state_a[name], state_c[name], resume_at)
+                    if step == resume_at else None)
         used = (_used(census_a, rank, step, name), _used(census_c, rank, step, name))
         if consumed is not None or used != (False, False):  # a generator nobody drew from explains nothing
             generators.append((name, consumed))
@@ -322,13 +352,21 @@ def _resume_step(census_a, census_b, census_c, main_a, dir_c, rank, step, resume
     for name, consumed in generators:
         ident, label = _generator_label(name)
         if consumed is not None:
-            restore, draws = consumed
+            restore, draws, exact = consumed
             by = "; ".join(f"{d.get('by', 'code')} at {d.get('site')}" for d in draws) or \
                 "code that ran between the restore and the step's first forward"
-            add("generator_consumed", f"{label} was restored to A's state of step {step} at {restore.get('site')} "
-                f"({restore.get('call')}), then drawn from before the step began, by {by}: restore it after "
-                "that, or give that code its own generator", name, site=(draws[0].get("site") if draws else
-                                                                         restore.get("site")), generator=ident)
+            if exact:
+                says = (f"{label} was restored to A's state of step {step} at {restore.get('site')} "
+                        f"({restore.get('call')}), then drawn from before the step began, by {by}: restore it "
+                        "after that, or give that code its own generator")
+            else:
+                says = (f"{label} was restored at {restore.get('site')} ({restore.get('call')}), then drawn from "
+                        f"before step {step} began, by {by}, and is not in A's state there: the checkpoint holds "
+                        "its state from another point than where the resumed run restores it (e.g. saved after a "
+                        "prefetched batch that the resumed run draws again: save the batch, or the state before "
+                        "the prefetch)")
+            # the place is where it was drawn from, when known (not the restore: it is not the cause)
+            add("generator_consumed", says, name, site=draws[0].get("site") if draws else None, generator=ident)
             continue
         add("generator", f"{describe_state_record(name)} (and step {step} draws from it{order_evidence})", name,
             generator=ident,
@@ -397,22 +435,26 @@ def _matching_inputs(census: _Census, rank: int, inputs: dict, around: int) -> i
     return None
 
 
-def _restored_then_drawn(events: list[dict], generator: str, record_a, resume_at: int):
-    """(the restore, the draws after it) when C restored ``generator`` to A's state at the
-    step start and something drew from it before that step began; else None."""
+def _restored_then_drawn(events: list[dict], generator: str, record_a, record_c, resume_at: int):
+    """(the restore, the draws after it, exact) when C restored ``generator`` before its first
+    step and then drew from it before that step's first forward (its state there is not the
+    restored one); ``exact``: the restored state was A's state at that step's start, so the
+    draws alone make the difference.  None otherwise."""
     wanted = f"{record_a.digest:016x}" if record_a.digest is not None else None
+    now = f"{record_c.digest:016x}" if record_c.digest is not None else None
     restore, draws = None, []
     for event in events:
         if event.get("generator") != generator or event.get("step") != resume_at:
             continue
-        if event.get("event") in ("restored", "seeded"):
-            restore = event if event.get("digest") == wanted else None
-            draws: list[dict] = []
+        if event.get("event") == "restored":
+            restore, draws = event, []
+        elif event.get("event") == "seeded":
+            restore, draws = None, []  # a seed after the restore: another story
         elif event.get("event") == "drawn" and restore is not None:
             draws.append(event)
-    if restore is None:
-        return None
-    return restore, draws
+    if restore is None or restore.get("digest") is None or restore.get("digest") == now:
+        return None  # no restore, or nothing drew from it after the restore
+    return restore, draws, restore.get("digest") == wanted
 
 
 # --- for bisect --------------------------------------------------------------------------
@@ -425,7 +467,7 @@ def unused_generators(names: list[str], dir_a: Path, dir_b: Path, rank: int, ste
     wanted = [name for name in names if name.startswith("rng.")]
     if not wanted:
         return []
-    censuses = [_census(directory, step, step) for directory in (dir_a, dir_b)]
+    censuses = [_census(directory, max(0, step - 1), step) for directory in (dir_a, dir_b)]
     if any(census is None for census in censuses):
         return []
     return [name for name in wanted
@@ -435,7 +477,7 @@ def unused_generators(names: list[str], dir_a: Path, dir_b: Path, rank: int, ste
 def private_generators_differing(dir_a: Path, dir_b: Path, rank: int, step: int) -> list[str]:
     """The generators the program made (``rng.user.<site>``, zero-code census) that are in other
     states in the two runs at the start of ``step`` and that one of them drew from in it."""
-    censuses = [_census(directory, step, step) for directory in (dir_a, dir_b)]
+    censuses = [_census(directory, max(0, step - 1), step) for directory in (dir_a, dir_b)]
     if any(census is None for census in censuses):
         return []
     state_a, state_b = (census.get(rank, step, STATE_PHASE) for census in censuses)

@@ -74,11 +74,14 @@ def test_same_values_in_another_order_names_the_call(tmp_path, capsys):
 
 
 def test_an_input_batch_that_differs_is_the_data_pipeline(tmp_path, capsys):
-    """A shuffling sampler seeded from the clock: stop at the first stage, blame the data."""
+    """A shuffling sampler seeded from the clock: stop at the first stage, blame the data and
+    the private generator that drew its order, by the line that made it (zero-code census)."""
     code, result, err = bisect(capsys, tmp_path, *script_command("data_shuffle.py"))
     assert code == EXIT_BAD_VERDICT, err
-    assert result["origin"]["kind"] == "input_batch"
-    assert result["conclusion"].startswith("the input batch differs at step 0")
+    assert result["origin"]["kind"] == "generator"
+    assert result["origin"]["state_differs"] == ["rng.user.data_shuffle.py:13"]
+    assert result["conclusion"].startswith("the private generator made at data_shuffle.py:13 is in another state")
+    assert "the input batch differs at step 0" in result["conclusion"]
     assert "origin is before the model (data loader / dataset / sampler)" in result["conclusion"]
     assert [s["name"] for s in result["stages"]] == ["steps"]
     assert_no_false_claims(result)

@@ -241,6 +241,7 @@ class _AutoRecorder:
     # forward hooks: count nesting so only top-level outputs are recorded
     def pre_forward(self, module, args):
         if self.depth == 0:
+            self.tracking.begin()
             self._name_params(module)
             self.record_census()
             if self.census is not None:
@@ -309,6 +310,7 @@ class _AutoRecorder:
             if tracer is not None:
                 tracer.finish_step(self.step)  # its records belong before the step is written
             if self.census_step != self.step:
+                self.tracking.begin()
                 self.record_census()  # a step without a top-level forward still has its census
             with self._ours():
                 self._close_census_step()
@@ -338,6 +340,7 @@ def install() -> bool:
     atexit.register(state.at_exit)  # registered first, so it runs after the script's own handlers
     if any(settings.is_set(name) for name in _TRACE_VARIABLES):
         state.tracer = install_zero_code(state._rec, state.step)  # a bad setting raises here, first
+        state.tracking.watch_draws = False  # the tracer's own dispatch modes come and go
     _state = state
     install_tracking(state.tracking)
     register_module_forward_pre_hook(_state.pre_forward)

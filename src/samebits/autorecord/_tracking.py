@@ -28,6 +28,7 @@ import weakref
 from typing import Any, Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from samebits._torchutil import SAMEBITS_DIR, call_site, outside_dispatch_modes
 from samebits.checkpoint import global_rng_record
@@ -64,11 +65,44 @@ class _Live:
         return out
 
 
+class _DrawWatch(TorchDispatchMode):
+    """Between a restore of the torch CPU generator and the first step: the first op that draws
+    from the global generator (an op tagged ``nondeterministic_seeded``, no generator of its
+    own, on the CPU), logged as a draw with the user's line that made it."""
+
+    def __init__(self, tracking: "Tracking"):
+        super().__init__()
+        self.tracking = tracking
+        self.seen = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.seen and _draws_from_the_global_generator(func, args, kwargs):
+            self.seen = True
+            self.tracking.event("torch_cpu", "drawn", _site(), by=f"{func.name()} (a draw from the global generator)")
+        return func(*args, **kwargs)
+
+
+def _draws_from_the_global_generator(func, args, kwargs) -> bool:
+    try:
+        if torch.Tag.nondeterministic_seeded not in func.tags or kwargs.get("generator") is not None:
+            return False
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type != "cpu":
+            return False
+        return all(a.device.type == "cpu" for a in args if isinstance(a, torch.Tensor))
+    except Exception:  # noqa: BLE001 - watching must never break the program
+        return False
+
+
 class Tracking:
     """What this process made (alive now) and the events on its global generators."""
 
     def __init__(self, step: Callable[[], int]):
         self.step = step  # the step the program is in (the next optimizer step)
+        self.watch_draws = True  # off under the tracer (its own dispatch modes come and go)
+        self.begun = False  # the program's first step has begun
+        self._watch: _DrawWatch | None = None
         self.optimizers = _Live()
         self.schedulers = _Live()
         self.scalers = _Live()
@@ -108,6 +142,24 @@ class Tracking:
             yielded = int(getattr(iterator, "_num_yielded", -1)) if iterator is not None else -1
             records.append((name, torch.tensor([yielded], dtype=torch.int64)))
         return records
+
+    def watch_draws_after_restore(self) -> None:
+        """The torch CPU generator was restored before the first step: log the first draw from
+        it until the step begins (`begin`)."""
+        if self.watch_draws and not self.begun and self._watch is None:
+            watch = _DrawWatch(self)
+            watch.__enter__()
+            self._watch = watch
+
+    def begin(self) -> None:
+        """The program's first step began: stop watching for draws."""
+        self.begun = True
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            try:
+                watch.__exit__(None, None, None)
+            except Exception:  # noqa: BLE001 - another mode pushed above it: it ends with the process
+                pass
 
     def new_events(self) -> list[dict]:
         events = self.events[self.written:]
@@ -270,6 +322,8 @@ def _track_restores(tracking: Tracking) -> None:
                 state = None
             tracking.event(generator, what, _site(), digest=None if state is None else f"{state:016x}",
                            call=f"{getattr(owner, '__name__', '')}.{attribute}")
+            if generator == "torch_cpu" and what == "restored":
+                tracking.watch_draws_after_restore()
             return result
 
         wrapper._samebits_tracking = True

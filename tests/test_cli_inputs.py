@@ -446,3 +446,17 @@ def test_sigterm_to_samebits_run_ends_the_command_s_whole_tree(tmp_path):
             _, err = samebits.communicate(timeout=30)
         assert _gone_within(pids, 5.0) == [], err
         assert samebits.returncode == 128 + signal.SIGTERM, err
+
+
+@pytest.mark.parametrize("command", [["verify"], ["bisect"], ["tax"]])
+def test_a_recipe_config_the_recipe_refuses_is_refused_before_any_run(tmp_path, capsys, command):
+    """`--set` is the recipe's: checked by the recipe itself (`--check`, one process that trains
+    nothing) before any run starts and before the output folder exists."""
+    from samebits.cli import main
+
+    out = tmp_path / "out"
+    code = main([*command, "--out", str(out), "--set", "no_such_key=1"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "the recipe refuses these options, before any run" in err and "no_such_key" in err
+    assert not out.exists()

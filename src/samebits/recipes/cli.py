@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="after --save-at, train on to --steps instead of exiting")
     parser.add_argument("--resume-from", type=Path, metavar="DIR",
                         help="checkpoint root (its latest) or step-K directory to resume from")
+    parser.add_argument("--check", action="store_true",
+                        help="check the options and the config (preset, cell, --set), then exit: no training")
     return parser
 
 
@@ -74,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"samebits.recipes: error: {err}", file=sys.stderr)
         return EXIT_CANNOT_RUN
+    if args.check:
+        print("samebits.recipes: the options and the config are valid")
+        return EXIT_OK
 
     rank, recorder = 0, None
     try:

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from samebits.autorecord import read_outcomes
-from samebits.errors import SamebitsError, StreamError
+from samebits.errors import ConfigError, SamebitsError, StreamError
 from samebits.stream import open_run
 
 DEFAULT_TIMEOUT_S = 1800.0
@@ -82,6 +82,22 @@ def run_logged(argv: list[str], log: Path, *, env: dict | None = None, header: s
                 end_process_tree(process)
                 raise
     return code, time.perf_counter() - start
+
+
+def check_recipe(argv: list[str]) -> None:
+    """Refuse a command of the reference recipe whose options or config (preset, cell,
+    ``--set``) the recipe refuses, before any run starts: the recipe's own checks
+    (``--check``), in one process that trains nothing.  Other commands pass unchecked."""
+    if "samebits.recipes" not in argv:
+        return
+    check = [sys.executable, "-m", "samebits.recipes", *argv[argv.index("samebits.recipes") + 1:], "--check"]
+    try:
+        proc = subprocess.run(check, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        raise SamebitsError(f"checking the recipe's config did not finish ({shlex.join(check)})") from None
+    if proc.returncode != 0:
+        said = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+        raise ConfigError(f"the recipe refuses these options, before any run: {said[-1] if said else proc.returncode}")
 
 
 def run_attached(argv: list[str], *, env: dict | None = None) -> int:

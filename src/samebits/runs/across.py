@@ -25,7 +25,7 @@ from typing import Callable, Iterable
 
 from samebits.compare import DiffResult, Divergence
 from samebits.errors import ConfigError
-from samebits.runs._launch import failed, judge_recipe_run, run_logged
+from samebits.runs._launch import check_recipe, failed, judge_recipe_run, run_logged
 from samebits.runs.verify import RunInfo, _fill, _prepare, _recipe_argv
 from samebits.stream import open_run
 from samebits.stream.reader import require_same_digest_version
@@ -164,6 +164,9 @@ def verify_across(sizes: list[int], cmd: list[str] | None = None, out=None, *, s
                               "into), e.g. -- torchrun --nproc-per-node {nproc} train.py --out {out}")
     if steps < 1:
         raise ConfigError(f"--steps {steps} must be at least 1")
+    if not cmd:  # the recipe's options and config, checked before any run and any folder
+        check_recipe(_recipe_argv(1) + ["--steps", str(steps), "--set", "grad_reduce=invariant", "--set", "ep=1",
+                                        *[part for item in overrides for part in ("--set", item)]])
     out = _prepare(out or Path("samebits-out") / time.strftime("across-%Y%m%d-%H%M%S"))
     say = progress or (lambda message: None)
     result = AcrossResult(out=str(out), sizes=list(sizes), checks={})

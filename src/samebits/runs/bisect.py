@@ -52,7 +52,7 @@ from samebits.autorecord import environment_for, recording_variables, with_varia
 from samebits.checkpoint import describe_state_record
 from samebits.errors import ConfigError, SamebitsError
 from samebits.runs._explain import private_generators_differing, unused_generators
-from samebits.runs._launch import failed, run_logged, teardown_note
+from samebits.runs._launch import check_recipe, failed, run_logged, teardown_note
 from samebits.stream.reader import open_run
 from samebits.trace._config import ENV_VARS, LEVEL_NAMES, EventSpec, TraceConfig, parent_scope, parse_record
 from samebits.trace._elements import compare_elements, same_values
@@ -978,10 +978,12 @@ def bisect(cmd_a: list[str] | None = None, cmd_b: list[str] | None = None, *, ou
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out} exists and is not empty: samebits never overwrites runs. "
                           "Pass a new --out directory or delete the old one.")
-    out.mkdir(parents=True, exist_ok=True)
     if not cmd_a:
         side_a, side_b = recipe_commands(steps=steps, nproc=nproc, nondeterministic=nondeterministic,
                                          overrides=overrides)
+        check_recipe(side_a.argv)  # before any run and any folder
+    out.mkdir(parents=True, exist_ok=True)
+    if not cmd_a:
         same = resume_at is None
         if resume_at is not None:
             ckpt = _save_recipe_checkpoint(side_a.argv, resume_at, out, run_timeout, progress)

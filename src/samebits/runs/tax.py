@@ -28,7 +28,7 @@ import numpy as np
 
 from samebits.autorecord import environment_for
 from samebits.errors import ConfigError, SamebitsError
-from samebits.runs._launch import DEFAULT_TIMEOUT_S, judge_recipe_run, judge_recorded_run, run_logged
+from samebits.runs._launch import DEFAULT_TIMEOUT_S, check_recipe, judge_recipe_run, judge_recorded_run, run_logged
 from samebits.stream.writer import STEP_TIMES_SUFFIX
 from samebits.verdicts import ToDict, Verdict
 
@@ -192,6 +192,7 @@ def tax(out: str | Path | None = None, *, command: list[str] | None = None, comm
 
     if recipe:
         argvs = {label: _recipe_command(nproc, steps, list(overrides), label == "deterministic") for label in _LABELS}
+        check_recipe(argvs["deterministic"])  # the recipe's options and config, before any run
     elif command is not None:
         argvs = {label: [part.replace(DETERMINISTIC_PLACEHOLDER, "1" if label == "deterministic" else "0")
                          for part in command] for label in _LABELS}

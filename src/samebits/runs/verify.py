@@ -32,7 +32,7 @@ from samebits.autorecord import environment_for, read_stop, recording_variables,
 from samebits.compare import DiffResult, diff
 from samebits.errors import ConfigError, SamebitsError
 from samebits.runs._explain import Finding, explain_independent, explain_resume, ordered
-from samebits.runs._launch import judge_recipe_run, judge_recorded_run, run_logged
+from samebits.runs._launch import check_recipe, judge_recipe_run, judge_recorded_run, run_logged
 from samebits.verdicts import ToDict, Verdict
 
 GUARANTEES = ("independent", "resume")
@@ -149,13 +149,14 @@ def verify_recipe(
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc} must be at least 1.")
     env = with_variables(os.environ, recording_variables(**record)) if record else None
-    out = _prepare(out or default_out_dir())
-    say = progress or (lambda message: None)
     base = _recipe_argv(nproc) + ["--steps", str(steps)]
     for item in overrides:
         base += ["--set", item]
     if nondeterministic:
         base += ["--preset", "nondeterministic"]
+    check_recipe(base)  # a config the recipe refuses is refused before any run (and any folder)
+    out = _prepare(out or default_out_dir())
+    say = progress or (lambda message: None)
     # A saves at the resume step and trains on, as a job that checkpoints does; B never saves
     # (so A = B also says that saving leaves the run as it was); C resumes A's checkpoint.
     stages = [

@@ -183,6 +183,14 @@ def _site() -> str | None:
     return f"{os.path.basename(path)}:{line}"
 
 
+def _in_a_library() -> bool:
+    """Whether the caller (past torch's and samebits' frames) is an installed library's code
+    (site-packages), not the program's own: e.g. Lightning's `isolate_rng` restoring a state
+    it saved itself a moment before."""
+    site = call_site(2, skip=("<", SAMEBITS_DIR, _NUMPY_DIR), with_function=False) or ""
+    return any(part in site for part in ("site-packages", "dist-packages"))
+
+
 _NUMPY_DIR = os.path.dirname(_np.__file__) if _np is not None else "\0"
 
 
@@ -321,7 +329,7 @@ def _track_restores(tracking: Tracking) -> None:
             except Exception:  # noqa: BLE001 - an event must never break the program
                 state = None
             tracking.event(generator, what, _site(), digest=None if state is None else f"{state:016x}",
-                           call=f"{getattr(owner, '__name__', '')}.{attribute}")
+                           call=f"{getattr(owner, '__name__', '')}.{attribute}", library=_in_a_library())
             if generator == "torch_cpu" and what == "restored":
                 tracking.watch_draws_after_restore()
             return result

@@ -454,7 +454,10 @@ def _restored_then_drawn(events: list[dict], generator: str, record_a, record_c,
             draws.append(event)
     if restore is None or restore.get("digest") is None or restore.get("digest") == now:
         return None  # no restore, or nothing drew from it after the restore
-    return restore, draws, restore.get("digest") == wanted
+    exact = restore.get("digest") == wanted
+    if not exact and restore.get("library"):
+        return None  # a library restoring a state it saved itself (Lightning's isolate_rng): no checkpoint's
+    return restore, draws, exact
 
 
 # --- for bisect --------------------------------------------------------------------------

@@ -84,6 +84,14 @@ def run_logged(argv: list[str], log: Path, *, env: dict | None = None, header: s
     return code, time.perf_counter() - start
 
 
+class RecipeRefused(ConfigError):
+    """The recipe refused its options or config (``said``: its own message) before any run."""
+
+    def __init__(self, said: str):
+        super().__init__(f"the recipe refuses these options, before any run: {said}")
+        self.said = said
+
+
 def check_recipe(argv: list[str]) -> None:
     """Refuse a command of the reference recipe whose options or config (preset, cell,
     ``--set``) the recipe refuses, before any run starts: the recipe's own checks
@@ -97,7 +105,7 @@ def check_recipe(argv: list[str]) -> None:
         raise SamebitsError(f"checking the recipe's config did not finish ({shlex.join(check)})") from None
     if proc.returncode != 0:
         said = [line for line in proc.stderr.strip().splitlines() if line.strip()]
-        raise ConfigError(f"the recipe refuses these options, before any run: {said[-1] if said else proc.returncode}")
+        raise RecipeRefused(said[-1] if said else f"exit code {proc.returncode}")
 
 
 def run_attached(argv: list[str], *, env: dict | None = None) -> int:

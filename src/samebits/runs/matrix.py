@@ -35,7 +35,7 @@ from typing import Callable
 
 from samebits.compare import diff
 from samebits.errors import ConfigError, SamebitsError, StreamError
-from samebits.runs._launch import RunFailed
+from samebits.runs._launch import RecipeRefused, RunFailed
 from samebits.runs.bisect import bisect
 from samebits.runs.cells import Cell, parse_cell
 from samebits.runs.distance import ulp_distance
@@ -276,6 +276,8 @@ def _run_cell(c: CellResult, cell: Cell, precision: str, *, steps: int, resume_a
     except RunFailed as err:
         stage = "cannot start" if err.label == "A" else f"run {err.label} crashed"
         c.reason = f"{stage}: {err.reason}"
+    except RecipeRefused as err:  # the recipe's own check, before any run of the cell
+        c.reason = f"cannot start: {err.said}"
     except StreamError as err:
         c.reason = f"a stream could not be read: {err}"
     except SamebitsError as err:  # e.g. runs that record different names: no comparison, no verdict

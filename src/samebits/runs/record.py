@@ -6,7 +6,7 @@ import shlex
 from pathlib import Path
 
 from samebits.autorecord import environment_for
-from samebits.errors import ConfigError, SamebitsError
+from samebits.errors import ConfigError
 from samebits.runs._launch import run_attached
 
 

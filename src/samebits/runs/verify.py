@@ -30,7 +30,7 @@ from typing import Callable
 
 from samebits.autorecord import environment_for, read_stop, recording_variables, with_variables
 from samebits.compare import DiffResult, diff
-from samebits.errors import ConfigError, SamebitsError
+from samebits.errors import ConfigError
 from samebits.runs._explain import Finding, explain_independent, explain_resume, ordered
 from samebits.runs._launch import check_recipe, judge_recipe_run, judge_recorded_run, run_logged
 from samebits.verdicts import ToDict, Verdict

@@ -82,6 +82,12 @@ class _Census:
     def get(self, rank: int, step: int, phase: str) -> dict:
         return self.steps.get((rank, step), {}).get(phase, {})
 
+    def events_of(self, rank: int) -> list[dict]:
+        """The rank's log of restores, seeds and draws of the global generators (read once)."""
+        if rank not in self.events:
+            self.events[rank] = _read_jsonl(self.path / EVENTS_FILE.format(rank=rank))
+        return self.events[rank]
+
     def state_before(self, rank: int, step: int, name: str) -> str | None:
         """The digest (hex) of global generator ``name`` before the process's first step
         ``step``: its last seed or restore before that step, else its state as the process
@@ -89,10 +95,8 @@ class _Census:
         generator = _RNG_GLOBAL.get(name)
         if generator is None:
             return None
-        if rank not in self.events:
-            self.events[rank] = _read_jsonl(self.path / EVENTS_FILE.format(rank=rank))
         before = None
-        for event in self.events[rank]:
+        for event in self.events_of(rank):
             if event.get("generator") != generator or not isinstance(event.get("step"), int):
                 continue
             if event["step"] <= step and event.get("event") in ("initial", "seeded", "restored"):
@@ -151,11 +155,6 @@ def _generator_label(name: str) -> tuple[str, str]:
         return name.removeprefix("rng."), f"the torch CUDA generator of device {name.removeprefix('rng.cuda:')}"
     site = name.removeprefix("rng.user.")
     return f"user:{site}", f"the generator made at {site}"
-
-
-def _events(directory: Path, rank: int) -> list[dict]:
-    path = directory / STATE_DIR / EVENTS_FILE.format(rank=rank)
-    return _read_jsonl(path)
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -323,7 +322,7 @@ def _resume_step(census_a, census_b, census_c, main_a, dir_c, rank, step, resume
             add("data_position", f"{describe_state_record(name)} (step {step}: skip the batches already seen, "
                 "or save and load the loader's state)", name, site=name.removeprefix("data.").split("#")[0])
             break
-    events = _events(dir_c, rank)
+    events = census_c.events_of(rank)
     generators = []  # (name, restored then drawn) for the generators that explain this step
     for name in (n for n in differing if n.startswith("rng.")):
         consumed = (_restored_then_drawn(events, _generator_label(name)[0], state_a[name], state_c[name], resume_at)
@@ -463,29 +462,22 @@ def _restored_then_drawn(events: list[dict], generator: str, record_a, record_c,
 # --- for bisect --------------------------------------------------------------------------
 
 
-def unused_generators(names: list[str], dir_a: Path, dir_b: Path, rank: int, step: int) -> list[str]:
-    """The generator records among ``names`` (``rng.*``) that neither run drew from during
-    ``step`` on ``rank``, by the zero-code census's ``state`` and ``state_end``: no suspects.
-    A generator whose use is not known (no census, e.g. the recipe's) is kept as a suspect."""
-    wanted = [name for name in names if name.startswith("rng.")]
-    if not wanted:
-        return []
+def generator_suspects(names: list[str], dir_a: Path, dir_b: Path, rank: int,
+                       step: int) -> tuple[list[str], list[str]]:
+    """(suspects, unused) among the census records ``names`` that differ at ``step``'s start on
+    ``rank``, with the generators the program made (``rng.user.<site>``, zero-code census) that
+    differ there and that either run drew from added to the suspects; ``unused``: the
+    generators neither run drew from in the step (no suspects).  A generator whose use is not
+    known (no census, e.g. the recipe's) stays a suspect.  Each census is read once."""
     censuses = [_census(directory, max(0, step - 1), step) for directory in (dir_a, dir_b)]
     if any(census is None for census in censuses):
-        return []
-    return [name for name in wanted
-            if all(_used(census, rank, step, name) is False for census in censuses)]
-
-
-def private_generators_differing(dir_a: Path, dir_b: Path, rank: int, step: int) -> list[str]:
-    """The generators the program made (``rng.user.<site>``, zero-code census) that are in other
-    states in the two runs at the start of ``step`` and that one of them drew from in it."""
-    censuses = [_census(directory, max(0, step - 1), step) for directory in (dir_a, dir_b)]
-    if any(census is None for census in censuses):
-        return []
+        return list(names), []
     state_a, state_b = (census.get(rank, step, STATE_PHASE) for census in censuses)
-    return [name for name in _differing(state_a, state_b) if name.startswith("rng.user.")
-            and any(_used(census, rank, step, name) is not False for census in censuses)]
+    names = list(names) + [name for name in _differing(state_a, state_b)
+                           if name.startswith("rng.user.") and name not in names]
+    unused = [name for name in names if name.startswith("rng.")
+              and all(_used(census, rank, step, name) is False for census in censuses)]
+    return [name for name in names if name not in unused], unused
 
 
 # --- independent runs --------------------------------------------------------------------
@@ -531,5 +523,4 @@ def explain_independent(dir_a: Path, dir_b: Path, diverged_at: int, order: str |
     return findings
 
 
-__all__ = ["Finding", "explain_resume", "explain_independent", "ordered", "script_notes", "unused_generators",
-           "private_generators_differing"]
+__all__ = ["Finding", "explain_resume", "explain_independent", "ordered", "script_notes", "generator_suspects"]

@@ -51,7 +51,7 @@ from samebits import settings
 from samebits.autorecord import environment_for, recording_variables, with_variables
 from samebits.checkpoint import describe_state_record
 from samebits.errors import ConfigError, SamebitsError
-from samebits.runs._explain import private_generators_differing, unused_generators
+from samebits.runs._explain import generator_suspects
 from samebits.runs._launch import check_recipe, failed, run_logged, teardown_note
 from samebits.stream.reader import open_run
 from samebits.trace._config import ENV_VARS, LEVEL_NAMES, EventSpec, TraceConfig, parent_scope, parse_record
@@ -350,11 +350,8 @@ class _Bisector:
         for finding in report.findings.values():
             # the generators the program made (zero-code census, by creation site) join the
             # tracer's census; a generator nobody drew from in the step is no suspect
-            private = private_generators_differing(a, b, finding.rank, finding.step)
-            finding.state_differs += [name for name in private if name not in finding.state_differs]
-            unused = unused_generators(finding.state_differs, a, b, finding.rank, finding.step)
-            finding.state_differs = [name for name in finding.state_differs if name not in unused]
-            finding.state_unused = unused
+            finding.state_differs, finding.state_unused = generator_suspects(
+                finding.state_differs, a, b, finding.rank, finding.step)
         for note in report.notes:
             if note not in self.notes and self.resume_step is not None and "phase pre" in note:
                 self.notes.append(note)

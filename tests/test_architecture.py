@@ -20,7 +20,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "samebits"
 # Low to high.  A component may import components of its own layer (as long as no cycle
 # forms) and of the layers below it, never above.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("foundation", {"errors", "verdicts", "settings", "_torchutil"}),
+    ("foundation", {"errors", "verdicts", "settings", "defaults", "_torchutil"}),
     ("digest", {"fingerprint"}),
     ("bottom", {"kernels", "stream", "determinism", "checkpoint", "invariant", "replicas", "rerun",
                 "_inject"}),
@@ -74,7 +74,7 @@ def _imports():
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 for inner in ast.walk(node):
-                    if isinstance(inner, (ast.Import, ast.ImportFrom)):
+                    if isinstance(inner, (ast.Import, ast.ImportFrom)) or _is_lazy_declaration(inner):
                         function_lines.add(inner.lineno)
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
@@ -89,11 +89,19 @@ def _imports():
                            for a in node.names]
             elif isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
+            elif _is_lazy_declaration(node):  # `x = lazy("samebits.compare", "x")` (cli/_lazy.py)
+                targets = [node.args[0].value]
             else:
                 continue
             for target in targets:
                 if target == "samebits" or target.startswith("samebits."):
                     yield (module, where), target, node.lineno, node.lineno in function_lines
+
+
+def _is_lazy_declaration(node: ast.AST) -> bool:
+    """A call ``lazy("samebits.module", "name", ...)``: an import of that module, made on first use."""
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "lazy"
+            and bool(node.args) and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str))
 
 
 def _where(source: tuple[str, str], line: int) -> str:
@@ -186,3 +194,10 @@ def test_one_serialiser_name():
     assert isinstance(divergence, ToDict)
     with pytest.warns(DeprecationWarning, match="use to_dict"):
         assert divergence.to_json() == divergence.to_dict()
+
+
+def test_lazy_declarations_count_as_imports():
+    """`x = lazy("samebits.compare", "x")` in the command line is an edge of the graph like an import."""
+    edges = {(module[0], target) for module, target, _, _ in _imports()}
+    assert ("samebits.cli.diff", "samebits.compare") in edges
+    assert "compare" in _graph()["cli"]

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from samebits.errors import ConfigError
-from samebits.runs._launch import DEFAULT_TIMEOUT_S
+from samebits.defaults import DEFAULT_TIMEOUT_S
 
 MAX_COUNT = 10**9  # steps, pairs, ...: a count above this is a typo, not a run
 MAX_NPROC = 1024  # processes of one run on one machine (--nproc, a matrix cell's world size)
@@ -153,7 +153,7 @@ def add_out_option(parser: argparse.ArgumentParser, command: str) -> None:
 
 def add_run_timeout_option(parser: argparse.ArgumentParser,
                            what: str = "kill a run that takes longer and report a hang") -> None:
-    """``--run-timeout SECONDS`` (default the library's, `samebits.runs._launch.DEFAULT_TIMEOUT_S`);
+    """``--run-timeout SECONDS`` (default the library's, `samebits.defaults.DEFAULT_TIMEOUT_S`);
     ``what`` says what is killed, for a command whose runs are not all timed."""
     parser.add_argument("--run-timeout", type=positive_float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                         help=f"{what} (default {DEFAULT_TIMEOUT_S:g})")

@@ -6,8 +6,10 @@ import shlex
 
 from samebits.cli._format import print_result, progress_printer, table
 from samebits.cli._options import add_out_option, add_recipe_options, add_run_timeout_option, step_number
+from samebits.cli._lazy import lazy
 from samebits.errors import ConfigError
-from samebits.runs import bisect
+
+bisect = lazy("samebits.runs", "bisect")
 
 
 def register(sub) -> None:

@@ -23,9 +23,11 @@ except ImportError:  # Python 3.10
 
 from samebits.cli._format import echo, print_json, table
 from samebits.cli._options import file_kind
-from samebits.determinism._rules import run_checks, rules
+from samebits.cli._lazy import lazy
 from samebits.errors import ConfigError
 from samebits.verdicts import EXIT_BAD_VERDICT, EXIT_CANNOT_RUN, EXIT_OK
+
+run_checks, rules = lazy("samebits.determinism", "run_checks", "rules")
 
 _MAX_KEYS_SHOWN = 10
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from samebits.cli._format import print_result
-from samebits.testing._options import add_to_argparse
+from samebits.testing import add_to_argparse
 from samebits.testing.coverage import check_coverage, render_coverage
 
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from samebits._torchutil import process_rank
 from samebits.cli._format import echo, escape, print_json, table
+from samebits.cli._lazy import lazy
 from samebits.cli._options import check_input_directory
-from samebits.compare import DiffResult, GlobalDiffResult, diff
 from samebits.errors import ConfigError, IncomparableRunsError
-from samebits.runs.report import differing_records
 from samebits.verdicts import EXIT_CANNOT_RUN, Verdict
+
+process_rank = lazy("samebits._torchutil", "process_rank")
+DiffResult, GlobalDiffResult, diff = lazy("samebits.compare", "DiffResult", "GlobalDiffResult", "diff")
+differing_records = lazy("samebits.runs.report", "differing_records")
 
 
 def register(sub) -> None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from samebits.cli._format import echo, print_json, table
 from samebits.cli._options import check_input_directory, step_number
+from samebits.cli._lazy import lazy
 from samebits.errors import SamebitsError
-from samebits.stream import open_run
+
+open_run = lazy("samebits.stream", "open_run")
 
 
 def register(sub) -> None:

@@ -6,9 +6,12 @@ import sys
 
 from samebits.cli._format import echo, print_result, table
 from samebits.cli._options import add_out_option, add_recipe_options, positive_int, rank_count, step_number
+from samebits.cli._lazy import lazy
+from samebits.defaults import (DEFAULT_CELLS, DEFAULT_GLOBAL_BATCH, DEFAULT_MAX_WORLD_SIZE, DEFAULT_PRECISIONS,
+                               LAYOUT_INDEPENDENT)
 from samebits.errors import ConfigError
-from samebits.runs.matrix import (DEFAULT_CELLS, DEFAULT_GLOBAL_BATCH, DEFAULT_MAX_WORLD_SIZE, DEFAULT_PRECISIONS,
-                                  LAYOUT_INDEPENDENT, MatrixResult, run_matrix, split_list)
+
+MatrixResult, run_matrix, split_list = lazy("samebits.runs.matrix", "MatrixResult", "run_matrix", "split_list")
 
 
 # The recipe's precisions (`samebits.recipes.precision.PrecisionName`; the recipe is a client, not

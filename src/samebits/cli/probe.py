@@ -9,11 +9,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from samebits.cli import EXIT_BAD_VERDICT, EXIT_CANNOT_RUN, EXIT_OK
 from samebits.cli._format import echo, print_json, table
+from samebits.cli._lazy import lazy
 from samebits.cli._options import positive_int
-from samebits.determinism._probe_command import probe_command
-from samebits.determinism._ops import lookup_op
+from samebits.verdicts import EXIT_BAD_VERDICT, EXIT_CANNOT_RUN, EXIT_OK
+
+probe_command, lookup_op = lazy("samebits.determinism", "probe_command", "lookup_op")
 
 
 def register(subparsers) -> None:

@@ -6,11 +6,13 @@ import shlex
 import sys
 
 from samebits.cli._format import echo, escape, print_result, table
+from samebits.cli._lazy import lazy
 from samebits.cli._options import (add_out_option, add_run_timeout_option, check_input_directory, positive_int,
                                    rank_count, step_number)
-from samebits.compare import DiffResult
-from samebits.runs.replay import ReplayResult, replay
 from samebits.verdicts import Verdict
+
+DiffResult = lazy("samebits.compare", "DiffResult")
+ReplayResult, replay = lazy("samebits.runs.replay", "ReplayResult", "replay")
 
 
 def register(sub) -> None:

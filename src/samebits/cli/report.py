@@ -6,7 +6,9 @@ import sys
 
 from samebits.cli._format import echo, print_json, progress_printer, table
 from samebits.cli._options import check_input_directory
-from samebits.runs.report import write_report
+from samebits.cli._lazy import lazy
+
+write_report = lazy("samebits.runs.report", "write_report")
 
 
 def register(sub) -> None:

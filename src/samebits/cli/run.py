@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import sys
 
-from samebits.autorecord import read_outcomes, read_stop
 from samebits.cli._format import echo
+from samebits.cli._lazy import lazy
 from samebits.cli._options import add_recording_options, check_input_directory, recording_options, step_number
-from samebits.compare import diff
 from samebits.errors import SamebitsError
-from samebits.runs.record import run_recorded
-from samebits.stream import summarise
 from samebits.verdicts import EXIT_BAD_VERDICT, EXIT_CANNOT_RUN
+
+read_outcomes, read_stop = lazy("samebits.autorecord", "read_outcomes", "read_stop")
+diff = lazy("samebits.compare", "diff")
+run_recorded = lazy("samebits.runs.record", "run_recorded")
+summarise = lazy("samebits.stream", "summarise")
 
 
 def register(sub) -> None:

@@ -4,9 +4,11 @@ what one step recorded (`--records`)."""
 from __future__ import annotations
 
 from samebits.cli._format import echo, escape, print_json, table
+from samebits.cli._lazy import lazy
 from samebits.cli._options import check_input_directory, step_number
-from samebits.stream import catalogue, summarise
 from samebits.verdicts import EXIT_OK
+
+catalogue, summarise = lazy("samebits.stream", "catalogue", "summarise")
 
 
 def register(sub) -> None:

@@ -8,8 +8,11 @@ import sys
 from samebits.cli._format import echo, print_result, table
 from samebits.cli._options import (add_out_option, add_recipe_options, add_run_timeout_option, int_range,
                                    open_unit_interval, positive_int, step_number)
+from samebits.cli._lazy import lazy
+from samebits.defaults import DEFAULT_GATE
 from samebits.errors import ConfigError
-from samebits.runs.tax import DEFAULT_GATE, TaxResult, tax
+
+TaxResult, tax = lazy("samebits.runs.tax", "TaxResult", "tax")
 
 
 MAX_RESAMPLES = 10**6  # the bootstrap holds resamples x pairs x steps indices in memory

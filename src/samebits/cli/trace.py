@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from samebits.cli._format import print_result, table
 from samebits.cli._options import check_input_directory, step_number
-from samebits.trace import find_origins
+from samebits.cli._lazy import lazy
 from samebits.verdicts import Verdict
+
+find_origins = lazy("samebits.trace", "find_origins")
 
 
 def register(sub) -> None:

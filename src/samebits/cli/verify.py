@@ -5,13 +5,16 @@ from __future__ import annotations
 import time
 
 from samebits.cli._format import print_result, progress_printer, table
+from samebits.cli._lazy import lazy
 from samebits.cli._options import (MAX_NPROC, add_out_option, add_recipe_options, add_recording_options,
                                    add_run_timeout_option, recording_options, step_number)
 from samebits.cli.replay import check_row_table
-from samebits.runs.across import parse_across, verify_across
-from samebits.runs.verify import VerifyResult, verify_command, verify_recipe
 from samebits.errors import ConfigError
 from samebits.verdicts import Verdict
+
+parse_across, verify_across = lazy("samebits.runs.across", "parse_across", "verify_across")
+VerifyResult, verify_command, verify_recipe = lazy("samebits.runs.verify", "VerifyResult", "verify_command",
+                                                   "verify_recipe")
 
 
 def register(sub) -> None:

@@ -16,6 +16,7 @@ import warnings
 from samebits.determinism._mode import DeterministicMode, active_record, deterministic_mode
 from samebits.determinism._ops import OpEntry, lookup_op, op_catalog
 from samebits.determinism._probe import Probe, ProbeFinding, ProbeReport, probe
+from samebits.determinism._probe_command import CommandProbeResult, probe_command
 from samebits.determinism._rules import (
     CheckContext,
     ConfigView,
@@ -26,6 +27,7 @@ from samebits.determinism._rules import (
     register_rule,
     rule,
     rules,
+    run_checks,
     unregister_rule,
     validate,
 )
@@ -69,4 +71,7 @@ __all__ = [
     "Probe",
     "ProbeReport",
     "ProbeFinding",
+    "probe_command",
+    "CommandProbeResult",
+    "run_checks",
 ]

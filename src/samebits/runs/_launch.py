@@ -31,10 +31,10 @@ import time
 from pathlib import Path
 
 from samebits.autorecord import read_outcomes
+from samebits.defaults import DEFAULT_TIMEOUT_S
 from samebits.errors import ConfigError, SamebitsError, StreamError
 from samebits.stream import open_run
 
-DEFAULT_TIMEOUT_S = 1800.0
 _TAIL_LINES = 15
 _VIOLATION = re.compile(r"^\s*- \[[a-z0-9][\w.-]*\] ")  # one line of a DeterminismError
 _ERROR_LINE = re.compile(r"^samebits[\w.]*: (error|zero-code recording disabled)")  # samebits' own complaint

@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Callable
 
 from samebits.compare import diff
+from samebits.defaults import (DEFAULT_CELLS, DEFAULT_GLOBAL_BATCH, DEFAULT_MAX_WORLD_SIZE, DEFAULT_PRECISIONS,
+                               LAYOUT_INDEPENDENT)
 from samebits.errors import ConfigError, SamebitsError, StreamError
 from samebits.runs._launch import RecipeRefused, RunFailed
 from samebits.runs.bisect import bisect
@@ -43,15 +45,7 @@ from samebits.runs.verify import VerifyResult, _prepare, _write_summary, default
 from samebits.stream import open_run
 from samebits.verdicts import ToDict, Verdict
 
-DEFAULT_CELLS = ("single", "dp2", "ep2")
-DEFAULT_PRECISIONS = ("fp32", "bf16", "fp8_delayed")
-DEFAULT_MAX_WORLD_SIZE = 8
 AGREEMENT_METRICS = ("grad_norm", "lr")  # the recipe's metrics that are global (equal on every rank)
-DEFAULT_GLOBAL_BATCH = 8
-# Per-replica randomness and per-rank losses make layouts differ by more than rounding:
-# dropout and router jitter draw per data-parallel replica, and the load-balancing loss is
-# each rank's own.  Off, two layouts compute the same function of the same global batch.
-LAYOUT_INDEPENDENT = ("dropout=0", "moe_jitter_eps=0", "moe_aux_loss_coeff=0")
 
 
 def split_list(text: str | None, what: str) -> list[str]:

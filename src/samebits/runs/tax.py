@@ -27,12 +27,12 @@ from typing import Callable
 import numpy as np
 
 from samebits.autorecord import environment_for
+from samebits.defaults import DEFAULT_GATE
 from samebits.errors import ConfigError, SamebitsError
 from samebits.runs._launch import DEFAULT_TIMEOUT_S, check_recipe, judge_recipe_run, judge_recorded_run, run_logged
 from samebits.stream.writer import STEP_TIMES_SUFFIX
 from samebits.verdicts import ToDict, Verdict
 
-DEFAULT_GATE = 1.05
 DEFAULT_RESAMPLES = 4000
 DETERMINISTIC_PLACEHOLDER = "{deterministic}"
 _LABELS = ("deterministic", "baseline")

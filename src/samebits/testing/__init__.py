@@ -32,6 +32,7 @@ _EXPORTS = {
     "golden_path": "_golden",
     "OPTIONS": "_options",
     "Option": "_options",
+    "add_to_argparse": "_options",
 }
 
 __all__ = list(_EXPORTS)

@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from samebits.errors import ConfigError
-from samebits.invariant import (DEFAULT_BLOCK_SIZE, GradientAccumulator, Preconditions, block_exponents, canonical_grad_norm, decode,
-                                encode, fraction_bits, micro_batch_seed)
+from samebits.invariant import (DEFAULT_BLOCK_SIZE, TP_BLOCK_SIZE, GradientAccumulator, Preconditions, block_exponents,
+                                canonical_grad_norm, column_parallel_linear, decode, encode, fraction_bits,
+                                invariant_matmul, micro_batch_seed, row_parallel_linear, sharded_grad_norm)
 from samebits.runs._launch import run_logged
 from samebits.runs.across import compare_replicated, verify_across
 from samebits.verdicts import Verdict
@@ -252,3 +253,124 @@ def test_a_rank_keyed_training_loop_is_refused_before_it_trains(tmp_path, capsys
     err = capsys.readouterr().err
     assert "rng_key='rank'" in err and "(step, micro-batch)" in err
     assert not (tmp_path / "r").exists()
+
+
+# --- tensor-parallel products (invariant_matmul, the TP linears, the sharded norm) ---------------
+# Splits over real ranks (tp = 2, 4) are checked in tests/test_layout_invariance.py.
+
+
+def _operands(m: int, k: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    spread = torch.logspace(-3, 3, k)[torch.randperm(k, generator=gen)]  # magnitudes mixed inside blocks
+    return torch.randn(m, k, generator=gen) * spread, torch.randn(k, n, generator=gen)
+
+
+def test_torch_gemm_bits_depend_on_m_and_n_but_invariant_matmul_does_not():
+    """Measured here: torch's fp32 CPU GEMM computes an element differently when M or N is 1
+    (another kernel), so a per-block product by torch.matmul would not be invariant; the
+    block fixed-point product is exact, so any slice gives the same bits, at any thread count."""
+    a, b = _operands(64, 96, 48, seed=0)
+    full, plain = invariant_matmul(a, b), a @ b
+    shapes = [(1, 48), (64, 1), (1, 1), (3, 5), (17, 48), (64, 33)]
+    for m, n in shapes:
+        assert torch.equal(invariant_matmul(a[:m], b[:, :n]), full[:m, :n]), (m, n)
+        assert torch.equal(invariant_matmul(a[-m:], b[:, -n:]), full[-m:, -n:]), (m, n)
+    assert any(not torch.equal(a[:m] @ b[:, :n], plain[:m, :n]) for m, n in shapes)
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(invariant_matmul(a, b), full)
+    finally:
+        torch.set_num_threads(1)
+
+
+def _block_fixed_point(values: list[float]) -> list[Fraction]:
+    """One block of fp32 values as the exact values the product uses: each rounded (half to
+    even) to a multiple of 2**(e - 24), e the smallest with |x| < 2**e over the block."""
+    peak = max(abs(v) for v in values)
+    if peak == 0:
+        return [Fraction(0)] * len(values)
+    e = int(np.frexp(np.float64(peak))[1])
+    quantum = Fraction(2) ** (e - 24)
+    return [round(Fraction(v) / quantum) * quantum for v in values]
+
+
+def test_invariant_matmul_is_the_correctly_rounded_sum_of_the_block_fixed_point_products():
+    a, b = _operands(3, 2 * TP_BLOCK_SIZE, 2, seed=1)
+    out = invariant_matmul(a, b)
+    for i in range(3):
+        for j in range(2):
+            exact = Fraction(0)
+            for start in range(0, a.shape[1], TP_BLOCK_SIZE):
+                xs = _block_fixed_point([float(v) for v in a[i, start:start + TP_BLOCK_SIZE]])
+                ws = _block_fixed_point([float(v) for v in b[start:start + TP_BLOCK_SIZE, j]])
+                exact += sum(x * w for x, w in zip(xs, ws))
+            assert out[i, j].numpy() == _round_f32(exact), (i, j)
+
+
+def test_a_reordering_of_whole_blocks_of_k_keeps_the_bits_and_plain_fp32_does_not():
+    a, b = _operands(40, 8 * TP_BLOCK_SIZE, 24, seed=2)
+    blocks = torch.arange(a.shape[1]).view(-1, TP_BLOCK_SIZE)
+    order = blocks[torch.tensor([5, 2, 7, 0, 3, 6, 1, 4])].reshape(-1)
+    assert torch.equal(invariant_matmul(a[:, order], b[order]), invariant_matmul(a, b))
+    assert not torch.equal(a[:, order] @ b[order], a @ b)
+    # as accurate as torch's fp32 GEMM against fp64, here (benchmarks/bench_tp_invariant.py measures more)
+    reference = a.double() @ b.double()
+    assert (invariant_matmul(a, b) - reference).abs().max() <= (a @ b - reference).abs().max() * 2
+
+
+def test_nonfinite_inputs_make_only_their_rows_and_columns_nan():
+    a, b = _operands(6, TP_BLOCK_SIZE, 5, seed=3)
+    clean = invariant_matmul(a, b)
+    a[2, 7], b[4, 3] = float("inf"), float("nan")
+    out = invariant_matmul(a, b)
+    assert out[2].isnan().all() and out[:, 3].isnan().all()
+    keep = torch.ones_like(out, dtype=torch.bool)
+    keep[2], keep[:, 3] = False, False
+    assert torch.equal(out[keep], clean[keep])
+
+
+@pytest.mark.parametrize("layer", [column_parallel_linear, row_parallel_linear])
+def test_tp_linear_layers_forward_and_backward_are_block_products(layer):
+    """On one rank each layer is x @ w.T with every product, forward and backward, an
+    `invariant_matmul` (14 tokens: the token reduction of the weight gradient is padded to
+    whole blocks); the gradients agree with a plain linear's to fp32 accuracy."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 7, 64, generator=gen, requires_grad=True)
+    w = (torch.randn(96, 64, generator=gen) * 0.1).requires_grad_()
+    grad = torch.randn(2, 7, 96, generator=gen)
+    y = layer(x, w)
+    y.backward(grad)
+    assert torch.equal(y, invariant_matmul(x.detach(), w.detach().t()))
+    assert torch.equal(x.grad, invariant_matmul(grad.reshape(14, 96), w.detach()).view(2, 7, 64))
+    assert torch.equal(w.grad, invariant_matmul(grad.reshape(14, 96).t().contiguous(), x.detach().reshape(14, 64)))
+    x_ref, w_ref = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    y_ref = torch.nn.functional.linear(x_ref, w_ref)
+    y_ref.backward(grad)
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    torch.testing.assert_close(w.grad, w_ref.grad)
+
+
+def test_invariant_matmul_refuses_what_it_cannot_make_exact():
+    a, b = _operands(4, TP_BLOCK_SIZE, 3, seed=5)
+    with pytest.raises(ConfigError, match="fp32 operands.*bfloat16"):
+        invariant_matmul(a.bfloat16(), b)
+    with pytest.raises(ConfigError, match=r"cannot multiply \(4, 32\) by \(3, 32\)"):
+        invariant_matmul(a, b.t())
+    with pytest.raises(ConfigError, match="block_size=64.*at most 32"):
+        invariant_matmul(a, b, block_size=64)
+
+
+def test_sharded_norm_is_accurate_and_does_not_depend_on_element_order():
+    gen = torch.Generator().manual_seed(6)
+    grads = [torch.randn(300, generator=gen) * 1e-3, torch.randn(7, 9, generator=gen), torch.zeros(5)]
+    norm = sharded_grad_norm(grads)
+    exact = torch.cat([g.reshape(-1) for g in grads]).double().norm()
+    assert norm.dtype == torch.float32 and float(norm) == pytest.approx(float(exact), rel=1e-7)
+    shuffled = [g.reshape(-1)[torch.randperm(g.numel(), generator=gen)] for g in grads]
+    assert torch.equal(sharded_grad_norm(shuffled), norm)
+    with pytest.raises(ConfigError, match="gradient 1 is a shard .63 of 126 elements. but no group"):
+        sharded_grad_norm(grads, full_numels=[300, 126, 5])
+    with pytest.raises(ConfigError, match="gradient 0 holds 300 elements, more than .* 10"):
+        sharded_grad_norm(grads, full_numels=[10, 63, 5])
+    assert sharded_grad_norm([torch.tensor([1.0, float("nan")])]).isnan()

@@ -1,0 +1,98 @@
+"""The gradient norm with the same bits however the gradients are sharded (tensor-parallel
+shards, replicated tensors): the clipping norm of `tp_reduce=invariant` (docs/invariance.md).
+
+Each tensor's sum of squares is exact up to one fixed quantum per tensor: its squares
+(exact in fp64: a 24-bit significand squared is 48 bits) are encoded as int64 integers in
+units of 2**(e - P), e the tensor's exponent (smallest with every square < 2**e: an exact
+MAX all-reduce over the shards) and P = 62 - ceil(log2(full numel)), so the tensor's whole sum
+fits int64 in any order.  The int64 sums of every rank's shard are added by an all-reduce
+(replicated tensors counted once, from the group's first rank), decoded to fp64 (one
+rounding), and the tensors' sums added sequentially in the given order.  Nothing depends on
+where the shards begin or how many ranks hold them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from samebits._torchutil import group_rank_and_world_size
+from samebits.errors import ConfigError
+from samebits.invariant._fixed import pow2
+
+_SUM_BITS = 62
+_ZERO_EXP = -4096  # a tensor of zeros
+_NONFINITE_EXP = 4096  # a tensor holding inf or nan on some rank: the norm is nan
+
+
+def sharded_grad_norm(grads: Sequence[torch.Tensor], *, full_numels: Sequence[int] | None = None,
+                      group=None) -> torch.Tensor:
+    """The L2 norm (fp32, 0-dim, the same on every rank of ``group``) of tensors that are
+    each either this rank's shard of a tensor of ``full_numels[i]`` elements split over
+    ``group`` (``full_numels[i]`` > the local numel) or whole and the same on every rank of
+    ``group`` (``full_numels[i]`` equal to it, or ``full_numels`` None).  The same bits
+    however the tensors are split, at any group size (``group=None``: this rank alone)."""
+    grads = list(grads)
+    full = [g.numel() for g in grads] if full_numels is None else [int(n) for n in full_numels]
+    if len(full) != len(grads):
+        raise ConfigError(f"sharded_grad_norm: {len(grads)} gradients but {len(full)} full_numels")
+    bad = [i for i, (g, n) in enumerate(zip(grads, full)) if n < g.numel()]
+    if bad:
+        raise ConfigError(f"sharded_grad_norm: gradient {bad[0]} holds {grads[bad[0]].numel()} elements, "
+                          f"more than its full_numels entry {full[bad[0]]}; pass the full tensor's size")
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    device = grads[0].device
+    rank, world_size = (0, 1) if group is None else group_rank_and_world_size(group)
+    split = [i for i, (g, n) in enumerate(zip(grads, full)) if n > g.numel()]
+    if split and world_size == 1:
+        raise ConfigError(f"sharded_grad_norm: gradient {split[0]} is a shard ({grads[split[0]].numel()} of "
+                          f"{full[split[0]]} elements) but no group of ranks holds the rest; pass the "
+                          "group it is split over")
+    squares = [g.detach().reshape(-1).to(device=device, dtype=torch.float64).square() for g in grads]
+    exps = []
+    for sq in squares:
+        peak = sq.max() if sq.numel() else sq.new_zeros(())
+        _, exp = torch.frexp(peak)  # peak < 2**exp
+        exp = torch.where(peak > 0, exp.to(torch.int64), torch.tensor(_ZERO_EXP, device=device))
+        exps.append(torch.where(torch.isfinite(peak), exp, torch.tensor(_NONFINITE_EXP, device=device)))
+    exps = torch.stack(exps)
+    if world_size > 1:
+        dist.all_reduce(exps, op=dist.ReduceOp.MAX, group=group)  # exact
+    bits = torch.tensor([_SUM_BITS - (math.ceil(math.log2(n)) if n > 1 else 0) for n in full],
+                        dtype=torch.int64, device=device)
+    sums = []
+    for i, sq in enumerate(squares):
+        sharded = full[i] > grads[i].numel()
+        if int(exps[i]) in (_ZERO_EXP, _NONFINITE_EXP) or (not sharded and rank != 0):
+            sums.append(torch.zeros((), dtype=torch.int64, device=device))  # replicated: counted once
+            continue
+        scaled = sq * pow2((bits[i] - exps[i]).clamp(-1022, 1023))  # exact power of two
+        sums.append(torch.round(scaled).to(torch.int64).sum())  # |sum| <= full numel * 2**P <= 2**62
+    sums = torch.stack(sums)
+    if world_size > 1:
+        dist.all_reduce(sums, group=group)  # int64 SUM: exact, any order
+    values = sums.to(torch.float64) * pow2((exps - bits).clamp(-1022, 1023))
+    total = torch.cumsum(values, dim=0)[-1]  # sequential, in the given order
+    if bool((exps == _NONFINITE_EXP).any()):
+        total = torch.full_like(total, float("nan"))
+    return total.sqrt().to(torch.float32)
+
+
+def clip_sharded_grad_norm_(grads: Sequence[torch.Tensor], max_norm: float, *,
+                            full_numels: Sequence[int] | None = None, group=None) -> torch.Tensor:
+    """Scale ``grads`` in place by min(1, max_norm / (norm + 1e-6)) of their `sharded_grad_norm`
+    (max_norm 0: report only).  Returns the fp32 norm."""
+    grads = list(grads)
+    norm = sharded_grad_norm(grads, full_numels=full_numels, group=group)
+    if max_norm > 0:
+        coeff = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for grad in grads:
+            grad.mul_(coeff.to(grad.device))
+    return norm
+
+
+__all__ = ["sharded_grad_norm", "clip_sharded_grad_norm_"]

@@ -133,7 +133,7 @@ def test_run_reference_stops_visibly_at_the_first_divergent_step(tmp_path):
     assert _samebits_run("--out", tmp_path / "a", "--", sys.executable, script, 5).returncode == 0
     done = _samebits_run("--out", tmp_path / "b", "--reference", tmp_path / "a", "--",
                          sys.executable, script, 5, 2)
-    assert done.returncode == 1, done.stderr
+    assert done.returncode == 3, done.stderr  # EXIT_STOPPED, as the stopped process itself (docs/cli.md)
     assert f"STOPPED at step 2 (rank 0): it differs from the reference {tmp_path / 'a'}" in done.stderr
     assert "samebits: step 2 on rank 0 differs from the reference run" in done.stderr
     assert "first divergence: step 2, rank 0: forward/Sequential" in done.stderr

@@ -37,3 +37,102 @@ def test_a_lazy_name_loads_its_module_when_called():
 
     assert isinstance(DiffResult.__new__(DiffResult), diff_command.DiffResult)
     assert diff_command.diff.resolve() is samebits.compare.diff
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"samebits {samebits.__version__}"
+
+
+@pytest.mark.parametrize("typed, meant", [("verfy", "'verify'"), ("dif", "'diff'"), ("bisec", "'bisect'")])
+def test_a_mistyped_command_gets_did_you_mean(typed, meant, capsys):
+    assert main([typed, "runs/a"]) == 2
+    err = capsys.readouterr().err
+    assert f"samebits: error: unknown command '{typed}'; did you mean {meant}?" in err
+    assert err.count("\n") == 2  # the usage line and the error, no list of every command
+
+
+def test_a_word_like_no_command_is_refused_without_a_guess(capsys):
+    assert main(["xyzzy"]) == 2
+    assert "unknown command 'xyzzy'; `samebits --help` lists the commands" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [
+    ["verify", "--steps", "10", "--", "python", "train.py"],
+    ["verify", "--set", "seed=3", "--", "python", "train.py"],
+    ["verify", "--across", "dp=1,2", "--steps", "3", "--", "python", "train.py", "{nproc}", "{out}"],
+    ["tax", "--nproc", "2", "--", "python", "train.py", "{deterministic}"],
+    ["tax", "--steps", "4", "--a", "python a.py", "--b", "python b.py"],
+    ["bisect", "--nondeterministic", "--", "python", "train.py"],
+    ["bisect", "--steps", "4", "--a", "python a.py", "--b", "python b.py"],
+])
+def test_recipe_options_with_a_command_are_refused_with_the_reason(argv, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    option = next(a for a in argv if a in ("--steps", "--set", "--nproc", "--nondeterministic"))
+    assert f"error: {option}: an option of the reference recipe, which runs only when no command is given" in err
+    assert list(tmp_path.iterdir()) == []  # refused before anything ran or was written
+
+
+def test_recipe_options_without_a_command_are_kept():
+    args = build_parser().parse_args(["verify", "--steps", "3", "--set", "seed=2", "--nondeterministic"])
+    assert (args.steps, args.overrides, args.nondeterministic) == (3, ["seed=2"], True)
+    assert args.recipe_options_given == ["--steps", "--set", "--nondeterministic"]
+
+
+def test_the_step_window_has_one_name_and_the_old_spelling_warns(capsys):
+    parser = build_parser()
+    for command in (["run", "--out", "x"], ["verify"]):
+        args = parser.parse_args([*command, "--record-steps", "2:5", "--", "python", "t.py"])
+        assert args.record_steps == "2:5"
+    assert capsys.readouterr().err == ""
+    args = parser.parse_args(["run", "--out", "x", "--steps", "2:5", "--", "python", "t.py"])
+    assert args.record_steps == "2:5"
+    assert "warning: --steps 2:5 is deprecated: write --record-steps 2:5" in capsys.readouterr().err
+    assert "--steps" not in _help(["run"])  # the old spelling is not offered
+
+
+def _help(command: list[str]) -> str:
+    parser = build_parser()
+    sub = parser._subparsers._group_actions[0].choices[command[0]]
+    return sub.format_help()
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_every_command_has_help_for_every_option_and_an_example_that_parses(name):
+    import shlex
+
+    from samebits.cli import EXAMPLES
+
+    sub = build_parser()._subparsers._group_actions[0].choices[name]
+    undocumented = [a.option_strings or a.dest for a in sub._actions if not a.help]
+    assert undocumented == [], f"samebits {name}: options without help"
+    assert "example(s):\n  samebits " + name in sub.format_help()
+    for line in EXAMPLES[name]:
+        words = shlex.split(line, comments=True)
+        assert words[:2] == ["samebits", name]
+        build_parser().parse_args(words[1:])  # SystemExit(2) if the example does not parse
+
+
+def test_two_runs_have_one_metavar_convention():
+    for name in ("diff", "trace"):
+        assert f"samebits {name} [-h]" in _help([name]) and "RUN_A RUN_B" in _help([name])
+
+
+def test_one_table_of_exit_codes_holds_every_code_samebits_gives():
+    import re
+    from pathlib import Path
+
+    import samebits.cli as cli
+    import samebits.verdicts as verdicts
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text()
+    table = text.split("## Exit codes", 1)[1]
+    documented = {int(code) for cell in re.findall(r"^\| ([\d, ]+) \|", table, re.M) for code in cell.split(",")}
+    given = {value for module in (verdicts, cli) for name, value in vars(module).items()
+             if name.startswith("EXIT_") and isinstance(value, int)}
+    assert given <= documented, f"exit codes missing from docs/cli.md: {sorted(given - documented)}"
+    assert verdicts.EXIT_STOPPED == 3

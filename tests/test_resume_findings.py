@@ -34,7 +34,7 @@ def _record(out: Path, *script_args: str, reference: Path | None = None, step_of
     argv += ["--", sys.executable, str(SCRIPT), "--out", str(out / "work"), *script_args]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     stopped = "STOPPED at step" in proc.stderr  # the live check stopped it at its first divergent step
-    assert proc.returncode == 0 or (stopped and proc.returncode == 1), proc.stderr[-3000:]
+    assert proc.returncode == 0 or (stopped and proc.returncode == 3), proc.stderr[-3000:]
     return out
 
 

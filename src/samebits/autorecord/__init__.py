@@ -80,12 +80,12 @@ from samebits.autorecord._outcome import (
 from samebits.checkpoint import STATE_PHASE, state_census
 from samebits.stream import Recorder
 from samebits.trace import install_zero_code
+from samebits.verdicts import EXIT_STOPPED  # the live check stopped the run at a step that differs
 
 ENV_ENABLE = "SAMEBITS_AUTORECORD"
 STATE_DIR = "state"  # the census stream's folder inside a run directory
 EVENTS_FILE = "events-rank-{rank:05d}.jsonl"  # in STATE_DIR: restores, seeds and draws of the global generators
 NOTES_FILE = "notes-rank-{rank:05d}.jsonl"  # in the run directory: what a callback found (`note`)
-EXIT_STOPPED = 3  # the live check stopped the run at a step that differs from the reference
 
 _state = None
 

@@ -3,47 +3,118 @@
 Each subcommand lives in its own module in this package and exposes
 ``register(subparsers)``, which adds its parser and sets ``func`` (taking the parsed
 arguments, returning the exit code).  Modules are discovered, so adding a command is
-adding a file.  Exit codes everywhere: 0 good verdict, 1 bad verdict, 2 could not run.
+adding a file.  Building the parser loads no part of the library (torch among it): a command
+module reaches the library through `samebits.cli._lazy` names, loaded when the command runs.
+The exit codes, one meaning each, are the table of docs/cli.md (`samebits.verdicts`).
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import os
 import pkgutil
 import signal
 import sys
 
+import samebits
 from samebits.cli._format import escape
+from samebits.cli._options import refuse_recipe_options
 from samebits.errors import SamebitsError
 from samebits.verdicts import EXIT_BAD_VERDICT, EXIT_CANNOT_RUN, EXIT_OK
 
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # what a shell reports for Ctrl-C
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # the reader of our output went away (`| head`)
 
+# One or two commands to paste, shown at the end of each command's --help.
+EXAMPLES = {
+    "bisect": ["samebits bisect --nondeterministic            # the recipe's planted fault, found to its op",
+               "samebits bisect --a 'python train.py' --b 'python train.py --threads 2'"],
+    "check": ["samebits check                                 # the environment",
+              "samebits check --config config.json --ignore threads.pinned"],
+    "coverage": ["samebits coverage                              # samebits' own kernels",
+                 "samebits coverage mypackage.kernels --manifest kernel-coverage.toml"],
+    "diff": ["samebits diff runs/a runs/b",
+             "samebits diff runs/a runs/c                    # c resumed at step K: compared from step K"],
+    "dump": ["samebits dump runs/a --rank 0 --step 3 --phase grads"],
+    "matrix": ["samebits matrix --cells single,dp2 --precisions fp32 --steps 4"],
+    "probe": ["samebits probe --steps 1 -- python train.py"],
+    "replay": ["samebits replay runs/dp4 --step 5 --nproc 1    # a grad_reduce=invariant run, on 1 rank"],
+    "report": ["samebits report samebits-out/verify-TIME       # the output folder of verify, bisect, matrix",
+               "samebits report runs/a runs/b -o report.html"],
+    "run": ["samebits run --out runs/a -- python train.py",
+            "samebits run --out runs/b --reference runs/a -- python train.py   # stop at the first step that differs"],
+    "show": ["samebits show runs/a", "samebits show runs/a --records --step 0"],
+    "tax": ["samebits tax --pairs 5                         # the reference recipe",
+            "samebits tax -- python train.py --deterministic {deterministic}"],
+    "trace": ["samebits trace runs/a runs/b                   # runs recorded with SAMEBITS_TRACE=ops"],
+    "verify": ["samebits verify                                # the reference recipe, both guarantees",
+               "samebits verify --resume-at 4 --resume-with 'python train.py --out {out} --resume {from}' "
+               "-- python train.py --out {out}"],
+}
+_EXAMPLES_HEAD = "example(s):\n"
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter, except that the examples at the end keep their lines."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith(_EXAMPLES_HEAD):
+            return "\n".join(indent + line for line in text.splitlines())
+        return super()._fill_text(text, width, indent)
+
+
+def command_modules() -> list[str]:
+    """The subcommands: one module each in this package (`register`)."""
+    return sorted(info.name for info in pkgutil.iter_modules(__path__) if not info.name.startswith("_"))
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="samebits",
         description="Make PyTorch training bitwise deterministic, and prove it.",
+        epilog="exit codes: 0 good verdict, 1 bad verdict, 2 could not run or decide, 3 stopped by the live "
+               "check; all of them: docs/cli.md. Each command's --help ends with an example.",
     )
+    parser.add_argument("--version", action="version", version=f"samebits {samebits.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        if info.name.startswith("_"):
-            continue
-        importlib.import_module(f"{__name__}.{info.name}").register(sub)
+    for name in command_modules():
+        importlib.import_module(f"{__name__}.{name}").register(sub)
+    for name, command in sub.choices.items():
+        command.formatter_class = _HelpFormatter
+        command.epilog = _EXAMPLES_HEAD + "\n".join(f"  {line}" for line in EXAMPLES[name])
     return parser
+
+
+def unknown_command(argv: list[str], commands: list[str]) -> str | None:
+    """The error for a first word that is no command (``samebits verfy``), with the closest
+    commands; None when the first word is a command or an option."""
+    word = next((arg for arg in argv if not arg.startswith("-")), None)
+    if word is None or word in commands or argv.index(word) != 0:
+        return None
+    close = difflib.get_close_matches(word, commands, n=2, cutoff=0.6)
+    if not close and len(word) >= 2:
+        close = [name for name in commands if name.startswith(word[:2])][:2]
+    hint = f"did you mean {' or '.join(repr(name) for name in close)}? " if close else ""
+    return f"unknown command {word!r}; {hint}`samebits --help` lists the commands"
 
 
 def main(argv: list[str] | None = None) -> int:
     _safe_output()
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
+    unknown = unknown_command(argv, command_modules())
+    if unknown is not None:
+        parser.print_usage(sys.stderr)
+        print(f"samebits: error: {escape(unknown)}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_CANNOT_RUN
     try:
+        refuse_recipe_options(args)
         code = int(args.func(args))
     except BrokenPipeError:
         # `samebits dump RUN | head`: the reader left mid-output; stop quietly.
@@ -86,6 +157,10 @@ def _silence_stdout() -> None:
         os.close(devnull)
     except (OSError, ValueError):  # stdout without a file descriptor (captured): nothing to do
         pass
+
+
+__all__ = ["main", "build_parser", "EXAMPLES", "EXIT_OK", "EXIT_BAD_VERDICT", "EXIT_CANNOT_RUN",
+           "EXIT_INTERRUPTED", "EXIT_BROKEN_PIPE"]
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -18,6 +18,7 @@ import argparse
 import math
 import os
 import stat
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -131,18 +132,47 @@ def add_recipe_options(parser: argparse.ArgumentParser, *, steps: int, nproc: in
     """The reference recipe's options, for a command that runs it when given no command of the
     user's: ``--steps`` (default ``steps``), ``--nproc`` (when ``nproc`` is given: its default),
     ``--set KEY=VALUE`` (``args.overrides``) and, with ``nondeterministic``, the recipe's
-    nondeterministic path, which the command must catch."""
-    parser.add_argument("--steps", type=positive_int, default=steps, metavar="N",
-                        help=f"recipe: training steps per run (default {steps})")
+    nondeterministic path, which the command must catch.  Each one given is noted
+    (``args.recipe_options_given``): with a command of the user's, `refuse_recipe_options` refuses it."""
+    group = parser.add_argument_group("the reference recipe (when no command is given)")
+    group.add_argument("--steps", type=positive_int, default=steps, metavar="N", action=_noted(_StoreAction),
+                       help=f"recipe: training steps per run (default {steps})")
     if nproc is not None:
-        parser.add_argument("--nproc", type=rank_count, default=nproc, metavar="N",
-                            help=f"recipe: ranks (default {nproc})")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="recipe: override one config field, e.g. --set seed=3 (repeatable)")
+        group.add_argument("--nproc", type=rank_count, default=nproc, metavar="N", action=_noted(_StoreAction),
+                           help=f"recipe: ranks (default {nproc})")
+    group.add_argument("--set", dest="overrides", action=_noted(_AppendAction), default=[], metavar="KEY=VALUE",
+                       help="recipe: override one config field, e.g. --set seed=3 (repeatable)")
     if nondeterministic:
-        parser.add_argument("--nondeterministic", action="store_true",
-                            help="recipe: its nondeterministic path (index_put_ accumulate, 2 threads), which "
-                                 "must be caught")
+        group.add_argument("--nondeterministic", action=_noted(_StoreTrueAction),
+                           help="recipe: its nondeterministic path (index_put_ accumulate, 2 threads), which "
+                                "must be caught")
+
+
+_StoreAction, _AppendAction, _StoreTrueAction = argparse._StoreAction, argparse._AppendAction, argparse._StoreTrueAction
+
+
+def _noted(action: type[argparse.Action]) -> type[argparse.Action]:
+    """argparse's ``action`` that also notes the option in ``recipe_options_given``."""
+    class Noted(action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            super().__call__(parser, namespace, values, option_string)
+            given = getattr(namespace, "recipe_options_given", [])
+            setattr(namespace, "recipe_options_given", given + [option_string] if option_string not in given else given)
+
+    return Noted
+
+
+def refuse_recipe_options(args: argparse.Namespace) -> None:
+    """Raise `ConfigError` when a recipe option (`add_recipe_options`) was given with a command of
+    the user's (after ``--``, or ``--a``/``--b``): it would be ignored, the command runs as written."""
+    given = getattr(args, "recipe_options_given", None)
+    command = getattr(args, "cmd", None) or getattr(args, "cmd_a", None) or getattr(args, "cmd_b", None)
+    if not given or not command:
+        return
+    raise ConfigError(f"{', '.join(given)}: {'options' if len(given) > 1 else 'an option'} of the reference recipe, "
+                      "which runs only when no command is given; your command runs as written, so set its steps, "
+                      "ranks and config in the command itself (e.g. -- torchrun --nproc-per-node 2 train.py "
+                      "--steps 10), and drop " + ("them" if len(given) > 1 else "it") + ".")
 
 
 def add_out_option(parser: argparse.ArgumentParser, command: str) -> None:
@@ -162,11 +192,15 @@ def add_run_timeout_option(parser: argparse.ArgumentParser,
 def add_recording_options(parser: argparse.ArgumentParser, *, steps_flag: str = "--steps") -> None:
     """What to record (the SAMEBITS_* recording settings, docs/settings.md), as options.
 
-    ``steps_flag``: the option naming the step window (`verify` and `bisect` use ``--steps`` for
-    the number of training steps, so they call it ``--record-steps``)."""
+    The step window is ``--record-steps`` in every command (``--steps`` is the number of training
+    steps of the recipe); ``steps_flag``, when another spelling, is an old one this command still
+    accepts with a warning (`samebits run --steps START:STOP` until 2026-12)."""
     group = parser.add_argument_group("what to record")
-    group.add_argument(steps_flag, dest="record_steps", default=None, metavar="START:STOP",
+    group.add_argument("--record-steps", dest="record_steps", default=None, metavar="START:STOP",
                        help="record only steps START <= step < STOP (either may be empty)")
+    if steps_flag != "--record-steps":
+        group.add_argument(steps_flag, dest="record_steps", default=None, metavar="START:STOP",
+                           action=_DeprecatedSpelling, help=argparse.SUPPRESS)
     group.add_argument("--ranks", default=None, metavar="LIST", help="record only these ranks, e.g. 0,2-3")
     group.add_argument("--phases", default=None, metavar="LIST",
                        help="record only these phases, e.g. grads,params (samebits show RUN --records lists them)")
@@ -179,6 +213,16 @@ def add_recording_options(parser: argparse.ArgumentParser, *, steps_flag: str = 
     group.add_argument("--max-tensor-bytes", type=_positive_bytes, default=None, metavar="N",
                        help="tensors larger than N bytes (N >= 1) keep shape and dtype but no digest: their values "
                             "are not compared, so a comparison that meets one is INCOMPLETE")
+
+
+class _DeprecatedSpelling(argparse.Action):
+    """An old spelling of an option: stores the value as the new one does, and says to use that."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        new = "--" + self.dest.replace("_", "-")
+        print(f"{parser.prog}: warning: {option_string} {values} is deprecated: write {new} {values} (the same "
+              f"name in every command)", file=sys.stderr)
+        setattr(namespace, self.dest, values)
 
 
 def _positive_bytes(text: str) -> int:

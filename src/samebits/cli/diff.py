@@ -21,8 +21,9 @@ def register(sub) -> None:
                     "step root recomputed. Exit 0 identical, 1 diverged, 2 could not compare (a stream "
                     "damaged, missing or cut short, or a window holding no step).",
     )
-    parser.add_argument("run_a", metavar="RUN_A")
-    parser.add_argument("run_b", metavar="RUN_B")
+    parser.add_argument("run_a", metavar="RUN_A", help="run directory A (its rank-NNNNN.sbs streams)")
+    parser.add_argument("run_b", metavar="RUN_B", help="run directory B; a run resumed at step K (its first "
+                        "recorded step) is compared from step K")
     parser.add_argument("--from-step", type=int, default=None, help="compare steps >= this (e.g. a resume step)")
     parser.add_argument("--to-step", type=int, default=None, help="compare steps < this")
     parser.add_argument("--allow-config-diff", action="store_true",

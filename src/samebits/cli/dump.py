@@ -6,6 +6,7 @@ from samebits.cli._format import echo, print_json, table
 from samebits.cli._options import check_input_directory, step_number
 from samebits.cli._lazy import lazy
 from samebits.errors import SamebitsError
+from samebits.verdicts import EXIT_OK
 
 open_run = lazy("samebits.stream", "open_run")
 
@@ -13,9 +14,10 @@ open_run = lazy("samebits.stream", "open_run")
 def register(sub) -> None:
     parser = sub.add_parser("dump", help="print the records of one rank and step",
                             description="Print the records of one rank at one step (or all steps).")
-    parser.add_argument("run", metavar="RUN")
-    parser.add_argument("--rank", type=step_number, default=0)
-    parser.add_argument("--step", type=step_number, default=None, help="the step to print (default: every step)")
+    parser.add_argument("run", metavar="RUN", help="a run directory (its rank-NNNNN.sbs streams)")
+    parser.add_argument("--rank", type=step_number, default=0, metavar="R", help="the rank to print (default 0)")
+    parser.add_argument("--step", type=step_number, default=None, metavar="S",
+                        help="the step to print (default: every step; `samebits show RUN` lists them)")
     parser.add_argument("--phase", default=None, help="only records of this phase")
     parser.add_argument("--json", action="store_true", help="print records as JSON")
     parser.set_defaults(func=run)
@@ -40,10 +42,10 @@ def run(args) -> int:
                             "`samebits show RUN` lists the recorded steps.")
     if args.json:
         print_json([{"step": s["step"], "root": s["root"], "records": [r.to_dict() for r in s["records"]]} for s in out])
-        return 0
+        return EXIT_OK
     for s in out:
         echo(f"step {s['step']}  rank {args.rank}  root {s['root']}  ({len(s['records'])} records)")
         echo(table(["phase", "name", "#", "kind", "value"],
                    [[r.phase, r.name, r.occurrence, r.kind, r.summary()] for r in s["records"]]))
         echo()
-    return 0
+    return EXIT_OK

@@ -8,7 +8,7 @@ from samebits.cli._format import echo
 from samebits.cli._lazy import lazy
 from samebits.cli._options import add_recording_options, check_input_directory, recording_options, step_number
 from samebits.errors import SamebitsError
-from samebits.verdicts import EXIT_BAD_VERDICT, EXIT_CANNOT_RUN
+from samebits.verdicts import EXIT_CANNOT_RUN, EXIT_STOPPED
 
 read_outcomes, read_stop = lazy("samebits.autorecord", "read_outcomes", "read_stop")
 diff = lazy("samebits.compare", "diff")
@@ -22,13 +22,13 @@ def register(sub) -> None:
         help="run a command with zero-code recording",
         description="Run CMD with fingerprint recording injected into every Python process it starts "
         "(parameters, gradients and optimizer state at each optimizer step; top-level module outputs; "
-        "the state census at each step start, in DIR/state). Exit code: CMD's own; with --reference, 1 "
-        "when the live check stopped the run at a step that differs.",
+        "the state census at each step start, in DIR/state). Exit code: CMD's own; with --reference, 3 "
+        "when the live check stopped the run at a step that differs (docs/cli.md).",
     )
     parser.add_argument("--out", required=True, help="run directory to record into (new, or an empty directory)")
     parser.add_argument("--reference", default=None, metavar="RUN",
                         help="check each step live against this earlier run: at the first step that differs, "
-                             "print it and stop the command (its processes exit with code 3)")
+                             "print it and stop the command (exit code 3)")
     parser.add_argument("--step-offset", type=step_number, default=None, metavar="K",
                         help="number the first step K (a resumed run, so its steps line up with the run it "
                              "resumes; default 0)")
@@ -72,5 +72,5 @@ def run(args) -> int:
         else:
             say(f"(the first differing record could not be named: {why})")
         say(f"details: samebits diff {args.reference} {args.out} --to-step {int(step) + 1}")
-        return EXIT_BAD_VERDICT
+        return EXIT_STOPPED  # as its processes do, whatever a launcher (torchrun) made of their code
     return code

@@ -16,7 +16,7 @@ def register(sub) -> None:
                             description="Summarise a run directory: ranks, steps, records, environment. "
                                         "With --records: every name one step recorded (phase, name, dtype, "
                                         "shape), to choose what to record with --phases/--include/--exclude.")
-    parser.add_argument("run", metavar="RUN")
+    parser.add_argument("run", metavar="RUN", help="a run directory (its rank-NNNNN.sbs streams)")
     parser.add_argument("--records", action="store_true", help="list the records of one step (default: the first)")
     parser.add_argument("--step", type=step_number, default=None, help="with --records: this step")
     parser.add_argument("--rank", type=step_number, default=None, help="with --records: this rank (default: the lowest)")

@@ -1,4 +1,4 @@
-"""`samebits trace A B`: classify the first difference of every rank of two traced runs."""
+"""`samebits trace RUN_A RUN_B`: classify the first difference of every rank of two traced runs."""
 
 from __future__ import annotations
 
@@ -19,17 +19,17 @@ def register(sub) -> None:
         "output did not) or a receiver (an input already differed). Exit 0 identical, 1 diverged, "
         "2 nothing compared.",
     )
-    parser.add_argument("a", help="run directory A")
-    parser.add_argument("b", help="run directory B")
+    parser.add_argument("run_a", metavar="RUN_A", help="run directory A")
+    parser.add_argument("run_b", metavar="RUN_B", help="run directory B")
     parser.add_argument("--step", type=step_number, default=None, help="look only at this step")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.set_defaults(func=run)
 
 
 def run(args) -> int:
-    check_input_directory(args.a)
-    check_input_directory(args.b)
-    report = find_origins(args.a, args.b, step=args.step)
+    check_input_directory(args.run_a)
+    check_input_directory(args.run_b)
+    report = find_origins(args.run_a, args.run_b, step=args.step)
     return print_result(report, args.json, render)
 
 

@@ -620,8 +620,9 @@ def test_old_names_are_deprecated_aliases():
 def test_bisect_origin_serialises_to_the_documented_shape():
     from samebits.runs.bisect import ControlFlow, Origin
 
-    origin = Origin("op", "origin: ...", 0, 1, "backward", "", "aten::index_put", "/aten::index_put:0", "op",
-                    "origin", None, None, None, "why", ["rng.torch_cpu"], ["rng.torch_cpu", "rng.python"])
+    origin = Origin(kind="op", conclusion="origin: ...", step=0, rank=1, phase="backward", module="",
+                    op="aten::index_put", event_id="/aten::index_put:0", category="op", classification="origin",
+                    detail="why", state_differs=["rng.torch_cpu"], state_differs_all=["rng.torch_cpu", "rng.python"])
     assert list(origin.to_dict()) == ["kind", "conclusion", "step", "rank", "phase", "module", "op", "id",
                                       "category", "classification", "call_site", "elements", "catalog",
                                       "detail", "state_differs", "state_differs_all"]

@@ -62,16 +62,14 @@ class ReplicaMismatch(ToDict):
     group: list[int]  # the replica group's global ranks
     tie: bool = False  # no majority (e.g. 2 replicas): which copy is right cannot be told
 
-    def to_dict(self) -> dict:
-        return {"name": self.name, "ranks": self.ranks, "digests": {str(k): v for k, v in self.digests.items()},
-                "group": self.group, "tie": self.tie}
-
 
 @dataclass
 class ReplicaReport(ToDict):
     """What `check_replicas` found.  ``verdict`` is PASS (every replicated tensor equal on
     every replica), FAIL (``mismatches`` lists the differences) or INCOMPLETE (nothing was
     replicated, so nothing was compared)."""
+
+    dict_keys = ("verdict", "exit_code", "step", "num_tensors", "num_groups", "mismatches", "not_replicated")
 
     verdict: Verdict
     num_tensors: int  # replicated tensors compared on this rank
@@ -96,10 +94,8 @@ class ReplicaReport(ToDict):
         more = f"; ... {len(self.mismatches) - 5} more" if len(self.mismatches) > 5 else ""
         return f"replicas differ{where}: {len(self.mismatches)} of {self.num_tensors} tensors: {shown}{more}"
 
-    def to_dict(self) -> dict:
-        return {"verdict": self.verdict.value, "exit_code": self.verdict.exit_code, "step": self.step,
-                "num_tensors": self.num_tensors, "num_groups": self.num_groups,
-                "mismatches": [m.to_dict() for m in self.mismatches], "not_replicated": self.not_replicated}
+    def dict_extras(self) -> dict:
+        return {"exit_code": self.verdict.exit_code}
 
 
 def check_replicas(model_or_named_tensors, group=None, *, optimizer: torch.optim.Optimizer | None = None,

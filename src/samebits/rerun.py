@@ -49,7 +49,7 @@ import enum
 import math
 import struct
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -110,9 +110,8 @@ class RerunResult(ToDict):
         return (f"{where}: nondeterministic step: three executions, three different results. A determinism bug, "
                 "not hardware: narrow it with `samebits bisect --nondeterministic`")
 
-    def to_dict(self) -> dict:
-        return {"step": self.step, "rank": self.rank, "verdict": self.verdict.value, "trigger": self.trigger,
-                "roots": self.roots, "faulty": self.faulty, "exit_code": self.exit_code, "message": self.message}
+    def dict_extras(self) -> dict:
+        return {"message": self.message}
 
 
 @dataclass(frozen=True)

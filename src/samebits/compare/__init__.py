@@ -23,7 +23,7 @@ from samebits.errors import ConfigError, IncomparableRunsError
 from samebits.stream import _format as fmt
 from samebits.stream.reader import (Record, Run, StreamReader, open_run, read_stop_marker,
                                     require_same_digest_version)
-from samebits.verdicts import ToDict, Verdict
+from samebits.verdicts import ToDict, Verdict, serialised
 from samebits.compare._global import GlobalDiffResult, GlobalTensorResult, diff_global
 
 @dataclass
@@ -40,23 +40,9 @@ class Divergence(ToDict):
     a: dict | None = None
     b: dict | None = None
     records_differing: int = 0
-    position: int = 0  # index of the first differing record in the step (orders ranks)
+    # index of the first differing record in the step (orders ranks; not part of the JSON)
+    position: int = field(default=0, metadata=serialised(skip=True))
     detail: str = ""
-
-    def to_dict(self) -> dict:
-        return {
-            "step": self.step,
-            "rank": self.rank,
-            "reason": self.reason,
-            "phase": self.phase,
-            "name": self.name,
-            "occurrence": self.occurrence,
-            "kind": self.kind,
-            "a": self.a,
-            "b": self.b,
-            "records_differing": self.records_differing,
-            "detail": self.detail,
-        }
 
 
 @dataclass
@@ -78,12 +64,17 @@ class DiffResult(ToDict):
     """What `diff` found.  ``verdict`` is a `Verdict`: IDENTICAL, DIVERGED or INCOMPLETE
     (could not decide: a stream missing or cut short, or a window holding no step)."""
 
+    dict_keys = ("verdict", "exit_code", "a", "b", "first_divergence", "divergences_by_rank", "compared",
+                 "incomplete", "notes")
+
     a: str
     b: str
     verdict: Verdict
-    first_divergence: Divergence | None
+    first_divergence: Divergence | None  # written with the ranks that diverge first (`dict_extras`)
     ranks_diverged_first: list[int]
-    divergences: dict[int, Divergence]  # per rank, its first divergence (if any)
+    divergences: dict[int, Divergence] = field(  # per rank, its first divergence (if any)
+        metadata=serialised(key="divergences_by_rank", convert=lambda by_rank: {
+            str(rank): divergence.to_dict() for rank, divergence in sorted(by_rank.items())}))
     compared: dict[str, Any]
     notes: list[str] = field(default_factory=list)
     incomplete: list[str] = field(default_factory=list)  # why the verdict could not be IDENTICAL
@@ -92,22 +83,11 @@ class DiffResult(ToDict):
     def identical(self) -> bool:
         return self.verdict is Verdict.IDENTICAL
 
-    def to_dict(self) -> dict:
+    def dict_extras(self) -> dict:
         first = None
         if self.first_divergence is not None:
-            first = self.first_divergence.to_dict()
-            first["ranks"] = self.ranks_diverged_first
-        return {
-            "verdict": self.verdict.value,
-            "exit_code": self.verdict.exit_code,
-            "a": self.a,
-            "b": self.b,
-            "first_divergence": first,
-            "divergences_by_rank": {str(r): d.to_dict() for r, d in sorted(self.divergences.items())},
-            "compared": self.compared,
-            "incomplete": self.incomplete,
-            "notes": self.notes,
-        }
+            first = {**self.first_divergence.to_dict(), "ranks": self.ranks_diverged_first}
+        return {"exit_code": self.verdict.exit_code, "first_divergence": first}
 
 
 def diff(

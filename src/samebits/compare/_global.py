@@ -44,16 +44,16 @@ class GlobalTensorResult(ToDict):
     detail: str = ""
     max_ulp: int | None = None
 
-    def to_dict(self) -> dict:
-        return {"phase": self.phase, "name": self.name, "occurrence": self.occurrence, "status": self.status,
-                "first_step": self.first_step, "steps_compared": self.steps_compared, "a": self.a, "b": self.b,
-                "detail": self.detail, "max_ulp": self.max_ulp,
-                "values": None if self.max_ulp is not None else VALUES_NOT_RECORDED}
+    def dict_extras(self) -> dict:
+        return {"values": None if self.max_ulp is not None else VALUES_NOT_RECORDED}
 
 
 @dataclass
 class GlobalDiffResult(ToDict):
     """What `diff_global` found; ``verdict`` is a `Verdict` (IDENTICAL, DIVERGED, INCOMPLETE)."""
+
+    dict_keys = ("verdict", "exit_code", "by", "a", "b", "first_divergence", "tensors", "compared", "incomplete",
+                 "notes")
 
     a: str
     b: str
@@ -72,7 +72,7 @@ class GlobalDiffResult(ToDict):
     def differing_at_first_step(self) -> list[GlobalTensorResult]:
         return [t for t in self.tensors if t.status != "identical" and t.first_step == self.first_step]
 
-    def to_dict(self) -> dict:
+    def dict_extras(self) -> dict:
         first = None
         if self.first_step is not None:
             at_first = self.differing_at_first_step
@@ -81,18 +81,7 @@ class GlobalDiffResult(ToDict):
                      "name": head.name, "occurrence": head.occurrence, "kind": "tensor", "a": head.a, "b": head.b,
                      "detail": head.detail, "records_differing": len(at_first),
                      "tensors": [t.name for t in at_first]}
-        return {
-            "verdict": self.verdict.value,
-            "exit_code": self.verdict.exit_code,
-            "by": "global",
-            "a": self.a,
-            "b": self.b,
-            "first_divergence": first,
-            "tensors": [t.to_dict() for t in self.tensors],
-            "compared": self.compared,
-            "incomplete": self.incomplete,
-            "notes": self.notes,
-        }
+        return {"exit_code": self.verdict.exit_code, "by": "global", "first_divergence": first}
 
 
 def _entry(record) -> dict:

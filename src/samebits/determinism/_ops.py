@@ -9,12 +9,14 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
+from samebits.verdicts import ToDict
+
 CPU_STATES = ("varies", "may-vary", "repeatable", "n/a")
 FLAG_STATES = ("repeatable", "raises", "n/a")
 
 
 @dataclass(frozen=True)
-class OpEntry:
+class OpEntry(ToDict):
     """One catalog row: an op under one condition (`when`).
 
     cpu / cuda: behaviour with default settings, one of ``varies`` (differs run to run),
@@ -49,9 +51,6 @@ class OpEntry:
         """One line for annotating a finding."""
         return (f"{self.op} ({self.when}): CPU {self.cpu}, CUDA {self.cuda}; "
                 f"deterministic alternative: {self.alternative}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
 
 
 @functools.lru_cache(maxsize=1)

@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten
 
 from samebits._torchutil import SAMEBITS_DIR, AutogradScopes, call_site, is_uninitialized_op
 from samebits.determinism._ops import lookup_op
+from samebits.verdicts import ToDict, serialised
 
 DEFAULT_NAMESPACES = ("aten", "prims", "samebits")
 _FLUSH_EVERY = 512  # pending comparisons read back per host sync
@@ -38,7 +39,7 @@ _SKIPPED_FRAMES = (SAMEBITS_DIR + os.sep, "<frozen")  # call sites: the user's c
 
 
 @dataclass
-class ProbeFinding:
+class ProbeFinding(ToDict):
     """An op (at one module scope and call site) whose two executions gave different bits."""
 
     op: str
@@ -50,28 +51,25 @@ class ProbeFinding:
     calls_differing: int = 0
     known: str | None = None  # the op catalog's summary, when the op is listed
 
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
-
 
 @dataclass
-class ProbeReport:
+class ProbeReport(ToDict):
     """What a probe saw.  `clean` is True when no op behaved nondeterministically."""
+
+    dict_keys = ("clean", "num_ops", "num_ops_compared", "seconds", "findings")
 
     findings: list[ProbeFinding]
     num_ops: int  # ops dispatched while probing
     num_ops_compared: int  # ops executed twice and compared
-    seconds: float
-    result: Any = field(default=None, repr=False)  # the probed function's return value
+    seconds: float = field(metadata=serialised(convert=lambda seconds: round(seconds, 3)))
+    result: Any = field(default=None, repr=False, metadata=serialised(skip=True))  # the probed function's return value
 
     @property
     def clean(self) -> bool:
         return not self.findings
 
-    def to_dict(self) -> dict:
-        return {"clean": self.clean, "num_ops": self.num_ops,
-                "num_ops_compared": self.num_ops_compared, "seconds": round(self.seconds, 3),
-                "findings": [f.to_dict() for f in self.findings]}
+    def dict_extras(self) -> dict:
+        return {"clean": self.clean}
 
 
 class Probe:

@@ -30,6 +30,7 @@ from samebits._inject import with_injection
 from samebits._torchutil import process_rank
 from samebits.determinism._probe import DEFAULT_NAMESPACES, Probe
 from samebits.errors import SamebitsError
+from samebits.verdicts import ToDict
 
 ENV_DIR = "SAMEBITS_PROBE_DIR"
 ENV_STEPS = "SAMEBITS_PROBE_STEPS"
@@ -111,8 +112,10 @@ def _save(*, complete: bool) -> None:
 
 
 @dataclass
-class CommandProbeResult:
+class CommandProbeResult(ToDict):
     """What `samebits probe -- CMD` found across every probed process of the command."""
+
+    dict_keys = ("command", "returncode", "clean", "problems", "processes", "findings")
 
     command: list[str]
     returncode: int
@@ -124,10 +127,8 @@ class CommandProbeResult:
     def ran(self) -> bool:
         return not self.problems
 
-    def to_dict(self) -> dict:
-        return {"command": self.command, "returncode": self.returncode,
-                "clean": self.ran and not self.findings, "problems": self.problems,
-                "processes": self.processes, "findings": self.findings}
+    def dict_extras(self) -> dict:
+        return {"clean": self.ran and not self.findings}
 
 
 def probe_command(command: list[str], *, steps: int | None = None,

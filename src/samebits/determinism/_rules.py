@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
 
 from samebits.errors import ConfigError, DeterminismError
+from samebits.verdicts import ToDict, serialised
 
 CATEGORIES = ("env", "torch", "config")
 """env: environment variables; torch: flags of the running process; config: recipe options."""
@@ -64,18 +65,14 @@ Finding = RuleFinding  # the old name (samebits.determinism.Finding is a depreca
 
 
 @dataclass(frozen=True)
-class Violation:
+class Violation(ToDict):
     """One setting that breaks bitwise determinism, with the rule it breaks and the fix."""
 
     rule: str
     setting: str
-    found: Any
+    found: Any = field(metadata=serialised(convert=lambda found: _jsonable(found)))  # any value: repr() if not plain
     fix: str
     why: str = ""
-
-    def to_dict(self) -> dict:
-        return {"rule": self.rule, "setting": self.setting, "found": _jsonable(self.found),
-                "fix": self.fix, "why": self.why}
 
     def __str__(self) -> str:
         return f"[{self.rule}] {self.setting} = {_show(self.found)}: {self.fix}"

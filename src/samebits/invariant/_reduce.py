@@ -44,9 +44,6 @@ class ReduceStats(ToDict):
     bytes_sent: int = 0  # payload bytes this rank handed to collectives (ring-equivalent, see bytes_on_wire)
     fp32_allreduce_bytes: int = 0  # what a plain fp32 ring all-reduce of the same gradient would send
 
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
-
 
 def ring_bytes(kind: str, num_bytes: int, world_size: int) -> int:
     """Bytes one rank sends in a ring collective over a ``num_bytes`` buffer (the usual cost

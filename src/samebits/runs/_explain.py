@@ -50,10 +50,6 @@ class Finding(ToDict):
     site: str | None = None  # file.py:N, when the claim has a place
     generator: str | None = None  # kind generator/generator_consumed: torch_cpu, python, numpy, user:<site>
 
-    def to_dict(self) -> dict:
-        return {"check": self.check, "kind": self.kind, "step": self.step, "rank": self.rank,
-                "says": self.says, "record": self.record, "site": self.site, "generator": self.generator}
-
 
 class _Census:
     """One run's census records per (rank, step): {phase: {name: Record}} (occurrences of a

@@ -41,7 +41,7 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
@@ -54,11 +54,10 @@ from samebits.errors import ConfigError, SamebitsError
 from samebits.runs._explain import generator_suspects
 from samebits.runs._launch import check_recipe, failed, run_logged, teardown_note
 from samebits.stream.reader import open_run
-from samebits.trace._config import ENV_VARS, LEVEL_NAMES, EventSpec, TraceConfig, parent_scope, parse_record
-from samebits.trace._elements import compare_elements, same_values
-from samebits.trace._origin import OriginFinding, OriginReport, find_origins, find_replica_mismatch
-from samebits.trace._tracer import dump_filename
-from samebits.verdicts import Verdict
+from samebits.trace import (ENV_VARS, LEVEL_NAMES, EventSpec, OriginFinding, OriginReport, TraceConfig,
+                            compare_elements, describe_record, dump_filename, find_origins, find_replica_mismatch,
+                            parent_scope, same_values)
+from samebits.verdicts import ToDict, Verdict, serialised
 
 _TORCH_GENERATORS = ("rng.torch_cpu", "rng.cuda", "rng.user.")
 STEPS_ATTEMPTS = 2  # pairs of runs of one command before it is called identical
@@ -117,19 +116,15 @@ class Command:
 
 
 @dataclass
-class Stage:
+class Stage(ToDict):
     name: str
     rung: str
     scope: str  # what the stage traced, in words
-    runs: dict[str, float] = field(default_factory=dict)  # label -> seconds
+    runs: dict[str, float] = field(default_factory=dict, metadata=serialised(  # label -> seconds
+        key="runs_s", convert=lambda runs: {label: round(seconds, 2) for label, seconds in runs.items()}))
     verdict: str = ""
     finding: OriginFinding | None = None
     summary: str = ""
-
-    def to_dict(self) -> dict:
-        return {"name": self.name, "rung": self.rung, "scope": self.scope,
-                "runs_s": {k: round(v, 2) for k, v in self.runs.items()}, "verdict": self.verdict,
-                "finding": None if self.finding is None else self.finding.to_dict(), "summary": self.summary}
 
 
 class DifferingElement(NamedTuple):
@@ -140,11 +135,12 @@ class DifferingElement(NamedTuple):
 
 
 @dataclass
-class Elements:
+class Elements(ToDict):
     """How the origin's two dumped outputs differ element by element: `compare_elements`'s
-    result (``detail``) for output ``output`` of the dumps ``pair`` (files ``dumps``)."""
+    result (``detail``, whose entries its dict holds first) for output ``output`` of the dumps
+    ``pair`` (files ``dumps``)."""
 
-    detail: dict
+    detail: dict = field(metadata=serialised(flatten=True))
     output: str
     pair: list[str]
     dumps: list[str]
@@ -178,65 +174,56 @@ class Elements:
     def shape(self) -> list[int]:
         return self.detail["shape"]
 
-    def to_dict(self) -> dict:
-        return {**self.detail, "output": self.output, "pair": list(self.pair), "dumps": list(self.dumps),
-                "same_values": self.same_values, "inputs_identical": self.inputs_identical,
-                "inputs_differ": list(self.inputs_differ), "inputs_permuted": self.inputs_permuted}
 
+@dataclass(kw_only=True)
+class Origin(OriginFinding):
+    """What the bisection concludes: the finding it rests on (an `OriginFinding`: where, which
+    event, why), plus ``kind`` (op, probe, collective, order, generator, input_batch, replicas,
+    initial_state, resume_state, control_flow, below_dispatcher, not_localised), the sentence
+    for a person and the origin's ``elements``.  Its ``state_differs`` are the census records
+    the conclusion blames; ``state_differs_all`` every one that differs at the step start."""
 
-@dataclass
-class Origin:
-    """What the bisection concludes: ``kind`` (op, probe, collective, order, generator,
-    input_batch, replicas, initial_state, resume_state, control_flow, below_dispatcher,
-    not_localised), the sentence for a person, and the finding it rests on."""
+    # Bisect's public JSON: the conclusion, then the finding's where, what and why.
+    dict_keys = ("kind", "conclusion", "step", "rank", "phase", "module", "op", "id", "category", "classification",
+                 "call_site", "elements", "catalog", "detail", "state_differs", "state_differs_all", "params",
+                 "ranks")
 
     kind: str
     conclusion: str
-    step: int
-    rank: int
-    phase: str | None
-    module: str | None
-    op: str | None
-    event_id: str | None
-    category: str | None
-    classification: str
-    call_site: str | None
-    elements: Elements | None
-    catalog: str | None
-    detail: str
-    state_differs: list[str]  # the census records the conclusion blames
-    state_differs_all: list[str]  # every census record that differs at the step start
-    params: list[str] | None = None  # replicas: the parameters that differ
-    ranks: list[int] | None = None  # replicas: the ranks involved
+    elements: Elements | None = None
+    state_differs_all: list[str] = field(default_factory=list)
+    params: list[str] | None = field(default=None, metadata=serialised(omit_none=True))  # replicas: those that differ
+    ranks: list[int] | None = field(default=None, metadata=serialised(omit_none=True))  # replicas: the ranks involved
 
-    def to_dict(self) -> dict:
-        out = {"kind": self.kind, "conclusion": self.conclusion, "step": self.step, "rank": self.rank,
-               "phase": self.phase, "module": self.module, "op": self.op, "id": self.event_id,
-               "category": self.category, "classification": self.classification, "call_site": self.call_site,
-               "elements": None if self.elements is None else self.elements.to_dict(), "catalog": self.catalog,
-               "detail": self.detail, "state_differs": list(self.state_differs),
-               "state_differs_all": list(self.state_differs_all)}
-        if self.params is not None:
-            out["params"] = list(self.params)
-        if self.ranks is not None:
-            out["ranks"] = list(self.ranks)
-        return out
+    @classmethod
+    def of(cls, finding: OriginFinding, elements: Elements | None, kind: str, conclusion: str,
+           state_differs: list[str] | None = None) -> "Origin":
+        """The `Origin` that ``finding`` proves: ``kind`` (what the conclusion is about),
+        ``conclusion`` (one sentence for a person), ``state_differs`` (the census records the
+        conclusion blames; default: all that differ at the step start)."""
+        found = {item.name: getattr(finding, item.name) for item in fields(OriginFinding)}
+        found["state_differs"] = list(finding.state_differs if state_differs is None else state_differs)
+        return cls(**found, kind=kind, conclusion=conclusion, elements=elements,
+                   state_differs_all=list(finding.state_differs) + list(finding.state_unused))
+
+    def dict_extras(self) -> dict:
+        return {"id": self.event_id}
 
 
 @dataclass
-class ControlFlow:
+class ControlFlow(ToDict):
     """Where the two runs' recorded event sequences part."""
 
     step: int
     rank: int
     detail: str
 
-    def to_dict(self) -> dict:
-        return {"step": self.step, "rank": self.rank, "detail": self.detail}
-
 
 @dataclass
-class BisectResult:
+class BisectResult(ToDict):
+    dict_keys = ("verdict", "conclusion", "origin", "stages", "compared", "repeatable", "control_flow", "out", "notes",
+                 "seconds")
+
     verdict: Verdict  # IDENTICAL or DIVERGED (a run that could not be compared raises instead)
     origin: Origin | None
     stages: list[Stage]
@@ -245,16 +232,8 @@ class BisectResult:
     repeatable: dict[str, bool] | None = None
     control_flow: ControlFlow | None = None
     notes: list[str] = field(default_factory=list)
-    seconds: float = 0.0
+    seconds: float = field(default=0.0, metadata=serialised(convert=lambda seconds: round(seconds, 1)))
     conclusion: str = ""  # one sentence: what differs and where the origin is (or why it is not known)
-
-    def to_dict(self) -> dict:
-        return {"verdict": str(self.verdict), "conclusion": self.conclusion,
-                "origin": None if self.origin is None else self.origin.to_dict(),
-                "stages": [s.to_dict() for s in self.stages], "compared": self.compared,
-                "repeatable": self.repeatable,
-                "control_flow": None if self.control_flow is None else self.control_flow.to_dict(),
-                "out": self.out, "notes": self.notes, "seconds": round(self.seconds, 1)}
 
 
 def recipe_commands(*, steps: int = 4, nproc: int = 2, nondeterministic: bool = False,
@@ -425,9 +404,10 @@ class _Bisector:
                                  "initialised differently per rank (a seed that depends on the rank before the "
                                  "model is built) or its weights were never broadcast; build it from one seed on "
                                  "every rank, or broadcast rank 0's weights")
-            result.origin = Origin("replicas", result.conclusion, replicas.step, replicas.ranks[-1], "init",
-                                   None, None, "params", "state", "origin", None, None, None, result.conclusion,
-                                   [], [], params=replicas.params, ranks=replicas.ranks)
+            result.origin = Origin(rank=replicas.ranks[-1], step=replicas.step, classification="origin",
+                                   category="state", phase="init", event_id="params", detail=result.conclusion,
+                                   kind="replicas", conclusion=result.conclusion, params=replicas.params,
+                                   ranks=replicas.ranks)
             result.seconds = time.perf_counter() - start
             return result
         if first is None:
@@ -496,7 +476,7 @@ class _Bisector:
             if (self.resume_step is not None and found.step == self.resume_step and found.phase == "optimizer"
                     and anchor is not None and anchor[1].phase == "optimizer"):
                 return self._optimizer_state(found, anchor)
-            return _origin(found, None, "control_flow",
+            return Origin.of(found, None, "control_flow",
                                 f"the runs take different paths at step {found.step} on rank {found.rank}: "
                                 f"{found.parted or found.detail}")
         if found.classification == "order":
@@ -508,13 +488,13 @@ class _Bisector:
                     f"{found.rank}): the origin is before the model (data loader / dataset / sampler)")
             generators = _torch_generators(found)
             if generators:  # the batch was drawn from a torch generator that was already in another state
-                return _origin(found, None, "generator",
+                return Origin.of(found, None, "generator",
                                     "; ".join(describe_state_record(name) for name in generators)
                                     + f". So {text[0].lower()}{text[1:]}", state_differs=generators)
-            return _origin(found, None, "input_batch", text + _state_sentence(found, ". Also: "))
+            return Origin.of(found, None, "input_batch", text + _state_sentence(found, ". Also: "))
         if found.category in ("op", "probe") and found.permuted:
             site = f" at {found.call_site}" if found.call_site else ""
-            return _origin(found, None, "order",
+            return Origin.of(found, None, "order",
                                 f"same values, different order: {found.op}{site} (step {found.step}, phase "
                                 f"{found.phase}, rank {found.rank}) received the same tensors in another order "
                                 f"({found.detail}). Something iterated in an order that changes between runs "
@@ -523,14 +503,14 @@ class _Bisector:
             site = found.call_site or self._collective_site(found)
             found.call_site = site
             op = (found.event_id or "").rpartition("/")[2].rpartition(":")[0]
-            return _origin(found, None, "order",
+            return Origin.of(found, None, "order",
                                 f"same values, different order: at step {found.step} on rank {found.rank} the "
                                 f"{op} calls{' at ' + site if site else ''} received the same tensors in another "
                                 "order (the collective order differs). The calls are issued in an order that "
                                 "changes between runs (a Python set, PYTHONHASHSEED, a dict keyed by ids): every "
                                 "rank must issue its collectives in one fixed order")
         if found.classification == "origin" and found.category == "state":
-            return _origin(found, None, "initial_state",
+            return Origin.of(found, None, "initial_state",
                                 f"the parameters differ before step {found.step}, the first traced step "
                                 f"({found.label} on rank {found.rank}): initialisation (its seed) or the "
                                 "loaded checkpoint differs, so no training op is the origin")
@@ -542,7 +522,7 @@ class _Bisector:
             # step's start, before any op, already differs: what the checkpoint saves and restores.
             # (A torch generator that differs is narrowed on instead: to the RNG op that draws from it.)
             listed = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-            return _origin(found, None, "resume_state",
+            return Origin.of(found, None, "resume_state",
                            f"the resumed run starts step {found.step} in another state than the run it resumes "
                            f"(rank {found.rank}): {listed} differ at the step's start, before any op ran, and each "
                            "side repeats itself: the checkpoint does not save or restore them. "
@@ -578,7 +558,7 @@ class _Bisector:
                 f"not explain it. Ruled out: every value recorded before phase {evidence.phase} of step "
                 f"{evidence.step} matched; the difference arises in phase {evidence.phase}, from a value its trace "
                 "does not record (state kept across steps, or code outside torch)")
-        return _origin(evidence, None, "not_localised", text + _state_sentence(evidence, " Also: "))
+        return Origin.of(evidence, None, "not_localised", text + _state_sentence(evidence, " Also: "))
 
     def _anchor(self, step: int) -> tuple[int, OriginFinding] | None:
         """The earliest stage's evidence at ``step``: (stage number, finding) of the first stage
@@ -595,9 +575,9 @@ class _Bisector:
         earlier stage: its inputs matched, its output differs), runs other ops than the run it
         resumes: the optimizer's own state (moments, momentum buffers) was not restored."""
         number, evidence = anchor
-        a_has = _describe_event(found.a)
-        b_has = _describe_event(found.b)
-        return _origin(found, None, "resume_state",
+        a_has = describe_record(found.a)
+        b_has = describe_record(found.b)
+        return Origin.of(found, None, "resume_state",
                        f"the resumed run's optimizer state differs at step {found.step} (rank {found.rank}): its "
                        f"optimizer step got the same gradients and parameters (stage {number}: "
                        f"{evidence.detail}) but runs other ops than the run it resumes (a: {a_has}; b: {b_has}): "
@@ -610,7 +590,7 @@ class _Bisector:
         if reordered is not None and _is_optimizer_order(found):
             site = found.call_site or self._event_site(found)
             found.call_site = site
-            return _origin(found, None, "order",
+            return Origin.of(found, None, "order",
                            f"same values, different order: the optimizer's parameters are in another order at step "
                            f"{found.step} (rank {found.rank}): it holds the same parameters with the same values, "
                            f"in another order (a: {_some(reordered['a'])}; b: {_some(reordered['b'])})"
@@ -620,7 +600,7 @@ class _Bisector:
                            "but whatever follows that order does (clipping or foreach kernels over the list, and "
                            "its state_dict: a checkpoint's state goes to other parameters)")
         what = f": {found.detail}" if found.detail else ""
-        return _origin(found, None, "order",
+        return Origin.of(found, None, "order",
                        f"same values, different order: the runs recorded the same values in another order at step "
                        f"{found.step} (rank {found.rank}){what}. Something iterated in an order that changes between "
                        "runs (a Python set, a dict keyed by ids, hooks or threads) decides it")
@@ -689,7 +669,7 @@ class _Bisector:
         if final.classification == "origin" and final.category in ("op", "collective", "probe") and not rng_op:
             elements = self._dump(final, subtree)
         if not evidence.reproduced:
-            return _origin(final, None, "not_localised",
+            return Origin.of(final, None, "not_localised",
                                 f"not localised: the runs first differ at step {final.step} ({final.where()}), "
                                 f"but {MAX_RERUNS} re-runs at a finer rung did not diverge again (a rare race); "
                                 "run the bisect again, or with more steps")
@@ -698,7 +678,7 @@ class _Bisector:
         if evidence.module_origin is not None and evidence.ops_finding is not None:
             module = evidence.module_origin
             ops = evidence.ops_finding
-            return _origin(module, None, "below_dispatcher",
+            return Origin.of(module, None, "below_dispatcher",
                                 f"below the dispatcher: module {module.module or '(root)'} (step {module.step}, "
                                 f"rank {module.rank}) received identical inputs and its output differs, yet no "
                                 f"ATen op inside it is an origin (rung 3's first difference there: {ops.where()}, "
@@ -712,7 +692,7 @@ class _Bisector:
         text = (f"not localised: the first difference is {final.where()} ({final.classification}: {final.detail}). "
                 "Ruled out: " + "; ".join(ruled_out) + ". The value was written by code the trace does not "
                 "cover here (outside the traced module subtree, or outside torch)")
-        return _origin(final, None, "not_localised", text + _state_sentence(final, " Also: "))
+        return Origin.of(final, None, "not_localised", text + _state_sentence(final, " Also: "))
 
     def _explain_origin(self, final: OriginFinding, elements: Elements | None) -> Origin:
         site = f" at {final.call_site}" if final.call_site else ""
@@ -721,10 +701,10 @@ class _Bisector:
             generators = _torch_generators(final)
             if generators:
                 text = "; ".join(describe_state_record(name) for name in generators)
-                return _origin(final, elements, "generator",
+                return Origin.of(final, elements, "generator",
                                     f"{text} (step {final.step}, rank {final.rank}): the RNG op {what} drew "
                                     "different numbers from identical inputs", state_differs=generators)
-            return _origin(final, elements, "generator",
+            return Origin.of(final, elements, "generator",
                                 f"the RNG op {what} drew different numbers from identical inputs at step "
                                 f"{final.step} on rank {final.rank}: the generator it draws from was in another "
                                 "state (a torch.Generator passed to it, seeded from something that changes, or "
@@ -732,20 +712,20 @@ class _Bisector:
         if elements is not None and not elements.inputs_identical:
             # The trace saw every input recorded before the op match; its dumps say otherwise.
             if elements.inputs_permuted:
-                return _origin(final, elements, "order",
+                return Origin.of(final, elements, "order",
                                f"same values, different order: {what} (step {final.step}, phase {final.phase}, rank "
                                f"{final.rank}) was given the same input tensors in another order (its dumps: "
                                f"inputs {', '.join(elements.inputs_differ[:6])} hold each other's values). Something "
                                "iterated in an order that changes between runs feeds it (a Python set, "
                                "PYTHONHASHSEED, a dict keyed by ids, a file listing)")
-            return _origin(final, elements, "not_localised",
+            return Origin.of(final, elements, "not_localised",
                            f"not localised: the first difference is the output of {what} (step {final.step}, phase "
                            f"{final.phase}, rank {final.rank}), but its dumps show its inputs differ "
                            f"({', '.join(elements.inputs_differ[:6])}) although every value recorded before it "
                            "matched: a value computed before it reached it through another argument, so it is not "
                            "the origin. Ruled out: every traced value before it at that step")
         if elements is not None and elements.same_values:
-            return _origin(final, elements, "order",
+            return Origin.of(final, elements, "order",
                                 f"same values, different order: the output of {what} (step {final.step}, rank "
                                 f"{final.rank}) holds the same values in another order. Something iterated in an "
                                 "order that changes between runs feeds it (a Python set, a dict keyed by ids, "
@@ -754,7 +734,7 @@ class _Bisector:
         text = f"origin: {what} (step {final.step}, phase {final.phase}, rank {final.rank}): {final.detail}"
         if final.catalog:
             text += f". Known: {final.catalog}"
-        return _origin(final, elements, kind, text)
+        return Origin.of(final, elements, kind, text)
 
     def _dump(self, final: OriginFinding, subtree: str | None) -> Elements | None:
         step = final.step
@@ -904,29 +884,8 @@ def _is_optimizer_order(found: OriginFinding) -> bool:
     return found.category == "record" and phase in ("grads", "params", "optimizer")
 
 
-def _describe_event(record) -> str:
-    if record is None:
-        return "nothing"
-    ref = parse_record(record.phase, record.name)
-    if ref is None:
-        return f"record {record.phase}/{record.name}"
-    return f"{ref.event_id} ({ref.role} {ref.label})"
-
-
 def _some(labels: list[str], n: int = 4) -> str:
     return ", ".join(labels[:n]) + (f", ... ({len(labels)} in all)" if len(labels) > n else "")
-
-
-def _origin(finding: OriginFinding, elements: Elements | None, kind: str, conclusion: str,
-            state_differs: list[str] | None = None) -> Origin:
-    """The `Origin` that ``finding`` proves: ``kind`` (what the conclusion is about),
-    ``conclusion`` (one sentence for a person), ``state_differs`` (the census records the
-    conclusion blames; default: all that differ at the step start)."""
-    return Origin(kind, conclusion, finding.step, finding.rank, finding.phase, finding.module, finding.op,
-                  finding.event_id, finding.category, finding.classification, finding.call_site, elements,
-                  finding.catalog, finding.detail,
-                  list(finding.state_differs if state_differs is None else state_differs),
-                  list(finding.state_differs) + list(finding.state_unused))
 
 
 def _control_flow(finding: OriginFinding) -> ControlFlow:

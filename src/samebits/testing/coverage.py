@@ -34,7 +34,7 @@ import tomllib
 from pathlib import Path
 
 from samebits.errors import ConfigError
-from samebits.verdicts import ToDict, Verdict
+from samebits.verdicts import ToDict, Verdict, serialised
 
 MANIFEST_NAME = "kernel-coverage.toml"
 KINDS = ("triton", "custom_op", "autograd")
@@ -66,8 +66,10 @@ class Row:
 class CoverageResult(ToDict):
     packages: list[str]
     manifests: list[str]
-    rows: list[Row]
+    rows: list[Row] = dataclasses.field(metadata=serialised(key="kernels"))
     updated: list[str] = dataclasses.field(default_factory=list)  # entries whose hashes --update wrote
+
+    dict_keys = ("verdict", "exit_code", "packages", "manifests", "kernels", "updated")
 
     @property
     def ok(self) -> bool:
@@ -79,10 +81,8 @@ class CoverageResult(ToDict):
             return Verdict.INCOMPLETE
         return Verdict.PASS if self.ok else Verdict.FAIL
 
-    def to_dict(self) -> dict:
-        return {"verdict": self.verdict.value, "exit_code": self.verdict.exit_code, "packages": self.packages,
-                "manifests": self.manifests, "kernels": [dataclasses.asdict(row) for row in self.rows],
-                "updated": self.updated}
+    def dict_extras(self) -> dict:
+        return {"verdict": self.verdict, "exit_code": self.verdict.exit_code}
 
 
 # -- finding kernels ----------------------------------------------------------------------

@@ -29,11 +29,12 @@ from __future__ import annotations
 import contextlib
 import warnings
 
-from samebits.trace._config import EventSpec, TraceConfig
-from samebits.trace._elements import compare_elements
-from samebits.trace._origin import OriginFinding, OriginReport, find_origins
+from samebits.trace._config import ENV_VARS, LEVEL_NAMES, EventSpec, TraceConfig, parent_scope, parse_record
+from samebits.trace._elements import compare_elements, same_values
+from samebits.trace._origin import (OriginFinding, OriginReport, ReplicaMismatch, describe_record, find_origins,
+                                    find_replica_mismatch)
 from samebits.trace._probe import TraceProbe
-from samebits.trace._tracer import StepState, Tracer, _set_active, active
+from samebits.trace._tracer import StepState, Tracer, _set_active, active, dump_filename
 
 # Old names, kept importable: `probe` (a lowercase class, easily taken for `samebits.probe`)
 # and `Finding` (also the rule checker's name).  Each warns once per use.
@@ -126,5 +127,15 @@ __all__ = [
     "OriginReport",
     "OriginFinding",
     "compare_elements",
+    "same_values",
     "active",
+    # for the runs layer (bisect): the settings it launches runs with, the records it reads
+    "ENV_VARS",
+    "LEVEL_NAMES",
+    "parent_scope",
+    "parse_record",
+    "describe_record",
+    "dump_filename",
+    "find_replica_mismatch",
+    "ReplicaMismatch",
 ]

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from samebits.compare import RankStep, divergent_steps
@@ -47,7 +47,7 @@ from samebits.stream.reader import Record, Run, open_run
 from samebits.trace._config import (CONTEXT_CATEGORIES, ORDER_LABEL, PHASE_PREFIX, PRE_PHASE, SET_LABEL,
                                     STATE_RECORD_PHASE, TRAINING_PHASES, parse_record, split_op_id)
 from samebits.trace._tracer import call_sites_filename
-from samebits.verdicts import Verdict
+from samebits.verdicts import ToDict, Verdict, serialised
 
 # Where an ordinary record's phase sits among the training phases (for ordering findings).
 _PLAIN_PHASE_ORDER = {plain: TRAINING_PHASES.index(training) for plain, training in (
@@ -56,7 +56,7 @@ _PLAIN_PHASE_ORDER = {plain: TRAINING_PHASES.index(training) for plain, training
 
 
 @dataclass
-class OriginFinding:
+class OriginFinding(ToDict):
     """The first difference of one rank, classified."""
 
     rank: int
@@ -103,23 +103,21 @@ class OriginFinding:
             parts.append(f"id {self.event_id}")
         return ", ".join(parts)
 
-    def to_dict(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
-        for side in ("a", "b"):
-            record = out[side]
-            out[side] = None if record is None else record.to_dict()
-        out["state_differs"] = list(self.state_differs)
-        out["state_unused"] = list(self.state_unused)
-        return out
+
+
+def _by_rank(findings: dict[int, OriginFinding]) -> dict[str, dict]:
+    return {str(rank): finding.to_dict() for rank, finding in sorted(findings.items())}
 
 
 @dataclass
-class OriginReport:
+class OriginReport(ToDict):
+    dict_keys = ("verdict", "a", "b", "step", "origins", "findings", "notes")
+
     a: str
     b: str
     verdict: Verdict  # IDENTICAL, DIVERGED, or INCOMPLETE when no step was compared
     step: int | None
-    findings: dict[int, OriginFinding]
+    findings: dict[int, OriginFinding] = field(metadata=serialised(convert=_by_rank))
     origins: list[OriginFinding]
     notes: list[str] = field(default_factory=list)
 
@@ -139,14 +137,6 @@ class OriginReport:
     def control_flow(self) -> OriginFinding | None:
         parted = [f for f in self.findings.values() if f.classification == "control_flow"]
         return min(parted, key=OriginFinding.sort_key) if parted else None
-
-    def to_dict(self) -> dict:
-        return {
-            "verdict": str(self.verdict), "a": self.a, "b": self.b, "step": self.step,
-            "origins": [f.to_dict() for f in self.origins],
-            "findings": {str(r): f.to_dict() for r, f in sorted(self.findings.items())},
-            "notes": self.notes,
-        }
 
 
 class _Runs:
@@ -420,7 +410,7 @@ def _reordered(rank: int, step: int, records_a: list[Record], records_b: list[Re
                           f"{len(labels_a)} tensors in another order (a: {_some(labels_a)}; b: {_some(labels_b)})")
     else:  # the groups themselves come in another order (hooks or threads ran in another order)
         finding.detail = (f"the same records with the same values, in another order: at record #{position} a has "
-                          f"{_describe(first)}, b has {_describe(records_b[position])}")
+                          f"{describe_record(first)}, b has {describe_record(records_b[position])}")
     return finding
 
 
@@ -495,7 +485,9 @@ def _check_permuted_collectives(finding: OriginFinding, first: Record, records_a
                           "collectives are issued in an order that changes between runs")
 
 
-def _describe(record: Record | None) -> str:
+def describe_record(record: Record | None) -> str:
+    """A record for a sentence: a traced one by its event (category, id, training phase, role
+    and label), an ordinary one by phase/name; None (a step whose records end first) says so."""
     if record is None:
         return "(nothing: the stream ends)"
     ref = parse_record(record.phase, record.name)
@@ -510,8 +502,8 @@ def _control_flow(rank, step, position, records_a, records_b) -> OriginFinding:
     previous = records_a[position - 1] if position > 0 else None
     finding = _fields(rank, step, "control_flow", position, ra or rb)
     finding.detail = (f"the recorded sequences part at record #{position} of step {step}: a has "
-                      f"{_describe(ra)}, b has {_describe(rb)}; last common record: "
-                      f"{_describe(previous) if previous else '(none: the step starts differently)'}")
+                      f"{describe_record(ra)}, b has {describe_record(rb)}; last common record: "
+                      f"{describe_record(previous) if previous else '(none: the step starts differently)'}")
     finding.a, finding.b = ra, rb
     return finding
 
@@ -612,16 +604,13 @@ def _catalog_line(op: str) -> str | None:
 
 
 @dataclass
-class ReplicaMismatch:
+class ReplicaMismatch(ToDict):
     """Parameters that every rank treats as a replica (their reduced gradients are the same
     bits on every rank) but that hold different values across ranks before the first step."""
 
     step: int
     ranks: list[int]
     params: list[str]
-
-    def to_dict(self) -> dict:
-        return {"step": self.step, "ranks": list(self.ranks), "params": list(self.params)}
 
 
 def find_replica_mismatch(run: str | os.PathLike) -> ReplicaMismatch | None:

@@ -10,6 +10,7 @@ kept under tests/artefacts/); without Chromium these tests fail in CI and skip l
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -18,17 +19,24 @@ import subprocess
 import sys
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import samebits
+from samebits.autorecord._outcome import write_stop
 from samebits.cli import main
+from samebits.cli.bisect import render as render_bisect
+from samebits.cli.diff import render as render_diff
+from samebits.cli.matrix import render as render_matrix
+from samebits.cli.verify import render as render_verify
 from samebits.runs.across import AcrossResult
 from samebits.runs.bisect import BisectResult, Elements, Origin, Stage
 from samebits.runs.matrix import CellResult, MatrixResult
+from samebits.runs.conclusion import bisect_conclusion, verify_conclusion
 from samebits.runs.report import build_report, differing_records
-from samebits.runs.verify import verify_command
+from samebits.runs.verify import VerifyResult, verify_command
 from samebits.trace import compare_elements
 from samebits.verdicts import EXIT_BAD_VERDICT, EXIT_CANNOT_RUN, EXIT_OK, Verdict
 
@@ -164,20 +172,25 @@ def test_two_runs_in_a_browser_divergence_localised_and_hostile_names_shown_as_t
     text = dom.all_text()
     assert HOSTILE_SHOWN in text  # the tensor name and the config value, as text
     assert dom.headings[0].startswith("samebits diff")
-    for section in ("first divergence by rank and step", "records that differ, step by step", "metric curves",
-                    "environment and config"):
+    for section in ("ulp growth", "metric curves", "where the runs differ, step by step",
+                    "records that differ, step by step", "environment and config"):
         assert any(section in heading for heading in dom.headings), (section, dom.headings)
     verdicts = [attrs for tag, attrs in dom.tags if attrs.get("id") == "verdict"]
     assert verdicts and "DIVERGED" in text
-    # the heatmap: each rank's own first divergent step, identical before it
+    # the heatmap of one or two ranks: record groups x steps, each rank's own first divergent step
+    # marked where its records differ, identical before it, every later differing step shown
     first = dom.cells("h-first")
-    assert sorted(first) == ["rank 0, step 5: first divergence", "rank 1, step 3: first divergence"]
-    same = dom.cells("h-same")
-    assert len(same) == PLANTED[0] + PLANTED[1] and "rank 1, step 2: identical" in same
-    assert len(dom.cells("h-after")) == (NUM_STEPS - 1 - PLANTED[0]) + (NUM_STEPS - 1 - PLANTED[1])
+    assert sorted(first) == ["rank 0: loss, step 5: first divergence: 1 of 1 record(s) differ, 4 ulp",
+                             "rank 0: params, step 5: first divergence: 2 of 3 record(s) differ (digests: values not "
+                             "recorded)",  # rank 1's loss keeps its bits at step 3: only its params differ there
+                             "rank 1: params, step 3: first divergence: 2 of 3 record(s) differ (digests: values not "
+                             "recorded)"], first
+    assert "rank 1: params, step 2: identical (3 record(s))" in dom.cells("h-same")
+    assert "rank 1: lr, step 6: identical (1 record(s))" in dom.cells("h-same")  # lr never differs
+    assert len([c for c in dom.cells("h-differs") if c.startswith("rank 0: params")]) == NUM_STEPS - 1 - PLANTED[0]
     # per-record table: the tensors are digests only (said, no number invented); the loss has its ulps
     assert "digests only: values not recorded" in text
-    assert re.search(r"\b1 ulp, rel \d\.\d\de-0\d", text), "the loss's exact distance is missing"
+    assert re.search(r'title="1 ulp, rel \d\.\d\de-0\d">1 ulp<', dom.markup), "the loss's exact distance is missing"
     # the environment section names the allowed config difference
     assert "config.lr" in text and "0.1" in text and "0.2" in text
     screenshot(page, tmp_path, "report-two-runs")
@@ -188,7 +201,8 @@ def test_identical_runs_are_identical_and_an_empty_window_is_never(tmp_path):
     report = build_report([a, b])
     assert report.verdict is Verdict.IDENTICAL and report.pairs[0].first_by_rank == {}
     assert '<td class="h-first"' not in report.html and '<td class="h-same"' in report.html
-    assert "no record differs in the compared window" in report.html
+    assert 'id="per-tensor"' not in report.html and 'id="ulp-plot"' not in report.html  # nothing differs
+    assert report.conclusion.startswith("IDENTICAL: bit for bit. 2 rank(s) x 8 step(s)")
     # a window past the last step compared nothing: never IDENTICAL
     empty = build_report([a, b], start_step=NUM_STEPS + 3)
     assert empty.verdict is Verdict.INCOMPLETE and "nothing to compare" in empty.html
@@ -360,3 +374,252 @@ def test_report_json_and_exit_code_follow_the_verdict(tmp_path, capsys):
     code = main(["report", str(a), str(b), "-o", str(tmp_path / "r.html"), "--json"])
     payload = json.loads(capsys.readouterr().out)
     assert code == EXIT_OK and payload["verdict"] == "identical" and payload["pairs"][0]["verdict"] == "identical"
+
+
+# -- the page a person reads: the conclusion first, the ulp growth, legible curves ---------------
+#
+# The four kinds of page, from inputs written with the stream API (fast): a run whose copy starts
+# to differ at a known step by a planted amount that doubles every step (so the ulp distance
+# grows), the resumed copy cut by the live check as verify's run C is, and the summaries the
+# commands' own result types write.  Each page must lead with the sentence the terminal prints.
+
+RESUME_AT, PLANT = 6, 8  # the resumed run C starts at step 6 and differs from step 8 on
+TRAIN_STEPS = 20
+CENSUS_SAYS = "the torch CPU generator of C is not A's (the checkpoint did not restore it)"
+BISECT_SAYS = "origin: rng.torch_cpu: the torch CPU generator differs at step 8 (restored without A's state)"
+
+
+def train(path: Path, *, ranks: int = 1, steps: int = TRAIN_STEPS, start: int = 0, plant: int | None = None,
+          stop_at: int | None = None, census: bool = False) -> Path:
+    """A small momentum-SGD-like run recorded per step: loss, grad_norm, lr, params, grads and
+    optimizer state; from ``plant`` on one weight moves by a relative 2e-6 doubling each step.
+    ``stop_at``: the run ends there and leaves the live check's stop marker, as run C does."""
+    for rank in range(ranks):
+        rec = samebits.Recorder(path, rank=rank, world_size=ranks, config={"lr": 0.1})
+        weight = torch.linspace(-1, 1, 16, dtype=torch.float32).reshape(4, 4) + rank
+        momentum = torch.zeros_like(weight)
+        for step in range(steps):
+            grad = torch.sin(weight * 3 + step) * 0.1
+            momentum = 0.9 * momentum + grad
+            weight = weight - 0.1 * momentum
+            if plant is not None and step >= plant:
+                weight = weight.clone()
+                weight[0, 0] += weight[0, 0].abs() * 2e-6 * 2.0 ** (step - plant)
+            if step < start:
+                continue
+            if census:  # a state record that differs first in step order: the bisection's red herring
+                rng = torch.tensor([step, 1 if plant is not None and step >= plant else 0])
+                rec.tensors(step, "state", [("rng.python", rng)])
+            rec.metrics(step, loss=(weight ** 2).sum(), grad_norm=grad.norm(), lr=0.1)
+            rec.tensors(step, "params", [("layer.weight", weight), ("layer.bias", torch.ones(3))])
+            rec.tensors(step, "grads", [("layer.weight", grad)])
+            rec.tensors(step, "optimizer", [("layer.weight.momentum_buffer", momentum)])
+            if stop_at is not None and step == stop_at:
+                break
+        rec.close()
+    if stop_at is not None:
+        write_stop(path, step=stop_at, rank=0, reference=str(path.parent / "a"))
+    return path
+
+
+def synthetic_verify(out: Path, *, stop: bool = True) -> VerifyResult:
+    """A verify output directory whose resume diverges at step PLANT (C cut there by the live
+    check unless ``stop`` is False), with the summary VerifyResult writes."""
+    train(out / "a")
+    train(out / "b")
+    train(out / "c", start=RESUME_AT, plant=PLANT, stop_at=PLANT if stop else None)
+    checks = {"independent": samebits.diff(out / "a", out / "b"),
+              "resume": samebits.diff(out / "a", out / "c", start_step=RESUME_AT)}
+    result = VerifyResult(str(out), checks, {"A": 1.0}, RESUME_AT, [], [],
+                          explanations={"resume": [f"step {PLANT}, rank 0: {CENSUS_SAYS}"]})
+    (out / "summary.json").write_text(json.dumps(result.to_dict(), default=str))
+    return result
+
+
+def terminal_lines(kind: str, result) -> list[str]:
+    """What the terminal prints for ``result``, line by line (the command's own render)."""
+    render = {"verify": render_verify, "bisect": render_bisect, "matrix": render_matrix, "diff": render_diff}[kind]
+    return render(result).splitlines()
+
+
+@pytest.fixture(scope="module")
+def pages(tmp_path_factory) -> dict[str, tuple[Path, Any, int]]:
+    """kind -> (the input directory or directories, the result the terminal renders, the step of
+    the first divergence the page's ulp plot marks)."""
+    root = tmp_path_factory.mktemp("pages")
+    made: dict[str, tuple[Any, Any, int]] = {}
+    verify = synthetic_verify(root / "verify")
+    made["verify"] = ([root / "verify"], verify, PLANT)
+
+    bisect_out = root / "bisect"
+    train(bisect_out / "1-steps" / "a", census=True)
+    train(bisect_out / "1-steps" / "b", plant=PLANT, census=True)
+    origin = Origin(kind="generator", conclusion=BISECT_SAYS, step=PLANT, rank=0, phase="state", module=None,
+                    op=None, event_id=None, category="state", classification="origin", call_site="train.py:12",
+                    elements=None, catalog=None, detail="", state_differs=["rng.torch_cpu"],
+                    state_differs_all=["rng.python", "rng.torch_cpu"])
+    stage = Stage("steps", "phases", "all steps, every rank", {"a": 1.0, "b": 1.0}, "diverged", None, "origin")
+    bisected = BisectResult(verdict=Verdict.DIVERGED, origin=origin, stages=[stage], out=str(bisect_out),
+                            compared="a vs b", conclusion=BISECT_SAYS)
+    (bisect_out / "summary.json").write_text(json.dumps(bisected.to_dict(), default=str))
+    made["bisect"] = ([bisect_out], bisected, PLANT)
+
+    matrix_out = root / "matrix"
+    matrix_out.mkdir()
+    cell_verify = synthetic_verify(root / "cell")
+    cell = CellResult(cell="dp2", precision="bf16", world_size=2, required=True, out=str(root / "cell"),
+                      verify=cell_verify, bisect={"of": "resume", "conclusion": BISECT_SAYS, "out": str(bisect_out)})
+    matrix = MatrixResult(out=str(matrix_out), baseline="dp2 bf16", cells=[cell])
+    (matrix_out / "summary.json").write_text(json.dumps(matrix.to_dict(), default=str))
+    made["matrix"] = ([matrix_out], matrix, PLANT)
+
+    a = train(root / "diff" / "a", ranks=2)
+    b = train(root / "diff" / "b", ranks=2, plant=PLANT)
+    made["diff"] = ([a, b], samebits.diff(a, b), PLANT)
+    return made
+
+
+def element_text(markup: str, ident: str) -> str:
+    """The text of the element with id ``ident`` in the browser's DOM, tags removed."""
+    match = re.search(rf'<(\w+)[^>]*\bid="{ident}"[^>]*>(.*?)</\1>', markup, re.S)
+    assert match is not None, f"no element #{ident} on the page"
+    return html.unescape(re.sub(r"<[^>]+>", "", match.group(2)))
+
+
+@pytest.mark.parametrize("kind", ["verify", "bisect", "matrix", "diff"])
+def test_each_page_leads_with_the_terminals_conclusion_and_draws_ulp_growth_in_a_browser(pages, kind, tmp_path):
+    inputs, result, first_step = pages[kind]
+    report = build_report(inputs)
+    assert report.kind == kind
+    page = tmp_path / f"{kind}.html"
+    page.write_text(report.html, encoding="utf-8")
+    assert_self_contained(report.html)
+    dom = rendered_dom(page, tmp_path)
+    assert_nothing_injected(dom)
+    # the conclusion comes first (right under the title) and is the terminal's sentence, word for word
+    said = element_text(dom.markup, "conclusion")
+    assert said == report.conclusion and said in terminal_lines(kind, result), (said, terminal_lines(kind, result))
+    assert re.search(r"</h1>\s*<p class=\"conclusion[^\"]*\" id=\"conclusion\">", dom.markup)
+    # the ulp growth: a log axis, the first divergence marked at its step, one line per metric
+    assert re.search(r'<svg class="ulp-plot" id="ulp-plot" data-scale="log"', dom.markup)
+    assert "ulps (log scale)" in dom.all_text()
+    assert f"first divergence: step {first_step}" in dom.all_text()
+    assert '<line class="first-divergence"' in dom.markup
+    legend = element_text(dom.markup, "ulp-legend")
+    assert "loss" in legend and "grad norm" in legend and "lr" in legend
+    # the curves: names a person knows and a legend naming both runs (a solid, b dashed)
+    curves = element_text(dom.markup, "curve-legend")
+    names = report.pairs[-1].names
+    assert f"a: {names[0]} (solid)" in curves and f"b: {names[1]} (dashed)" in curves
+    assert 'class="curve-b"' in dom.markup and 'stroke-dasharray' in dom.markup
+    assert {h.split(">")[-1] for h in re.findall(r"<h3>([^<]*)<span", dom.markup)} >= {"loss", "grad norm", "lr"}
+    if kind == "bisect":  # the conclusion, never the red-herring census record the first stage's diff names
+        assert BISECT_SAYS in said and "rng.python" not in said
+        assert "state/rng.python" in dom.all_text()  # still shown, as what the bisection explains
+    if kind in ("verify", "matrix"):  # C was cut by the live check: said once, never as differences
+        assert "not run past the first divergence" in element_text(dom.markup, "tensor-notes")
+        assert "step only in run a" not in dom.all_text()
+        assert dom.cells("h-cut") and not [c for c in dom.cells("h-missing")]
+    if kind == "matrix":  # what the terminal printed under the table: the census and the bisection
+        text = dom.all_text()
+        assert CENSUS_SAYS in text and BISECT_SAYS in text
+    screenshot(page, tmp_path, f"report-{kind}")
+
+
+def test_the_records_table_never_scrolls_sideways_and_cut_steps_are_one_line(tmp_path):
+    result = synthetic_verify(tmp_path / "v")
+    report = build_report([tmp_path / "v"])
+    table = re.search(r'<table id="per-tensor".*?</table>', report.html, re.S).group(0)
+    steps = re.findall(r"<tr><th>record \\ step</th>(.*?)</tr>", table)[0].count("<th>")
+    assert steps == 1  # C ran one step past the resume that differs (step 8); the rest was cut
+    assert "steps 9-19: not run past the first divergence (the live check stopped run C (resumed at step 6) at " \
+           "step 8)" in html.unescape(report.html)
+    assert "step only in run a" not in report.html and result.verdict is Verdict.FAIL
+    # run to the end (verify --keep-going), 12 steps at most are listed: the ulp plot shows the rest
+    synthetic_verify(tmp_path / "k", stop=False)
+    report = build_report([tmp_path / "k"])
+    table = re.search(r'<table id="per-tensor".*?</table>', report.html, re.S).group(0)
+    assert re.findall(r"<tr><th>record \\ step</th>(.*?)</tr>", table)[0].count("<th>") == 12
+    assert "not run past" not in report.html and "more steps run by both" not in report.html
+
+
+def test_the_heatmap_bins_thousands_of_ranks_and_long_runs_into_readable_cells(tmp_path):
+    ranks, steps = 150, 3
+    for label in ("a", "b"):
+        for rank in range(ranks):
+            rec = samebits.Recorder(tmp_path / label, rank=rank, world_size=ranks)
+            for step in range(steps):
+                bump = 1.0 if label == "b" and rank == 77 and step >= 1 else 0.0
+                rec.tensors(step, "params", [("w", torch.full((2,), float(step) + bump))])
+            rec.close()
+    report = build_report([tmp_path / "a", tmp_path / "b"])
+    heat = re.search(r'<table class="heat" id="heatmap">.*?</table>', report.html, re.S).group(0)
+    rows = re.findall(r'<th class="row">([^<]*)</th>', heat)
+    assert len(rows) == 50 and rows[0] == "ranks 0-2" and rows[-1] == "ranks 147-149"  # 150 ranks, 3 a row
+    assert 'title="ranks 75-77, step 1: first divergence (1 of 3 rank-steps; ranks 77)"' in heat
+    assert "150 ranks in 50 rows of up to 3 ranks" in report.html
+
+    long_steps = 450
+    for label in ("c", "d"):
+        rec = samebits.Recorder(tmp_path / label, rank=0, world_size=1)
+        for step in range(long_steps):
+            rec.metrics(step, loss=float(step) + (1e-3 if label == "d" and step >= 300 else 0.0))
+        rec.close()
+    report = build_report([tmp_path / "c", tmp_path / "d"])
+    heat = re.search(r'<table class="heat" id="heatmap">.*?</table>', report.html, re.S).group(0)
+    columns = re.findall(r'<tr><th class="row">loss</th>(.*?)</tr>', heat)[0].count("<td")
+    assert columns == 113 and "450 steps in 113 columns of up to 4 steps" in report.html
+    assert 'title="loss, steps 300-303: first divergence' in heat
+    assert 'title="loss, steps 296-299: identical (1 record(s))"' in heat
+
+
+def test_verify_keep_going_runs_b_to_the_end_so_the_whole_divergent_curve_exists(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text(UNSEEDED)
+    code = main(["verify", "--keep-going", "--out", str(tmp_path / "v"), "--", sys.executable, str(script)])
+    out = capsys.readouterr().out
+    assert code == EXIT_BAD_VERDICT, out
+    run_b = samebits.open_run(tmp_path / "v" / "b")
+    assert _steps_of(run_b) == list(range(UNSEEDED_STEPS))  # not stopped at step 0, where it first differs
+    assert not (tmp_path / "v" / "b" / "stopped.json").exists()
+    summary = json.loads((tmp_path / "v" / "summary.json").read_text())
+    assert [r["ended"] for r in summary["runs"]] == ["finished", "finished"]
+    assert summary["checks"]["independent"]["first_divergence"]["step"] == 0
+    # and the conclusion the terminal printed is the one the page leads with
+    report = build_report([tmp_path / "v"])
+    assert report.conclusion in out.splitlines() and report.conclusion.startswith("FAIL: the independent runs")
+
+
+def test_verify_keep_going_with_across_is_refused(tmp_path, capsys):
+    assert main(["verify", "--keep-going", "--across", "dp=1,2", "--out", str(tmp_path / "v")]) == EXIT_CANNOT_RUN
+    assert "--keep-going applies to the A, B, C runs of verify" in capsys.readouterr().err
+
+
+UNSEEDED_STEPS = 5
+UNSEEDED = f'''
+import torch
+model = torch.nn.Linear(4, 1)  # no seed: A and B start from different weights
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range({UNSEEDED_STEPS}):
+    loss = model(torch.ones(8, 4)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+'''
+
+
+def _steps_of(run) -> list[int]:
+    reader = run.stream(run.ranks[0])
+    try:
+        return [block.step for block in reader.steps()]
+    finally:
+        reader.close()
+
+
+def test_conclusions_say_what_held_and_what_could_not_be_decided():
+    checks = {"independent": {"verdict": "identical"}, "resume": None}
+    assert verify_conclusion({"verdict": "pass", "checks": checks}) == (
+        "PASS: the independent runs (A against B): bit-identical; not checked: the resume (A against C).")
+    undecided = {"independent": {"verdict": "incomplete", "incomplete": ["rank-00001.sbs is cut short"]}}
+    assert verify_conclusion({"verdict": "incomplete", "checks": undecided}) == (
+        "INCOMPLETE: the independent runs (A against B) could not be decided (rank-00001.sbs is cut short).")
+    assert bisect_conclusion({"verdict": "diverged", "stages": [], "conclusion": ""}) == (
+        "DIVERGED: no origin was localised (see the stages)")

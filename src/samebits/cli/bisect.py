@@ -10,6 +10,7 @@ from samebits.cli._lazy import lazy
 from samebits.errors import ConfigError
 
 bisect = lazy("samebits.runs", "bisect")
+bisect_conclusion = lazy("samebits.runs.conclusion", "bisect_conclusion")
 
 
 def register(sub) -> None:
@@ -82,9 +83,8 @@ def render(result) -> str:
     lines = [f"samebits bisect: {result.verdict.upper()} ({result.compared})", "",
              table(["stage", "rung", "traced", "runs", "finding"], rows), ""]
     origin = result.origin
-    if result.conclusion:
-        lines.append(result.conclusion)
-        lines.append("")
+    lines.append(bisect_conclusion(result.to_dict()))  # the sentence `samebits report` leads with
+    lines.append("")
     if result.control_flow is not None:
         cf = result.control_flow
         lines.append(f"control flow differs: rank {cf.rank}, step {cf.step}: {cf.detail}")

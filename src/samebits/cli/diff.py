@@ -11,6 +11,7 @@ from samebits.verdicts import EXIT_CANNOT_RUN, Verdict
 process_rank = lazy("samebits._torchutil", "process_rank")
 DiffResult, GlobalDiffResult, diff = lazy("samebits.compare", "DiffResult", "GlobalDiffResult", "diff")
 differing_records = lazy("samebits.runs.report", "differing_records")
+compared_counts, diff_conclusion = lazy("samebits.runs.conclusion", "compared_counts", "diff_conclusion")
 
 
 def register(sub) -> None:
@@ -86,15 +87,13 @@ def render_records(records: list[dict], d) -> str:
 
 def render(result: DiffResult, title: str | None = None) -> str:
     """The people-readable verdict: a headline, a table of the first divergence, counts."""
-    c = result.compared
-    counts = (f"{c['ranks']} rank(s) x {c['steps']} step(s), {c['records']:,} records compared"
-              f" ({c['steps_identical_by_root']} step(s) equal by root)")
+    counts = compared_counts(result.compared)
+    said = diff_conclusion(result.to_dict())  # the sentence `samebits report` leads with
     lines = _headline(result, title or f"samebits diff {result.a} {result.b}", counts,
-                      identical="bit for bit", searched="divergence")
+                      identical="bit for bit", searched="divergence", said=said)
     if result.verdict is Verdict.DIVERGED:
         d = result.first_divergence
-        where = f"{d.phase}/{d.name}" if d.name is not None else d.detail
-        lines.append(f"DIVERGED at step {d.step}, rank {d.rank}: {escape(where)}")
+        lines.append(escape(said))
         rows = []
         for rank, div in sorted(result.divergences.items(), key=lambda kv: (kv[1].step, kv[1].position, kv[0])):
             rows.append([
@@ -122,15 +121,16 @@ _SHOWN = 10  # divergent ranks (and reasons) listed by name; a run of thousands 
 
 
 def _headline(result: DiffResult | GlobalDiffResult, title: str, counts: str, *, identical: str,
-              searched: str) -> list[str]:
+              searched: str, said: str | None = None) -> list[str]:
     """The title line and, unless the runs diverged, the whole verdict: IDENTICAL with the
-    counts, or INCOMPLETE with its first reasons and the counts (both ways of comparing)."""
+    counts, or INCOMPLETE with its first reasons and the counts (both ways of comparing).
+    ``said``: the verdict's sentence when it is already made (`diff_conclusion`)."""
     lines = [escape(title)]
     if result.verdict is Verdict.IDENTICAL:
-        lines.append(f"IDENTICAL: {identical}. {counts}")
+        lines.append(escape(said) if said else f"IDENTICAL: {identical}. {counts}")
     elif result.verdict is Verdict.INCOMPLETE:
-        lines.append(f"INCOMPLETE: could not decide (no {searched} found in what was compared, but not "
-                     "everything could be compared)")
+        lines.append(escape(said) if said else f"INCOMPLETE: could not decide (no {searched} found in what was "
+                     "compared, but not everything could be compared)")
         lines.extend(f"  - {escape(reason)}" for reason in result.incomplete[:_SHOWN])
         if len(result.incomplete) > _SHOWN:
             lines.append(f"  ... and {len(result.incomplete) - _SHOWN} more reason(s) (all of them: --json)")

@@ -12,6 +12,7 @@ from samebits.defaults import (DEFAULT_CELLS, DEFAULT_GLOBAL_BATCH, DEFAULT_MAX_
 from samebits.errors import ConfigError
 
 MatrixResult, run_matrix, split_list = lazy("samebits.runs.matrix", "MatrixResult", "run_matrix", "split_list")
+matrix_conclusion = lazy("samebits.runs.conclusion", "matrix_conclusion")
 
 
 # The recipe's precisions (`samebits.recipes.precision.PrecisionName`; the recipe is a client, not
@@ -83,7 +84,8 @@ def render(result: MatrixResult) -> str:
              c.check("independent"), c.check("resume"), c.agreement.short(), f"{c.seconds:.1f}",
              c.reason or _bisect_short(c.bisect) or "-"] for c in result.cells]
     lines = [f"samebits matrix: {result.verdict.value.upper()} (baseline {result.baseline}"
-             + ("; agreement required)" if result.require_agreement else ")"), "",
+             + ("; agreement required)" if result.require_agreement else ")"),
+             matrix_conclusion(result.to_dict()), "",
              table(["cell", "precision", "ranks", "required", "verdict", "repeatable", "resume",
                     f"agrees with {result.baseline}", "seconds", "why"], rows), ""]
     for line in result.failures():

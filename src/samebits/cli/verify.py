@@ -15,6 +15,7 @@ from samebits.verdicts import Verdict
 parse_across, verify_across = lazy("samebits.runs.across", "parse_across", "verify_across")
 VerifyResult, verify_command, verify_recipe = lazy("samebits.runs.verify", "VerifyResult", "verify_command",
                                                    "verify_recipe")
+verify_conclusion = lazy("samebits.runs.conclusion", "verify_conclusion")
 
 
 def register(sub) -> None:
@@ -38,6 +39,9 @@ def register(sub) -> None:
                              "(the {out} A ran with), {step} the --resume-at step, {out} C's own work folder")
     parser.add_argument("--require-resume", action="store_true",
                         help="exit 2 unless the resume guarantee is checked too (for CI)")
+    parser.add_argument("--keep-going", action="store_true",
+                        help="do not stop B and C at their first step that differs from A (the live check): "
+                             "they run to the end, so `samebits report` shows the whole divergent curves")
     add_run_timeout_option(parser, "with a command: kill a run that takes longer and report a hang")
     parser.add_argument("--across", default=None, metavar="dp=1,2,4",
                         help="run at each data-parallel size and compare rank 0's replicated records with the "
@@ -55,15 +59,18 @@ def run(args) -> int:
 
     start = time.perf_counter()
     if args.across is not None:
+        if args.keep_going:
+            raise ConfigError("--keep-going applies to the A, B, C runs of verify; --across runs each size once "
+                              "with no live check, so drop --keep-going there.")
         return run_across(args, progress, start)
     if args.cmd:
         result = verify_command(args.cmd, args.out, resume_with=args.resume_with, resume_at=args.resume_at,
                                 require_resume=args.require_resume, run_timeout=args.run_timeout,
-                                progress=progress, record=recording_options(args))
+                                progress=progress, record=recording_options(args), keep_going=args.keep_going)
     else:
         result = verify_recipe(args.out, steps=args.steps, resume_at=args.resume_at, nproc=args.nproc,
                                overrides=args.overrides, nondeterministic=args.nondeterministic,
-                               progress=progress, record=recording_options(args))
+                               progress=progress, record=recording_options(args), keep_going=args.keep_going)
     result.timings["total"] = time.perf_counter() - start
     return print_result(result, args.json, render)
 
@@ -117,7 +124,8 @@ def render(result: VerifyResult) -> str:
     checked = " and ".join(result.checked) or "nothing"
     headline = f"samebits verify: {result.verdict.value.upper()} (checked: {checked}"
     headline += f"; not checked: {', '.join(result.not_checked)})" if result.not_checked else ")"
-    lines = [headline, "", table(["guarantee", "verdict", "ranks x steps x records", "first divergence"], rows), ""]
+    lines = [headline, verify_conclusion(result.to_dict()), "",
+             table(["guarantee", "verdict", "ranks x steps x records", "first divergence"], rows), ""]
     if result.runs:
         lines += [table(["run", "exit", "ended"], [[r.name, str(r.exit_code), r.ended] for r in result.runs]), ""]
     for check, explanations in result.explanations.items():

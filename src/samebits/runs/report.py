@@ -6,14 +6,17 @@ which are compared again here with `samebits.compare` (every frame checked, ever
 recomputed), so the page shows evidence it re-derived rather than copied.  Two run directories
 are compared directly.
 
-What the page holds, per compared pair of runs: the verdict; a ranks x steps heatmap of the
-first divergence (each rank's own first divergent step, from `divergent_steps`, which walks
-every rank to its end); which records differ at each step after the first divergence (metrics
-with their distance in ulps and relative difference, exact from the recorded bits; tensors
-are digests only, and the page says so instead of inventing a magnitude); the metric curves of
-both runs with each step marked bit-identical or not; the origin of a bisection with its call
-site and element detail (from the bisection's own element dumps); the difference between the
-runs' recorded environments and configs.
+The page leads with the command's conclusion, the sentence the terminal printed
+(`samebits.runs.conclusion`).  Then, per compared pair of runs: the verdict; the growth of the
+difference in ulps per step (log scale, per metric, exact from the recorded bits; tensors are
+digests only, so params, grads and optimizer state get the steps where they differ and the page
+says no magnitude is known); the metric curves of both runs (loss, grad norm, lr: a solid, b
+dashed, with a legend naming the runs); a heatmap of where the runs differ (records x steps for
+one or two ranks, ranks x steps, binned, for many); which records differ at each step after the
+first divergence; the origin of a bisection with its call site and element detail (from the
+bisection's own element dumps); the difference between the runs' recorded environments and
+configs.  Steps a run never ran because the live check stopped it at its first divergence are
+shown as such ("not run past the first divergence"), never as a difference.
 
 One file, no network: inline CSS, charts as inline SVG generated here, no script at all, and a
 Content-Security-Policy that forbids scripts and remote loads.  Every name and value passes
@@ -35,16 +38,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from samebits.autorecord import read_stop
 from samebits.compare import DiffResult, diff, divergent_steps
 from samebits.errors import ConfigError, IncomparableRunsError, StreamError
+from samebits.runs.conclusion import bisect_conclusion, diff_conclusion, matrix_conclusion, verify_conclusion
 from samebits.runs.distance import float_value, metric_distance
 from samebits.stream import Record, open_run
 from samebits.verdicts import ToDict, Verdict
 
-MAX_RANKS = 64  # heatmap rows; a larger world shows its first ranks and says how many were left out
-MAX_STEPS = 120  # heatmap and curve columns
+MAX_RANKS = 64  # heatmap rows of ranks; a larger world is binned, each row a range of ranks
+MAX_READ_RANKS = 16384  # ranks whose steps are read for the heatmap (the rest are counted, not drawn)
+MAX_STEPS = 120  # heatmap columns; more steps are binned, each column a range of steps
+MAX_GROUP_ROWS = 32  # heatmap rows of record groups (one or two ranks)
 MAX_TENSOR_ROWS = 40  # per-tensor table rows (records that differ at some step)
-MAX_TENSOR_STEPS = 24  # per-tensor table columns, from the first divergent step on
+MAX_TENSOR_STEPS = 12  # per-tensor table columns, from the first divergent step on (no sideways scroll)
+MAX_CURVES = 12  # metric curves drawn per pair
+# What a person calls the recorded metrics: zero-code recording records the root of backward()
+# (the loss), the recipe records loss, grad_norm and lr under "metrics".
+_METRIC_NAMES = {"backward/root": "loss", "metrics/loss": "loss", "metrics/grad_norm": "grad norm",
+                 "metrics/lr": "lr", "metrics/learning_rate": "lr"}
+_METRIC_ORDER = ("loss", "grad norm", "lr")
+_GROUP_NAMES = {"optimizer": "optimizer state", "forward": "activations", "data": "inputs"}
+_GROUP_ORDER = ("params", "grads", "optimizer state", "activations", "inputs")
+_COLOURS = ("#0969da", "#8250df", "#1a7f37", "#bc4c00", "#1b7c83", "#bf3989", "#6e7781", "#953800")
+COLOUR_A, COLOUR_B = "#0969da", "#e36209"
 MAX_PAIRS = 6  # compared pairs on one page (a matrix may hold many failing cells)
 
 _OWN_VARIABLES = ("env.SAMEBITS_", "env.TORCHELASTIC_")  # set per run by samebits / torchrun, as in diff's notes
@@ -91,8 +108,26 @@ class Pair:
     steps_a: dict[int, list[int]] = field(default_factory=dict)  # rank -> recorded steps
     steps_b: dict[int, list[int]] = field(default_factory=dict)
     headers: tuple[dict, dict] = ({}, {})
-    num_ranks: int = 0  # recorded ranks (the heatmap draws the first MAX_RANKS)
+    num_ranks: int = 0  # recorded ranks (the heatmap bins them into MAX_RANKS rows)
     notes: list[str] = field(default_factory=list)
+    names: tuple[str, str] = ("run a", "run b")  # what the legends call a and b
+    stopped_b: int | None = None  # the step at which the live check stopped run b (its first divergence)
+    context: str = ""  # what the diff's first record means on this page (a bisection explains it)
+    _records: dict = field(default_factory=dict, repr=False)  # (side, rank) -> records by step, read once
+
+    def records(self, side: str, rank: int) -> dict[int, dict[tuple, Record]]:
+        """Every decoded record of one rank of run ``side`` ("a" or "b"), per step, read once."""
+        if (side, rank) not in self._records:
+            self._records[side, rank] = _records_by_step(self.a if side == "a" else self.b, rank, None)
+        return self._records[side, rank]
+
+    def cut(self, step: int) -> bool:
+        """Whether run b never ran ``step``: the live check stopped it at an earlier one."""
+        if self.stopped_b is None or step <= self.stopped_b:
+            return False
+        if "_b_steps" not in self._records:
+            self._records["_b_steps"] = {s for steps in self.steps_b.values() for s in steps}
+        return step not in self._records["_b_steps"]
 
     @property
     def verdict(self) -> Verdict:
@@ -113,9 +148,11 @@ class Report(ToDict):
     pairs: list[Pair]
     notes: list[str] = field(default_factory=list)
     out: str = ""
+    conclusion: str = ""  # the sentence the page leads with, as the terminal printed it
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "verdict": self.verdict.value, "exit_code": self.verdict.exit_code,
+                "conclusion": self.conclusion,
                 "inputs": self.inputs, "out": self.out, "sections": self.sections,
                 "pairs": [{"label": p.label, "a": p.a, "b": p.b, "start_step": p.start_step,
                            "verdict": p.verdict.value, "error": p.error,
@@ -154,6 +191,8 @@ def build_report(inputs: list[str | Path], *, start_step: int | None = None, all
         pair = _compare(f"{paths[0].name or paths[0]} vs {paths[1].name or paths[1]}", paths[0], paths[1],
                         start_step, allow_config_diff, say, "[1/1]")
         page = _Page("diff", f"samebits diff {paths[0]} {paths[1]}", pair.verdict)
+        page.conclusion = (diff_conclusion(pair.result.to_dict()) if pair.result is not None else
+                           f"INCOMPLETE: could not compare: {pair.error.splitlines()[0] if pair.error else ''}")
         page.pair_sections(pair)
         return page.finish([str(p) for p in paths], [pair])
     path = paths[0]
@@ -236,8 +275,8 @@ _SUMMARY = {
                "origin": {"elements": {"values": [dict], "dumps": list}, "state_differs": list, "params": list,
                           "ranks": list},
                "notes": list},
-    "matrix": {"verdict": _Required(str), "cells": [{"agreement": dict, "out": str}], "failures": list,
-               "notes": list},
+    "matrix": {"verdict": _Required(str), "cells": [{"agreement": dict, "out": str, "explanations": _Each(list),
+                                                     "bisect": dict}], "failures": list, "notes": list},
 }
 
 
@@ -303,6 +342,7 @@ def _verdict(value: Any, where: Path) -> Verdict:
 def _verify_report(path: Path, summary: dict, say) -> Report:
     verdict = _verdict(summary.get("verdict"), path / "summary.json")
     page = _Page("verify", f"samebits verify: {path}", verdict)
+    page.conclusion = verify_conclusion(summary)
     checks = summary.get("checks") or {}
     resume_at = summary.get("resume_at")
     pairs = []
@@ -313,7 +353,7 @@ def _verify_report(path: Path, summary: dict, say) -> Report:
             continue
         start = resume_at if name == "resume" else None
         pair = _compare(f"{name}: a vs {other}", path / "a", path / other, start, False, say,
-                        f"[{index}/{len(todo)}]")
+                        f"[{index}/{len(todo)}]", names=_verify_names(other, resume_at))
         recorded = check.get("verdict")
         if pair.result is not None and recorded != pair.verdict.value:
             pair.notes.append(f"summary.json says {recorded!r} for this check, but comparing the streams now gives "
@@ -340,13 +380,17 @@ def _across_report(path: Path, summary: dict) -> Report:
 def _bisect_report(path: Path, summary: dict, say) -> Report:
     verdict = _verdict(summary.get("verdict"), path / "summary.json")
     page = _Page("bisect", f"samebits bisect: {path}", verdict)
+    page.conclusion = bisect_conclusion(summary)
     page.bisect_summary(summary)
     pairs = []
     first_stage = _first_stage_pair(path)
     if first_stage is not None:
         a, b = first_stage
         start = _later_start(a, b)
-        pair = _compare(f"{a.parent.name}: a vs b", a, b, start, True, say, "[1/1]")
+        pair = _compare(f"{a.parent.name}: a vs b", a, b, start, True, say, "[1/1]",
+                        names=("run a", "run b (resumed)" if start else "run b"))
+        pair.context = ("the first record that differs in this stage's streams: what the bisection explains, "
+                        "not its conclusion (above)")
         if start:
             pair.notes.append(f"b starts at step {start} (a resumed run): compared from step {start}")
         pairs.append(pair)
@@ -360,6 +404,7 @@ def _bisect_report(path: Path, summary: dict, say) -> Report:
 def _matrix_report(path: Path, summary: dict, say) -> Report:
     verdict = _verdict(summary.get("verdict"), path / "summary.json")
     page = _Page("matrix", f"samebits matrix: {path}", verdict)
+    page.conclusion = matrix_conclusion(summary)
     page.matrix_summary(summary)
     pairs = []
     failing = [c for c in summary.get("cells") or [] if c.get("verdict") == Verdict.FAIL.value]
@@ -375,7 +420,8 @@ def _matrix_report(path: Path, summary: dict, say) -> Report:
                 continue
             start = cell_summary.get("resume_at") if name == "resume" else None
             pair = _compare(f"{cell.get('cell')} {cell.get('precision')} {name}: a vs {other}", cell_out / "a",
-                            cell_out / other, start, False, say, f"[{len(pairs) + 1}]")
+                            cell_out / other, start, False, say, f"[{len(pairs) + 1}]",
+                            names=_verify_names(other, start))
             pairs.append(pair)
             page.pair_sections(pair)
     if len(failing) > MAX_PAIRS:
@@ -409,10 +455,26 @@ def _later_start(a: Path, b: Path) -> int | None:
     return max(firsts) if firsts[0] != firsts[1] else None
 
 
+def _verify_names(other: str, resume_at: int | None) -> tuple[str, str]:
+    """What the legends call verify's runs: A against B (independent) or C (resumed)."""
+    if other == "c":
+        return "run A", f"run C (resumed at step {resume_at})" if resume_at is not None else "run C (resumed)"
+    return "run A", "run B"
+
+
+def _short_path(path: Path) -> str:
+    """A run directory as a legend names it: its last two path components."""
+    return "/".join(path.parts[-2:]) or str(path)
+
+
 def _compare(label: str, a: Path, b: Path, start_step: int | None, allow_config_diff: bool, say,
-             counter: str) -> Pair:
+             counter: str, names: tuple[str, str] | None = None) -> Pair:
     """Compare two runs and read what the page draws from their streams."""
     pair = Pair(label, str(a), str(b), start_step)
+    pair.names = names or (_short_path(a), _short_path(b))
+    stop = read_stop(b)
+    if stop is not None and isinstance(stop.get("stopped_at"), int):
+        pair.stopped_b = stop["stopped_at"]
     began = time.perf_counter()
     say(f"{counter} comparing {label} ...")
     try:
@@ -425,7 +487,7 @@ def _compare(label: str, a: Path, b: Path, start_step: int | None, allow_config_
         pair.headers = (run_a.header, run_b.header)
         pair.num_ranks = len(set(run_a.ranks) | set(run_b.ranks))
         for run, steps in ((run_a, pair.steps_a), (run_b, pair.steps_b)):
-            for rank in run.ranks[:MAX_RANKS]:
+            for rank in run.ranks[:MAX_READ_RANKS]:
                 steps[rank] = _steps(run, rank)
         if pair.result is not None and pair.result.verdict is Verdict.DIVERGED:
             for found in divergent_steps(run_a, run_b, start_step=start_step):
@@ -473,10 +535,10 @@ def _records_by_step(path: str, rank: int, steps: set[int] | None, stop_after: i
     return found
 
 
-def _metrics(path: str, rank: int) -> dict[int, dict[str, Record]]:
-    """The metric records of one rank, per step (steps without metrics left out)."""
+def _metrics(pair: Pair, side: str, rank: int) -> dict[int, dict[str, Record]]:
+    """The metric records of one rank of run ``side``, per step (steps without metrics left out)."""
     found: dict[int, dict[str, Record]] = {}
-    for step, records in _records_by_step(path, rank, None).items():
+    for step, records in pair.records(side, rank).items():
         metrics = {_key_label(key): r for key, r in records.items() if r.kind == "metric"}
         if metrics:
             found[step] = metrics
@@ -514,23 +576,33 @@ def _key_label(key: tuple) -> str:
 _CSS = """
 body{font:14px/1.45 system-ui,-apple-system,'Segoe UI',sans-serif;margin:24px auto;max-width:1150px;color:#1d232a;padding:0 16px}
 h1{font-size:22px;margin:0 0 6px}h2{font-size:18px;margin:30px 0 8px;border-bottom:1px solid #d5dbe1;padding-bottom:4px}
-h3{font-size:15px;margin:18px 0 6px}code,.mono{font-family:ui-monospace,SFMono-Regular,Menlo,monospace;font-size:12.5px}
+h3{font-size:15px;margin:14px 0 4px}code,.mono{font-family:ui-monospace,SFMono-Regular,Menlo,monospace;font-size:12.5px}
 table{border-collapse:collapse;margin:6px 0 10px}td,th{border:1px solid #d5dbe1;padding:3px 7px;text-align:left;vertical-align:top}
 th{background:#f1f4f7}.verdict{display:inline-block;padding:3px 10px;border-radius:4px;font-weight:700;color:#fff}
 .v-pass,.v-identical{background:#1a7f37}.v-fail,.v-diverged{background:#c62828}.v-incomplete{background:#9a6700}
-.note{color:#57606a}.err{color:#c62828;white-space:pre-wrap}
-table.heat td{width:13px;height:15px;padding:0;border:1px solid #fff}table.heat th{font-weight:400;font-size:11px;padding:0 4px;border:0;background:none}
-td.h-same{background:#8fd19e}td.h-first{background:#c62828}td.h-after{background:#f2c4c4}td.h-missing{background:#9a6700}
-td.h-none{background:#eef1f4}td.h-outside{background:#d0d7de}
-.legend span{display:inline-block;width:11px;height:11px;margin:0 4px 0 12px;vertical-align:middle}
+.conclusion{font-size:17px;line-height:1.5;padding:10px 14px;margin:10px 0;border-left:6px solid #8c959f;background:#f6f8fa;overflow-wrap:anywhere}
+.conclusion.v-fail,.conclusion.v-diverged{border-color:#c62828;background:#fdf0f0}.conclusion.v-pass,.conclusion.v-identical{border-color:#1a7f37;background:#eefbf1}
+.conclusion.v-incomplete{border-color:#9a6700;background:#fff8e5}
+.note{color:#57606a}.err{color:#c62828;white-space:pre-wrap}.wrap{overflow-wrap:anywhere;white-space:normal}.small{font-size:11.5px}
+table.heat{width:100%;table-layout:fixed;border-collapse:separate;border-spacing:1px}table.heat col.row{width:170px}
+table.heat td{height:18px;padding:0;border:0;min-width:3px}table.heat th{font-weight:400;font-size:11px;padding:0 2px;border:0;background:none;overflow:hidden;white-space:nowrap}
+table.heat th.row{text-align:right;padding-right:6px;overflow:hidden;text-overflow:ellipsis}
+td.h-same{background:#8fd19e}td.h-first{background:#a40e26}td.h-differs{background:#f06b6b}td.h-after{background:#f5b7b1}td.h-missing{background:#d4a72c}
+td.h-none{background:#eef1f4}td.h-outside{background:#d0d7de}td.h-cut{background:repeating-linear-gradient(135deg,#d0d7de 0 3px,#f6f8fa 3px 6px)}
+.legend span{display:inline-block;width:14px;height:12px;margin:0 5px 0 14px;vertical-align:middle;border-radius:2px}
+.legend svg{vertical-align:middle;margin:0 4px 0 12px}
+table.records{width:100%;table-layout:fixed;font-size:12px}table.records col.rec{width:260px}
+table.records th.rec{overflow-wrap:anywhere;font-weight:400}table.records td{padding:2px 3px;overflow:hidden;text-overflow:ellipsis;white-space:nowrap}
 td.t-eq{color:#1a7f37;text-align:center}td.t-ne{background:#fbe3e3;color:#8b1a1a;text-align:center}td.t-miss{background:#fff1c2;text-align:center}
-.chart{margin:4px 0 14px}
+.charts{display:grid;grid-template-columns:1fr 1fr;gap:6px 22px}.chart-box h3 .note{font-weight:400;margin-left:8px}
+.chart,.ulp-plot{display:block;margin:4px 0 6px}
 """
 
 
 class _Page:
     def __init__(self, kind: str, title: str, verdict: Verdict):
         self.kind, self.title, self.verdict = kind, title, verdict
+        self.conclusion = ""  # the sentence the terminal printed (`samebits.runs.conclusion`): the page leads with it
         self.parts: list[str] = []
         self.sections: list[str] = []
         self.notes: list[str] = []
@@ -547,7 +619,9 @@ class _Page:
         if notes:
             self.h2("Notes", "notes")
             self.add("<ul>" + "".join(f"<li>{_esc(n)}</li>" for n in notes) + "</ul>")
-        head = (f'<h1>{_esc(self.title)}</h1><p>verdict: <span class="verdict v-{self.verdict.value}" '
+        lead = (f'<p class="conclusion v-{self.verdict.value}" id="conclusion">{_esc(self.conclusion)}</p>'
+                if self.conclusion else "")
+        head = (f'<h1>{_esc(self.title)}</h1>{lead}<p>verdict: <span class="verdict v-{self.verdict.value}" '
                 f'id="verdict">{_esc(self.verdict.value.upper())}</span> '
                 f'<span class="note">({_esc(self.kind)}; exit code {self.verdict.exit_code})</span></p>'
                 f'<p class="note">made by samebits report at {_esc(time.strftime("%Y-%m-%d %H:%M:%S %Z"))} from '
@@ -565,7 +639,7 @@ class _Page:
                 f"<title>{_esc(self.title)}</title><style>{_CSS}</style></head><body>"
                 + head + toc + "\n".join(body) + "</body></html>\n")
         return Report(kind=self.kind, inputs=inputs, verdict=self.verdict, sections=list(self.sections),
-                      html=page, pairs=pairs, notes=notes)
+                      html=page, pairs=pairs, notes=notes, conclusion=self.conclusion)
 
     # -- summaries of the commands -----------------------------------------------------------
 
@@ -661,24 +735,48 @@ class _Page:
                          "reason"], rows, verdict_column=4))
         for line in summary.get("failures") or []:
             self.add(f"<p class=\"err\">{_esc(line)}</p>")
+        for c in cells:  # what the terminal printed under the table: the census, then the bisection
+            where = f"{c.get('cell')} {c.get('precision')}"
+            for check, lines in (c.get("explanations") or {}).items():
+                self.add(f"<h3>{_esc(where)}, {_esc(check)}: what differs (most specific first)</h3><ul>"
+                         + "".join(f"<li>{_esc(line)}</li>" for line in lines) + "</ul>")
+            found = c.get("bisect")
+            if found:
+                of = " of the resume" if found.get("of") == "resume" else ""
+                self.add(f"<h3>{_esc(where)}, bisect{_esc(of)}</h3><p><b>{_esc(found.get('conclusion') or found.get('error'))}"
+                         "</b></p>" + (f"<p class=\"note\">streams and summary: <code>{_esc(found.get('out'))}</code></p>"
+                                       if found.get("out") else ""))
 
     # -- one compared pair --------------------------------------------------------------------
 
     def pair_sections(self, pair: Pair) -> None:
         self.h2(f"{pair.label}: {pair.verdict.value}", f"pair-{pair.label}")
-        self.add(f'<p>a = <code>{_esc(pair.a)}</code>, b = <code>{_esc(pair.b)}</code>'
-                 + (f", from step {_esc(pair.start_step)}" if pair.start_step else "") + "</p>")
+        self.add(f'<p>a = {_esc(pair.names[0])}: <code>{_esc(pair.a)}</code><br>b = {_esc(pair.names[1])}: '
+                 f'<code>{_esc(pair.b)}</code>' + (f"<br>compared from step {_esc(pair.start_step)}"
+                                                   if pair.start_step else "") + "</p>")
+        if pair.stopped_b is not None:
+            self.add(f'<p class="note">the live check stopped {_esc(pair.names[1])} at step {pair.stopped_b}, its '
+                     "first step that differs from a: later steps were not run (run verify with --keep-going to "
+                     "see the whole divergent curves)</p>")
         result = pair.result
+        rank = _focus_rank(pair)
         if result is None:
             self.add(f'<p class="err">could not compare: {_esc(pair.error)}</p>')
         else:
-            self._diff_summary(result)
+            self._diff_summary(result, pair.context)
+        if result is not None and result.verdict is Verdict.IDENTICAL:  # nothing grows, nothing parts
+            self._heatmap(pair)
+            self._environment(pair)
+            return
+        if result is not None:
+            self._ulp_growth(pair, rank)
+        self._curves(pair, rank)
+        if result is not None:
             self._heatmap(pair)
             self._tensors(pair)
-        self._curves(pair)
         self._environment(pair)
 
-    def _diff_summary(self, result: DiffResult) -> None:
+    def _diff_summary(self, result: DiffResult, context: str = "") -> None:
         c = result.compared
         self.add(f'<p>verdict: <span class="verdict v-{result.verdict.value}">{_esc(result.verdict.value.upper())}'
                  f"</span> {_esc(c.get('ranks'))} rank(s) x {_esc(c.get('steps'))} step(s), {_esc(c.get('records'))} "
@@ -687,66 +785,84 @@ class _Page:
         d = result.first_divergence
         if d is not None:
             where = f"{d.phase}/{d.name}" if d.name is not None else d.detail
-            self.add(f"<p><b>first divergence: step {_esc(d.step)}, rank {_esc(d.rank)}: {_esc(where)}</b> "
+            said = f"{context}: " if context else "first divergence: "
+            self.add(f"<p><b>{_esc(said)}step {_esc(d.step)}, rank {_esc(d.rank)}: {_esc(where)}</b> "
                      f"({_esc(d.records_differing)} record(s) differ in that step; ranks diverged first: "
                      f"{_esc(', '.join(map(str, result.ranks_diverged_first)))})</p>"
-                     f"<p class=\"mono\">{_esc(d.detail)}</p>")
+                     f"<p class=\"mono wrap\">{_esc(d.detail)}</p>")
         for reason in result.incomplete:
             self.add(f'<p class="err">incomplete: {_esc(reason)}</p>')
 
+    def _ulp_growth(self, pair: Pair, rank: int) -> None:
+        """How far apart the runs are at each step: the largest ulp distance per metric (log
+        scale), and for the digest-only tensor groups the steps where they differ."""
+        self.h2(f"{pair.label}: ulp growth (rank {rank})", "ulps")
+        try:
+            evidence = _evidence(pair, rank)
+        except StreamError as err:
+            self.add(f'<p class="err">the records could not be read: {_esc(err)}</p>')
+            return
+        if not evidence:
+            self.add("<p>no step recorded in both runs on this rank.</p>")
+            return
+        first = pair.result.first_divergence if pair.result is not None else None
+        first_step = first.step if first is not None and first.rank == rank else \
+            pair.first_by_rank.get(rank, (None, None))[0]
+        self.add("<p>the largest distance between a and b in units in the last place (ulps) at each step, per "
+                 "metric, exact from the recorded bits, on a log scale (0: the same bits). Tensors are recorded "
+                 "as digests: for params, grads and optimizer state the bands under the plot mark the steps where "
+                 "they differ, with no magnitude (<b>values not recorded</b>).</p>")
+        self.add(_ulp_plot(pair, evidence, first_step))
+
     def _heatmap(self, pair: Pair) -> None:
-        self.h2(f"{pair.label}: first divergence by rank and step", "heat")
+        self.h2(f"{pair.label}: where the runs differ, step by step", "heat")
         ranks = sorted(set(pair.steps_a) | set(pair.steps_b))
         steps = sorted({s for steps in list(pair.steps_a.values()) + list(pair.steps_b.values()) for s in steps})
         if not ranks or not steps:
             self.add("<p>no steps recorded</p>")
             return
-        shown_steps = steps[:MAX_STEPS]
-        first_steps = [s for s, _ in pair.first_by_rank.values()]
-        if first_steps and min(first_steps) not in shown_steps:  # keep the first divergence in view
-            at = steps.index(min(first_steps))
-            shown_steps = steps[max(0, at - MAX_STEPS // 2):][:MAX_STEPS]
-        start = pair.start_step or 0
-        rows = []
-        header = "".join(f'<th title="step {s}">{s if s % 5 == 0 or s == shown_steps[0] else ""}</th>'
-                         for s in shown_steps)
-        for rank in ranks:
-            in_a, in_b = set(pair.steps_a.get(rank, ())), set(pair.steps_b.get(rank, ()))
-            first = pair.first_by_rank.get(rank)
-            cells = []
-            for step in shown_steps:
-                if step < start:
-                    state, text = "outside", "before the compared window"
-                elif first is not None and step == first[0]:
-                    state = "first"
-                    text = "first divergence" + (f" (run {first[1]} has no such step)" if first[1] else "")
-                elif first is not None and step > first[0]:
-                    state, text = "after", "after this rank's first divergence"
-                elif step in in_a and step in in_b:
-                    state, text = "same", "identical"
-                elif step in in_a or step in in_b:
-                    state, text = "missing", f"only in run {'a' if step in in_a else 'b'}"
-                else:
-                    state, text = "none", "not recorded"
-                cells.append(f'<td class="h-{state}" title="rank {rank}, step {step}: {_esc(text)}"></td>')
-            rows.append(f"<tr><th>rank {rank}</th>{''.join(cells)}</tr>")
-        legend = "".join(f'<span class="h-{k}" style="background:{c}"></span>{_esc(t)}' for k, c, t in (
-            ("same", "#8fd19e", "identical"), ("first", "#c62828", "first divergence"),
-            ("after", "#f2c4c4", "after it (not compared further)"), ("missing", "#9a6700", "in one run only"),
-            ("outside", "#d0d7de", "outside the window")))
-        self.add(f'<table class="heat" id="heatmap"><tr><th></th>{header}</tr>{"".join(rows)}</table>'
-                 f'<p class="legend">{legend}</p>')
+        columns = _bins(steps, MAX_STEPS)
+        if pair.num_ranks <= 2:
+            try:
+                rows = _group_rows(pair, ranks, columns)
+            except StreamError as err:
+                self.add(f'<p class="err">the records could not be read: {_esc(err)}</p>')
+                return
+            what = "record groups (rows) x steps (columns)"
+        else:
+            rows = _rank_rows(pair, _bins(ranks, MAX_RANKS), columns)
+            what = "ranks (rows) x steps (columns)"
+        used = {state for _, cells in rows for state, _ in cells}
+        label = (lambda c: f"{c[0]}" if len(c) == 1 else f"{c[0]}-{c[-1]}")
+        every = max(1, math.ceil(len(columns) / 16))
+        header = "".join(f'<th title="step {_esc(label(c))}">{_esc(label(c)) if i % every == 0 else ""}</th>'
+                         for i, c in enumerate(columns))
+        body = []
+        for name, cells in rows:
+            body.append(f'<tr><th class="row">{_esc(name)}</th>'
+                        + "".join(f'<td class="h-{state}" title="{_esc(text)}"></td>' for state, text in cells)
+                        + "</tr>")
+        legend = "".join(f'<span style="background:{colour}"></span>{_esc(text)}' for state, colour, text in _HEAT
+                         if state in used)
+        binned = []
+        if any(len(c) > 1 for c in columns):
+            binned.append(f"{len(steps)} steps in {len(columns)} columns of up to {max(map(len, columns))} steps")
+        if pair.num_ranks > 2 and len(rows) < len(ranks):
+            binned.append(f"{len(ranks)} ranks in {len(rows)} rows of up to {math.ceil(len(ranks) / len(rows))} "
+                          "ranks; a row shows the most telling state of its ranks (hover for the ranks)")
+        self.add(f"<p>{_esc(what)}: each cell says whether the runs have the same bits there"
+                 + (f" ({_esc('; '.join(binned))})" if binned else "") + "; hover a cell for its detail.</p>"
+                 f'<table class="heat" id="heatmap"><colgroup><col class="row"></colgroup><tr><th></th>{header}</tr>'
+                 f'{"".join(body)}</table><p class="legend" id="heat-legend">{legend}</p>')
         if pair.first_by_rank:
-            by_rank = ", ".join(f"rank {r}: step {s}" for r, (s, _) in sorted(pair.first_by_rank.items()))
-            self.add(f"<p>first divergent step per rank: {_esc(by_rank)}; ranks with no divergence: "
-                     f"{_esc(', '.join(str(r) for r in ranks if r not in pair.first_by_rank) or 'none')}</p>")
-        cut = []
-        if len(steps) > len(shown_steps):
-            cut.append(f"{len(steps) - len(shown_steps)} step(s) not drawn")
+            listed = sorted(pair.first_by_rank.items())
+            by_rank = ", ".join(f"rank {r}: step {s}" for r, (s, _) in listed[:16])
+            self.add(f"<p>first divergent step per rank: {_esc(by_rank)}"
+                     + (f" ... ({len(listed)} ranks)" if len(listed) > 16 else "")
+                     + f"; ranks with no divergence: {len(ranks) - len(listed)} of {len(ranks)}</p>")
         if pair.num_ranks > len(ranks):
-            cut.append(f"{pair.num_ranks - len(ranks)} rank(s) beyond the first {MAX_RANKS} not drawn")
-        if cut:
-            self.add(f"<p class=\"note\">{_esc('; '.join(cut))}</p>")
+            self.add(f"<p class=\"note\">{pair.num_ranks - len(ranks)} rank(s) beyond the first {MAX_READ_RANKS} "
+                     "not drawn</p>")
 
     def _tensors(self, pair: Pair) -> None:
         title = f"{pair.label}: records that differ, step by step"
@@ -756,11 +872,14 @@ class _Page:
             self.add("<p>no record differs in the compared window.</p>")
             return
         rank = d.rank
-        steps_a, steps_b = pair.steps_a.get(rank, []), pair.steps_b.get(rank, [])
-        wanted = sorted({s for s in set(steps_a) | set(steps_b) if s >= d.step})[:MAX_TENSOR_STEPS]
+        steps_a, steps_b = set(pair.steps_a.get(rank, [])), set(pair.steps_b.get(rank, []))
+        after = sorted(s for s in steps_a | steps_b if s >= d.step)
+        both = [s for s in after if s in steps_a and s in steps_b]
+        cut = [s for s in after if s not in steps_b and pair.cut(s)]
+        lone = [s for s in after if (s in steps_a) != (s in steps_b) and s not in cut]
+        wanted = both[:MAX_TENSOR_STEPS]
         try:
-            records_a = _records_by_step(pair.a, rank, set(wanted), wanted[-1] if wanted else None)
-            records_b = _records_by_step(pair.b, rank, set(wanted), wanted[-1] if wanted else None)
+            records_a, records_b = pair.records("a", rank), pair.records("b", rank)
         except StreamError as err:  # damaged after the first divergence: the divergence still stands
             self.add(f'<p class="err">the records after the first divergence could not be read: {_esc(err)}</p>')
             return
@@ -771,50 +890,66 @@ class _Page:
                 ra, rb = at_a.get(key), at_b.get(key)
                 if ra is not None and rb is not None and ra.same_content(rb):
                     continue
-                differing.setdefault(key, {})[step] = _cell(ra, rb, step in records_a, step in records_b)
-        rows_html = []
+                differing.setdefault(key, {})[step] = _cell(ra, rb, True, True)
         keys = list(differing)[:MAX_TENSOR_ROWS]
+        rows_html = []
         for key in keys:
             cells = []
             for step in wanted:
                 if step in differing[key]:
                     css, text = differing[key][step]
-                    cells.append(f'<td class="{css}" title="{_esc(text)}">{_esc(text)}</td>')
+                    cells.append(f'<td class="{css}" title="{_esc(text)}">{_esc(_short(text))}</td>')
                 else:
-                    cells.append('<td class="t-eq">=</td>')
-            rows_html.append(f"<tr><th class=\"mono\">{_esc(_key_label(key))}</th><td>{_esc(key[0])}</td>"
+                    cells.append('<td class="t-eq" title="bit-identical">=</td>')
+            rows_html.append(f'<tr><th class="mono rec" title="{_esc(key[0])}">{_esc(_key_label(key))}</th>'
                              f"{''.join(cells)}</tr>")
-        head = "".join(f"<th>step {s}</th>" for s in wanted)
+        head = "".join(f"<th>{s}</th>" for s in wanted)
         self.add(f"<p>rank {rank} (the first to diverge), from step {d.step}: each cell says whether the record "
-                 "is bit-identical (=) or how it differs. Metrics: distance in ulps and relative difference, exact "
+                 "is bit-identical (=) or how it differs (hover for the detail). Metrics: distance in ulps, exact "
                  "from the recorded bits. Tensors: <b>digests only: values not recorded</b> (no magnitude is "
                  "known; `samebits bisect` dumps the origin op's elements).</p>"
-                 f'<table id="per-tensor"><tr><th>record</th><th>kind</th>{head}</tr>{"".join(rows_html)}</table>')
+                 f'<table id="per-tensor" class="records"><colgroup><col class="rec"></colgroup>'
+                 f'<tr><th>record \\ step</th>{head}</tr>{"".join(rows_html)}</table>')
+        lines = []
+        if len(both) > len(wanted):
+            lines.append(f"steps {both[len(wanted)]}-{both[-1]} ({len(both) - len(wanted)} more steps run by both) "
+                         "are not listed: the ulp growth and the heatmap above show them")
+        if cut:
+            lines.append(f"steps {_span(cut)}: not run past the first divergence (the live check stopped "
+                         f"{pair.names[1]} at step {pair.stopped_b})")
+        if lone:
+            lines.append(f"steps {_span(lone)}: recorded in one run only")
         if len(differing) > len(keys):
-            self.add(f"<p class=\"note\">{len(differing) - len(keys)} more differing record(s) not listed</p>")
+            lines.append(f"{len(differing) - len(keys)} more differing record(s) not listed")
+        if lines:
+            self.add('<ul class="note" id="tensor-notes">' + "".join(f"<li>{_esc(x)}</li>" for x in lines) + "</ul>")
 
-    def _curves(self, pair: Pair) -> None:
-        rank = 0
-        if pair.result is not None and pair.result.first_divergence is not None:
-            rank = pair.result.first_divergence.rank
+    def _curves(self, pair: Pair, rank: int) -> None:
         try:
-            metrics_a, metrics_b = _metrics(pair.a, rank), _metrics(pair.b, rank)
+            metrics_a, metrics_b = _metrics(pair, "a", rank), _metrics(pair, "b", rank)
         except StreamError as err:
             self.add(f"<p class=\"err\">metric curves: {_esc(err)}</p>")
             return
-        names = sorted({n for m in list(metrics_a.values()) + list(metrics_b.values()) for n in m})
+        labels = {n for m in list(metrics_a.values()) + list(metrics_b.values()) for n in m}
+        names = sorted(labels, key=lambda n: _metric_sort(_metric_title(n)))
         title = f"{pair.label}: metric curves (rank {rank})"
         self.h2(title, "curves")
         if not names:
             self.add("<p>no metrics recorded (Recorder.metrics) on this rank.</p>")
             return
-        self.add("<p>a: solid line, b: dashed line; each step of b is marked green where the metric has the same "
-                 "bits in both runs and red where it does not (hover for the values).</p>")
-        for name in names[:12]:
-            self.add(_chart(name, {s: m[name] for s, m in metrics_a.items() if name in m},
-                            {s: m[name] for s, m in metrics_b.items() if name in m}, pair.start_step or 0))
-        if len(names) > 12:
-            self.add(f"<p class=\"note\">{len(names) - 12} more metric(s) not drawn</p>")
+        first = pair.first_by_rank.get(rank, (None, None))[0]
+        self.add(f'<p class="legend" id="curve-legend"><svg width="34" height="10"><line x1="0" y1="5" x2="34" y2="5" '
+                 f'stroke="{COLOUR_A}" stroke-width="2.5"/></svg> a: {_esc(pair.names[0])} (solid) '
+                 f'<svg width="34" height="10"><line x1="0" y1="5" x2="34" y2="5" stroke="{COLOUR_B}" '
+                 f'stroke-width="2.5" {_DASHED}/></svg> b: {_esc(pair.names[1])} (dashed) '
+                 '<svg width="10" height="10"><circle cx="5" cy="5" r="3.5" fill="#cf222e"/></svg> a step whose '
+                 "bits differ</p>")
+        charts = [_chart(name, {s: m[name] for s, m in metrics_a.items() if name in m},
+                         {s: m[name] for s, m in metrics_b.items() if name in m}, pair, first)
+                  for name in names[:MAX_CURVES]]
+        self.add('<div class="charts">' + "".join(charts) + "</div>")
+        if len(names) > MAX_CURVES:
+            self.add(f"<p class=\"note\">{len(names) - MAX_CURVES} more metric(s) not drawn</p>")
 
     def _environment(self, pair: Pair) -> None:
         title = f"{pair.label}: environment and config"
@@ -889,80 +1024,380 @@ def _table(headers: list[str], rows: list[list[Any]], verdict_column: int | None
     return f"<table{ident}><tr>{head}</tr>{''.join(body)}</table>"
 
 
-_DASHED = 'stroke-dasharray="5,4"'
+_DASHED = 'stroke-dasharray="7,4"'
+# Heatmap states, most telling first (a binned cell shows the first of its members'): the colour
+# and what the legend says.
+_HEAT = (("first", "#a40e26", "first divergence"), ("differs", "#f06b6b", "differs"),
+         ("after", "#f5b7b1", "after this rank's first divergence (not compared further)"),
+         ("cut", "repeating-linear-gradient(135deg,#d0d7de 0 3px,#f6f8fa 3px 6px)",
+          "not run past the first divergence (live check)"),
+         ("missing", "#d4a72c", "in one run only"), ("same", "#8fd19e", "identical"),
+         ("outside", "#d0d7de", "outside the compared window"), ("none", "#eef1f4", "not recorded"))
+_RANK = {state: index for index, (state, _, _) in enumerate(_HEAT)}
 
 
-def _chart(name: str, series_a: dict[int, Record], series_b: dict[int, Record], start: int) -> str:
-    """One metric of both runs as an inline SVG line chart, b's steps marked by bit agreement."""
-    width, height, left, right, top, bottom = 760, 170, 70, 12, 12, 26
-    steps = sorted(set(series_a) | set(series_b))[:MAX_STEPS * 4]
+@dataclass
+class _GroupStep:
+    """One record group (a metric, or a phase of tensors) at one step of one rank."""
+
+    kind: str  # "metric" | "tensor"
+    records: int = 0
+    differ: int = 0
+    missing: int = 0  # records in one run only
+    max_ulp: int | None = None  # float metrics: the largest ulp distance (0 when the bits are the same)
+
+
+def _metric_title(label: str) -> str:
+    """What a person calls a recorded metric (``backward/root`` is the loss)."""
+    if label in _METRIC_NAMES:
+        return _METRIC_NAMES[label]
+    phase, _, name = label.partition("/")
+    return name.replace("_", " ") if phase == "metrics" and name else label
+
+
+def _metric_sort(title: str) -> tuple:
+    return (_METRIC_ORDER.index(title) if title in _METRIC_ORDER else len(_METRIC_ORDER), title)
+
+
+def _group_of(record: Record) -> tuple[str, str]:
+    """A record's group and its kind: each metric is its own group, tensors group by phase."""
+    if record.kind == "metric":
+        return _metric_title(_key_label(record.key)), "metric"
+    return _GROUP_NAMES.get(record.phase, record.phase), "tensor"
+
+
+def _group_sort(item: tuple[str, str]) -> tuple:
+    name, kind = item
+    if kind == "metric":
+        return (0,) + _metric_sort(name)
+    return (1, _GROUP_ORDER.index(name) if name in _GROUP_ORDER else len(_GROUP_ORDER), name)
+
+
+def _focus_rank(pair: Pair) -> int:
+    """The rank the ulp plot, curves and records table show: the first to diverge, else the first."""
+    if pair.result is not None and pair.result.first_divergence is not None:
+        return pair.result.first_divergence.rank
+    ranks = sorted(set(pair.steps_a) | set(pair.steps_b))
+    return ranks[0] if ranks else 0
+
+
+def _evidence(pair: Pair, rank: int) -> dict[int, dict[tuple[str, str], _GroupStep]]:
+    """Per step recorded by both runs (inside the compared window), per record group: how many
+    records, how many differ or are in one run only, and the largest ulp distance of a float
+    metric (exact, from the bits)."""
+    records_a, records_b = pair.records("a", rank), pair.records("b", rank)
+    start = pair.start_step or 0
+    found: dict[int, dict[tuple[str, str], _GroupStep]] = {}
+    for step in sorted(set(records_a) & set(records_b)):
+        if step < start:
+            continue
+        at_a, at_b = records_a[step], records_b[step]
+        groups: dict[tuple[str, str], _GroupStep] = {}
+        for key in list(at_a) + [k for k in at_b if k not in at_a]:
+            ra, rb = at_a.get(key), at_b.get(key)
+            name, kind = _group_of(ra or rb)
+            cell = groups.setdefault((name, kind), _GroupStep(kind))
+            cell.records += 1
+            if ra is None or rb is None:
+                cell.missing += 1
+                continue
+            same = ra.same_content(rb)
+            if not same:
+                cell.differ += 1
+            if kind == "metric":
+                ulp = 0 if same else metric_distance(ra, rb)[0]
+                if ulp is not None:
+                    cell.max_ulp = ulp if cell.max_ulp is None else max(cell.max_ulp, ulp)
+        found[step] = groups
+    return found
+
+
+def _bins(items: list[int], most: int) -> list[list[int]]:
+    """``items`` in at most ``most`` consecutive runs of equal size (the last may be shorter)."""
+    size = max(1, math.ceil(len(items) / most))
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def _span(steps: list[int]) -> str:
+    return f"{steps[0]}" if len(steps) == 1 else f"{steps[0]}-{steps[-1]}"
+
+
+def _rank_state(pair: Pair, rank: int, step: int) -> tuple[str, str]:
+    """One rank at one step: its state on the heatmap and what it says."""
+    in_a, in_b = step in pair.steps_a.get(rank, ()), step in pair.steps_b.get(rank, ())
+    first = pair.first_by_rank.get(rank)
+    if step < (pair.start_step or 0):
+        return "outside", "before the compared window"
+    if first is not None and step == first[0]:
+        return "first", "first divergence" + (f" (run {first[1]} has no such step)" if first[1] else "")
+    if in_a and not in_b and pair.cut(step):
+        return "cut", f"not run past the first divergence (the live check stopped {pair.names[1]} at step " \
+                      f"{pair.stopped_b})"
+    if first is not None and step > first[0]:
+        return "after", "after this rank's first divergence"
+    if in_a and in_b:
+        return "same", "identical"
+    if in_a or in_b:
+        return "missing", f"only in run {'a' if in_a else 'b'}"
+    return "none", "not recorded"
+
+
+def _rank_rows(pair: Pair, rows: list[list[int]], columns: list[list[int]]) -> list[tuple[str, list]]:
+    """Ranks x steps; a binned cell takes its members' most telling state."""
+    out = []
+    for ranks in rows:
+        name = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
+        cells = []
+        for steps in columns:
+            states = [(_rank_state(pair, rank, step), rank) for rank in ranks for step in steps]
+            (state, text), _ = min(states, key=lambda found: _RANK[found[0][0]])
+            if len(states) == 1:
+                cells.append((state, f"rank {ranks[0]}, step {steps[0]}: {text}"))
+                continue
+            count = sum(1 for (s, _), _ in states if s == state)
+            where = f"{name}, steps {_span(steps)}" if len(steps) > 1 else f"{name}, step {steps[0]}"
+            members = sorted({rank for (s, _), rank in states if s == state})
+            cells.append((state, f"{where}: {text} ({count} of {len(states)} rank-steps; ranks "
+                                 f"{', '.join(map(str, members[:8]))}{' ...' if len(members) > 8 else ''})"))
+        out.append((name, cells))
+    return out
+
+
+def _group_rows(pair: Pair, ranks: list[int], columns: list[list[int]]) -> list[tuple[str, list]]:
+    """Record groups x steps, for one or two ranks: where each group differs, step by step."""
+    out = []
+    for rank in ranks:
+        evidence = _evidence(pair, rank)
+        groups = sorted({g for at in evidence.values() for g in at}, key=_group_sort)[:MAX_GROUP_ROWS]
+        first_step = pair.first_by_rank.get(rank, (None, None))[0]  # this rank's own first divergence
+        for group in groups:
+            name = f"rank {rank}: {group[0]}" if len(ranks) > 1 else group[0]
+            cells = []
+            for steps in columns:
+                states = [_group_state(pair, rank, step, evidence.get(step, {}).get(group), step == first_step)
+                          for step in steps]
+                state, text = min(states, key=lambda found: _RANK[found[0]])
+                where = f"step {steps[0]}" if len(steps) == 1 else f"steps {_span(steps)}"
+                cells.append((state, f"{name}, {where}: {text}"))
+            out.append((name, cells))
+    return out
+
+
+def _group_state(pair: Pair, rank: int, step: int, cell: _GroupStep | None, first: bool) -> tuple[str, str]:
+    if step < (pair.start_step or 0):
+        return "outside", "before the compared window"
+    if cell is None:
+        state, text = _rank_state(pair, rank, step)
+        return ("none", "not recorded at this step") if state in ("same", "after", "first") else (state, text)
+    if cell.differ:
+        how = f"{cell.differ} of {cell.records} record(s) differ"
+        if cell.max_ulp is not None:
+            how += f", {cell.max_ulp} ulp"
+        elif cell.kind == "tensor":
+            how += " (digests: values not recorded)"
+        return ("first", "first divergence: " + how) if first else ("differs", how)
+    if cell.missing:
+        return "missing", f"{cell.missing} of {cell.records} record(s) in one run only"
+    return "same", f"identical ({cell.records} record(s))"
+
+
+def _short(text: str) -> str:
+    """A records-table cell: the ulps of a metric, or one word (the whole text on hover)."""
+    if " ulp" in text:
+        ulp = int(text.split(" ulp")[0])
+        return f"{ulp} ulp" if ulp < 10_000 else f"{ulp:.1e} ulp".replace("e+0", "e").replace("e+", "e")
+    return {"digest differs": "digest"}.get(text, "only a" if text.endswith("run a") else
+                                            "only b" if text.endswith("run b") else "differs")
+
+
+def _log_ticks(decades: int) -> list[int]:
+    step = max(1, math.ceil(decades / 6))
+    return list(range(0, decades + 1, step))
+
+
+def _ulp_plot(pair: Pair, evidence: dict[int, dict[tuple[str, str], _GroupStep]], first_step: int | None) -> str:
+    """The ulp distance per step per metric on a log axis (0 on its own line below 1), the
+    digest-only groups as bands of differing steps, the first divergence and the steps the
+    live check cut, as one inline SVG and a legend."""
+    steps = sorted(set(evidence) | {s for s in pair.steps_a.get(_focus_rank(pair), []) if pair.cut(s)})
+    groups = sorted({g for at in evidence.values() for g in at}, key=_group_sort)
+    lines = [g for g in groups if g[1] == "metric" and any(at.get(g) is not None and at[g].max_ulp is not None
+                                                            for at in evidence.values())]
+    bands = [g for g in groups if g not in lines]
+    width, left, right, top = 1100, 124, 24, 34
+    plot_h, band_h = 210, 18
+    bottom_axis = top + plot_h
+    height = bottom_axis + 30 + band_h * len(bands) + 8
+    low, high = steps[0], steps[-1]
+    span = high - low + 1
+
+    def x(step: float) -> float:
+        return left + (step - low + 0.5) / span * (width - left - right)
+
+    biggest = max([at[g].max_ulp or 0 for at in evidence.values() for g in lines if g in at] + [1])
+    decades = max(1, math.ceil(math.log10(biggest + 0.5)))
+    zero_y, one_y = bottom_axis - 6, bottom_axis - 30
+
+    def y(ulp: int) -> float:
+        return zero_y if ulp == 0 else one_y - math.log10(ulp) / decades * (one_y - top)
+
+    parts = [f'<rect x="{left}" y="{top}" width="{width - left - right}" height="{plot_h}" fill="#fbfcfd" '
+             'stroke="#d0d7de"/>']
+    for k in _log_ticks(decades):
+        label = f"{10 ** k:,}" if k < 4 else f"1e{k}"
+        parts.append(f'<line x1="{left}" x2="{width - right}" y1="{y(10 ** k):.1f}" y2="{y(10 ** k):.1f}" '
+                     f'stroke="#e5e9ee"/><text x="{left - 6}" y="{y(10 ** k) + 4:.1f}" text-anchor="end" '
+                     f'font-size="12">{label}</text>')
+    parts.append(f'<line x1="{left}" x2="{width - right}" y1="{zero_y}" y2="{zero_y}" stroke="#8c959f" '
+                 f'stroke-dasharray="2,3"/><text x="{left - 6}" y="{zero_y + 4}" text-anchor="end" font-size="12">'
+                 "0</text>")
+    parts.append(f'<text x="40" y="{top + plot_h / 2:.0f}" font-size="12" text-anchor="middle" '
+                 f'transform="rotate(-90 40 {top + plot_h / 2:.0f})" class="axis-title">ulps (log scale)</text>')
+    cut = [s for s in steps if pair.cut(s)]
+    if cut:
+        x0 = x(cut[0] - 0.5)
+        parts.append(f'<rect class="cut" x="{x0:.1f}" y="{top}" width="{width - right - x0:.1f}" '
+                     f'height="{height - top - 8}" fill="#eef1f4"><title>not run past the first divergence</title>'
+                     f'</rect><text x="{(x0 + width - right) / 2:.0f}" y="{top + plot_h / 2:.0f}" text-anchor="middle" '
+                     f'font-size="12" fill="#57606a">{_esc(pair.names[1])}: not run past the first divergence'
+                     f'</text><text x="{(x0 + width - right) / 2:.0f}" y="{top + plot_h / 2 + 16:.0f}" '
+                     f'text-anchor="middle" font-size="11" fill="#57606a">(the live check stopped it at step '
+                     f'{pair.stopped_b}; verify --keep-going runs it on)</text>')
+    for index, group in enumerate(lines):
+        colour = _COLOURS[index % len(_COLOURS)]
+        points = [(s, evidence[s][group].max_ulp) for s in sorted(evidence)
+                  if group in evidence[s] and evidence[s][group].max_ulp is not None]
+        path = " ".join(f"{x(s):.1f},{y(u):.1f}" for s, u in points)
+        parts.append(f'<polyline class="ulp-line" fill="none" stroke="{colour}" stroke-width="2.2" points="{path}"/>')
+        for s, u in points:
+            parts.append(f'<circle cx="{x(s):.1f}" cy="{y(u):.1f}" r="3" fill="{colour}"><title>'
+                         f'{_esc(group[0])}, step {s}: {u:,} ulp</title></circle>')
+    for row, group in enumerate(bands):
+        y0 = bottom_axis + 28 + row * band_h
+        parts.append(f'<text x="{left - 6}" y="{y0 + 12}" text-anchor="end" font-size="12">{_esc(group[0])}</text>'
+                     f'<rect x="{left}" y="{y0}" width="{width - left - right}" height="{band_h - 4}" fill="#f1f4f7"/>')
+        cell_w = max((width - left - right) / span, 2)
+        for s in sorted(evidence):
+            cell = evidence[s].get(group)
+            if cell is None or not (cell.differ or cell.missing):
+                continue
+            colour, what = ("#cf222e", f"{cell.differ} of {cell.records} record(s) differ (digests: no magnitude)") \
+                if cell.differ else ("#d4a72c", f"{cell.missing} record(s) in one run only")
+            parts.append(f'<rect class="band-diff" x="{x(s) - cell_w / 2:.1f}" y="{y0}" width="{cell_w:.1f}" '
+                         f'height="{band_h - 4}" fill="{colour}"><title>{_esc(group[0])}, step {s}: {_esc(what)}'
+                         "</title></rect>")
+    every = max(1, math.ceil(span / 12))
+    for s in range(low, high + 1):
+        if (s - low) % every == 0 or s == high:
+            parts.append(f'<text x="{x(s):.1f}" y="{bottom_axis + 16}" text-anchor="middle" font-size="12">{s}'
+                         "</text>")
+    parts.append(f'<text x="{left - 6}" y="{bottom_axis + 16}" text-anchor="end" font-size="12" '
+                 'fill="#57606a">step</text>')
+    if first_step is not None and low <= first_step <= high:
+        fx = x(first_step)
+        parts.append(f'<line class="first-divergence" x1="{fx:.1f}" x2="{fx:.1f}" y1="{top - 6}" y2="{height - 8}" '
+                     f'stroke="#a40e26" stroke-width="2" stroke-dasharray="6,3"/>'
+                     f'<text x="{fx + 5:.1f}" y="{top - 9}" font-size="12" font-weight="700" fill="#a40e26">'
+                     f"first divergence: step {first_step}</text>")
+    legend = "".join(f'<span style="background:{_COLOURS[i % len(_COLOURS)]}"></span>{_esc(g[0])}'
+                     for i, g in enumerate(lines))
+    if bands:
+        legend += ('<span style="background:#cf222e"></span>tensor group differs (digests: ulps unknown)'
+                   '<span style="background:#d4a72c"></span>in one run only')
+    return (f'<svg class="ulp-plot" id="ulp-plot" data-scale="log" width="100%" viewBox="0 0 {width} {height}" '
+            f'role="img"><title>ulp distance between a and b per step (log scale)</title>{"".join(parts)}</svg>'
+            f'<p class="legend" id="ulp-legend">{legend or "no metric recorded on this rank"}</p>')
+
+
+def _chart(name: str, series_a: dict[int, Record], series_b: dict[int, Record], pair: Pair,
+           first_step: int | None) -> str:
+    """One metric of both runs as an inline SVG line chart: a solid, b dashed in another colour,
+    the steps whose bits differ marked, the first divergence and the steps the live check cut."""
+    title = _metric_title(name)
+    width, height, left, right, top, bottom = 540, 230, 74, 14, 38, 30
+    cut = [s for s in series_a if s not in series_b and pair.cut(s)]
+    steps = sorted(set(series_a) | set(series_b))
     values = [v for s in steps for v in (float_value(series_a[s]) if s in series_a else None,
                                         float_value(series_b[s]) if s in series_b else None)
               if v is not None and math.isfinite(v)]
     equal = sum(1 for s in steps if s in series_a and s in series_b and series_a[s].raw == series_b[s].raw)
     both = sum(1 for s in steps if s in series_a and s in series_b)
     first_diff = next((s for s in steps if s in series_a and s in series_b and series_a[s].raw != series_b[s].raw), None)
-    caption = f"{name}: {equal} of {both} common step(s) bit-identical"
+    caption = f"{equal} of {both} common step(s) bit-identical"
     if first_diff is not None:
         ulp, relative = metric_distance(series_a[first_diff], series_b[first_diff])
         caption += (f"; first differing step {first_diff}: a = {series_a[first_diff].summary()}, "
                     f"b = {series_b[first_diff].summary()}" + (f", {ulp} ulp" if ulp is not None else "")
                     + (f", relative {relative:.3e}" if relative is not None else ""))
+    recorded = f" (recorded as {name})" if title != name else ""
+    head = f'<div class="chart-box"><h3>{_esc(title)}<span class="note mono">{_esc(recorded)}</span></h3>'
     if not steps or not values:
-        return f"<p class=\"mono\">{_esc(caption)} (no finite values to draw)</p>"
+        return f"{head}<p class=\"mono wrap\">{_esc(caption)} (no finite values to draw)</p></div>"
     low, high = min(values), max(values)
     if high == low:
         low, high = low - 1.0 if low == 0 else low - abs(low) * 0.05, high + 1.0 if high == 0 else high + abs(high) * 0.05
-    first_step, last_step = steps[0], steps[-1]
-    span = max(last_step - first_step, 1)
+    first, last = steps[0], steps[-1]
+    span = max(last - first, 1)
 
-    def x(step: int) -> float:
-        return left + (step - first_step) / span * (width - left - right)
+    def x(step: float) -> float:
+        return left + (step - first) / span * (width - left - right)
 
     def y(value: float) -> float:
         return top + (high - value) / (high - low) * (height - top - bottom)
 
-    def line(series: dict[int, Record], dash: str, colour: str) -> str:
-        points = []
-        for s in steps:
-            value = float_value(series[s]) if s in series else None
-            if value is not None and math.isfinite(value):
-                points.append(f"{x(s):.1f},{y(value):.1f}")
+    def line(series: dict[int, Record], extra: str, colour: str, css: str) -> str:
+        points = [f"{x(s):.1f},{y(v):.1f}" for s in steps if s in series
+                  for v in [float_value(series[s])] if v is not None and math.isfinite(v)]
         if not points:
             return ""
-        return (f'<polyline fill="none" stroke="{colour}" stroke-width="1.6" {dash} points="{" ".join(points)}"/>')
+        return (f'<polyline class="{css}" fill="none" stroke="{colour}" stroke-width="2.4" {extra} '
+                f'points="{" ".join(points)}"/>')
 
-    marks = []
+    parts = []
+    start = pair.start_step or 0
+    if start > first:
+        parts.append(f'<rect x="{left}" y="{top}" width="{max(x(start) - left, 0):.1f}" '
+                     f'height="{height - top - bottom}" fill="#eef1f4"><title>before the compared window</title></rect>')
+    if cut:
+        x0 = x(min(cut) - 0.5)
+        parts.append(f'<rect class="cut" x="{x0:.1f}" y="{top}" width="{width - right - x0:.1f}" '
+                     f'height="{height - top - bottom}" fill="#eef1f4"><title>{_esc(pair.names[1])}: not run past '
+                     f'the first divergence (live check)</title></rect><text x="{(x0 + width - right) / 2:.0f}" '
+                     f'y="{top + 14}" text-anchor="middle" font-size="11" fill="#57606a">b not run past the '
+                     "first divergence</text>")
+    for fraction in (0.0, 0.5, 1.0):
+        value = low + (high - low) * fraction
+        parts.append(f'<line x1="{left}" x2="{width - right}" y1="{y(value):.1f}" y2="{y(value):.1f}" stroke="#e5e9ee"/>'
+                     f'<text x="{left - 5}" y="{y(value) + 4:.1f}" text-anchor="end" font-size="11">'
+                     f'{_esc(f"{value:.5g}")}</text>')
+    parts.append(f'<line x1="{left}" y1="{height - bottom}" x2="{width - right}" y2="{height - bottom}" '
+                 'stroke="#8c959f"/>'
+                 f'<text x="{left}" y="{height - 10}" font-size="11">step {first}</text>'
+                 f'<text x="{width - right}" y="{height - 10}" text-anchor="end" font-size="11">step {last}</text>')
+    if first_step is not None and first <= first_step <= last:
+        parts.append(f'<line class="first-divergence" x1="{x(first_step):.1f}" x2="{x(first_step):.1f}" y1="{top}" '
+                     f'y2="{height - bottom}" stroke="#a40e26" stroke-width="1.5" stroke-dasharray="5,3"/>'
+                     f'<text x="{x(first_step) + 4:.1f}" y="{height - bottom - 4}" font-size="11" fill="#a40e26">'
+                     f"first divergence</text>")
+    parts.append(line(series_a, "", COLOUR_A, "curve-a") + line(series_b, _DASHED, COLOUR_B, "curve-b"))
     for s in steps:
-        if s not in series_b:
+        if s not in series_a or s not in series_b or series_a[s].raw == series_b[s].raw:
             continue
         value = float_value(series_b[s])
         if value is None or not math.isfinite(value):
             continue
-        if s not in series_a:
-            colour, what = "#9a6700", "only in b"
-        elif series_a[s].raw == series_b[s].raw:
-            colour, what = "#1a7f37", "same bits"
-        else:
-            colour, what = "#c62828", "bits differ"
-        tip = f"step {s}: {what}; a = {series_a[s].summary() if s in series_a else '-'}, b = {series_b[s].summary()}"
-        marks.append(f'<circle class="mark-{"eq" if colour == "#1a7f37" else "ne"}" cx="{x(s):.1f}" cy="{y(value):.1f}" '
-                     f'r="3" fill="{colour}"><title>{_esc(tip)}</title></circle>')
-    axis = (f'<line x1="{left}" y1="{height - bottom}" x2="{width - right}" y2="{height - bottom}" stroke="#8c959f"/>'
-            f'<line x1="{left}" y1="{top}" x2="{left}" y2="{height - bottom}" stroke="#8c959f"/>'
-            f'<text x="{left - 4}" y="{top + 4}" text-anchor="end" font-size="10">{_esc(f"{high:.6g}")}</text>'
-            f'<text x="{left - 4}" y="{height - bottom}" text-anchor="end" font-size="10">{_esc(f"{low:.6g}")}</text>'
-            f'<text x="{left}" y="{height - 8}" font-size="10">step {first_step}</text>'
-            f'<text x="{width - right}" y="{height - 8}" text-anchor="end" font-size="10">step {last_step}</text>')
-    window = ""
-    if start > first_step:
-        window = (f'<rect x="{left}" y="{top}" width="{max(x(start) - left, 0):.1f}" height="{height - top - bottom}" '
-                  'fill="#eef1f4"><title>before the compared window</title></rect>')
-    svg = (f'<svg class="chart" width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img">'
-           f'<title>{_esc(name)}</title>{window}{axis}'
-           f'{line(series_a, "", "#0969da")}{line(series_b, _DASHED, "#bc4c00")}'
-           f'{"".join(marks)}</svg>')
-    return f"<h3 class=\"mono\">{_esc(name)}</h3><p class=\"mono\">{_esc(caption)}</p>{svg}"
+        ulp, _ = metric_distance(series_a[s], series_b[s])
+        tip = (f"step {s}: bits differ; a = {series_a[s].summary()}, b = {series_b[s].summary()}"
+               + (f", {ulp} ulp" if ulp is not None else ""))
+        parts.append(f'<circle class="mark-ne" cx="{x(s):.1f}" cy="{y(value):.1f}" r="2.6" fill="#cf222e">'
+                     f"<title>{_esc(tip)}</title></circle>")
+    legend = (f'<g class="chart-legend" font-size="12"><line x1="{left}" y1="14" x2="{left + 30}" y2="14" '
+              f'stroke="{COLOUR_A}" stroke-width="2.4"/><text x="{left + 36}" y="18">a: {_esc(pair.names[0])}</text>'
+              f'<line x1="{left + 230}" y1="14" x2="{left + 260}" y2="14" stroke="{COLOUR_B}" stroke-width="2.4" '
+              f'{_DASHED}/><text x="{left + 266}" y="18">b: {_esc(pair.names[1])}</text></g>')
+    svg = (f'<svg class="chart" width="100%" viewBox="0 0 {width} {height}" role="img">'
+           f'<title>{_esc(title)}</title>{legend}{"".join(parts)}</svg>')
+    return f"{head}{svg}<p class=\"mono wrap small\">{_esc(caption)}</p></div>"
 
 
 __all__ = ["build_report", "write_report", "differing_records", "Report", "Pair"]

@@ -8,8 +8,9 @@
   A = B also shows that saving leaves a run as it was.
 
 B and C check themselves live against A's step roots and stop at the first divergent
-step, so no compute is spent after the answer is known.  The same check runs on the
-built-in reference recipe or, through zero-code recording, on any command.
+step, so no compute is spent after the answer is known; with ``keep_going`` (``--keep-going``)
+they run to the end, so the whole divergent curves can be seen (`samebits report`).  The same
+check runs on the built-in reference recipe or, through zero-code recording, on any command.
 
 The verdict is proof or nothing: PASS only when every guarantee checked compared identical
 records and every run finished (a run that raised is a failed run, exit 2); the result names
@@ -137,10 +138,12 @@ def verify_recipe(
     nondeterministic: bool = False,
     progress: Callable[[str], None] | None = None,
     record: dict | None = None,
+    keep_going: bool = False,
 ) -> VerifyResult:
     """Run the reference recipe A (saves at ``resume_at``, default ``steps // 2``, and trains
     on), B (never saves) and C (resumes A's checkpoint) and compare.  Both guarantees are always checked.  ``record``: what to record
-    (`samebits.autorecord.recording_variables`' arguments)."""
+    (`samebits.autorecord.recording_variables`' arguments).  ``keep_going``: B and C are not
+    checked live against A, so they run every step even after they differ."""
     if steps < 2:
         raise ConfigError(f"--steps {steps}: verify needs at least 2 steps (one before and one after the resume).")
     resume_at = steps // 2 if resume_at is None else resume_at
@@ -159,12 +162,12 @@ def verify_recipe(
     say = progress or (lambda message: None)
     # A saves at the resume step and trains on, as a job that checkpoints does; B never saves
     # (so A = B also says that saving leaves the run as it was); C resumes A's checkpoint.
+    live = [] if keep_going else ["--reference", str(out / "a")]  # the live check stops B, C at a difference
     stages = [
         ("A", base + ["--out", str(out / "a"), "--save-at", str(resume_at), "--ckpt", str(out / "ckpt"),
                       "--keep-going"], False),
-        ("B", base + ["--out", str(out / "b"), "--reference", str(out / "a")], True),
-        ("C (resume)", base + ["--out", str(out / "c"), "--resume-from", str(out / "ckpt"), "--reference",
-                               str(out / "a")], True),
+        ("B", base + ["--out", str(out / "b")] + live, True),
+        ("C (resume)", base + ["--out", str(out / "c"), "--resume-from", str(out / "ckpt")] + live, True),
     ]
     timings: dict[str, float] = {}
     runs: list[RunInfo] = []
@@ -207,6 +210,7 @@ def verify_command(
     steps: str | None = None,
     run_timeout: float | None = None,
     record: dict | None = None,
+    keep_going: bool = False,
 ) -> VerifyResult:
     """Run ``cmd`` twice (A, B) with zero-code recording and compare; with ``resume_with``
     (a command run after A, resuming A's checkpoint of step ``resume_at``) also run C and
@@ -218,7 +222,8 @@ def verify_command(
     where A saved its checkpoints) in ``resume_with``.  C's steps are numbered from
     ``resume_at``, like A's.  ``require_resume``: refuse to start without a resume check.
     ``record``: what to record (`samebits.autorecord.recording_variables`' arguments; ``steps``
-    is the step window, kept as its own argument too).
+    is the step window, kept as its own argument too).  ``keep_going``: B and C are not checked
+    live against A, so they run every step even after they differ.
     """
     if not cmd:
         raise ConfigError("no command given: write `samebits verify -- python train.py ...`.")
@@ -244,15 +249,16 @@ def verify_command(
     out = _prepare(out or default_out_dir())
     say = progress or (lambda message: None)
     command = shlex.join(cmd)
+    reference = None if keep_going else out / "a"  # the live check stops B and C at a difference
     notes: list[str] = []
     stages = [("A", _expand(cmd, out, "a"), environment_for(out / "a", command=command, **what)),
               ("B", _expand(cmd, out, "b"),
-               environment_for(out / "b", command=command, reference=out / "a", **what))]
+               environment_for(out / "b", command=command, reference=reference, **what))]
     if resume_with is not None:
         resumed = _expand(shlex.split(resume_with), out, "c", step=resume_at)
         stages.append(("C (resume)", resumed,
                        environment_for(out / "c", command=command, step_offset=resume_at, **what,
-                                       reference=out / "a")))
+                                       reference=reference)))
         if not any("{out}" in part for part in cmd):
             notes.append("the command has no {out}: A and B write their checkpoints to the same place, so C may "
                          "resume from B's; put {out} in the command's checkpoint folder and {from} in "

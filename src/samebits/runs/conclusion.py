@@ -1,0 +1,141 @@
+"""The one sentence that says what a verify, bisect, matrix or diff found.
+
+The terminal prints it under each command's headline and `samebits report` leads its page with
+it, so both say the same thing in the same words.  Each function reads the result's dictionary
+form (``to_dict()``, which is also what ``summary.json`` holds): the terminal passes the result
+it has in memory, the page the summary on disk.
+
+    verify   FAIL: the resume at step 2 (A against C) diverged at step 2, rank 0 (params/w);
+             what differs: step 2, rank 0: ...; the independent runs (A against B) are bit-identical.
+    bisect   DIVERGED: <the bisection's own conclusion: the origin, or why it is not known>
+    matrix   FAIL: single fp32: resume diverged (bisect of the resume: ...)
+    diff     DIVERGED at step 3, rank 1: grads/layer2.weight
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MAX_FAILURES = 3  # a matrix names this many failing cells in its sentence, then counts the rest
+
+
+def conclusion(summary: dict) -> str:
+    """The sentence for any of the four, told apart by the fields their dictionaries hold."""
+    if "cells" in summary:
+        return matrix_conclusion(summary)
+    if "stages" in summary:
+        return bisect_conclusion(summary)
+    if "checks" in summary:
+        return verify_conclusion(summary)
+    return diff_conclusion(summary)
+
+
+def _verdict(summary: dict) -> str:
+    return str(summary.get("verdict") or "incomplete").upper()
+
+
+def _where(first: dict) -> str:
+    """A first divergence's record (phase/name), or what it says when it has no record."""
+    if first.get("name") is not None:
+        return f"{first.get('phase')}/{first.get('name')}"
+    return str(first.get("detail") or "")
+
+
+def verify_conclusion(summary: dict) -> str:
+    """Each checked guarantee that diverged (where, and the most specific thing the state census
+    says differs), each that could not be decided (its first reason), those that held, and those
+    not checked."""
+    checks = summary.get("checks") or {}
+    resume_at = summary.get("resume_at")
+    explanations = summary.get("explanations") or {}
+
+    def label(name: str) -> str:
+        if name == "resume":
+            return f"the resume at step {resume_at} (A against C)" if resume_at is not None else \
+                "the resume (A against C)"
+        return {"independent": "the independent runs (A against B)"}.get(name, name)
+
+    diverged, undecided, held, unchecked = [], [], [], []
+    for name, check in checks.items():
+        if check is None:
+            unchecked.append(label(name))
+            continue
+        verdict = check.get("verdict")
+        if verdict == "diverged":
+            first = check.get("first_divergence") or {}
+            text = f"{label(name)} diverged at step {first.get('step')}, rank {first.get('rank')} ({_where(first)})"
+            lines = explanations.get(name) or []
+            if lines:
+                text += f"; what differs: {lines[0]}"
+            diverged.append(text)
+        elif verdict == "identical":
+            held.append(label(name))
+        else:
+            reasons = list(check.get("incomplete") or []) + list(check.get("notes") or [])
+            undecided.append(f"{label(name)} could not be decided" + (f" ({reasons[0]})" if reasons else ""))
+    parts = diverged + undecided
+    if held:
+        parts.append(" and ".join(held) + ": bit-identical")
+    if unchecked:
+        parts.append("not checked: " + ", ".join(unchecked))
+    return f"{_verdict(summary)}: " + ("; ".join(parts) or "nothing was checked") + "."
+
+
+def bisect_conclusion(summary: dict) -> str:
+    """The bisection's own conclusion (the origin and its call site, or why it is not known):
+    never a record of the first stage's diff, which may be a census record the origin explains."""
+    said = summary.get("conclusion") or ""
+    if not said:
+        said = "the runs are identical" if summary.get("verdict") == "identical" else \
+            "no origin was localised (see the stages)"
+    return f"{_verdict(summary)}: {said}"
+
+
+def matrix_conclusion(summary: dict) -> str:
+    """Why the matrix is not PASS (its failures, each failing cell's bisection when it ran), or
+    that every cell held."""
+    cells = summary.get("cells") or []
+    failures = list(summary.get("failures") or [])
+    verdict = _verdict(summary)
+    if not failures:
+        if verdict == "PASS":
+            return (f"PASS: every cell held both guarantees ({len(cells)} cell(s); baseline "
+                    f"{summary.get('baseline')}).")
+        reasons = [f"{c.get('cell')} {c.get('precision')}: {c.get('reason')}" for c in cells if c.get("reason")]
+        return f"{verdict}: no cell held or failed" + (f" ({'; '.join(reasons[:MAX_FAILURES])})" if reasons
+                                                      else "") + "."
+    parts = []
+    for line in failures[:MAX_FAILURES]:
+        cell = next((c for c in cells if line.startswith(f"{c.get('cell')} {c.get('precision')}")), None)
+        found = (cell or {}).get("bisect") or {}
+        said = found.get("conclusion") or found.get("error")
+        if said:
+            of = " of the resume" if found.get("of") == "resume" else ""
+            line += f" (bisect{of}: {said})"
+        parts.append(line)
+    if len(failures) > MAX_FAILURES:
+        parts.append(f"and {len(failures) - MAX_FAILURES} more")
+    return f"{verdict}: " + "; ".join(parts) + "."
+
+
+def diff_conclusion(result: dict) -> str:
+    """A rank-by-rank diff (`samebits.compare.DiffResult.to_dict`): where the runs first part,
+    or that they are identical (with what was compared), or that it could not decide."""
+    verdict = result.get("verdict")
+    if verdict == "diverged":
+        first = result.get("first_divergence") or {}
+        return f"DIVERGED at step {first.get('step')}, rank {first.get('rank')}: {_where(first)}"
+    if verdict == "identical":
+        return f"IDENTICAL: bit for bit. {compared_counts(result.get('compared') or {})}"
+    return ("INCOMPLETE: could not decide (no divergence found in what was compared, but not everything could "
+            "be compared)")
+
+
+def compared_counts(compared: dict[str, Any]) -> str:
+    """What a rank-by-rank diff compared: ranks, steps, records, steps equal by their root."""
+    return (f"{compared.get('ranks')} rank(s) x {compared.get('steps')} step(s), {compared.get('records', 0):,} "
+            f"records compared ({compared.get('steps_identical_by_root')} step(s) equal by root)")
+
+
+__all__ = ["conclusion", "verify_conclusion", "bisect_conclusion", "matrix_conclusion", "diff_conclusion",
+           "compared_counts"]

@@ -29,10 +29,12 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 from samebits.autorecord import read_outcomes
 from samebits.defaults import DEFAULT_TIMEOUT_S
 from samebits.errors import ConfigError, SamebitsError, StreamError
+from samebits.runs.progress import watching
 from samebits.stream import open_run
 
 _TAIL_LINES = 15
@@ -52,8 +54,14 @@ class RunFailed(SamebitsError):
 
 
 def run_logged(argv: list[str], log: Path, *, env: dict | None = None, header: str = "",
-               timeout: float | None = DEFAULT_TIMEOUT_S, label: str = "") -> tuple[int, float]:
+               timeout: float | None = DEFAULT_TIMEOUT_S, label: str = "",
+               progress: Callable[[str], None] | None = None, streams: Path | None = None,
+               steps: int | None = None) -> tuple[int, float]:
     """Run ``argv`` with its output in ``log``; return (exit code, seconds).
+
+    With ``progress`` and ``streams`` (the folder the run records into), the run's steps are
+    reported live as they land (`samebits.runs.progress`; ``steps``: how many it will write),
+    and a run that stops stepping is reported with its log.
 
     The run is started in a session of its own, and it does not outlive an interrupted call:
     when it runs past ``timeout``, or samebits is interrupted (Ctrl-C, SIGTERM, SIGHUP: raised
@@ -72,7 +80,8 @@ def run_logged(argv: list[str], log: Path, *, env: dict | None = None, header: s
             except FileNotFoundError:
                 raise SamebitsError(f"cannot run {argv[0]!r}: no such program. Check the command.") from None
             try:
-                code = process.wait(timeout=timeout)
+                with watching(progress, streams, label, steps=steps, log=log):
+                    code = process.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 end_process_tree(process)  # the run and every process it started
                 raise SamebitsError(f"run {label} ({shlex.join(argv)}) did not finish within {timeout:.0f} s "
@@ -108,9 +117,11 @@ def check_recipe(argv: list[str]) -> None:
         raise RecipeRefused(said[-1] if said else f"exit code {proc.returncode}")
 
 
-def run_attached(argv: list[str], *, env: dict | None = None) -> int:
+def run_attached(argv: list[str], *, env: dict | None = None, progress: Callable[[str], None] | None = None,
+                 streams: Path | None = None) -> int:
     """Run ``argv`` on samebits' own terminal (its output to ours, Ctrl-C reaching it as usual);
-    return its exit code.  Like `run_logged` it does not outlive samebits: when samebits is
+    return its exit code.  With ``progress`` and ``streams``, its steps are reported live as in
+    `run_logged`, as plain lines (the run's own output shares the terminal).  Like `run_logged` it does not outlive samebits: when samebits is
     told to stop (SIGTERM, SIGHUP, Ctrl-C) while it waits, the run and every process it started
     are ended, and on Linux the run gets SIGTERM if samebits itself dies."""
     with _signals_interrupt():
@@ -119,7 +130,8 @@ def run_attached(argv: list[str], *, env: dict | None = None) -> int:
         except FileNotFoundError:
             raise SamebitsError(f"cannot run {argv[0]!r}: no such program. Check the command after `--`.") from None
         try:
-            return process.wait()
+            with watching(progress, streams, "run", plain=True):
+                return process.wait()
         except BaseException:
             end_process_tree(process)
             raise

@@ -84,7 +84,8 @@ class Command:
     step_offset: int | None = None  # a resumed command: its first step number (SAMEBITS_STEP_OFFSET)
     from_step: int | None = None  # record only steps >= this (SAMEBITS_STEPS=K:)
 
-    def launch(self, out_dir: Path, config: TraceConfig, log: Path, timeout: float | None = None) -> float:
+    def launch(self, out_dir: Path, config: TraceConfig, log: Path, timeout: float | None = None,
+               progress: Callable[[str], None] | None = None) -> float:
         env = dict(os.environ)
         if self.recipe:  # it records itself; a resume bisect records only steps >= K on both sides
             argv = self.argv + ["--out", str(out_dir)]
@@ -98,7 +99,8 @@ class Command:
             env.pop(name, None)
         env.update(config.to_env())
         header = " ".join(f"{k}={v}" for k, v in sorted(config.to_env().items()))
-        code, seconds = run_logged(argv, log, env=env, header=header, timeout=timeout, label=self.label)
+        code, seconds = run_logged(argv, log, env=env, header=header, timeout=timeout, label=self.label,
+                                   progress=progress, streams=out_dir)
         if not any(out_dir.glob("rank-*.sbs")):
             if code != 0:
                 raise failed(self.label, self.argv, code, log)
@@ -272,6 +274,7 @@ class _Bisector:
         self.side_a, self.side_b = side_a, side_b
         self.out = out
         self.say = progress or (lambda message: None)
+        self.progress = progress  # also follows each run's steps live (`samebits.runs.progress`)
         self.stop_after = stop_after
         self.same_command = same_command
         self.stages: list[Stage] = []
@@ -301,7 +304,8 @@ class _Bisector:
             if self.perturb_b is not None and command.label.startswith("b"):
                 run_config = config.with_(perturb=self.perturb_b)  # test hook: side B only
             seconds = command.launch(directory, run_config,
-                                     self.out / "logs" / f"{number}-{stage.name}-{label}.log", self.run_timeout)
+                                     self.out / "logs" / f"{number}-{stage.name}-{label}.log", self.run_timeout,
+                                     progress=self.progress)
             self.notes.extend(command.exit_notes)
             command.exit_notes.clear()
             stage.runs[label] = seconds

@@ -41,6 +41,7 @@ from samebits.runs._launch import RecipeRefused, RunFailed
 from samebits.runs.bisect import bisect
 from samebits.runs.cells import Cell, parse_cell
 from samebits.runs.distance import ulp_distance
+from samebits.runs.progress import indented
 from samebits.runs.verify import VerifyResult, _prepare, _write_summary, default_out_dir, verify_recipe
 from samebits.stream import open_run
 from samebits.verdicts import ToDict, Verdict
@@ -266,7 +267,7 @@ def _run_cell(c: CellResult, cell: Cell, precision: str, *, steps: int, resume_a
     try:
         c.verify = verify_recipe(c.out, steps=steps, resume_at=resume_at, nproc=cell.world_size,
                                  overrides=[*cell.overrides, *batch, f"precision={precision}", *overrides],
-                                 nondeterministic=nondeterministic, progress=lambda m: say("      " + m.strip()))
+                                 nondeterministic=nondeterministic, progress=indented(say, "      "))
     except RunFailed as err:
         stage = "cannot start" if err.label == "A" else f"run {err.label} crashed"
         c.reason = f"{stage}: {err.reason}"
@@ -373,7 +374,7 @@ def _bisect_cell(c: CellResult, cell: Cell, steps: int, overrides: list[str], no
         found = bisect(out=Path(c.out) / "bisect", steps=min(steps, 4) if resume_at is None else steps,
                        nproc=cell.world_size, nondeterministic=nondeterministic, resume_at=resume_at,
                        overrides=[*cell.overrides, f"precision={c.precision}", *overrides],
-                       progress=lambda m: say("      " + m.strip()))
+                       progress=indented(say, "      "))
     except SamebitsError as err:
         return {"error": str(err).splitlines()[0]}
     return {"of": "resume" if resume_at is not None else "independent",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 from pathlib import Path
+from typing import Callable
 
 from samebits.autorecord import environment_for
 from samebits.errors import ConfigError
@@ -21,19 +22,21 @@ def check_out_dir(out) -> Path:
     return out
 
 
-def run_recorded(cmd: list[str], out, *, reference=None, step_offset: int | None = None, **what) -> int:
+def run_recorded(cmd: list[str], out, *, reference=None, step_offset: int | None = None,
+                 progress: Callable[[str], None] | None = None, **what) -> int:
     """Run ``cmd`` with recording into ``out`` (new or empty); return its exit code.
 
     ``reference``: check each step live against that run; ``step_offset``: the first step's
-    number; ``what``: what to record (`samebits.autorecord.recording_variables`: steps, ranks,
-    phases, include, exclude, max_tensor_bytes)."""
+    number; ``progress``: where its steps are reported live (`samebits.runs.progress`);
+    ``what``: what to record (`samebits.autorecord.recording_variables`: steps, ranks, phases,
+    include, exclude, max_tensor_bytes)."""
     if not cmd:
         raise ConfigError("no command given: write `samebits run --out DIR -- python train.py ...`.")
     if step_offset is not None and step_offset < 0:
         raise ConfigError(f"--step-offset {step_offset}: must be >= 0.")
     check_out_dir(out)
     env = environment_for(out, command=shlex.join(cmd), reference=reference, step_offset=step_offset, **what)
-    return run_attached(cmd, env=env)
+    return run_attached(cmd, env=env, progress=progress, streams=Path(out))
 
 
 __all__ = ["run_recorded", "check_out_dir"]

@@ -211,11 +211,13 @@ def tax(out: str | Path | None = None, *, command: list[str] | None = None, comm
             say(f"[pair {pair + 1}/{pairs}] {label}: {shlex.join(argv)}")
             if recipe:
                 argv = argv + ["--out", str(run_dir)]
-                code, seconds = run_logged(argv, log, label=f"{label} (pair {pair})", timeout=run_timeout)
+                code, seconds = run_logged(argv, log, label=f"{label} (pair {pair})", timeout=run_timeout,
+                                           progress=progress, streams=run_dir, steps=steps)
                 judge_recipe_run(f"{label} (pair {pair})", argv, code, log, stopped=False)
             else:
                 env = environment_for(run_dir, command=shlex.join(argv))
-                code, seconds = run_logged(argv, log, env=env, label=f"{label} (pair {pair})", timeout=run_timeout)
+                code, seconds = run_logged(argv, log, env=env, label=f"{label} (pair {pair})", timeout=run_timeout,
+                                           progress=progress, streams=run_dir)
                 note = judge_recorded_run(f"{label} (pair {pair})", argv, code, run_dir, log)
                 if note:
                     notes.append(f"{label} (pair {pair}): {note}")

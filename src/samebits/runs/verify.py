@@ -175,7 +175,8 @@ def verify_recipe(
         say(f"[{index}/{len(stages)}] run {name}: {nproc} rank(s), {steps} steps ...")
         run_dir = Path(argv[argv.index("--out") + 1])
         log = out / "logs" / (name.split()[0].lower() + ("-resume" if "resume" in name else "") + ".log")
-        code, seconds = run_logged(argv, log, label=name, env=env)
+        code, seconds = run_logged(argv, log, label=name, env=env, progress=progress, streams=run_dir,
+                                   steps=steps - resume_at if name.startswith("C") else steps)
         timings[name] = seconds
         # torchrun replaces the recipe's exit code 3 by its own: the marker file tells.
         stop = read_stop(run_dir) if may_stop else None
@@ -270,7 +271,7 @@ def verify_command(
         log = out / "logs" / (name.split()[0].lower() + ".log")
         run_dir = Path(env["SAMEBITS_DIR"])
         kwargs = {"timeout": run_timeout} if run_timeout is not None else {}
-        code, seconds = run_logged(argv, log, env=env, label=name, **kwargs)
+        code, seconds = run_logged(argv, log, env=env, label=name, progress=progress, streams=run_dir, **kwargs)
         timings[name] = seconds
         stop = read_stop(run_dir)
         if stop is not None:

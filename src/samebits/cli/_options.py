@@ -9,7 +9,9 @@ takes an option spells, documents, defaults and checks it the same way.
   `positive_int` (counts), `step_number` (steps, ranks, offsets), `rank_count` (processes of
   one run), `positive_float` (timeouts, ratios), `open_unit_interval` (a confidence), `int_range`;
 * `check_input_file`, `check_input_directory`: what a command reads must be a regular file (a FIFO
-  in place of a stream would hang the reader, a device would feed it forever).
+  in place of a stream would hang the reader, a device would feed it forever);
+* `add_progress_options`, `progress_for`: ``-q`` and ``--stall-factor``, and the live progress
+  of a command that launches runs (`samebits.runs.progress`).
 """
 
 from __future__ import annotations
@@ -22,8 +24,12 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from samebits.cli._format import escape
+from samebits.cli._lazy import lazy
 from samebits.errors import ConfigError
 from samebits.defaults import DEFAULT_TIMEOUT_S
+
+Progress = lazy("samebits.runs.progress", "Progress")
 
 MAX_COUNT = 10**9  # steps, pairs, ...: a count above this is a typo, not a run
 MAX_NPROC = 1024  # processes of one run on one machine (--nproc, a matrix cell's world size)
@@ -241,3 +247,29 @@ def recording_options(args: argparse.Namespace) -> dict:
     """The parsed group as keyword arguments of `samebits.autorecord.recording_variables`."""
     return {"steps": args.record_steps, "ranks": args.ranks, "phases": args.phases, "include": args.include,
             "exclude": args.exclude, "max_tensor_bytes": args.max_tensor_bytes}
+
+
+# ---------------------------------------------------------------------------------------------
+# live progress: -q, --stall-factor (verify, bisect, matrix, tax, run)
+
+STALL_FACTOR_HELP = "10"  # samebits.runs.progress.STALL_FACTOR, written here so that --help loads no library
+MIN_STALL_HELP = "30"  # samebits.runs.progress.MIN_STALL_S
+
+
+def add_progress_options(parser: argparse.ArgumentParser) -> None:
+    """``-q/--quiet`` (no progress lines on stderr) and ``--stall-factor N`` (when a run that
+    writes no step is reported), for a command that launches training runs."""
+    group = parser.add_argument_group("progress (on stderr)")
+    group.add_argument("-q", "--quiet", action="store_true",
+                       help="print no progress: no stage lines and no live step lines (a stalled run is still "
+                            "reported)")
+    group.add_argument("--stall-factor", type=positive_float, default=None, metavar="N",
+                       help=f"report a run that writes no step for N times its median step time, and at least "
+                            f"{MIN_STALL_HELP} s (default {STALL_FACTOR_HELP})")
+
+
+def progress_for(args: argparse.Namespace):
+    """The `samebits.runs.progress.Progress` of a command that took `add_progress_options`: its
+    lines on stderr after the elapsed time, terminal-safe (`escape`), a status line on a terminal."""
+    options = {} if args.stall_factor is None else {"stall_factor": args.stall_factor}
+    return Progress(quiet=args.quiet, clean=lambda text: escape(text, keep_newlines=True), **options)

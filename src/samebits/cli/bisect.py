@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import shlex
 
-from samebits.cli._format import print_result, progress_printer, table
-from samebits.cli._options import add_out_option, add_recipe_options, add_run_timeout_option, step_number
+from samebits.cli._format import print_result, table
+from samebits.cli._options import (add_out_option, add_progress_options, add_recipe_options, add_run_timeout_option,
+                                   progress_for, step_number)
 from samebits.cli._lazy import lazy
 from samebits.errors import ConfigError
 
@@ -35,6 +36,7 @@ def register(sub) -> None:
                         help="the reference recipe's resume: A saves a checkpoint at step K and B resumes it; "
                         "only steps >= K are compared (no command; for your own, --b-step-offset)")
     add_out_option(parser, "bisect")
+    add_progress_options(parser)
     parser.add_argument("--stop-after", type=step_number, default=None, metavar="STEP",
                         help="end every run after this step (long commands)")
     add_run_timeout_option(parser)
@@ -53,7 +55,7 @@ def run(args) -> int:
     cmd_a = shlex.split(args.cmd_a) if args.cmd_a else (args.cmd or None)
     cmd_b = shlex.split(args.cmd_b) if args.cmd_b else None
 
-    progress = progress_printer("bisect")  # stderr, each line after the elapsed time
+    progress = progress_for(args)  # stderr, each line after the elapsed time; each run's steps live
 
     if args.b_step_offset is not None and not (args.cmd_a and args.cmd_b):
         raise ConfigError("--b-step-offset needs --a and --b: the run to resume from (A) and the command that "

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-
-from samebits.cli._format import echo, print_result, table
-from samebits.cli._options import add_out_option, add_recipe_options, positive_int, rank_count, step_number
+from samebits.cli._format import print_result, table
+from samebits.cli._options import (add_out_option, add_progress_options, add_recipe_options, positive_int,
+                                   progress_for, rank_count, step_number)
 from samebits.cli._lazy import lazy
 from samebits.defaults import (DEFAULT_CELLS, DEFAULT_GLOBAL_BATCH, DEFAULT_MAX_WORLD_SIZE, DEFAULT_PRECISIONS,
                                LAYOUT_INDEPENDENT)
@@ -56,13 +55,13 @@ def register(sub) -> None:
     parser.add_argument("--max-world-size", type=rank_count, default=DEFAULT_MAX_WORLD_SIZE, metavar="N",
                         help=f"a cell with more ranks cannot start (default {DEFAULT_MAX_WORLD_SIZE})")
     add_out_option(parser, "matrix")
+    add_progress_options(parser)
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.set_defaults(func=run)
 
 
 def run(args) -> int:
-    def progress(message: str) -> None:
-        echo(message, file=sys.stderr, flush=True)
+    progress = progress_for(args)  # stderr, each line after the elapsed time; each run's steps live
 
     precisions = split_list(args.precisions, "precisions")
     unknown = [p for p in precisions if p not in PRECISIONS]

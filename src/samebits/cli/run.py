@@ -6,7 +6,8 @@ import sys
 
 from samebits.cli._format import echo
 from samebits.cli._lazy import lazy
-from samebits.cli._options import add_recording_options, check_input_directory, recording_options, step_number
+from samebits.cli._options import (add_progress_options, add_recording_options, check_input_directory, progress_for,
+                                   recording_options, step_number)
 from samebits.errors import SamebitsError
 from samebits.verdicts import EXIT_CANNOT_RUN, EXIT_STOPPED
 
@@ -33,6 +34,7 @@ def register(sub) -> None:
                         help="number the first step K (a resumed run, so its steps line up with the run it "
                              "resumes; default 0)")
     add_recording_options(parser)
+    add_progress_options(parser)
     parser.add_argument("cmd", nargs="+", metavar="-- CMD", help="the command to run")
     parser.set_defaults(func=run)
 
@@ -41,7 +43,7 @@ def run(args) -> int:
     if args.reference is not None:
         check_input_directory(args.reference)
     code = run_recorded(args.cmd, args.out, reference=args.reference, step_offset=args.step_offset,
-                        **recording_options(args))
+                        progress=progress_for(args), **recording_options(args))
     say = lambda message: echo(f"samebits run: {message}", file=sys.stderr)  # noqa: E731
     try:
         summary = summarise(args.out)

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import math
-import sys
 
-from samebits.cli._format import echo, print_result, table
-from samebits.cli._options import (add_out_option, add_recipe_options, add_run_timeout_option, int_range,
-                                   open_unit_interval, positive_int, step_number)
+from samebits.cli._format import print_result, table
+from samebits.cli._options import (add_out_option, add_progress_options, add_recipe_options, add_run_timeout_option,
+                                   int_range, open_unit_interval, positive_int, progress_for, step_number)
 from samebits.cli._lazy import lazy
 from samebits.defaults import DEFAULT_GATE
 from samebits.errors import ConfigError
@@ -43,6 +42,7 @@ def register(sub) -> None:
     parser.add_argument("--seed", type=int_range(0, 2**64 - 1, 0), default=0, help="bootstrap seed (default 0)")
     add_run_timeout_option(parser)
     add_out_option(parser, "tax")
+    add_progress_options(parser)
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("cmd", nargs="*", metavar="-- CMD", help="a command holding {deterministic}")
     parser.set_defaults(func=run)
@@ -54,7 +54,7 @@ def run(args) -> int:
     result = tax(args.out, command=args.cmd or None, command_a=args.cmd_a, command_b=args.cmd_b,
                  pairs=args.pairs, steps=args.steps, warmup=args.warmup, gate=args.gate, nproc=args.nproc,
                  overrides=args.overrides, resamples=args.resamples, confidence=args.confidence, seed=args.seed,
-                 run_timeout=args.run_timeout, progress=lambda line: echo(line, file=sys.stderr, flush=True))
+                 run_timeout=args.run_timeout, progress=progress_for(args))
     return print_result(result, args.json, render)
 
 

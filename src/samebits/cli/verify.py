@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import time
 
-from samebits.cli._format import print_result, progress_printer, table
+from samebits.cli._format import print_result, table
 from samebits.cli._lazy import lazy
-from samebits.cli._options import (MAX_NPROC, add_out_option, add_recipe_options, add_recording_options,
-                                   add_run_timeout_option, recording_options, step_number)
+from samebits.cli._options import (MAX_NPROC, add_out_option, add_progress_options, add_recipe_options,
+                                   add_recording_options, add_run_timeout_option, progress_for, recording_options,
+                                   step_number)
 from samebits.cli.replay import check_row_table
 from samebits.errors import ConfigError
 from samebits.verdicts import Verdict
@@ -30,6 +31,7 @@ def register(sub) -> None:
         "Resume your own script: docs/resume.md.",
     )
     add_out_option(parser, "verify")
+    add_progress_options(parser)
     add_recipe_options(parser, steps=8, nproc=2, nondeterministic=True)
     parser.add_argument("--resume-at", type=step_number, default=None, metavar="K",
                         help="the resume step: recipe default steps/2; with a command it is required "
@@ -55,7 +57,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    progress = progress_printer("verify")  # stderr, each line after the elapsed time
+    progress = progress_for(args)  # stderr, each line after the elapsed time; each run's steps live
 
     start = time.perf_counter()
     if args.across is not None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from samebits.errors import ConfigError
+from samebits.invariant import TP_BLOCK_SIZE
 from samebits.recipes.precision import PrecisionName, check_gemm, resolve_gemm
 
 # Option types: the choices of a field are its Literal's arguments (validated and parsed from
@@ -26,6 +27,7 @@ DataDtype = Literal["uint16", "uint32"]
 Device = Literal["cpu", "cuda"]
 PipelineSchedule = Literal["gpipe", "1f1b"]
 GradReduce = Literal["mean", "invariant"]
+TpReduce = Literal["plain", "invariant"]
 
 
 @dataclass(kw_only=True)
@@ -137,6 +139,16 @@ class RecipeConfig:
     seq_len / tp positions; all-gather before, reduce-scatter after each attention and
     feed-forward); seq_len must be divisible by tp.  False keeps the stream replicated on
     the TP ranks (Megatron TP alone).  No effect at tp=1."""
+
+    tp_reduce: TpReduce = "plain"
+    """The tensor-parallel linears' reductions: "plain" (DTensor's TP: a row-parallel product
+    summed in fp32 over the TP ranks, so the bits depend on tp) or "invariant"
+    (`samebits.invariant`: the reduction dimension cut into blocks of 32, each block's
+    product exact, the blocks added in int64 fixed point: the same bits at tp=1, 2, 4 ...,
+    forward and backward, and a clipping norm that does not depend on the split;
+    docs/invariance.md).  Set it at every TP degree you compare, tp=1 included.  Invariant
+    needs precision=fp32, ep=1, pp=1, dp_shard=1, sequence_parallel=false (with tp > 1), and
+    the per-rank share of d_model and ffn_hidden_size in whole blocks of 32."""
 
     pp: int = 1
     """Pipeline stages (`torch.distributed.pipelining`): the blocks split evenly in order."""
@@ -305,6 +317,7 @@ class RecipeConfig:
              f"grad_reduce='invariant' sums per-micro-batch gradients over the data-parallel "
              f"ranks only; {', '.join(invariant_blockers)} couples the computation to the layout "
              "(EP experts sum every rank's tokens in one matmul). Set ep=1, tp=1, pp=1, dp_shard=1.")
+        self._check_tp_reduce(need)
         need(self.data_dtype != "uint16" or self.vocab_size <= 2**16,
              f"vocab_size={self.vocab_size} does not fit data_dtype='uint16'; use 'uint32'")
         need(self.fp8_amax_history_len >= 1,
@@ -312,6 +325,25 @@ class RecipeConfig:
         self.precision_gemm = resolve_gemm(self.precision, self.device, self.precision_gemm)
         problem = check_gemm(self.precision, self.precision_gemm, self.device)
         need(problem is None, problem or "")
+
+    def _check_tp_reduce(self, need) -> None:
+        """tp_reduce='invariant': what its layers and norm cover today (docs/invariance.md)."""
+        if self.tp_reduce != "invariant":
+            return
+        blockers = [f"{name}={getattr(self, name)!r}" for name, ok in (
+            ("precision", self.precision == "fp32"), ("ep", self.ep == 1), ("pp", self.pp == 1),
+            ("dp_shard", self.dp_shard == 1),
+            ("sequence_parallel", not (self.sequence_parallel and self.tp > 1)),
+            ("fault_tp_racy_accumulate", not self.fault_tp_racy_accumulate)) if not ok]
+        need(not blockers,
+             f"tp_reduce='invariant' makes the tensor-parallel linears and the clipping norm "
+             f"independent of tp, not yet {', '.join(blockers)} (docs/invariance.md lists what "
+             "is covered). Set precision=fp32, ep=1, pp=1, dp_shard=1, sequence_parallel=false.")
+        block = TP_BLOCK_SIZE * self.tp
+        need(self.d_model % block == 0 and self.ffn_hidden_size % block == 0,
+             f"tp_reduce='invariant' cuts each TP rank's share of a reduction into whole blocks of "
+             f"{TP_BLOCK_SIZE}: at tp={self.tp}, d_model={self.d_model} and ffn_hidden_size="
+             f"{self.ffn_hidden_size} must be multiples of {block}; change the sizes or the TP degree")
 
     @property
     def moe_layer_ids(self) -> list[int]:

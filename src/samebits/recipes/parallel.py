@@ -25,6 +25,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from samebits import invariant
+
 
 def init_process_group(device_type: str = "cpu") -> tuple[int, int, bool]:
     """Join the torchrun group if the environment names one (WORLD_SIZE > 1): gloo for
@@ -173,8 +175,15 @@ def clip_grad_norm(model: nn.Module, layout, max_norm: float) -> torch.Tensor:
     they are sharded over (none: replicated; "ep": expert shards; a DTensor's Shard
     placements: TP and FSDP2 shards); each group's sum of squares is all-reduced over
     exactly those dimensions, the groups are added in a fixed order, and pipeline stages
-    add theirs over "pp".  Every sum has a fixed order, so the norm's bits repeat.
+    add theirs over "pp".  Every sum has a fixed order, so the norm's bits repeat.  Under
+    tp_reduce=invariant the norm is `samebits.invariant.clip_sharded_grad_norm_`'s, whose bits
+    do not depend on tp either.
     """
+    if layout.tp_invariant:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        return invariant.clip_sharded_grad_norm_(
+            [_local(g) for g in grads], max_norm, full_numels=[g.numel() for g in grads],
+            group=layout.group("tp") if layout.dims.tp > 1 else None)
     groups: dict[tuple[str, ...], list[torch.Tensor]] = {}
     for name, param in model.named_parameters():
         grad = param.grad

@@ -8,6 +8,9 @@ the architecture, this file the parallelism), on PyTorch's own engines.
 - TP: DTensor `parallelize_module`: fused QKV and the dense MLP's up projection column-wise,
   the attention output and the MLP's down projection row-wise (Megatron's split; the fused
   QKV is head-major, so a column shard holds whole heads);
+- TP with `tp_reduce=invariant` (`apply_invariant_linears`, tp=1 included): the same split,
+  each linear `samebits.invariant`'s column- or row-parallel layer, whose forward and backward
+  have the same bits at every TP degree (no sequence parallelism yet; docs/invariance.md);
 - SP (`sequence_parallel`, on with TP by default, as torchtitan): between the TP linears the
   residual stream is sharded along the sequence (Shard(1)), so the norms, dropout and
   residual adds run on seq_len / tp positions per TP rank: `SequenceParallel` norms,
@@ -51,13 +54,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
                                                PrepareModuleInputOutput, PrepareModuleOutput,
                                                RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
 from samebits.errors import ConfigError
+from samebits.invariant import column_parallel_linear, row_parallel_linear
 from samebits.recipes.config import RecipeConfig
 from samebits.runs import cells
 from samebits.recipes.model import MLP, MoE, Block, Transformer
@@ -165,6 +169,7 @@ class ParallelLayout:
     expert_param_names: frozenset[str] = frozenset()  # EP shards: rank-local parameters
     pipeline: Pipeline | None = None
     sequence_parallel: bool = False  # the TP ranks hold sequence shards of the stream
+    tp_invariant: bool = False  # tp_reduce=invariant: TP linears and the clipping norm split-invariant
 
     @property
     def coords(self) -> dict[str, int]:
@@ -208,7 +213,9 @@ def parallelize(model: Transformer, cfg: RecipeConfig, rank: int, world_size: in
 
     At world size 1 nothing changes."""
     dims = ParallelDims.resolve(cfg, world_size)
-    layout = ParallelLayout(rank, world_size, dims, device)
+    layout = ParallelLayout(rank, world_size, dims, device, tp_invariant=cfg.tp_reduce == "invariant")
+    if layout.tp_invariant and dims.tp == 1:
+        apply_invariant_linears(model, None)  # the layer math of every TP degree, on one rank
     if world_size == 1:
         return layout
     layout.mesh = build_mesh(dims, device.type)
@@ -218,8 +225,11 @@ def parallelize(model: Transformer, cfg: RecipeConfig, rank: int, world_size: in
         _prune_to_stage(model, coords["pp"], dims.pp)
     if dims.tp > 1:
         layout.sequence_parallel = cfg.sequence_parallel
-        apply_tensor_parallel(model, layout.mesh["tp"], racy=cfg.fault_tp_racy_accumulate,
-                              sequence_parallel=cfg.sequence_parallel, dropout=cfg.dropout)
+        if layout.tp_invariant:
+            apply_invariant_linears(model, layout.mesh["tp"])
+        else:
+            apply_tensor_parallel(model, layout.mesh["tp"], racy=cfg.fault_tp_racy_accumulate,
+                                  sequence_parallel=cfg.sequence_parallel, dropout=cfg.dropout)
     model.to(device)
     if dims.dp_shard > 1:
         apply_fsdp(model, layout.mesh["dp_shard"])
@@ -301,6 +311,38 @@ def _tensor_parallel_plan(block: Block) -> dict[str, Any]:
     if isinstance(block.ffn, MLP):
         plan.update({"ffn.up": ColwiseParallel(), "ffn.down": RowwiseParallel()})
     return plan
+
+
+def apply_invariant_linears(model: Transformer, tp_mesh: DeviceMesh | None) -> None:
+    """`tp_reduce=invariant`: Megatron's split of `_tensor_parallel_plan` (no sequence
+    parallelism), each linear computed by `samebits.invariant`'s column- or row-parallel
+    layer, whose forward and backward have the same bits at every TP degree
+    (docs/invariance.md).  The weights become DTensor shards as under plain TP (``Shard(0)``
+    column-wise, ``Shard(1)`` row-wise: checkpoints, global digests and the norm see the same
+    placements); activations between the two linears are plain local tensors (this rank's
+    heads or hidden columns).  ``tp_mesh`` None (tp=1): the same layers, whole, on one rank."""
+    group = None if tp_mesh is None else tp_mesh.get_group()
+    for block in [*model.layers.values(), *(m.block for m in (model.mtp or []))]:
+        for name, style in _tensor_parallel_plan(block).items():
+            linear = block.get_submodule(name)
+            column = isinstance(style, ColwiseParallel)
+            if tp_mesh is not None:
+                linear.weight = nn.Parameter(distribute_tensor(
+                    linear.weight.detach(), tp_mesh, [Shard(0 if column else 1)]))
+            linear.forward = _InvariantLinear(linear, column, group)
+
+
+class _InvariantLinear:
+    """The forward of one TP linear under `tp_reduce=invariant` (bias-free, as the recipe's)."""
+
+    def __init__(self, linear: nn.Linear, column: bool, group):
+        self.linear, self.group = linear, group
+        self.layer = column_parallel_linear if column else row_parallel_linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.linear.weight
+        # to_local keeps autograd: the weight's grad comes back as a DTensor of its placement.
+        return self.layer(x, weight.to_local() if isinstance(weight, DTensor) else weight, self.group)
 
 
 def _sequence_parallel_plan(block: Block) -> dict[str, Any]:

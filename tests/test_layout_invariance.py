@@ -1,0 +1,201 @@
+"""The same bits at tp=1 and tp=2 (issue 28, first slice): `samebits.invariant`'s TP layers
+split over real ranks, and the recipe with `tp_reduce=invariant` (docs/invariance.md).
+
+This file run as a script is the worker: under torchrun at world 2 and 4 it runs the column-
+and row-parallel layers (forward and backward) and the sharded norm on shares of the same
+tensors (fast); at world 2 (slow) the recipe's tp2 cell with the switch (20 steps) and
+without it (the control, 1 step), and in one plain process the same two runs on one rank.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import samebits
+from samebits.errors import ConfigError
+from samebits.invariant import column_parallel_linear, invariant_matmul, row_parallel_linear, sharded_grad_norm
+from samebits.recipes import RecipeConfig
+from samebits.runs.across import compare_replicated
+from samebits.verdicts import Verdict
+
+TINY = ["num_layers=2", "seq_len=32", "micro_batch_size=2", "sequence_parallel=false"]
+STEPS = 20
+JOBS = [("invariant", ["tp_reduce=invariant"], STEPS), ("plain", [], 1)]  # each at single and tp2
+TOKENS, K_ROW, N_ROW, K_COL, N_COL = (2, 7), 256, 96, 64, 256  # every share whole blocks of 32 up to tp=4
+
+
+# --- config (no processes) ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"tp": 2}, "not yet sequence_parallel=True"),
+    ({"tp": 2, "sequence_parallel": False, "precision": "bf16"}, "not yet precision='bf16'"),
+    ({"tp": 2, "sequence_parallel": False, "ep": 0}, "not yet ep=0"),
+    ({"tp": 2, "sequence_parallel": False, "pp": 2}, "not yet pp=2"),
+    ({"tp": 2, "sequence_parallel": False, "fault_tp_racy_accumulate": True}, "fault_tp_racy_accumulate=True"),
+    ({"tp": 2, "sequence_parallel": False, "d_model": 96, "num_heads": 2},
+     r"at tp=2, d_model=96 and ffn_hidden_size=256 must be multiples of 64"),
+    ({"tp": 4, "sequence_parallel": False}, r"at tp=4, d_model=64 .* multiples of 128; change the sizes"),
+])
+def test_tp_reduce_invariant_refuses_what_it_does_not_cover(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        RecipeConfig(tp_reduce="invariant", **{"ep": 1, **overrides})
+
+
+def test_tp_reduce_invariant_runs_at_tp_1_and_tp_2_without_sequence_parallelism():
+    assert RecipeConfig(tp_reduce="invariant", ep=1).tp_reduce == "invariant"  # tp=1: SP has no effect
+    cfg = RecipeConfig(ep=1, tp=2).with_overrides(["tp_reduce=invariant", "sequence_parallel=false"])
+    assert cfg.tp_reduce == "invariant"
+    with pytest.raises(ConfigError, match="tp_reduce='fast' is not one of plain, invariant"):
+        RecipeConfig(tp_reduce="fast")
+
+
+# --- the runs -----------------------------------------------------------------------------------
+
+
+def _launch(cmd: list[str]) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+
+
+def _torchrun(world_size: int, out: Path, mode: str) -> None:
+    _launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+             str(world_size), __file__, str(out), mode])
+
+
+@pytest.fixture(scope="module")
+def layer_runs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("layers")
+    for world_size in (2, 4):
+        _torchrun(world_size, out, "layers")
+    return out
+
+
+@pytest.fixture(scope="module")
+def recipe_runs(tmp_path_factory) -> Path:
+    """The recipe at tp2 and on one rank, with and without the switch (about 20 s idle)."""
+    out = tmp_path_factory.mktemp("recipe")
+    _torchrun(2, out, "recipe")
+    _launch([sys.executable, __file__, str(out), "single"])
+    return out
+
+
+def _reference() -> dict[str, torch.Tensor]:
+    """The layers and the norm on one rank (group None): what every split must reproduce."""
+    return _layer_results(None, 0, 1)
+
+
+def test_tp_layers_forward_and_backward_have_the_same_bits_at_tp_1_2_and_4(layer_runs):
+    """Row-parallel (K split: the forward sums over the ranks) and column-parallel (N split:
+    the input gradient sums over the ranks): outputs, input and weight gradients, joined
+    from the shares, equal the one-rank layer's bit for bit, on every rank; so does the norm."""
+    ref = _reference()
+    for world_size in (2, 4):
+        ranks = [torch.load(layer_runs / f"layers-{world_size}-{r}.pt") for r in range(world_size)]
+        for name in ("row_y", "col_grad_x", "norm"):  # whole on every rank
+            for rank, got in enumerate(ranks):
+                assert torch.equal(got[name], ref[name]), (world_size, rank, name)
+        for name, dim in (("row_grad_x", -1), ("row_grad_w", 1), ("col_y", -1), ("col_grad_w", 0)):
+            joined = torch.cat([got[name] for got in ranks], dim=dim)
+            assert torch.equal(joined, ref[name]), (world_size, name)
+        # the control: the same shares summed as plain TP does (fp32 partials, all-reduced)
+        assert not torch.equal(ranks[0]["plain_row_y"], ref["plain_row_y"]), world_size
+        assert "split over %d ranks into 48 elements each" % world_size in ranks[0]["uneven"]
+
+
+@pytest.mark.slow
+def test_the_recipe_at_tp2_is_bit_identical_to_one_rank_with_tp_reduce_invariant(recipe_runs):
+    """Every step's parameters, by global digest (TP shards joined), and rank 0's replicated
+    records (losses, grad norm, block outputs), for 20 steps of the MoE + MTP model."""
+    runs = recipe_runs
+    result = samebits.diff(runs / "single-invariant", runs / "tp2-invariant", by="global")
+    report = result.to_dict()
+    assert result.verdict is Verdict.IDENTICAL, report
+    assert report["compared"]["steps"] == STEPS and report["compared"]["tensors"] == 25, report["compared"]
+    replicated = compare_replicated(runs / "single-invariant", runs / "tp2-invariant",
+                                    phases=["metrics", "forward"])
+    assert replicated.verdict is Verdict.IDENTICAL and replicated.compared["steps"] == STEPS, replicated.to_dict()
+
+
+@pytest.mark.slow
+def test_control_without_the_switch_tp2_differs_from_one_rank_at_the_first_step(recipe_runs):
+    result = samebits.diff(recipe_runs / "single-plain", recipe_runs / "tp2-plain", by="global")
+    report = result.to_dict()
+    assert result.verdict is Verdict.DIVERGED, report
+    assert report["first_divergence"]["step"] == 0 and report["first_divergence"]["phase"] == "params"
+
+
+# --- the worker -------------------------------------------------------------------------------
+
+
+def _layer_results(group, rank: int, world_size: int) -> dict:
+    """Both layers on this rank's share (rank order, contiguous) of the same full tensors."""
+    gen = torch.Generator().manual_seed(28)
+    x_row = torch.randn(*TOKENS, K_ROW, generator=gen)
+    w_row = torch.randn(N_ROW, K_ROW, generator=gen) * 0.05
+    x_col = torch.randn(*TOKENS, K_COL, generator=gen)
+    w_col = torch.randn(N_COL, K_COL, generator=gen) * 0.05
+    g_row = torch.randn(*TOKENS, N_ROW, generator=gen)
+    g_col = torch.randn(*TOKENS, N_COL, generator=gen)
+    k, n = K_ROW // world_size, N_COL // world_size
+    mine_k, mine_n = slice(rank * k, (rank + 1) * k), slice(rank * n, (rank + 1) * n)
+
+    x_r = x_row[..., mine_k].clone().requires_grad_()
+    w_r = w_row[:, mine_k].clone().requires_grad_()
+    row_y = row_parallel_linear(x_r, w_r, group)
+    row_y.backward(g_row)
+    x_c = x_col.clone().requires_grad_()
+    w_c = w_col[mine_n].clone().requires_grad_()
+    col_y = column_parallel_linear(x_c, w_c, group)
+    col_y.backward(g_col[..., mine_n])
+    # a tensor split over the ranks (the column weight's grad) and a replicated one
+    norm = sharded_grad_norm([w_c.grad, x_c.grad], full_numels=[w_col.numel(), x_col.numel()], group=group)
+    plain = x_row[..., mine_k] @ w_row[:, mine_k].t()
+    if group is not None:
+        torch.distributed.all_reduce(plain, group=group)
+    out = {"row_y": row_y.detach(), "row_grad_x": x_r.grad, "row_grad_w": w_r.grad, "col_y": col_y.detach(),
+           "col_grad_x": x_c.grad, "col_grad_w": w_c.grad, "norm": norm, "plain_row_y": plain}
+    if group is not None:
+        try:
+            invariant_matmul(torch.zeros(3, 48), torch.zeros(48, 2), group=group)
+        except ConfigError as err:
+            out["uneven"] = str(err)
+    return out
+
+
+def _worker(out_dir: Path, mode: str) -> None:
+    from samebits.recipes.cli import main
+
+    if mode == "single":
+        for label, overrides, steps in JOBS:
+            _run_recipe(main, "single", label, overrides, steps, out_dir)
+        return
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if mode == "layers":
+        torch.save(_layer_results(dist.group.WORLD, rank, world_size), out_dir / f"layers-{world_size}-{rank}.pt")
+    else:
+        for label, overrides, steps in JOBS:
+            _run_recipe(main, "tp2", label, overrides, steps, out_dir)
+    dist.destroy_process_group()
+
+
+def _run_recipe(main, cell: str, label: str, overrides: list[str], steps: int, out_dir: Path) -> None:
+    argv = ["--cell", cell, "--steps", str(steps), "--out", str(out_dir / f"{cell}-{label}")]
+    for assignment in [*TINY, *overrides]:
+        argv += ["--set", assignment]
+    if main(argv) != 0:
+        raise SystemExit(f"{cell}-{label}: failed")
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]), sys.argv[2])

@@ -15,10 +15,12 @@ def register(sub) -> None:
     parser = sub.add_parser(
         "report",
         help="write one self-contained HTML page of a verify, bisect, matrix or diff",
-        description="Write one HTML file (no network, no scripts: open it anywhere) with the verdicts, a ranks x "
-                    "steps heatmap of the first divergence, the records that differ step by step, metric curves "
-                    "of both runs with exact-bit agreement marked, the origin of a bisection and the difference "
-                    "between the runs' environments. Give the output directory of samebits verify, bisect or "
+        description="Write one HTML file (no network, no scripts: open it anywhere) that leads with the "
+                    "conclusion the command printed, then the verdicts, the growth of the difference in ulps per "
+                    "step (log scale), the metric curves of both runs (loss, grad norm, lr; a solid, b dashed), a "
+                    "heatmap of where the runs differ (record groups or ranks x steps), the records that differ "
+                    "step by step, the origin of a bisection and the difference between the runs' "
+                    "environments. Give the output directory of samebits verify, bisect or "
                     "matrix, or two run directories (compared here). Exit code: that of the verdict shown "
                     "(0 good, 1 bad, 2 could not decide or could not run).",
     )

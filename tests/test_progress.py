@@ -265,6 +265,12 @@ def test_on_a_terminal_the_step_line_is_rewritten_in_place_and_other_lines_go_ab
                               "\r\x1b[K[   0.0s]       done in 2.0 s\n[   0.0s] A: step 1 done (2)" "\r\x1b[K")
 
 
+def test_a_status_line_wider_than_the_terminal_is_cut_so_that_it_can_be_rewritten():
+    out = io.StringIO()  # no terminal size to ask: 100 columns
+    Progress(out, tty=True).status("A: step 0 done (1)  last: " + "x" * 200)
+    assert len(out.getvalue()) == len("\r\x1b[K") + 99
+
+
 def test_quiet_silences_progress_but_not_a_stall():
     out = io.StringIO()
     progress = Progress(out, tty=True, quiet=True)

@@ -108,11 +108,17 @@ class Progress:
         if not root.tty:
             self._write(self._line(message))
             return
-        line = self._line(message).split("\n")[0]
+        line = self._line(message).split("\n")[0][:root._columns() - 1]  # a wrapped line could not be rewritten
         with root._lock:
             root._status = line
             root.file.write(_CLEAR + line)
             root.file.flush()
+
+    def _columns(self) -> int:
+        try:
+            return os.get_terminal_size(self.file.fileno()).columns or 100
+        except (AttributeError, OSError, ValueError):
+            return 100
 
     def end_status(self) -> None:
         """Erase the status line (the run it showed has ended)."""

@@ -15,7 +15,6 @@ import os
 import random
 import zlib
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,9 +23,9 @@ import samebits
 from samebits.errors import ConfigError
 from samebits.fingerprint import global_body_sums
 from samebits.fingerprint import _native
+from samebits.stream import _encoder
 from samebits.stream import _format as fmt
-from samebits.stream import writer
-from samebits.stream.writer import Recorder
+from samebits.stream.recorder import Recorder
 
 # sha256 (first 16 hex digits) of each recording below after its header frame (see
 # `_after_header`), as written by the record-by-record encoder before the shortcuts (the tree
@@ -96,8 +95,8 @@ def _record(root: Path, *, one_call: bool = True, full_path: bool = False, **set
 
     def forget():
         if full_path:
-            rec._plans.clear()
-            rec._template = None
+            rec._encoder._plans.clear()
+            rec._encoder._template = None
 
     p = torch.nn.Parameter(torch.arange(10, dtype=torch.float32))
     q = torch.nn.Parameter(torch.ones(3, 5, dtype=torch.float64))
@@ -140,13 +139,13 @@ def test_the_shortcuts_write_the_bytes_of_the_full_path(tmp_path, name):
 def test_without_the_compiled_library_the_python_encoder_writes_the_same_bytes(tmp_path, monkeypatch, name):
     """With the library, step templates are filled and STEP frames built in C (finalize_into,
     step_frame); without it, in numpy and Python. The digests stay native here (only the
-    writer's view of the library is hidden), so this compares the two encoders."""
-    monkeypatch.setattr(writer, "_native", SimpleNamespace(available=lambda: False))
+    encoder's view of the library is hidden), so this compares the two encoders."""
+    monkeypatch.setattr(_encoder, "native_available", lambda: False)
     assert _record(tmp_path / "python", **SETTINGS[name]) == GOLDEN[name]
 
 
 def test_a_template_that_leaves_a_payload_out_is_caught(tmp_path, monkeypatch):
-    real = Recorder._fill_template
+    real = _encoder.StepEncoder._fill_template
 
     def stale_metrics(self, template, pending):
         template.metric_at, saved = [], template.metric_at  # the metrics keep the template's bytes
@@ -155,12 +154,12 @@ def test_a_template_that_leaves_a_payload_out_is_caught(tmp_path, monkeypatch):
         finally:
             template.metric_at = saved
 
-    monkeypatch.setattr(Recorder, "_fill_template", stale_metrics)
+    monkeypatch.setattr(_encoder.StepEncoder, "_fill_template", stale_metrics)
     assert _record(tmp_path / "fast") != GOLDEN["plain"]
 
 
 def test_a_plan_reused_for_other_tensors_is_caught(tmp_path, monkeypatch):
-    monkeypatch.setattr("samebits.stream.writer._tensor_metas", lambda pairs: [None] * len(pairs))
+    monkeypatch.setattr(_encoder, "_tensor_metas", lambda pairs: [None] * len(pairs))
     # every call of a phase now matches its plan by names alone: the grads of steps 2 and 5
     # (a shape, a dtype changed) would get the records of the call before
     fast = _record(tmp_path / "fast", max_tensor_bytes=None)
@@ -282,7 +281,7 @@ def test_a_call_with_a_complex_tensor_gets_no_one_pass_check(tmp_path):
     with Recorder(tmp_path, rank=0, world_size=1) as rec:
         for step, t in enumerate([z, z.conj(), z]):
             rec.tensors(step, "p", [("z", t), ("x", torch.ones(2))])
-            assert rec._plans["p"].plain_keys is None
+            assert rec._encoder._plans["p"].plain_keys is None
     steps = list(samebits.open_run(tmp_path).stream(0).steps())
     assert [next(iter(b.records())).digest for b in steps] == [samebits.digest(t) for t in [z, z.conj(), z]]
 
@@ -291,8 +290,8 @@ def _plain_record(root: Path, *, forget: bool) -> bytes:
     with Recorder(root, rank=0, world_size=1, run_id="fixture") as rec:
         for step in range(6):
             if forget:
-                rec._plans.clear()
-                rec._template = None
+                rec._encoder._plans.clear()
+                rec._encoder._template = None
             rec.tensors(step, "params", _plain_calls(step))
     return _after_header(root / "rank-00000.sbs")
 
@@ -304,7 +303,7 @@ def test_a_repeated_call_of_row_major_tensors_takes_the_one_pass_check(tmp_path,
     equal the record-by-record path's, and the digests those of the tensors' values."""
     taken = []
     real = _native.body_sums_into
-    monkeypatch.setattr(_native, "body_sums_into", lambda *a: taken.append(1) or real(*a))
+    monkeypatch.setattr(_encoder, "body_sums_into", lambda *a: taken.append(1) or real(*a))
     fast = _plain_record(tmp_path / "fast", forget=False)
     assert len(taken) == 2  # steps 1 and 5 (steps 2-4 fail the check and go the full path)
     assert fast == _plain_record(tmp_path / "full", forget=True)
@@ -316,6 +315,6 @@ def test_a_repeated_call_of_row_major_tensors_takes_the_one_pass_check(tmp_path,
 
 @needs_library
 def test_a_one_pass_check_blind_to_layout_is_caught(tmp_path, monkeypatch):
-    monkeypatch.setattr(writer, "_plain_key", lambda name, t: (name, t.__class__, t.dtype, t.shape, t.is_cpu,
+    monkeypatch.setattr(_encoder, "_plain_key", lambda name, t: (name, t.__class__, t.dtype, t.shape, t.is_cpu,
                                                                  t.layout, True, False))
     assert _plain_record(tmp_path / "fast", forget=False) != _plain_record(tmp_path / "full", forget=True)

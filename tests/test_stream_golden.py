@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from samebits.stream import Recorder
+from samebits.settings import RecordingSpec
+from samebits.stream import Recorder, _encoder
 from samebits.stream import _format as fmt
 
 VOLATILE_HEADER_KEYS = ("created", "environment", "samebits", "determinism")
@@ -141,6 +142,21 @@ def test_a_selection_given_as_variables_writes_the_golden_bytes(tmp_path, monkey
         monkeypatch.setenv(name, value)
     _record_selected(tmp_path)
     assert _hashes(tmp_path) == GOLDEN["selected"]
+
+
+def test_a_selection_given_as_a_spec_writes_the_golden_bytes(tmp_path, monkeypatch):
+    """A `RecordingSpec` is the whole selection: the variables are not read beside it."""
+    monkeypatch.setenv("SAMEBITS_PHASES", "state")  # would record nothing if it were read
+    spec = RecordingSpec(**{k: v for k, v in SELECTED_KWARGS.items() if k != "flush_every"})
+    _record_selected(tmp_path, spec=spec, flush_every=2)
+    assert _hashes(tmp_path) == GOLDEN["selected"]
+
+
+def test_the_python_encoder_writes_the_golden_bytes(tmp_path, monkeypatch):
+    """Without the compiled library's step framer and finalizer (the digests stay native)."""
+    monkeypatch.setattr(_encoder, "native_available", lambda: False)
+    _record_plain(tmp_path)
+    assert _hashes(tmp_path) == GOLDEN["plain"]
 
 
 def test_the_canonical_form_sees_a_changed_byte(tmp_path):

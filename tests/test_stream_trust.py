@@ -26,7 +26,7 @@ import samebits
 from samebits.cli import main
 from samebits.errors import ConfigError, StreamError
 from samebits.stream import _format as fmt
-from samebits.stream import writer as stream_writer
+from samebits.stream import _files as stream_files
 from samebits.verdicts import Verdict
 
 RANK0 = fmt.stream_filename(0)
@@ -234,7 +234,7 @@ def test_the_ranks_of_one_run_agree_on_its_id(tmp_path, monkeypatch):
 
     _record(tmp_path / "d", world_size=3)  # ranks in one directory: its id file
     (found,) = ids(tmp_path / "d")
-    assert found[1] == "directory" and (tmp_path / "d" / stream_writer.RUN_ID_FILE).read_text().strip() == found[0]
+    assert found[1] == "directory" and (tmp_path / "d" / stream_files.RUN_ID_FILE).read_text().strip() == found[0]
     monkeypatch.setenv("SAMEBITS_RUN_ID", "exp-7")
     _record(tmp_path / "e", world_size=2)
     assert ids(tmp_path / "e") == {("exp-7", "SAMEBITS_RUN_ID")}
@@ -268,7 +268,7 @@ def test_ids_that_prove_nothing_are_not_refused(tmp_path, monkeypatch):
     """Streams whose ids were chosen per process (no launcher, no group, no shared directory;
     or written before the source was recorded) cannot be told apart by id: read as before."""
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    monkeypatch.setattr(stream_writer, "_directory_run_id", lambda directory, fresh: None)
+    monkeypatch.setattr(stream_files, "_directory_run_id", lambda directory, fresh: None)
     _record(tmp_path / "a", world_size=2)
     run = samebits.open_run(tmp_path / "a")
     assert len({h["run_id"] for h in run.headers.values()}) == 2

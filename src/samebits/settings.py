@@ -8,13 +8,20 @@ and a test keeps the two equal, and checks that no module reads an undeclared va
 
     from samebits import settings
     settings.read("SAMEBITS_STEPS")      # -> (start, stop) or the default
+
+What to record (steps, ranks, phases, name globs, the size cap) is one declaration,
+`RecordingSpec`: each field names its variable, its option of `samebits run`/`verify`, its
+parser and its meaning, and the registry's entries for those variables, the options and the
+Recorder's keywords all come from it.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from samebits.errors import ConfigError
@@ -122,18 +129,196 @@ def _declare(*settings: Setting) -> dict[str, Setting]:
     return {s.name: s for s in settings}
 
 
+# ---------------------------------------------------------------------------------------------
+# What to record: one declaration for the Recorder's keywords, the variables and the options
+
+
+def _steps(value, source: str) -> tuple[int, int | None]:
+    if isinstance(value, tuple) and len(value) == 2:  # already a window: (start, stop)
+        start, stop = value
+        return parse_steps(range(start, stop) if stop is not None else f"{start}:", source)
+    return parse_steps(value, source)
+
+
+def _phases(value, source: str) -> frozenset[str] | None:
+    if value is None:
+        return None
+    return frozenset(parse_list(value, source) if isinstance(value, str) else value)
+
+
+def _patterns(value, source: str) -> tuple[str, ...]:
+    if not value:
+        return ()
+    if isinstance(value, str):
+        return parse_list(value, source)
+    return tuple(p.strip() for p in value if p.strip())
+
+
+def _size_cap(value, source: str) -> int | None:
+    cap = parse_int(value, source) if isinstance(value, str) else value
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+        raise ConfigError(
+            f"{source}={cap!r}: the size cap is a positive number of bytes (tensors larger than it keep "
+            "shape and dtype but no digest, so their values are never compared). Leave it unset to digest "
+            "every tensor.")
+    return cap
+
+
+def _window_text(window: tuple[int, int | None]) -> str | None:
+    start, stop = window
+    return None if window == (0, None) else f"{start}:{'' if stop is None else stop}"
+
+
+def _set_text(values) -> str | None:
+    if values is None:
+        return None
+    if not values:  # an empty SAMEBITS_* variable means "every one": it cannot say "none"
+        raise ConfigError("an empty selection (no rank, no phase) cannot be passed on in the environment, "
+                          "where an empty value selects every one; turn recording off instead "
+                          "(SAMEBITS_DISABLE=1).")
+    return ",".join(str(v) for v in sorted(values))
+
+
+@dataclass(frozen=True)
+class Option:
+    """How one field of `RecordingSpec` is spelled outside Python: its variable (``env``, a key
+    of the parser table as ``type``), its command-line option (``flag``, ``metavar``;
+    ``repeatable``: each use adds to the list) and its meaning (``doc``, the registry's and the
+    option's help).  ``normalise(value, source)`` turns text or a Python value into the field's
+    value, or raises `ConfigError` naming ``source``; ``text(value)`` is the variable's text
+    (None: leave it unset, the default)."""
+
+    env: str
+    type: str
+    doc: str
+    flag: str
+    metavar: str
+    normalise: Callable[[Any, str], Any]
+    text: Callable[[Any], str | None]
+    repeatable: bool = False
+
+
+def _option(default, **option) -> Any:
+    return field(default=default, metadata={"option": Option(**option)})
+
+
+@dataclass(frozen=True)
+class RecordingSpec:
+    """What a Recorder records: every field is declared once here, with its ``SAMEBITS_*``
+    variable and its option of `samebits run`/`verify` (`Option`).  Values may be given as
+    text, as the variable would hold them (``steps="100:200"``, ``ranks="0,2-3"``,
+    ``phases="grads,params"``), or as Python values (a range, a set, a list); they are checked
+    and kept in one form, and a bad one raises `ConfigError` naming the field.
+
+        spec = RecordingSpec.from_env()            # SAMEBITS_STEPS, _RANKS, ... (unset: default)
+        env.update(spec.to_env())                  # for the processes a command starts
+        RecordingSpec.add_to_argparse(parser)      # --steps, --ranks, --phases, --include, ...
+        spec = RecordingSpec.from_args(args)
+    """
+
+    steps: tuple[int, int | None] = _option(
+        (0, None), env="SAMEBITS_STEPS", type="steps", flag="--steps", metavar="START:STOP",
+        doc="record only steps START <= step < STOP (either may be empty)", normalise=_steps, text=_window_text)
+    ranks: frozenset[int] | None = _option(
+        None, env="SAMEBITS_RANKS", type="ranks", flag="--ranks", metavar="LIST",
+        doc="record only these ranks, e.g. `0,2,4-7`", normalise=parse_ranks, text=_set_text)
+    phases: frozenset[str] | None = _option(
+        None, env="SAMEBITS_PHASES", type="list", flag="--phases", metavar="LIST",
+        doc="record only these phases, e.g. `grads,params` (default: all; `samebits show RUN --records` lists "
+            "them)", normalise=_phases, text=_set_text)
+    include: tuple[str, ...] = _option(
+        (), env="SAMEBITS_INCLUDE", type="list", flag="--include", metavar="GLOB", repeatable=True,
+        doc="record only tensors whose `phase/name` or name matches one of these globs, e.g. "
+            "`params/*,*.router.*` (default: all)", normalise=_patterns, text=lambda v: ",".join(v) or None)
+    exclude: tuple[str, ...] = _option(
+        (), env="SAMEBITS_EXCLUDE", type="list", flag="--exclude", metavar="GLOB", repeatable=True,
+        doc="do not record tensors whose `phase/name` or name matches one of these globs, e.g. "
+            "`optimizer/*` (applied after SAMEBITS_INCLUDE)", normalise=_patterns, text=lambda v: ",".join(v) or None)
+    max_tensor_bytes: int | None = _option(
+        None, env="SAMEBITS_MAX_TENSOR_BYTES", type="int", flag="--max-tensor-bytes", metavar="N",
+        doc="tensors larger than this many bytes keep shape and dtype but no digest: their values are not "
+            "compared, so a comparison that meets one is incomplete", normalise=_size_cap,
+        text=lambda v: None if v is None else str(v))
+
+    def __post_init__(self) -> None:
+        for name, option in self.options().items():
+            object.__setattr__(self, name, option.normalise(getattr(self, name), name))
+
+    @staticmethod
+    def options() -> dict[str, Option]:
+        """Field name -> its `Option`, in declaration order."""
+        return {f.name: f.metadata["option"] for f in dataclasses.fields(RecordingSpec)}
+
+    @classmethod
+    def settings(cls) -> list[Setting]:
+        """The registry's entries for the spec's variables."""
+        return [Setting(f.metadata["option"].env, f.metadata["option"].type, f.metadata["option"].doc, f.default)
+                for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "RecordingSpec":
+        """The spec the ``SAMEBITS_*`` variables of ``environ`` (default: this process's) give;
+        an unset or empty variable leaves its field at the default."""
+        env = os.environ if environ is None else environ
+        values = {}
+        for name, option in cls.options().items():
+            text = env.get(option.env)
+            if text is not None and text.strip():
+                values[name] = option.normalise(text, option.env)
+        return cls(**values)
+
+    def to_env(self) -> dict[str, str | None]:
+        """Each variable's text (None where the field is at its default: the variable is to be
+        unset), so that `from_env` of an environment holding them gives this spec back."""
+        return {option.env: option.text(getattr(self, name)) for name, option in self.options().items()}
+
+    def replace(self, **values) -> "RecordingSpec":
+        """This spec with the fields given as not None replaced (checked as in the constructor)."""
+        return dataclasses.replace(self, **{name: value for name, value in values.items() if value is not None})
+
+    @classmethod
+    def add_to_argparse(cls, parser: argparse.ArgumentParser, *, flags: Mapping[str, str] | None = None,
+                        title: str = "what to record") -> None:
+        """Add one option per field to ``parser`` (in a group ``title``), each checked as argparse
+        parses it; ``flags`` renames some (``{"steps": "--record-steps"}`` where ``--steps`` is
+        taken).  `from_args` reads them back."""
+        group = parser.add_argument_group(title)
+        for name, option in cls.options().items():
+            flag = (flags or {}).get(name, option.flag)
+            group.add_argument(flag, dest=f"record_{name}", default=None, metavar=option.metavar,
+                               type=_checked_text(option, flag), action="append" if option.repeatable else "store",
+                               help=option.doc.replace("`", "").replace("SAMEBITS_INCLUDE", "--include")
+                               + (" (repeatable)" if option.repeatable else ""))
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "RecordingSpec":
+        """The spec of the options `add_to_argparse` added (an option not given: the default)."""
+        values = {}
+        for name, option in cls.options().items():
+            value = getattr(args, f"record_{name}", None)
+            if value is not None:
+                text = ",".join(value) if option.repeatable else value
+                values[name] = option.normalise(text, option.flag)
+        return cls(**values)
+
+
+def _checked_text(option: Option, flag: str) -> Callable[[str], str]:
+    """An argparse ``type``: the text, once ``option`` accepts it (argparse names the flag)."""
+    def check(text: str) -> str:
+        try:
+            option.normalise(text, flag)
+        except ConfigError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        return text
+
+    return check
+
+
 REGISTRY: dict[str, Setting] = _declare(
     # recording (the Recorder and zero-code recording)
     Setting("SAMEBITS_DIR", "path", "where streams go (the Recorder's `directory`)"),
     Setting("SAMEBITS_DISABLE", "bool", "turn recording off (zero cost)", False),
-    Setting("SAMEBITS_STEPS", "steps", "record only steps START <= step < STOP (either may be empty)", (0, None)),
-    Setting("SAMEBITS_RANKS", "ranks", "record only these ranks, e.g. `0,2,4-7`"),
-    Setting("SAMEBITS_PHASES", "list", "record only these phases, e.g. `grads,params` (default: all)"),
-    Setting("SAMEBITS_INCLUDE", "list", "record only tensors whose `phase/name` or name matches one of these "
-            "globs, e.g. `params/*,*.router.*` (default: all)"),
-    Setting("SAMEBITS_EXCLUDE", "list", "do not record tensors whose `phase/name` or name matches one of these "
-            "globs, e.g. `optimizer/*` (applied after SAMEBITS_INCLUDE)"),
-    Setting("SAMEBITS_MAX_TENSOR_BYTES", "int", "tensors larger than this keep shape and dtype but no digest"),
+    *RecordingSpec.settings(),  # what to record: SAMEBITS_STEPS, _RANKS, _PHASES, _INCLUDE, _EXCLUDE, _MAX_TENSOR_BYTES
     Setting("SAMEBITS_FLUSH_STEPS", "int", "write to the OS at least every N steps", 1),
     Setting("SAMEBITS_RUN_ID", "text", "the run id written in each stream header (default: the launcher's, or new)"),
     Setting("SAMEBITS_AUTORECORD", "bool", "set by `samebits run`/`verify -- CMD`: record every Python process "
@@ -216,8 +401,8 @@ def render_markdown() -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Setting", "REGISTRY", "read", "is_set", "parse_bool", "parse_int", "parse_steps", "parse_ranks",
-           "parse_list", "render_markdown"]
+__all__ = ["Setting", "REGISTRY", "RecordingSpec", "Option", "read", "is_set", "parse_bool", "parse_int",
+           "parse_steps", "parse_ranks", "parse_list", "render_markdown"]
 
 if __name__ == "__main__":  # pragma: no cover
     print(render_markdown())

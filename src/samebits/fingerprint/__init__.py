@@ -27,8 +27,9 @@ Recorder, the tracer) use separately:
 
 `DIGEST_VERSION` (the version of the digest's definition that every persisted digest records),
 `body_sums`, `header`, `finalize` (and `finalize_packed`, the same for a numpy array of sums,
-as packed little-endian bytes) and `DTYPE_CODES` are internal but stable: other samebits
-packages may rely on them.  `_reference.body_sum(data_uint8_1d)` is the torch-ops oracle that
+as packed little-endian bytes), `DTYPE_CODES`, the stream encoder's fast paths listed below and
+`register_body_sum_backend` (how `samebits.kernels` adds its CUDA body sum) are internal but
+stable: other samebits packages use these names, never the `_private` modules.  `_reference.body_sum(data_uint8_1d)` is the torch-ops oracle that
 every backend (the C library here, the CUDA kernel in samebits.kernels) must match bit for bit.
 """
 
@@ -41,5 +42,17 @@ from samebits.fingerprint._global import GlobalSums, GlobalTensor, global_body_s
 # Internal but stable, not in __all__: the Recorder and the tracer build on them.
 from samebits.fingerprint._digest import body_sums  # noqa: F401
 from samebits.fingerprint._spec import DIGEST_VERSION, DTYPE_CODES, finalize, finalize_packed, header  # noqa: F401
+
+# Internal but stable, not in __all__: the stream encoder's fast paths (samebits.stream._encoder).
+# `body_sums_of_checked(ts, device)`: `body_sums` of tensors already checked, all on ``device``;
+# `dtype_code(dtype)`: the stream's one-byte dtype code; `all_unsharded(ts)`, `local_part(t)`: whether
+# no tensor is sharded, and a tensor's local part; `native_available()`: whether the compiled
+# library is loaded, and with it `body_sums_into` (sums of buffers by address), `StepFinalizer`
+# (a step's digests into its encoded body) and `StepFramer` (a STEP frame: root, varints, crc).
+from samebits.fingerprint._digest import body_sums_of_checked, register_body_sum_backend  # noqa: F401
+from samebits.fingerprint._global import all_unsharded, local_part  # noqa: F401
+from samebits.fingerprint._native import StepFinalizer, StepFramer, body_sums_into  # noqa: F401
+from samebits.fingerprint._native import available as native_available  # noqa: F401
+from samebits.fingerprint._spec import dtype_code  # noqa: F401
 
 __all__ = ["digest", "digest_many", "global_digests"]

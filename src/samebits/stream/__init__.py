@@ -1,12 +1,12 @@
 """Fingerprint streams: one ordered, append-only, crash-safe stream per rank per run.
 
-`Recorder` writes, `open_run` / `StreamReader` read.  The byte layout is in `_format`
-and docs/stream.md.
+`Recorder` writes (what it records: a `RecordingSpec`), `open_run` / `StreamReader` read.
+The byte layout is in `_format` and docs/stream.md.
 """
 
 from samebits.stream.reader import Record, Run, StepBlock, StreamReader, open_run
+from samebits.stream.recorder import GLOBAL_PHASE_PREFIX, STEP_TIMES_SUFFIX, Recorder, RecordingSpec
 from samebits.stream.summary import CatalogueEntry, catalogue, summarise
-from samebits.stream.writer import Recorder
 
-__all__ = ["Recorder", "Record", "Run", "StepBlock", "StreamReader", "open_run", "summarise", "catalogue",
-           "CatalogueEntry"]
+__all__ = ["Recorder", "RecordingSpec", "Record", "Run", "StepBlock", "StreamReader", "open_run", "summarise",
+           "catalogue", "CatalogueEntry", "GLOBAL_PHASE_PREFIX", "STEP_TIMES_SUFFIX"]

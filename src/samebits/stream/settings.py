@@ -1,8 +1,9 @@
 """Recorder settings: arguments first, then ``SAMEBITS_*`` environment variables, then defaults.
 
-The variables (``SAMEBITS_DIR``, ``_DISABLE``, ``_STEPS``, ``_RANKS``, ``_PHASES``,
-``_MAX_TENSOR_BYTES``, ``_FLUSH_STEPS``) are declared, parsed and documented once, in
-`samebits.settings` (docs/settings.md).
+What to record (steps, ranks, phases, include/exclude globs, the size cap) is a
+`samebits.settings.RecordingSpec`, declared once with its variables and options; the rest is
+where and who (``SAMEBITS_DIR``, the rank and world size), ``SAMEBITS_DISABLE`` and
+``SAMEBITS_FLUSH_STEPS``, all in `samebits.settings` (docs/settings.md).
 """
 
 from __future__ import annotations
@@ -14,20 +15,24 @@ from pathlib import Path
 from samebits import settings
 from samebits._torchutil import rank_and_world_size
 from samebits.errors import ConfigError
-from samebits.settings import parse_ranks, parse_steps  # noqa: F401  (re-exported: tracing reads windows too)
+from samebits.settings import RecordingSpec, parse_ranks, parse_steps  # noqa: F401  (re-exported: tracing reads windows too)
 
 
 @dataclass(frozen=True)
 class RecorderSettings:
+    """A Recorder's resolved settings: its `RecordingSpec` (``spec``), and the spec's values the
+    hot path reads, as plain attributes."""
+
     directory: Path
     rank: int
     world_size: int
+    spec: RecordingSpec
+    flush_every: int
+    enabled: bool
     step_start: int
     step_stop: int | None
     rank_selected: bool
     max_tensor_bytes: int | None
-    flush_every: int
-    enabled: bool
     phases: frozenset[str] | None = None  # None: every phase
     ranks: frozenset[int] | None = None  # the ranks selected for recording; None: every rank
     include: tuple[str, ...] = ()  # globs on "phase/name" or name; empty: every tensor
@@ -51,8 +56,10 @@ class RecorderSettings:
         return (not self.include or matches(self.include)) and not matches(self.exclude)
 
     @classmethod
-    def resolve(cls, *, directory, rank, world_size, steps, ranks, max_tensor_bytes, flush_every, enabled,
-                phases=None, include=None, exclude=None):
+    def resolve(cls, *, directory, rank, world_size, flush_every, enabled, spec: RecordingSpec | None = None,
+                **what) -> "RecorderSettings":
+        """``what``: `RecordingSpec` fields given as arguments (None: not given); they override
+        ``spec``, which is read from the environment when not given."""
         if enabled is None:
             enabled = not settings.read("SAMEBITS_DISABLE")
         if directory is None:
@@ -67,46 +74,27 @@ class RecorderSettings:
             raise ConfigError(f"rank={rank!r} and world_size={world_size!r} must be integers.") from None
         if not 0 <= rank < world_size:
             raise ConfigError(f"rank {rank} is outside world size {world_size}.")
-        step_source = "steps" if steps is not None else "SAMEBITS_STEPS"
-        start, stop = parse_steps(steps, step_source) if steps is not None else settings.read("SAMEBITS_STEPS")
-        rank_source = "ranks" if ranks is not None else "SAMEBITS_RANKS"
-        selected = parse_ranks(ranks, rank_source) if ranks is not None else settings.read("SAMEBITS_RANKS")
-        cap_source = "max_tensor_bytes" if max_tensor_bytes is not None else "SAMEBITS_MAX_TENSOR_BYTES"
-        cap = max_tensor_bytes if max_tensor_bytes is not None else settings.read("SAMEBITS_MAX_TENSOR_BYTES")
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
-            raise ConfigError(
-                f"{cap_source}={cap!r}: the size cap is a positive number of bytes (tensors larger than it keep "
-                "shape and dtype but no digest, so their values are never compared). Leave it unset to digest "
-                "every tensor.")
+        if spec is not None and not isinstance(spec, RecordingSpec):
+            raise ConfigError(f"spec={spec!r} is a {type(spec).__name__}; pass a samebits.RecordingSpec "
+                              "(or the keywords steps=, ranks=, phases=, include=, exclude=, max_tensor_bytes=).")
+        spec = (RecordingSpec.from_env() if spec is None else spec).replace(**what)
         flush = flush_every if flush_every is not None else settings.read("SAMEBITS_FLUSH_STEPS")
         if flush < 1:
             raise ConfigError(f"flush_every must be >= 1 step, got {flush}.")
-        if phases is None:
-            phases = settings.read("SAMEBITS_PHASES") or None
-        if isinstance(phases, str):
-            phases = [p.strip() for p in phases.split(",") if p.strip()]
-        include = settings.read("SAMEBITS_INCLUDE") if include is None else include
-        exclude = settings.read("SAMEBITS_EXCLUDE") if exclude is None else exclude
+        start, stop = spec.steps
         return cls(
-            include=_patterns(include),
-            exclude=_patterns(exclude),
-            phases=frozenset(phases) if phases is not None else None,
             directory=Path(directory) if directory is not None else Path("."),
             rank=rank,
             world_size=world_size,
-            step_start=start,
-            step_stop=stop,
-            rank_selected=selected is None or rank in selected,
-            ranks=selected,
-            max_tensor_bytes=cap,
+            spec=spec,
             flush_every=flush,
             enabled=bool(enabled),
+            step_start=start,
+            step_stop=stop,
+            rank_selected=spec.ranks is None or rank in spec.ranks,
+            max_tensor_bytes=spec.max_tensor_bytes,
+            phases=spec.phases,
+            ranks=spec.ranks,
+            include=spec.include,
+            exclude=spec.exclude,
         )
-
-
-def _patterns(value) -> tuple[str, ...]:
-    if not value:
-        return ()
-    if isinstance(value, str):
-        value = value.split(",")
-    return tuple(p.strip() for p in value if p.strip())

@@ -11,6 +11,7 @@ import torch
 
 import samebits
 from samebits.autorecord import recording_variables
+from samebits.settings import REGISTRY, RecordingSpec
 from samebits.cli import main
 from samebits.stream import catalogue
 from samebits.stream.reader import open_run
@@ -63,8 +64,9 @@ def test_runs_whose_steps_hold_no_records_are_never_identical(tmp_path):
 def test_bad_choices_are_refused_before_anything_runs(tmp_path, capsys):
     with pytest.raises(samebits.ConfigError, match="SAMEBITS_RANKS"):
         recording_variables(ranks="zero")
-    code = main(["run", "--out", str(tmp_path / "r"), "--ranks", "x-", "--", sys.executable, "-c", "print(1)"])
-    assert code == 2 and "SAMEBITS_RANKS" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # refused as the options are parsed
+        main(["run", "--out", str(tmp_path / "r"), "--ranks", "x-", "--", sys.executable, "-c", "print(1)"])
+    assert exit_info.value.code == 2 and "--ranks='x-' is not a rank list" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
 
 
@@ -114,3 +116,88 @@ def test_wants_says_what_would_be_written(tmp_path):
     assert {key for key, wanted in asked.items() if wanted} == written == {(2, "params"), (3, "params")}
     assert not samebits.Recorder(tmp_path / "b", rank=0, world_size=1, enabled=False).wants(0, "params")
     assert not samebits.Recorder(tmp_path / "c", rank=1, world_size=2, ranks="0").wants(0, "params")
+
+
+# -- RecordingSpec: what to record, declared once -------------------------------------------
+
+
+def test_the_spec_is_the_one_declaration_of_the_variables_and_the_options():
+    """Each field's variable is in the registry with the spec's type, doc and default, and each
+    field is an option of `samebits run` and `verify` with the spec's help."""
+    import argparse
+
+    for name, option in RecordingSpec.options().items():
+        setting = REGISTRY[option.env]
+        assert (setting.type, setting.doc, setting.default) == (option.type, option.doc, getattr(RecordingSpec(), name))
+    parser = argparse.ArgumentParser()
+    RecordingSpec.add_to_argparse(parser, flags={"steps": "--record-steps"})
+    flags = {action.dest: action for action in parser._actions}
+    assert sorted(flags) == sorted(["help"] + [f"record_{name}" for name in RecordingSpec.options()])
+    assert flags["record_steps"].option_strings == ["--record-steps"]
+    assert flags["record_ranks"].help == "record only these ranks, e.g. 0,2,4-7"
+
+
+WHAT = {"steps": "3:9", "ranks": "0,2-3", "phases": "params,grads", "include": "params/*,*.router.*",
+        "exclude": "optimizer/*", "max_tensor_bytes": "4096"}
+
+
+def test_the_spec_reads_and_writes_the_environment_and_the_options_the_same_way():
+    import argparse
+
+    spec = RecordingSpec(**WHAT)
+    assert spec == RecordingSpec(steps=range(3, 9), ranks=[3, 2, 0], phases={"grads", "params"},
+                                 include=["params/*", "*.router.*"], exclude=("optimizer/*",), max_tensor_bytes=4096)
+    assert spec.steps == (3, 9) and spec.ranks == frozenset({0, 2, 3}) and spec.max_tensor_bytes == 4096
+    env = spec.to_env()
+    assert env == {"SAMEBITS_STEPS": "3:9", "SAMEBITS_RANKS": "0,2,3", "SAMEBITS_PHASES": "grads,params",
+                   "SAMEBITS_INCLUDE": "params/*,*.router.*", "SAMEBITS_EXCLUDE": "optimizer/*",
+                   "SAMEBITS_MAX_TENSOR_BYTES": "4096"}
+    assert RecordingSpec.from_env(env) == spec
+    assert RecordingSpec().to_env() == dict.fromkeys(env)  # the defaults: every variable unset
+    assert RecordingSpec.from_env({}) == RecordingSpec() and RecordingSpec(steps="5:").to_env()["SAMEBITS_STEPS"] == "5:"
+    parser = argparse.ArgumentParser()
+    RecordingSpec.add_to_argparse(parser)
+    args = parser.parse_args(["--steps", "3:9", "--ranks", "0,2-3", "--phases", "params,grads", "--include",
+                              "params/*", "--include", "*.router.*", "--exclude", "optimizer/*",
+                              "--max-tensor-bytes", "4096"])
+    assert RecordingSpec.from_args(args) == spec
+    assert RecordingSpec.from_args(parser.parse_args([])) == RecordingSpec()
+
+
+def test_a_bad_value_names_where_it_came_from(capsys):
+    import argparse
+
+    with pytest.raises(samebits.ConfigError, match=r"^ranks='x' is not a rank list"):
+        RecordingSpec(ranks="x")
+    with pytest.raises(samebits.ConfigError, match=r"^SAMEBITS_STEPS='9:3' is an empty"):
+        RecordingSpec.from_env({"SAMEBITS_STEPS": "9:3"})
+    with pytest.raises(samebits.ConfigError, match=r"^SAMEBITS_MAX_TENSOR_BYTES=0: the size cap is a positive"):
+        recording_variables(max_tensor_bytes=0)
+    with pytest.raises(samebits.ConfigError, match=r"recording_variables: stepz is not something to record"):
+        recording_variables(stepz="1:2")
+    with pytest.raises(samebits.ConfigError, match="an empty selection"):
+        RecordingSpec(ranks=[]).to_env()  # an empty SAMEBITS_RANKS would record every rank
+    parser = argparse.ArgumentParser(prog="p")
+    RecordingSpec.add_to_argparse(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max-tensor-bytes", "-5"])
+    assert "argument --max-tensor-bytes: --max-tensor-bytes=-5: the size cap" in capsys.readouterr().err
+
+
+def test_recording_variables_start_from_a_spec():
+    spec = RecordingSpec(**WHAT)
+    assert recording_variables(spec=spec) == spec.to_env()
+    assert recording_variables(spec=spec, steps="1:")["SAMEBITS_STEPS"] == "1:"  # a keyword replaces the field
+    assert recording_variables() == RecordingSpec().to_env()
+
+
+def test_the_recorder_takes_a_spec_over_the_environment_and_keywords_over_the_spec(tmp_path, monkeypatch):
+    monkeypatch.setenv("SAMEBITS_PHASES", "optimizer")
+    assert samebits.Recorder(tmp_path / "env", rank=0, world_size=1).settings.phases == frozenset({"optimizer"})
+    spec = RecordingSpec(phases="params", steps="1:")
+    rec = samebits.Recorder(tmp_path / "spec", rank=0, world_size=1, spec=spec)
+    assert rec.settings.spec == spec and rec.settings.phases == frozenset({"params"}) and rec.settings.step_start == 1
+    rec = samebits.Recorder(tmp_path / "both", rank=0, world_size=1, spec=spec, phases="grads")
+    assert rec.settings.phases == frozenset({"grads"}) and rec.settings.step_start == 1
+    with pytest.raises(samebits.ConfigError, match="pass a samebits.RecordingSpec"):
+        samebits.Recorder(tmp_path / "bad", rank=0, world_size=1, spec={"phases": "params"})

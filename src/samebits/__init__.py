@@ -3,6 +3,7 @@
     digest(t) / digest_many(ts)      64-bit fingerprints of tensors (docs/digest.md)
     global_digests(named, group=)    digests of full tensors from their shards (DTensor, FSDP2, TP)
     Recorder(dir, ...)               per-rank fingerprint streams (docs/stream.md)
+    RecordingSpec(steps=, ...)       what a Recorder records (steps, ranks, phases, globs, size cap)
     diff(run_a, run_b)               the comparator: identical, or the first divergence
     deterministic_mode(seed=...)     one switch: set, validate (fail closed) and record
     check(config) / probe(fn, ...)   rule violations / ops that really vary on this machine
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING
 # where samebits is installed) costs nothing until a name is used.
 _HOME = {
     "digest": "samebits.fingerprint", "digest_many": "samebits.fingerprint", "global_digests": "samebits.fingerprint",
-    "Recorder": "samebits.stream", "open_run": "samebits.stream",
+    "Recorder": "samebits.stream", "RecordingSpec": "samebits.stream", "open_run": "samebits.stream",
     "diff": "samebits.compare", "DiffResult": "samebits.compare",
     "check_replicas": "samebits.replicas", "ReplicaCheck": "samebits.replicas",
     "Verdict": "samebits.verdicts",
@@ -38,7 +39,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from samebits.fingerprint import digest, digest_many, global_digests
     from samebits.invariant import GradientAccumulator
     from samebits.replicas import ReplicaCheck, check_replicas
-    from samebits.stream import Recorder, open_run
+    from samebits.stream import Recorder, RecordingSpec, open_run
     from samebits.verdicts import Verdict
 
 
@@ -64,6 +65,7 @@ __all__ = [
     "digest_many",
     "global_digests",
     "Recorder",
+    "RecordingSpec",
     "open_run",
     "diff",
     "DiffResult",

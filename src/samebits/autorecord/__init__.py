@@ -45,7 +45,8 @@ it is written; at the first step that differs the process says so on stderr, lea
 
 Parameter names come from the top-level modules that ran forward (their
 ``named_parameters``); a parameter no module claims is named ``group{g}.param{i}``.
-Settings come from ``SAMEBITS_*`` variables (see `samebits.stream.settings`), plus
+What to record comes from the ``SAMEBITS_*`` variables of `samebits.settings.RecordingSpec`
+(`recording_variables` writes them for a command), where from ``SAMEBITS_DIR``, plus
 ``SAMEBITS_STEP_OFFSET`` (the first step number, for a resumed process) and
 ``SAMEBITS_REFERENCE`` (a run to check each step against, live).  When a
 ``SAMEBITS_TRACE*`` variable is set, divergence tracing (`samebits.trace`) is installed
@@ -78,6 +79,8 @@ from samebits.autorecord._outcome import (
     write_stop,
 )
 from samebits.checkpoint import STATE_PHASE, state_census
+from samebits.errors import ConfigError
+from samebits.settings import RecordingSpec
 from samebits.stream import Recorder
 from samebits.trace import install_zero_code
 from samebits.verdicts import EXIT_STOPPED  # the live check stopped the run at a step that differs
@@ -392,19 +395,20 @@ def _wrap_backward(state: _AutoRecorder) -> None:
 _TRACE_VARIABLES = ("SAMEBITS_TRACE", "SAMEBITS_TEST_PERTURB", "SAMEBITS_TRACE_DUMP_OP", "SAMEBITS_TRACE_STOP_AFTER")
 
 
-def recording_variables(*, steps=None, ranks=None, phases=None, include=None, exclude=None,
-                        max_tensor_bytes=None) -> dict[str, str | None]:
-    """What to record, as the ``SAMEBITS_*`` variables every Recorder reads (None: unset).
-
-    ``phases``, ``include``, ``exclude``: comma-separated text or a sequence (docs/settings.md:
-    SAMEBITS_PHASES, SAMEBITS_INCLUDE, SAMEBITS_EXCLUDE)."""
-    variables = {"SAMEBITS_STEPS": _text(steps), "SAMEBITS_RANKS": _text(ranks), "SAMEBITS_PHASES": _text(phases),
-                 "SAMEBITS_INCLUDE": _text(include), "SAMEBITS_EXCLUDE": _text(exclude),
-                 "SAMEBITS_MAX_TENSOR_BYTES": _text(max_tensor_bytes)}
-    for name, value in variables.items():
-        if value is not None:
-            settings.read(name, {name: value})  # a bad value is refused here, before any process starts
-    return variables
+def recording_variables(*, spec: RecordingSpec | None = None, **what) -> dict[str, str | None]:
+    """What to record, as the ``SAMEBITS_*`` variables every Recorder reads (None: unset): the
+    `RecordingSpec` ``spec`` (default: record everything), with the fields given in ``what``
+    (``steps``, ``ranks``, ``phases``, ``include``, ``exclude``, ``max_tensor_bytes``: text as
+    the variables hold it, or Python values; None: not given) in place of its own.  A bad value
+    is refused here, naming its variable, before any process starts."""
+    options = RecordingSpec.options()
+    unknown = sorted(set(what) - set(options))
+    if unknown:
+        raise ConfigError(f"recording_variables: {', '.join(unknown)} is not something to record; the choices are "
+                          f"{', '.join(options)} (samebits.RecordingSpec).")
+    given = {name: options[name].normalise(value, options[name].env) for name, value in what.items()
+             if value is not None}
+    return (spec or RecordingSpec()).replace(**given).to_env()
 
 
 def with_variables(env, variables: dict[str, str | None]) -> dict[str, str]:
@@ -427,17 +431,10 @@ def environment_for(out_dir, *, reference=None, step_offset=None, append=False, 
     env["SAMEBITS_DIR"] = str(out_dir)
     env["SAMEBITS_COMMAND"] = command
     variables = recording_variables(**what)
-    variables.update({"SAMEBITS_REFERENCE": _text(reference), "SAMEBITS_STEP_OFFSET": _text(step_offset),
+    variables.update({"SAMEBITS_REFERENCE": None if reference is None else str(reference),
+                      "SAMEBITS_STEP_OFFSET": None if step_offset is None else str(step_offset),
                       "SAMEBITS_APPEND": "1" if append else None})
     return with_variables(env, variables)
-
-
-def _text(value) -> str | None:
-    if value is None:
-        return None
-    if isinstance(value, (list, tuple)):
-        return ",".join(str(v) for v in value)
-    return str(value)
 
 
 __all__ = ["install", "environment_for", "recording_variables", "with_variables", "read_outcomes", "read_stop",

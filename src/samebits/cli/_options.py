@@ -28,6 +28,7 @@ from samebits.cli._format import escape
 from samebits.cli._lazy import lazy
 from samebits.errors import ConfigError
 from samebits.defaults import DEFAULT_TIMEOUT_S
+from samebits.settings import RecordingSpec
 
 Progress = lazy("samebits.runs.progress", "Progress")
 
@@ -181,6 +182,16 @@ def refuse_recipe_options(args: argparse.Namespace) -> None:
                       "--steps 10), and drop " + ("them" if len(given) > 1 else "it") + ".")
 
 
+class _DeprecatedSpelling(argparse.Action):
+    """An old spelling of an option: stores the value as the new one does, and says to use that."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        new = "--" + self.dest.replace("_", "-")
+        print(f"{parser.prog}: warning: {option_string} {values} is deprecated: write {new} {values} (the same "
+              f"name in every command)", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
 def add_out_option(parser: argparse.ArgumentParser, command: str) -> None:
     """``--out DIR``: where the runs, logs and summary.json go (default samebits-out/COMMAND-TIME)."""
     parser.add_argument("--out", default=None, metavar="DIR",
@@ -196,57 +207,21 @@ def add_run_timeout_option(parser: argparse.ArgumentParser,
 
 
 def add_recording_options(parser: argparse.ArgumentParser, *, steps_flag: str = "--steps") -> None:
-    """What to record (the SAMEBITS_* recording settings, docs/settings.md), as options.
+    """What to record: one option per field of `samebits.settings.RecordingSpec`, which declares
+    each with its SAMEBITS_* variable, default, check and help (docs/settings.md).
 
-    The step window is ``--record-steps`` in every command (``--steps`` is the number of training
-    steps of the recipe); ``steps_flag``, when another spelling, is an old one this command still
-    accepts with a warning (`samebits run --steps START:STOP` until 2026-12)."""
-    group = parser.add_argument_group("what to record")
-    group.add_argument("--record-steps", dest="record_steps", default=None, metavar="START:STOP",
-                       help="record only steps START <= step < STOP (either may be empty)")
+    The step window is ``--record-steps`` in every command (``--steps`` counts the recipe's training
+    steps); ``steps_flag``, when another spelling, is an old one this command still accepts with a
+    warning (`samebits run --steps START:STOP` until 2026-12)."""
+    RecordingSpec.add_to_argparse(parser, flags={"steps": "--record-steps"})
     if steps_flag != "--record-steps":
-        group.add_argument(steps_flag, dest="record_steps", default=None, metavar="START:STOP",
-                           action=_DeprecatedSpelling, help=argparse.SUPPRESS)
-    group.add_argument("--ranks", default=None, metavar="LIST", help="record only these ranks, e.g. 0,2-3")
-    group.add_argument("--phases", default=None, metavar="LIST",
-                       help="record only these phases, e.g. grads,params (samebits show RUN --records lists them)")
-    group.add_argument("--include", action="append", default=None, metavar="GLOB",
-                       help="record only tensors whose phase/name or name matches, e.g. 'params/*' or "
-                            "'*.router.*' (repeatable)")
-    group.add_argument("--exclude", action="append", default=None, metavar="GLOB",
-                       help="do not record tensors matching this glob, e.g. 'optimizer/*' (repeatable; "
-                            "applied after --include)")
-    group.add_argument("--max-tensor-bytes", type=_positive_bytes, default=None, metavar="N",
-                       help="tensors larger than N bytes (N >= 1) keep shape and dtype but no digest: their values "
-                            "are not compared, so a comparison that meets one is INCOMPLETE")
-
-
-class _DeprecatedSpelling(argparse.Action):
-    """An old spelling of an option: stores the value as the new one does, and says to use that."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        new = "--" + self.dest.replace("_", "-")
-        print(f"{parser.prog}: warning: {option_string} {values} is deprecated: write {new} {values} (the same "
-              f"name in every command)", file=sys.stderr)
-        setattr(namespace, self.dest, values)
-
-
-def _positive_bytes(text: str) -> int:
-    """--max-tensor-bytes: a positive number of bytes (0 or less would cap every tensor)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of bytes") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive number of bytes (the size cap must be >= 1; "
-                                         "leave the option out to digest every tensor)")
-    return value
+        parser.add_argument(steps_flag, dest="record_steps", default=None, metavar="START:STOP",
+                            action=_DeprecatedSpelling, help=argparse.SUPPRESS)
 
 
 def recording_options(args: argparse.Namespace) -> dict:
     """The parsed group as keyword arguments of `samebits.autorecord.recording_variables`."""
-    return {"steps": args.record_steps, "ranks": args.ranks, "phases": args.phases, "include": args.include,
-            "exclude": args.exclude, "max_tensor_bytes": args.max_tensor_bytes}
+    return {"spec": RecordingSpec.from_args(args)}
 
 
 # ---------------------------------------------------------------------------------------------

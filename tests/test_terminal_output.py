@@ -110,11 +110,13 @@ def test_diff_all_lists_every_differing_record_at_the_first_divergent_step(tmp_p
 
 def test_diff_says_which_run_starts_later_and_the_option_to_use(tmp_path, capsys):
     a, _, c = _runs(tmp_path, start_c=4)
-    assert main(["diff", str(a), str(c)]) == EXIT_BAD_VERDICT
+    # compared from step 4, where C starts; the steps before it are in A only: INCOMPLETE, with the option
+    assert main(["diff", str(a), str(c)]) == EXIT_CANNOT_RUN
     out = capsys.readouterr().out
-    assert "B starts at step 4, A at step 0: use --from-step 4" in out
-    assert main(["diff", str(c), str(a)]) == EXIT_BAD_VERDICT
-    assert "A starts at step 4, B at step 0: use --from-step 4" in capsys.readouterr().out
+    assert "note: b starts at step 4 and a at step 0 (b resumed a run?): compared from step 4 on" in out
+    assert "To judge the resume, compare the steps both hold: --from-step 4" in out
+    assert main(["diff", str(c), str(a)]) == EXIT_CANNOT_RUN
+    assert "a starts at step 4 and b at step 0" in capsys.readouterr().out
     assert main(["diff", "--from-step", "4", str(a), str(c)]) == EXIT_OK
     assert "IDENTICAL" in capsys.readouterr().out
 

@@ -14,12 +14,14 @@ world was compared in two complete streams.
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from samebits.compare import _parallel
-from samebits.errors import ConfigError, IncomparableRunsError
+from samebits.errors import ConfigError, IncomparableRunsError, StreamError
 from samebits.stream import _format as fmt
 from samebits.stream.reader import (Record, Run, StreamReader, open_run, read_stop_marker,
                                     require_same_digest_version)
@@ -106,7 +108,11 @@ def diff(
     """Compare run directories ``a`` and ``b`` bit for bit.
 
     ``start_step``/``stop_step`` restrict the comparison to ``start <= step < stop``
-    (e.g. a resumed run from its resume step on).  ``verify`` decodes and compares every
+    (e.g. a resumed run from its resume step on).  A run whose streams start at a later step K
+    than the other's (a resumed run, not a recording window) may have been started by another
+    command line.  Without ``start_step`` it is compared from step K on: a divergence there is
+    DIVERGED; no divergence is INCOMPLETE, with the reason, since the steps before K are in one
+    run only (``start_step=K`` compares exactly those steps both hold).  ``verify`` decodes and compares every
     step's records instead of deciding equal steps by their (recomputed) roots.  Raises
     `ConfigError` for an empty window, `IncomparableRunsError` when the runs cannot be
     compared (digest version, world size, config, recorded names), `StreamError` when a stream is
@@ -132,8 +138,12 @@ def diff(
     try:
         notes: list[str] = []
         incomplete = _missing_ranks(run_a, run_b)
-        _check_comparable(run_a, run_b, allow_config_diff, ignore_config_keys, notes)
         ranks = [r for r in run_a.ranks if r in run_b.files]
+        resumed = _resumed_start(run_a, run_b, ranks[0]) if ranks else None
+        if resumed is not None and start_step is None:
+            start = resumed[1]
+            notes.append(resumed[2])
+        _check_comparable(run_a, run_b, allow_config_diff, ignore_config_keys, notes, resumed=resumed is not None)
         counts = {"ranks": len(ranks), "steps": 0, "records": 0, "steps_identical_by_root": 0, "steps_decoded": 0,
                   "records_shape_only": 0}
         shape_only: list[str] = []  # the first records compared by shape only (over the size cap)
@@ -192,6 +202,12 @@ def diff(
         verdict = Verdict.INCOMPLETE
         incomplete.append(f"nothing to compare: the {steps_compared} step(s) in the window hold no records (was "
                           "everything left out by the recording choices? see samebits show RUN)")
+    elif resumed is not None and start_step is None:
+        verdict = Verdict.INCOMPLETE  # the steps before K are in one run only: said, never called identical
+        label, resumed_at, _ = resumed
+        incomplete.append(f"no divergence from step {resumed_at} on, where {label} starts ({label} resumed a run?); "
+                          f"the earlier steps are in the other run only. To judge the resume, compare the steps both "
+                          f"hold: --from-step {resumed_at}")
     else:
         verdict = Verdict.IDENTICAL
     if divergences and incomplete:
@@ -277,7 +293,80 @@ def _missing_ranks(run_a: Run, run_b: Run) -> list[str]:
     return reasons
 
 
-def _check_comparable(run_a: Run, run_b: Run, allow: bool, ignore_keys, notes: list[str]) -> None:
+def _first_step(run: Run, rank: int) -> tuple[int | None, StreamReader | None]:
+    """The first step ``rank``'s stream holds, and the reader that read it (closed); None when
+    it holds none or cannot be read (the walk says why)."""
+    reader = run.stream(rank)
+    try:
+        block = next(iter(reader.steps()), None)
+    except StreamError:
+        return None, None
+    finally:
+        reader.close()
+    return (None, None) if block is None else (block.step, reader)
+
+
+def _resumed_start(run_a: Run, run_b: Run, rank: int) -> tuple[str, int, str] | None:
+    """When one run's streams start at a later step K than the other's, and not because a
+    recording window (SAMEBITS_STEPS) left the earlier steps out: that run resumed the other's
+    checkpoint of step K, so the comparison starts at K.  Returns (label, K, the note)."""
+    (first_a, reader_a), (first_b, reader_b) = _first_step(run_a, rank), _first_step(run_b, rank)
+    if first_a is None or first_b is None or first_a == first_b:
+        return None
+    label, first, other, reader = ("b", first_b, first_a, reader_b) if first_b > first_a else \
+        ("a", first_a, first_b, reader_a)
+    if _windows_excluding(reader, other) is not None:
+        return None  # a recording window, not a resume: the walk reports the steps left out
+    return label, first, (f"{label} starts at step {first} and {'a' if label == 'b' else 'b'} at step {other} "
+                          f"({label} resumed a run?): compared from step {first} on")
+
+
+# Options whose value is where a run writes (`--out`, `--ckpt-dir`, `--output-dir`, `--save-path`,
+# `--log-dir`): two command lines that differ only there ran the same training.
+_OUTPUT_OPTION = re.compile(r"^--?(?:[\w-]*[-_])?(?:out|output|outdir|ckpt|checkpoint|checkpoints|save|logdir|log|logs)"
+                            r"(?:[-_](?:dir|path|folder|root|prefix|file|to))?$")
+
+
+def output_paths_only(command_a: str, command_b: str) -> list[tuple[str, str, str]] | None:
+    """The (option, a's value, b's value) where two recorded command lines differ, when they
+    differ only in the values of output options (`--out`, `--ckpt-dir`, ...: where a run writes,
+    not what it computes); None when any other word differs."""
+    try:
+        words_a, words_b = shlex.split(command_a), shlex.split(command_b)
+    except ValueError:
+        return None
+    if len(words_a) != len(words_b):
+        return None
+    found = []
+    for i, (word_a, word_b) in enumerate(zip(words_a, words_b)):
+        if word_a == word_b:
+            continue
+        option_a, _, value_a = word_a.partition("=")
+        option_b, _, value_b = word_b.partition("=")
+        if "=" in word_a and "=" in word_b and option_a == option_b and option_a.startswith("-"):
+            option = option_a  # --out=runs/a
+        elif i > 0 and words_a[i - 1] == words_b[i - 1]:
+            option, value_a, value_b = words_a[i - 1], word_a, word_b  # --out runs/a
+        else:
+            return None
+        if not _OUTPUT_OPTION.match(option) or _is_number(value_a) or _is_number(value_b):
+            return None  # an input or a setting (--save-at 4 vs 5 is a step, not a folder)
+        found.append((option, value_a, value_b))
+    return found
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _check_comparable(run_a: Run, run_b: Run, allow: bool, ignore_keys, notes: list[str], *,
+                      resumed: bool = False) -> None:
+    """Refuse runs that cannot be compared; a recorded command line that differs only in output
+    paths, or because one run resumed the other (``resumed``), is noted, not refused."""
     problems = []
     if run_a.world_size != run_b.world_size:
         raise IncomparableRunsError(
@@ -304,6 +393,13 @@ def _check_comparable(run_a: Run, run_b: Run, allow: bool, ignore_keys, notes: l
         elif key not in config_a:
             problems.append(f"config key {key!r} only in b (= {config_b[key]!r})")
         elif config_a[key] != config_b[key]:
+            if key == "command" and isinstance(config_a[key], str) and isinstance(config_b[key], str):
+                outputs = output_paths_only(config_a[key], config_b[key])
+                if outputs or resumed:
+                    why = ("only in where they write: " + ", ".join(f"{o} {va} / {vb}" for o, va, vb in outputs)
+                           if outputs else "as a resumed run's does")
+                    notes.append(f"the recorded command lines differ {why} (a: {config_a[key]}; b: {config_b[key]})")
+                    continue
             problems.append(f"config {key!r}: a = {config_a[key]!r}, b = {config_b[key]!r}")
     if problems:
         if not allow:

@@ -360,7 +360,7 @@ def _verify_report(path: Path, summary: dict, say) -> Report:
                               f"{pair.verdict.value!r}: the streams changed after verify ran (or are damaged).")
         pairs.append(pair)
     page.verify_summary(summary, pairs)
-    for pair in pairs:
+    for pair in sorted(pairs, key=lambda p: p.verdict is Verdict.IDENTICAL):  # what failed comes first
         page.pair_sections(pair)
     return page.finish([str(path)], pairs, notes=list(summary.get("notes") or []))
 
@@ -743,9 +743,10 @@ class _Page:
             found = c.get("bisect")
             if found:
                 of = " of the resume" if found.get("of") == "resume" else ""
-                self.add(f"<h3>{_esc(where)}, bisect{_esc(of)}</h3><p><b>{_esc(found.get('conclusion') or found.get('error'))}"
-                         "</b></p>" + (f"<p class=\"note\">streams and summary: <code>{_esc(found.get('out'))}</code></p>"
-                                       if found.get("out") else ""))
+                said = found.get("conclusion") or found.get("error")
+                self.add(f"<h3>{_esc(where)}, bisect{_esc(of)}</h3><p><b>{_esc(said)}</b></p>"
+                         + (f"<p class=\"note\">streams and summary: <code>{_esc(found.get('out'))}</code></p>"
+                            if found.get("out") else ""))
 
     # -- one compared pair --------------------------------------------------------------------
 
@@ -766,7 +767,7 @@ class _Page:
             self._diff_summary(result, pair.context)
         if result is not None and result.verdict is Verdict.IDENTICAL:  # nothing grows, nothing parts
             self._heatmap(pair)
-            self._environment(pair)
+            self._environment(pair, facts=False)
             return
         if result is not None:
             self._ulp_growth(pair, rank)
@@ -951,7 +952,7 @@ class _Page:
         if len(names) > MAX_CURVES:
             self.add(f"<p class=\"note\">{len(names) - MAX_CURVES} more metric(s) not drawn</p>")
 
-    def _environment(self, pair: Pair) -> None:
+    def _environment(self, pair: Pair, facts: bool = True) -> None:
         title = f"{pair.label}: environment and config"
         self.h2(title, "env")
         header_a, header_b = pair.headers
@@ -978,10 +979,10 @@ class _Page:
             self.add(f"<p class=\"note\">not differences of the training: samebits' and the launcher's own per-run "
                      f"settings ({_esc(', '.join(own))})</p>")
         env = header_a.get("environment") or {}
-        facts = [[k, env.get(k)] for k in ("torch", "python", "platform", "hostname", "num_threads", "cuda",
-                                           "device", "deterministic_algorithms") if k in env]
-        if facts:
-            self.add("<h3>run a</h3>" + _table(["", "value"], facts))
+        rows = [[k, env.get(k)] for k in ("torch", "python", "platform", "hostname", "num_threads", "cuda",
+                                          "device", "deterministic_algorithms") if k in env]
+        if rows and facts:
+            self.add("<h3>run a</h3>" + _table(["", "value"], rows))
 
 
 def _flatten(data: Any, prefix: str = "") -> dict[str, str]:
@@ -1357,7 +1358,8 @@ def _chart(name: str, series_a: dict[int, Record], series_b: dict[int, Record], 
     start = pair.start_step or 0
     if start > first:
         parts.append(f'<rect x="{left}" y="{top}" width="{max(x(start) - left, 0):.1f}" '
-                     f'height="{height - top - bottom}" fill="#eef1f4"><title>before the compared window</title></rect>')
+                     f'height="{height - top - bottom}" fill="#eef1f4"><title>before the compared window</title>'
+                     '</rect>')
     if cut:
         x0 = x(min(cut) - 0.5)
         parts.append(f'<rect class="cut" x="{x0:.1f}" y="{top}" width="{width - right - x0:.1f}" '
@@ -1367,7 +1369,8 @@ def _chart(name: str, series_a: dict[int, Record], series_b: dict[int, Record], 
                      "first divergence</text>")
     for fraction in (0.0, 0.5, 1.0):
         value = low + (high - low) * fraction
-        parts.append(f'<line x1="{left}" x2="{width - right}" y1="{y(value):.1f}" y2="{y(value):.1f}" stroke="#e5e9ee"/>'
+        parts.append(f'<line x1="{left}" x2="{width - right}" y1="{y(value):.1f}" y2="{y(value):.1f}" '
+                     'stroke="#e5e9ee"/>'
                      f'<text x="{left - 5}" y="{y(value) + 4:.1f}" text-anchor="end" font-size="11">'
                      f'{_esc(f"{value:.5g}")}</text>')
     parts.append(f'<line x1="{left}" y1="{height - bottom}" x2="{width - right}" y2="{height - bottom}" '

@@ -21,6 +21,9 @@ EXIT_OK, EXIT_BAD_VERDICT, EXIT_CANNOT_RUN = 0, 1, 2
 # failed check that reproduces on this hardware): restart the job on other hardware.  The
 # value Megatron's rerun state machine uses, so a scheduler can treat both alike.
 EXIT_RERUN_ELSEWHERE = 16
+# The live check (`samebits run --reference`, the recipe's --reference) stopped a run at its first
+# step that differs from the reference run: the process, and `samebits run` around it, exit 3.
+EXIT_STOPPED = 3
 
 
 class Verdict(str, enum.Enum):
@@ -154,4 +157,4 @@ def _plain_key(key: Any) -> str:
 
 
 __all__ = ["Verdict", "ToDict", "serialised", "plain", "EXIT_OK", "EXIT_BAD_VERDICT", "EXIT_CANNOT_RUN",
-           "EXIT_RERUN_ELSEWHERE"]
+           "EXIT_RERUN_ELSEWHERE", "EXIT_STOPPED"]

@@ -60,7 +60,7 @@ def _to_integers(blocks: torch.Tensor, exps: torch.Tensor, dim: int) -> torch.Te
     """fp64 integers round_half_even(x * 2**(24 - e)) of each block's elements (|X| <= 2**24);
     non-finite elements become 0 (their outputs are nan, see `invariant_matmul`)."""
     scale = pow2((_OPERAND_BITS - exps).clamp(-1022, 1023)).unsqueeze(dim)
-    values = torch.where(torch.isfinite(blocks), blocks, torch.zeros_like(blocks)).to(torch.float64)
+    values = blocks.nan_to_num(0.0, 0.0, 0.0).to(torch.float64)
     return torch.round(values * scale)  # a power-of-two scale is exact; one rounding here
 
 
@@ -112,21 +112,23 @@ def invariant_matmul(a: torch.Tensor, b: torch.Tensor, *, group=None,
         bounds = torch.cat([row_exp, col_exp])
         dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)  # exact: a max of integers
         row_exp, col_exp = bounds[:m], bounds[m:]
-    # Integers, each block scaled by 2**(e_block - e_row) so that every block's terms share
-    # one power of two per output element: the block sums stay exact, and come out directly
-    # in units of 2**(e_row + e_col - 48).
-    a_int = _to_integers(a_blocks, a_exp, 2) * pow2((a_exp - row_exp[:, None]).clamp(-1022, 0))[:, :, None]
-    b_int = _to_integers(b_blocks, b_exp, 1) * pow2((b_exp - col_exp[None, :]).clamp(-1022, 0))[:, None, :]
+    # |row sum| <= K * 2**(e_row + e_col): in units of 2**(e_row + e_col + headroom - 62) it
+    # fits int64 whatever the order.  The integers of each block are scaled by
+    # 2**(e_block - e_row) (and the row's by 2**(62 - 48 - headroom)), so every block's terms
+    # share one power of two per output element: each block product is exact in fp64 and
+    # comes out directly in those units; its conversion to int64 truncates the bits below
+    # one unit (2**-62 of the bound; only blocks far below it have any), the same at every split.
     total_blocks = num_blocks * world_size
     headroom = math.ceil(math.log2(total_blocks * block_size)) if total_blocks else 0
-    # |row sum| <= K * 2**(e_row + e_col): in units of 2**(e_row + e_col + headroom - 62) it fits int64.
-    to_units = float(2.0 ** (_SUM_BITS - 2 * _OPERAND_BITS - headroom))
+    to_units = _SUM_BITS - 2 * _OPERAND_BITS - headroom
+    a_int = _to_integers(a_blocks, a_exp, 2) * pow2((a_exp - row_exp[:, None] + to_units).clamp(-1022, 1023))[:, :, None]
+    b_int = _to_integers(b_blocks, b_exp, 1) * pow2((b_exp - col_exp[None, :]).clamp(-1022, 0))[:, None, :]
     total = torch.zeros(m, n, dtype=torch.int64, device=a.device)
-    a_t = a_int.transpose(0, 1)  # (nb, M, B)
+    a_t = a_int.transpose(0, 1).contiguous()  # (nb, M, B)
     step = max(1, _CHUNK_ELEMENTS // max(1, m * n))
     for start in range(0, num_blocks, step):
         products = torch.matmul(a_t[start:start + step], b_int[start:start + step])  # exact, (c, M, N)
-        total += torch.round(products * to_units).to(torch.int64).sum(dim=0)  # int64: any order
+        total += products.to(torch.int64).sum(dim=0)  # int64: exact, any order
     if world_size > 1:
         dist.all_reduce(total, group=group)  # int64 SUM: exact and associative
     quantum = row_exp[:, None] + col_exp[None, :] + headroom - _SUM_BITS  # (M, N)

@@ -19,7 +19,7 @@ import torch
 import samebits
 from samebits.cli import main
 from samebits.errors import ConfigError, SamebitsError
-from samebits.runs.tax import judge, paired_bootstrap, read_step_times, tax
+from samebits.runs.tax import TaxResult, judge, paired_bootstrap, pairs_to_decide, read_step_times, tax
 from samebits.verdicts import EXIT_BAD_VERDICT, EXIT_CANNOT_RUN, EXIT_OK, Verdict
 
 
@@ -42,10 +42,32 @@ def test_bootstrap_finds_the_ratio_and_the_gate_judges_its_upper_bound():
     assert 0.98 < ratio < 1.02 and judge(ci, 1.05) is Verdict.PASS
 
 
-def test_a_noisy_measurement_cannot_pass_a_tight_gate():
+def test_a_noisy_measurement_cannot_pass_a_tight_gate_nor_fail_it():
+    """An interval that spans the gate is INCONCLUSIVE (INCOMPLETE, exit 2) with how many pairs to add, not FAIL."""
     det, base = synthetic(1.00, noise=0.4, pairs=2, steps=4)
     ratio, ci = paired_bootstrap(det, base)
-    assert ci[1] > 1.05 and judge(ci, 1.05) is Verdict.FAIL
+    assert ci[0] < 1.05 < ci[1] and judge(ci, 1.05) is Verdict.INCOMPLETE
+    assert judge((0.844, 1.098), 1.05) is Verdict.INCOMPLETE  # the busy machine of issue 27
+    result = TaxResult("out", {}, 2, 0, 1.05, {"deterministic": det, "baseline": base}, ratio, ci, 0.95, 4000, 0)
+    assert result.judgement.startswith(f"inconclusive: the 95% CI {ci[0]:.3f}-{ci[1]:.3f} spans the gate 1.050: "
+                                       "add pairs (--pairs ")
+    assert result.verdict.exit_code == EXIT_CANNOT_RUN
+    assert pairs_to_decide(5, 0.954, (0.844, 1.098), 1.05) == 10  # 5 x (0.254 / 0.192)^2 = 8.8: at least twice 5
+    assert pairs_to_decide(5, 1.05, (0.9, 1.2), 1.05) == 1000  # a ratio on the gate: no number of pairs is enough
+
+
+def test_one_estimator_the_ratio_of_the_medians_shown():
+    """The headline ratio is the ratio of the two medians the table shows, and the interval is of that
+    statistic (issue 27: a headline of 0.941x beside medians of 229 and 160 ms)."""
+    det, base = synthetic(1.3, noise=0.3, pairs=4, steps=9, seed=5)
+    ratio, ci = paired_bootstrap(det, base)
+    assert ratio == pytest.approx(float(np.median(det)) / float(np.median(base)), rel=1e-12)
+    assert ci[0] <= ratio <= ci[1]
+    result = TaxResult("out", {}, 4, 0, 1.05, {"deterministic": det, "baseline": base}, ratio, ci, 0.95, 4000, 0)
+    data = result.to_dict()
+    assert data["ratio"] == pytest.approx(data["median_step_s"]["deterministic"] / data["median_step_s"]["baseline"])
+    assert data["estimator"] == "ratio of median step times (deterministic / baseline)"
+    assert data["verdict"] == "fail" and data["judgement"].startswith("the whole 95% CI")
 
 
 def test_bootstrap_is_seeded_and_exact_on_a_constant_ratio():

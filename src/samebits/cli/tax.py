@@ -22,14 +22,16 @@ def register(sub) -> None:
         "tax",
         help="measure how much slower deterministic mode is (paired runs, bootstrap interval, gate)",
         description="Run the deterministic command and the baseline in interleaved pairs, take the step times "
-                    "from the recorded streams, and report the median per-step ratio with a paired bootstrap "
-                    "interval. With no command: the reference recipe with deterministic=true/false. With -- CMD: "
+                    "from the recorded streams, and report the ratio of the median step times with a paired "
+                    "bootstrap interval. With no command: the reference recipe with deterministic=true/false. With -- CMD: "
                     "{deterministic} in the command becomes 1, then 0. With --a/--b: two commands. Exit 0 when "
-                    "the interval's upper bound is at most --gate, 1 when it is over, 2 when a run failed. "
+                    "the interval is at most --gate, 1 when it is wholly over, 2 when it spans the gate (inconclusive: "
+                    "add pairs) or a run failed. "
                     "Protocol: docs/tax.md.",
     )
     parser.add_argument("--gate", type=float, default=DEFAULT_GATE,
-                        help=f"fail when the interval's upper bound exceeds this ratio (default {DEFAULT_GATE})")
+                        help=f"pass when the interval's upper bound is at most this ratio, fail when its lower bound is over "
+                             f"it (default {DEFAULT_GATE})")
     parser.add_argument("--pairs", type=positive_int, default=5, help="paired runs (default 5)")
     parser.add_argument("--warmup", type=step_number, default=2, help="timed steps dropped at the start of each run (default 2)")
     add_recipe_options(parser, steps=12, nproc=1)
@@ -61,9 +63,8 @@ def run(args) -> int:
 def render(result: TaxResult) -> str:
     data = result.to_dict()
     low, high = result.ci
-    head = (f"{result.verdict.value.upper()}: determinism tax {result.ratio:.3f}x "
-            f"({100 * result.confidence:.0f}% CI {low:.3f}-{high:.3f}); gate {result.gate:.3f}: "
-            + ("upper bound within the gate" if result.verdict.good else "upper bound over the gate"))
+    head = (f"{result.verdict.value.upper()}: determinism tax {result.ratio:.3f}x; {result.judgement}\n"
+            f"estimator: {data['estimator']}, the medians below")
     rows = [[label, f"{1000 * data['median_step_s'][label]:.2f}", result.commands[label]]
             for label in ("deterministic", "baseline")]
     lines = [head, "", table(["run", "median step (ms)", "command"], rows), "",

@@ -17,6 +17,7 @@ then steps within each pair, so both run-to-run and step-to-step variation widen
 from __future__ import annotations
 
 import dataclasses
+import math
 import json
 import shlex
 import sys
@@ -36,6 +37,8 @@ from samebits.verdicts import ToDict, Verdict
 DEFAULT_RESAMPLES = 4000
 DETERMINISTIC_PLACEHOLDER = "{deterministic}"
 _LABELS = ("deterministic", "baseline")
+# The one estimator of the tax: the headline ratio, its interval and the medians shown beside it agree.
+ESTIMATOR = "ratio of median step times (deterministic / baseline)"
 
 
 @dataclasses.dataclass
@@ -59,10 +62,23 @@ class TaxResult(ToDict):
     def verdict(self) -> Verdict:
         return judge(self.ci, self.gate)
 
+    @property
+    def judgement(self) -> str:
+        """The verdict's reason, in one sentence (what to do when it is inconclusive)."""
+        low, high = self.ci
+        interval = f"{100 * self.confidence:.0f}% CI {low:.3f}-{high:.3f}"
+        if self.verdict is Verdict.PASS:
+            return f"the {interval} is within the gate {self.gate:.3f}"
+        if self.verdict is Verdict.FAIL:
+            return f"the whole {interval} is over the gate {self.gate:.3f}"
+        return (f"inconclusive: the {interval} spans the gate {self.gate:.3f}: add pairs "
+                f"(--pairs {pairs_to_decide(self.pairs, self.ratio, self.ci, self.gate)})")
+
     def to_dict(self) -> dict:
         medians = {label: float(np.median(np.concatenate([np.asarray(t) for t in runs])))
                    for label, runs in self.times.items()}
         return {"verdict": self.verdict.value, "exit_code": self.verdict.exit_code, "ratio": self.ratio,
+                "estimator": ESTIMATOR, "judgement": self.judgement,
                 "ci": list(self.ci), "confidence": self.confidence, "gate": self.gate, "pairs": self.pairs,
                 "warmup_steps_dropped": self.warmup, "steps_per_run": len(self.times[_LABELS[0]][0]),
                 "median_step_s": medians, "resamples": self.resamples, "seed": self.seed,
@@ -70,19 +86,38 @@ class TaxResult(ToDict):
 
 
 def judge(ci: tuple[float, float], gate: float) -> Verdict:
-    """PASS when the interval's upper bound is at most the gate, else FAIL (a noisy measurement
-    that cannot show the tax is under the gate fails: measure more pairs or steps)."""
-    return Verdict.PASS if ci[1] <= gate else Verdict.FAIL
+    """PASS when the whole interval is at or under the gate, FAIL when it is wholly over it, and
+    INCOMPLETE when it spans the gate: the measurement cannot tell (a busy machine, too few
+    pairs), so it neither passes nor fails the change; `TaxResult.judgement` says how many pairs
+    to run."""
+    low, high = ci
+    if high <= gate:
+        return Verdict.PASS
+    if low > gate:
+        return Verdict.FAIL
+    return Verdict.INCOMPLETE
+
+
+def pairs_to_decide(pairs: int, ratio: float, ci: tuple[float, float], gate: float) -> int:
+    """About how many pairs would make an interval like ``ci`` clear ``gate``: its width falls
+    as 1/sqrt(pairs), and it must shrink to twice the distance from ``ratio`` to the gate
+    (at least double the pairs; at most 1,000)."""
+    width, distance = ci[1] - ci[0], abs(ratio - gate)
+    if distance < width / 2000:  # a ratio (almost) on the gate: no number of pairs is enough
+        return 1000
+    return min(1000, max(2 * pairs, math.ceil(pairs * (width / (2 * distance)) ** 2)))
 
 
 def paired_bootstrap(deterministic: list[list[float]], baseline: list[list[float]], *,
                      resamples: int = DEFAULT_RESAMPLES, confidence: float = 0.95,
                      seed: int = 0) -> tuple[float, tuple[float, float]]:
-    """The median per-step ratio A/B and its percentile bootstrap interval.
+    """The tax (`ESTIMATOR`: the median step time of A over that of B, the two medians a
+    report shows) and its percentile bootstrap interval.
 
     ``deterministic[i][s]`` and ``baseline[i][s]`` are step s of pair i.  Each resample draws
     the pairs with replacement, then the steps of each drawn pair with replacement (a two-level
-    bootstrap: steps of one run share its machine state, so pairs are the independent unit)."""
+    bootstrap: steps of one run share its machine state, so pairs are the independent unit),
+    the same draws for A and B (paired), and takes the same statistic."""
     if not deterministic or len(deterministic) != len(baseline):
         raise ConfigError("paired_bootstrap: give the same number (>= 1) of deterministic and baseline runs.")
     lengths = {len(run) for run in deterministic} | {len(run) for run in baseline}
@@ -93,16 +128,16 @@ def paired_bootstrap(deterministic: list[list[float]], baseline: list[list[float
     a, b = np.asarray(deterministic, dtype=np.float64), np.asarray(baseline, dtype=np.float64)
     if (a <= 0).any() or (b <= 0).any() or not (np.isfinite(a).all() and np.isfinite(b).all()):
         raise ConfigError("paired_bootstrap: step times must be positive, finite seconds.")
-    ratios = a / b  # (pairs, steps)
-    num_pairs, num_steps = ratios.shape
+    num_pairs, num_steps = a.shape
     rng = np.random.default_rng(seed)
     chosen_pairs = rng.integers(0, num_pairs, size=(resamples, num_pairs))
     chosen_steps = rng.integers(0, num_steps, size=(resamples, num_pairs, num_steps))
-    samples = ratios[chosen_pairs[:, :, None], chosen_steps].reshape(resamples, -1)
-    medians = np.median(samples, axis=1)
+    drawn = (chosen_pairs[:, :, None], chosen_steps)
+    statistics = (np.median(a[drawn].reshape(resamples, -1), axis=1)
+                  / np.median(b[drawn].reshape(resamples, -1), axis=1))
     tail = (1 - confidence) / 2
-    low, high = np.quantile(medians, [tail, 1 - tail])
-    return float(np.median(ratios)), (float(low), float(high))
+    low, high = np.quantile(statistics, [tail, 1 - tail])
+    return float(np.median(a) / np.median(b)), (float(low), float(high))
 
 
 def read_step_times(run_dir: str | Path) -> dict[int, float]:
@@ -241,4 +276,5 @@ def tax(out: str | Path | None = None, *, command: list[str] | None = None, comm
     return result
 
 
-__all__ = ["tax", "TaxResult", "paired_bootstrap", "judge", "read_step_times", "DEFAULT_GATE"]
+__all__ = ["tax", "TaxResult", "paired_bootstrap", "judge", "pairs_to_decide", "read_step_times", "DEFAULT_GATE",
+           "ESTIMATOR"]

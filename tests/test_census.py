@@ -240,3 +240,80 @@ def test_every_census_name_has_a_specific_sentence():
     generic = describe_state_record("something.else")
     for name, _ in Training().census():
         assert describe_state_record(name) != generic, name
+
+
+# --- the census's one home: the census stream RUN/state, beside the main stream ---------------
+
+
+def _record_run(directory, jitter: int, *, old_layout: bool, steps=range(3)):
+    """A run whose census holds a generator ("rng.user.jitter", ``jitter`` from step 2 on)
+    and an optimizer's step counts: in the census stream (today's layout), or in the main
+    stream's state phase (how the recipe recorded it before 2026-12)."""
+    main = samebits.Recorder(directory, rank=0, world_size=1)
+    census = main if old_layout else checkpoint.census_recorder(main)
+    for step in steps:
+        records = [("rng.user.jitter", torch.tensor([0 if step < 2 else jitter])),
+                   ("optim0.step", torch.tensor([float(step)], dtype=torch.float64))]
+        census.tensors(step, STATE_PHASE, records)
+        if census is not main:
+            census.end_step(step)
+        main.tensors(step, "params", [("w", torch.full((2,), float(step + (jitter if step >= 2 else 0))))])
+        main.end_step(step)
+    for recorder in {id(main): main, id(census): census}.values():
+        recorder.close()
+    return directory
+
+
+@pytest.mark.parametrize("old_layout", [False, True], ids=["census stream", "main stream (before 2026-12)"])
+def test_verify_reads_the_census_from_its_home_and_from_old_runs(tmp_path, old_layout):
+    from samebits.runs._explain import explain_resume
+
+    a = _record_run(tmp_path / "a", 0, old_layout=old_layout)
+    c = _record_run(tmp_path / "c", 7, old_layout=old_layout)
+    assert checkpoint.census_run(a) == (a if old_layout else a / checkpoint.CENSUS_DIR)
+    main_phases = {r.phase for block in samebits.open_run(a).stream(0).steps() for r in block.records()}
+    assert (STATE_PHASE in main_phases) == old_layout  # today's census never enters the verdict's stream
+    findings = explain_resume(a, None, c, 2, 2)
+    assert [(f.kind, f.step, f.record) for f in findings] == [("generator", 2, "rng.user.jitter")], findings
+    assert "generator 'jitter' state differs" in findings[0].says
+
+
+def test_census_home_lookup_and_recorder(tmp_path):
+    assert checkpoint.census_run(tmp_path / "missing") is None
+    assert checkpoint.census_recorder(None) is None
+    assert checkpoint.census_recorder(object()) is None  # a recorder of one's own: give the census its own
+    main = samebits.Recorder(tmp_path / "run", rank=1, world_size=2)
+    census = checkpoint.census_recorder(main)
+    assert (census.settings.directory, census.rank, census.world_size) == (tmp_path / "run" / "state", 1, 2)
+    off = samebits.Recorder(tmp_path / "off", rank=1, world_size=2, ranks="0")  # this rank is not recorded
+    assert checkpoint.census_recorder(off) is None
+    for recorder in (census, main, off):
+        recorder.close()
+
+
+def test_bisect_suspects_every_census_record_that_differs(tmp_path):
+    """What bisect adds to a trace's census: every record of the runs' census that differs at
+    the step start (here a generator the trace does not see), in either layout."""
+    from samebits.runs._explain import census_suspects
+
+    for old_layout in (False, True):
+        a = _record_run(tmp_path / f"a{old_layout}", 0, old_layout=old_layout)
+        b = _record_run(tmp_path / f"b{old_layout}", 7, old_layout=old_layout)
+        assert census_suspects(["rng.torch_cpu"], a, b, 0, 2) == (["rng.torch_cpu", "rng.user.jitter"], [])
+        assert census_suspects([], a, b, 0, 1) == ([], [])
+
+
+def test_the_recipe_records_its_census_in_the_census_stream(tmp_path):
+    from samebits.recipes import RecipeConfig, train
+
+    cfg = RecipeConfig(num_layers=2, seq_len=32, micro_batch_size=2)
+    recorder = samebits.Recorder(tmp_path / "run", rank=0, world_size=1, config=cfg.to_dict())
+    train(cfg, steps=2, recorder=recorder)
+    recorder.close()
+    main = samebits.open_run(tmp_path / "run").stream(0)
+    assert STATE_PHASE not in {r.phase for block in main.steps() for r in block.records()}
+    census = samebits.open_run(tmp_path / "run" / checkpoint.CENSUS_DIR).stream(0)
+    blocks = list(census.steps())
+    assert [block.step for block in blocks] == [0, 1]
+    names = {r.name for r in blocks[0].records() if r.phase == STATE_PHASE}
+    assert {"rng.torch_cpu", "rng.user.router_jitter", "optim0.step", "sched0.last_epoch"} <= names

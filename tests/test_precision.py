@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import samebits
+from samebits.checkpoint import CENSUS_DIR
 from samebits.compare import diff
 from samebits.errors import ConfigError
 from samebits.recipes import RecipeConfig, train
@@ -161,21 +162,24 @@ def _resume_pair(tmp_path, save_history: bool):
     c = samebits.Recorder(tmp_path / "c", rank=0, world_size=1, config=cfg.to_dict(), append=True)
     resumed = train(cfg, steps=4, recorder=c, resume_from=tmp_path / "ckpt")
     c.close()
-    return straight, resumed, diff(tmp_path / "a", tmp_path / "c", start_step=2)
+    # the census streams (RUN/state, beside each run's main stream), then the main streams
+    census = diff(tmp_path / "a" / CENSUS_DIR, tmp_path / "c" / CENSUS_DIR, start_step=2)
+    return straight, resumed, census, diff(tmp_path / "a", tmp_path / "c", start_step=2)
 
 
 def test_fp8_delayed_resume_is_exact_with_the_history_checkpointed(tmp_path):
-    straight, resumed, result = _resume_pair(tmp_path, save_history=True)
-    assert result.identical, result.to_dict()
+    straight, resumed, census, result = _resume_pair(tmp_path, save_history=True)
+    assert result.identical and census.identical, (result.to_dict(), census.to_dict())
     for name in straight.params:
         assert _bits(straight.params[name]) == _bits(resumed.params[name]), name
 
 
 def test_fp8_delayed_resume_without_the_history_diverges_and_the_census_names_it(tmp_path):
-    straight, resumed, result = _resume_pair(tmp_path, save_history=False)
-    first = result.first_divergence
-    assert not result.identical and first is not None
-    assert first.step == 2 and first.phase == "state", result.to_dict()
+    straight, resumed, census, result = _resume_pair(tmp_path, save_history=False)
+    first = census.first_divergence
+    assert not census.identical and first is not None
+    assert first.step == 2 and first.phase == "state", census.to_dict()
     assert first.name.startswith("fp8.") and "amax_history" in first.name
+    assert not result.identical and result.first_divergence.step == 2, result.to_dict()
     # Not only the census: the weights the resumed run trains differ too.
     assert any(_bits(straight.params[n]) != _bits(resumed.params[n]) for n in straight.params)

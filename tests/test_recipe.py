@@ -170,16 +170,18 @@ def test_loss_goes_down():
 
 
 def test_recorder_sees_each_phase_in_order():
-    recorder = FakeRecorder()
-    result = train(_tiny(), steps=2, recorder=recorder)
+    recorder, census = FakeRecorder(), FakeRecorder()
+    result = train(_tiny(), steps=2, recorder=recorder, census=census)
     assert result.stopped_at is None and result.end_step == 2
     phases = [(step, phase) for step, phase, _ in recorder.calls]
-    order = ["state", "data", "forward", "metrics", "grads", "params", "end_step"]
+    order = ["data", "forward", "metrics", "grads", "params", "end_step"]
     assert phases == [(s, p) for s in range(2) for p in order]
     names = {phase: names for step, phase, names in recorder.calls if step == 0}
-    # the state census first: every RNG (the router jitter generator too), optimizer and LR state
+    # the state census, in its own stream, at each step start: every RNG (the router jitter
+    # generator too), optimizer and LR state
+    assert [(step, phase) for step, phase, _ in census.calls] == [(s, p) for s in range(2) for p in ("state", "end_step")]
     assert {"rng.python", "rng.numpy", "rng.torch_cpu", "rng.user.router_jitter", "optim0.step",
-            "optim0.lr", "sched0.last_epoch"} <= set(names["state"])
+            "optim0.lr", "sched0.last_epoch"} <= set(census.calls[0][2])
     assert names["data"] == ["tokens"]
     assert names["forward"] == ["layers.0", "layers.1", "logits"]
     assert names["metrics"] == sorted(["loss", "lm_loss", "load_balancing_loss", "mtp_loss",
@@ -215,14 +217,16 @@ def test_records_the_recorder_drops_are_never_built(monkeypatch):
                         lambda **kw: census_calls.append(1) or real_census(**kw))
     monkeypatch.setattr(loop_module, "_block_outputs",
                         lambda model, enabled: hooked.append(enabled) or real_hooks(model, enabled))
-    keep = {(0, "params"), (1, "state"), (1, "forward"), (1, "metrics")}
-    recorder = FilteringRecorder(keep)
-    result = train(_tiny(), steps=2, recorder=recorder)
+    keep = {(0, "params"), (1, "forward"), (1, "metrics")}
+    recorder, census = FilteringRecorder(keep), FilteringRecorder({(1, "state")})
+    result = train(_tiny(), steps=2, recorder=recorder, census=census)
     assert result.end_step == 2
     assert [(s, p) for s, p, _ in recorder.calls] == [
-        (0, "params"), (0, "end_step"), (1, "state"), (1, "forward"), (1, "metrics"), (1, "end_step")]
+        (0, "params"), (0, "end_step"), (1, "forward"), (1, "metrics"), (1, "end_step")]
+    assert [(s, p) for s, p, _ in census.calls] == [(1, "state"), (1, "end_step")]
     assert len(census_calls) == 1 and hooked == [False, True]  # no census, no hooks at step 0
-    assert {p for _, p in recorder.asked} == {"state", "data", "forward", "metrics", "grads", "params"}
+    assert {p for _, p in recorder.asked} == {"data", "forward", "metrics", "grads", "params"}
+    assert census.asked == [(0, "state"), (1, "state")]
 
 
 class _TwoCalls:

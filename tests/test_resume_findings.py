@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from samebits.compare import diff
-from samebits.runs._explain import explain_independent, explain_resume, generator_suspects, ordered
+from samebits.runs._explain import census_suspects, explain_independent, explain_resume, ordered
 
 SCRIPT = Path(__file__).parent / "scripts_resume" / "minigpt.py"
 CKPT_AT = 3
@@ -132,7 +132,7 @@ def test_a_time_seeded_private_generator_is_named_by_its_site(runs, tmp_path):
     assert findings[0].generator.startswith("user:minigpt.py:") and "seed it with a constant" in findings[0].says
     # what bisect reads from the same census: the private generator is a suspect (it differs and
     # the step draws from it); Python's generator differs (unseeded) but nobody draws from it
-    suspects, unused = generator_suspects(["rng.python"], a, b, 0, result.first_divergence.step)
+    suspects, unused = census_suspects(["rng.python"], a, b, 0, result.first_divergence.step)
     (private,) = suspects
     assert private.startswith("rng.user.minigpt.py:")
     assert unused == ["rng.python"]

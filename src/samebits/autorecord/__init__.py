@@ -20,9 +20,10 @@ Besides the records, every process that recorded leaves an outcome file saying h
 code ended (clean, an uncaught exception, or stopped by the live check; see `_outcome`), so
 that a launcher never takes a crashed training run for a finished one.
 
-The *state census* goes into a second stream in ``SAMEBITS_DIR/state``: not part of the
-verdict (an unused, unseeded Python RNG differs between any two runs), but what names the
-missing state when a run differs.  Per step:
+The *state census* goes into its home, the census stream in ``SAMEBITS_DIR/state``
+(`samebits.checkpoint.census_recorder`, as for every recorder): not part of the verdict (an
+unused, unseeded Python RNG differs between any two runs), but what names the missing state
+when a run differs.  Per step:
 
 * ``state`` at the step's first top-level forward: every RNG state, every optimizer, LR
   scheduler and GradScaler the program has made (tracked from their construction, see
@@ -78,7 +79,7 @@ from samebits.autorecord._outcome import (
     write_outcome,
     write_stop,
 )
-from samebits.checkpoint import STATE_PHASE, state_census
+from samebits.checkpoint import CENSUS_DIR, STATE_PHASE, census_recorder, state_census
 from samebits.errors import ConfigError
 from samebits.settings import RecordingSpec
 from samebits.stream import Recorder
@@ -86,7 +87,7 @@ from samebits.trace import install_zero_code
 from samebits.verdicts import EXIT_STOPPED  # the live check stopped the run at a step that differs
 
 ENV_ENABLE = "SAMEBITS_AUTORECORD"
-STATE_DIR = "state"  # the census stream's folder inside a run directory
+STATE_DIR = CENSUS_DIR  # the census stream's folder inside a run directory (samebits.checkpoint.CENSUS_DIR)
 EVENTS_FILE = "events-rank-{rank:05d}.jsonl"  # in STATE_DIR: restores, seeds and draws of the global generators
 NOTES_FILE = "notes-rank-{rank:05d}.jsonl"  # in the run directory: what a callback found (`note`)
 
@@ -117,10 +118,7 @@ class _AutoRecorder:
             config = {"command": settings.read("SAMEBITS_COMMAND") or ""}
             append = settings.read("SAMEBITS_APPEND")
             self.recorder = Recorder(append=append, reference=reference, config=config)
-            if self.recorder.active:
-                self.census = Recorder(self.recorder.settings.directory / STATE_DIR, append=append,
-                                       rank=self.recorder.rank, world_size=self.recorder.world_size,
-                                       config=config)
+            self.census = census_recorder(self.recorder, append=append, config=config)
         return self.recorder
 
     def _ours(self):

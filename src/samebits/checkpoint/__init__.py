@@ -11,11 +11,13 @@ every random state (Python, NumPy, torch CPU, CUDA per device, the bundle's gene
 with `torch.distributed.checkpoint` writing each rank's shards.  See docs/checkpoint.md.
 
 `state_census(...)` lists the same states as named tensors, recorded at each step start in
-the `STATE_PHASE` phase, so a resume that lost one shows which (`describe_state_record`).
+the `STATE_PHASE` phase of the run's census stream (`census_recorder`, `CENSUS_DIR`), so a
+resume that lost one shows which (`describe_state_record`).
 """
 
 from samebits.checkpoint._bundle import StateBundle
-from samebits.checkpoint._census import STATE_PHASE, describe_state_record, global_rng_record, state_census
+from samebits.checkpoint._census import (CENSUS_DIR, STATE_PHASE, census_recorder, census_run, describe_state_record,
+                                         global_rng_record, state_census)
 from samebits.checkpoint._errors import CheckpointError, CheckpointLayoutError
 from samebits.checkpoint._rng import GLOBAL_RNG_NAMES, capture_rng_state, restore_rng_state
 from samebits.checkpoint._storage import DROP_RNG_ENV, SAVE_PAUSE_ENV, load, resolve, save
@@ -36,4 +38,7 @@ __all__ = [
     "describe_state_record",
     "global_rng_record",
     "STATE_PHASE",
+    "CENSUS_DIR",
+    "census_recorder",
+    "census_run",
 ]

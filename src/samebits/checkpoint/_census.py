@@ -1,11 +1,19 @@
 """The state census: the training state a resume must restore, as named CPU tensors.
 
-    rec.tensors(step, STATE_PHASE, state_census(optimizers=[opt], schedulers=[sched],
-                                                generators={"dropout": gen}))
+    census = census_recorder(rec)               # RUN/state, beside the run's main stream
+    census.tensors(step, STATE_PHASE, state_census(optimizers=[opt], schedulers=[sched],
+                                                   generators={"dropout": gen}))
+    census.end_step(step)
 
 Recorded at the start of every step, in a "state" phase, the census turns a resume that
 lost some state into a named difference: the first differing record is the missing state
 ("rng.torch_cpu", "optim0.step", ...), and `describe_state_record` says what that means.
+
+Its one home is the census stream, `CENSUS_DIR` inside the run directory, for every recorder
+(zero-code recording, the reference recipe, a loop of one's own): it is context for naming
+what differs, never part of the verdict, since a generator nobody draws from differs between
+any two unseeded processes.  `census_run` finds it, in a run recorded before 2026-12 too (the
+recipe then wrote it into its main stream).
 Each record holds the exact bits of one state, so equal digests mean equal state:
 
     rng.python          Python `random`: version, the 625 Mersenne Twister words, cached gauss
@@ -33,13 +41,16 @@ from __future__ import annotations
 import random
 import re
 import struct
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from samebits._torchutil import outside_dispatch_modes
 from samebits.errors import ConfigError
+from samebits.stream import Recorder
 
 try:  # a dependency of samebits, but the census works without it (no rng.numpy record)
     import numpy as _np
@@ -48,6 +59,9 @@ except ImportError:  # pragma: no cover - exercised by loading this file with nu
 
 #: The phase name under which the census is recorded at each step start.
 STATE_PHASE = "state"
+#: The census stream's folder inside a run directory: every recorder writes the census there,
+#: beside the run's main stream and never into it (context, not part of the verdict).
+CENSUS_DIR = "state"
 
 _NOT_RESTORED = "seeded from something that changes, or not restored on resume"
 _SITE = re.compile(r"\.py:\d+(#\d+)?$")
@@ -99,6 +113,32 @@ def _census(optimizers, schedulers, user, scalers, include_cuda: bool) -> list[t
     for index, scaler in enumerate(scalers):
         records.append((f"scaler{index}", _scaler_state(scaler)))
     return records
+
+
+def census_recorder(recorder: Any, *, append: bool = False, config: Mapping[str, Any] | None = None) -> Recorder | None:
+    """A `samebits.Recorder` for the state census of the run ``recorder`` writes: its rank's
+    stream in `CENSUS_DIR` inside ``recorder``'s directory, with its rank and world size (and,
+    as every Recorder, the environment's choice of steps, ranks and phases).  ``append``:
+    continue the census stream of a resumed run, as its main stream does.  None when
+    ``recorder`` records nothing here (None, or a rank not recorded) or is not a samebits
+    Recorder (a recorder of one's own: give the census one of its own too).  The caller
+    closes it."""
+    if not isinstance(recorder, Recorder) or not recorder.active:
+        return None
+    return Recorder(recorder.settings.directory / CENSUS_DIR, rank=recorder.rank, world_size=recorder.world_size,
+                    config=config, append=append)
+
+
+def census_run(run_dir: str | os.PathLike) -> Path | None:
+    """Where the census of run ``run_dir`` is: its census stream ``run_dir/state``
+    (`CENSUS_DIR`, with the ``STATE_PHASE`` records and whatever else its recorder adds); for
+    a run recorded before 2026-12 by a loop that wrote the census into its main stream (the
+    reference recipe did), ``run_dir`` itself, whose ``STATE_PHASE`` records are the census.
+    None when ``run_dir`` is not a directory."""
+    run_dir = Path(run_dir)
+    if (run_dir / CENSUS_DIR).is_dir():
+        return run_dir / CENSUS_DIR
+    return run_dir if run_dir.is_dir() else None
 
 
 def global_rng_record(generator: str) -> torch.Tensor:

@@ -45,8 +45,8 @@ class TrainResult:
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # final local parameters
 
 
-def train(config: RecipeConfig, *, steps: int, recorder: Any = None, save_at: int | None = None,
-          ckpt_dir: str | Path | None = None, resume_from: str | Path | None = None,
+def train(config: RecipeConfig, *, steps: int, recorder: Any = None, census: Any = None,
+          save_at: int | None = None, ckpt_dir: str | Path | None = None, resume_from: str | Path | None = None,
           keep_going: bool = False, log: bool = False) -> TrainResult:
     """Run optimizer steps [start, steps) on this rank; start is 0 or the resumed step.
 
@@ -54,7 +54,10 @@ def train(config: RecipeConfig, *, steps: int, recorder: Any = None, save_at: in
     initialised); otherwise runs as world size 1.  `save_at=K` saves to `ckpt_dir` before
     step K and returns (``keep_going``: then trains on to ``steps``, as a training job that
     saves and continues).  `recorder` (duck-typed, see docs/recipe.md) receives the per-step
-    records; when its `end_step` returns False on any rank, every rank stops.
+    records; when its `end_step` returns False on any rank, every rank stops.  `census`
+    receives the state census at each step start (and its `end_step`); by default the census
+    stream beside a samebits Recorder's (`samebits.checkpoint.census_recorder`, RUN/state),
+    none beside a duck-typed recorder.
     """
     if save_at is not None and (ckpt_dir is None or not 0 <= save_at <= steps):
         raise ConfigError(f"save_at={save_at} needs ckpt_dir and 0 <= save_at <= steps={steps}")
@@ -62,8 +65,15 @@ def train(config: RecipeConfig, *, steps: int, recorder: Any = None, save_at: in
         run = _Run(config, rank, world_size)
         if resume_from is not None:
             run.resume(resume_from)
-        return run.loop(steps, recorder=recorder, save_at=save_at, ckpt_dir=ckpt_dir,
-                        keep_going=keep_going, log=log and rank == 0)
+        opened = census is None
+        if opened:
+            census = checkpoint.census_recorder(recorder, append=resume_from is not None)
+        try:
+            return run.loop(steps, recorder=recorder, census=census, save_at=save_at, ckpt_dir=ckpt_dir,
+                            keep_going=keep_going, log=log and rank == 0)
+        finally:
+            if opened and census is not None:
+                census.close()
 
 
 @contextlib.contextmanager
@@ -177,7 +187,8 @@ class _Run:
                           + "); the run will not be bitwise equal to an uninterrupted one",
                           stacklevel=3)
 
-    def loop(self, steps: int, *, recorder, save_at, ckpt_dir, log: bool, keep_going: bool = False) -> TrainResult:
+    def loop(self, steps: int, *, recorder, census=None, save_at, ckpt_dir, log: bool,
+             keep_going: bool = False) -> TrainResult:
         result = TrainResult(start_step=self.step, end_step=self.step)
         if save_at is not None and save_at < self.step:
             raise ConfigError(f"save_at={save_at} is before the resumed step {self.step}")
@@ -192,6 +203,7 @@ class _Run:
             if self.step >= steps:
                 break
             with tracer.step(self.step):  # encloses the whole step, the recorder's end_step too
+                self.record_census(census, tracer)
                 metrics, ok = self.train_step(recorder)
             result.metrics.append(metrics)
             if log:
@@ -206,17 +218,23 @@ class _Run:
                          for n, p in self.model.named_parameters()}
         return result
 
+    def record_census(self, census, tracer) -> None:
+        """The state census at the step start (every RNG, step counts, learning rates, the
+        precision's state) into its own stream: a resumed run that differs there names the
+        state its checkpoint did not restore.  samebits' own work: never traced."""
+        step = self.step
+        if census is None or not _wanted_phases(census, step)(checkpoint.STATE_PHASE):
+            return
+        with tracer.suspended():
+            census.tensors(step, checkpoint.STATE_PHASE, checkpoint.state_census(
+                optimizers=[self.optimizer], schedulers=[self.scheduler],
+                generators={JITTER_GENERATOR: self.jitter}) + self.precision.state_records())
+            census.end_step(step)
+
     def train_step(self, rec) -> tuple[dict[str, float], bool | None]:
         cfg, step, model = self.cfg, self.step, self.model
         start = time.perf_counter()
         keep = _wanted_phases(rec, step)
-
-        # State census at step start: every RNG, step counts, learning rates.  A resumed run
-        # that differs here names the state its checkpoint did not restore.
-        if keep(checkpoint.STATE_PHASE):
-            rec.tensors(step, checkpoint.STATE_PHASE, checkpoint.state_census(
-                optimizers=[self.optimizer], schedulers=[self.scheduler],
-                generators={JITTER_GENERATOR: self.jitter}) + self.precision.state_records())
 
         if self.accumulator is not None:
             return self._invariant_step(rec, start, keep)

@@ -1,8 +1,9 @@
 """What differs between two runs' training state when they diverge: verify's findings.
 
-The state census (`samebits.checkpoint.state_census`, recorded by the recipe into its main
-stream and by zero-code recording into ``RUN/state``) holds, per step, every RNG, optimizer,
-LR scheduler, GradScaler and data-loader position; zero-code recording adds each step's
+The state census (`samebits.checkpoint.state_census`, recorded by every recorder into its
+home, the census stream ``RUN/state``; `census_run` finds it, in an older recipe run's main
+stream too) holds, per step, every RNG, optimizer, LR scheduler, GradScaler and data-loader
+position; zero-code recording adds each step's
 inputs (``inputs``), the generators after the step (``state_end``), a resumed process's
 parameters and optimizer state as it begins (``restored.*``) and a log of restores and draws
 of the global generators (`samebits.autorecord.EVENTS_FILE`).  This module turns differences
@@ -28,8 +29,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from samebits.autorecord import EVENTS_FILE, NOTES_FILE, STATE_DIR
-from samebits.checkpoint import STATE_PHASE, describe_state_record
+from samebits.autorecord import EVENTS_FILE, NOTES_FILE
+from samebits.checkpoint import CENSUS_DIR, STATE_PHASE, census_run, describe_state_record
 from samebits.errors import StreamError
 from samebits.stream import open_run
 from samebits.verdicts import ToDict
@@ -101,14 +102,13 @@ class _Census:
 
 
 def _census(directory: Path, first: int, last: int) -> _Census | None:
-    """The census of a run: zero-code recording's ``RUN/state``, else the main stream's
-    ``state`` phase (the recipe's); None when there is none."""
-    state_dir = directory / STATE_DIR
+    """The census of a run (`census_run`: its census stream, every phase of it; in a run
+    recorded before 2026-12 by the recipe, its main stream's ``state`` phase); None when there
+    is none."""
+    where = census_run(directory)
     try:
-        if state_dir.is_dir():
-            return _Census(state_dir, None, first, last)
-        if directory.is_dir():
-            return _Census(directory, (STATE_PHASE,), first, last)
+        if where is not None:
+            return _Census(where, None if where != Path(directory) else (STATE_PHASE,), first, last)
     except StreamError:
         return None
     return None
@@ -196,7 +196,7 @@ def explain_resume(dir_a: Path, dir_b: Path | None, dir_c: Path, resume_at: int,
     if census_a is None or census_c is None:
         return findings
     census_b = _census(dir_b, max(0, resume_at - 1), last) if dir_b is not None and dir_b.exists() else None
-    main_a = _main_records(dir_a, resume_at - 1) if (dir_c / STATE_DIR).is_dir() else {}
+    main_a = _main_records(dir_a, resume_at - 1) if (dir_c / CENSUS_DIR).is_dir() else {}
     for rank in census_a.ranks:
         for step in range(resume_at, diverged_at + 1):
             found = _resume_step(census_a, census_b, census_c, main_a, dir_c, rank, step, resume_at)
@@ -458,19 +458,19 @@ def _restored_then_drawn(events: list[dict], generator: str, record_a, record_c,
 # --- for bisect --------------------------------------------------------------------------
 
 
-def generator_suspects(names: list[str], dir_a: Path, dir_b: Path, rank: int,
-                       step: int) -> tuple[list[str], list[str]]:
-    """(suspects, unused) among the census records ``names`` that differ at ``step``'s start on
-    ``rank``, with the generators the program made (``rng.user.<site>``, zero-code census) that
-    differ there and that either run drew from added to the suspects; ``unused``: the
-    generators neither run drew from in the step (no suspects).  A generator whose use is not
-    known (no census, e.g. the recipe's) stays a suspect.  Each census is read once."""
+def census_suspects(names: list[str], dir_a: Path, dir_b: Path, rank: int,
+                    step: int) -> tuple[list[str], list[str]]:
+    """(suspects, unused) among the census records ``names`` (a trace's) that differ at
+    ``step``'s start on ``rank``, with every record of the runs' census (`census_run`) that
+    differs there added (the generators the program made, by site; loader positions; the
+    recipe's generators and precision state); ``unused``: the generators neither run drew from
+    in the step (no suspects).  A generator whose use is not known (a census without
+    ``state_end``, e.g. the recipe's) stays a suspect.  Each census is read once."""
     censuses = [_census(directory, max(0, step - 1), step) for directory in (dir_a, dir_b)]
     if any(census is None for census in censuses):
         return list(names), []
     state_a, state_b = (census.get(rank, step, STATE_PHASE) for census in censuses)
-    names = list(names) + [name for name in _differing(state_a, state_b)
-                           if name.startswith("rng.user.") and name not in names]
+    names = list(names) + [name for name in _differing(state_a, state_b) if name not in names]
     unused = [name for name in names if name.startswith("rng.")
               and all(_used(census, rank, step, name) is False for census in censuses)]
     return [name for name in names if name not in unused], unused
@@ -519,4 +519,4 @@ def explain_independent(dir_a: Path, dir_b: Path, diverged_at: int, order: str |
     return findings
 
 
-__all__ = ["Finding", "explain_resume", "explain_independent", "ordered", "script_notes", "generator_suspects"]
+__all__ = ["Finding", "explain_resume", "explain_independent", "ordered", "script_notes", "census_suspects"]

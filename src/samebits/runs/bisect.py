@@ -51,7 +51,7 @@ from samebits import settings
 from samebits.autorecord import environment_for, recording_variables, with_variables
 from samebits.checkpoint import describe_state_record
 from samebits.errors import ConfigError, SamebitsError
-from samebits.runs._explain import generator_suspects
+from samebits.runs._explain import census_suspects
 from samebits.runs._launch import check_recipe, failed, run_logged, teardown_note
 from samebits.stream.reader import open_run
 from samebits.trace import (ENV_VARS, LEVEL_NAMES, EventSpec, OriginFinding, OriginReport, TraceConfig,
@@ -331,9 +331,10 @@ class _Bisector:
         phases (its "pre" work is no divergence), with a note when that dropped anything."""
         report = find_origins(a, b, resume_step=self.resume_step)
         for finding in report.findings.values():
-            # the generators the program made (zero-code census, by creation site) join the
-            # tracer's census; a generator nobody drew from in the step is no suspect
-            finding.state_differs, finding.state_unused = generator_suspects(
+            # the runs' own census (the generators the program made, by creation site; loader
+            # positions; the recipe's state) joins the tracer's; a generator nobody drew from in
+            # the step is no suspect
+            finding.state_differs, finding.state_unused = census_suspects(
                 finding.state_differs, a, b, finding.rank, finding.step)
         for note in report.notes:
             if note not in self.notes and self.resume_step is not None and "phase pre" in note:

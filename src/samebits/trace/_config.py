@@ -35,7 +35,7 @@ CENSUS_EVENT, CENSUS_PHASE = "census", "start"  # trace:census:start / census|at
 PRE_PHASE = "pre"  # a step's work before its first phase boundary (not the census's "start")
 # A list argument's provenance: which recorded tensors it holds, sorted (@set) and in order (@order).
 ORDER_LABEL, SET_LABEL = "@order", "@set"
-STATE_RECORD_PHASE = STATE_PHASE  # the census as a training loop records it (plain records)
+STATE_RECORD_PHASE = STATE_PHASE  # the census in a main stream (plain records: runs before 2026-12)
 TRAINING_PHASES = ("init", "pre", "forward", "backward", "recompute", "reduce", "optimizer", "post")
 
 ENV_VARS = ("SAMEBITS_TRACE", "SAMEBITS_TRACE_STEPS", "SAMEBITS_TRACE_RANKS", "SAMEBITS_TRACE_MODULE",

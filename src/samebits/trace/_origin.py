@@ -20,8 +20,8 @@ is then classified from the trace's record names (``<event>|in:..`` / ``<event>|
 * ``order``    same records, same values, different order (e.g. hooks firing in another order,
   the optimizer's parameters in another order): ``reordered`` says what holds them.
 
-Context records (the state census, ``trace:census:*`` or a loop's own ``state`` phase) are
-never classified: a step where only they differ is not a divergence.  Each finding lists
+Context records (the tracer's state census ``trace:census:*``, or the ``state`` phase a loop
+wrote into its main stream before the census had its own stream) are never classified: a step where only they differ is not a divergence.  Each finding lists
 the census records that differ in its step (``state_differs``), and a receiver whose event's
 inputs (an op's, by their values or by a list argument's ``@set``/``@order`` provenance, or a
 process group's collectives') are the same tensors in another order is marked ``permuted``.

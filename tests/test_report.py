@@ -163,6 +163,7 @@ def test_two_runs_in_a_browser_divergence_localised_and_hostile_names_shown_as_t
     out, err = capsys.readouterr()
     assert code == EXIT_BAD_VERDICT, out + err
     assert "DIVERGED" in out and "rank 0: step 5, rank 1: step 3" in out
+    assert "DIVERGED at step 3, rank 1: params/layer.weight" in out.splitlines()  # the page's first sentence
     assert re.search(r"\[\s*\d+\.\ds\] \[1/1\] comparing", err), err  # progress: elapsed time and counter
     markup = page.read_text(encoding="utf-8")
     assert_self_contained(markup)

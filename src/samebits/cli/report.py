@@ -51,6 +51,8 @@ def run(args) -> int:
              + (" ..." if len(pair.first_by_rank) > 4 else "") or (pair.error.splitlines()[0] if pair.error else "-")]
             for pair in report.pairs]
     echo(f"samebits report: {report.verdict.value.upper()} ({report.kind})")
+    if report.conclusion:
+        echo(report.conclusion)  # the sentence the page leads with
     if rows:
         echo("")
         echo(table(["compared", "verdict", "first divergent step by rank"], rows))

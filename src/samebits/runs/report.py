@@ -121,6 +121,13 @@ class Pair:
             self._records[side, rank] = _records_by_step(self.a if side == "a" else self.b, rank, None)
         return self._records[side, rank]
 
+    def ran(self, side: str, rank: int, step: int) -> bool:
+        """Whether run ``side`` recorded ``step`` on ``rank`` (sets built once per rank)."""
+        key = ("_steps", side, rank)
+        if key not in self._records:
+            self._records[key] = set((self.steps_a if side == "a" else self.steps_b).get(rank, ()))
+        return step in self._records[key]
+
     def cut(self, step: int) -> bool:
         """Whether run b never ran ``step``: the live check stopped it at an earlier one."""
         if self.stopped_b is None or step <= self.stopped_b:
@@ -1125,7 +1132,7 @@ def _span(steps: list[int]) -> str:
 
 def _rank_state(pair: Pair, rank: int, step: int) -> tuple[str, str]:
     """One rank at one step: its state on the heatmap and what it says."""
-    in_a, in_b = step in pair.steps_a.get(rank, ()), step in pair.steps_b.get(rank, ())
+    in_a, in_b = pair.ran("a", rank, step), pair.ran("b", rank, step)
     first = pair.first_by_rank.get(rank)
     if step < (pair.start_step or 0):
         return "outside", "before the compared window"

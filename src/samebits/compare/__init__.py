@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 from samebits.compare import _parallel
 from samebits.errors import ConfigError, IncomparableRunsError, StreamError
-from samebits.stream import _format as fmt
+from samebits.stream import step_root as _step_root
 from samebits.stream.reader import (Record, Run, StreamReader, open_run, read_stop_marker,
                                     require_same_digest_version)
 from samebits.verdicts import ToDict, Verdict, serialised
@@ -546,7 +546,7 @@ class _Walk:
                     reader.check_root(*frame)
 
         frame_a, frame_b = advance(steps_a, reader_a), advance(steps_b, reader_b)
-        shared, verify, crc32, step_root = self.shared_bound, self.verify, zlib.crc32, fmt.step_root
+        shared, verify, crc32, step_root = self.shared_bound, self.verify, zlib.crc32, _step_root
         while True:
             block_a = frame_a[0] if frame_a else None
             block_b = frame_b[0] if frame_b else None

@@ -28,7 +28,8 @@ Recorder, the tracer) use separately:
 `DIGEST_VERSION` (the version of the digest's definition that every persisted digest records),
 `body_sums`, `header`, `finalize` (and `finalize_packed`, the same for a numpy array of sums,
 as packed little-endian bytes), `DTYPE_CODES`, the stream encoder's fast paths listed below and
-`register_body_sum_backend` (how `samebits.kernels` adds its CUDA body sum) are internal but
+`register_body_sum_backend` (how `samebits.kernels` adds its CUDA body sum) with
+`reference_body_sum` (the oracle its kernel matches) are internal but
 stable: other samebits packages use these names, never the `_private` modules.  `_reference.body_sum(data_uint8_1d)` is the torch-ops oracle that
 every backend (the C library here, the CUDA kernel in samebits.kernels) must match bit for bit.
 """
@@ -54,5 +55,7 @@ from samebits.fingerprint._global import all_unsharded, local_part  # noqa: F401
 from samebits.fingerprint._native import StepFinalizer, StepFramer, body_sums_into  # noqa: F401
 from samebits.fingerprint._native import available as native_available  # noqa: F401
 from samebits.fingerprint._spec import dtype_code  # noqa: F401
+# The torch-ops oracle of the body sum (`_reference.body_sum`), which every backend must match.
+from samebits.fingerprint._reference import body_sum as reference_body_sum  # noqa: F401
 
 __all__ = ["digest", "digest_many", "global_digests"]

@@ -20,7 +20,7 @@ from samebits.kernels._combine import moe_combine
 from samebits.kernels._digest import digest_body, digest_body_many
 from samebits.kernels._gemm import grouped_gemm_dprob
 from samebits.kernels._reference import reference_grouped_gemm_dprob, reference_moe_combine
-from samebits.fingerprint._digest import register_body_sum_backend
+from samebits.fingerprint import register_body_sum_backend
 
 # The digest of CUDA tensors runs this package's fused kernel (same bits as the reference).
 register_body_sum_backend("cuda", digest_body)

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from samebits.fingerprint._reference import body_sum
+from samebits.fingerprint import reference_body_sum as body_sum
 from samebits.kernels import _backend
 from samebits.errors import ConfigError
 
@@ -26,7 +26,7 @@ def digest_body(data: torch.Tensor) -> torch.Tensor:
         little-endian uint64 words of data zero-padded to a multiple of 8.  0 for L = 0.
         Bit-for-bit the reference body; no host sync.
 
-    Uses `samebits.fingerprint._reference.body_sum` (the definition: same bits, slower)
+    Uses `samebits.fingerprint.reference_body_sum` (the definition: same bits, slower)
     when Triton cannot run on data.device.
     """
     if data.dtype != torch.uint8 or data.dim() != 1 or not data.is_contiguous():

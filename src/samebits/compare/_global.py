@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from samebits.stream.reader import Run, open_run, require_same_digest_version
-from samebits.stream.writer import GLOBAL_PHASE_PREFIX
+from samebits.stream import GLOBAL_PHASE_PREFIX
 from samebits.verdicts import ToDict, Verdict
 
 VALUES_NOT_RECORDED = "values not recorded (streams hold digests only)"

@@ -113,28 +113,36 @@ class Pair:
     names: tuple[str, str] = ("run a", "run b")  # what the legends call a and b
     stopped_b: int | None = None  # the step at which the live check stopped run b (its first divergence)
     context: str = ""  # what the diff's first record means on this page (a bisection explains it)
-    _records: dict = field(default_factory=dict, repr=False)  # (side, rank) -> records by step, read once
+    _cache: dict = field(default_factory=dict, repr=False)  # what the drawings read or derive, once
 
     def records(self, side: str, rank: int) -> dict[int, dict[tuple, Record]]:
         """Every decoded record of one rank of run ``side`` ("a" or "b"), per step, read once."""
-        if (side, rank) not in self._records:
-            self._records[side, rank] = _records_by_step(self.a if side == "a" else self.b, rank, None)
-        return self._records[side, rank]
+        key = ("records", side, rank)
+        if key not in self._cache:
+            self._cache[key] = _records_by_step(self.a if side == "a" else self.b, rank, None)
+        return self._cache[key]
+
+    def evidence(self, rank: int) -> dict[int, dict[tuple[str, str], _GroupStep]]:
+        """`_evidence` of one rank, derived once (the ulp plot and the heatmap both draw it)."""
+        key = ("evidence", rank)
+        if key not in self._cache:
+            self._cache[key] = _evidence(self, rank)
+        return self._cache[key]
 
     def ran(self, side: str, rank: int, step: int) -> bool:
         """Whether run ``side`` recorded ``step`` on ``rank`` (sets built once per rank)."""
-        key = ("_steps", side, rank)
-        if key not in self._records:
-            self._records[key] = set((self.steps_a if side == "a" else self.steps_b).get(rank, ()))
-        return step in self._records[key]
+        key = ("steps", side, rank)
+        if key not in self._cache:
+            self._cache[key] = set((self.steps_a if side == "a" else self.steps_b).get(rank, ()))
+        return step in self._cache[key]
 
     def cut(self, step: int) -> bool:
         """Whether run b never ran ``step``: the live check stopped it at an earlier one."""
         if self.stopped_b is None or step <= self.stopped_b:
             return False
-        if "_b_steps" not in self._records:
-            self._records["_b_steps"] = {s for steps in self.steps_b.values() for s in steps}
-        return step not in self._records["_b_steps"]
+        if "steps b" not in self._cache:
+            self._cache["steps b"] = {s for steps in self.steps_b.values() for s in steps}
+        return step not in self._cache["steps b"]
 
     @property
     def verdict(self) -> Verdict:
@@ -806,7 +814,7 @@ class _Page:
         scale), and for the digest-only tensor groups the steps where they differ."""
         self.h2(f"{pair.label}: ulp growth (rank {rank})", "ulps")
         try:
-            evidence = _evidence(pair, rank)
+            evidence = pair.evidence(rank)
         except StreamError as err:
             self.add(f'<p class="err">the records could not be read: {_esc(err)}</p>')
             return
@@ -820,7 +828,7 @@ class _Page:
                  "metric, exact from the recorded bits, on a log scale (0: the same bits). Tensors are recorded "
                  "as digests: for params, grads and optimizer state the bands under the plot mark the steps where "
                  "they differ, with no magnitude (<b>values not recorded</b>).</p>")
-        self.add(_ulp_plot(pair, evidence, first_step))
+        self.add(_ulp_plot(pair, rank, evidence, first_step))
 
     def _heatmap(self, pair: Pair) -> None:
         self.h2(f"{pair.label}: where the runs differ, step by step", "heat")
@@ -1175,7 +1183,7 @@ def _group_rows(pair: Pair, ranks: list[int], columns: list[list[int]]) -> list[
     """Record groups x steps, for one or two ranks: where each group differs, step by step."""
     out = []
     for rank in ranks:
-        evidence = _evidence(pair, rank)
+        evidence = pair.evidence(rank)
         groups = sorted({g for at in evidence.values() for g in at}, key=_group_sort)[:MAX_GROUP_ROWS]
         first_step = pair.first_by_rank.get(rank, (None, None))[0]  # this rank's own first divergence
         for group in groups:
@@ -1223,11 +1231,12 @@ def _log_ticks(decades: int) -> list[int]:
     return list(range(0, decades + 1, step))
 
 
-def _ulp_plot(pair: Pair, evidence: dict[int, dict[tuple[str, str], _GroupStep]], first_step: int | None) -> str:
+def _ulp_plot(pair: Pair, rank: int, evidence: dict[int, dict[tuple[str, str], _GroupStep]],
+              first_step: int | None) -> str:
     """The ulp distance per step per metric on a log axis (0 on its own line below 1), the
     digest-only groups as bands of differing steps, the first divergence and the steps the
     live check cut, as one inline SVG and a legend."""
-    steps = sorted(set(evidence) | {s for s in pair.steps_a.get(_focus_rank(pair), []) if pair.cut(s)})
+    steps = sorted(set(evidence) | {s for s in pair.steps_a.get(rank, []) if pair.cut(s)})
     groups = sorted({g for at in evidence.values() for g in at}, key=_group_sort)
     lines = [g for g in groups if g[1] == "metric" and any(at.get(g) is not None and at[g].max_ulp is not None
                                                             for at in evidence.values())]

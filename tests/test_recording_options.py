@@ -130,10 +130,11 @@ def test_the_spec_is_the_one_declaration_of_the_variables_and_the_options():
         setting = REGISTRY[option.env]
         assert (setting.type, setting.doc, setting.default) == (option.type, option.doc, getattr(RecordingSpec(), name))
     parser = argparse.ArgumentParser()
-    RecordingSpec.add_to_argparse(parser, flags={"steps": "--record-steps"})
+    RecordingSpec.add_to_argparse(parser, flags={"steps": "--window"})
     flags = {action.dest: action for action in parser._actions}
     assert sorted(flags) == sorted(["help"] + [f"record_{name}" for name in RecordingSpec.options()])
-    assert flags["record_steps"].option_strings == ["--record-steps"]
+    assert flags["record_steps"].option_strings == ["--window"]  # renamed where a command needs it
+    assert flags["record_ranks"].option_strings == ["--ranks"]
     assert flags["record_ranks"].help == "record only these ranks, e.g. 0,2,4-7"
 
 
@@ -157,7 +158,7 @@ def test_the_spec_reads_and_writes_the_environment_and_the_options_the_same_way(
     assert RecordingSpec.from_env({}) == RecordingSpec() and RecordingSpec(steps="5:").to_env()["SAMEBITS_STEPS"] == "5:"
     parser = argparse.ArgumentParser()
     RecordingSpec.add_to_argparse(parser)
-    args = parser.parse_args(["--steps", "3:9", "--ranks", "0,2-3", "--phases", "params,grads", "--include",
+    args = parser.parse_args(["--record-steps", "3:9", "--ranks", "0,2-3", "--phases", "params,grads", "--include",
                               "params/*", "--include", "*.router.*", "--exclude", "optimizer/*",
                               "--max-tensor-bytes", "4096"])
     assert RecordingSpec.from_args(args) == spec

@@ -212,12 +212,12 @@ class RecordingSpec:
 
         spec = RecordingSpec.from_env()            # SAMEBITS_STEPS, _RANKS, ... (unset: default)
         env.update(spec.to_env())                  # for the processes a command starts
-        RecordingSpec.add_to_argparse(parser)      # --steps, --ranks, --phases, --include, ...
+        RecordingSpec.add_to_argparse(parser)      # --record-steps, --ranks, --phases, --include, ...
         spec = RecordingSpec.from_args(args)
     """
 
     steps: tuple[int, int | None] = _option(
-        (0, None), env="SAMEBITS_STEPS", type="steps", flag="--steps", metavar="START:STOP",
+        (0, None), env="SAMEBITS_STEPS", type="steps", flag="--record-steps", metavar="START:STOP",
         doc="record only steps START <= step < STOP (either may be empty)", normalise=_steps, text=_window_text)
     ranks: frozenset[int] | None = _option(
         None, env="SAMEBITS_RANKS", type="ranks", flag="--ranks", metavar="LIST",
@@ -280,8 +280,8 @@ class RecordingSpec:
     def add_to_argparse(cls, parser: argparse.ArgumentParser, *, flags: Mapping[str, str] | None = None,
                         title: str = "what to record") -> None:
         """Add one option per field to ``parser`` (in a group ``title``), each checked as argparse
-        parses it; ``flags`` renames some (``{"steps": "--record-steps"}`` where ``--steps`` is
-        taken).  `from_args` reads them back."""
+        parses it; ``flags`` renames some (field name -> option) for a parser where the declared
+        one is taken.  `from_args` reads them back."""
         group = parser.add_argument_group(title)
         for name, option in cls.options().items():
             flag = (flags or {}).get(name, option.flag)

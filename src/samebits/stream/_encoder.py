@@ -45,7 +45,7 @@ _F64, _I64 = struct.Struct("<d"), struct.Struct("<q")
 @dataclass
 class _DeviceQueue:
     """What one device holds for the step until its end: body sums, then metric bytes.  The
-    CPU's sums go into the Recorder's host buffer (`Recorder._host_sums`), not into ``sums``."""
+    CPU's sums go into the encoder's host buffer (`StepEncoder._host_sums`), not into ``sums``."""
 
     sums: list = field(default_factory=list)  # int64 tensors from fingerprint.body_sums (accelerators)
     num_sums: int = 0
@@ -224,7 +224,7 @@ class StepEncoder:
 
     def _tensors_in_full(self, step: int, phase: str, pairs: list, pending: PendingStep,
                          first_of_phase: bool) -> list:
-        """`_tensors` record by record, checking everything; leaves a call plan when it can."""
+        """`add_tensors` record by record, checking everything; leaves a call plan when it can."""
         cap = self.settings.max_tensor_bytes
         # Build this call's records apart and commit them at the end: a bad tensor raises
         # before anything is added, so the open step stays consistent.

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,6 +84,24 @@ def test_append_continues_a_stream_as_a_new_segment(tmp_path):
     with pytest.raises(ValueError, match="already written"):
         with samebits.Recorder(tmp_path, rank=0, world_size=1, append=True) as rec:
             rec.tensors(1, "params", [("w", torch.ones(3))])
+
+
+def test_appending_to_a_torn_stream_warns_at_the_recorders_caller(tmp_path):
+    """The warning that a torn last frame is dropped points at the line that made the Recorder,
+    and the step times' warning too, not at samebits' own files."""
+    with samebits.Recorder(tmp_path, rank=0, world_size=1) as rec:
+        rec.tensors(0, "params", [("w", torch.ones(3))])
+    path = tmp_path / "rank-00000.sbs"
+    path.write_bytes(path.read_bytes()[:-3])  # a killed writer: the close frame torn
+    with pytest.warns(UserWarning, match="torn frame is dropped") as caught:
+        samebits.Recorder(tmp_path, rank=0, world_size=1, append=True).close()
+    assert [Path(w.filename).name for w in caught] == [Path(__file__).name]
+    steptimes = tmp_path / "rank-00000.steptimes"
+    steptimes.unlink()
+    steptimes.mkdir()  # cannot be opened for appending
+    with pytest.warns(UserWarning, match="cannot write step times") as caught:
+        samebits.Recorder(tmp_path, rank=0, world_size=1, append=True).close()
+    assert [Path(w.filename).name for w in caught] == [Path(__file__).name]
 
 
 def _write_steps(directory, num_steps, num_tensors=3):

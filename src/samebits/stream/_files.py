@@ -128,7 +128,7 @@ class StreamFile:
         except OSError as err:
             if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 warnings.warn(f"samebits: cannot lock {self.path} ({err.strerror}); make sure one process "
-                              "writes it.", stacklevel=5)
+                              "writes it.", stacklevel=4)  # the Recorder(...) call
                 return
             self._file.close()
             self._file = None
@@ -178,7 +178,7 @@ def _read_existing(path: Path, rank: int, world_size: int) -> _Existing:
             held.index.append((block.step, block.num_records, block.root, block.offset))
         if existing.stop_reason is not None and existing.stop_reason.startswith("truncated"):
             warnings.warn(f"samebits: appending to {path}, which was {existing.stop_reason}; "
-                          "the torn frame is dropped.", stacklevel=5)
+                          "the torn frame is dropped.", stacklevel=4)  # the Recorder(...) call
         held.names, held.segment = list(existing.names), existing.num_segments
         held.run_id, held.run_id_source = existing.header.get("run_id"), existing.header.get("run_id_source")
         return _Existing(held, existing.end_offset)
@@ -207,7 +207,7 @@ class StepTimes:
             self._file = open(self.path, "a")
         except OSError as err:
             warnings.warn(f"samebits: cannot write step times to {self.path} ({err.strerror}); recording goes on "
-                          "without them (samebits tax needs them).", stacklevel=4)
+                          "without them (samebits tax needs them).", stacklevel=3)  # the Recorder(...) call
             self._file = None
 
     def add(self, step: int, opened: float) -> None:

@@ -388,7 +388,11 @@ def render_markdown() -> str:
     lines = ["# Settings: every `SAMEBITS_*` environment variable", "",
              "Generated from `src/samebits/settings.py` (`python -m samebits.settings > docs/settings.md`);",
              "a test keeps this page equal to the registry. Yes/no values take `1/true/yes/on` or",
-             "`0/false/no/off`; a bad value is an error naming the variable, never ignored.", ""]
+             "`0/false/no/off`; a bad value is an error naming the variable, never ignored.", "",
+             "What to record (" + ", ".join(f"`{o.env}`" for o in RecordingSpec.options().values()) + ") is",
+             "`samebits.RecordingSpec`: the same choice as a Recorder's `spec=` and as the options",
+             "(" + ", ".join(f"`{o.flag}`" for o in RecordingSpec.options().values()) + ") of `samebits run`"
+             " and `verify`.", ""]
     areas: dict[str, list[Setting]] = {}
     for setting in REGISTRY.values():
         areas.setdefault(setting.area, []).append(setting)

@@ -115,18 +115,12 @@ class Pair:
     context: str = ""  # what the diff's first record means on this page (a bisection explains it)
     _cache: dict = field(default_factory=dict, repr=False)  # what the drawings read or derive, once
 
-    def records(self, side: str, rank: int) -> dict[int, dict[tuple, Record]]:
-        """Every decoded record of one rank of run ``side`` ("a" or "b"), per step, read once."""
-        key = ("records", side, rank)
+    def view(self, rank: int) -> _RankView:
+        """What the plots draw of one rank (`_read_rank`), read once: the ulp plot, the curves and
+        the heatmap share it."""
+        key = ("view", rank)
         if key not in self._cache:
-            self._cache[key] = _records_by_step(self.a if side == "a" else self.b, rank, None)
-        return self._cache[key]
-
-    def evidence(self, rank: int) -> dict[int, dict[tuple[str, str], _GroupStep]]:
-        """`_evidence` of one rank, derived once (the ulp plot and the heatmap both draw it)."""
-        key = ("evidence", rank)
-        if key not in self._cache:
-            self._cache[key] = _evidence(self, rank)
+            self._cache[key] = _read_rank(self, rank)
         return self._cache[key]
 
     def ran(self, side: str, rank: int, step: int) -> bool:
@@ -550,16 +544,6 @@ def _records_by_step(path: str, rank: int, steps: set[int] | None, stop_after: i
     return found
 
 
-def _metrics(pair: Pair, side: str, rank: int) -> dict[int, dict[str, Record]]:
-    """The metric records of one rank of run ``side``, per step (steps without metrics left out)."""
-    found: dict[int, dict[str, Record]] = {}
-    for step, records in pair.records(side, rank).items():
-        metrics = {_key_label(key): r for key, r in records.items() if r.kind == "metric"}
-        if metrics:
-            found[step] = metrics
-    return found
-
-
 def differing_records(a: str | Path, b: str | Path, *, rank: int, step: int) -> list[dict]:
     """Every record that differs between runs ``a`` and ``b`` at one rank and step (not only
     the first, which is all `diff` keeps): identity, both sides as recorded, and how they
@@ -814,7 +798,7 @@ class _Page:
         scale), and for the digest-only tensor groups the steps where they differ."""
         self.h2(f"{pair.label}: ulp growth (rank {rank})", "ulps")
         try:
-            evidence = pair.evidence(rank)
+            evidence = pair.view(rank).evidence
         except StreamError as err:
             self.add(f'<p class="err">the records could not be read: {_esc(err)}</p>')
             return
@@ -895,7 +879,8 @@ class _Page:
         lone = [s for s in after if (s in steps_a) != (s in steps_b) and s not in cut]
         wanted = both[:MAX_TENSOR_STEPS]
         try:
-            records_a, records_b = pair.records("a", rank), pair.records("b", rank)
+            records_a = _records_by_step(pair.a, rank, set(wanted), wanted[-1]) if wanted else {}
+            records_b = _records_by_step(pair.b, rank, set(wanted), wanted[-1]) if wanted else {}
         except StreamError as err:  # damaged after the first divergence: the divergence still stands
             self.add(f'<p class="err">the records after the first divergence could not be read: {_esc(err)}</p>')
             return
@@ -942,7 +927,8 @@ class _Page:
 
     def _curves(self, pair: Pair, rank: int) -> None:
         try:
-            metrics_a, metrics_b = _metrics(pair, "a", rank), _metrics(pair, "b", rank)
+            view = pair.view(rank)
+            metrics_a, metrics_b = view.metrics_a, view.metrics_b
         except StreamError as err:
             self.add(f"<p class=\"err\">metric curves: {_esc(err)}</p>")
             return
@@ -1097,35 +1083,71 @@ def _focus_rank(pair: Pair) -> int:
     return ranks[0] if ranks else 0
 
 
-def _evidence(pair: Pair, rank: int) -> dict[int, dict[tuple[str, str], _GroupStep]]:
-    """Per step recorded by both runs (inside the compared window), per record group: how many
-    records, how many differ or are in one run only, and the largest ulp distance of a float
-    metric (exact, from the bits)."""
-    records_a, records_b = pair.records("a", rank), pair.records("b", rank)
+@dataclass
+class _RankView:
+    """What the plots draw of one rank: ``evidence`` (per step recorded by both runs inside the
+    compared window, per record group, `_GroupStep`) and each run's metric records per step."""
+
+    evidence: dict[int, dict[tuple[str, str], _GroupStep]] = field(default_factory=dict)
+    metrics_a: dict[int, dict[str, Record]] = field(default_factory=dict)
+    metrics_b: dict[int, dict[str, Record]] = field(default_factory=dict)
+
+
+def _read_rank(pair: Pair, rank: int) -> _RankView:
+    """One pass over both runs' streams of ``rank``, step by step in step order: each step's
+    records are summarised (`_evidence_of`) and dropped, only the metrics are kept, so a long run
+    with large steps costs the memory of its summaries."""
+    view = _RankView()
     start = pair.start_step or 0
-    found: dict[int, dict[tuple[str, str], _GroupStep]] = {}
-    for step in sorted(set(records_a) & set(records_b)):
-        if step < start:
+    run_a, run_b = open_run(pair.a), open_run(pair.b)
+    readers = [run.stream(rank) for run in (run_a, run_b) if rank in run.files]
+    try:
+        if len(readers) < 2:
+            return view
+        blocks_a, blocks_b = readers[0].steps(), readers[1].steps()
+        block_a, block_b = next(blocks_a, None), next(blocks_b, None)
+        while block_a is not None or block_b is not None:
+            step = min(block.step for block in (block_a, block_b) if block is not None)
+            at_a = {r.key: r for r in block_a.records()} if block_a is not None and block_a.step == step else None
+            at_b = {r.key: r for r in block_b.records()} if block_b is not None and block_b.step == step else None
+            for found, records in ((view.metrics_a, at_a), (view.metrics_b, at_b)):
+                metrics = {_key_label(key): r for key, r in (records or {}).items() if r.kind == "metric"}
+                if metrics:
+                    found[step] = metrics
+            if at_a is not None and at_b is not None and step >= start:
+                view.evidence[step] = _evidence_of(at_a, at_b)
+            if at_a is not None:
+                block_a = next(blocks_a, None)
+            if at_b is not None:
+                block_b = next(blocks_b, None)
+    finally:
+        for reader in readers:
+            reader.close()
+        run_a.close()
+        run_b.close()
+    return view
+
+
+def _evidence_of(at_a: dict[tuple, Record], at_b: dict[tuple, Record]) -> dict[tuple[str, str], _GroupStep]:
+    """One step of both runs, per record group: how many records, how many differ or are in one
+    run only, and the largest ulp distance of a float metric (exact, from the bits)."""
+    groups: dict[tuple[str, str], _GroupStep] = {}
+    for key in list(at_a) + [k for k in at_b if k not in at_a]:
+        ra, rb = at_a.get(key), at_b.get(key)
+        name, kind = _group_of(ra or rb)
+        cell = groups.setdefault((name, kind), _GroupStep(kind))
+        cell.records += 1
+        if ra is None or rb is None:
+            cell.missing += 1
             continue
-        at_a, at_b = records_a[step], records_b[step]
-        groups: dict[tuple[str, str], _GroupStep] = {}
-        for key in list(at_a) + [k for k in at_b if k not in at_a]:
-            ra, rb = at_a.get(key), at_b.get(key)
-            name, kind = _group_of(ra or rb)
-            cell = groups.setdefault((name, kind), _GroupStep(kind))
-            cell.records += 1
-            if ra is None or rb is None:
-                cell.missing += 1
-                continue
-            same = ra.same_content(rb)
-            if not same:
-                cell.differ += 1
-            if kind == "metric":
-                ulp = 0 if same else metric_distance(ra, rb)[0]
-                if ulp is not None:
-                    cell.max_ulp = ulp if cell.max_ulp is None else max(cell.max_ulp, ulp)
-        found[step] = groups
-    return found
+        same = ra.same_content(rb)
+        if not same:
+            cell.differ += 1
+        if kind == "metric":
+            ulp = 0 if same else metric_distance(ra, rb)[0]
+            if ulp is not None:
+                cell.max_ulp = ulp if cell.max_ulp is None else max(cell.max_ulp, ulp)
+    return groups
 
 
 def _bins(items: list[int], most: int) -> list[list[int]]:
@@ -1183,7 +1205,7 @@ def _group_rows(pair: Pair, ranks: list[int], columns: list[list[int]]) -> list[
     """Record groups x steps, for one or two ranks: where each group differs, step by step."""
     out = []
     for rank in ranks:
-        evidence = pair.evidence(rank)
+        evidence = pair.view(rank).evidence
         groups = sorted({g for at in evidence.values() for g in at}, key=_group_sort)[:MAX_GROUP_ROWS]
         first_step = pair.first_by_rank.get(rank, (None, None))[0]  # this rank's own first divergence
         for group in groups:

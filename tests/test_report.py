@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import samebits
-from samebits.autorecord._outcome import write_stop
+from samebits.autorecord import STOPPED_MARKER
 from samebits.cli import main
 from samebits.cli.bisect import render as render_bisect
 from samebits.cli.diff import render as render_diff
@@ -418,8 +418,9 @@ def train(path: Path, *, ranks: int = 1, steps: int = TRAIN_STEPS, start: int = 
             if stop_at is not None and step == stop_at:
                 break
         rec.close()
-    if stop_at is not None:
-        write_stop(path, step=stop_at, rank=0, reference=str(path.parent / "a"))
+    if stop_at is not None:  # the marker the live check leaves (samebits.autorecord writes it so)
+        (path / STOPPED_MARKER).write_text(json.dumps({"stopped_at": stop_at, "rank": 0, "reference": str(
+            path.parent / "a"), "reason": "diverged from reference"}) + "\n")
     return path
 
 

@@ -20,7 +20,8 @@ import torch
 from samebits.errors import ConfigError
 from samebits.invariant import (DEFAULT_BLOCK_SIZE, TP_BLOCK_SIZE, GradientAccumulator, Preconditions, block_exponents,
                                 canonical_grad_norm, column_parallel_linear, decode, encode, fraction_bits,
-                                invariant_matmul, micro_batch_seed, row_parallel_linear, sharded_grad_norm)
+                                invariant_matmul, invariant_sum, micro_batch_seed, row_parallel_linear, scale_columns,
+                                sharded_grad_norm)
 from samebits.runs._launch import run_logged
 from samebits.runs.across import compare_replicated, verify_across
 from samebits.verdicts import Verdict
@@ -374,3 +375,28 @@ def test_sharded_norm_is_accurate_and_does_not_depend_on_element_order():
     with pytest.raises(ConfigError, match="gradient 0 holds 300 elements, more than .* 10"):
         sharded_grad_norm(grads, full_numels=[10, 63, 5])
     assert sharded_grad_norm([torch.tensor([1.0, float("nan")])]).isnan()
+
+
+def test_invariant_sum_over_rows_is_correctly_rounded_in_any_row_order():
+    """The sum over positions of a norm's weight gradient: one block per column, exact."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 10, 16, generator=gen) * torch.logspace(-2, 2, 16)
+    total = invariant_sum(x)
+    rows = x.reshape(30, 16)
+    for col in range(16):
+        assert total[col].numpy() == _round_f32(sum(Fraction(float(v)) for v in rows[:, col])), col
+    assert torch.equal(invariant_sum(rows[torch.randperm(30, generator=gen)]), total)
+    assert not all(torch.equal(rows[perm].sum(dim=0), rows.sum(dim=0))  # plain fp32: the order shows
+                   for perm in (torch.randperm(30, generator=gen) for _ in range(8)))
+
+
+def test_scale_columns_is_a_product_whose_weight_gradient_is_the_invariant_sum():
+    gen = torch.Generator().manual_seed(8)
+    y = torch.randn(2, 5, 8, generator=gen, requires_grad=True)
+    w = torch.randn(8, generator=gen, requires_grad=True)
+    grad = torch.randn(2, 5, 8, generator=gen)
+    out = scale_columns(y, w)
+    out.backward(grad)
+    assert torch.equal(out, y.detach() * w.detach())
+    assert torch.equal(y.grad, grad * w.detach())
+    assert torch.equal(w.grad, invariant_sum(grad * y.detach()))

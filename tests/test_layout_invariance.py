@@ -3,8 +3,9 @@ split over real ranks, and the recipe with `tp_reduce=invariant` (docs/invarianc
 
 This file run as a script is the worker: under torchrun at world 2 and 4 it runs the column-
 and row-parallel layers (forward and backward) and the sharded norm on shares of the same
-tensors (fast); at world 2 (slow) the recipe's tp2 cell with the switch (20 steps) and
-without it (the control, 1 step), and in one plain process the same two runs on one rank.
+tensors (fast); at world 2 (slow) the recipe's tp2 cell with the switch (20 steps, with
+sequence parallelism and without) and without it (the control, 1 step), and in one plain
+process the same runs on one rank.
 """
 
 from __future__ import annotations
@@ -19,14 +20,18 @@ import torch
 
 import samebits
 from samebits.errors import ConfigError
-from samebits.invariant import column_parallel_linear, invariant_matmul, row_parallel_linear, sharded_grad_norm
+from samebits.invariant import (column_parallel_linear, invariant_matmul, row_parallel_linear, scale_columns,
+                                sharded_grad_norm)
 from samebits.recipes import RecipeConfig
 from samebits.runs.across import compare_replicated
 from samebits.verdicts import Verdict
 
-TINY = ["num_layers=2", "seq_len=32", "micro_batch_size=2", "sequence_parallel=false"]
+TINY = ["num_layers=2", "seq_len=32", "micro_batch_size=2"]
 STEPS = 20
-JOBS = [("invariant", ["tp_reduce=invariant"], STEPS), ("plain", [], 1)]  # each at single and tp2
+# (label, overrides, steps, cells): with sequence parallelism (the default at tp2) and without
+JOBS = [("invariant", ["tp_reduce=invariant"], STEPS, ("single", "tp2")),
+        ("invariant-nosp", ["tp_reduce=invariant", "sequence_parallel=false"], STEPS, ("tp2",)),
+        ("plain", [], 1, ("single", "tp2"))]
 TOKENS, K_ROW, N_ROW, K_COL, N_COL = (2, 7), 256, 96, 64, 256  # every share whole blocks of 32 up to tp=4
 
 
@@ -34,7 +39,6 @@ TOKENS, K_ROW, N_ROW, K_COL, N_COL = (2, 7), 256, 96, 64, 256  # every share who
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"tp": 2}, "not yet sequence_parallel=True"),
     ({"tp": 2, "sequence_parallel": False, "precision": "bf16"}, "not yet precision='bf16'"),
     ({"tp": 2, "sequence_parallel": False, "ep": 0}, "not yet ep=0"),
     ({"tp": 2, "sequence_parallel": False, "pp": 2}, "not yet pp=2"),
@@ -48,10 +52,11 @@ def test_tp_reduce_invariant_refuses_what_it_does_not_cover(overrides, message):
         RecipeConfig(tp_reduce="invariant", **{"ep": 1, **overrides})
 
 
-def test_tp_reduce_invariant_runs_at_tp_1_and_tp_2_without_sequence_parallelism():
-    assert RecipeConfig(tp_reduce="invariant", ep=1).tp_reduce == "invariant"  # tp=1: SP has no effect
-    cfg = RecipeConfig(ep=1, tp=2).with_overrides(["tp_reduce=invariant", "sequence_parallel=false"])
-    assert cfg.tp_reduce == "invariant"
+def test_tp_reduce_invariant_runs_at_tp_1_and_tp_2_with_or_without_sequence_parallelism():
+    assert RecipeConfig(tp_reduce="invariant", ep=1).tp_reduce == "invariant"
+    for sequence_parallel in ("true", "false"):
+        cfg = RecipeConfig(ep=1, tp=2).with_overrides(["tp_reduce=invariant", f"sequence_parallel={sequence_parallel}"])
+        assert cfg.tp_reduce == "invariant"
     with pytest.raises(ConfigError, match="tp_reduce='fast' is not one of plain, invariant"):
         RecipeConfig(tp_reduce="fast")
 
@@ -95,11 +100,12 @@ def _reference() -> dict[str, torch.Tensor]:
 def test_tp_layers_forward_and_backward_have_the_same_bits_at_tp_1_2_and_4(layer_runs):
     """Row-parallel (K split: the forward sums over the ranks) and column-parallel (N split:
     the input gradient sums over the ranks): outputs, input and weight gradients, joined
-    from the shares, equal the one-rank layer's bit for bit, on every rank; so does the norm."""
+    from the shares, equal the one-rank layer's bit for bit, on every rank; so do the
+    gradient norm and a norm weight's gradient summed over positions split over the ranks."""
     ref = _reference()
     for world_size in (2, 4):
         ranks = [torch.load(layer_runs / f"layers-{world_size}-{r}.pt") for r in range(world_size)]
-        for name in ("row_y", "col_grad_x", "norm"):  # whole on every rank
+        for name in ("row_y", "col_grad_x", "norm", "sp_norm_grad_w"):  # whole on every rank
             for rank, got in enumerate(ranks):
                 assert torch.equal(got[name], ref[name]), (world_size, rank, name)
         for name, dim in (("row_grad_x", -1), ("row_grad_w", 1), ("col_y", -1), ("col_grad_w", 0)):
@@ -111,16 +117,18 @@ def test_tp_layers_forward_and_backward_have_the_same_bits_at_tp_1_2_and_4(layer
 
 
 @pytest.mark.slow
-def test_the_recipe_at_tp2_is_bit_identical_to_one_rank_with_tp_reduce_invariant(recipe_runs):
+@pytest.mark.parametrize("label", ["invariant", "invariant-nosp"])
+def test_the_recipe_at_tp2_is_bit_identical_to_one_rank_with_tp_reduce_invariant(recipe_runs, label):
     """Every step's parameters, by global digest (TP shards joined), and rank 0's replicated
-    records (losses, grad norm, block outputs), for 20 steps of the MoE + MTP model."""
+    records (losses, grad norm; block outputs without SP, where they are whole), for 20 steps
+    of the MoE + MTP model, with sequence parallelism and without."""
     runs = recipe_runs
-    result = samebits.diff(runs / "single-invariant", runs / "tp2-invariant", by="global")
+    result = samebits.diff(runs / "single-invariant", runs / f"tp2-{label}", by="global")
     report = result.to_dict()
     assert result.verdict is Verdict.IDENTICAL, report
     assert report["compared"]["steps"] == STEPS and report["compared"]["tensors"] == 25, report["compared"]
-    replicated = compare_replicated(runs / "single-invariant", runs / "tp2-invariant",
-                                    phases=["metrics", "forward"])
+    phases = ["metrics"] if label == "invariant" else ["metrics", "forward"]
+    replicated = compare_replicated(runs / "single-invariant", runs / f"tp2-{label}", phases=phases)
     assert replicated.verdict is Verdict.IDENTICAL and replicated.compared["steps"] == STEPS, replicated.to_dict()
 
 
@@ -157,11 +165,18 @@ def _layer_results(group, rank: int, world_size: int) -> dict:
     col_y.backward(g_col[..., mine_n])
     # a tensor split over the ranks (the column weight's grad) and a replicated one
     norm = sharded_grad_norm([w_c.grad, x_c.grad], full_numels=[w_col.numel(), x_col.numel()], group=group)
+    # a norm's weight under sequence parallelism: each rank holds some positions
+    y_seq = torch.randn(2, 8, K_COL, generator=gen)
+    g_seq = torch.randn(2, 8, K_COL, generator=gen)
+    positions = slice(rank * 8 // world_size, (rank + 1) * 8 // world_size)
+    w_norm = torch.randn(K_COL, generator=gen).requires_grad_()
+    scale_columns(y_seq[:, positions], w_norm, group).backward(g_seq[:, positions])
     plain = x_row[..., mine_k] @ w_row[:, mine_k].t()
     if group is not None:
         torch.distributed.all_reduce(plain, group=group)
     out = {"row_y": row_y.detach(), "row_grad_x": x_r.grad, "row_grad_w": w_r.grad, "col_y": col_y.detach(),
-           "col_grad_x": x_c.grad, "col_grad_w": w_c.grad, "norm": norm, "plain_row_y": plain}
+           "col_grad_x": x_c.grad, "col_grad_w": w_c.grad, "norm": norm, "plain_row_y": plain,
+           "sp_norm_grad_w": w_norm.grad}
     if group is not None:
         try:
             invariant_matmul(torch.zeros(3, 48), torch.zeros(48, 2), group=group)
@@ -174,8 +189,9 @@ def _worker(out_dir: Path, mode: str) -> None:
     from samebits.recipes.cli import main
 
     if mode == "single":
-        for label, overrides, steps in JOBS:
-            _run_recipe(main, "single", label, overrides, steps, out_dir)
+        for label, overrides, steps, cells in JOBS:
+            if "single" in cells:
+                _run_recipe(main, "single", label, overrides, steps, out_dir)
         return
     import torch.distributed as dist
 
@@ -184,8 +200,9 @@ def _worker(out_dir: Path, mode: str) -> None:
     if mode == "layers":
         torch.save(_layer_results(dist.group.WORLD, rank, world_size), out_dir / f"layers-{world_size}-{rank}.pt")
     else:
-        for label, overrides, steps in JOBS:
-            _run_recipe(main, "tp2", label, overrides, steps, out_dir)
+        for label, overrides, steps, cells in JOBS:
+            if "tp2" in cells:
+                _run_recipe(main, "tp2", label, overrides, steps, out_dir)
     dist.destroy_process_group()
 
 

@@ -7,6 +7,7 @@
     canonical_grad_norm / clip_grad_norm_                     the clipping norm in a fixed order
     invariant_matmul(a, b, group=...)                         a product whose K split over ranks keeps its bits
     column_parallel_linear / row_parallel_linear              TP linears built on it (exact forward, backward)
+    invariant_sum / scale_columns                             sums over rows split over ranks (SP norm weights)
     sharded_grad_norm / clip_sharded_grad_norm_               the clipping norm of TP shards, same at any split
 
 Each micro-batch's gradient is encoded in int64 fixed point per canonical block (exponent
@@ -18,7 +19,8 @@ way, so tp=1, 2, 4 ... give the same bits.
 """
 
 from samebits.invariant._fixed import DEFAULT_BLOCK_SIZE, block_exponents, decode, encode, fraction_bits
-from samebits.invariant._matmul import TP_BLOCK_SIZE, column_parallel_linear, invariant_matmul, row_parallel_linear
+from samebits.invariant._matmul import (TP_BLOCK_SIZE, column_parallel_linear, invariant_matmul, invariant_sum,
+                                       row_parallel_linear, scale_columns)
 from samebits.invariant._norm import clip_sharded_grad_norm_, sharded_grad_norm
 from samebits.invariant._preconditions import (LOSS_NORMALIZATIONS, RNG_KEYS, Preconditions, check_micro_batch_size,
                                                micro_batch_seed)
@@ -44,6 +46,8 @@ __all__ = [
     "invariant_matmul",
     "column_parallel_linear",
     "row_parallel_linear",
+    "invariant_sum",
+    "scale_columns",
     "sharded_grad_norm",
     "clip_sharded_grad_norm_",
     "TP_BLOCK_SIZE",

@@ -2,6 +2,8 @@
 the tensor-parallel linear layers of docs/invariance.md.
 
     invariant_matmul(a, b, group=None)        a (..., K_r) @ b (K_r, N); K = the ranks' K_r in rank order
+    invariant_sum(x, group=None)              x (..., D) summed over its rows and every rank's rows
+    scale_columns(y, weight, group=None)      y * weight; the weight gradient is an invariant_sum (SP norms)
     column_parallel_linear(x, w_shard, group)  y_r = x @ w_r.T      (N split; backward reduces over N)
     row_parallel_linear(x_shard, w_shard, group)  y = sum_r x_r @ w_r.T  (K split; forward reduces over K)
 
@@ -36,7 +38,7 @@ import torch.distributed as dist
 
 from samebits._torchutil import group_rank_and_world_size
 from samebits.errors import ConfigError
-from samebits.invariant._fixed import pow2
+from samebits.invariant._fixed import block_exponents, decode, encode, fraction_bits, pow2
 
 TP_BLOCK_SIZE = 32
 _OPERAND_BITS = 24  # each operand's integers: |X| <= 2**24
@@ -182,6 +184,52 @@ class _RowParallel(torch.autograd.Function):
         return grad_x, grad_w, None, None
 
 
+def invariant_sum(x: torch.Tensor, *, group=None) -> torch.Tensor:
+    """The sum of ``x`` (..., D) over every dimension but the last and over the rows of every
+    rank of ``group`` (each rank an equal share: a sequence split evenly) -> (D,) fp32, the
+    same bits on every rank and however the rows are split.  The int64 block fixed point of
+    the data-parallel reduction (`encode`/`decode`), one block per column: the exponent from an
+    exact MAX over every row, the rows' integers summed locally and by an int64 all-reduce,
+    one rounding to fp32.  ``group=None``: the rows are all here."""
+    if x.dtype != torch.float32:
+        raise ConfigError(f"invariant_sum takes fp32, got {x.dtype}")
+    world_size = 1 if group is None else group_rank_and_world_size(group)[1]
+    columns = x.reshape(-1, x.shape[-1]).t().contiguous()  # (D, rows): a block per column
+    bits = fraction_bits(max(1, columns.shape[1] * world_size))  # headroom for every rank's rows
+    exps = block_exponents(columns)
+    if world_size > 1:
+        dist.all_reduce(exps, op=dist.ReduceOp.MAX, group=group)  # exact: a max of integers
+    sums = encode(columns, exps, bits)[0].sum(dim=1, keepdim=True)  # int64: exact, any order
+    if world_size > 1:
+        dist.all_reduce(sums, group=group)
+    return decode(sums, exps, bits).view(-1)
+
+
+class _ScaleColumns(torch.autograd.Function):
+    """y * weight over the last dimension; the weight's gradient sums over rows and ranks."""
+
+    @staticmethod
+    def forward(ctx, y, weight, group):
+        ctx.save_for_backward(y, weight)
+        ctx.group = group
+        return y * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, weight = ctx.saved_tensors
+        grad_y = grad * weight if ctx.needs_input_grad[0] else None
+        grad_w = invariant_sum(grad * y, group=ctx.group) if ctx.needs_input_grad[1] else None
+        return grad_y, grad_w, None
+
+
+def scale_columns(y: torch.Tensor, weight: torch.Tensor, group=None) -> torch.Tensor:
+    """``y * weight`` (weight (D,) over y's last dimension), whose weight gradient is
+    `invariant_sum` over y's rows and over ``group``'s ranks: a norm's elementwise weight
+    under sequence parallelism (each rank holding some positions) gets the same gradient bits
+    at every split.  Elementwise products are the same at any split; only the sum needed this."""
+    return _ScaleColumns.apply(y, weight, group)
+
+
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, group=None, *,
                            block_size: int = TP_BLOCK_SIZE) -> torch.Tensor:
     """A linear layer (no bias) whose output features are split over ``group``: ``x`` (..., K)
@@ -199,4 +247,5 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, group=None, *,
     return _RowParallel.apply(x, weight, group, block_size)
 
 
-__all__ = ["TP_BLOCK_SIZE", "invariant_matmul", "column_parallel_linear", "row_parallel_linear"]
+__all__ = ["TP_BLOCK_SIZE", "invariant_matmul", "column_parallel_linear", "row_parallel_linear", "invariant_sum",
+           "scale_columns"]

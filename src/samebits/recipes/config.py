@@ -146,9 +146,10 @@ class RecipeConfig:
     (`samebits.invariant`: the reduction dimension cut into blocks of 32, each block's
     product exact, the blocks added in int64 fixed point: the same bits at tp=1, 2, 4 ...,
     forward and backward, and a clipping norm that does not depend on the split;
-    docs/invariance.md).  Set it at every TP degree you compare, tp=1 included.  Invariant
-    needs precision=fp32, ep=1, pp=1, dp_shard=1, sequence_parallel=false (with tp > 1), and
-    the per-rank share of d_model and ffn_hidden_size in whole blocks of 32."""
+    docs/invariance.md), with or without sequence_parallel (the norms' weight gradients are
+    summed over the positions exactly too).  Set it at every TP degree you compare, tp=1
+    included.  Invariant needs precision=fp32, ep=1, pp=1, dp_shard=1, and the per-rank
+    share of d_model and ffn_hidden_size in whole blocks of 32."""
 
     pp: int = 1
     """Pipeline stages (`torch.distributed.pipelining`): the blocks split evenly in order."""
@@ -333,12 +334,11 @@ class RecipeConfig:
         blockers = [f"{name}={getattr(self, name)!r}" for name, ok in (
             ("precision", self.precision == "fp32"), ("ep", self.ep == 1), ("pp", self.pp == 1),
             ("dp_shard", self.dp_shard == 1),
-            ("sequence_parallel", not (self.sequence_parallel and self.tp > 1)),
             ("fault_tp_racy_accumulate", not self.fault_tp_racy_accumulate)) if not ok]
         need(not blockers,
              f"tp_reduce='invariant' makes the tensor-parallel linears and the clipping norm "
              f"independent of tp, not yet {', '.join(blockers)} (docs/invariance.md lists what "
-             "is covered). Set precision=fp32, ep=1, pp=1, dp_shard=1, sequence_parallel=false.")
+             "is covered). Set precision=fp32, ep=1, pp=1, dp_shard=1.")
         block = TP_BLOCK_SIZE * self.tp
         need(self.d_model % block == 0 and self.ffn_hidden_size % block == 0,
              f"tp_reduce='invariant' cuts each TP rank's share of a reduction into whole blocks of "

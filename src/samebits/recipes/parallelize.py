@@ -10,7 +10,8 @@ the architecture, this file the parallelism), on PyTorch's own engines.
   QKV is head-major, so a column shard holds whole heads);
 - TP with `tp_reduce=invariant` (`apply_invariant_linears`, tp=1 included): the same split,
   each linear `samebits.invariant`'s column- or row-parallel layer, whose forward and backward
-  have the same bits at every TP degree (no sequence parallelism yet; docs/invariance.md);
+  have the same bits at every TP degree, the blocks' norms with an exact weight gradient over
+  positions, with or without SP (docs/invariance.md);
 - SP (`sequence_parallel`, on with TP by default, as torchtitan): between the TP linears the
   residual stream is sharded along the sequence (Shard(1)), so the norms, dropout and
   residual adds run on seq_len / tp positions per TP rank: `SequenceParallel` norms,
@@ -50,6 +51,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -61,7 +63,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                parallelize_module)
 
 from samebits.errors import ConfigError
-from samebits.invariant import column_parallel_linear, row_parallel_linear
+from samebits.invariant import column_parallel_linear, row_parallel_linear, scale_columns
 from samebits.recipes.config import RecipeConfig
 from samebits.runs import cells
 from samebits.recipes.model import MLP, MoE, Block, Transformer
@@ -226,7 +228,8 @@ def parallelize(model: Transformer, cfg: RecipeConfig, rank: int, world_size: in
     if dims.tp > 1:
         layout.sequence_parallel = cfg.sequence_parallel
         if layout.tp_invariant:
-            apply_invariant_linears(model, layout.mesh["tp"])
+            apply_invariant_linears(model, layout.mesh["tp"], sequence_parallel=cfg.sequence_parallel,
+                                    dropout=cfg.dropout)
         else:
             apply_tensor_parallel(model, layout.mesh["tp"], racy=cfg.fault_tp_racy_accumulate,
                                   sequence_parallel=cfg.sequence_parallel, dropout=cfg.dropout)
@@ -313,36 +316,131 @@ def _tensor_parallel_plan(block: Block) -> dict[str, Any]:
     return plan
 
 
-def apply_invariant_linears(model: Transformer, tp_mesh: DeviceMesh | None) -> None:
-    """`tp_reduce=invariant`: Megatron's split of `_tensor_parallel_plan` (no sequence
-    parallelism), each linear computed by `samebits.invariant`'s column- or row-parallel
-    layer, whose forward and backward have the same bits at every TP degree
-    (docs/invariance.md).  The weights become DTensor shards as under plain TP (``Shard(0)``
-    column-wise, ``Shard(1)`` row-wise: checkpoints, global digests and the norm see the same
-    placements); activations between the two linears are plain local tensors (this rank's
-    heads or hidden columns).  ``tp_mesh`` None (tp=1): the same layers, whole, on one rank."""
+def apply_invariant_linears(model: Transformer, tp_mesh: DeviceMesh | None, *,
+                            sequence_parallel: bool = False, dropout: float = 0.0) -> None:
+    """`tp_reduce=invariant`: Megatron's split of `_tensor_parallel_plan`, each linear computed
+    by `samebits.invariant`'s column- or row-parallel layer, whose forward and backward have
+    the same bits at every TP degree (docs/invariance.md).  The weights become DTensor shards
+    as under plain TP (``Shard(0)`` column-wise, ``Shard(1)`` row-wise: checkpoints, global
+    digests and the norm see the same placements); activations between the two linears are
+    plain local tensors (this rank's heads or hidden columns).  ``tp_mesh`` None (tp=1): the
+    same layers, whole, on one rank.
+
+    The main blocks' norms scale by their weight through `scale_columns`, whose weight
+    gradient is an exact sum over the positions (and, under SP, over the TP ranks' positions),
+    at every TP degree.  With ``sequence_parallel`` each TP rank holds seq_len / tp positions
+    of the stream between the blocks' attention and feed-forward parts, as in the plain SP
+    plan: their input is all-gathered (its backward keeps this rank's part: the gradient
+    arriving there is already whole, the column-parallel input gradient being summed over
+    the ranks exactly), their output sliced (the row-parallel layer's whole output; its
+    backward all-gathers), dropout drawn on the whole stream and sliced.  The stream enters
+    the shards at the first block and leaves them after the last one: the head runs on the
+    whole sequence, replicated (with or without MTP)."""
     group = None if tp_mesh is None else tp_mesh.get_group()
-    for block in [*model.layers.values(), *(m.block for m in (model.mtp or []))]:
+    sharded = sequence_parallel and tp_mesh is not None
+    blocks = list(model.layers.values())
+    for block in [*blocks, *(m.block for m in (model.mtp or []))]:
+        main = block in blocks
         for name, style in _tensor_parallel_plan(block).items():
             linear = block.get_submodule(name)
             column = isinstance(style, ColwiseParallel)
             if tp_mesh is not None:
                 linear.weight = nn.Parameter(distribute_tensor(
                     linear.weight.detach(), tp_mesh, [Shard(0 if column else 1)]))
-            linear.forward = _InvariantLinear(linear, column, group)
+            linear.forward = _InvariantLinear(linear, column, group,
+                                              slice_output=sharded and main and not column)
+        if not main:
+            continue
+        for norm in (block.attn_norm, block.ffn_norm):
+            norm.forward = _InvariantNorm(norm, group if sharded else None)
+        if sharded:
+            for part in (block.attn, block.ffn):
+                part.register_forward_pre_hook(lambda _m, args: (_GatherSequence.apply(args[0], group), *args[1:]))
+            if isinstance(block.ffn, MoE):  # the dense MLP's down projection slices its own output
+                block.ffn.register_forward_hook(lambda _m, _a, out: (_SliceSequence.apply(out[0], group), *out[1:]))
+            if dropout > 0:
+                _shard_dropout(block, tp_mesh, dropout)
+    # The stream enters and leaves the blocks through one autograd node at every layout (the
+    # identity without SP): the embeddings' gradient then adds its parts (the blocks', MTP's)
+    # in the same grouping whether or not the blocks ran on sequence shards.
+    stream_group = group if sharded else None
+    held = dict(model.layers.items())
+    first, last = held.get("0"), held.get(str(model.cfg.num_layers - 1))
+    if first is not None:
+        first.register_forward_pre_hook(lambda _m, args: (_SliceSequence.apply(args[0], stream_group), *args[1:]))
+    if last is not None:
+        last.register_forward_hook(lambda _m, _a, out: (_GatherSequence.apply(out[0], stream_group), *out[1:]))
 
 
 class _InvariantLinear:
-    """The forward of one TP linear under `tp_reduce=invariant` (bias-free, as the recipe's)."""
+    """The forward of one TP linear under `tp_reduce=invariant` (bias-free, as the recipe's);
+    ``slice_output``: keep this rank's positions of the row-parallel output (SP)."""
 
-    def __init__(self, linear: nn.Linear, column: bool, group):
-        self.linear, self.group = linear, group
+    def __init__(self, linear: nn.Linear, column: bool, group, *, slice_output: bool = False):
+        self.linear, self.group, self.slice_output = linear, group, slice_output
         self.layer = column_parallel_linear if column else row_parallel_linear
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.linear.weight
         # to_local keeps autograd: the weight's grad comes back as a DTensor of its placement.
-        return self.layer(x, weight.to_local() if isinstance(weight, DTensor) else weight, self.group)
+        out = self.layer(x, weight.to_local() if isinstance(weight, DTensor) else weight, self.group)
+        return _SliceSequence.apply(out, self.group) if self.slice_output else out
+
+
+class _InvariantNorm:
+    """RMSNorm as the normalisation (per position) times `scale_columns` by its weight."""
+
+    def __init__(self, norm: nn.RMSNorm, group):
+        self.norm, self.group = norm, group
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        norm = self.norm
+        normalized = F.rms_norm(x, norm.normalized_shape, None, norm.eps)
+        return scale_columns(normalized, norm.weight, self.group)
+
+
+class _SliceSequence(torch.autograd.Function):
+    """(B, T, ...) whole on every TP rank -> this rank's T / tp positions; backward all-gathers.
+    ``group`` None: the identity (one autograd node all the same)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _slice_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_sequence(grad, ctx.group), None
+
+
+class _GatherSequence(torch.autograd.Function):
+    """This rank's positions -> the whole sequence; backward keeps this rank's positions of a
+    gradient that is whole and the same on every TP rank (its consumers sum exactly)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _slice_sequence(grad, ctx.group), None
+
+
+def _slice_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    if group is None:
+        return x.clone()
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    part = x.shape[1] // size
+    return x[:, rank * part:(rank + 1) * part].contiguous()
+
+
+def _gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    if group is None:
+        return x.clone()
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
 
 
 def _sequence_parallel_plan(block: Block) -> dict[str, Any]:

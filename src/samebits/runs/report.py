@@ -833,9 +833,8 @@ class _Page:
             rows = _rank_rows(pair, _bins(ranks, MAX_RANKS), columns)
             what = "ranks (rows) x steps (columns)"
         used = {state for _, cells in rows for state, _ in cells}
-        label = (lambda c: f"{c[0]}" if len(c) == 1 else f"{c[0]}-{c[-1]}")
-        every = max(1, math.ceil(len(columns) / 16))
-        header = "".join(f'<th title="step {_esc(label(c))}">{_esc(label(c)) if i % every == 0 else ""}</th>'
+        every = max(1, math.ceil(len(columns) / 16))  # a step label every few columns
+        header = "".join(f'<th title="step {_span(c)}">{_span(c) if i % every == 0 else ""}</th>'
                          for i, c in enumerate(columns))
         body = []
         for name, cells in rows:

@@ -1,0 +1,204 @@
+"""The docs harness: every fenced block of README.md and docs/*.md says what it is, and the
+runnable ones run (issue 27: a documented command that fails when pasted fails CI).
+
+A block's fence names its language and one marker, e.g. ```` ```bash runnable ````:
+
+* ``runnable``: shell commands the slow test runs as written, in a fresh folder per page, in page
+  order, with ``samebits`` and ``python`` of this environment on PATH; ``runnable exit=1``: the
+  command shown must fail with that code (a documented FAIL).  A ``python runnable`` block is
+  run as a script there too.
+* ``file``: a file the page's commands use; its first line is ``# file: NAME`` and the harness
+  writes it into the page's folder before the page's first runnable block.
+* ``illustrative``: not run (placeholders such as ``K`` or ``<your arguments>``, a GPU, a cluster,
+  a fragment of a larger program, or a synopsis); its ``samebits`` commands must still name real
+  commands and options.
+* ``output``: what a command prints, a layout or a file format.
+
+The fast tests check that every block is marked, that every ``samebits`` command in a block
+names a command and options that exist, and that runnable ones parse as samebits parses them;
+the slow test (`test_runnable_blocks_run`) runs them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from samebits.cli import build_parser
+from samebits.cli._options import refuse_recipe_options
+from samebits.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+MARKERS = ("runnable", "file", "illustrative", "output")
+SHELLS = ("bash", "sh", "console")
+BLOCK_TIMEOUT_S = 300
+
+
+@dataclass
+class Block:
+    page: Path
+    line: int  # of the opening fence, 1-based
+    language: str
+    marker: str | None
+    exit_code: int
+    body: str
+
+    @property
+    def where(self) -> str:
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
+
+    @property
+    def file_name(self) -> str | None:
+        first = self.body.splitlines()[0] if self.body else ""
+        found = re.match(r"#\s*file:\s*(\S+)\s*$", first)
+        return found.group(1) if found else None
+
+
+def blocks(page: Path) -> list[Block]:
+    """The fenced blocks of a Markdown page, in order."""
+    found, lines, i = [], page.read_text().splitlines(), 0
+    while i < len(lines):
+        fence = re.match(r"^(\s*)(```+|~~~+)(.*)$", lines[i])
+        if fence is None:
+            i += 1
+            continue
+        words = fence.group(3).split()
+        end = next((j for j in range(i + 1, len(lines)) if lines[j].strip().startswith(fence.group(2))), None)
+        assert end is not None, f"{page}:{i + 1}: a fence that is never closed"
+        marker = next((w for w in words[1:] if w in MARKERS), None)
+        exit_code = next((int(w[5:]) for w in words[1:] if re.fullmatch(r"exit=\d+", w)), 0)
+        found.append(Block(page, i + 1, words[0] if words else "", marker, exit_code,
+                           "\n".join(line[len(fence.group(1)):] for line in lines[i + 1 : end]) + "\n"))
+        i = end + 1
+    return found
+
+
+ALL = [block for page in PAGES for block in blocks(page)]
+RUNNABLE_PAGES = sorted({b.page for b in ALL if b.marker == "runnable"}, key=str)
+
+
+def test_every_block_is_marked():
+    unmarked = [f"{b.where}: ```{b.language} (give it a language and one of {', '.join(MARKERS)})"
+                for b in ALL if not b.language or b.marker is None]
+    assert unmarked == []
+    assert len(ALL) > 50  # the reader finds the pages' blocks
+    misplaced = [b.where for b in ALL if (b.marker == "file") != (b.file_name is not None)]
+    assert misplaced == [], "a file block starts with '# file: NAME', and only a file block does"
+    assert [b.where for b in ALL if b.marker == "runnable" and b.language not in SHELLS + ("python",)] == []
+
+
+def _logical_lines(body: str) -> list[str]:
+    """Lines with backslash continuations joined, console prompts removed."""
+    joined = re.sub(r"\\\n\s*", " ", body)
+    return [re.sub(r"^\$\s+", "", line).strip() for line in joined.splitlines() if line.strip()]
+
+
+def samebits_commands(body: str) -> list[list[str]]:
+    """The argument lists of every `samebits ...` (or `python -m samebits ...`) in a shell block,
+    up to a shell operator or comment."""
+    found = []
+    for line in _logical_lines(body):
+        try:
+            words = shlex.split(line, comments=True)
+        except ValueError:  # a synopsis with an unbalanced bracket or quote
+            words = line.split("#", 1)[0].split()
+        for i, word in enumerate(words):
+            if word == "samebits" and (i == 0 or words[i - 1] in ("&&", "||", ";", "-m", "|")):
+                argv = []
+                for arg in words[i + 1 :]:
+                    if arg in ("&&", "||", ";", "|"):
+                        break
+                    argv.append(arg)
+                found.append(argv)
+    return found
+
+
+def _subparsers():
+    parser = build_parser()
+    return parser, parser._subparsers._group_actions[0].choices
+
+
+def test_documented_commands_name_real_commands_and_options():
+    parser, commands = _subparsers()
+    wrong = []
+    for block in ALL:
+        if block.language not in SHELLS and not (block.language == "text" and block.marker == "illustrative"):
+            continue
+        for argv in samebits_commands(block.body):
+            words = [w.strip("[]") for w in argv]
+            name = words[0] if words else ""
+            if name.startswith("-"):
+                known = {o for a in parser._actions for o in a.option_strings}
+                options = [w for w in words if w.startswith("-")]
+            elif name not in commands:
+                wrong.append(f"{block.where}: samebits {name}: no such command")
+                continue
+            else:
+                known = {o for a in commands[name]._actions for o in a.option_strings}
+                ours = words[1 : words.index("--")] if "--" in words else words[1:]
+                options = [w for w in ours if w.startswith("-") and w not in ("-", "...")]
+            for option in options:
+                if option.split("=", 1)[0] not in known:
+                    wrong.append(f"{block.where}: samebits {name} has no option {option.split('=', 1)[0]}")
+    assert wrong == []
+
+
+@pytest.mark.parametrize("block", [b for b in ALL if b.marker == "runnable" and b.language in SHELLS],
+                         ids=lambda b: b.where)
+def test_runnable_commands_parse(block):
+    """As samebits parses them: options in place, values of the right type, no recipe option with a command."""
+    parser = build_parser()
+    for argv in samebits_commands(block.body):
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit:
+            pytest.fail(f"{block.where}: `samebits {shlex.join(argv)}` does not parse")
+        try:
+            refuse_recipe_options(args)
+        except ConfigError as err:
+            pytest.fail(f"{block.where}: `samebits {shlex.join(argv)}`: {err}")
+
+
+@pytest.mark.parametrize("block", [b for b in ALL if b.language == "python" and b.marker in ("file", "runnable")],
+                         ids=lambda b: b.where)
+def test_python_files_and_scripts_compile(block):
+    compile(block.body, block.where, "exec")
+
+
+def _environment() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "2")
+    for name in [n for n in env if n.startswith("SAMEBITS_") or n.startswith("PYTEST_")]:
+        del env[name]  # a page's commands run as a user's shell would
+    return env
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", RUNNABLE_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_runnable_blocks_run(page, tmp_path):
+    """Every runnable block of the page, in order, in one fresh folder holding the page's files."""
+    page_blocks = blocks(page)
+    for block in page_blocks:
+        if block.marker == "file":
+            (tmp_path / block.file_name).write_text(block.body)
+    env = _environment()
+    for block in page_blocks:
+        if block.marker != "runnable":
+            continue
+        if block.language == "python":
+            argv = [sys.executable, "-c", block.body]
+        else:
+            argv = ["bash", "-e", "-o", "pipefail", "-c", "\n".join(_logical_lines(block.body))]
+        done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
+        said = (done.stdout + done.stderr)[-4000:]
+        assert done.returncode == block.exit_code, (f"{block.where}: exit {done.returncode}, documented "
+                                                    f"{block.exit_code}:\n{block.body}\n--- output:\n{said}")

@@ -1,10 +1,13 @@
 """The import contract of docs/architecture.md, checked on the source: layers only point down.
 
 Every `import samebits...` in src/samebits is read with `ast` (module level and inside
-functions alike) and mapped to the component it names.  The test fails on an edge that points
-up a layer, on a cycle between components, on a library module importing the reference recipe,
-on the recipe importing a private module, and on a samebits import tucked inside a function
-(the usual way to dodge a cycle).  There is no list of exceptions: fix the edge instead.
+functions alike; `importlib.import_module("samebits...")` and the command line's `lazy(...)`
+declarations too) and mapped to the component it names.  The test fails on an edge that points
+up a layer, on a cycle between components, on a library module other than the command line
+(the composition root) importing the reference recipe, on the recipe importing a private
+module, on a package importing another's private module or name, and on a samebits import
+tucked inside a function (the usual way to dodge a cycle).  There is no list of exceptions:
+fix the edge instead.
 """
 
 from __future__ import annotations
@@ -31,6 +34,12 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("entry points", {"cli", "__main__", "_inject.sitecustomize", "samebits"}),
 ]
 CLIENTS = {"recipes", "integrations"}  # use the public API like a user's script; nothing in the library imports them
+# ... except the command line, the composition root: it builds the runners' command templates
+# from the recipe's command line (cli/_recipe.py), so `samebits verify` runs the recipe.
+CLIENT_USERS = {"recipes": {"cli"}}
+# Components whose own name starts with "_": the foundation's torch helpers and the
+# PYTHONPATH helper, imported by name like any module.
+UNDERSCORED_COMPONENTS = {"_torchutil", "_inject"}
 LAYER_OF = {component: index for index, (_, members) in enumerate(LAYERS) for component in members}
 
 # Modules a function may import lazily: they import an optional heavy dependency (Triton) at
@@ -91,11 +100,44 @@ def _imports():
                 targets = [alias.name for alias in node.names]
             elif _is_lazy_declaration(node):  # `x = lazy("samebits.compare", "x")` (cli/_lazy.py)
                 targets = [node.args[0].value]
+            elif _dynamic_import(node, module) is not None:  # importlib.import_module("samebits.kernels")
+                # Loading by name (a PEP 562 facade, plugins, registrations) is an edge of the
+                # graph; being dynamic, it is allowed inside a function.
+                yield (module, where), _dynamic_import(node, module), node.lineno, False
+                continue
             else:
                 continue
             for target in targets:
                 if target == "samebits" or target.startswith("samebits."):
                     yield (module, where), target, node.lineno, node.lineno in function_lines
+
+
+def _dynamic_import(node: ast.AST, module: str) -> str | None:
+    """The samebits module an ``importlib.import_module(...)`` call loads: a string literal, or
+    an f-string's constant prefix (``{__name__}`` is the calling module), to its last whole
+    module (``f"samebits.testing.{name}"`` -> samebits.testing).  None for another call, a
+    target named by a variable, or one outside samebits."""
+    if not (isinstance(node, ast.Call) and node.args and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "import_module"):
+        return None
+    argument = node.args[0]
+    if isinstance(argument, ast.Constant) and isinstance(argument.value, str):
+        target = argument.value
+    elif isinstance(argument, ast.JoinedStr):
+        prefix = ""
+        for part in argument.values:
+            if isinstance(part, ast.Constant):
+                prefix += str(part.value)
+            elif isinstance(part.value, ast.Name) and part.value.id == "__name__":
+                prefix += module
+            else:
+                break
+        target = prefix.rsplit(".", 1)[0] if not prefix.endswith(".") else prefix[:-1]
+        if "." not in prefix:
+            return None
+    else:
+        return None
+    return target if target == "samebits" or target.startswith("samebits.") else None
 
 
 def _is_lazy_declaration(node: ast.AST) -> bool:
@@ -130,6 +172,8 @@ def test_layers_only_point_down():
         if source in CLIENTS:
             continue
         for dest, where in targets.items():
+            if dest in CLIENTS and source in CLIENT_USERS.get(dest, ()):
+                continue  # the command line composes the recipe with the runners
             if dest in CLIENTS:
                 upward.append(f"{source} -> {dest} (the recipe is a client, not a library part): {where[0]}")
             elif source in LAYER_OF and dest in LAYER_OF and LAYER_OF[dest] > LAYER_OF[source]:
@@ -165,6 +209,93 @@ def test_recipes_use_only_the_public_api():
                if _component(module[0]) in CLIENTS and _component(target) not in CLIENTS
                and any(part.startswith("_") for part in target.split(".")[1:])]
     assert not private, "the reference recipe imports private modules:\n" + "\n".join(private)
+
+
+def test_only_the_cli_imports_the_recipe():
+    """`runs/` takes command templates and knows no program; the command line builds the
+    recipe's (the composition root).  A library module outside cli/ importing the recipe
+    fails; cli/ may, and does."""
+    graph = _graph()
+    users = sorted(f"{source} -> recipes: {', '.join(where[:3])}" for source, targets in graph.items()
+                   for dest, where in targets.items()
+                   if dest == "recipes" and source not in CLIENTS and source not in CLIENT_USERS["recipes"])
+    assert not users, "library modules importing the reference recipe (build its command in cli/):\n" + "\n".join(users)
+    assert "recipes" in graph["cli"]  # the rule is live: the command line does import it
+
+
+@pytest.mark.parametrize("source", ["runs", "cli"])
+def test_the_recipe_rule_catches_a_library_import(source, monkeypatch):
+    real = _graph()
+    planted = {**real, source: {**real.get(source, {}), "recipes": ["planted.py:1"]}}
+    monkeypatch.setitem(globals(), "_graph", lambda: planted)
+    if source == "cli":
+        test_only_the_cli_imports_the_recipe()
+        test_layers_only_point_down()
+    else:
+        with pytest.raises(AssertionError, match="runs -> recipes: planted"):
+            test_only_the_cli_imports_the_recipe()
+        with pytest.raises(AssertionError, match="runs -> recipes"):
+            test_layers_only_point_down()
+
+
+def test_dynamic_imports_count_as_imports():
+    """`importlib.import_module("samebits.kernels")` and the cli's plugin loading
+    (f"{__name__}.{name}") are edges of the graph."""
+    edges = {(module[0], target) for module, target, _, _ in _imports()}
+    assert ("samebits", "samebits.kernels") in edges
+    assert ("samebits.cli", "samebits.cli") in edges
+    assert _dynamic_import(ast.parse('importlib.import_module(f"samebits.testing.{m}")').body[0].value, "x") == \
+        "samebits.testing"
+    assert _dynamic_import(ast.parse("importlib.import_module(name)").body[0].value, "x") is None
+
+
+def _private_imports():
+    """Yield (file:line, what) for each import, from another component, of a module or a
+    name that starts with "_" (dunder names aside): private to its package."""
+    def private(name: str) -> bool:
+        return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+    for (module, where), target, line, _ in _imports():
+        source, dest = _component(module), _component(target)
+        if source == dest or dest in UNDERSCORED_COMPONENTS or source.split(".")[0] == dest:
+            continue
+        if any(private(part) for part in target.split(".")[2:]):
+            yield f"{where}:{line}", target
+    for path in sorted(SRC.rglob("*.py")):
+        module = _module_name(path)
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("samebits"):
+                target, names = node.module, [alias.name for alias in node.names]
+            elif _is_lazy_declaration(node):
+                target = node.args[0].value
+                names = [arg.value for arg in node.args[1:] if isinstance(arg, ast.Constant)]
+            else:
+                continue
+            if _component(module) == _component(target) or _component(target) in UNDERSCORED_COMPONENTS:
+                continue
+            for name in names:
+                if private(name) and not _is_module(f"{target}.{name}"):  # a module is named above
+                    yield f"{path.relative_to(SRC.parent)}:{node.lineno}", f"{target}.{name}"
+
+
+@pytest.mark.xfail(strict=False, reason="issue 26: fixed by parallel work")
+def test_no_cross_package_private_imports():
+    """A `_`-prefixed module or name is private to its package: another package uses the
+    package's public names (Hypothesis' `internal/`).  The foundation's `_torchutil` and the
+    `_inject` helper are components named with an underscore, imported like any other."""
+    found = sorted(f"{where} imports {what}" for where, what in _private_imports())
+    assert not found, "imports of another package's private modules or names:\n" + "\n".join(found)
+
+
+def test_the_private_import_check_sees_modules_and_names(tmp_path, monkeypatch):
+    planted = tmp_path / "samebits" / "runs" / "planted.py"
+    planted.parent.mkdir(parents=True)
+    planted.write_text("from samebits.trace._origin import find_origins\nfrom samebits.runs.verify import RunInfo\n"
+                       "from samebits.stream import _format\nfrom samebits.compare import _private_name\n"
+                       "from samebits._torchutil import rank_and_world_size\nfrom samebits.runs import _launch\n")
+    monkeypatch.setitem(globals(), "SRC", tmp_path / "samebits")
+    found = {what for _, what in _private_imports()}
+    assert found == {"samebits.trace._origin", "samebits.stream._format", "samebits.compare._private_name"}, found
 
 
 @pytest.mark.parametrize("bad", ["up", "cycle"])

@@ -23,6 +23,7 @@ from samebits.invariant import (DEFAULT_BLOCK_SIZE, TP_BLOCK_SIZE, GradientAccum
                                 invariant_matmul, invariant_sum, micro_batch_seed, row_parallel_linear, scale_columns,
                                 sharded_grad_norm)
 from samebits.runs._launch import run_logged
+from samebits.cli._recipe import across_programs
 from samebits.runs.across import compare_replicated, verify_across
 from samebits.verdicts import Verdict
 
@@ -211,7 +212,7 @@ def test_the_recipe_in_invariant_mode_is_bit_identical_at_dp_1_and_2(tmp_path):
     """The reference recipe (MoE with replicated experts, dropout, router jitter, MTP) through
     `verify --across`'s recipe path; `samebits verify --across dp=1,2,4 --steps 20` is the
     full check (benchmarks/RESULTS.md)."""
-    result = verify_across([1, 2], None, tmp_path / "recipe", steps=2)
+    result = verify_across([1, 2], None, tmp_path / "recipe", programs=across_programs([1, 2], steps=2))
     assert result.verdict is Verdict.PASS, result.to_dict()
     assert result.checks[2].compared["steps"] == 2
 

@@ -12,9 +12,11 @@ from types import SimpleNamespace
 import pytest
 
 from samebits.cli import main
+from samebits.cli._recipe import matrix_program
 from samebits.cli.matrix import render
 from samebits.errors import ConfigError
-from samebits.runs import cells as C
+from samebits.recipes.cells import ParallelDims, cell_name
+from samebits.recipes.commands import cell_overrides
 from samebits.runs import distance
 from samebits.runs import matrix as M
 from samebits.runs.verify import VerifyResult
@@ -25,19 +27,41 @@ GLOBAL_BATCH = 2  # samples per step in every cell: the tiny model's micro-batch
 
 
 def test_cell_names():
-    assert C.parse_cell("single") == C.Cell("single", 1, ())
-    tp_dp = C.parse_cell("tp2-dp2")
-    assert tp_dp.world_size == 4
-    assert tp_dp.overrides == ("pp=1", "dp_replicate=2", "dp_shard=1", "tp=2", "ep=1")
-    assert C.parse_cell("ep2").world_size == 2 and "ep=2" in C.parse_cell("ep2").overrides  # EP rides on DP
-    assert C.parse_cell("pp2-fsdp2-tp2").world_size == 8
-    assert C.parse_cell("pp2-fsdp2-tp2").sizes == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 2, "ep": 1}
-    assert C.cell_name(C.parse_cell("ep2-tp2-pp2").sizes) == "pp2-tp2-ep2"  # the canonical order
-    assert C.cell_name(C.parse_cell("single").sizes) == "single"
+    """The matrix reads cells in the recipe's one grammar (`ParallelDims.parse`)."""
+    assert ParallelDims.parse("single") == ParallelDims() and ParallelDims().world_size == 1
+    tp_dp = ParallelDims.parse("tp2-dp2")
+    assert (tp_dp.world_size, tp_dp.dp, tp_dp.name) == (4, 2, "tp2-dp2")
+    assert tp_dp.overrides() == ["pp=1", "dp_replicate=2", "dp_shard=1", "tp=2", "ep=1"]
+    ep2 = ParallelDims.parse("ep2")
+    assert ep2.world_size == 2 and "ep=2" in ep2.overrides()  # EP rides on DP
+    assert ParallelDims.parse("pp2-fsdp2-tp2").world_size == 8
+    assert ParallelDims.parse("pp2-fsdp2-tp2").sizes() == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 2, "ep": 1}
+    assert ParallelDims.parse("ep2-tp2-pp2").name == "pp2-tp2-ep2"  # the canonical order
+    assert cell_name(ParallelDims.parse("single").sizes()) == "single"
     for bad, message in [("tp", "names no parallel size|not one of"), ("tp2-tp2", "each at most once"),
                          ("ep2-dp4", "must equal dp's size"), ("cp2", "not one of dpN")]:
         with pytest.raises(ConfigError, match=message):
-            C.parse_cell(bad)
+            ParallelDims.parse(bad)
+
+
+def test_a_cell_gets_its_layout_batch_share_precision_and_layout_independence():
+    assert cell_overrides(ParallelDims.parse("tp2-dp2"), "bf16", global_batch=8, overrides=["seed=3"]) == [
+        "pp=1", "dp_replicate=2", "dp_shard=1", "tp=2", "ep=1", "micro_batch_size=4", "precision=bf16",
+        "dropout=0", "moe_jitter_eps=0", "moe_aux_loss_coeff=0", "seed=3"]
+    assert "micro_batch_size=4" not in cell_overrides(ParallelDims.parse("dp2"), "fp32", global_batch=None,
+                                                      layout_independent=False)
+    with pytest.raises(ConfigError, match="global batch of 6 does not split over 4 data-parallel ranks"):
+        cell_overrides(ParallelDims.parse("dp4"), "fp32", global_batch=6)
+    with pytest.raises(ConfigError, match="conflicts with --global-batch"):
+        matrix_program(overrides=["micro_batch_size=2"], global_batch=8)
+
+
+def test_a_cell_whose_batch_does_not_split_cannot_start_and_nothing_runs(tmp_path):
+    result = M.run_matrix(matrix_program(global_batch=3), tmp_path / "m", cells=["dp2"], precisions=["fp32"],
+                          steps=2)
+    (cell,) = result.cells
+    assert not cell.started and cell.reason.startswith("cannot start: the global batch of 3 does not split"), cell
+    assert result.verdict is Verdict.FAIL and not (tmp_path / "m" / "dp2-fp32").exists()
 
 
 def test_ulp_distance_counts_representable_values():
@@ -74,7 +98,8 @@ def test_matrix_passes_and_reports_cells_that_cannot_start(tmp_path, capsys):
 def test_a_required_cell_that_cannot_start_fails_with_the_reason(tmp_path):
     # The library runs what it is given: a cell that cannot start is a FAIL with its reason
     # (the CLI refuses an unknown precision before any work: tests/test_cli_inputs.py).
-    result = M.run_matrix(tmp_path / "m", cells=["single", "dp16"], precisions=["fp9"], max_world_size=2, steps=2)
+    result = M.run_matrix(matrix_program(), tmp_path / "m", cells=["single", "dp16"], precisions=["fp9"],
+                          max_world_size=2, steps=2)
     text = render(result)
     assert result.verdict is Verdict.FAIL and result.verdict.exit_code == 1, text
     assert "samebits matrix: FAIL" in text
@@ -103,8 +128,8 @@ def test_a_missing_dependency_is_named(tmp_path, monkeypatch):
     (fake / "__init__.py").write_text("raise ImportError('No module named torchao (test stand-in)')\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path / "site"),
                                                                    os.environ.get("PYTHONPATH")])))
-    result = M.run_matrix(tmp_path / "m", cells=["single"], precisions=["mxfp8"], steps=2, overrides=TINY,
-                          global_batch=GLOBAL_BATCH)
+    result = M.run_matrix(matrix_program(overrides=TINY, global_batch=GLOBAL_BATCH), tmp_path / "m",
+                          cells=["single"], precisions=["mxfp8"], steps=2)
     assert result.verdict is Verdict.FAIL
     (cell,) = result.cells
     assert not cell.started and "needs torchao, which is not installed: pip install torchao==" in cell.reason
@@ -112,8 +137,8 @@ def test_a_missing_dependency_is_named(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_a_nondeterministic_cell_is_caught_even_when_not_required(tmp_path):
-    result = M.run_matrix(tmp_path / "m", cells=["single"], precisions=["fp32"], required=[], steps=2,
-                          nondeterministic=True)
+    result = M.run_matrix(matrix_program(nondeterministic=True), tmp_path / "m", cells=["single"],
+                          precisions=["fp32"], required=[], steps=2)
     (cell,) = result.cells
     assert cell.check("independent") == "no" and cell.verdict is Verdict.FAIL, cell.to_dict()
     assert result.verdict is Verdict.FAIL and result.verdict.exit_code == 1
@@ -124,7 +149,7 @@ def test_bisect_failures_flag_reaches_the_matrix(tmp_path, monkeypatch, capsys):
     """The command line passes --bisect-failures through (the runs are in the test below)."""
     seen = {}
 
-    def fake_run_matrix(out, **kwargs):
+    def fake_run_matrix(matrix, out, **kwargs):
         seen.update(kwargs)
         return M.MatrixResult(str(out), "single", [])
 
@@ -136,7 +161,7 @@ def test_bisect_failures_flag_reaches_the_matrix(tmp_path, monkeypatch, capsys):
     capsys.readouterr()
 
 
-def _diverged_verify(out, **_kwargs):
+def _diverged_verify(program, out, **_kwargs):
     """verify_recipe's answer for a cell whose two independent runs differ (no runs made)."""
     check = SimpleNamespace(verdict="diverged", incomplete=[], notes=[], to_dict=lambda: {"verdict": "diverged"})
     return VerifyResult(str(out), {"independent": check, "resume": None}, {}, None)
@@ -152,8 +177,8 @@ def test_bisect_failures_localises_a_planted_fault(tmp_path, monkeypatch):
     this fault in tests/test_parallel_cells.py) are answered "independent runs diverged" to
     keep the test short."""
     monkeypatch.setattr(M, "verify_recipe", _diverged_verify)
-    result = M.run_matrix(tmp_path / "m", cells=["tp2"], precisions=["fp32"], steps=1, bisect_failures=True,
-                          global_batch=GLOBAL_BATCH, overrides=[*TINY, "fault_tp_racy_accumulate=true"])
+    matrix = matrix_program(global_batch=GLOBAL_BATCH, overrides=[*TINY, "fault_tp_racy_accumulate=true"])
+    result = M.run_matrix(matrix, tmp_path / "m", cells=["tp2"], precisions=["fp32"], steps=1, bisect_failures=True)
     (cell,) = result.cells
     assert cell.verdict is Verdict.FAIL and cell.check("independent") == "no", cell.to_dict()
     report = json.loads(json.dumps(result.to_dict()))  # what --json prints

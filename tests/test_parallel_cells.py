@@ -19,7 +19,8 @@ import pytest
 import samebits
 from samebits.errors import ConfigError
 from samebits.recipes import RecipeConfig
-from samebits.recipes.parallelize import ParallelDims, cell_name, parse_cell, stage_layers
+from samebits.recipes.cells import ParallelDims, cell_name, parse_cell
+from samebits.recipes.parallelize import stage_layers
 from samebits.verdicts import Verdict
 
 TINY = ["num_layers=2", "seq_len=32", "micro_batch_size=2"]

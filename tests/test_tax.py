@@ -19,6 +19,7 @@ import torch
 import samebits
 from samebits.cli import main
 from samebits.errors import ConfigError, SamebitsError
+from samebits.cli._recipe import tax_programs
 from samebits.runs.tax import TaxResult, judge, paired_bootstrap, pairs_to_decide, read_step_times, tax
 from samebits.verdicts import EXIT_BAD_VERDICT, EXIT_CANNOT_RUN, EXIT_OK, Verdict
 
@@ -179,7 +180,7 @@ def test_bad_options_exit_2(argv, message, tmp_path, capsys):
 @pytest.mark.slow
 def test_recipe_tax_smoke(tmp_path):
     """CI: the recipe with deterministic mode on and off, one pair of 3 steps, a loose gate."""
-    result = tax(tmp_path / "out", pairs=1, steps=3, warmup=0, gate=100.0)
+    result = tax(tmp_path / "out", programs=tax_programs(1, steps=3), pairs=1, warmup=0, gate=100.0)
     assert result.verdict is Verdict.PASS and result.verdict.exit_code == EXIT_OK
     assert 0.2 < result.ratio < 5 and len(result.times["deterministic"][0]) == 2
     assert "deterministic=true" in result.commands["deterministic"]

@@ -8,6 +8,7 @@ from samebits.cli._format import print_result, table
 from samebits.cli._options import (add_out_option, add_progress_options, add_recipe_options, add_run_timeout_option,
                                    progress_for, step_number)
 from samebits.cli._lazy import lazy
+from samebits.cli._recipe import recipe_program
 from samebits.errors import ConfigError
 
 bisect = lazy("samebits.runs", "bisect")
@@ -72,8 +73,9 @@ def run(args) -> int:
                                                                  if cmd_b else " (twice)")
                  + (f"\n                 b resumes at step {args.b_step_offset}; steps >= "
                     f"{args.b_step_offset} compared" if args.b_step_offset is not None else ""))
-    result = bisect(cmd_a, cmd_b, out=args.out, steps=args.steps, nproc=args.nproc,
-                    nondeterministic=args.nondeterministic, overrides=args.overrides,
+    program = None if cmd_a else recipe_program(args.nproc, steps=args.steps, overrides=args.overrides,
+                                                nondeterministic=args.nondeterministic)
+    result = bisect(cmd_a, cmd_b, out=args.out, program=program,
                     stop_after=args.stop_after, run_timeout=args.run_timeout,
                     b_step_offset=args.b_step_offset, resume_at=args.resume_at, progress=progress)
     return print_result(result, args.json, render)

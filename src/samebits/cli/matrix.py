@@ -6,17 +6,13 @@ from samebits.cli._format import print_result, table
 from samebits.cli._options import (add_out_option, add_progress_options, add_recipe_options, positive_int,
                                    progress_for, rank_count, step_number)
 from samebits.cli._lazy import lazy
-from samebits.defaults import (DEFAULT_CELLS, DEFAULT_GLOBAL_BATCH, DEFAULT_MAX_WORLD_SIZE, DEFAULT_PRECISIONS,
-                               LAYOUT_INDEPENDENT)
-from samebits.errors import ConfigError
+from samebits.cli._recipe import matrix_program
+from samebits.defaults import DEFAULT_MAX_WORLD_SIZE
+from samebits.recipes.commands import (DEFAULT_CELLS, DEFAULT_GLOBAL_BATCH, DEFAULT_PRECISIONS, LAYOUT_INDEPENDENT,
+                                       PRECISIONS, check_precisions)
 
 MatrixResult, run_matrix, split_list = lazy("samebits.runs.matrix", "MatrixResult", "run_matrix", "split_list")
 matrix_conclusion = lazy("samebits.runs.conclusion", "matrix_conclusion")
-
-
-# The recipe's precisions (`samebits.recipes.precision.PrecisionName`; the recipe is a client, not
-# imported here: tests/test_cli_inputs.py keeps the two lists equal).
-PRECISIONS = ("fp32", "bf16", "bf16_params", "fp8_tensorwise", "fp8_delayed", "mxfp8", "nvfp4")
 
 
 def register(sub) -> None:
@@ -64,16 +60,13 @@ def run(args) -> int:
     progress = progress_for(args)  # stderr, each line after the elapsed time; each run's steps live
 
     precisions = split_list(args.precisions, "precisions")
-    unknown = [p for p in precisions if p not in PRECISIONS]
-    if unknown:
-        raise ConfigError(f"--precisions: {', '.join(map(repr, unknown))} is not a precision; give a comma-separated "
-                          f"list of {', '.join(PRECISIONS)}")
+    check_precisions(precisions)
+    matrix = matrix_program(overrides=args.overrides, nondeterministic=args.nondeterministic,
+                            global_batch=args.global_batch or None, layout_independent=not args.keep_randomness)
     result = run_matrix(
-        args.out, cells=split_list(args.cells, "cells"), precisions=precisions,
+        matrix, args.out, cells=split_list(args.cells, "cells"), precisions=precisions,
         required=split_list(args.required, "required") if args.required is not None else None,
-        baseline=args.baseline, steps=args.steps, resume_at=args.resume_at, overrides=args.overrides,
-        nondeterministic=args.nondeterministic, max_world_size=args.max_world_size,
-        global_batch=args.global_batch or None, layout_independent=not args.keep_randomness,
+        baseline=args.baseline, steps=args.steps, resume_at=args.resume_at, max_world_size=args.max_world_size,
         require_agreement=args.require_agreement, bisect_failures=args.bisect_failures, progress=progress)
     return print_result(result, args.json, render)
 

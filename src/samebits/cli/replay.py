@@ -7,6 +7,7 @@ import sys
 
 from samebits.cli._format import echo, escape, print_result, table
 from samebits.cli._lazy import lazy
+from samebits.cli._recipe import replay_command, replay_config
 from samebits.cli._options import (add_out_option, add_run_timeout_option, check_input_directory, positive_int,
                                    rank_count, step_number)
 from samebits.verdicts import Verdict
@@ -46,7 +47,9 @@ def run(args) -> int:
 
     check_input_directory(args.run_dir)
     command = shlex.split(args.replay_with) if args.replay_with else None
-    result = replay(args.run_dir, step=args.step, nproc=args.nproc, num_steps=args.num_steps, cmd=command,
+    # No command of the user's: the reference recipe, with the run's recorded config.
+    result = replay(args.run_dir, step=args.step, nproc=args.nproc, num_steps=args.num_steps,
+                    cmd=command or replay_command(args.nproc), recorded_config=None if command else replay_config,
                     ckpt=args.ckpt, out=args.out, run_timeout=args.run_timeout, progress=progress)
     return print_result(result, args.json, render)
 

@@ -8,6 +8,7 @@ from samebits.cli._format import print_result, table
 from samebits.cli._options import (add_out_option, add_progress_options, add_recipe_options, add_run_timeout_option,
                                    int_range, open_unit_interval, positive_int, progress_for, step_number)
 from samebits.cli._lazy import lazy
+from samebits.cli._recipe import tax_programs
 from samebits.defaults import DEFAULT_GATE
 from samebits.errors import ConfigError
 
@@ -53,10 +54,12 @@ def register(sub) -> None:
 def run(args) -> int:
     if not math.isfinite(args.gate):  # the library refuses a gate <= 0; nan or inf would decide nothing
         raise ConfigError(f"--gate {args.gate}: a ratio gate is a positive finite number, e.g. 1.05.")
-    result = tax(args.out, command=args.cmd or None, command_a=args.cmd_a, command_b=args.cmd_b,
-                 pairs=args.pairs, steps=args.steps, warmup=args.warmup, gate=args.gate, nproc=args.nproc,
-                 overrides=args.overrides, resamples=args.resamples, confidence=args.confidence, seed=args.seed,
-                 run_timeout=args.run_timeout, progress=progress_for(args))
+    recipe = not (args.cmd or args.cmd_a or args.cmd_b)  # no command of the user's: the reference recipe
+    programs = tax_programs(args.nproc, steps=args.steps, overrides=args.overrides) if recipe else None
+    result = tax(args.out, command=args.cmd or None, command_a=args.cmd_a, command_b=args.cmd_b, programs=programs,
+                 pairs=args.pairs, warmup=args.warmup, gate=args.gate, resamples=args.resamples,
+                 confidence=args.confidence, seed=args.seed, run_timeout=args.run_timeout,
+                 progress=progress_for(args))
     return print_result(result, args.json, render)
 
 

@@ -9,6 +9,7 @@ from samebits.cli._lazy import lazy
 from samebits.cli._options import (MAX_NPROC, add_out_option, add_progress_options, add_recipe_options,
                                    add_recording_options, add_run_timeout_option, progress_for, recording_options,
                                    step_number)
+from samebits.cli._recipe import across_programs, recipe_program
 from samebits.cli.replay import check_row_table
 from samebits.errors import ConfigError
 from samebits.verdicts import Verdict
@@ -70,9 +71,10 @@ def run(args) -> int:
                                 require_resume=args.require_resume, run_timeout=args.run_timeout,
                                 progress=progress, record=recording_options(args), keep_going=args.keep_going)
     else:
-        result = verify_recipe(args.out, steps=args.steps, resume_at=args.resume_at, nproc=args.nproc,
-                               overrides=args.overrides, nondeterministic=args.nondeterministic,
-                               progress=progress, record=recording_options(args), keep_going=args.keep_going)
+        program = recipe_program(args.nproc, steps=args.steps, overrides=args.overrides,
+                                 nondeterministic=args.nondeterministic)
+        result = verify_recipe(program, args.out, resume_at=args.resume_at, progress=progress,
+                               record=recording_options(args), keep_going=args.keep_going)
     result.timings["total"] = time.perf_counter() - start
     return print_result(result, args.json, render)
 
@@ -83,8 +85,9 @@ def run_across(args, progress, start: float) -> int:
     if max(sizes) > MAX_NPROC:
         raise ConfigError(f"--across {args.across}: a data-parallel size is at most {MAX_NPROC} (ranks of one run "
                           "on this machine)")
-    across = verify_across(sizes, args.cmd or None, args.out, steps=args.steps,
-                           overrides=args.overrides, run_timeout=args.run_timeout, progress=progress)
+    programs = None if args.cmd else across_programs(sizes, steps=args.steps, overrides=args.overrides)
+    across = verify_across(sizes, args.cmd or None, args.out, programs=programs, run_timeout=args.run_timeout,
+                           progress=progress)
     across.timings["total"] = time.perf_counter() - start
     return print_result(across, args.json, render_across)
 

@@ -30,7 +30,7 @@ from samebits.autorecord import EXIT_STOPPED, STOPPED_MARKER  # --out marker whe
 from samebits.errors import ConfigError, SamebitsError
 from samebits.recipes.config import PRESETS, RecipeConfig
 from samebits.recipes.loop import session, train
-from samebits.recipes.parallelize import ParallelDims, parse_cell
+from samebits.recipes.cells import ParallelDims, parse_cell
 from samebits.verdicts import EXIT_CANNOT_RUN, EXIT_OK
 
 

@@ -38,7 +38,7 @@ the architecture, this file the parallelism), on PyTorch's own engines.
 Context parallelism is not offered: torch's implementation (`context_parallel`) needs the
 CUDA SDPA backends and does not run on CPU.
 
-`parse_cell("tp2-dp2")` turns a cell name into config overrides; `cell_name` is its inverse.
+The sizes and their cell names (`ParallelDims`, `parse_cell`, `cell_name`) live in `cells.py`.
 The planted faults (`fault_*` config switches) live here too: each is a small change to one
 engine, named in docs/recipe.md.
 """
@@ -62,98 +62,13 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
-from samebits.errors import ConfigError
 from samebits.invariant import column_parallel_linear, row_parallel_linear, scale_columns
+from samebits.recipes.cells import ParallelDims
 from samebits.recipes.config import RecipeConfig
-from samebits.runs import cells
 from samebits.recipes.model import MLP, MoE, Block, Transformer
 from samebits.recipes.parallel import ExpertParallelDispatcher
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first, as torchtitan
-
-
-# --- sizes and cells ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ParallelDims:
-    """Resolved mesh sizes: world size = pp * dp_replicate * dp_shard * tp; ep is 1 or
-    dp_replicate (experts sharded over the replicas)."""
-
-    pp: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    ep: int = 1
-
-    @classmethod
-    def resolve(cls, cfg: RecipeConfig, world_size: int) -> ParallelDims:
-        """The sizes `cfg` asks for on `world_size` ranks, or a ConfigError saying why not."""
-        fixed = cfg.pp * cfg.dp_shard * cfg.tp
-        replicate = cfg.dp_replicate or max(1, world_size // fixed)
-        dims = cls(cfg.pp, replicate, cfg.dp_shard, cfg.tp,
-                   replicate if cfg.ep == 0 else cfg.ep)
-        if dims.world_size != world_size:
-            raise ConfigError(
-                f"the parallel layout {dims.name} (pp={dims.pp} x dp_replicate="
-                f"{dims.dp_replicate} x dp_shard={dims.dp_shard} x tp={dims.tp} = "
-                f"{dims.world_size} ranks) does not fit world size {world_size}; launch "
-                f"{dims.world_size} ranks or change the sizes (dp_replicate=0 takes what is left)")
-        if dims.ep not in (1, dims.dp_replicate):
-            raise ConfigError(f"ep={dims.ep} must be 1 or dp_replicate={dims.dp_replicate}")
-        if dims.ep > 1 and cfg.num_experts % dims.ep:
-            raise ConfigError(f"num_experts={cfg.num_experts} is not divisible by the "
-                              f"expert-parallel size {dims.ep}; choose a multiple")
-        if dims.dp_shard > 1 and dims.dp_replicate > 1:
-            raise ConfigError("dp_shard > 1 with dp_replicate > 1 (HSDP) is not offered by the "
-                              "recipe; use one of them")
-        if dims.pp > 1 and (dims.dp_shard > 1 or dims.ep > 1):
-            raise ConfigError("pp > 1 runs with plain DP (dp_replicate) and TP only; set "
-                              "dp_shard=1 and ep=1")
-        if cfg.fault_ep_dispatch_order and dims.ep < 2:
-            raise ConfigError("fault_ep_dispatch_order plants a fault in the EP dispatcher: "
-                              "needs ep >= 2 (e.g. cell ep2)")
-        return dims
-
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.tp
-
-    @property
-    def dp(self) -> int:
-        """Data-parallel size: how many different micro-batches a step reads."""
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def name(self) -> str:
-        return cell_name(self)
-
-    def sizes(self) -> dict[str, int]:
-        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard,
-                "tp": self.tp, "ep": self.ep}
-
-    def coords(self, rank: int) -> dict[str, int]:
-        """Mesh coordinates of `rank` (row-major over MESH_DIMS), plus dp and ep indices."""
-        rest, tp = divmod(rank, self.tp)
-        rest, shard = divmod(rest, self.dp_shard)
-        pp, replicate = divmod(rest, self.dp_replicate)
-        return {"pp": pp, "dp_replicate": replicate, "dp_shard": shard, "tp": tp,
-                "dp": replicate * self.dp_shard + shard,
-                "ep": replicate if self.ep > 1 else 0}
-
-
-def parse_cell(name: str) -> dict[str, int]:
-    """Config overrides of a cell name such as "tp2-dp2", "fsdp2-tp2", "pp2", "ep2", "dp4"
-    ("single": every size 1), in the library's cell grammar (`samebits.runs.cells`, which
-    `samebits matrix` reads too): dpN = plain data parallel (experts replicated, ep=1), fsdpN
-    = FSDP2 sharding, tpN, ppN, epN = expert parallel over N data-parallel replicas (implies
-    dpN).  Every size not named is 1, so a cell fixes the whole layout."""
-    return cells.parse_cell(name).sizes
-
-
-def cell_name(dims: ParallelDims) -> str:
-    """The canonical cell name of a layout ("single" for one rank)."""
-    return cells.cell_name(dims.sizes())
 
 
 # --- the layout ----------------------------------------------------------------------------

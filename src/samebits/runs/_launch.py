@@ -33,7 +33,7 @@ from typing import Callable
 
 from samebits.autorecord import read_outcomes
 from samebits.defaults import DEFAULT_TIMEOUT_S
-from samebits.errors import ConfigError, SamebitsError, StreamError
+from samebits.errors import SamebitsError, StreamError
 from samebits.runs.progress import watching
 from samebits.stream import open_run
 
@@ -91,30 +91,6 @@ def run_logged(argv: list[str], log: Path, *, env: dict | None = None, header: s
                 end_process_tree(process)
                 raise
     return code, time.perf_counter() - start
-
-
-class RecipeRefused(ConfigError):
-    """The recipe refused its options or config (``said``: its own message) before any run."""
-
-    def __init__(self, said: str):
-        super().__init__(f"the recipe refuses these options, before any run: {said}")
-        self.said = said
-
-
-def check_recipe(argv: list[str]) -> None:
-    """Refuse a command of the reference recipe whose options or config (preset, cell,
-    ``--set``) the recipe refuses, before any run starts: the recipe's own checks
-    (``--check``), in one process that trains nothing.  Other commands pass unchecked."""
-    if "samebits.recipes" not in argv:
-        return
-    check = [sys.executable, "-m", "samebits.recipes", *argv[argv.index("samebits.recipes") + 1:], "--check"]
-    try:
-        proc = subprocess.run(check, capture_output=True, text=True, timeout=300)
-    except subprocess.TimeoutExpired:
-        raise SamebitsError(f"checking the recipe's config did not finish ({shlex.join(check)})") from None
-    if proc.returncode != 0:
-        said = [line for line in proc.stderr.strip().splitlines() if line.strip()]
-        raise RecipeRefused(said[-1] if said else f"exit code {proc.returncode}")
 
 
 def run_attached(argv: list[str], *, env: dict | None = None, progress: Callable[[str], None] | None = None,

@@ -15,23 +15,22 @@ every step of the window; a run that failed is an error (exit 2), a missing step
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 from samebits.compare import DiffResult, Divergence
 from samebits.errors import ConfigError
-from samebits.runs._launch import check_recipe, failed, judge_recipe_run, run_logged
-from samebits.runs.verify import RunInfo, _fill, _prepare, _recipe_argv
+from samebits.runs._launch import failed, run_logged
+from samebits.runs.commands import (CKPT, NPROC, OUT, RUN, STEP, SelfRecording, fill_placeholders, holds,
+                                    prepare_out_dir, write_summary)
+from samebits.runs.verify import RunInfo
 from samebits.stream import open_run
 from samebits.stream.reader import require_same_digest_version
 from samebits.verdicts import ToDict, Verdict
 
-ACROSS_PLACEHOLDERS = ("{nproc}", "{out}")  # in a command for --across: the rank count, the run's folder
+ACROSS_PLACEHOLDERS = (NPROC, OUT)  # in a command for --across: the rank count, the run's folder
 _SPEC = re.compile(r"^\s*dp\s*=\s*(\d+(?:\s*,\s*\d+)*)\s*$")
 
 
@@ -145,55 +144,59 @@ class AcrossResult(ToDict):
                 "timings_s": {k: round(v, 3) for k, v in self.timings.items()}}
 
 
-def verify_across(sizes: list[int], cmd: list[str] | None = None, out=None, *, steps: int = 20,
-                  overrides: list[str] = (), rank: int = 0, run_timeout: float | None = None,
-                  progress: Callable[[str], None] | None = None) -> AcrossResult:
+def verify_across(sizes: list[int], cmd: list[str] | None = None, out=None, *,
+                  programs: Mapping[int, SelfRecording] | None = None, rank: int = 0,
+                  run_timeout: float | None = None, progress: Callable[[str], None] | None = None) -> AcrossResult:
     """Run the training at each data-parallel size in ``sizes`` and compare each with the first.
 
-    Without ``cmd``: the reference recipe for ``steps`` steps with ``grad_reduce=invariant``
-    and ``ep=1`` (experts replicated: EP over the DP ranks would couple them), then
-    ``overrides``.  With ``cmd``: the command, ``{nproc}`` replaced by the size and
-    ``{out}`` by the folder it must record into (e.g. ``torchrun --nproc-per-node {nproc}
-    train.py --out {out}``).
+    ``cmd``: a command with ``{nproc}`` replaced by the size and ``{out}`` by the folder it must
+    record into (e.g. ``torchrun --nproc-per-node {nproc} train.py --out {out}``).  Or
+    ``programs``: a program that records itself, for each size (the reference recipe with
+    ``grad_reduce=invariant`` and ``ep=1``: `samebits.recipes.commands`); each run also saves
+    its checkpoint of step ``steps // 2`` into its folder's ckpt/, so that `samebits replay`
+    can re-run a step of it.
     """
-    if cmd:
-        missing = [p for p in ACROSS_PLACEHOLDERS if not any(p in part for part in cmd)]
-        if missing:
+    if (cmd is None) == (programs is None):
+        raise ConfigError("verify --across: give a command (with {nproc} and {out}) or the program of each size, "
+                          "not both")
+    if cmd is not None:
+        missing = [p for p in ACROSS_PLACEHOLDERS if not holds(cmd, p)]
+        if not cmd or missing:
             raise ConfigError(f"--across with a command: the command must contain {' and '.join(missing)} "
                               "({nproc}: the data-parallel size of each run; {out}: the folder it records "
                               "into), e.g. -- torchrun --nproc-per-node {nproc} train.py --out {out}")
-    if steps < 1:
-        raise ConfigError(f"--steps {steps} must be at least 1")
-    if not cmd:  # the recipe's options and config, checked before any run and any folder
-        check_recipe(_recipe_argv(1) + ["--steps", str(steps), "--set", "grad_reduce=invariant", "--set", "ep=1",
-                                        *[part for item in overrides for part in ("--set", item)]])
-    out = _prepare(out or Path("samebits-out") / time.strftime("across-%Y%m%d-%H%M%S"))
+    else:
+        lacking = [size for size in sizes if size not in programs]
+        if lacking:
+            raise ConfigError(f"verify --across: no program for dp={lacking[0]}")
+        programs[sizes[0]].refuse_early()  # the options and config, before any run and any folder
+    out = prepare_out_dir(out, "across")
     say = progress or (lambda message: None)
     result = AcrossResult(out=str(out), sizes=list(sizes), checks={})
     for size in sizes:
         name = f"dp{size}"
         run_dir = out / name
-        if cmd:
+        if cmd is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
-            argv = _fill(list(cmd), {"{nproc}": str(size), "{out}": str(run_dir), "{run}": name})
+            argv = fill_placeholders(cmd, {NPROC: size, OUT: run_dir, RUN: name})
         else:
-            argv = _recipe_argv(size) + ["--steps", str(steps), "--out", str(run_dir), "--set",
-                                         "grad_reduce=invariant", "--set", "ep=1"]
-            for item in overrides:
-                argv += ["--set", item]
+            program = programs[size]
+            save_at = program.steps // 2
+            template = program.save if save_at > 0 else program.record  # a checkpoint to replay from
+            argv = fill_placeholders(template, {OUT: run_dir, STEP: save_at, CKPT: run_dir / "ckpt", RUN: name})
         say(f"running dp={size}: {shlex.join(argv)}")
         log = out / "logs" / f"{name}.log"
-        code, seconds = run_logged(argv, log, label=name, timeout=run_timeout or 1800.0)
+        code, seconds = run_logged(argv, log, label=name, timeout=run_timeout or 1800.0, progress=progress,
+                                   streams=run_dir, steps=None if cmd is not None else programs[size].steps)
         result.timings[name] = seconds
         result.runs.append(RunInfo(name, shlex.join(argv), code, seconds))
-        if cmd and code != 0:
+        if code != 0:
             raise failed(name, argv, code, log)
-        judge_recipe_run(name, argv, code, log, stopped=False)
     reference = out / f"dp{sizes[0]}"
     for size in sizes[1:]:
         say(f"comparing dp={size} with dp={sizes[0]} (rank {rank}'s replicated records)")
         result.checks[size] = compare_replicated(reference, out / f"dp{size}", rank=rank)
-    (out / "summary.json").write_text(json.dumps(result.to_dict(), indent=2, default=str) + "\n")
+    write_summary(out, result)
     return result
 
 

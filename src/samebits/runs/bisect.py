@@ -36,10 +36,8 @@ phases: the work before the step's first forward/backward/optimizer step (traini
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shlex
-import sys
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -52,7 +50,9 @@ from samebits.autorecord import environment_for, recording_variables, with_varia
 from samebits.checkpoint import describe_state_record
 from samebits.errors import ConfigError, SamebitsError
 from samebits.runs._explain import census_suspects
-from samebits.runs._launch import check_recipe, failed, run_logged, teardown_note
+from samebits.runs._launch import failed, run_logged, teardown_note
+from samebits.runs.commands import (CKPT, OUT, RUN, STEP, SelfRecording, check_out_dir, default_out_dir,
+                                    fill_placeholders, holds, write_summary)
 from samebits.stream.reader import open_run
 from samebits.trace import (ENV_VARS, LEVEL_NAMES, EventSpec, OriginFinding, OriginReport, TraceConfig,
                             compare_elements, describe_record, dump_filename, find_origins, find_replica_mismatch,
@@ -75,26 +75,34 @@ RNG_OPS = frozenset({
 
 @dataclass
 class Command:
-    """How to run one side: a command under zero-code recording, or the reference recipe."""
+    """How to run one side: a command under zero-code recording, or a program that records
+    itself (the reference recipe).  ``argv`` is a template: a program that records itself
+    gets ``{out}`` (its stream folder) filled; a zero-code command gets ``{out}`` (its own work
+    folder, new for every run) and ``{run}`` (the run's label), as `samebits verify` fills them."""
 
     label: str
     argv: list[str]
-    recipe: bool = False  # pass --out DIR (the recipe records and traces itself)
+    recipe: bool = False  # a program that records itself into {out} (and traces itself)
     exit_notes: list[str] = field(default_factory=list)
     step_offset: int | None = None  # a resumed command: its first step number (SAMEBITS_STEP_OFFSET)
     from_step: int | None = None  # record only steps >= this (SAMEBITS_STEPS=K:)
 
     def launch(self, out_dir: Path, config: TraceConfig, log: Path, timeout: float | None = None,
-               progress: Callable[[str], None] | None = None) -> float:
+               progress: Callable[[str], None] | None = None, work: Path | None = None) -> float:
+        """Run once, recording into ``out_dir``.  ``work``: the run's own work folder, the
+        ``{out}`` of a zero-code command (default: OUT_DIR-work beside the streams)."""
         env = dict(os.environ)
         if self.recipe:  # it records itself; a resume bisect records only steps >= K on both sides
-            argv = self.argv + ["--out", str(out_dir)]
+            argv = fill_placeholders(self.argv, {OUT: out_dir})
             if self.from_step is not None:
                 env = with_variables(env, recording_variables(steps=f"{self.from_step}:"))
         else:
+            work = work if work is not None else out_dir.with_name(out_dir.name + "-work")
+            if holds(self.argv, OUT):
+                work.mkdir(parents=True, exist_ok=True)
+            argv = fill_placeholders(self.argv, {OUT: work, RUN: out_dir.name})
             env = environment_for(out_dir, command=shlex.join(self.argv), step_offset=self.step_offset,
                                   steps=None if self.from_step is None else f"{self.from_step}:")
-            argv = self.argv
         for name in ENV_VARS:
             env.pop(name, None)
         env.update(config.to_env())
@@ -103,8 +111,8 @@ class Command:
                                    progress=progress, streams=out_dir)
         if not any(out_dir.glob("rank-*.sbs")):
             if code != 0:
-                raise failed(self.label, self.argv, code, log)
-            raise SamebitsError(f"run {self.label} recorded nothing into {out_dir}: is `{shlex.join(self.argv)}` "
+                raise failed(self.label, argv, code, log)
+            raise SamebitsError(f"run {self.label} recorded nothing into {out_dir}: is `{shlex.join(argv)}` "
                                 "a PyTorch training script that calls optimizer.step()?")
         if code != 0:
             # A Python exception is a crash, whatever the streams say: zero-code recording
@@ -112,7 +120,7 @@ class Command:
             crashed = "Traceback (most recent call last)" in log.read_text(errors="replace")
             note = None if crashed else teardown_note(self.label, code, out_dir, log)
             if note is None:
-                raise failed(self.label, self.argv, code, log)
+                raise failed(self.label, argv, code, log)
             self.exit_notes.append(note)
         return seconds
 
@@ -238,25 +246,6 @@ class BisectResult(ToDict):
     conclusion: str = ""  # one sentence: what differs and where the origin is (or why it is not known)
 
 
-def recipe_commands(*, steps: int = 4, nproc: int = 2, nondeterministic: bool = False,
-                    overrides=()) -> tuple[Command, Command]:
-    """Both sides on the reference recipe (the same command twice).  The recipe records into
-    ``--out`` and traces itself from the ``SAMEBITS_TRACE*`` variables."""
-    argv = [sys.executable, "-m", "samebits.recipes"] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-        "--nproc-per-node", str(nproc), "-m", "samebits.recipes"]
-    argv += ["--steps", str(steps)]
-    if nondeterministic:
-        argv += ["--preset", "nondeterministic"]
-    for item in overrides:
-        argv += ["--set", item]
-    return Command("a", argv, recipe=True), Command("b", list(argv), recipe=True)
-
-
-def default_out_dir() -> Path:
-    return Path("samebits-out") / time.strftime("bisect-%Y%m%d-%H%M%S")
-
-
 @dataclass
 class _Evidence:
     """What the narrowing stages established, for the conclusion."""
@@ -305,7 +294,7 @@ class _Bisector:
                 run_config = config.with_(perturb=self.perturb_b)  # test hook: side B only
             seconds = command.launch(directory, run_config,
                                      self.out / "logs" / f"{number}-{stage.name}-{label}.log", self.run_timeout,
-                                     progress=self.progress)
+                                     progress=self.progress, work=self.out / "work" / f"{number}-{stage.name}" / label)
             self.notes.extend(command.exit_notes)
             command.exit_notes.clear()
             stage.runs[label] = seconds
@@ -898,13 +887,13 @@ def _control_flow(finding: OriginFinding) -> ControlFlow:
 
 
 def bisect(cmd_a: list[str] | None = None, cmd_b: list[str] | None = None, *, out=None,
-           steps: int = 4, nproc: int = 2, nondeterministic: bool = False, overrides=(),
-           stop_after: int | None = None, run_timeout: float | None = 1800, b_step_offset: int | None = None,
+           program: SelfRecording | None = None, stop_after: int | None = None,
+           run_timeout: float | None = 1800, b_step_offset: int | None = None,
            resume_at: int | None = None, progress: Callable[[str], None] | None = None) -> BisectResult:
     """Find where two runs part, and the op that is the origin.
 
-    * no command: the reference recipe twice (``steps``, ``nproc``, ``nondeterministic``,
-      ``overrides`` as in ``samebits verify``); with ``resume_at`` K, its resume, as
+    * ``program``: a program that records itself (the reference recipe, as in ``samebits
+      verify``: `samebits.recipes.commands`), run twice; with ``resume_at`` K, its resume, as
       `samebits verify`'s runs A and C: one run saves the checkpoint of step K (under
       ``out``/ckpt), every B resumes it, every A runs through; only steps >= K are compared
       and traced;
@@ -916,6 +905,8 @@ def bisect(cmd_a: list[str] | None = None, cmd_b: list[str] | None = None, *, ou
     hang.  ``b_step_offset``: side B resumes at step K (its steps are numbered from K, as
     ``samebits verify --resume-at K`` numbers run C); both sides record, and every stage
     compares and traces, only steps >= K, so A's steps before the resume are no divergence.
+    ``{out}`` and ``{run}`` in a command are filled per run, as `samebits verify` fills them:
+    a work folder of its own (``out``/work/STAGE/SIDE) and the side's label.
     Output (streams, logs, dumps) goes under ``out``, which must be new or empty.
     A run that crashes raises `SamebitsError` (the CLI exits 2): never a verdict.
     """
@@ -932,25 +923,27 @@ def bisect(cmd_a: list[str] | None = None, cmd_b: list[str] | None = None, *, ou
         if cmd_a:
             raise ConfigError("--resume-at bisects the reference recipe's resume; for your own commands give "
                               "--a (the run that saves), --b (the command that resumes) and --b-step-offset K.")
-        if not 0 < resume_at < steps:
+        steps = program.steps if program is not None else None
+        if steps is not None and not 0 < resume_at < steps:
             raise ConfigError(f"--resume-at {resume_at} must be between 1 and {steps - 1} (inside the run of "
                               f"--steps {steps}).")
-    out = Path(out) if out is not None else default_out_dir()
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"{out} exists and is not empty: samebits never overwrites runs. "
-                          "Pass a new --out directory or delete the old one.")
-    if not cmd_a:
-        side_a, side_b = recipe_commands(steps=steps, nproc=nproc, nondeterministic=nondeterministic,
-                                         overrides=overrides)
-        check_recipe(side_a.argv)  # before any run and any folder
+    if (program is None) == (not cmd_a):
+        raise ConfigError("bisect: give a command (or --a and --b) or the program to run, not both"
+                          if program is not None else "bisect: no command given: write `samebits bisect -- python "
+                          "train.py ...`, or --a 'CMD' --b 'CMD'.")
+    out = check_out_dir(out if out is not None else default_out_dir("bisect"))
+    if program is not None:
+        program.refuse_early()  # before any run and any folder
     out.mkdir(parents=True, exist_ok=True)
-    if not cmd_a:
+    if program is not None:
         same = resume_at is None
+        side_a = Command("a", list(program.record), recipe=True)
+        side_b = Command("b", list(program.record), recipe=True)
         if resume_at is not None:
-            ckpt = _save_recipe_checkpoint(side_a.argv, resume_at, out, run_timeout, progress)
-            side_a = Command("a", side_a.argv, recipe=True, from_step=resume_at)
-            side_b = Command("b", side_b.argv + ["--resume-from", str(ckpt)], recipe=True, step_offset=resume_at,
-                             from_step=resume_at)
+            ckpt = _save_checkpoint(program, resume_at, out, run_timeout, progress)
+            side_a = Command("a", list(program.record), recipe=True, from_step=resume_at)
+            side_b = Command("b", fill_placeholders(program.resume, {CKPT: ckpt}), recipe=True,
+                             step_offset=resume_at, from_step=resume_at)
     else:
         side_a = Command("a", list(cmd_a), from_step=b_step_offset)
         same = cmd_b is None
@@ -958,24 +951,20 @@ def bisect(cmd_a: list[str] | None = None, cmd_b: list[str] | None = None, *, ou
                          from_step=b_step_offset)
     bisector = _Bisector(side_a, side_b, out, progress, stop_after, same, run_timeout)
     result = bisector.bisect()
-    _write_summary(out, result)
+    write_summary(out, result)
     return result
 
 
-def _save_recipe_checkpoint(argv: list[str], step: int, out: Path, timeout: float | None,
-                            progress: Callable[[str], None] | None) -> Path:
-    """Run the recipe once up to ``step`` and save its checkpoint there (`samebits verify`'s
+def _save_checkpoint(program: SelfRecording, step: int, out: Path, timeout: float | None,
+                     progress: Callable[[str], None] | None) -> Path:
+    """Run the program once up to ``step`` and save its checkpoint there (`samebits verify`'s
     run C before its resume), untraced and unrecorded: every B of the bisect resumes from it,
     while every A runs through from step 0.  Returns the checkpoint root."""
     ckpt, log = out / "ckpt", out / "logs" / "save.log"
-    save = argv + ["--save-at", str(step), "--ckpt", str(ckpt)]
+    save = fill_placeholders(program.save_only, {STEP: step, CKPT: ckpt})
     (progress or (lambda message: None))(f"[0] save   the checkpoint of step {step} that every run b resumes ...")
     env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
     code, _ = run_logged(save, log, env=env, timeout=timeout, label="save")
     if code != 0 or not (ckpt / f"step-{step}").is_dir():
         raise failed("save", save, code, log, why="" if code else f"it saved no checkpoint of step {step} in {ckpt}")
     return ckpt
-
-
-def _write_summary(out: Path, result: BisectResult) -> None:
-    (out / "summary.json").write_text(json.dumps(result.to_dict(), indent=2, default=str) + "\n")

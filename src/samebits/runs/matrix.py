@@ -18,12 +18,10 @@ The verdict is proof or nothing:
 * the matrix is PASS only when every required cell (default: all) is PASS and no cell that
   ran failed; a required cell that did not run and hold makes it FAIL (exit 1), naming why.
 
-A cell name is ``-``-joined parallel sizes (``dpN`` plain data parallel, ``fsdpN`` FSDP2,
-``tpN``, ``ppN``, ``epN`` expert parallel over N data-parallel replicas), or ``single`` (one
-rank).  The recipe gets the layout as config overrides (``--set dp_replicate=.. dp_shard=..
-tp=.. pp=.. ep=..``, every size not named 1), in the one cell grammar (`samebits.runs.cells`) that
-the recipe's ``--cell`` reads too; the world size is their product (EP rides on the
-data-parallel replicas).
+The engine knows no program: `MatrixProgram` tells it how to read a cell name (its world
+size and data-parallel size) and the commands of the program for a cell and precision (the
+reference recipe's come from `samebits.recipes.commands`, composed by the command line; the
+cell grammar is the recipe's, `samebits.recipes.cells`).
 """
 
 from __future__ import annotations
@@ -31,22 +29,45 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 from samebits.compare import diff
-from samebits.defaults import (DEFAULT_CELLS, DEFAULT_GLOBAL_BATCH, DEFAULT_MAX_WORLD_SIZE, DEFAULT_PRECISIONS,
-                               LAYOUT_INDEPENDENT)
+from samebits.defaults import DEFAULT_MAX_WORLD_SIZE
 from samebits.errors import ConfigError, SamebitsError, StreamError
-from samebits.runs._launch import RecipeRefused, RunFailed
+from samebits.runs._launch import RunFailed
 from samebits.runs.bisect import bisect
-from samebits.runs.cells import Cell, parse_cell
+from samebits.runs.commands import RecipeRefused, SelfRecording, prepare_out_dir, write_summary
 from samebits.runs.distance import ulp_distance
 from samebits.runs.progress import indented
-from samebits.runs.verify import VerifyResult, _prepare, _write_summary, default_out_dir, verify_recipe
+from samebits.runs.verify import VerifyResult, verify_recipe
 from samebits.stream import open_run
 from samebits.verdicts import ToDict, Verdict
 
-AGREEMENT_METRICS = ("grad_norm", "lr")  # the recipe's metrics that are global (equal on every rank)
+
+
+class Layout(Protocol):
+    """A cell's parallel layout, as the engine reads it (the recipe's `ParallelDims`)."""
+
+    @property
+    def name(self) -> str: ...  # the canonical cell name
+
+    @property
+    def world_size(self) -> int: ...  # ranks of one run
+
+    @property
+    def dp(self) -> int: ...  # data-parallel ranks (different samples)
+
+
+@dataclass(frozen=True)
+class MatrixProgram:
+    """What the matrix needs of the program it verifies on every cell (the command line
+    builds the reference recipe's from `samebits.recipes.commands`)."""
+
+    parse_cell: Callable[[str], Layout]  # a cell name -> its layout (ConfigError: a bad name)
+    # (cell, precision, steps) -> the cell's commands; a ConfigError: the cell cannot start
+    program: Callable[[Layout, str, int], SelfRecording]
+    metrics: tuple[str, ...] = ()  # the program's metrics that are global (equal on every rank), for agreement
+    notes: tuple[str, ...] = ()  # what every cell runs with, for the result
 
 
 def split_list(text: str | None, what: str) -> list[str]:
@@ -153,58 +174,38 @@ class MatrixResult(ToDict):
 
 
 def run_matrix(
+    matrix: MatrixProgram,
     out=None,
     *,
-    cells: list[str] = DEFAULT_CELLS,
-    precisions: list[str] = DEFAULT_PRECISIONS,
+    cells: list[str],
+    precisions: list[str],
     required: list[str] | None = None,
     baseline: str | None = None,
     steps: int = 6,
     resume_at: int | None = None,
-    overrides: list[str] = (),
-    nondeterministic: bool = False,
     max_world_size: int = DEFAULT_MAX_WORLD_SIZE,
-    global_batch: int | None = DEFAULT_GLOBAL_BATCH,
-    layout_independent: bool = True,
     require_agreement: bool = False,
     bisect_failures: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> MatrixResult:
-    """Verify the recipe on every cell x precision and compare each with the baseline cell.
+    """Verify ``matrix``'s program on every cell x precision and compare each with the baseline cell.
 
     ``required``: the cells (``tp2``) or cell:precision pairs (``tp2:fp8_delayed``) that must
     run and hold (None: all).  ``baseline``: the cell every other one is compared with
-    (default: the first).  ``overrides`` and ``nondeterministic`` apply to every cell, as in
-    `verify_recipe`.  ``global_batch``: samples per step in every cell (each cell's
-    micro-batch is global_batch / its data-parallel size; None: the recipe's micro-batch per
-    rank).  ``layout_independent``: turn off the per-replica randomness and per-rank losses
-    (``LAYOUT_INDEPENDENT``) so that layouts compute the same function and agreement means
-    something.  ``bisect_failures``: bisect each cell whose independent runs diverged, or,
-    where they held, whose resume diverged (A saves at the resume step, B resumes there)."""
+    (default: the first).  ``bisect_failures``: bisect each cell whose independent runs
+    diverged, or, where they held, whose resume diverged (A saves at the resume step, B
+    resumes there)."""
     say = progress or (lambda message: None)
-    parsed = [parse_cell(name) for name in cells]
+    parsed = [matrix.parse_cell(name) for name in cells]
     if not parsed or not precisions:
         raise ConfigError("the matrix needs at least one cell and one precision")
     names = [cell.name for cell in parsed]
-    baseline = parse_cell(baseline).name if baseline else names[0]
+    baseline = matrix.parse_cell(baseline).name if baseline else names[0]
     if baseline not in names:
         raise ConfigError(f"--baseline {baseline!r} is not one of the cells ({', '.join(names)})")
-    wanted = _required(required, names, precisions)
-    sets_batch = [item for item in overrides if item.partition("=")[0].strip() == "micro_batch_size"]
-    if global_batch is not None and sets_batch:
-        # The matrix sets each cell's micro-batch from the global batch; a later --set would
-        # win silently, and the cells would train on different global batches.
-        raise ConfigError(f"--set {sets_batch[0]} conflicts with --global-batch {global_batch}: the matrix sets "
-                          f"each cell's micro_batch_size to {global_batch} / its data-parallel size, so that every "
-                          "cell trains on the same global batch; drop the --set, or pass --global-batch 0 to keep "
-                          "the recipe's micro-batch per rank")
-    out = _prepare(out or default_out_dir("matrix"))
-    result = MatrixResult(str(out), baseline, [], require_agreement)
-    common = [*(LAYOUT_INDEPENDENT if layout_independent else ()), *overrides]
-    if global_batch is not None:
-        result.notes.append(f"every cell trains on the same global batch of {global_batch} samples per step")
-    result.notes.append("layout-independent settings for every cell: " + " ".join(LAYOUT_INDEPENDENT)
-                        if layout_independent else "per-replica randomness kept: layouts are not expected to agree")
+    wanted = _required(required, names, precisions, matrix.parse_cell)
+    out = prepare_out_dir(out, "matrix")
+    result = MatrixResult(str(out), baseline, [], require_agreement, notes=list(matrix.notes))
     order = sorted(parsed, key=lambda cell: cell.name != baseline)  # the baseline runs first
     total = len(order) * len(precisions)
     for precision in precisions:
@@ -214,14 +215,13 @@ def run_matrix(
             cell_result = CellResult(cell.name, precision, cell.world_size,
                                      (cell.name, precision) in wanted, str(out / f"{cell.name}-{precision}"))
             result.cells.append(cell_result)
-            _run_cell(cell_result, cell, precision, steps=steps, resume_at=resume_at, overrides=common,
-                      nondeterministic=nondeterministic, max_world_size=max_world_size,
-                      global_batch=global_batch, say=say)
+            _run_cell(cell_result, cell, precision, matrix, steps=steps, resume_at=resume_at,
+                      max_world_size=max_world_size, say=say)
             say(f"      {cell_result.verdict.value}" + (f": {cell_result.reason}" if cell_result.reason else "")
                 + f" ({cell_result.seconds:.1f} s)")
     by_key = {(c.cell, c.precision): c for c in result.cells}
     for c in result.cells:
-        c.agreement = _agreement(c, by_key.get((baseline, c.precision)))
+        c.agreement = _agreement(c, by_key.get((baseline, c.precision)), matrix.metrics)
     if bisect_failures:
         for c in result.cells:
             # Independent runs that differ are bisected first (a resume cannot hold without them);
@@ -229,14 +229,13 @@ def run_matrix(
             resume = c.check("independent") == "yes" and c.check("resume") == "no"
             if c.check("independent") == "no" or resume:
                 say(f"bisecting {c.cell} {c.precision}{' (its resume)' if resume else ''} ...")
-                cell = parse_cell(c.cell)  # bisected on the cell's own batch, as verified
-                c.bisect = _bisect_cell(c, cell, steps, [*_batch(cell, global_batch), *common], nondeterministic,
-                                        say, resume_at=c.verify.resume_at if resume else None)
-    _write_summary(out, result)
+                c.bisect = _bisect_cell(c, matrix, steps, say, resume_at=c.verify.resume_at if resume else None)
+    write_summary(out, result)
     return result
 
 
-def _required(required: list[str] | None, names: list[str], precisions: list[str]) -> set[tuple[str, str]]:
+def _required(required: list[str] | None, names: list[str], precisions: list[str],
+              parse_cell: Callable[[str], Layout]) -> set[tuple[str, str]]:
     if required is None:
         return {(n, p) for n in names for p in precisions}
     wanted = set()
@@ -251,23 +250,20 @@ def _required(required: list[str] | None, names: list[str], precisions: list[str
     return wanted
 
 
-def _run_cell(c: CellResult, cell: Cell, precision: str, *, steps: int, resume_at: int | None, overrides: list[str],
-              nondeterministic: bool, max_world_size: int, global_batch: int | None,
-              say: Callable[[str], None]) -> None:
+def _run_cell(c: CellResult, cell: Layout, precision: str, matrix: MatrixProgram, *, steps: int,
+              resume_at: int | None, max_world_size: int, say: Callable[[str], None]) -> None:
     if cell.world_size > max_world_size:
         c.reason = (f"cannot start: needs {cell.world_size} ranks, more than this matrix allows "
                     f"({max_world_size}; raise --max-world-size)")
         return
-    if global_batch is not None and global_batch % cell.data_parallel:
-        c.reason = (f"cannot start: the global batch of {global_batch} does not split over "
-                    f"{cell.data_parallel} data-parallel ranks (choose --global-batch)")
+    try:
+        program = matrix.program(cell, precision, steps)
+    except ConfigError as err:  # e.g. a global batch that does not split over the cell's ranks
+        c.reason = f"cannot start: {err}"
         return
-    batch = _batch(cell, global_batch)
     start = time.perf_counter()
     try:
-        c.verify = verify_recipe(c.out, steps=steps, resume_at=resume_at, nproc=cell.world_size,
-                                 overrides=[*cell.overrides, *batch, f"precision={precision}", *overrides],
-                                 nondeterministic=nondeterministic, progress=indented(say, "      "))
+        c.verify = verify_recipe(program, c.out, resume_at=resume_at, progress=indented(say, "      "))
     except RunFailed as err:
         stage = "cannot start" if err.label == "A" else f"run {err.label} crashed"
         c.reason = f"{stage}: {err.reason}"
@@ -284,12 +280,7 @@ def _run_cell(c: CellResult, cell: Cell, precision: str, *, steps: int, resume_a
         c.reason = "could not decide: " + ("; ".join(notes[:2]) or "no step compared")
 
 
-def _batch(cell: Cell, global_batch: int | None) -> list[str]:
-    """The cell's micro-batch override: its share of the global batch (none: the recipe's)."""
-    return [] if global_batch is None else [f"micro_batch_size={global_batch // cell.data_parallel}"]
-
-
-def _agreement(c: CellResult, base: CellResult | None) -> Agreement:
+def _agreement(c: CellResult, base: CellResult | None, metrics: tuple[str, ...]) -> Agreement:
     """Run A of cell ``c`` against run A of the baseline cell (same precision)."""
     if base is None or base is c:
         return Agreement("baseline" if base is c else "not compared")
@@ -297,26 +288,27 @@ def _agreement(c: CellResult, base: CellResult | None) -> Agreement:
         return Agreement("not compared", detail="the cell or the baseline did not run")
     a, b = Path(base.out) / "a", Path(c.out) / "a"
     try:
-        metrics = _metric_agreement(a, b)
+        by_metrics = _metric_agreement(a, b, metrics)
         found = diff(a, b, by="global")  # every full tensor by its global identity, any layouts
     except SamebitsError as err:
         return Agreement("not compared", detail=f"could not compare: {err}")
     if Verdict(found.verdict) is Verdict.INCOMPLETE:
-        metrics.detail = "global digests: " + ("; ".join(found.incomplete[:1]) or "not recorded") + \
-            (f"; {metrics.detail}" if metrics.detail else "")
-        return metrics
+        by_metrics.detail = "global digests: " + ("; ".join(found.incomplete[:1]) or "not recorded") + \
+            (f"; {by_metrics.detail}" if by_metrics.detail else "")
+        return by_metrics
     if found.identical:
         return Agreement("identical", by="global tensor digests")
     step = found.first_step
-    ulp = _metric_ulp(a, b, step) if step is not None else None
+    ulp = _metric_ulp(a, b, step, metrics) if step is not None else None
     names = [t.name for t in found.differing_at_first_step][:3]
     return Agreement("differs", by="global tensor digests", first_step=step, max_ulp=ulp,
-                     detail="first differing: " + ", ".join(names) + ("; ulp of grad_norm/lr" if ulp is not None else ""))
+                     detail="first differing: " + ", ".join(names)
+                     + (f"; ulp of {'/'.join(metrics)}" if ulp is not None else ""))
 
 
-def _metric_agreement(a: Path, b: Path) -> Agreement:
-    """Compare the global metrics (``AGREEMENT_METRICS``) of rank 0, step by step."""
-    values_a, values_b = _global_metrics(a), _global_metrics(b)
+def _metric_agreement(a: Path, b: Path, metrics: tuple[str, ...]) -> Agreement:
+    """Compare the global metrics (``metrics``) of rank 0, step by step."""
+    values_a, values_b = _global_metrics(a, metrics), _global_metrics(b, metrics)
     common = sorted(set(values_a) & set(values_b))
     if not common:
         return Agreement("not compared", by="global metrics", detail="no common step with global metrics")
@@ -325,28 +317,28 @@ def _metric_agreement(a: Path, b: Path) -> Agreement:
         if ulp is None:
             return Agreement("not compared", by="global metrics", detail=f"step {step}: metrics not comparable")
         if ulp:
-            return Agreement("differs", by=f"global metrics ({', '.join(AGREEMENT_METRICS)})", first_step=step,
+            return Agreement("differs", by=f"global metrics ({', '.join(metrics)})", first_step=step,
                              max_ulp=ulp)
     detail = "" if len(values_a) == len(values_b) == len(common) else "steps differ between the runs"
     return Agreement("identical" if not detail else "not compared",
-                     by=f"global metrics ({', '.join(AGREEMENT_METRICS)})", detail=detail)
+                     by=f"global metrics ({', '.join(metrics)})", detail=detail)
 
 
-def _metric_ulp(a: Path, b: Path, step: int) -> int | None:
-    values_a, values_b = _global_metrics(a), _global_metrics(b)
+def _metric_ulp(a: Path, b: Path, step: int, metrics: tuple[str, ...]) -> int | None:
+    values_a, values_b = _global_metrics(a, metrics), _global_metrics(b, metrics)
     if step not in values_a or step not in values_b:
         return None
     return _max_ulp(values_a[step], values_b[step])
 
 
-def _global_metrics(path: Path) -> dict[int, dict[str, tuple[str, bytes]]]:
+def _global_metrics(path: Path, metrics: tuple[str, ...]) -> dict[int, dict[str, tuple[str, bytes]]]:
     """Rank 0's global metrics per step: {step: {name: (dtype, raw bits)}}."""
     run = open_run(path)
     try:
         found = {}
         for block in run.stream(run.ranks[0]).steps():
             found[block.step] = {r.name: (r.dtype, r.raw) for r in block.records()
-                                 if r.kind == "metric" and r.name in AGREEMENT_METRICS and r.raw is not None}
+                                 if r.kind == "metric" and r.name in metrics and r.raw is not None}
         return found
     finally:
         run.close()
@@ -366,14 +358,14 @@ def _max_ulp(a: dict[str, tuple[str, bytes]], b: dict[str, tuple[str, bytes]]) -
     return worst
 
 
-def _bisect_cell(c: CellResult, cell: Cell, steps: int, overrides: list[str], nondeterministic: bool,
-                 say: Callable[[str], None], resume_at: int | None = None) -> dict:
+def _bisect_cell(c: CellResult, matrix: MatrixProgram, steps: int, say: Callable[[str], None],
+                 resume_at: int | None = None) -> dict:
     """Bisect the cell's independent runs (the first 4 steps), or with ``resume_at`` its resume
-    (the verified steps: A saves at ``resume_at``, B resumes there)."""
+    (the verified steps: A saves at ``resume_at``, B resumes there), on the cell's own program
+    (its batch, as verified)."""
     try:
-        found = bisect(out=Path(c.out) / "bisect", steps=min(steps, 4) if resume_at is None else steps,
-                       nproc=cell.world_size, nondeterministic=nondeterministic, resume_at=resume_at,
-                       overrides=[*cell.overrides, f"precision={c.precision}", *overrides],
+        program = matrix.program(matrix.parse_cell(c.cell), c.precision, min(steps, 4) if resume_at is None else steps)
+        found = bisect(out=Path(c.out) / "bisect", program=program, resume_at=resume_at,
                        progress=indented(say, "      "))
     except SamebitsError as err:
         return {"error": str(err).splitlines()[0]}
@@ -382,6 +374,5 @@ def _bisect_cell(c: CellResult, cell: Cell, steps: int, overrides: list[str], no
             "origin": None if found.origin is None else found.origin.to_dict()}
 
 
-__all__ = ["run_matrix", "MatrixResult", "CellResult", "Agreement", "split_list",
-           "DEFAULT_CELLS", "DEFAULT_PRECISIONS", "DEFAULT_MAX_WORLD_SIZE", "DEFAULT_GLOBAL_BATCH",
-           "LAYOUT_INDEPENDENT"]
+__all__ = ["run_matrix", "MatrixProgram", "Layout", "MatrixResult", "CellResult", "Agreement", "split_list",
+           "DEFAULT_MAX_WORLD_SIZE"]

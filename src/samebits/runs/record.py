@@ -9,17 +9,7 @@ from typing import Callable
 from samebits.autorecord import environment_for
 from samebits.errors import ConfigError
 from samebits.runs._launch import run_attached
-
-
-def check_out_dir(out) -> Path:
-    """Refuse, before anything starts, an ``out`` that is a file or already holds anything."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file, not a directory: give a new directory to record into.")
-    if out.is_dir() and any(out.iterdir()):
-        raise ConfigError(f"--out {out} is not empty (it may hold an earlier run's streams): samebits never "
-                          "records over a run. Give a new directory or delete the old one.")
-    return out
+from samebits.runs.commands import check_out_dir
 
 
 def run_recorded(cmd: list[str], out, *, reference=None, step_offset: int | None = None,
@@ -39,4 +29,4 @@ def run_recorded(cmd: list[str], out, *, reference=None, step_offset: int | None
     return run_attached(cmd, env=env, progress=progress, streams=Path(out))
 
 
-__all__ = ["run_recorded", "check_out_dir"]
+__all__ = ["run_recorded"]

@@ -8,30 +8,31 @@ global metrics) as the original.  A run that was not recorded in invariant mode 
 config has no ``grad_reduce: invariant``) is refused: its bits depend on its DP size, so a
 difference would prove nothing.
 
-Without a command, the reference recipe resumes from ``--ckpt`` (default RUN/../ckpt or
-RUN/ckpt) with the run's recorded config.  With a command, these placeholders are filled:
-``{nproc}`` (N), ``{out}`` (the replay's record folder), ``{step}`` (K), ``{stop}`` (K + n,
-the step to stop before), ``{run}`` (RUN) and ``{ckpt}`` (the checkpoint folder).
+The command is a template with these placeholders filled: ``{nproc}`` (N), ``{out}`` (the
+replay's record folder), ``{step}`` (K), ``{stop}`` (K + n, the step to stop before), ``{run}``
+(RUN) and ``{ckpt}`` (the checkpoint folder, default RUN/ckpt or RUN/../ckpt).  The reference
+recipe (the command line's default) also gets the run's recorded config, and resumes the
+newest checkpoint at or before K.
 """
 
 from __future__ import annotations
 
-import json
 import shlex
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from samebits.compare import DiffResult
 from samebits.errors import ConfigError, StreamError
 from samebits.runs._launch import failed, run_logged
 from samebits.runs.across import compare_replicated
-from samebits.runs.verify import RunInfo, _fill, _prepare, _recipe_argv
+from samebits.runs.commands import CKPT, NPROC, OUT, RUN, STEP, fill_placeholders, prepare_out_dir, write_summary
+from samebits.runs.verify import RunInfo
 from samebits.stream import open_run
 from samebits.verdicts import ToDict, Verdict
 
-REPLAY_PLACEHOLDERS = ("{nproc}", "{out}", "{step}", "{stop}", "{run}", "{ckpt}")
+STOP = "{stop}"  # the step the replay stops before
+REPLAY_PLACEHOLDERS = (NPROC, OUT, STEP, STOP, RUN, CKPT)
 INVARIANT_KEY, INVARIANT_VALUE = "grad_reduce", "invariant"
 
 
@@ -70,13 +71,21 @@ def recorded_steps(run_dir, rank: int = 0) -> list[int]:
         run.close()
 
 
-def replay(run_dir, *, step: int, nproc: int = 1, num_steps: int = 1, cmd: list[str] | None = None,
-           ckpt=None, out=None, run_timeout: float | None = None,
-           progress: Callable[[str], None] | None = None) -> ReplayResult:
-    """Re-run steps [step, step + num_steps) of ``run_dir`` on ``nproc`` ranks and compare."""
+def replay(run_dir, *, step: int, cmd: Sequence[str], nproc: int = 1, num_steps: int = 1,
+           recorded_config: Callable[[dict], Sequence[str]] | None = None, ckpt=None, out=None,
+           run_timeout: float | None = None, progress: Callable[[str], None] | None = None) -> ReplayResult:
+    """Re-run steps [step, step + num_steps) of ``run_dir`` on ``nproc`` ranks and compare.
+
+    ``cmd``: the command template (placeholders ``REPLAY_PLACEHOLDERS``).  ``recorded_config``:
+    for a program that resumes a `samebits.checkpoint` root and takes its config as words
+    (the reference recipe: ``--set KEY=VALUE``), the words for the run's recorded config; they
+    are appended to the command, and ``{ckpt}`` becomes the root's newest checkpoint at or
+    before ``step``."""
     run_dir = Path(run_dir)
     if nproc < 1 or num_steps < 1:
         raise ConfigError(f"--nproc {nproc} and --num-steps {num_steps} must be at least 1")
+    if not cmd:
+        raise ConfigError("replay: no command to replay with; give --with 'CMD' (docs/invariance.md)")
     run = open_run(run_dir)
     header, world_size = run.header, run.world_size
     run.close()
@@ -95,26 +104,20 @@ def replay(run_dir, *, step: int, nproc: int = 1, num_steps: int = 1, cmd: list[
         raise ConfigError(f"--step {step} --num-steps {num_steps}: {run_dir} holds no record of step "
                           f"{missing[0]} (rank 0 recorded steps {_span(steps)}); pick steps it recorded")
     ckpt = Path(ckpt) if ckpt is not None else _default_ckpt(run_dir)
-    out = _prepare(out or Path("samebits-out") / time.strftime("replay-%Y%m%d-%H%M%S"))
+    if recorded_config is not None:
+        ckpt = _checkpoint_at_or_before(ckpt, step)
+    out = prepare_out_dir(out, "replay")
     record_dir = out / "replay"
     record_dir.mkdir()
-    if cmd:
-        argv = _fill(list(cmd), {"{nproc}": str(nproc), "{out}": str(record_dir), "{step}": str(step),
-                                 "{stop}": str(stop), "{run}": str(run_dir), "{ckpt}": str(ckpt)})
-    else:
-        if not ckpt.exists():
-            raise ConfigError(f"no checkpoint folder {ckpt}: pass --ckpt DIR, the folder the run saved its "
-                              f"checkpoint of step {step} into")
-        argv = _recipe_argv(nproc) + ["--steps", str(stop), "--resume-from", str(ckpt), "--out", str(record_dir)]
-        # The recorded config as overrides; values that are not scalars are annotations the
-        # recipe adds to its record (e.g. the resolved mesh), not settings.
-        argv += [item for key, value in sorted(config.items()) if value is None or isinstance(value, (str, int, float))
-                 for item in ("--set", f"{key}={_text(value)}")]
+    argv = fill_placeholders(cmd, {NPROC: nproc, OUT: record_dir, STEP: step, STOP: stop, RUN: run_dir, CKPT: ckpt})
+    if recorded_config is not None:
+        argv += list(recorded_config(config))
     say = progress or (lambda message: None)
     say(f"replaying steps {step}..{stop - 1} of {run_dir} (recorded on {world_size} ranks) on {nproc}: "
         f"{shlex.join(argv)}")
     log = out / "logs" / "replay.log"
-    code, seconds = run_logged(argv, log, label="replay", timeout=run_timeout or 1800.0)
+    code, seconds = run_logged(argv, log, label="replay", timeout=run_timeout or 1800.0, progress=progress,
+                               streams=record_dir)
     info = RunInfo("replay", shlex.join(argv), code, seconds)
     if code != 0:
         raise failed("replay", argv, code, log)
@@ -126,8 +129,29 @@ def replay(run_dir, *, step: int, nproc: int = 1, num_steps: int = 1, cmd: list[
     result = ReplayResult(run=str(run_dir), out=str(out), step=step, stop=stop, nproc=nproc,
                           recorded_world_size=world_size, check=check, runs=[info],
                           timings={"replay": seconds})
-    (out / "summary.json").write_text(json.dumps(result.to_dict(), indent=2, default=str) + "\n")
+    write_summary(out, result)
     return result
+
+
+def _checkpoint_at_or_before(root: Path, step: int) -> Path:
+    """The newest checkpoint (``step-J`` folder of a `samebits.checkpoint` root) with J <= ``step``:
+    the replay trains from J and compares from ``step`` on.  A ``step-J`` folder itself is
+    taken as it is."""
+    if root.name.startswith("step-") and root.is_dir():
+        return root
+    if not root.is_dir():
+        raise ConfigError(f"no checkpoint folder {root}: replay resumes the run's checkpoint of a step at or before "
+                          f"--step {step}. Pass --ckpt DIR (the root the run saved into), or make a run that saves "
+                          "one: `samebits verify --across` on the recipe saves each size's checkpoint of step "
+                          "steps/2 into its folder's ckpt/ (a run made before this version saved none: run it again)")
+    saved = sorted(int(p.name[5:]) for p in root.glob("step-*") if p.is_dir() and p.name[5:].isdigit())
+    usable = [s for s in saved if s <= step]
+    if not usable:
+        raise ConfigError(f"{root} holds checkpoints of steps {saved or 'none'}, none at or before --step {step}: "
+                          f"replay a step from {saved[0]} on, or pass --ckpt DIR holding an earlier one"
+                          if saved else f"{root} holds no checkpoint (no step-K folder): pass --ckpt DIR, the root "
+                          "the run saved its checkpoints into")
+    return root / f"step-{usable[-1]}"
 
 
 def _default_ckpt(run_dir: Path) -> Path:
@@ -135,10 +159,6 @@ def _default_ckpt(run_dir: Path) -> Path:
         if candidate.exists():
             return candidate
     return run_dir / "ckpt"
-
-
-def _text(value) -> str:
-    return "none" if value is None else str(value)
 
 
 def _span(steps: list[int]) -> str:

@@ -18,19 +18,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import json
 import shlex
-import sys
-import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import numpy as np
 
 from samebits.autorecord import environment_for
 from samebits.defaults import DEFAULT_GATE
 from samebits.errors import ConfigError, SamebitsError
-from samebits.runs._launch import DEFAULT_TIMEOUT_S, check_recipe, judge_recipe_run, judge_recorded_run, run_logged
+from samebits.runs._launch import DEFAULT_TIMEOUT_S, judge_recipe_run, judge_recorded_run, run_logged
+from samebits.runs.commands import OUT, SelfRecording, check_out_dir, default_out_dir, fill_placeholders, write_summary
 from samebits.stream.writer import STEP_TIMES_SUFFIX
 from samebits.verdicts import ToDict, Verdict
 
@@ -167,31 +165,20 @@ def read_step_times(run_dir: str | Path) -> dict[int, float]:
     return slowest
 
 
-def _recipe_command(nproc: int, steps: int, overrides: list[str], deterministic: bool) -> list[str]:
-    if nproc == 1:
-        argv = [sys.executable, "-m", "samebits.recipes"]
-    else:
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-                "--nproc-per-node", str(nproc), "-m", "samebits.recipes"]
-    argv += ["--steps", str(steps)]
-    for item in overrides:
-        argv += ["--set", item]
-    return argv + ["--set", f"deterministic={'true' if deterministic else 'false'}"]
-
-
 def tax(out: str | Path | None = None, *, command: list[str] | None = None, command_a: str | None = None,
-        command_b: str | None = None, pairs: int = 5, steps: int = 12, warmup: int = 2,
-        gate: float = DEFAULT_GATE, nproc: int = 1, overrides: list[str] = (),
-        resamples: int = DEFAULT_RESAMPLES, confidence: float = 0.95, seed: int = 0,
-        run_timeout: float | None = DEFAULT_TIMEOUT_S,
+        command_b: str | None = None, programs: Mapping[str, SelfRecording] | None = None, pairs: int = 5,
+        warmup: int = 2, gate: float = DEFAULT_GATE, resamples: int = DEFAULT_RESAMPLES, confidence: float = 0.95,
+        seed: int = 0, run_timeout: float | None = DEFAULT_TIMEOUT_S,
         progress: Callable[[str], None] | None = None) -> TaxResult:
     """Measure the determinism tax with ``pairs`` interleaved paired runs.
 
-    Without a command: the reference recipe, ``steps`` steps on ``nproc`` ranks, with
-    ``deterministic=true`` (A) and ``false`` (B).  ``command``: one command run under zero-code
-    recording, with ``{deterministic}`` expanded to 1 (A) and 0 (B).  ``command_a`` and
-    ``command_b``: two commands (shell words), A the deterministic one.  ``{out}`` in a command
-    is that run's own work folder.  The first ``warmup`` timed steps of every run are dropped.
+    ``programs``: a program that records itself (its ``record`` template, ``{out}`` the run's
+    stream folder) for "deterministic" (A) and "baseline" (B): the reference recipe with
+    ``deterministic=true`` and ``false`` (`samebits.recipes.commands`).  ``command``: one command
+    run under zero-code recording, with ``{deterministic}`` expanded to 1 (A) and 0 (B).
+    ``command_a`` and ``command_b``: two commands (shell words), A the deterministic one.
+    ``{out}`` in a zero-code command is that run's own work folder.  The first ``warmup`` timed
+    steps of every run are dropped.
     """
     if pairs < 1:
         raise ConfigError(f"--pairs {pairs}: at least 1 pair (5 or more for a useful interval).")
@@ -201,9 +188,12 @@ def tax(out: str | Path | None = None, *, command: list[str] | None = None, comm
         raise ConfigError(f"--gate {gate}: a ratio gate is a positive number, e.g. 1.05.")
     if resamples < 100:
         raise ConfigError(f"--resamples {resamples}: at least 100 bootstrap resamples.")
-    modes = [command is not None, command_a is not None or command_b is not None]
-    if all(modes):
+    modes = [command is not None, command_a is not None or command_b is not None, programs is not None]
+    if sum(modes) > 1:
         raise ConfigError("give either `-- CMD` (with {deterministic}) or --a 'CMD' --b 'CMD', not both.")
+    if not any(modes):
+        raise ConfigError("no command to time: give `-- CMD` (with {deterministic}), --a 'CMD' --b 'CMD', or the "
+                          "programs of a deterministic and a baseline run.")
     if modes[1] and (command_a is None or command_b is None):
         raise ConfigError("--a and --b go together: --a is the deterministic command, --b the baseline.")
     if command is not None:
@@ -213,21 +203,19 @@ def tax(out: str | Path | None = None, *, command: list[str] | None = None, comm
             raise ConfigError(f"the command has no {DETERMINISTIC_PLACEHOLDER}: samebits cannot switch your script's "
                               "deterministic mode. Put {deterministic} where it takes the switch (it becomes 1 for the "
                               "deterministic run and 0 for the baseline), or give two commands with --a and --b.")
-    recipe = not any(modes)
+    recipe = programs is not None
+    if recipe and set(programs) != set(_LABELS):
+        raise ConfigError(f"tax: programs for {', '.join(_LABELS)} (got {', '.join(programs) or 'none'})")
+    steps = programs["deterministic"].steps if recipe else None
     if recipe and steps < warmup + 2:
         raise ConfigError(f"--steps {steps} with --warmup {warmup}: the recipe needs at least {warmup + 2} steps "
                           "(the last step has no time, and at least one must remain after the warm-up).")
-    if nproc < 1:
-        raise ConfigError(f"--nproc {nproc} must be at least 1.")
-    out = Path(out) if out is not None else Path("samebits-out") / time.strftime("tax-%Y%m%d-%H%M%S")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"--out {out} exists and is not an empty directory: samebits never overwrites runs. "
-                          "Pass a new --out directory or delete the old one.")
+    out = check_out_dir(out if out is not None else default_out_dir("tax"))
     say = progress or (lambda message: None)
 
     if recipe:
-        argvs = {label: _recipe_command(nproc, steps, list(overrides), label == "deterministic") for label in _LABELS}
-        check_recipe(argvs["deterministic"])  # the recipe's options and config, before any run
+        argvs = {label: list(programs[label].record) for label in _LABELS}
+        programs["deterministic"].refuse_early()  # the program's options and config, before any run
     elif command is not None:
         argvs = {label: [part.replace(DETERMINISTIC_PLACEHOLDER, "1" if label == "deterministic" else "0")
                          for part in command] for label in _LABELS}
@@ -241,11 +229,10 @@ def tax(out: str | Path | None = None, *, command: list[str] | None = None, comm
             run_dir = out / f"pair-{pair}" / label
             work = out / "work" / f"pair-{pair}-{label}"
             work.mkdir(parents=True, exist_ok=True)
-            argv = [part.replace("{out}", str(work)) for part in argvs[label]]
+            argv = fill_placeholders(argvs[label], {OUT: run_dir if recipe else work})
             log = out / "logs" / f"pair-{pair}-{label}.log"
             say(f"[pair {pair + 1}/{pairs}] {label}: {shlex.join(argv)}")
-            if recipe:
-                argv = argv + ["--out", str(run_dir)]
+            if recipe:  # it records itself into run_dir
                 code, seconds = run_logged(argv, log, label=f"{label} (pair {pair})", timeout=run_timeout,
                                            progress=progress, streams=run_dir, steps=steps)
                 judge_recipe_run(f"{label} (pair {pair})", argv, code, log, stopped=False)
@@ -272,7 +259,7 @@ def tax(out: str | Path | None = None, *, command: list[str] | None = None, comm
                                  confidence=confidence, seed=seed)
     commands = {label: shlex.join(argv) for label, argv in argvs.items()}
     result = TaxResult(str(out), commands, pairs, warmup, gate, times, ratio, ci, confidence, resamples, seed, notes)
-    (out / "tax.json").write_text(json.dumps(result.to_dict(), indent=1) + "\n")
+    write_summary(out, result, "tax.json")
     return result
 
 

@@ -20,11 +20,8 @@ recorded at each step start names the state the checkpoint did not restore.
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
-import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -33,7 +30,9 @@ from samebits.autorecord import environment_for, read_stop, recording_variables,
 from samebits.compare import DiffResult, diff
 from samebits.errors import ConfigError
 from samebits.runs._explain import Finding, explain_independent, explain_resume, ordered
-from samebits.runs._launch import check_recipe, judge_recipe_run, judge_recorded_run, run_logged
+from samebits.runs._launch import judge_recipe_run, judge_recorded_run, run_logged
+from samebits.runs.commands import (CKPT, FROM, OUT, REFERENCE, RUN, STEP, SelfRecording, fill_placeholders,
+                                    prepare_out_dir, write_summary)
 from samebits.verdicts import ToDict, Verdict
 
 GUARANTEES = ("independent", "resume")
@@ -108,75 +107,48 @@ class VerifyResult(ToDict):
         }
 
 
-def default_out_dir(kind: str = "verify") -> Path:
-    return Path("samebits-out") / time.strftime(f"{kind}-%Y%m%d-%H%M%S")
-
-
-def _prepare(out) -> Path:
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"--out {out} exists and is not an empty directory: samebits never overwrites "
-                          "runs. Pass a new --out directory or delete the old one.")
-    (out / "logs").mkdir(parents=True, exist_ok=True)
-    return out
-
-
-def _recipe_argv(nproc: int) -> list[str]:
-    if nproc == 1:
-        return [sys.executable, "-m", "samebits.recipes"]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-            "--nproc-per-node", str(nproc), "-m", "samebits.recipes"]
-
-
 def verify_recipe(
+    program: SelfRecording,
     out=None,
     *,
-    steps: int = 8,
     resume_at: int | None = None,
-    nproc: int = 2,
-    overrides: list[str] = (),
-    nondeterministic: bool = False,
     progress: Callable[[str], None] | None = None,
     record: dict | None = None,
     keep_going: bool = False,
 ) -> VerifyResult:
-    """Run the reference recipe A (saves at ``resume_at``, default ``steps // 2``, and trains
-    on), B (never saves) and C (resumes A's checkpoint) and compare.  Both guarantees are always checked.  ``record``: what to record
+    """Run a program that records itself (the reference recipe: ``program`` from
+    `samebits.recipes.commands.recipe_roles`) as A (saves at ``resume_at``, default
+    ``steps // 2``, and trains on), B (never saves) and C (resumes A's checkpoint) and compare.
+    Both guarantees are always checked.  ``record``: what to record
     (`samebits.autorecord.recording_variables`' arguments).  ``keep_going``: B and C are not
-    checked live against A, so they run every step even after they differ."""
+    checked live (and not stopped at their first divergent step): they run to the end."""
+    steps = program.steps
     if steps < 2:
         raise ConfigError(f"--steps {steps}: verify needs at least 2 steps (one before and one after the resume).")
     resume_at = steps // 2 if resume_at is None else resume_at
     if not 0 < resume_at < steps:
         raise ConfigError(f"--resume-at {resume_at} must be between 1 and {steps - 1} (inside the run).")
-    if nproc < 1:
-        raise ConfigError(f"--nproc {nproc} must be at least 1.")
     env = with_variables(os.environ, recording_variables(**record)) if record else None
-    base = _recipe_argv(nproc) + ["--steps", str(steps)]
-    for item in overrides:
-        base += ["--set", item]
-    if nondeterministic:
-        base += ["--preset", "nondeterministic"]
-    check_recipe(base)  # a config the recipe refuses is refused before any run (and any folder)
-    out = _prepare(out or default_out_dir())
+    program.refuse_early()  # a config the program refuses is refused before any run (and any folder)
+    out = prepare_out_dir(out, "verify")
     say = progress or (lambda message: None)
     # A saves at the resume step and trains on, as a job that checkpoints does; B never saves
     # (so A = B also says that saving leaves the run as it was); C resumes A's checkpoint.
-    live = [] if keep_going else ["--reference", str(out / "a")]  # the live check stops B, C at a difference
+    values = {STEP: resume_at, CKPT: out / "ckpt", REFERENCE: out / "a"}
+    live = () if keep_going else program.live_check  # the live check stops B and C at a difference
     stages = [
-        ("A", base + ["--out", str(out / "a"), "--save-at", str(resume_at), "--ckpt", str(out / "ckpt"),
-                      "--keep-going"], False),
-        ("B", base + ["--out", str(out / "b")] + live, True),
-        ("C (resume)", base + ["--out", str(out / "c"), "--resume-from", str(out / "ckpt")] + live, True),
+        ("A", fill_placeholders(program.save, {**values, OUT: out / "a"}), False),
+        ("B", fill_placeholders(program.record + live, {**values, OUT: out / "b"}), True),
+        ("C (resume)", fill_placeholders(program.resume + live, {**values, OUT: out / "c"}), True),
     ]
     timings: dict[str, float] = {}
     runs: list[RunInfo] = []
     for index, (name, argv, may_stop) in enumerate(stages, 1):
-        say(f"[{index}/{len(stages)}] run {name}: {nproc} rank(s), {steps} steps ...")
-        run_dir = Path(argv[argv.index("--out") + 1])
+        say(f"[{index}/{len(stages)}] run {name}: {program.nproc} rank(s), {steps} steps ...")
+        run_dir = out / name[0].lower()
         log = out / "logs" / (name.split()[0].lower() + ("-resume" if "resume" in name else "") + ".log")
         code, seconds = run_logged(argv, log, label=name, env=env, progress=progress, streams=run_dir,
-                                   steps=steps - resume_at if name.startswith("C") else steps)
+                                   steps=steps - resume_at if name.startswith("C") else steps)  # C starts at resume_at
         timings[name] = seconds
         # torchrun replaces the recipe's exit code 3 by its own: the marker file tells.
         stop = read_stop(run_dir) if may_stop else None
@@ -191,12 +163,10 @@ def verify_recipe(
     }
     result = VerifyResult(str(out), checks, timings, resume_at, [], runs)
     _explain(result, out / "a", out / "b", out / "c")
-    bisect_argv = (["samebits", "bisect", "--steps", str(steps), "--nproc", str(nproc)]
-                   + [part for item in overrides for part in ("--set", item)]
-                   + (["--nondeterministic"] if nondeterministic else []))
-    result.bisect_command = shlex.join(bisect_argv)
-    result.resume_bisect_command = shlex.join(bisect_argv + ["--resume-at", str(resume_at)])
-    _write_summary(out, result)
+    if program.bisect_words:
+        result.bisect_command = shlex.join(program.bisect_words)
+        result.resume_bisect_command = shlex.join([*program.bisect_words, "--resume-at", str(resume_at)])
+    write_summary(out, result)
     return result
 
 
@@ -247,7 +217,7 @@ def verify_command(
     if steps is not None:
         what["steps"] = steps
     recording_variables(**what)  # a bad choice is refused before any run starts
-    out = _prepare(out or default_out_dir())
+    out = prepare_out_dir(out, "verify")
     say = progress or (lambda message: None)
     command = shlex.join(cmd)
     reference = None if keep_going else out / "a"  # the live check stops B and C at a difference
@@ -284,12 +254,10 @@ def verify_command(
               "resume": diff(out / "a", out / "c", start_step=resume_at) if resume_with else None}
     result = VerifyResult(str(out), checks, timings, resume_at, notes, runs)
     _explain(result, out / "a", out / "b", out / "c")
-    result.bisect_command = "samebits bisect -- " + command
-    if any(placeholder in command for placeholder in PLACEHOLDERS):
-        result.bisect_command += "   (put a scratch folder in place of {out} and {run})"
+    result.bisect_command = "samebits bisect -- " + command  # bisect fills {out} and {run} per run, as here
     if resume_with is not None:
         result.resume_bisect_command = resume_bisect_command(cmd, shlex.split(resume_with), resume_at, out)
-    _write_summary(out, result)
+    write_summary(out, result)
     return result
 
 
@@ -299,9 +267,8 @@ def resume_bisect_command(cmd: list[str], resume_with: list[str], resume_at: int
     as for verify's runs, in fresh folders under OUT/bisect-work: A's {out} is B's {from}, so
     B resumes from the checkpoint that the bisect's own A run saves."""
     work = out / "bisect-work"
-    side_a = _fill(cmd, {"{out}": str(work / "a"), "{run}": "a"})
-    side_b = _fill(resume_with, {"{out}": str(work / "c"), "{run}": "c", "{step}": str(resume_at),
-                                 "{from}": str(work / "a")})
+    side_a = fill_placeholders(cmd, {OUT: work / "a", RUN: "a"})
+    side_b = fill_placeholders(resume_with, {OUT: work / "c", RUN: "c", STEP: resume_at, FROM: work / "a"})
     command = shlex.join(["samebits", "bisect", "--a", shlex.join(side_a), "--b", shlex.join(side_b),
                           "--b-step-offset", str(resume_at)])
     used = [p for p in PLACEHOLDERS + RESUME_PLACEHOLDERS if any(p in part for part in cmd + resume_with)]
@@ -317,17 +284,7 @@ def _expand(argv: list[str], out: Path, run: str, step: int | None = None) -> li
     values = {"{out}": str(work), "{run}": run}
     if step is not None:
         values.update({"{step}": str(step), "{from}": str(out / "work" / "a")})
-    return _fill(argv, values)
-
-
-def _fill(argv: list[str], values: dict[str, str]) -> list[str]:
-    """``argv`` with each placeholder (a key of ``values``) replaced by its value."""
-    filled = []
-    for part in argv:
-        for placeholder, value in values.items():
-            part = part.replace(placeholder, value)
-        filled.append(part)
-    return filled
+    return fill_placeholders(argv, values)
 
 
 def _explain(result: VerifyResult, run_a: Path, run_b: Path, run_c: Path) -> None:
@@ -347,10 +304,6 @@ def _explain(result: VerifyResult, run_a: Path, run_b: Path, run_c: Path) -> Non
     for finding in result.findings:
         explanations.setdefault(finding.check, []).append(f"step {finding.step}, rank {finding.rank}: {finding.says}")
     result.explanations = explanations
-
-
-def _write_summary(out: Path, result: VerifyResult) -> None:
-    (out / "summary.json").write_text(json.dumps(result.to_dict(), indent=2, default=str) + "\n")
 
 
 __all__ = ["verify_recipe", "verify_command", "VerifyResult", "RunInfo", "GUARANTEES"]

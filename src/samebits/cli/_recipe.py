@@ -1,0 +1,73 @@
+"""The reference recipe as the runners' program: where the command line composes the recipe's
+command line (`samebits.recipes.commands`) with the runners of `samebits.runs`, which take
+command templates and know no program.  The command line is the only library code that
+imports the recipe (tests/test_architecture.py), and this module is where it does.
+
+    program = recipe_program(2, steps=8, overrides=["seed=3"])   # a runs.commands.SelfRecording
+    verify_recipe(program, out)
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from samebits.cli._lazy import lazy
+from samebits.recipes import commands as recipe
+from samebits.recipes.cells import ParallelDims
+
+SelfRecording = lazy("samebits.runs.commands", "SelfRecording")
+MatrixProgram = lazy("samebits.runs.matrix", "MatrixProgram")
+
+
+def recipe_program(nproc: int, *, steps: int, overrides: Sequence[str] = (), nondeterministic: bool = False):
+    """The recipe run for ``steps`` steps on ``nproc`` ranks, as a program that records itself
+    (`samebits.runs.commands.SelfRecording`)."""
+    return SelfRecording(**recipe.recipe_roles(nproc, steps=steps, overrides=overrides,
+                                               nondeterministic=nondeterministic))
+
+
+def tax_programs(nproc: int, *, steps: int, overrides: Sequence[str] = ()) -> dict:
+    """`samebits tax` on the recipe: the deterministic run and the baseline, apart only in
+    the recipe's ``deterministic`` switch."""
+    return {label: recipe_program(nproc, steps=steps, overrides=[*overrides, f"deterministic={switch}"])
+            for label, switch in (("deterministic", "true"), ("baseline", "false"))}
+
+
+def across_programs(sizes: Sequence[int], *, steps: int, overrides: Sequence[str] = ()) -> dict:
+    """`verify --across` on the recipe: one program per data-parallel size, in invariant mode."""
+    return {size: recipe_program(size, steps=steps, overrides=recipe.across_overrides(overrides)) for size in sizes}
+
+
+def replay_command(nproc: int) -> list[str]:
+    """`samebits replay` on the recipe: resume ``{ckpt}`` on ``nproc`` ranks up to ``{stop}``,
+    recording into ``{out}`` (the run's recorded config follows: `replay_config`)."""
+    return recipe.recipe_command(nproc, steps="{stop}", resume_from="{ckpt}", out="{out}")
+
+
+replay_config = recipe.recorded_config_overrides
+
+
+def matrix_program(*, overrides: Sequence[str] = (), nondeterministic: bool = False,
+                   global_batch: int | None = recipe.DEFAULT_GLOBAL_BATCH, layout_independent: bool = True):
+    """`samebits matrix` on the recipe (`samebits.runs.matrix.MatrixProgram`): cells in the
+    recipe's grammar, each cell's program with its layout, its share of the global batch, the
+    precision, the layout-independent settings and ``overrides``."""
+    recipe.check_matrix_overrides(overrides, global_batch)
+
+    def program(cell: ParallelDims, precision: str, steps: int):
+        return recipe_program(cell.world_size, steps=steps, nondeterministic=nondeterministic,
+                              overrides=recipe.cell_overrides(cell, precision, global_batch=global_batch,
+                                                              layout_independent=layout_independent,
+                                                              overrides=overrides))
+
+    notes = []
+    if global_batch is not None:
+        notes.append(f"every cell trains on the same global batch of {global_batch} samples per step")
+    notes.append("layout-independent settings for every cell: " + " ".join(recipe.LAYOUT_INDEPENDENT)
+                 if layout_independent else "per-replica randomness kept: layouts are not expected to agree")
+    return MatrixProgram(parse_cell=ParallelDims.parse, program=program, metrics=recipe.AGREEMENT_METRICS,
+                         notes=tuple(notes))
+
+
+__all__ = ["recipe_program", "tax_programs", "across_programs", "replay_command", "replay_config",
+           "matrix_program"]

@@ -1,0 +1,148 @@
+"""The reference recipe's command line, for the runners that launch it: the one place that
+spells ``python -m samebits.recipes`` and its flags.
+
+    recipe_command(2, steps=8, overrides=["seed=3"], out="{out}", reference="{reference}")
+    # [python, -m, torch.distributed.run, --standalone, --nnodes, 1, --nproc-per-node, 2,
+    #  -m, samebits.recipes, --steps, 8, --set, seed=3, --out, {out}, --reference, {reference}]
+    recipe_roles(2, steps=8)   # every template a runner needs (record, save, resume, check, ...)
+
+Placeholders (``{out}``, ``{step}``, ``{ckpt}``, ``{reference}``) are left in for the runner
+to fill (`samebits.runs.commands`).  What `samebits matrix` needs of the recipe is here too:
+its precisions, default cells, the metrics that are global, the settings that make layouts
+compute the same function, and each cell's overrides (`cell_overrides`).  No torch is loaded.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+from samebits.errors import ConfigError
+from samebits.recipes.cells import ParallelDims
+
+MODULE = "samebits.recipes"
+NONDETERMINISTIC_PRESET = "nondeterministic"
+
+# The recipe's precisions (`samebits.recipes.precision.PrecisionName`, which loads torch;
+# tests/test_cli_inputs.py keeps the two lists equal).
+PRECISIONS = ("fp32", "bf16", "bf16_params", "fp8_tensorwise", "fp8_delayed", "mxfp8", "nvfp4")
+DEFAULT_CELLS = ("single", "dp2", "ep2")
+DEFAULT_PRECISIONS = ("fp32", "bf16", "fp8_delayed")
+DEFAULT_GLOBAL_BATCH = 8
+AGREEMENT_METRICS = ("grad_norm", "lr")  # the recipe's metrics that are global (equal on every rank)
+# Per-replica randomness and per-rank losses make layouts differ by more than rounding:
+# dropout and router jitter draw per data-parallel replica, and the load-balancing loss is
+# each rank's own.  Off, two layouts compute the same function of the same global batch.
+LAYOUT_INDEPENDENT = ("dropout=0", "moe_jitter_eps=0", "moe_aux_loss_coeff=0")
+# `verify --across`: gradients reduced so that the bits do not depend on the DP size, experts
+# replicated (EP over the DP ranks would couple them).
+ACROSS_OVERRIDES = ("grad_reduce=invariant", "ep=1")
+
+
+def launcher(nproc: int) -> list[str]:
+    """How to start the recipe on ``nproc`` ranks: one process, or torchrun."""
+    if nproc < 1:
+        raise ConfigError(f"--nproc {nproc} must be at least 1.")
+    if nproc == 1:
+        return [sys.executable, "-m", MODULE]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+            "--nproc-per-node", str(nproc), "-m", MODULE]
+
+
+def recipe_command(nproc: int = 1, *, steps: int | str | None = None, preset: str | None = None,
+                   overrides: Sequence[str] = (), out: str | None = None, reference: str | None = None,
+                   save_at: int | str | None = None, ckpt: str | None = None, keep_going: bool = False,
+                   resume_from: str | None = None, check: bool = False) -> list[str]:
+    """The recipe's argv (its flags in one order); a value may be a placeholder such as
+    ``"{out}"``, left for the runner.  See `python -m samebits.recipes --help`."""
+    argv = launcher(nproc)
+    if steps is not None:
+        argv += ["--steps", str(steps)]
+    if preset is not None:
+        argv += ["--preset", preset]
+    for item in overrides:
+        argv += ["--set", item]
+    for flag, value in (("--out", out), ("--reference", reference), ("--save-at", save_at), ("--ckpt", ckpt)):
+        if value is not None:
+            argv += [flag, str(value)]
+    if keep_going:
+        argv.append("--keep-going")
+    if resume_from is not None:
+        argv += ["--resume-from", str(resume_from)]
+    if check:
+        argv.append("--check")
+    return argv
+
+
+def recipe_roles(nproc: int, *, steps: int, overrides: Sequence[str] = (),
+                 nondeterministic: bool = False) -> dict:
+    """Every template a runner of a self-recording program needs, for the recipe run for
+    ``steps`` steps on ``nproc`` ranks (the keyword arguments of
+    `samebits.runs.commands.SelfRecording`)."""
+    base = {"steps": steps, "overrides": list(overrides),
+            "preset": NONDETERMINISTIC_PRESET if nondeterministic else None}
+    words = ["samebits", "bisect", "--steps", str(steps), "--nproc", str(nproc)]
+    words += [part for item in overrides for part in ("--set", item)]
+    return {
+        "steps": steps,
+        "nproc": nproc,
+        "record": tuple(recipe_command(nproc, **base, out="{out}")),
+        "save": tuple(recipe_command(nproc, **base, out="{out}", save_at="{step}", ckpt="{ckpt}", keep_going=True)),
+        "save_only": tuple(recipe_command(nproc, **base, save_at="{step}", ckpt="{ckpt}")),
+        "resume": tuple(recipe_command(nproc, **base, out="{out}", resume_from="{ckpt}")),
+        "live_check": ("--reference", "{reference}"),
+        "check": tuple(recipe_command(1, **base, check=True)),
+        "bisect_words": tuple(words + (["--nondeterministic"] if nondeterministic else [])),
+    }
+
+
+def across_overrides(overrides: Sequence[str] = ()) -> list[str]:
+    """The recipe's config for `verify --across`: ``ACROSS_OVERRIDES``, then the user's."""
+    return [*ACROSS_OVERRIDES, *overrides]
+
+
+def recorded_config_overrides(config: dict) -> list[str]:
+    """A recorded run's config (its stream header's ``config``) as the recipe's words,
+    ``--set KEY=VALUE`` per field.  Values that are not scalars are annotations the recipe
+    adds to its record (e.g. the resolved mesh), not settings."""
+    return [word for key, value in sorted(config.items()) if value is None or isinstance(value, (str, int, float))
+            for word in ("--set", f"{key}={'none' if value is None else value}")]
+
+
+def check_precisions(precisions: Sequence[str]) -> None:
+    """Refuse a precision the recipe does not have, naming those it has."""
+    unknown = [p for p in precisions if p not in PRECISIONS]
+    if unknown:
+        raise ConfigError(f"--precisions: {', '.join(map(repr, unknown))} is not a precision; give a comma-separated "
+                          f"list of {', '.join(PRECISIONS)}")
+
+
+def check_matrix_overrides(overrides: Sequence[str], global_batch: int | None) -> None:
+    """The matrix sets each cell's micro-batch from the global batch; a ``--set`` of it would
+    win silently, and the cells would train on different global batches."""
+    sets_batch = [item for item in overrides if item.partition("=")[0].strip() == "micro_batch_size"]
+    if global_batch is not None and sets_batch:
+        raise ConfigError(f"--set {sets_batch[0]} conflicts with --global-batch {global_batch}: the matrix sets "
+                          f"each cell's micro_batch_size to {global_batch} / its data-parallel size, so that every "
+                          "cell trains on the same global batch; drop the --set, or pass --global-batch 0 to keep "
+                          "the recipe's micro-batch per rank")
+
+
+def cell_overrides(dims: ParallelDims, precision: str, *, global_batch: int | None = DEFAULT_GLOBAL_BATCH,
+                   layout_independent: bool = True, overrides: Sequence[str] = ()) -> list[str]:
+    """The recipe's ``--set`` overrides for one matrix cell: its layout, its share of the
+    global batch (micro-batch = global_batch / its data-parallel size; None: the recipe's),
+    its precision, ``LAYOUT_INDEPENDENT`` (with ``layout_independent``), then ``overrides``.
+    A global batch that does not split over the cell's data-parallel ranks is a ConfigError."""
+    if global_batch is not None and global_batch % dims.dp:
+        raise ConfigError(f"the global batch of {global_batch} does not split over {dims.dp} data-parallel ranks "
+                          "(choose --global-batch)")
+    batch = [] if global_batch is None else [f"micro_batch_size={global_batch // dims.dp}"]
+    return [*dims.overrides(), *batch, f"precision={precision}",
+            *(LAYOUT_INDEPENDENT if layout_independent else ()), *overrides]
+
+
+__all__ = ["recipe_command", "recipe_roles", "launcher", "across_overrides", "recorded_config_overrides",
+           "cell_overrides", "check_precisions", "check_matrix_overrides", "PRECISIONS", "DEFAULT_CELLS",
+           "DEFAULT_PRECISIONS", "DEFAULT_GLOBAL_BATCH", "AGREEMENT_METRICS", "LAYOUT_INDEPENDENT", "ACROSS_OVERRIDES",
+           "MODULE"]

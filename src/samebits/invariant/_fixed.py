@@ -55,6 +55,12 @@ def pow2(exponents: torch.Tensor) -> torch.Tensor:
     return ((e + 1023) << 52).view(torch.float64)
 
 
+def pow2_clamped(exponents: torch.Tensor) -> torch.Tensor:
+    """Exact float64 2**e, e clamped to [-1022, 1023] first: for callers whose exponents
+    outside that range only meet zeros (no check, so no host sync)."""
+    return ((exponents.to(torch.int64).clamp(-1022, 1023) + 1023) << 52).view(torch.float64)
+
+
 def block_exponents(blocks: torch.Tensor) -> torch.Tensor:
     """(num_blocks, block_size) fp32 -> (num_blocks,) int8: smallest e with |x| < 2**e, clamped
     to EXPONENT_MIN; EXPONENT_NONFINITE for a block holding inf or nan."""
@@ -132,5 +138,5 @@ def _decode_wide(sums: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     return (values.to(torch.float64) * pow2(-shift.flatten())[:, None]).to(torch.float32)  # exact scale
 
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "fraction_bits", "block_exponents", "encode", "decode", "pow2",
+__all__ = ["DEFAULT_BLOCK_SIZE", "fraction_bits", "block_exponents", "encode", "decode", "pow2", "pow2_clamped",
            "EXPONENT_MIN", "EXPONENT_NONFINITE"]

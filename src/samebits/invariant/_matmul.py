@@ -23,9 +23,10 @@ fp32 once.  Every step depends on the values of whole canonical blocks only, nev
 the ranks' shares begin, so a K split over 1, 2, 4 ... ranks gives the same bits.
 
 Accuracy: each element loses the bits below 2**(e - 24) of its block's exponent (none for an
-element within a factor 2 of its block's largest), and the sum loses nothing further in
-practice (62 bits at a quantum of 2**-62 times the row and column bound); measured against
-fp64 in benchmarks/bench_tp_invariant.py.  A row or column holding inf or nan gives nan, and
+element within a factor 2 of its block's largest); the sum truncates only what lies below
+2**-62 of the row and column bound (blocks far below their row's largest), and rounds once;
+measured against fp64 in benchmarks/bench_tp_invariant.py (as accurate as torch's fp32 GEMM
+or better).  A row or column holding inf or nan gives nan, and
 results in fp32's subnormal range may be rounded twice (still the same at every split).
 """
 
@@ -38,7 +39,7 @@ import torch.distributed as dist
 
 from samebits._torchutil import group_rank_and_world_size
 from samebits.errors import ConfigError
-from samebits.invariant._fixed import block_exponents, decode, encode, fraction_bits, pow2
+from samebits.invariant._fixed import block_exponents, decode, encode, fraction_bits, pow2_clamped
 
 TP_BLOCK_SIZE = 32
 _OPERAND_BITS = 24  # each operand's integers: |X| <= 2**24
@@ -61,7 +62,7 @@ def _block_exponents(blocks: torch.Tensor, dim: int) -> torch.Tensor:
 def _to_integers(blocks: torch.Tensor, exps: torch.Tensor, dim: int) -> torch.Tensor:
     """fp64 integers round_half_even(x * 2**(24 - e)) of each block's elements (|X| <= 2**24);
     non-finite elements become 0 (their outputs are nan, see `invariant_matmul`)."""
-    scale = pow2((_OPERAND_BITS - exps).clamp(-1022, 1023)).unsqueeze(dim)
+    scale = pow2_clamped(_OPERAND_BITS - exps).unsqueeze(dim)
     values = blocks.nan_to_num(0.0, 0.0, 0.0).to(torch.float64)
     return torch.round(values * scale)  # a power-of-two scale is exact; one rounding here
 
@@ -123,8 +124,8 @@ def invariant_matmul(a: torch.Tensor, b: torch.Tensor, *, group=None,
     total_blocks = num_blocks * world_size
     headroom = math.ceil(math.log2(total_blocks * block_size)) if total_blocks else 0
     to_units = _SUM_BITS - 2 * _OPERAND_BITS - headroom
-    a_int = _to_integers(a_blocks, a_exp, 2) * pow2((a_exp - row_exp[:, None] + to_units).clamp(-1022, 1023))[:, :, None]
-    b_int = _to_integers(b_blocks, b_exp, 1) * pow2((b_exp - col_exp[None, :]).clamp(-1022, 0))[:, None, :]
+    a_int = _to_integers(a_blocks, a_exp, 2) * pow2_clamped(a_exp - row_exp[:, None] + to_units)[:, :, None]
+    b_int = _to_integers(b_blocks, b_exp, 1) * pow2_clamped(b_exp - col_exp[None, :])[:, None, :]
     total = torch.zeros(m, n, dtype=torch.int64, device=a.device)
     a_t = a_int.transpose(0, 1).contiguous()  # (nb, M, B)
     step = max(1, _CHUNK_ELEMENTS // max(1, m * n))
@@ -135,10 +136,9 @@ def invariant_matmul(a: torch.Tensor, b: torch.Tensor, *, group=None,
         dist.all_reduce(total, group=group)  # int64 SUM: exact and associative
     quantum = row_exp[:, None] + col_exp[None, :] + headroom - _SUM_BITS  # (M, N)
     # int64 -> fp32 rounds once (to nearest even); the power of two is exact (fp64 range).
-    out = (total.to(torch.float32).to(torch.float64) * pow2(quantum.clamp(-1022, 1023))).to(torch.float32)
+    out = (total.to(torch.float32).to(torch.float64) * pow2_clamped(quantum)).to(torch.float32)
     nonfinite = (row_exp[:, None] == _NONFINITE_EXP) | (col_exp[None, :] == _NONFINITE_EXP)
-    if bool(nonfinite.any()):
-        out = out.masked_fill(nonfinite, float("nan"))
+    out = out.masked_fill(nonfinite, float("nan"))  # no host sync: always applied
     return out.reshape(*lead, n)
 
 

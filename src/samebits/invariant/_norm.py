@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from samebits._torchutil import group_rank_and_world_size
 from samebits.errors import ConfigError
-from samebits.invariant._fixed import pow2
+from samebits.invariant._fixed import pow2_clamped
 
 _SUM_BITS = 62
 _ZERO_EXP = -4096  # a tensor of zeros
@@ -66,19 +66,18 @@ def sharded_grad_norm(grads: Sequence[torch.Tensor], *, full_numels: Sequence[in
                         dtype=torch.int64, device=device)
     sums = []
     for i, sq in enumerate(squares):
-        sharded = full[i] > grads[i].numel()
-        if int(exps[i]) in (_ZERO_EXP, _NONFINITE_EXP) or (not sharded and rank != 0):
-            sums.append(torch.zeros((), dtype=torch.int64, device=device))  # replicated: counted once
+        if full[i] == grads[i].numel() and rank != 0:  # replicated: counted once, from rank 0
+            sums.append(torch.zeros((), dtype=torch.int64, device=device))
             continue
-        scaled = sq * pow2((bits[i] - exps[i]).clamp(-1022, 1023))  # exact power of two
+        # An exact power of two; inf/nan (the result is nan then) made 0 before the conversion.
+        scaled = (sq * pow2_clamped(bits[i] - exps[i])).nan_to_num(0.0, 0.0, 0.0)
         sums.append(torch.round(scaled).to(torch.int64).sum())  # |sum| <= full numel * 2**P <= 2**62
     sums = torch.stack(sums)
     if world_size > 1:
         dist.all_reduce(sums, group=group)  # int64 SUM: exact, any order
-    values = sums.to(torch.float64) * pow2((exps - bits).clamp(-1022, 1023))
+    values = sums.to(torch.float64) * pow2_clamped(exps - bits)
     total = torch.cumsum(values, dim=0)[-1]  # sequential, in the given order
-    if bool((exps == _NONFINITE_EXP).any()):
-        total = torch.full_like(total, float("nan"))
+    total = torch.where((exps == _NONFINITE_EXP).any(), torch.full_like(total, float("nan")), total)
     return total.sqrt().to(torch.float32)
 
 

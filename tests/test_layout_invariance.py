@@ -39,10 +39,11 @@ TOKENS, K_ROW, N_ROW, K_COL, N_COL = (2, 7), 256, 96, 64, 256  # every share who
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"tp": 2, "sequence_parallel": False, "precision": "bf16"}, "not yet precision='bf16'"),
-    ({"tp": 2, "sequence_parallel": False, "ep": 0}, "not yet ep=0"),
-    ({"tp": 2, "sequence_parallel": False, "pp": 2}, "not yet pp=2"),
-    ({"tp": 2, "sequence_parallel": False, "fault_tp_racy_accumulate": True}, "fault_tp_racy_accumulate=True"),
+    ({"tp": 2, "sequence_parallel": False, "precision": "bf16"}, "does not cover precision='bf16' yet"),
+    ({"tp": 2, "sequence_parallel": False, "ep": 0}, "does not cover ep=0 yet"),
+    ({"tp": 2, "sequence_parallel": False, "pp": 2}, "does not cover pp=2 yet"),
+    ({"tp": 2, "dp_shard": 2}, "does not cover dp_shard=2 yet"),
+    ({"tp": 2, "sequence_parallel": False, "fault_tp_racy_accumulate": True}, "does not cover fault_tp_racy_accumulate=True yet"),
     ({"tp": 2, "sequence_parallel": False, "d_model": 96, "num_heads": 2},
      r"at tp=2, d_model=96 and ffn_hidden_size=256 must be multiples of 64"),
     ({"tp": 4, "sequence_parallel": False}, r"at tp=4, d_model=64 .* multiples of 128; change the sizes"),

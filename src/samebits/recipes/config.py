@@ -336,9 +336,9 @@ class RecipeConfig:
             ("dp_shard", self.dp_shard == 1),
             ("fault_tp_racy_accumulate", not self.fault_tp_racy_accumulate)) if not ok]
         need(not blockers,
-             f"tp_reduce='invariant' makes the tensor-parallel linears and the clipping norm "
-             f"independent of tp, not yet {', '.join(blockers)} (docs/invariance.md lists what "
-             "is covered). Set precision=fp32, ep=1, pp=1, dp_shard=1.")
+             f"tp_reduce='invariant' makes the tensor-parallel linears, the norms and the clipping "
+             f"norm independent of tp but does not cover {', '.join(blockers)} yet (docs/invariance.md "
+             "lists what is covered). Set precision=fp32, ep=1, pp=1, dp_shard=1.")
         block = TP_BLOCK_SIZE * self.tp
         need(self.d_model % block == 0 and self.ffn_hidden_size % block == 0,
              f"tp_reduce='invariant' cuts each TP rank's share of a reduction into whole blocks of "

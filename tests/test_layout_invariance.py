@@ -20,8 +20,8 @@ import torch
 
 import samebits
 from samebits.errors import ConfigError
-from samebits.invariant import (column_parallel_linear, invariant_matmul, row_parallel_linear, scale_columns,
-                                sharded_grad_norm)
+from samebits.invariant import (column_parallel_linear, invariant_matmul, invariant_sum, row_parallel_linear,
+                                scale_columns, sharded_grad_norm)
 from samebits.recipes import RecipeConfig
 from samebits.runs.across import compare_replicated
 from samebits.verdicts import Verdict
@@ -60,6 +60,35 @@ def test_tp_reduce_invariant_runs_at_tp_1_and_tp_2_with_or_without_sequence_para
         assert cfg.tp_reduce == "invariant"
     with pytest.raises(ConfigError, match="tp_reduce='fast' is not one of plain, invariant"):
         RecipeConfig(tp_reduce="fast")
+
+
+def test_the_switch_puts_the_invariant_layers_in_the_model_on_one_rank_too():
+    """At tp=1 the recipe's TP linears and the blocks' norms are the invariant ones (the same
+    layer math as at every TP degree); without the switch they are torch's."""
+    from samebits.recipes import parallelize
+    from samebits.recipes.model import Transformer
+
+    def build(tp_reduce):
+        cfg = RecipeConfig(ep=1, num_layers=2, tp_reduce=tp_reduce)
+        model = Transformer(cfg)
+        model.init_weights(torch.Generator().manual_seed(0))
+        parallelize.parallelize(model, cfg, 0, 1)
+        return model
+
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(1))
+    for tp_reduce in ("invariant", "plain"):
+        block = build(tp_reduce).layers["0"]
+        weight = block.attn.out.weight.detach()
+        out = block.attn.out(x)
+        if tp_reduce == "invariant":
+            assert torch.equal(out, invariant_matmul(x, weight.t()))
+        else:
+            assert torch.equal(out, torch.nn.functional.linear(x, weight))
+        norm = block.attn_norm
+        norm(x).square().sum().backward()
+        rows = torch.nn.functional.rms_norm(x, norm.normalized_shape, None, norm.eps)
+        summed = invariant_sum(2 * rows * norm.weight.detach() * rows)  # d(sum y^2)/dw, summed exactly
+        assert torch.equal(norm.weight.grad, summed) == (tp_reduce == "invariant")
 
 
 # --- the runs -----------------------------------------------------------------------------------

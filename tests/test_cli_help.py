@@ -136,3 +136,13 @@ def test_one_table_of_exit_codes_holds_every_code_samebits_gives():
              if name.startswith("EXIT_") and isinstance(value, int)}
     assert given <= documented, f"exit codes missing from docs/cli.md: {sorted(given - documented)}"
     assert verdicts.EXIT_STOPPED == 3
+
+
+def test_a_mistyped_option_gets_did_you_mean(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["diff", "runs/a", "runs/b", "--form-step", "3"])
+    assert done.value.code == 2
+    assert "unrecognized arguments: --form-step 3 (--form-step: did you mean --from-step?)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["diff", "runs/a", "runs/b", "--zzz"])
+    assert capsys.readouterr().err.rstrip().endswith("unrecognized arguments: --zzz")

@@ -100,6 +100,19 @@ def unknown_command(argv: list[str], commands: list[str]) -> str | None:
     return f"unknown command {word!r}; {hint}`samebits --help` lists the commands"
 
 
+def _closest_options(parser: argparse.ArgumentParser, args: argparse.Namespace, extras: list[str]) -> str:
+    """``; did you mean --resume-at?`` for a mistyped option of the command (or of samebits)."""
+    command = parser._subparsers._group_actions[0].choices.get(getattr(args, "command", None) or "", parser)
+    known = [option for action in command._actions for option in action.option_strings if option.startswith("--")]
+    hints = []
+    for word in extras:
+        name = word.split("=", 1)[0]
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.7) if name.startswith("--") else []
+        if close:
+            hints.append(f"{name}: did you mean {close[0]}?")
+    return f" ({'; '.join(hints)})" if hints else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     _safe_output()
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -109,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_usage(sys.stderr)
         print(f"samebits: error: {escape(unknown)}", file=sys.stderr)
         return EXIT_CANNOT_RUN
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:  # what argparse's parse_args refuses, with the closest options of the command
+        parser.error(f"unrecognized arguments: {' '.join(extras)}{_closest_options(parser, args, extras)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_CANNOT_RUN

@@ -1208,3 +1208,146 @@ def test_a_rank_that_refuses_makes_every_rank_refuse_without_waiting(tmp_path):
     for rank in range(2):
         for case in ("json", "shard"):
             assert found[rank][f"{case}_untouched"] and found[rank][f"{case}_seconds"] < 30, found
+
+
+# --- loading under another layout (issue 28) ------------------------------------------------
+
+
+class _Rows(nn.Module):
+    """Rows of a 4x3 weight (all of them, or one rank's half: a tensor-parallel shard) and a
+    replicated bias."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor):
+        super().__init__()
+        self.w, self.b = nn.Parameter(weight.clone()), nn.Parameter(bias.clone())
+
+
+def _rows_bundle(rank: int, world: int, *, trained: bool, **kwargs) -> StateBundle:
+    """One AdamW step on the global weight's rows this rank holds (AdamW is elementwise: each
+    element's bits do not depend on the split), saved with its place at world 2."""
+    g = torch.Generator().manual_seed(0)
+    weight, bias, grad = (torch.randn(4, 3, generator=g), torch.randn(3, generator=g),
+                          torch.randn(4, 3, generator=g))
+    rows = slice(0, 4) if world == 1 else slice(2 * rank, 2 * rank + 2)
+    model = _Rows(weight[rows], bias) if trained else _Rows(torch.zeros(4 // world, 3), torch.zeros(3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    if trained:
+        model.w.grad, model.b.grad = grad[rows].clone(), torch.ones(3)
+        optimizer.step()
+    shards = {} if world == 1 else {"w": checkpoint.TensorShard((4, 3), (2 * rank, 0))}
+    return StateBundle(model=model, optimizer=optimizer, layout={"tp": world},
+                       progress={"step": 1, "consumed_samples": 8},
+                       generators={"jitter": torch.Generator().manual_seed(5)},
+                       **{"shards": shards, **kwargs})
+
+
+def _rows_state(bundle: StateBundle) -> dict[str, torch.Tensor]:
+    state = bundle.optimizer.state_dict()["state"]
+    return {"w": bundle.model.w.detach(), "b": bundle.model.b.detach(),
+            **{f"{p}.{k}": v for i, p in enumerate("wb") for k, v in state[i].items()}}
+
+
+def _layout_worker(rank: int, world: int, init: str, out: str) -> None:
+    """Save the sharded bundle at world 2 (and variants that cannot move); load the world-1
+    checkpoint the test saved into each rank's shard."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    found = {}
+    try:
+        torch.manual_seed(1), np.random.seed(1), random.seed(1)  # the same on both ranks
+        checkpoint.save(Path(out) / "two", _rows_bundle(rank, world, trained=True))
+        torch.manual_seed(10 + rank)  # a per-rank stream (a DP replica's dropout)
+        checkpoint.save(Path(out) / "per-rank-rng", _rows_bundle(rank, world, trained=True))
+        torch.manual_seed(1)
+        bundle = _rows_bundle(rank, world, trained=True)
+        bundle.progress["consumed_samples"] = 8 + rank  # a per-rank data position
+        checkpoint.save(Path(out) / "per-rank-progress", bundle)
+        checkpoint.save(Path(out) / "no-place", _rows_bundle(rank, world, trained=True, shards={},
+                                                             rank_local={"w"}))
+        fresh = _rows_bundle(rank, world, trained=False)
+        checkpoint.load(Path(out) / "one", fresh, allow_layout_change=True)
+        reference = _rows_bundle(rank, world, trained=True)
+        found["from_one"] = {k: torch.equal(v, _rows_state(reference)[k]) for k, v in _rows_state(fresh).items()}
+        found["layout_change"] = fresh.layout_change
+        found["jitter"] = torch.equal(fresh.generators["jitter"].get_state(),
+                                      torch.Generator().manual_seed(5).get_state())
+    finally:
+        Path(f"{out}/found.{rank}.json").write_text(json.dumps(found))
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # skip gloo's C++ static destructors (they abort now and then under load)
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory) -> Path:
+    """A world-1 checkpoint of the whole weight, and world-2 ones of its row shards."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path_factory.mktemp("layouts")
+    checkpoint.save(out / "one", _rows_bundle(0, 1, trained=True))
+    mp.spawn(_layout_worker, args=(2, f"file://{out / 'init'}", str(out)), nprocs=2, join=True)
+    return out
+
+
+def test_shards_saved_at_two_ranks_load_whole_into_one_with_the_opt_in(layouts):
+    """Each rank saved its rows with their place; one process loads the whole weight (and
+    its AdamW moments) joined from both, bit for bit equal to training it whole; the
+    replicated bias, the step counts, the progress and the random states come back too."""
+    reference = _rows_state(_rows_bundle(0, 1, trained=True))
+    fresh = _rows_bundle(0, 1, trained=False)
+    with pytest.raises(CheckpointLayoutError, match=r"world_size=2 and layout \{'tp': 2\}.*"
+                                                    r"allow_layout_change=True"):
+        checkpoint.load(layouts / "two", fresh)
+    assert not fresh.model.w.detach().any()  # refused: nothing changed
+    manifest = json.loads((layouts / "two" / "step-1" / "rank-1.json").read_text())["tensors"]
+    assert manifest["model/w@rank1"]["global_shape"] == [4, 3] and manifest["model/w@rank1"]["offsets"] == [2, 0]
+    torch.manual_seed(99)
+    checkpoint.load(layouts / "two", fresh, allow_layout_change=True)
+    loaded = _rows_state(fresh)
+    assert loaded.keys() == reference.keys() and len(loaded) == 8
+    for name, value in reference.items():
+        assert torch.equal(loaded[name], value), name
+    assert fresh.progress == {"step": 1, "consumed_samples": 8}
+    assert torch.equal(torch.get_rng_state(), (torch.manual_seed(1), torch.get_rng_state())[1])
+    assert fresh.layout_change == {"step": 1, "from": {"world_size": 2, "layout": {"tp": 2}},
+                                   "to": {"world_size": 1, "layout": {"tp": 1}}}
+    assert checkpoint.saved_layout(layouts / "two") == {
+        "directory": str(layouts / "two" / "step-1"), "step": 1, "world_size": 2, "layout": {"tp": 2}}
+
+
+def test_a_whole_tensor_saved_at_one_rank_is_cut_into_each_ranks_shard(layouts):
+    for rank in range(2):
+        found = json.loads((layouts / f"found.{rank}.json").read_text())
+        assert found["from_one"] == {k: True for k in ("w", "b", "w.step", "w.exp_avg", "w.exp_avg_sq",
+                                                       "b.step", "b.exp_avg", "b.exp_avg_sq")}, found
+        assert found["layout_change"]["from"] == {"world_size": 1, "layout": {"tp": 1}}, found
+        assert found["layout_change"]["to"] == {"world_size": 2, "layout": {"tp": 2}} and found["jitter"]
+
+
+def test_what_cannot_move_to_another_layout_is_refused_by_name(layouts):
+    """Per-rank random streams, per-rank plain values and rank-local tensors without a place:
+    refused with the opt-in, naming them, the bundle untouched; a program that reseeds every
+    draw keeps its live random states instead."""
+    cases = {"per-rank-rng": r"random state\(s\) torch_cpu \(rank 0 vs 1\) differ between the saved ranks.*"
+                             r"reseeded_rng=True",
+             "per-rank-progress": r"field progress.consumed_samples is 8 on saved rank 0 but 9 on saved rank 1",
+             "no-place": r"model/w is rank-local .* differs between them, .* no place in a global tensor for it "
+                         r"\(StateBundle.shards\)"}
+    for name, message in cases.items():
+        fresh = _rows_bundle(0, 1, trained=False)
+        with pytest.raises(CheckpointLayoutError, match=message):
+            checkpoint.load(layouts / name, fresh, allow_layout_change=True)
+        assert not fresh.model.w.detach().any() and fresh.progress["consumed_samples"] == 8, name
+    fresh = _rows_bundle(0, 1, trained=False)
+    torch.manual_seed(99)
+    live = torch.get_rng_state()
+    checkpoint.load(layouts / "per-rank-rng", fresh, allow_layout_change=True, reseeded_rng=True)
+    assert torch.equal(torch.get_rng_state(), live) and torch.equal(fresh.model.w, _rows_bundle(0, 1, trained=True).model.w)
+
+
+def test_a_shard_place_that_does_not_hold_the_tensor_is_a_config_error(tmp_path):
+    bundle = _rows_bundle(0, 1, trained=True, shards={"w": checkpoint.TensorShard((4, 3), (2, 0))})
+    with pytest.raises(samebits.errors.ConfigError, match=r"StateBundle.shards\['w'\] places a tensor of shape "
+                                                          r"\[4, 3\] at offsets \[2, 0\]"):
+        checkpoint.save(tmp_path, bundle)

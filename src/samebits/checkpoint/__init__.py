@@ -5,6 +5,8 @@
                          generators={"dropout": gen}, layout={"dp": 2})
     save("ckpt", bundle)          # collective; commits ckpt/step-<step> atomically
     load("ckpt", bundle)          # collective; follows ckpt/latest, restores in place
+    load("ckpt", bundle, allow_layout_change=True)  # another DP/TP size: replicated state,
+                                  # shards cut by StateBundle.shards, refusals by name
 
 Per rank it stores model, optimizer (by parameter name), LR schedule, loop position and
 every random state (Python, NumPy, torch CPU, CUDA per device, the bundle's generators),
@@ -15,18 +17,20 @@ the `STATE_PHASE` phase of the run's census stream (`census_recorder`, `CENSUS_D
 resume that lost one shows which (`describe_state_record`).
 """
 
-from samebits.checkpoint._bundle import StateBundle
+from samebits.checkpoint._bundle import StateBundle, TensorShard
 from samebits.checkpoint._census import (CENSUS_DIR, STATE_PHASE, census_recorder, census_run, describe_state_record,
                                          global_rng_record, state_census)
 from samebits.checkpoint._errors import CheckpointError, CheckpointLayoutError
 from samebits.checkpoint._rng import GLOBAL_RNG_NAMES, capture_rng_state, restore_rng_state
-from samebits.checkpoint._storage import DROP_RNG_ENV, SAVE_PAUSE_ENV, load, resolve, save
+from samebits.checkpoint._storage import DROP_RNG_ENV, SAVE_PAUSE_ENV, load, resolve, save, saved_layout
 
 __all__ = [
     "StateBundle",
+    "TensorShard",
     "save",
     "load",
     "resolve",
+    "saved_layout",
     "capture_rng_state",
     "restore_rng_state",
     "CheckpointError",

@@ -7,7 +7,9 @@ writes, every tensor reference where `save` puts it, every setting of the optimi
 and the scheduler one its own `state_dict()` has, of the kind it has), and `apply` checks
 the loaded random states on scratch generators before it changes anything.  Keys of
 rank-local values carry `@rank<r>`, so DCP (which keeps one copy of a key saved by several
-ranks) never merges two ranks' random states or expert shards.
+ranks) never merges two ranks' random states or expert shards; a rank-local tensor that is
+a piece of a global one (`StateBundle.shards`) records its place in the manifest, so a load
+under another layout can cut each new rank's piece from the saved ones (`_layout`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,17 @@ _TENSOR, _TUPLE = "__tensor__", "__tuple__"  # tags of the JSON tree; reserved a
 #: Deepest nesting of a plain value `save` writes (and `load` reads: deeper is damage).
 MAX_DEPTH = 100
 DAMAGED = "the file is damaged or was edited: load an older step-K directory or save again"
+
+
+@dataclass(frozen=True)
+class TensorShard:
+    """Where this rank's tensor lies in a global one: the global shape and the offsets of its
+    first element along each dimension (its own shape gives the sizes), as a DTensor's
+    `__create_chunk_list__()` or a Megatron shard's partition say.  A load under another
+    layout cuts each new rank's piece from the saved pieces by these places."""
+
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
 
 
 @dataclass
@@ -56,11 +69,23 @@ class StateBundle:
     The global Python, NumPy, torch CPU and CUDA states are always captured."""
 
     layout: Mapping[str, int] = field(default_factory=dict)
-    """Parallel layout, e.g. {"dp": 2, "ep": 2}; loading under another layout is refused."""
+    """Parallel layout, e.g. {"dp": 2, "ep": 2}; loading under another layout (or world
+    size) is refused unless `load(..., allow_layout_change=True)`."""
 
     rank_local: Collection[str] = ()
     """Names of model parameters whose value differs per rank (expert-parallel shards);
     every other parameter must be identical on all ranks (DCP stores one copy of it)."""
+
+    shards: Mapping[str, TensorShard] = field(default_factory=dict)
+    """Model entries (by state_dict name) that are this rank's piece of a global tensor
+    (tensor-parallel shards), with their place in it.  They are rank-local (listed here or
+    not in `rank_local`); so is their optimizer state, which has the same place when it has
+    the shard's shape.  A load under another layout cuts each rank's piece from these."""
+
+    layout_change: dict[str, Any] | None = None
+    """Set by `load`: None when the checkpoint was saved with this world size and layout;
+    after a load under another layout, {"step", "from": {"world_size", "layout"}, "to": {...}}
+    (the old layout and the new one, for the run to record)."""
 
     metadata: dict[str, Any] = field(default_factory=dict)
     """Plain JSON-able values kept with the checkpoint (e.g. the run's config); `load`
@@ -70,7 +95,9 @@ class StateBundle:
 def collect(bundle: StateBundle, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(flat tensors keyed for DCP, JSON-able tree with {"__tensor__": key} placeholders)."""
     tensors: dict[str, torch.Tensor] = {}
-    rank_local = set(bundle.rank_local)
+    shards = dict(bundle.shards)
+    rank_local = set(bundle.rank_local) | set(shards)
+    places: dict[str, TensorShard] = {}  # key -> place of the tensors that are pieces
 
     def key_for(section: str, name: str) -> str:
         return f"{section}/{name}@rank{rank}" if name in rank_local else f"{section}/{name}"
@@ -79,8 +106,15 @@ def collect(bundle: StateBundle, rank: int) -> tuple[dict[str, torch.Tensor], di
         tensors[key] = value.detach()
         return _Stored({_TENSOR: key})
 
-    for name, value in bundle.model.state_dict().items():
-        put(key_for("model", name), value)
+    model_state = bundle.model.state_dict()
+    unknown = sorted(set(shards) - set(model_state))
+    if unknown:
+        raise ConfigError(f"StateBundle.shards names {unknown}, which are not entries of the "
+                          "model's state_dict(); give each shard's place under its state_dict name")
+    for name, value in model_state.items():
+        key = put(key_for("model", name), value)[_TENSOR]
+        if name in shards:
+            places[key] = _checked_place(name, shards[name], value)
 
     optimizer = None
     if bundle.optimizer is not None:
@@ -95,6 +129,12 @@ def collect(bundle: StateBundle, rank: int) -> tuple[dict[str, torch.Tensor], di
                 for index, entry in state_dict["state"].items()
             },
         }
+        for index, entry in state_dict["state"].items():  # moments shaped like their shard
+            name = names[index]
+            for k, v in entry.items():
+                if (name in shards and isinstance(v, torch.Tensor)
+                        and v.shape == model_state[name].shape):
+                    places[f"{key_for('optim', name)}/{k}"] = shards[name]
 
     rng = _encode(capture_rng_state(bundle.generators), f"rng@rank{rank}", put)
     plain = {
@@ -104,10 +144,26 @@ def collect(bundle: StateBundle, rank: int) -> tuple[dict[str, torch.Tensor], di
         "lr_scheduler": _encode(bundle.lr_scheduler.state_dict(), "lr_scheduler", None)
         if bundle.lr_scheduler is not None else None,
         "rng": rng,
-        "tensors": {k: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+        "tensors": {k: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+                        **({"global_shape": list(places[k].global_shape),
+                            "offsets": list(places[k].offsets)} if k in places else {})}
                     for k, t in tensors.items()},
     }
     return tensors, plain
+
+
+def _checked_place(name: str, place: TensorShard, value: torch.Tensor) -> TensorShard:
+    """`place` as plain ints, refused unless it holds `value`'s shape inside the global one."""
+    shape, global_shape, offsets = list(value.shape), list(place.global_shape), list(place.offsets)
+    if (len(global_shape) != len(shape) or len(offsets) != len(shape)
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                       for n in (*global_shape, *offsets))
+            or any(o + n > g for o, n, g in zip(offsets, shape, global_shape))):
+        raise ConfigError(f"StateBundle.shards[{name!r}] places a tensor of shape {shape} at "
+                          f"offsets {offsets} of a global tensor of shape {global_shape}, which "
+                          "does not hold it; give the global shape and the offsets of this "
+                          "rank's piece (one non-negative int per dimension)")
+    return TensorShard(tuple(global_shape), tuple(offsets))
 
 
 def empty_tensors(plain: Mapping[str, Any]) -> dict[str, torch.Tensor]:

@@ -13,11 +13,14 @@ class CheckpointError(SamebitsError):
 
 
 class CheckpointLayoutError(CheckpointError):
-    """The checkpoint was written by another world size or parallel layout.
+    """The checkpoint was written by another world size or parallel layout, and cannot be
+    loaded under this one.
 
-    A bitwise resume needs every rank's own random states, data position and shards back on
-    the same rank, so resharding is refused: resume with the world size and layout stored
-    in the checkpoint's meta.json.
+    Without `load(..., allow_layout_change=True)` any other layout is refused: resume with
+    the world size and layout stored in the checkpoint's meta.json.  With it, what cannot
+    move bitwise is refused by name: a value or random stream that differs per saved rank,
+    a rank-local tensor with no place in a global one (`StateBundle.shards`), pieces that do
+    not tile their tensor.
     """
 
 

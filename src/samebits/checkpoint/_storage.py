@@ -55,6 +55,7 @@ from samebits.fingerprint import DIGEST_VERSION, DTYPE_CODES, digest_many
 from samebits.checkpoint._bundle import (DAMAGED, MAX_DEPTH, StateBundle, apply, check,
                                          check_loaded, collect, empty_tensors)
 from samebits.checkpoint._errors import CheckpointError, CheckpointLayoutError
+from samebits.checkpoint._layout import plan_move
 from samebits.errors import SamebitsError
 
 FORMAT = "samebits-checkpoint/2"
@@ -265,39 +266,61 @@ def _latest_name(root: Path) -> str | None:
     return name
 
 
-def load(path: str | os.PathLike, bundle: StateBundle) -> Path:
+def load(path: str | os.PathLike, bundle: StateBundle, *, allow_layout_change: bool = False,
+         reseeded_rng: bool = False) -> Path:
     """Load into the bundle in place; `path` is a root (follows `latest`) or a step-K dir.
 
-    Collective, like `save`.  Refuses (CheckpointLayoutError) a checkpoint written by another
-    world size or layout.  All or nothing, on every rank: anything wrong with the checkpoint
-    is a `CheckpointError` naming the file (and field) before any bundle changes, and the ranks
-    agree before reading the shards and before applying, so one rank's refusal is every
-    rank's (none waits in a collective for a rank that gave up).  Returns the directory it
-    loaded.
+    Collective, like `save`.  A checkpoint written by another world size or layout is refused
+    (CheckpointLayoutError) unless `allow_layout_change`: then replicated state goes to every
+    rank, each rank's piece of a sharded tensor (`StateBundle.shards`) is cut from the saved
+    pieces, random states the same on every saved rank are restored, and what cannot move
+    (per-rank values and random streams, rank-local tensors without a place) is refused by
+    name (`_layout`).  `reseeded_rng` (at a layout change only; at the saved layout every
+    state is restored): the program reseeds every draw from a key that does not depend on
+    the layout, so the live random states stay.
+    The change is set on `bundle.layout_change` and said on stderr (rank 0).
+
+    All or nothing, on every rank: anything wrong with the checkpoint is a `CheckpointError`
+    naming the file (and field) before any bundle changes, and the ranks agree before
+    reading the shards and before applying, so one rank's refusal is every rank's (none
+    waits in a collective for a rank that gave up).  Returns the directory it loaded.
     """
     rank, world_size = group_rank_and_world_size()
+    move = None
     with _agreed(rank, world_size, "before reading the shards"):
         directory = resolve(path)
         real = Path(os.path.realpath(directory))  # files are opened without following links
         meta = _read_meta(directory / "meta.json", real / "meta.json")
-        if meta["world_size"] != world_size or meta["layout"] != dict(bundle.layout):
+        moved = meta["world_size"] != world_size or meta["layout"] != dict(bundle.layout)
+        if moved and not allow_layout_change:
             raise CheckpointLayoutError(
                 f"{directory} was saved with world_size={meta['world_size']} and layout "
                 f"{meta['layout']}, but rank {rank} loads it with world_size={world_size} and "
                 f"layout {dict(bundle.layout)}; resume with the saved world size and layout "
-                "(per-rank random states and shards cannot be moved bitwise)")
-        rank_path = directory / f"rank-{rank}.json"
-        plain = _read_rank_manifest(rank_path, real / rank_path.name, rank, meta)
+                "(per-rank random states and shards cannot be moved bitwise), or, where the state "
+                "allows it, opt in with allow_layout_change=True (docs/checkpoint.md)")
         skip = [name.strip() for name in os.environ.get(DROP_RNG_ENV, "").split(",")
                 if name.strip()]
-        plan = check(bundle, plain, rank=rank, source=str(rank_path), skip_rng=skip)
+        if not moved:
+            rank_path = directory / f"rank-{rank}.json"
+            plain = _read_rank_manifest(rank_path, real / rank_path.name, rank, meta)
+            reads = plain["tensors"]
+        else:
+            rank_path = directory / "rank-0.json"
+            saved = [_read_rank_manifest(directory / f"rank-{r}.json", real / f"rank-{r}.json", r, meta)
+                     for r in range(meta["world_size"])]
+            move = plan_move(bundle, saved, rank=rank, source=str(directory),
+                             reseeded_rng=reseeded_rng, skip_rng=tuple(skip))
+            plain, reads = move.plain, move.reads
+        source = str(rank_path) if move is None else (
+            f"{directory} (saved at world_size={meta['world_size']}, loaded by rank {rank} of {world_size})")
+        plan = check(bundle, plain, rank=rank, source=source, skip_rng=skip)
         metadata = _read_dcp_metadata(directory / ".metadata", real / ".metadata", meta)
-        metadata = _check_dcp_metadata(directory / ".metadata", real, metadata,
-                                       plain["tensors"], rank_path)
+        metadata = _check_dcp_metadata(directory / ".metadata", real, metadata, reads, rank_path)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    tensors = empty_tensors(plain)
+    tensors = empty_tensors({"tensors": reads})
     try:  # collective: DCP raises on every rank when one fails
         with _quiet_single_process():
             dcp.load(tensors, storage_reader=_safe_reader(real, metadata),
@@ -307,14 +330,37 @@ def load(path: str | os.PathLike, bundle: StateBundle) -> Path:
                               "the shards are damaged or incomplete: load an older step") from err
     with _agreed(rank, world_size, "after reading the shards"):
         if meta["format"] == FORMAT:
-            _check_digests(tensors, plain["tensors"], meta, rank_path, directory)
+            _check_digests(tensors, reads, meta, rank_path, directory)
+        if move is not None:
+            tensors = move.assemble(tensors)
         check_loaded(bundle, tensors, plan)
     if skip:
         print(f"samebits.checkpoint: rank {rank} leaves out random state(s) {', '.join(skip)} "
               f"on purpose ({DROP_RNG_ENV}); the resume will not be bitwise",
               file=sys.stderr, flush=True)
     apply(bundle, tensors, plan)
+    bundle.layout_change = None
+    if move is not None:
+        bundle.layout_change = {"step": meta["step"],
+                                "from": {"world_size": meta["world_size"], "layout": meta["layout"]},
+                                "to": {"world_size": world_size, "layout": dict(bundle.layout)}}
+        if rank == 0:
+            print(f"samebits.checkpoint: loaded {directory} (saved at world_size="
+                  f"{meta['world_size']}, layout {meta['layout']}) at world_size={world_size}, layout "
+                  f"{dict(bundle.layout)}: a layout change (allow_layout_change"
+                  f"{', reseeded_rng: the live random states kept' if reseeded_rng else ''})",
+                  file=sys.stderr, flush=True)
     return directory
+
+
+def saved_layout(path: str | os.PathLike) -> dict[str, Any]:
+    """{"directory", "step", "world_size", "layout"} of the checkpoint `path` names (a root's
+    latest or a step-K directory), from its checked meta.json: what a resume at another
+    layout changes from, known before anything is built."""
+    directory = resolve(path)
+    meta = _read_meta(directory / "meta.json", Path(os.path.realpath(directory)) / "meta.json")
+    return {"directory": str(directory), "step": meta["step"], "world_size": meta["world_size"],
+            "layout": meta["layout"]}
 
 
 @contextlib.contextmanager
@@ -750,13 +796,25 @@ def _read_rank_manifest(path: Path, real: Path, rank: int, meta: dict[str, Any])
 
 
 def _is_tensor_spec(spec: Any, legacy: bool) -> bool:
-    return (isinstance(spec, dict) and set(spec) <= {"shape", "dtype", "digest"}
+    """shape, dtype, a digest (format 2) and, for a piece of a global tensor, its place
+    (global_shape and offsets, holding the piece)."""
+    placed = isinstance(spec, dict) and ("global_shape" in spec or "offsets" in spec)
+    return (isinstance(spec, dict)
+            and set(spec) <= {"shape", "dtype", "digest", "global_shape", "offsets"}
             and isinstance(spec.get("shape"), list) and len(spec["shape"]) <= _MAX_DIMS
             and all(_is_count(n) for n in spec["shape"])
+            and (not placed or _is_place(spec["shape"], spec.get("global_shape"), spec.get("offsets")))
             and isinstance(spec.get("dtype"), str)
             and isinstance(getattr(torch, spec["dtype"], None), torch.dtype)
             and ("digest" not in spec or (not legacy and isinstance(spec["digest"], str)
                                           and re.fullmatch(r"[0-9a-f]{16}", spec["digest"]) is not None)))
+
+
+def _is_place(shape: list, global_shape: Any, offsets: Any) -> bool:
+    return (isinstance(global_shape, list) and isinstance(offsets, list)
+            and len(global_shape) == len(shape) == len(offsets)
+            and all(_is_count(n) for n in (*global_shape, *offsets))
+            and all(o + n <= g for o, n, g in zip(offsets, shape, global_shape)))
 
 
 def _open_regular(path: Path, what: str, shown: Path | None = None):

@@ -8,6 +8,8 @@ print.
     python -m samebits.recipes --steps 20 --save-at 10 --ckpt ckpt        # save, exit
     python -m samebits.recipes --steps 20 --save-at 10 --ckpt ckpt --keep-going  # save, go on
     python -m samebits.recipes --steps 20 --resume-from ckpt                # continue
+    python -m samebits.recipes --steps 20 --resume-from ckpt --allow-layout-change \
+        --set grad_reduce=invariant --set ep=1            # continue a dp2 checkpoint on one rank
     python -m samebits.recipes --preset nondeterministic --set seed=3
     torchrun --nproc_per_node 4 -m samebits.recipes --cell tp2-dp2 --steps 3  # a parallel cell
 
@@ -26,6 +28,7 @@ import sys
 from pathlib import Path
 
 import samebits
+from samebits import checkpoint
 from samebits.autorecord import EXIT_STOPPED, STOPPED_MARKER  # --out marker when the live check stopped the run
 from samebits.errors import ConfigError, SamebitsError
 from samebits.recipes.config import PRESETS, RecipeConfig
@@ -55,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="after --save-at, train on to --steps instead of exiting")
     parser.add_argument("--resume-from", type=Path, metavar="DIR",
                         help="checkpoint root (its latest) or step-K directory to resume from")
+    parser.add_argument("--allow-layout-change", action="store_true",
+                        help="with --resume-from: the checkpoint may have been saved at another DP "
+                             "size (needs grad_reduce=invariant) or TP size (tp_reduce=invariant); "
+                             "the stream header records the saved layout (docs/checkpoint.md)")
     parser.add_argument("--check", action="store_true",
                         help="check the options and the config (preset, cell, --set), then exit: no training")
     return parser
@@ -71,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--save-at and --ckpt go together: give both or neither")
         if args.keep_going and args.save_at is None:
             raise ConfigError("--keep-going needs --save-at K and --ckpt DIR (it trains on after saving)")
+        if args.allow_layout_change and args.resume_from is None:
+            raise ConfigError("--allow-layout-change needs --resume-from DIR (it lets that checkpoint "
+                              "load under another layout)")
         if args.reference is not None and args.out is None:
             raise ConfigError("--reference needs --out (the live check runs in the recorder)")
     except ValueError as err:
@@ -87,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                 recorder = _make_recorder(args, cfg, rank, world_size)
             try:
                 result = train(cfg, steps=args.steps, recorder=recorder, save_at=args.save_at,
-                               ckpt_dir=args.ckpt, resume_from=args.resume_from, keep_going=args.keep_going,
+                               ckpt_dir=args.ckpt, resume_from=args.resume_from,
+                               allow_layout_change=args.allow_layout_change, keep_going=args.keep_going,
                                log=True)
             finally:
                 if recorder is not None and hasattr(recorder, "close"):
@@ -115,5 +126,8 @@ def _make_recorder(args, cfg: RecipeConfig, rank: int, world_size: int):
     coords = dims.coords(rank)
     # The stream header records the cell and its mesh sizes next to the config.
     config = {**cfg.to_dict(), "parallel": {"cell": dims.name, "mesh": dims.sizes()}}
+    if args.allow_layout_change:  # the run records the layout it resumed from (the header: this one)
+        saved = checkpoint.saved_layout(args.resume_from)
+        config["resumed_from"] = {k: saved[k] for k in ("step", "world_size", "layout")}
     return samebits.Recorder(args.out, rank=rank, world_size=world_size, config=config,
                              coords={k: coords[k] for k in ("dp", "ep", "tp", "pp")}, **kwargs)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from samebits.errors import ConfigError
 from samebits import checkpoint, trace
@@ -42,12 +43,13 @@ class TrainResult:
     metrics: list[dict[str, float]] = field(default_factory=list)  # per step run, this rank
     stopped_at: int | None = None  # step that diverged from the reference run
     checkpoint: Path | None = None  # directory saved by save_at
+    layout_change: dict[str, Any] | None = None  # a resume under another layout: from, to (StateBundle)
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # final local parameters
 
 
 def train(config: RecipeConfig, *, steps: int, recorder: Any = None, census: Any = None,
           save_at: int | None = None, ckpt_dir: str | Path | None = None, resume_from: str | Path | None = None,
-          keep_going: bool = False, log: bool = False) -> TrainResult:
+          allow_layout_change: bool = False, keep_going: bool = False, log: bool = False) -> TrainResult:
     """Run optimizer steps [start, steps) on this rank; start is 0 or the resumed step.
 
     Joins the torchrun process group when the environment names one (or uses one already
@@ -57,14 +59,16 @@ def train(config: RecipeConfig, *, steps: int, recorder: Any = None, census: Any
     records; when its `end_step` returns False on any rank, every rank stops.  `census`
     receives the state census at each step start (and its `end_step`); by default the census
     stream beside a samebits Recorder's (`samebits.checkpoint.census_recorder`, RUN/state),
-    none beside a duck-typed recorder.
+    none beside a duck-typed recorder.  `allow_layout_change`: `resume_from` may have been
+    saved at another DP size (with grad_reduce=invariant) or TP size (tp_reduce=invariant),
+    where the bits do not depend on the layout; anything else is refused (`_Run.resume`).
     """
     if save_at is not None and (ckpt_dir is None or not 0 <= save_at <= steps):
         raise ConfigError(f"save_at={save_at} needs ckpt_dir and 0 <= save_at <= steps={steps}")
     with session(config) as (rank, world_size):
         run = _Run(config, rank, world_size)
         if resume_from is not None:
-            run.resume(resume_from)
+            run.resume(resume_from, allow_layout_change=allow_layout_change)
         opened = census is None
         if opened:
             census = checkpoint.census_recorder(recorder, append=resume_from is not None)
@@ -156,9 +160,11 @@ class _Run:
         # Nothing replaces a parameter after this point (a resume loads into them in place).
         self.named_params = list(model.named_parameters())
         self.step = 0
+        self.layout_change: dict[str, Any] | None = None  # set by a resume under another layout
 
     def bundle(self) -> checkpoint.StateBundle:
-        # DTensor shards (TP, FSDP2) go through views that save each rank's local shard.
+        # DTensor shards (TP, FSDP2) go through views that save each rank's local shard, with
+        # its place in the global tensor (a load at another TP size cuts its shard from them).
         sharded = parallelize.sharded_names(self.model)
         model = parallelize.LocalShardsModel(self.model) if sharded else self.model
         optimizer = parallelize.LocalShardsOptimizer(self.optimizer) if sharded \
@@ -170,26 +176,70 @@ class _Run:
             layout=self.layout.checkpoint_layout,
             rank_local=self.layout.expert_param_names | sharded
             | self.precision.rank_local_names,
+            shards=_shard_places(self.model),
             metadata={"config": self.cfg.to_dict()},
         )
 
-    def resume(self, path: str | Path) -> None:
+    def resume(self, path: str | Path, *, allow_layout_change: bool = False) -> None:
         bundle = self.bundle()
-        checkpoint.load(path, bundle)
+        reseeded_rng = False
+        if allow_layout_change:
+            saved = checkpoint.saved_layout(path)
+            if saved["world_size"] != self.layout.world_size or saved["layout"] != bundle.layout:
+                reseeded_rng = self._check_layout_change(path, saved, dict(bundle.layout))
+        checkpoint.load(path, bundle, allow_layout_change=allow_layout_change, reseeded_rng=reseeded_rng)
+        self.layout_change = bundle.layout_change
         self.step = int(bundle.progress["step"])
         self.data.load_state_dict(bundle.progress)
-        saved = bundle.metadata.get("config", {})
-        changed = sorted(k for k, v in self.cfg.to_dict().items() if saved.get(k) != v)
+        saved_config = bundle.metadata.get("config", {})
+        ignored = LAYOUT_FIELDS if self.layout_change is not None else ()
+        changed = sorted(k for k, v in self.cfg.to_dict().items()
+                         if saved_config.get(k) != v and k not in ignored)
+        if changed and self.layout_change is not None:
+            raise ConfigError(
+                f"resuming {path} at another layout with a different config ("
+                + ", ".join(f"{k}: {saved_config.get(k)!r} -> {getattr(self.cfg, k)!r}" for k in changed)
+                + "): a layout change is bitwise only with the saved config; resume with it "
+                  "(only the layout may change)")
         if changed and self.rank == 0:
             warnings.warn(f"resuming from {path} with a different config ("
-                          + ", ".join(f"{k}: {saved.get(k)!r} -> {getattr(self.cfg, k)!r}"
+                          + ", ".join(f"{k}: {saved_config.get(k)!r} -> {getattr(self.cfg, k)!r}"
                                       for k in changed)
                           + "); the run will not be bitwise equal to an uninterrupted one",
                           stacklevel=3)
 
+    def _check_layout_change(self, path, saved: dict[str, Any], layout: dict[str, int]) -> bool:
+        """Refuse a layout change the recipe cannot make bitwise (ConfigError naming the switch
+        it needs); returns whether the random states stay live (`checkpoint.load`'s
+        reseeded_rng: under grad_reduce=invariant every draw is keyed by (step, micro-batch))."""
+        cfg, before = self.cfg, _full_layout(saved["layout"])
+        after = _full_layout(layout)
+        changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+        where = (f"resuming {path} (saved at world_size={saved['world_size']}, layout {saved['layout']}) "
+                 f"at world_size={self.layout.world_size}, layout {layout}")
+        others = [k for k in changed if k not in ("dp", "tp", "sequence_parallel")]
+        if others:
+            raise ConfigError(f"{where} changes {', '.join(others)}: the recipe moves a checkpoint "
+                              "only to another DP size (grad_reduce=invariant) or TP size "
+                              "(tp_reduce=invariant), where the bits do not depend on the layout; "
+                              "resume at the saved layout")
+        if "dp" in changed and cfg.grad_reduce != "invariant":
+            raise ConfigError(f"{where} changes the DP size from {before['dp']} to {after['dp']}, but "
+                              f"grad_reduce={cfg.grad_reduce!r} sums gradients in an order that depends "
+                              "on it, so the resumed run would differ from the uninterrupted one: "
+                              "train and resume with --set grad_reduce=invariant (docs/invariance.md), "
+                              "or resume at the saved layout")
+        tp_changes = [k for k in changed if k in ("tp", "sequence_parallel")]
+        if tp_changes and cfg.tp_reduce != "invariant":
+            raise ConfigError(f"{where} changes the TP layout ({', '.join(tp_changes)}), "
+                              f"but tp_reduce={cfg.tp_reduce!r} sums the row-parallel products over "
+                              "the TP ranks, so the bits depend on it: train and resume with --set "
+                              "tp_reduce=invariant (docs/invariance.md), or resume at the saved layout")
+        return "dp" in changed
+
     def loop(self, steps: int, *, recorder, census=None, save_at, ckpt_dir, log: bool,
              keep_going: bool = False) -> TrainResult:
-        result = TrainResult(start_step=self.step, end_step=self.step)
+        result = TrainResult(start_step=self.step, end_step=self.step, layout_change=self.layout_change)
         if save_at is not None and save_at < self.step:
             raise ConfigError(f"save_at={save_at} is before the resumed step {self.step}")
         tracer = trace.attach_from_env(self.model, recorder)  # off unless SAMEBITS_TRACE* is set
@@ -374,6 +424,25 @@ class _Run:
 
 
 LOSS_NAMES = ("loss", "lm_loss", "load_balancing_loss", "mtp_loss")
+# Config fields that name the layout: a resume under another layout may change them.
+LAYOUT_FIELDS = ("dp_replicate", "dp_shard", "tp", "pp", "ep", "sequence_parallel")
+
+
+def _full_layout(layout: dict[str, int]) -> dict[str, int]:
+    """A checkpoint layout with the sizes it leaves out (1) and sequence_parallel (0) filled."""
+    return {"dp_shard": 1, "tp": 1, "pp": 1, "sequence_parallel": 0, **layout}
+
+
+def _shard_places(model: torch.nn.Module) -> dict[str, checkpoint.TensorShard]:
+    """Each DTensor parameter's place in its global tensor (its local chunk's offsets), for
+    the placements whose chunk is one box (Shard, Replicate); FSDP2's strided shards under
+    TP have none and cannot move to another layout."""
+    places = {}
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor) and all(type(p) in (Shard, Replicate) for p in param.placements):
+            (chunk,) = param.__create_chunk_list__()
+            places[name] = checkpoint.TensorShard(tuple(param.shape), tuple(chunk.offsets))
+    return places
 
 
 def _wanted_phases(rec, step: int):

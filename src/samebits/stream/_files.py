@@ -1,5 +1,6 @@
 """The Recorder's files: the stream file (created or continued, locked, written by its owner
-process only), the step-times file beside it, and the run id the ranks of one run agree on.
+process only) and its header, the step-times file beside it, and the run id the ranks of one
+run agree on.
 
 Nothing here encodes records (`_encoder`) or decides what is recorded (`recorder`): a
 `StreamFile` takes finished frames and hands them to the OS in one write per flush.
@@ -9,18 +10,23 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import importlib.metadata
 import json
+import math
 import os
 import socket
 import time
 import uuid
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from samebits import fingerprint, settings
+from samebits.determinism import active_record
 from samebits.errors import StreamError
 from samebits.stream import _format as fmt
+from samebits.stream.environment import environment_fingerprint
 from samebits.stream.reader import StreamReader
 
 STEP_TIMES_SUFFIX = ".steptimes"
@@ -232,6 +238,52 @@ class StepTimes:
             self.flush()
             self._file.close()
             self._file = None
+
+
+# -- the header ----------------------------------------------------------------------------
+
+
+def stream_header(s, coords, config) -> dict:
+    """A stream's HEADER frame (docs/stream.md, "The header") for the Recorder settings ``s``,
+    but its run id and segment, chosen once the file is open (`StreamFile`, `choose_run_id`)."""
+    return {
+        "schema": fmt.SCHEMA_VERSION,
+        fmt.DIGEST_VERSION_KEY: fingerprint.DIGEST_VERSION,
+        "run_id": None,
+        "run_id_source": None,
+        "rank": s.rank,
+        "world_size": s.world_size,
+        "coords": dict(coords or {}),
+        "config": _jsonable(dict(config or {})),
+        "window": [s.step_start, s.step_stop],
+        "phases": sorted(s.phases) if s.phases is not None else None,
+        "ranks": sorted(s.ranks) if s.ranks is not None else None,
+        "max_tensor_bytes": s.max_tensor_bytes,
+        **({"include": list(s.include), "exclude": list(s.exclude)} if s.filters_names else {}),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "samebits": _samebits_version(),
+        "environment": environment_fingerprint(),
+        "determinism": active_record(),
+    }
+
+
+def _jsonable(value):
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
+def _samebits_version() -> str:
+    try:
+        return importlib.metadata.version("samebits")  # not `samebits.__version__`: a layer up
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 # -- the run id ----------------------------------------------------------------------------

@@ -13,26 +13,21 @@ the host per tensor.
 from __future__ import annotations
 
 import atexit
-import importlib.metadata
 import json
-import math
 import operator
 import os
-import time
 import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from samebits import fingerprint
-from samebits.determinism import active_record
 from samebits.errors import ConfigError, StreamError
 from samebits.fingerprint import all_unsharded, local_part
 from samebits.settings import RecordingSpec
 from samebits.stream import _format as fmt
 from samebits.stream._encoder import GLOBAL_PHASE_PREFIX, PendingStep, StepEncoder, index_frames
 from samebits.stream._files import (RUN_ID_FILE, STEP_TIMES_SUFFIX, StepTimes, StreamFile, choose_run_id,
-                                    sibling_run_id)
-from samebits.stream.environment import environment_fingerprint
+                                    sibling_run_id, stream_header)
 from samebits.stream.reader import open_run
 from samebits.stream.settings import RecorderSettings
 
@@ -110,7 +105,7 @@ class Recorder:
         s.directory.mkdir(parents=True, exist_ok=True)
         self.path = s.directory / fmt.stream_filename(s.rank)
         self._pid = os.getpid()  # the owning process: a forked child never writes this stream
-        header = _header(s, coords, config)
+        header = stream_header(s, coords, config)
         if reference is not None:  # before creating anything: a bad reference leaves no file behind
             reference_run = open_run(reference)
             if reference_run.digest_version != fingerprint.DIGEST_VERSION:
@@ -375,9 +370,11 @@ class Recorder:
         """Encodes the step into the stream's buffer; flushes every ``flush_every`` steps."""
         names_frame, frame, root = self._encoder.encode_step(pending)
         stream = self._stream
-        stream.buffer += names_frame
-        self._index.append((pending.step, len(pending.records), root, stream.tell()))
-        stream.buffer += frame
+        buffer = stream.buffer
+        if names_frame:
+            buffer += names_frame
+        self._index.append((pending.step, len(pending.records), root, stream.written + len(buffer)))  # its offset
+        buffer += frame
         self._last_step = pending.step
         self._times.add(pending.step, pending.opened)
         self._num_steps += 1
@@ -439,29 +436,6 @@ def _close_open_recorders() -> None:  # a script that forgot close() still gets 
             pass
 
 
-def _header(s: RecorderSettings, coords, config) -> dict:
-    """The stream's HEADER frame, but its run id and segment (chosen once the file is open)."""
-    return {
-        "schema": fmt.SCHEMA_VERSION,
-        fmt.DIGEST_VERSION_KEY: fingerprint.DIGEST_VERSION,
-        "run_id": None,
-        "run_id_source": None,
-        "rank": s.rank,
-        "world_size": s.world_size,
-        "coords": dict(coords or {}),
-        "config": _jsonable(dict(config or {})),
-        "window": [s.step_start, s.step_stop],
-        "phases": sorted(s.phases) if s.phases is not None else None,
-        "ranks": sorted(s.ranks) if s.ranks is not None else None,
-        "max_tensor_bytes": s.max_tensor_bytes,
-        **({"include": list(s.include), "exclude": list(s.exclude)} if s.filters_names else {}),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "samebits": _samebits_version(),
-        "environment": environment_fingerprint(),
-        "determinism": active_record(),
-    }
-
-
 def _check_step(step, rank: int) -> int:
     """Steps are integers in [0, 2**63): refuse anything else at record time."""
     try:
@@ -473,22 +447,3 @@ def _check_step(step, rank: int) -> int:
         raise ConfigError(f"step {step!r} on rank {rank} is outside 0..2**63-1; steps are non-negative "
                           "integers (count optimizer steps from 0).")
     return value
-
-
-def _jsonable(value):
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return repr(value)
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return repr(value)
-
-
-def _samebits_version() -> str:
-    try:
-        return importlib.metadata.version("samebits")  # not `samebits.__version__`: a layer up
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"

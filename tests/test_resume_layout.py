@@ -92,23 +92,30 @@ def test_a_dp2_checkpoint_resumes_on_one_rank_and_at_dp4_bit_for_bit(dp_runs, ce
 
 @pytest.fixture(scope="module")
 def tp_runs(tmp_path_factory) -> Path:
-    """tp2 with tp_reduce=invariant uninterrupted (saving before step 3), resumed on one rank."""
+    """With tp_reduce=invariant: tp2 uninterrupted (saving before step 3) resumed on one rank,
+    and one rank uninterrupted (saving too) resumed at tp2."""
     out = tmp_path_factory.mktemp("tp")
     _ok(_run(2, "--cell", "tp2", *_sets(TP), "--out", str(out / "tp2"), "--save-at", str(SAVE_AT),
-             "--ckpt", str(out / "ckpt"), "--keep-going"))
+             "--ckpt", str(out / "ckpt-tp2"), "--keep-going"))
     _ok(_run(1, "--cell", "single", *_sets(TP), "--out", str(out / "single-resumed"),
-             "--resume-from", str(out / "ckpt"), "--allow-layout-change"))
+             "--resume-from", str(out / "ckpt-tp2"), "--allow-layout-change"))
+    _ok(_run(1, "--cell", "single", *_sets(TP), "--out", str(out / "single"), "--save-at", str(SAVE_AT),
+             "--ckpt", str(out / "ckpt-single"), "--keep-going"))
+    _ok(_run(2, "--cell", "tp2", *_sets(TP), "--out", str(out / "tp2-resumed"),
+             "--resume-from", str(out / "ckpt-single"), "--allow-layout-change"))
     return out
 
 
 @pytest.mark.slow
-def test_a_tp2_checkpoint_resumes_on_one_rank_bit_for_bit(tp_runs):
-    """The TP shards (and their AdamW moments) are joined from both ranks' pieces; the random
+@pytest.mark.parametrize("straight, resumed", [("tp2", "single-resumed"), ("single", "tp2-resumed")])
+def test_tp_checkpoints_resume_at_the_other_tp_size_bit_for_bit(tp_runs, straight, resumed):
+    """tp2 -> one rank: the TP shards (and their AdamW moments) are joined from both ranks'
+    pieces; one rank -> tp2: each rank's shard is cut from the whole tensors.  The random
     states are the same on both TP ranks of the replica, so they move too."""
-    result = samebits.diff(tp_runs / "tp2", tp_runs / "single-resumed", by="global", start_step=SAVE_AT)
+    result = samebits.diff(tp_runs / straight, tp_runs / resumed, by="global", start_step=SAVE_AT)
     assert result.verdict is Verdict.IDENTICAL, result.to_dict()
     assert result.to_dict()["compared"]["steps"] == STEPS - SAVE_AT, result.to_dict()
-    metrics = compare_replicated(tp_runs / "tp2", tp_runs / "single-resumed", start_step=SAVE_AT, phases=["metrics"])
+    metrics = compare_replicated(tp_runs / straight, tp_runs / resumed, start_step=SAVE_AT, phases=["metrics"])
     assert metrics.verdict is Verdict.IDENTICAL and metrics.compared["steps"] == STEPS - SAVE_AT, metrics.to_dict()
 
 

@@ -317,3 +317,38 @@ def test_the_recipe_records_its_census_in_the_census_stream(tmp_path):
     assert [block.step for block in blocks] == [0, 1]
     names = {r.name for r in blocks[0].records() if r.phase == STATE_PHASE}
     assert {"rng.torch_cpu", "rng.user.router_jitter", "optim0.step", "sched0.last_epoch"} <= names
+
+
+def _recorded(run: Path, jitter: float, steps=range(4)) -> None:
+    import torch
+
+    from samebits import Recorder
+    from samebits.checkpoint import CENSUS_DIR, STATE_PHASE
+
+    main_stream, census = Recorder(run, rank=0, world_size=1), Recorder(run / CENSUS_DIR, rank=0, world_size=1)
+    for step in steps:
+        main_stream.metrics(step, loss=1.0 / (step + 1))
+        census.tensors(step, STATE_PHASE, [("rng.user.router_jitter", torch.tensor([jitter + (step >= 2)]))])
+    main_stream.close(), census.close()
+
+
+@pytest.mark.parametrize("differs", [False, True])
+def test_a_census_that_differs_fails_a_self_recording_run_whose_outputs_agree(tmp_path, differs):
+    """A program that records its whole state (the recipe) and resumed without a state that
+    no output has shown yet: the outputs agree, the census does not, and verify's check says
+    DIVERGED at the census record (with a note), never IDENTICAL; equal censuses change nothing."""
+    from samebits.compare import diff
+    from samebits.runs.verify import _with_census
+
+    _recorded(tmp_path / "a", 0.0)
+    _recorded(tmp_path / "c", 0.5 if differs else 0.0, steps=range(2, 4))
+    notes: list[str] = []
+    check = _with_census(diff(tmp_path / "a", tmp_path / "c", start_step=2), tmp_path / "a", tmp_path / "c", 2,
+                         "resume", notes)
+    if not differs:
+        assert check.identical and notes == []
+        return
+    assert check.verdict == "diverged"
+    d = check.first_divergence
+    assert (d.step, d.name) == (2, "rng.user.router_jitter"), d
+    assert notes and "every recorded output is identical, but the state census differs at step 2" in notes[0]

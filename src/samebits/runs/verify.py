@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from samebits.autorecord import environment_for, read_stop, recording_variables, with_variables
+from samebits.checkpoint import CENSUS_DIR
 from samebits.compare import DiffResult, diff
 from samebits.errors import ConfigError
 from samebits.runs._explain import Finding, explain_independent, explain_resume, ordered
@@ -157,17 +158,40 @@ def verify_recipe(
         runs.append(RunInfo(name, shlex.join(argv), code, seconds, ended))
         say(f"      done in {seconds:.1f} s" + (" (stopped at its first divergent step)" if stop else ""))
     say("comparing ...")
+    notes: list[str] = []
     checks = {
-        "independent": diff(out / "a", out / "b"),
-        "resume": diff(out / "a", out / "c", start_step=resume_at),
+        "independent": _with_census(diff(out / "a", out / "b"), out / "a", out / "b", None, "independent", notes),
+        "resume": _with_census(diff(out / "a", out / "c", start_step=resume_at), out / "a", out / "c",
+                               resume_at, "resume", notes),
     }
-    result = VerifyResult(str(out), checks, timings, resume_at, [], runs)
+    result = VerifyResult(str(out), checks, timings, resume_at, notes, runs)
     _explain(result, out / "a", out / "b", out / "c")
     if program.bisect_words:
         result.bisect_command = shlex.join(program.bisect_words)
         result.resume_bisect_command = shlex.join([*program.bisect_words, "--resume-at", str(resume_at)])
     write_summary(out, result)
     return result
+
+
+def _with_census(check: DiffResult, a: Path, b: Path, start_step: int | None, name: str,
+                 notes: list[str]) -> DiffResult:
+    """A program that records itself writes the census of its whole training state (random
+    states, optimizer and scheduler progress: `checkpoint.CENSUS_DIR`), so for it a state that
+    differs is a difference of the runs even while no output differs yet (a generator the
+    resume lost that the run draws from later).  When every output is identical and both runs
+    have a census, the census decides: its divergence is the check's result, said in a note.
+    (Zero-code recording's census is evidence, not part of the verdict: an unseeded generator
+    a program never draws from differs between any two processes.)"""
+    if Verdict(check.verdict) is not Verdict.IDENTICAL or not ((a / CENSUS_DIR).is_dir() and (b / CENSUS_DIR).is_dir()):
+        return check
+    census = diff(a / CENSUS_DIR, b / CENSUS_DIR, start_step=start_step)
+    if Verdict(census.verdict) is not Verdict.DIVERGED:
+        return check
+    first = census.first_divergence
+    notes.append(f"{name}: every recorded output is identical, but the state census differs at step {first.step}, "
+                 f"rank {first.rank} ({first.name}): the runs' training state is not the same (lost or "
+                 "changed state that no output has shown yet)")
+    return census
 
 
 def verify_command(

@@ -72,8 +72,8 @@ class Move:
                 continue
             cuts = self.cuts[key]
             source, src, dst = cuts[0]
-            if len(cuts) == 1 and tuple(read[source][src].shape) == tuple(spec["shape"]):
-                out[key] = read[source][src]
+            if len(cuts) == 1 and tuple(read[source].shape) == tuple(spec["shape"]):
+                out[key] = read[source]  # the whole saved tensor
                 continue
             tensor = torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"]))
             for source, src, dst in cuts:

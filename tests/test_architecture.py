@@ -278,7 +278,6 @@ def _private_imports():
                     yield f"{path.relative_to(SRC.parent)}:{node.lineno}", f"{target}.{name}"
 
 
-@pytest.mark.xfail(strict=False, reason="issue 26: fixed by parallel work")
 def test_no_cross_package_private_imports():
     """A `_`-prefixed module or name is private to its package: another package uses the
     package's public names (Hypothesis' `internal/`).  The foundation's `_torchutil` and the

@@ -47,9 +47,9 @@ if _record:
 
 if _probe_dir:
     try:
-        from samebits.determinism._probe_command import start
+        import samebits.determinism
 
-        start()
+        samebits.determinism.start_command_probe()  # the probe's half inside a process `samebits probe` runs
     except BaseException as err:  # the parent reads this file and reports it
         with open(os.path.join(_probe_dir, f"boot-error-{os.getpid()}.txt"), "w") as f:
             f.write(f"{type(err).__name__}: {err}")

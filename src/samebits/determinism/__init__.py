@@ -17,6 +17,7 @@ from samebits.determinism._mode import DeterministicMode, active_record, determi
 from samebits.determinism._ops import OpEntry, lookup_op, op_catalog
 from samebits.determinism._probe import Probe, ProbeFinding, ProbeReport, probe
 from samebits.determinism._probe_command import CommandProbeResult, probe_command
+from samebits.determinism._probe_command import start as start_command_probe
 from samebits.determinism._rules import (
     CheckContext,
     ConfigView,
@@ -68,6 +69,7 @@ __all__ = [
     "op_catalog",
     "OpEntry",
     "probe",
+    "start_command_probe",
     "Probe",
     "ProbeReport",
     "ProbeFinding",

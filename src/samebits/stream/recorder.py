@@ -1,8 +1,8 @@
 """`Recorder`: writes one rank's fingerprint stream, ``DIR/rank-NNNNN.sbs``.
 
 The API of recording.  What to record is a `RecordingSpec` (samebits.settings); how records
-become bytes is `_encoder.StepEncoder`; the stream file, its lock, the step-times file and the
-run id are `_files`.  The byte layout is docs/stream.md.
+become bytes is `_encoder.StepEncoder`; the stream file, its header and lock, the step-times
+file and the run id are `_files`.  The byte layout is docs/stream.md.
 
 Tensors are digested *when they are recorded* (their values may change in place right
 after), but on an accelerator the digests stay on the device until the step ends; then

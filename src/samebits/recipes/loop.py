@@ -217,15 +217,16 @@ class _Run:
         changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
         where = (f"resuming {path} (saved at world_size={saved['world_size']}, layout {saved['layout']}) "
                  f"at world_size={self.layout.world_size}, layout {layout}")
-        others = [k for k in changed if k not in ("dp", "tp", "sequence_parallel")]
+        others = [k for k in changed if k not in ("dp", "dp_shard", "tp", "sequence_parallel")]
         if others:
             raise ConfigError(f"{where} changes {', '.join(others)}: the recipe moves a checkpoint "
-                              "only to another DP size (grad_reduce=invariant) or TP size "
-                              "(tp_reduce=invariant), where the bits do not depend on the layout; "
+                              "only to another DP size, plain or FSDP2 (grad_reduce=invariant), or TP "
+                              "size (tp_reduce=invariant), where the bits do not depend on the layout; "
                               "resume at the saved layout")
-        if "dp" in changed and cfg.grad_reduce != "invariant":
-            raise ConfigError(f"{where} changes the DP size from {before['dp']} to {after['dp']}, but "
-                              f"grad_reduce={cfg.grad_reduce!r} sums gradients in an order that depends "
+        dp_changes = ", ".join(f"{k} {before[k]} -> {after[k]}" for k in changed if k in ("dp", "dp_shard"))
+        if dp_changes and cfg.grad_reduce != "invariant":
+            raise ConfigError(f"{where} changes the DP layout ({dp_changes}), "
+                              f"but grad_reduce={cfg.grad_reduce!r} sums gradients in an order that depends "
                               "on it, so the resumed run would differ from the uninterrupted one: "
                               "train and resume with --set grad_reduce=invariant (docs/invariance.md), "
                               "or resume at the saved layout")
@@ -235,7 +236,10 @@ class _Run:
                               f"but tp_reduce={cfg.tp_reduce!r} sums the row-parallel products over "
                               "the TP ranks, so the bits depend on it: train and resume with --set "
                               "tp_reduce=invariant (docs/invariance.md), or resume at the saved layout")
-        return "dp" in changed
+        # grad_reduce=invariant seeds every draw from (seed, step, micro-batch) and restores the
+        # streams after it: they carry nothing, at any layout.  Else (a TP change alone) the
+        # TP ranks of a replica hold the same streams, which the load moves.
+        return cfg.grad_reduce == "invariant"
 
     def loop(self, steps: int, *, recorder, census=None, save_at, ckpt_dir, log: bool,
              keep_going: bool = False) -> TrainResult:

@@ -6,7 +6,10 @@ Their *global* records (`Recorder.global_tensors`: the digest of each full tenso
 both runs' global records step by step, matched by (phase, name, occurrence) and checked for
 global shape and dtype, whatever the world sizes: per tensor, identical over the window, or
 the first step it differs; tensors that one run records and the other does not are reported,
-never dropped.  Streams are read and verified exactly as for `diff` (every checksum, every
+never dropped.  A run that starts later than the other (it resumed the other's checkpoint) is
+compared from its first step on, as `diff` does: a divergence there is DIVERGED, none is
+INCOMPLETE saying so (the earlier steps are in one run only; ``start`` = its first step
+compares exactly the steps both hold).  Streams are read and verified exactly as for `diff` (every checksum, every
 recomputed root); a run that holds no global record in the window is INCOMPLETE, never
 IDENTICAL.  Streams hold digests, not values: the distance in ulps is not known from them
 (each entry says so).
@@ -161,6 +164,14 @@ def diff_global(a: str | os.PathLike, b: str | os.PathLike, *, start: int = 0, s
         notes = _layout_notes(run_a, run_b)
         steps_compared = 0
         steps_with_records = 0
+        resumed = _later_start(steps_a, steps_b)
+        if resumed is not None:  # one run resumed the other: the steps before its first are in one run only
+            label, first, other = resumed
+            earlier = steps_a if label == "b" else steps_b
+            while earlier.next_step() is not None and earlier.next_step() < first:
+                earlier.take(earlier.next_step())
+            notes.append(f"{label} starts at step {first} and {'a' if label == 'b' else 'b'} at step {other} "
+                         f"({label} resumed a run?): compared from step {first} on")
         while True:
             step_a, step_b = steps_a.next_step(), steps_b.next_step()
             if step_a is None and step_b is None:
@@ -204,9 +215,23 @@ def diff_global(a: str | os.PathLike, b: str | os.PathLike, *, start: int = 0, s
         elif steps_compared == 0:
             incomplete.append(f"nothing to compare: the runs hold global records in the window {window}, but at no "
                               "common step")
+        if resumed is not None and not incomplete:
+            label, first, _ = resumed
+            incomplete.append(f"no divergence from step {first} on, where {label} starts ({label} resumed a run?); "
+                              f"the earlier steps are in the other run only. To judge the resume, compare the steps "
+                              f"both hold: --from-step {first}")
         verdict = Verdict.INCOMPLETE if incomplete else Verdict.IDENTICAL
     return GlobalDiffResult(a=str(a), b=str(b), verdict=verdict, first_step=first_step, tensors=tensors,
                             compared=compared, notes=notes, incomplete=incomplete)
+
+
+def _later_start(steps_a: _RunSteps, steps_b: _RunSteps) -> tuple[str, int, int] | None:
+    """When one run's first step in the window comes after the other's (it resumed the other's
+    checkpoint), its label, its first step and the other's; else None."""
+    first_a, first_b = steps_a.next_step(), steps_b.next_step()
+    if first_a is None or first_b is None or first_a == first_b:
+        return None
+    return ("b", first_b, first_a) if first_b > first_a else ("a", first_a, first_b)
 
 
 def _compare(results: dict, key: tuple, step: int, rec_a, rec_b, inconsistent: list[str],

@@ -18,6 +18,7 @@ This module loads no torch: the command line reads cells without starting the li
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Mapping
@@ -131,6 +132,46 @@ def parse_cell(name: str) -> dict[str, int]:
     return {key: values.get(key, 1) for key in SIZE_NAMES}
 
 
+_PRODUCT_KEY = {"dp": "dp_replicate", "fsdp": "dp_shard", "tp": "tp", "pp": "pp", "ep": "ep"}
+
+
+def parse_layouts(spec: str) -> list[ParallelDims]:
+    """The layouts of ``verify --across``: a comma-separated list of cells (``"single,dp2,tp2"``)
+    or the product of sizes (``"dp=1,2 tp=1,2"``: every combination, in that order; ``dp=1,2,4``
+    alone is three DP sizes).  At least two distinct layouts; a bad spec is a ConfigError
+    showing both forms."""
+    text = " ".join((spec or "").split())
+    forms = "give cells in the cell grammar (single,dp2,tp2,fsdp2) or sizes to multiply (dp=1,2,4 tp=1,2)"
+    if not text:
+        raise ConfigError(f"--across: no layouts; {forms}")
+    if "=" in text:
+        axes = []
+        for word in text.split(" "):
+            key, _, values = word.partition("=")
+            sizes = values.split(",")
+            if key not in _PRODUCT_KEY or not all(v.isdigit() and int(v) >= 1 for v in sizes):
+                raise ConfigError(f"--across {spec!r}: {word!r} is not KEY=N,N,... with KEY one of dp, fsdp, tp, pp, "
+                                  f"ep and positive sizes; {forms}")
+            if any(key == other for other, _ in axes):
+                raise ConfigError(f"--across {spec!r}: {key} is given twice; {forms}")
+            axes.append((key, [int(v) for v in sizes]))
+        layouts = []
+        for combination in itertools.product(*(values for _, values in axes)):
+            parts = [f"{name}{size}" for (name, _), size in zip(axes, combination) if size > 1]
+            dims = ParallelDims.parse("-".join(parts) or "single")
+            if dims not in layouts:  # ep=N implies dp=N: (dp=1, ep=2) and (dp=2, ep=2) are one layout
+                layouts.append(dims)
+    else:
+        layouts = [ParallelDims.parse(word) for word in text.replace(" ", ",").split(",") if word]
+    names = [dims.name for dims in layouts]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ConfigError(f"--across {spec!r}: {duplicates[0]} is given twice (each layout runs once)")
+    if len(layouts) < 2:
+        raise ConfigError(f"--across {spec!r}: give at least two layouts to compare; {forms}")
+    return layouts
+
+
 def cell_name(sizes: ParallelDims | Mapping[str, int]) -> str:
     """The canonical name of a layout ("single" for one rank): pp, tp, fsdp, then ep (which
     implies dp) or dp."""
@@ -149,4 +190,4 @@ def cell_name(sizes: ParallelDims | Mapping[str, int]) -> str:
     return "-".join(p for p in parts if p) or "single"
 
 
-__all__ = ["ParallelDims", "parse_cell", "cell_name", "SIZE_NAMES"]
+__all__ = ["ParallelDims", "parse_cell", "parse_layouts", "cell_name", "SIZE_NAMES"]

@@ -14,6 +14,7 @@ compute the same function, and each cell's overrides (`cell_overrides`).  No tor
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Sequence
 
@@ -37,6 +38,25 @@ LAYOUT_INDEPENDENT = ("dropout=0", "moe_jitter_eps=0", "moe_aux_loss_coeff=0")
 # `verify --across`: gradients reduced so that the bits do not depend on the DP size, experts
 # replicated (EP over the DP ranks would couple them).
 ACROSS_OVERRIDES = ("grad_reduce=invariant", "ep=1")
+# The recipe's layout-invariance switches, by the parallel size whose reductions each one makes
+# independent of the layout, and what it covers (the one list: `verify --across` sets them and
+# writes them into its certificate; docs/invariance.md, "The reductions of the recipe's step",
+# details each reduction).  Whether the recipe accepts a combination is its own config's call
+# (`--check`), never decided here.
+INVARIANT_SWITCHES = {
+    "dp_replicate": ("grad_reduce=invariant", "the data-parallel gradient reduction and the clipping norm: "
+                     "per-micro-batch gradients summed in int64 fixed point (samebits.invariant)"),
+    "dp_shard": ("grad_reduce=invariant", "the FSDP2 gradient reduce-scatter: the same int64 fixed point"),
+    "tp": ("tp_reduce=invariant", "the tensor-parallel linears forward and backward, the norms' weight gradients "
+           "under sequence parallelism and the clipping norm: exact block products summed in int64"),
+}
+# Sizes no switch covers yet: a cell with one is refused, with the reason.
+NOT_INVARIANT = {
+    "ep": "expert parallelism is not layout-invariant yet (an expert's gradient sums every rank's tokens in one "
+          "matmul)",
+    "pp": "pipeline parallelism is not layout-invariant yet (the micro-batch gradient accumulation and the "
+          "stage totals of the clipping norm)",
+}
 
 
 def launcher(nproc: int) -> list[str]:
@@ -101,6 +121,56 @@ def across_overrides(overrides: Sequence[str] = ()) -> list[str]:
     return [*ACROSS_OVERRIDES, *overrides]
 
 
+def invariant_overrides(dims: ParallelDims) -> list[str]:
+    """The switches that make cell ``dims``'s reductions independent of its layout (one per
+    family, `INVARIANT_SWITCHES`), in a fixed order; [] for one rank.  A size no switch covers
+    yet is a ConfigError naming the cell and what is not invariant."""
+    sizes = dims.sizes()
+    for key, why in NOT_INVARIANT.items():
+        if sizes[key] > 1:
+            raise ConfigError(f"{dims.name}: {why} (docs/invariance.md); compare layouts without {key}N, e.g. "
+                              "single,dp2,tp2")
+    switches = [INVARIANT_SWITCHES[key][0] for key in INVARIANT_SWITCHES if sizes[key] > 1]
+    return list(dict.fromkeys(switches))
+
+
+def across_switches(cells: Sequence[ParallelDims]) -> list[str]:
+    """The switches every layout of a `verify --across` run gets: those any of ``cells`` needs.
+    The layouts must compute the same function, so the reference (one rank, say) runs with the
+    switches that the others need too."""
+    return list(dict.fromkeys(s for dims in cells for s in invariant_overrides(dims)))
+
+
+def invariant_reductions(switches: Sequence[str]) -> list[dict]:
+    """What ``switches`` make invariant, one entry per (switch, size) of `INVARIANT_SWITCHES`."""
+    return [{"switch": switch, "size": key, "covers": covers}
+            for key, (switch, covers) in INVARIANT_SWITCHES.items() if switch in switches]
+
+
+def control_global_batch(cells: Sequence[ParallelDims]) -> int:
+    """The global batch of `verify --across`'s controls: ``DEFAULT_GLOBAL_BATCH``, or the least
+    multiple of it that every cell's data-parallel size divides."""
+    return math.lcm(DEFAULT_GLOBAL_BATCH, *(dims.dp for dims in cells))
+
+
+def across_cell_overrides(dims: ParallelDims, switches: Sequence[str], overrides: Sequence[str] = (), *,
+                          control: bool = False, global_batch: int = DEFAULT_GLOBAL_BATCH) -> list[str]:
+    """The recipe's ``--set`` overrides for one layout of `verify --across`: the cell's sizes,
+    experts replicated (``ep=1``), the run's ``switches``, then the user's ``overrides``.
+
+    ``control``: the negative control of the same layout: the switches turned off, the same
+    global batch as every other control (``micro_batch_size`` = ``DEFAULT_GLOBAL_BATCH`` / its
+    data-parallel size, unless the user sets it) and `LAYOUT_INDEPENDENT`, so that what
+    differs between two controls is the grouping of their reductions, nothing else."""
+    if not control:
+        return [*dims.overrides(), "ep=1", *switches, *overrides]
+    off = [f"{switch.partition('=')[0]}={'mean' if switch.startswith('grad_reduce') else 'plain'}"
+           for switch in switches]
+    sets_batch = any(item.partition("=")[0].strip() == "micro_batch_size" for item in overrides)
+    return [*cell_overrides(dims, "fp32", global_batch=None if sets_batch else global_batch,
+                            overrides=()), "ep=1", *off, *overrides]
+
+
 def recorded_config_overrides(config: dict) -> list[str]:
     """A recorded run's config (its stream header's ``config``) as the recipe's words,
     ``--set KEY=VALUE`` per field.  Values that are not scalars are annotations the recipe
@@ -145,4 +215,5 @@ def cell_overrides(dims: ParallelDims, precision: str, *, global_batch: int | No
 __all__ = ["recipe_command", "recipe_roles", "launcher", "across_overrides", "recorded_config_overrides",
            "cell_overrides", "check_precisions", "check_matrix_overrides", "PRECISIONS", "DEFAULT_CELLS",
            "DEFAULT_PRECISIONS", "DEFAULT_GLOBAL_BATCH", "AGREEMENT_METRICS", "LAYOUT_INDEPENDENT", "ACROSS_OVERRIDES",
-           "MODULE"]
+           "MODULE", "INVARIANT_SWITCHES", "NOT_INVARIANT", "invariant_overrides", "across_switches",
+           "invariant_reductions", "across_cell_overrides", "control_global_batch"]

@@ -304,7 +304,7 @@ def test_a_value_out_of_range_is_refused_before_any_work(argv, option, says, no_
                                               "of fp32, bf16, bf16_params, fp8_tensorwise, fp8_delayed, mxfp8, nvfp4"),
     (["tax", "--gate", "nan"], "--gate nan: a ratio gate is a positive finite number"),
     (["tax", "--gate", "inf"], "--gate inf: a ratio gate is a positive finite number"),
-    (["verify", "--across", "dp=1,100000"], "a data-parallel size is at most 1024"),
+    (["verify", "--across", "dp=1,100000"], "dp100000 needs 100000 ranks; a run is at most 1024 ranks"),
 ])
 def test_a_value_the_command_checks_is_refused_before_any_work(argv, says, no_process, capsys, tmp_path):
     assert main([*argv, "--out", str(tmp_path / "o")]) == 2

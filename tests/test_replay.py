@@ -98,6 +98,6 @@ def test_compare_replicated_is_incomplete_when_a_step_is_missing_or_nothing_comp
 
 def test_verify_across_refuses_bad_sizes_and_a_command_without_placeholders(capsys):
     assert main(["verify", "--across", "dp=1"]) == 2
-    assert main(["verify", "--across", "tp=1,2"]) == 2
+    assert main(["verify", "--across", "xp=1,2"]) == 2
     assert main(["verify", "--across", "dp=1,2", "--", "python", "train.py"]) == 2
     assert "{nproc} and {out}" in capsys.readouterr().err

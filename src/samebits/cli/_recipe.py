@@ -13,9 +13,10 @@ from typing import Sequence
 
 from samebits.cli._lazy import lazy
 from samebits.recipes import commands as recipe
-from samebits.recipes.cells import ParallelDims
+from samebits.recipes.cells import ParallelDims, parse_layouts
 
 SelfRecording = lazy("samebits.runs.commands", "SelfRecording")
+Layout, CONTROL_STEPS = lazy("samebits.runs.across", "Layout", "CONTROL_STEPS")
 MatrixProgram = lazy("samebits.runs.matrix", "MatrixProgram")
 
 
@@ -36,6 +37,30 @@ def tax_programs(nproc: int, *, steps: int, overrides: Sequence[str] = ()) -> di
 def across_programs(sizes: Sequence[int], *, steps: int, overrides: Sequence[str] = ()) -> dict:
     """`verify --across` on the recipe: one program per data-parallel size, in invariant mode."""
     return {size: recipe_program(size, steps=steps, overrides=recipe.across_overrides(overrides)) for size in sizes}
+
+
+def across_layouts(spec: str, *, steps: int, overrides: Sequence[str] = (), controls: bool = True) -> list:
+    """`verify --across` on the recipe: the layouts ``spec`` names (`parse_layouts`: cells or a
+    product of sizes), each with the switches that any of them needs (`across_switches`: the
+    layouts compute one function), its program, and, with ``controls``, its negative control
+    (the same layout without the switches, on one global batch, `CONTROL_STEPS` steps)."""
+    cells = parse_layouts(spec)
+    switches = recipe.across_switches(cells)
+    batch = recipe.control_global_batch(cells)
+    layouts = []
+    for dims in cells:
+        sets = recipe.across_cell_overrides(dims, switches, overrides)
+        control_sets = recipe.across_cell_overrides(dims, switches, overrides, control=True, global_batch=batch)
+        control = recipe_program(dims.world_size, steps=min(steps, CONTROL_STEPS.resolve()), overrides=control_sets) \
+            if controls else None
+        layouts.append(Layout(dims.name, dims.world_size, recipe_program(dims.world_size, steps=steps, overrides=sets),
+                              control, tuple(sets), tuple(control_sets) if controls else ()))
+    return layouts
+
+
+def across_reductions(spec: str) -> list[dict]:
+    """What the switches of ``spec``'s layouts make invariant (the certificate's list)."""
+    return recipe.invariant_reductions(recipe.across_switches(parse_layouts(spec)))
 
 
 def replay_command(nproc: int) -> list[str]:
@@ -69,5 +94,5 @@ def matrix_program(*, overrides: Sequence[str] = (), nondeterministic: bool = Fa
                          notes=tuple(notes))
 
 
-__all__ = ["recipe_program", "tax_programs", "across_programs", "replay_command", "replay_config",
+__all__ = ["recipe_program", "tax_programs", "across_programs", "across_layouts", "across_reductions", "replay_command", "replay_config",
            "matrix_program"]

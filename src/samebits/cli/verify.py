@@ -9,15 +9,14 @@ from samebits.cli._lazy import lazy
 from samebits.cli._options import (MAX_NPROC, add_out_option, add_progress_options, add_recipe_options,
                                    add_recording_options, add_run_timeout_option, progress_for, recording_options,
                                    step_number)
-from samebits.cli._recipe import across_programs, recipe_program
-from samebits.cli.replay import check_row_table
+from samebits.cli._recipe import across_layouts, across_reductions, recipe_program
 from samebits.errors import ConfigError
 from samebits.verdicts import Verdict
 
 parse_across, verify_across = lazy("samebits.runs.across", "parse_across", "verify_across")
 VerifyResult, verify_command, verify_recipe = lazy("samebits.runs.verify", "VerifyResult", "verify_command",
                                                    "verify_recipe")
-verify_conclusion = lazy("samebits.runs.conclusion", "verify_conclusion")
+verify_conclusion, across_conclusion = lazy("samebits.runs.conclusion", "verify_conclusion", "across_conclusion")
 
 
 def register(sub) -> None:
@@ -46,10 +45,15 @@ def register(sub) -> None:
                         help="do not stop B and C at their first step that differs from A (the live check): "
                              "they run to the end, so `samebits report` shows the whole divergent curves")
     add_run_timeout_option(parser, "with a command: kill a run that takes longer and report a hang")
-    parser.add_argument("--across", default=None, metavar="dp=1,2,4",
-                        help="run at each data-parallel size and compare rank 0's replicated records with the "
-                             "first size (grad_reduce=invariant; a command gets {nproc} and {out} filled in; "
-                             "docs/invariance.md)")
+    parser.add_argument("--across", default=None, nargs="+", metavar="LAYOUTS",
+                        help="run the recipe at each layout (cells: single,dp2,tp2; or a product of sizes: dp=1,2 "
+                             "tp=1,2) with the switches that make its reductions layout-invariant, compare every "
+                             "step's parameters by global digest with the first layout, run the negative controls, "
+                             "and write certificate.json; a command takes dp=N,N,... ({nproc} and {out} filled "
+                             "in; docs/invariance.md)")
+    parser.add_argument("--no-controls", action="store_true",
+                        help="with --across: skip the negative controls (the layouts without the switches, which "
+                             "must differ); the certificate says they were not run")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     add_recording_options(parser, steps_flag="--record-steps")
     parser.add_argument("cmd", nargs="*", metavar="-- CMD",
@@ -80,26 +84,51 @@ def run(args) -> int:
 
 
 def run_across(args, progress, start: float) -> int:
-    """`--across dp=...`: one run per data-parallel size, each compared with the first."""
-    sizes = parse_across(args.across)
-    if max(sizes) > MAX_NPROC:
-        raise ConfigError(f"--across {args.across}: a data-parallel size is at most {MAX_NPROC} (ranks of one run "
-                          "on this machine)")
-    programs = None if args.cmd else across_programs(sizes, steps=args.steps, overrides=args.overrides)
-    across = verify_across(sizes, args.cmd or None, args.out, programs=programs, run_timeout=args.run_timeout,
-                           progress=progress)
+    """`--across LAYOUTS`: one run per layout, each compared with the first, and the controls."""
+    spec = " ".join(args.across)
+    if args.cmd:
+        sizes = parse_across(spec)
+        if max(sizes) > MAX_NPROC:
+            raise ConfigError(f"--across {spec}: a data-parallel size is at most {MAX_NPROC} (ranks of one run "
+                              "on this machine)")
+        across = verify_across(sizes, args.cmd, args.out, run_timeout=args.run_timeout, progress=progress,
+                               controls=not args.no_controls)
+    else:
+        layouts = across_layouts(spec, steps=args.steps, overrides=args.overrides, controls=not args.no_controls)
+        largest = max(layouts, key=lambda layout: layout.nproc)
+        if largest.nproc > MAX_NPROC:
+            raise ConfigError(f"--across {spec}: {largest.name} needs {largest.nproc} ranks; a run is at most "
+                              f"{MAX_NPROC} ranks on this machine")
+        across = verify_across(layouts, None, args.out, run_timeout=args.run_timeout, progress=progress,
+                               controls=not args.no_controls, reductions=across_reductions(spec))
     across.timings["total"] = time.perf_counter() - start
     return print_result(across, args.json, render_across)
 
 
 def render_across(across) -> str:
-    reference = f"dp={across.sizes[0]}"
-    lines = [f"samebits verify --across: {across.verdict.value.upper()} (each size against {reference}, by rank 0's "
-             "replicated records)", "",
-             check_row_table([(f"{reference} = dp={size}", check) for size, check in across.checks.items()]), ""]
+    reference = across.layouts[0]
+    lines = [f"samebits verify --across: {across.verdict.value.upper()} (each layout against {reference})",
+             across_conclusion(across.to_dict()), ""]
+    rows = []
+    for check in across.checks.values():
+        name, c = check.layout, check.compared
+        first = check.first_divergence or {}
+        where = "-" if not first else f"step {first.get('step')}: {first.get('phase')}/{first.get('name')}"
+        if Verdict(check.verdict) is Verdict.INCOMPLETE:
+            where = "; ".join(check.incomplete[:1]) or where
+        rows.append([f"{reference} = {name}", Verdict(check.verdict).value.upper(), check.by,
+                     f"{c.get('steps', 0)} steps", where])
+    lines += [table(["layouts", "verdict", "compared by", "window", "first divergence"], rows), ""]
+    if across.controls is not None:
+        lines.append(table(["control (no switches)", "differs", "first step", "detail"],
+                           [[c.run, "yes" if c.differs else "NO", "-" if c.first_step is None else str(c.first_step),
+                             c.detail] for c in across.controls]))
+        lines.append("")
+    else:
+        lines.append(f"controls: {across.controls_note}")
     lines += [f"note: {note}" for check in across.checks.values() for note in check.notes[:1]]
     lines.append("wall time: " + ", ".join(f"{k} {v:.1f} s" for k, v in across.timings.items()))
-    lines.append(f"streams, logs and summary.json in {across.out}")
+    lines.append(f"streams, logs, summary.json and certificate.json in {across.out} (samebits report {across.out})")
     return "\n".join(lines)
 
 

@@ -1,49 +1,83 @@
-"""`samebits verify --across dp=1,2,4`: the same training at several data-parallel sizes must
-give the same bits.
+"""`samebits verify --across single,dp2,tp2`: the same training at several parallel layouts must
+give the same bits, and the comparison must be able to tell layouts apart.
 
-Each size runs once (the reference recipe with ``grad_reduce=invariant``, or any command with
-``{nproc}`` and ``{out}`` in it); then every run is compared with the first size's run by
-the records of one rank (rank 0 by default) that are replicated under data parallelism:
-parameters, reduced gradients, global metrics.  Streams of different world sizes cannot be
-compared rank by rank (`samebits diff` refuses them), so `compare_replicated` matches one
-rank's records by identity (kind, phase, name, occurrence) step by step.  A record that
-only one layout has (a rank-local shard) is not comparable: listed, never counted as equal.
+Each layout runs once (the reference recipe with the switches that make its reductions
+independent of the layout, e.g. ``grad_reduce=invariant``, ``tp_reduce=invariant``; or any
+command with ``{nproc}`` and ``{out}`` in it, at data-parallel sizes); then every layout is
+compared with the first: every step's parameters by **global digest** (`samebits.diff(...,
+by="global")`: the digest of each full tensor, TP shards joined, so any layouts compare) and
+rank 0's metrics (`compare_replicated`, phase ``metrics``).  A run without global records (a
+command that records only local ones) is compared by rank 0's replicated records instead,
+as before: a record only one layout has (a rank-local shard) is listed, never counted equal.
 
-The verdict is proof or nothing: PASS only when every size finished and compared equal at
-every step of the window; a run that failed is an error (exit 2), a missing step INCOMPLETE.
+**Negative controls** in the same run: the reference layout and each other layout, without
+the switches, on the same global batch, for a few steps; each control must differ from the
+reference's control at step 0 or 1, or the comparison could not tell layouts apart and the
+verdict is FAIL.  ``--no-controls`` skips them, and the certificate says so.
+
+The verdict is proof or nothing: PASS only when every layout finished and compared equal at
+every step, and every control differed; a run that failed is an error (exit 2), a missing
+step INCOMPLETE.  ``certificate.json`` in the output folder holds what was proven: the
+environment, each layout (cell, world size, overrides, command), each step's global root
+(a hash of every global record of the step) per layout, each layout's checkpoint, the
+invariant reductions and the controls; `samebits report OUT` renders it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import json
+import platform
 import re
 import shlex
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Callable, Iterable, Mapping, Sequence
 
-from samebits.compare import DiffResult, Divergence
+from samebits.compare import DiffResult, Divergence, diff
 from samebits.errors import ConfigError
 from samebits.runs._launch import failed, run_logged
-from samebits.runs.commands import (CKPT, NPROC, OUT, RUN, STEP, SelfRecording, fill_placeholders, holds,
-                                    prepare_out_dir, write_summary)
+from samebits.runs.commands import (CKPT, NPROC, OUT, RUN, STEP, RecipeRefused, SelfRecording, fill_placeholders,
+                                    holds, prepare_out_dir, write_summary)
 from samebits.runs.verify import RunInfo
-from samebits.stream import open_run
+from samebits.stream import GLOBAL_PHASE_PREFIX, open_run
 from samebits.stream.reader import require_same_digest_version
 from samebits.verdicts import ToDict, Verdict
 
 ACROSS_PLACEHOLDERS = (NPROC, OUT)  # in a command for --across: the rank count, the run's folder
+CERTIFICATE = "certificate.json"
+CONTROL_STEPS = 2  # a control must differ at step 0 or 1: two steps show it
+CONTROL_PREFIX = "control-"
 _SPEC = re.compile(r"^\s*dp\s*=\s*(\d+(?:\s*,\s*\d+)*)\s*$")
 
 
 def parse_across(spec: str) -> list[int]:
-    """``"dp=1,2,4"`` -> [1, 2, 4] (distinct sizes, at least two, in the order given)."""
+    """``"dp=1,2,4"`` -> [1, 2, 4] (distinct sizes, at least two, in the order given): the form a
+    command takes (its layouts are data-parallel sizes, ``{nproc}``)."""
     match = _SPEC.match(spec or "")
     if not match:
-        raise ConfigError(f"--across {spec!r}: expected dp=N,N,... (e.g. dp=1,2,4): the data-parallel sizes "
-                          "to run and compare")
+        raise ConfigError(f"--across {spec!r} with a command: expected dp=N,N,... (e.g. dp=1,2,4): the data-parallel "
+                          "sizes to run the command at ({nproc}); cells such as tp2 are the recipe's")
     sizes = [int(n) for n in match.group(1).split(",")]
     if len(sizes) < 2 or len(set(sizes)) != len(sizes) or min(sizes) < 1:
         raise ConfigError(f"--across {spec!r}: give at least two distinct positive data-parallel sizes")
     return sizes
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One layout of ``verify --across``: its name (a cell, e.g. ``tp2``), its rank count, the
+    program that records it (None: the command template, ``{nproc}`` = ``nproc``), its negative
+    control (the same layout without the switches; None: none), and the overrides each was
+    given (what the certificate shows)."""
+
+    name: str
+    nproc: int
+    program: SelfRecording | None = None
+    control: SelfRecording | None = None
+    overrides: tuple[str, ...] = ()
+    control_overrides: tuple[str, ...] = ()
 
 
 def compare_replicated(a, b, *, rank: int = 0, start_step: int | None = None, stop_step: int | None = None,
@@ -117,48 +151,97 @@ def _rank_steps(run, rank: int, start: int, stop: int | None, phases: set | None
 
 
 @dataclass
+class LayoutCheck(ToDict):
+    """One layout against the reference: ``by`` "global" (every step's global parameter digests,
+    and rank 0's metrics: ``metrics``) or "rank 0's replicated records" (runs without global
+    records); ``first_divergence`` as `samebits diff` gives it."""
+
+    layout: str
+    verdict: Verdict
+    by: str
+    first_divergence: dict | None
+    compared: dict
+    notes: list[str] = field(default_factory=list)
+    incomplete: list[str] = field(default_factory=list)
+    metrics: dict | None = None  # rank 0's metrics compared (by "global")
+
+
+@dataclass
+class ControlCheck(ToDict):
+    """A negative control: ``layout`` without the switches against the reference without them.
+    ``differs`` (at ``first_step``, 0 or 1) is what it must do; ``verdict`` the comparison's."""
+
+    layout: str
+    run: str
+    verdict: Verdict
+    first_step: int | None
+    detail: str = ""
+
+    @property
+    def differs(self) -> bool:
+        return Verdict(self.verdict) is Verdict.DIVERGED and self.first_step is not None and \
+            self.first_step < CONTROL_STEPS
+
+    def dict_extras(self) -> dict:
+        return {"differs": self.differs}
+
+
+@dataclass
 class AcrossResult(ToDict):
-    """What ``verify --across`` found: each size's run and its comparison with the first size."""
+    """What ``verify --across`` found: each layout's run, its comparison with the first, and
+    the negative controls (``controls`` None: not run, ``controls_note`` says why)."""
 
     out: str
-    sizes: list[int]
-    checks: dict[int, DiffResult]  # size -> comparison with sizes[0]'s run
+    layouts: list[str]
+    checks: dict  # layout name (a size, when verify_across was given sizes) -> comparison with layouts[0]'s run
     runs: list[RunInfo] = field(default_factory=list)
+    controls: list[ControlCheck] | None = None
+    controls_note: str = ""
+    roots: dict[str, dict[int, str]] = field(default_factory=dict)  # layout -> step -> global root
     notes: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
+    def failed_controls(self) -> list[ControlCheck]:
+        return [c for c in self.controls or [] if Verdict(c.verdict) is not Verdict.INCOMPLETE and not c.differs]
+
+    @property
     def verdict(self) -> Verdict:
         verdicts = [Verdict(c.verdict) for c in self.checks.values()]
-        if Verdict.DIVERGED in verdicts:
+        if Verdict.DIVERGED in verdicts or self.failed_controls:
             return Verdict.FAIL
-        if not verdicts or any(v is not Verdict.IDENTICAL for v in verdicts):
+        if not verdicts or any(v is not Verdict.IDENTICAL for v in verdicts) or \
+                any(Verdict(c.verdict) is Verdict.INCOMPLETE for c in self.controls or []):
             return Verdict.INCOMPLETE
         return Verdict.PASS
 
     def to_dict(self) -> dict:
-        return {"verdict": self.verdict.value, "out": self.out, "sizes": self.sizes,
-                "reference": f"dp={self.sizes[0]}",
-                "checks": {f"dp={size}": check.to_dict() for size, check in self.checks.items()},
+        return {"verdict": self.verdict.value, "out": self.out, "layouts": self.layouts,
+                "reference": self.layouts[0] if self.layouts else None,
+                "checks": {check.layout: check.to_dict() for check in self.checks.values()},
+                "controls": None if self.controls is None else [c.to_dict() for c in self.controls],
+                "controls_note": self.controls_note,
                 "runs": [run.to_dict() for run in self.runs], "notes": self.notes,
                 "timings_s": {k: round(v, 3) for k, v in self.timings.items()}}
 
 
-def verify_across(sizes: list[int], cmd: list[str] | None = None, out=None, *,
-                  programs: Mapping[int, SelfRecording] | None = None, rank: int = 0,
-                  run_timeout: float | None = None, progress: Callable[[str], None] | None = None) -> AcrossResult:
-    """Run the training at each data-parallel size in ``sizes`` and compare each with the first.
+def verify_across(layouts: Sequence[Layout] | Sequence[int], cmd: list[str] | None = None, out=None, *,
+                  programs: Mapping[int, SelfRecording] | None = None, rank: int = 0, controls: bool = True,
+                  reductions: Sequence[dict] = (), run_timeout: float | None = None,
+                  progress: Callable[[str], None] | None = None) -> AcrossResult:
+    """Run the training at each layout and compare each with the first; run the negative
+    controls (``controls``, when the layouts have them); write summary.json and
+    certificate.json into ``out``.
 
-    ``cmd``: a command with ``{nproc}`` replaced by the size and ``{out}`` by the folder it must
-    record into (e.g. ``torchrun --nproc-per-node {nproc} train.py --out {out}``).  Or
-    ``programs``: a program that records itself, for each size (the reference recipe with
-    ``grad_reduce=invariant`` and ``ep=1``: `samebits.recipes.commands`); each run also saves
-    its checkpoint of step ``steps // 2`` into its folder's ckpt/, so that `samebits replay`
-    can re-run a step of it.
+    ``layouts``: `Layout` objects (the recipe's: `samebits.cli._recipe.across_layouts`), or
+    data-parallel sizes with ``cmd`` (``{nproc}`` replaced by the size and ``{out}`` by the folder
+    it must record into, e.g. ``torchrun --nproc-per-node {nproc} train.py --out {out}``) or
+    with ``programs`` (one per size).  A recipe layout also saves its checkpoint of step
+    ``steps // 2`` into its folder's ckpt/, so that `samebits replay` can re-run a step of it.
+    ``reductions``: what the switches make invariant (the certificate's list).
     """
-    if (cmd is None) == (programs is None):
-        raise ConfigError("verify --across: give a command (with {nproc} and {out}) or the program of each size, "
-                          "not both")
+    sizes = None if all(isinstance(layout, Layout) for layout in layouts) else [int(size) for size in layouts]
+    layouts = _as_layouts(layouts, cmd, programs)
     if cmd is not None:
         missing = [p for p in ACROSS_PLACEHOLDERS if not holds(cmd, p)]
         if not cmd or missing:
@@ -166,38 +249,260 @@ def verify_across(sizes: list[int], cmd: list[str] | None = None, out=None, *,
                               "({nproc}: the data-parallel size of each run; {out}: the folder it records "
                               "into), e.g. -- torchrun --nproc-per-node {nproc} train.py --out {out}")
     else:
-        lacking = [size for size in sizes if size not in programs]
-        if lacking:
-            raise ConfigError(f"verify --across: no program for dp={lacking[0]}")
-        programs[sizes[0]].refuse_early()  # the options and config, before any run and any folder
+        for layout in layouts:  # each layout's options and config, before any run and any folder
+            try:
+                layout.program.refuse_early()
+            except RecipeRefused as err:
+                raise ConfigError(f"--across: layout {layout.name}: {err}") from None
     out = prepare_out_dir(out, "across")
     say = progress or (lambda message: None)
-    result = AcrossResult(out=str(out), sizes=list(sizes), checks={})
-    for size in sizes:
-        name = f"dp{size}"
-        run_dir = out / name
-        if cmd is not None:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            argv = fill_placeholders(cmd, {NPROC: size, OUT: run_dir, RUN: name})
-        else:
-            program = programs[size]
-            save_at = program.steps // 2
-            template = program.save if save_at > 0 else program.record  # a checkpoint to replay from
-            argv = fill_placeholders(template, {OUT: run_dir, STEP: save_at, CKPT: run_dir / "ckpt", RUN: name})
-        say(f"running dp={size}: {shlex.join(argv)}")
-        log = out / "logs" / f"{name}.log"
-        code, seconds = run_logged(argv, log, label=name, timeout=run_timeout or 1800.0, progress=progress,
-                                   streams=run_dir, steps=None if cmd is not None else programs[size].steps)
-        result.timings[name] = seconds
-        result.runs.append(RunInfo(name, shlex.join(argv), code, seconds))
-        if code != 0:
-            raise failed(name, argv, code, log)
-    reference = out / f"dp{sizes[0]}"
-    for size in sizes[1:]:
-        say(f"comparing dp={size} with dp={sizes[0]} (rank {rank}'s replicated records)")
-        result.checks[size] = compare_replicated(reference, out / f"dp{size}", rank=rank)
+    result = AcrossResult(out=str(out), layouts=[layout.name for layout in layouts], checks={})
+    checkpoints = {}
+    for layout in layouts:
+        checkpoints[layout.name] = _run_layout(layout, cmd, out, result, run_timeout, progress, say)
+    run_controls = controls and cmd is None and all(layout.control is not None for layout in layouts)
+    if run_controls:
+        for layout in layouts:
+            _run_control(layout, out, result, run_timeout, progress, say)
+    reference = out / layouts[0].name
+    for index, layout in enumerate(layouts[1:], 1):
+        say(f"comparing {layout.name} with {layouts[0].name}")
+        key = layout.name if sizes is None else sizes[index]  # sizes given: checks by size, as before
+        result.checks[key] = compare_layouts(reference, out / layout.name, layout.name, rank=rank)
+    if run_controls:
+        result.controls = [compare_control(out / (CONTROL_PREFIX + layouts[0].name), out / (CONTROL_PREFIX + l.name),
+                                           l.name) for l in layouts[1:]]
+    else:
+        result.controls_note = ("not run: --no-controls" if not controls else
+                                "not run: a command has no switch to turn off (controls need the recipe)"
+                                if cmd is not None else "not run: a layout has no control program")
+    result.roots = {layout.name: global_roots(out / layout.name) for layout in layouts}
     write_summary(out, result)
+    write_certificate(out, result, layouts, checkpoints, reductions)
     return result
 
 
-__all__ = ["verify_across", "AcrossResult", "compare_replicated", "parse_across", "ACROSS_PLACEHOLDERS"]
+def _as_layouts(layouts, cmd, programs) -> list[Layout]:
+    """`Layout` objects from what `verify_across` was given (sizes with a command or programs)."""
+    if not layouts:
+        raise ConfigError("verify --across: no layouts to run")
+    if all(isinstance(layout, Layout) for layout in layouts):
+        if cmd is None and any(layout.program is None for layout in layouts):
+            raise ConfigError("verify --across: every layout needs its program, or give a command")
+        return list(layouts)
+    if (cmd is None) == (programs is None):
+        raise ConfigError("verify --across: give a command (with {nproc} and {out}) or the program of each size, "
+                          "not both")
+    sizes = [int(size) for size in layouts]
+    lacking = [size for size in sizes if programs is not None and size not in programs]
+    if lacking:
+        raise ConfigError(f"verify --across: no program for dp={lacking[0]}")
+    return [Layout(f"dp{size}", size, None if programs is None else programs[size]) for size in sizes]
+
+
+def _run_layout(layout: Layout, cmd, out: Path, result: AcrossResult, run_timeout, progress, say) -> dict | None:
+    """Run one layout into out/NAME; its checkpoint ({"step", "path"}) or None."""
+    run_dir = out / layout.name
+    checkpoint = None
+    if cmd is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        argv = fill_placeholders(cmd, {NPROC: layout.nproc, OUT: run_dir, RUN: layout.name})
+    else:
+        program = layout.program
+        save_at = program.steps // 2
+        template = program.save if save_at > 0 else program.record  # a checkpoint to replay from
+        argv = fill_placeholders(template, {OUT: run_dir, STEP: save_at, CKPT: run_dir / "ckpt", RUN: layout.name})
+        if save_at > 0:
+            checkpoint = {"step": save_at, "path": run_dir / "ckpt"}
+    _launch(layout.name, argv, out, run_dir, result, run_timeout, progress, say,
+            None if cmd is not None else layout.program.steps)
+    return checkpoint
+
+
+def _run_control(layout: Layout, out: Path, result: AcrossResult, run_timeout, progress, say) -> None:
+    name = CONTROL_PREFIX + layout.name
+    run_dir = out / name
+    argv = fill_placeholders(layout.control.record, {OUT: run_dir, RUN: name})
+    _launch(name, argv, out, run_dir, result, run_timeout, progress, say, layout.control.steps)
+
+
+def _launch(name: str, argv: list[str], out: Path, run_dir: Path, result: AcrossResult, run_timeout, progress,
+            say, steps: int | None) -> None:
+    say(f"running {name}: {shlex.join(argv)}")
+    log = out / "logs" / f"{name}.log"
+    code, seconds = run_logged(argv, log, label=name, timeout=run_timeout or 1800.0, progress=progress,
+                               streams=run_dir, steps=steps)
+    result.timings[name] = seconds
+    result.runs.append(RunInfo(name, shlex.join(argv), code, seconds))
+    if code != 0:
+        raise failed(name, argv, code, log)
+
+
+def _has_global_records(path) -> bool:
+    """Whether rank 0 of the run at ``path`` records global tensors (`Recorder.global_tensors`)."""
+    run = open_run(path)
+    try:
+        reader = run.stream(run.ranks[0])
+        try:
+            for block in reader.steps():
+                return any(r.phase.startswith(GLOBAL_PHASE_PREFIX) for r in block.records())
+        finally:
+            reader.close()
+    finally:
+        run.close()
+    return False
+
+
+def compare_layouts(reference, other, name: str, *, rank: int = 0) -> LayoutCheck:
+    """``other`` against ``reference``, any layouts: by global digest (every step's global
+    records) and rank ``rank``'s metrics when the reference holds global records; by rank
+    ``rank``'s replicated records otherwise."""
+    if not _has_global_records(reference):
+        local = compare_replicated(reference, other, rank=rank)
+        data = local.to_dict()
+        return LayoutCheck(name, Verdict(local.verdict), f"rank {rank}'s replicated records",
+                           data.get("first_divergence"), local.compared, list(local.notes), list(local.incomplete))
+    by_global = diff(reference, other, by="global")
+    metrics = compare_replicated(reference, other, rank=rank, phases=["metrics"])
+    data, metric_data = by_global.to_dict(), metrics.to_dict()
+    verdicts = (Verdict(by_global.verdict), Verdict(metrics.verdict))
+    verdict = Verdict.DIVERGED if Verdict.DIVERGED in verdicts else \
+        Verdict.IDENTICAL if verdicts == (Verdict.IDENTICAL, Verdict.IDENTICAL) else Verdict.INCOMPLETE
+    first = data.get("first_divergence")
+    if first is None or (metric_data.get("first_divergence") and
+                         metric_data["first_divergence"]["step"] < first["step"]):
+        first = metric_data.get("first_divergence") or first
+    notes = [n for n in by_global.notes if not n.startswith(("world size:", "config "))] + list(metrics.notes)
+    return LayoutCheck(name, verdict, "global", first, dict(by_global.compared), notes,
+                       list(by_global.incomplete) + [f"metrics: {line}" for line in metrics.incomplete],
+                       metrics={"verdict": metric_data["verdict"], "compared": metrics.compared})
+
+
+def compare_control(reference_control, control, name: str) -> ControlCheck:
+    """A control against the reference's control: it must differ at step 0 or 1."""
+    by_global = _has_global_records(reference_control)
+    result = diff(reference_control, control, by="global") if by_global else \
+        compare_replicated(reference_control, control)
+    data = result.to_dict()
+    first = data.get("first_divergence") or {}
+    detail = (f"first differs at step {first.get('step')}: {first.get('phase')}/{first.get('name')}" if first else
+              "; ".join(list(result.incomplete)[:1]) or "identical: the comparison cannot tell layouts apart")
+    return ControlCheck(name, CONTROL_PREFIX + name, Verdict(result.verdict), first.get("step"), detail)
+
+
+def global_roots(path) -> dict[int, str]:
+    """Each step's global root of the run at ``path``: the SHA-256 (first 16 hex digits) of every
+    global record of the step (phase, name, occurrence, dtype, global shape, digest), sorted,
+    over all ranks; ``"ranks disagree"`` where two ranks recorded different digests of one
+    tensor.  Equal roots: equal global records."""
+    entries: dict[int, dict] = {}
+    disagree: set[int] = set()
+    run = open_run(path)
+    try:
+        for rank in run.ranks:
+            reader = run.stream(rank)
+            try:
+                for block in reader.steps():
+                    step = entries.setdefault(block.step, {})
+                    for r in block.records():
+                        if r.kind != "tensor" or not r.phase.startswith(GLOBAL_PHASE_PREFIX):
+                            continue
+                        key = (r.phase, r.name, r.occurrence)
+                        value = (r.dtype, list(r.shape or ()), None if r.digest is None else f"{r.digest:016x}")
+                        if step.setdefault(key, value) != value:
+                            disagree.add(block.step)
+            finally:
+                reader.close()
+    finally:
+        run.close()
+    roots = {}
+    for step, records in sorted(entries.items()):
+        if not records:
+            continue
+        text = json.dumps(sorted([list(key), list(value)] for key, value in records.items()))
+        roots[step] = "ranks disagree" if step in disagree else hashlib.sha256(text.encode()).hexdigest()[:16]
+    return roots
+
+
+def checkpoint_sha256(path: Path) -> dict:
+    """The SHA-256 of a saved checkpoint's files: each file's relative path and content hash,
+    in sorted order, hashed together; and the number of files."""
+    path = Path(path)
+    files = sorted(p for p in path.rglob("*") if p.is_file())
+    total = hashlib.sha256()
+    for file in files:
+        total.update(str(file.relative_to(path)).encode() + b"\0")
+        total.update(hashlib.sha256(file.read_bytes()).digest())
+    return {"sha256": total.hexdigest(), "files": len(files)}
+
+
+def environment(reference) -> dict:
+    """Where the certificate was made: versions, host, CPU, and the reference run's device."""
+    def version(name: str) -> str | None:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    cpu = platform.processor() or None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.partition(":")[2].strip()
+                break
+    except OSError:
+        pass
+    run = open_run(reference)
+    try:
+        config = run.header.get("config") or {}
+    finally:
+        run.close()
+    return {"samebits": version("samebits"), "torch": version("torch"), "python": platform.python_version(),
+            "platform": platform.platform(), "host": platform.node(), "cpu": cpu,
+            "device": config.get("device") if isinstance(config, dict) else None}
+
+
+def certificate(result: AcrossResult, layouts: Sequence[Layout], checkpoints: Mapping[str, dict | None],
+                reductions: Sequence[dict] = ()) -> dict:
+    """What ``verify --across`` proved, as the dictionary certificate.json holds."""
+    commands = {run.name: run.command for run in result.runs}
+    roots = result.roots
+    steps = sorted({step for per_step in roots.values() for step in per_step})
+    equal = bool(steps) and all(len({roots[name].get(step) for name in roots}) == 1 for step in steps)
+    hashes = {}
+    for name, saved in checkpoints.items():
+        if saved is not None and Path(saved["path"]).is_dir():
+            hashes[name] = {"step": saved["step"], "path": str(saved["path"]), **checkpoint_sha256(saved["path"])}
+    return {
+        "kind": "samebits verify --across certificate",
+        "verdict": result.verdict.value,
+        "environment": environment(Path(result.out) / layouts[0].name),
+        "reference": layouts[0].name,
+        "layouts": [{"cell": layout.name, "world_size": layout.nproc, "overrides": list(layout.overrides),
+                     "command": commands.get(layout.name)} for layout in layouts],
+        "steps": steps,
+        "roots": {name: {str(step): root for step, root in per_step.items()} for name, per_step in roots.items()},
+        "roots_equal": equal,
+        "checkpoints": hashes,
+        "checkpoints_note": ("each layout's checkpoint files: their layout (ranks, shards) depends on the world "
+                             "size, so these hashes identify each layout's artefact; the parameters' equality "
+                             "is the roots'"),
+        "invariant_reductions": [dict(r) for r in reductions],
+        "controls": None if result.controls is None else [
+            {**c.to_dict(), "overrides": next((list(l.control_overrides) for l in layouts if l.name == c.layout), []),
+             "command": commands.get(c.run)} for c in result.controls],
+        "controls_note": result.controls_note,
+        "checks": {c.layout: {"verdict": Verdict(c.verdict).value, "by": c.by} for c in result.checks.values()},
+    }
+
+
+def write_certificate(out: Path, result: AcrossResult, layouts: Sequence[Layout],
+                      checkpoints: Mapping[str, dict | None], reductions: Sequence[dict] = ()) -> Path:
+    path = Path(out) / CERTIFICATE
+    path.write_text(json.dumps(certificate(result, layouts, checkpoints, reductions), indent=2, default=str) + "\n")
+    return path
+
+
+__all__ = ["verify_across", "AcrossResult", "Layout", "LayoutCheck", "ControlCheck", "compare_replicated",
+           "compare_layouts", "compare_control", "global_roots", "checkpoint_sha256", "certificate",
+           "write_certificate", "parse_across", "ACROSS_PLACEHOLDERS", "CERTIFICATE", "CONTROL_STEPS"]

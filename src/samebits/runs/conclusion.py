@@ -25,6 +25,8 @@ def conclusion(summary: dict) -> str:
         return matrix_conclusion(summary)
     if "stages" in summary:
         return bisect_conclusion(summary)
+    if "layouts" in summary:
+        return across_conclusion(summary)
     if "checks" in summary:
         return verify_conclusion(summary)
     return diff_conclusion(summary)
@@ -79,6 +81,40 @@ def verify_conclusion(summary: dict) -> str:
     if unchecked:
         parts.append("not checked: " + ", ".join(unchecked))
     return f"{_verdict(summary)}: " + ("; ".join(parts) or "nothing was checked") + "."
+
+
+def across_conclusion(summary: dict) -> str:
+    """`verify --across`: the layouts that diverged from the reference (where), those that could
+    not be decided, those bit-identical, and what the negative controls showed."""
+    reference = summary.get("reference") or "the first layout"
+    diverged, undecided, held = [], [], []
+    for name, check in (summary.get("checks") or {}).items():
+        verdict = str(check.get("verdict"))
+        first = check.get("first_divergence") or {}
+        if verdict == "diverged":
+            diverged.append(f"{name} diverged from {reference} at step {first.get('step')} ({_where(first)})")
+        elif verdict != "identical":
+            why = (check.get("incomplete") or check.get("notes") or ["could not be decided"])[0]
+            undecided.append(f"{name} could not be compared ({why})")
+        else:
+            steps = (check.get("compared") or {}).get("steps")
+            held.append(f"{name}" + (f" ({steps} steps)" if steps is not None else ""))
+    parts = diverged + undecided
+    if held:
+        parts.append(f"{', '.join(held)} bit-identical to {reference} by "
+                     f"{'global digest' if all(c.get('by') == 'global' for c in (summary.get('checks') or {}).values()) else 'replicated records'}")
+    controls = summary.get("controls")
+    if controls is None:
+        parts.append(f"controls {summary.get('controls_note') or 'not run'}")
+    else:
+        same = [c.get("layout") for c in controls if not c.get("differs") and c.get("verdict") != "incomplete"]
+        if same:
+            parts.append(f"the control did not differ for {', '.join(map(str, same))} (without the switches): the "
+                         "comparison cannot tell layouts apart")
+        else:
+            parts.append(f"every control (without the switches) differed at step "
+                         f"{' or '.join(sorted({str(c.get('first_step')) for c in controls}))}")
+    return f"{_verdict(summary)}: {'; '.join(parts)}."
 
 
 def bisect_conclusion(summary: dict) -> str:

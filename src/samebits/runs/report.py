@@ -41,7 +41,8 @@ from typing import Any, Callable
 from samebits.autorecord import read_stop
 from samebits.compare import DiffResult, diff, divergent_steps
 from samebits.errors import ConfigError, IncomparableRunsError, StreamError
-from samebits.runs.conclusion import bisect_conclusion, diff_conclusion, matrix_conclusion, verify_conclusion
+from samebits.runs.conclusion import (across_conclusion, bisect_conclusion, diff_conclusion, matrix_conclusion,
+                                      verify_conclusion)
 from samebits.runs.distance import float_value, metric_distance
 from samebits.stream import Record, open_run
 from samebits.verdicts import ToDict, Verdict
@@ -217,7 +218,7 @@ def build_report(inputs: list[str | Path], *, start_step: int | None = None, all
         return _matrix_report(path, summary, say)
     if "stages" in summary:
         return _bisect_report(path, summary, say)
-    if "checks" in summary and "sizes" in summary:
+    if "checks" in summary and ("sizes" in summary or "layouts" in summary):
         return _across_report(path, summary)
     if "checks" in summary:
         return _verify_report(path, summary, say)
@@ -279,7 +280,8 @@ class _Required:
 _CHECK = {"verdict": str, "first_divergence": dict, "compared": dict, "notes": list}
 _SUMMARY = {
     "verify": {"verdict": _Required(str), "checks": _Each(_CHECK, null=True), "resume_at": int, "runs": [dict],
-               "explanations": _Each(list), "notes": list, "sizes": list},
+               "explanations": _Each(list), "notes": list, "sizes": list, "layouts": list,
+               "controls": [{"verdict": str, "differs": bool}]},
     "bisect": {"verdict": _Required(str), "stages": [{"runs_s": dict}], "control_flow": dict,
                "origin": {"elements": {"values": [dict], "dumps": list}, "state_differs": list, "params": list,
                           "ranks": list},
@@ -375,15 +377,44 @@ def _verify_report(path: Path, summary: dict, say) -> Report:
 
 
 def _across_report(path: Path, summary: dict) -> Report:
-    """`verify --across dp=...`: runs of different world sizes, compared by rank 0's replicated
-    records (not rank by rank), so the verdicts are shown as verify found them."""
+    """`verify --across`: layouts of different world sizes, compared with the first by global
+    digest (or, for runs without global records, rank 0's replicated records), not rank by
+    rank, so the verdicts are shown as verify found them; then its certificate.json (the
+    environment, each step's global root per layout, the checkpoints, the invariant reductions,
+    the negative controls)."""
     verdict = _verdict(summary.get("verdict"), path / "summary.json")
     page = _Page("verify --across", f"samebits verify --across: {path}", verdict)
-    page.verify_summary(summary, [])
-    page.notes.append(f"runs of different data-parallel sizes ({', '.join(map(str, summary.get('sizes') or []))}) are "
-                      f"compared by the replicated records of rank 0 against {summary.get('reference')}, not rank by "
-                      "rank: no heatmap or environment comparison is drawn for them")
+    if "layouts" not in summary:  # written before 2026-12: dp sizes, rank 0's replicated records
+        page.verify_summary(summary, [])
+        page.notes.append(f"runs of different data-parallel sizes ({', '.join(map(str, summary.get('sizes') or []))}) "
+                          f"are compared by the replicated records of rank 0 against {summary.get('reference')}, not "
+                          "rank by rank: no heatmap or environment comparison is drawn for them")
+        return page.finish([str(path)], [], notes=list(summary.get("notes") or []))
+    page.conclusion = across_conclusion(summary)
+    page.across_summary(summary)
+    certificate = _certificate(path)
+    if certificate is None:
+        page.notes.append(f"no certificate.json in {path}: the roots, checkpoints and reductions are not shown")
+    else:
+        page.across_certificate(certificate)
+    page.notes.append("layouts of different world sizes are compared by global tensor, not rank by rank: no heatmap "
+                      "or environment comparison is drawn for them")
     return page.finish([str(path)], [], notes=list(summary.get("notes") or []))
+
+
+def _certificate(path: Path) -> dict | None:
+    """``path``/certificate.json, or None; `ConfigError` naming the file when it is not JSON."""
+    file = path / "certificate.json"
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{file}: cannot be read as JSON ({err}); it is what `samebits verify --across` writes") \
+            from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{file}: not a JSON object; expected the certificate `samebits verify --across` writes")
+    return data
 
 
 def _bisect_report(path: Path, summary: dict, say) -> Report:
@@ -670,6 +701,66 @@ class _Page:
         for key in ("bisect_command", "resume_bisect_command"):
             if summary.get(key):
                 self.add(f"<p>to find the origin: <code>{_esc(summary[key])}</code></p>")
+
+    def across_summary(self, summary: dict) -> None:
+        self.h2("Verdicts", "verdicts")
+        reference = summary.get("reference")
+        rows = []
+        for name, check in (summary.get("checks") or {}).items():
+            first = check.get("first_divergence") or {}
+            where = "-" if not first else f"step {first.get('step')}: {first.get('phase')}/{first.get('name')}"
+            if check.get("verdict") == Verdict.INCOMPLETE.value:
+                where = "; ".join((check.get("incomplete") or [])[:1]) or where
+            rows.append([f"{reference} = {name}", check.get("verdict"), check.get("by"),
+                         (check.get("compared") or {}).get("steps"), where])
+        self.add(_table(["layouts", "verdict", "compared by", "steps", "first divergence"], rows, verdict_column=1))
+        controls = summary.get("controls")
+        self.h2("Negative controls", "controls")
+        if controls is None:
+            self.add(f"<p>{_esc(summary.get('controls_note') or 'not run')}</p>")
+        else:
+            self.add("<p>each layout without the switches, against the reference without them, on the same global "
+                     "batch: each must differ at step 0 or 1, or the comparison cannot tell layouts apart.</p>"
+                     + _table(["control", "differs", "first step", "verdict", "detail"],
+                              [[c.get("run"), "yes" if c.get("differs") else "NO", c.get("first_step"),
+                                c.get("verdict"), c.get("detail")] for c in controls], verdict_column=3))
+        runs = summary.get("runs") or []
+        if runs:
+            self.add("<h3>Runs</h3>" + _table(["run", "exit", "seconds", "command"],
+                                             [[r.get("name"), r.get("exit_code"), r.get("seconds"), r.get("command")]
+                                              for r in runs]))
+
+    def across_certificate(self, cert: dict) -> None:
+        self.h2("Certificate", "certificate")
+        env = cert.get("environment") or {}
+        self.add("<h3>Environment</h3>" + _table(["", ""], [[k, v] for k, v in env.items()]))
+        layouts = cert.get("layouts") or []
+        self.add("<h3>Layouts</h3>" + _table(["cell", "world size", "overrides", "command"],
+                                            [[l.get("cell"), l.get("world_size"), " ".join(l.get("overrides") or []),
+                                              l.get("command")] for l in layouts]))
+        roots = cert.get("roots") or {}
+        steps = [str(s) for s in cert.get("steps") or []]
+        names = list(roots)
+        self.add("<h3>Global root per step</h3>")
+        if names and steps and cert.get("roots_equal"):
+            first = roots[names[0]]
+            self.add(f"<p>every layout ({_esc(', '.join(names))}) holds the same global root at every step "
+                     f"({len(steps)} steps), collapsed into one column:</p>"
+                     + _table(["step", "global root (all layouts)"], [[s, first.get(s)] for s in steps]))
+        else:
+            self.add(_table(["step", *names], [[s, *[roots[n].get(s, "(missing)") for n in names]] for s in steps]))
+        checkpoints = cert.get("checkpoints") or {}
+        self.add("<h3>Checkpoints</h3>")
+        if checkpoints:
+            self.add(_table(["layout", "step", "files", "sha256"],
+                            [[n, c.get("step"), c.get("files"), c.get("sha256")] for n, c in checkpoints.items()])
+                     + f"<p class=\"note\">{_esc(cert.get('checkpoints_note') or '')}</p>")
+        else:
+            self.add("<p>no checkpoint saved (a command, or runs of one step)</p>")
+        reductions = cert.get("invariant_reductions") or []
+        self.add("<h3>Invariant reductions</h3>" + (
+            _table(["switch", "size", "covers"], [[r.get("switch"), r.get("size"), r.get("covers")] for r in reductions])
+            if reductions else "<p>none listed (one rank only, or a command: its own)</p>"))
 
     def bisect_summary(self, summary: dict) -> None:
         self.h2("Verdicts", "verdicts")

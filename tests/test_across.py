@@ -1,0 +1,266 @@
+"""`samebits verify --across` (issue 28 items 4-5): layouts in the one cell grammar or as a
+product of sizes, every layout compared with the first by global digest at every step, the
+negative controls in the same run (a control that does not differ fails the verdict), the
+certificate and its page; and `diff --by global` of a resumed run against the full one.
+
+The fast tests drive the runner with a fake program (tests/scripts_across/fake_layout.py: a
+"layout" records one global parameter whose values it is told); the slow ones run the recipe.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import samebits
+from samebits.cli import main
+from samebits.cli._recipe import across_layouts, across_reductions
+from samebits.errors import ConfigError
+from samebits.recipes import commands as recipe
+from samebits.recipes.cells import ParallelDims, parse_layouts
+from samebits.runs.across import CERTIFICATE, Layout, verify_across
+from samebits.runs.commands import SelfRecording
+from samebits.runs.report import build_report
+from samebits.verdicts import Verdict
+
+FAKE = Path(__file__).parent / "scripts_across" / "fake_layout.py"
+
+
+# -- the layouts: cells, the product form, the switches each needs ------------------------------
+
+def test_layouts_as_cells_or_as_a_product_of_sizes():
+    assert [d.name for d in parse_layouts("single,dp2,tp2,fsdp2")] == ["single", "dp2", "tp2", "fsdp2"]
+    assert [d.name for d in parse_layouts("dp=1,2,4")] == ["single", "dp2", "dp4"]
+    assert [d.name for d in parse_layouts("dp=1,2 tp=1,2")] == ["single", "tp2", "dp2", "tp2-dp2"]
+    assert [d.name for d in parse_layouts("dp=1,2  ep=1,2")] == ["single", "ep2", "dp2"]  # ep=N implies dp=N
+    assert parse_layouts("tp2-dp2,single")[0] == ParallelDims(dp_replicate=2, tp=2)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("dp=1", "at least two layouts"),
+    ("single", "at least two layouts"),
+    ("dp2,dp2", "dp2 is given twice"),
+    ("tp=1,2 tp=4", "tp is given twice"),
+    ("xp=1,2", "'xp=1,2' is not KEY=N,N"),
+    ("dp=1,0", "positive sizes"),
+    ("single,tp2x", "'tp2x' is not one of dpN"),
+    ("", "no layouts"),
+])
+def test_a_bad_layout_spec_says_what_and_how(spec, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_layouts(spec)
+
+
+def test_each_cell_asks_the_recipe_for_its_switches_and_the_run_takes_them_all():
+    assert recipe.invariant_overrides(ParallelDims()) == []
+    assert recipe.invariant_overrides(ParallelDims.parse("dp2")) == ["grad_reduce=invariant"]
+    assert recipe.invariant_overrides(ParallelDims.parse("tp2")) == ["tp_reduce=invariant"]
+    assert recipe.invariant_overrides(ParallelDims.parse("fsdp2-tp2")) == ["grad_reduce=invariant",
+                                                                             "tp_reduce=invariant"]
+    with pytest.raises(ConfigError, match=r"^ep2: expert parallelism is not layout-invariant yet \(.*docs/invariance"):
+        recipe.invariant_overrides(ParallelDims.parse("ep2"))
+    with pytest.raises(ConfigError, match=r"^pp2: pipeline parallelism is not layout-invariant yet"):
+        recipe.across_switches(parse_layouts("single,pp2"))
+    cells = parse_layouts("single,dp2,tp2")
+    assert recipe.across_switches(cells) == ["grad_reduce=invariant", "tp_reduce=invariant"]
+    assert [r["switch"] for r in across_reductions("single,dp2,tp2")] == ["grad_reduce=invariant",
+                                                                           "grad_reduce=invariant",
+                                                                           "tp_reduce=invariant"]
+    assert [r["size"] for r in across_reductions("single,tp2")] == ["tp"]
+
+
+def test_the_layouts_programs_and_their_controls():
+    """Every layout runs with every switch (one function), experts replicated; its control is
+    the same cell with the switches off, on the matrix's global batch, for two steps."""
+    single, dp2, tp2 = across_layouts("single,dp2,tp2", steps=6, overrides=["seed=3"])
+    assert (single.nproc, dp2.nproc, tp2.nproc) == (1, 2, 2)
+    for layout in (single, dp2, tp2):
+        record = " ".join(layout.program.record)
+        assert "--set grad_reduce=invariant --set tp_reduce=invariant --set seed=3" in record, record
+        assert "--set ep=1" in record and layout.program.steps == 6
+        control = " ".join(layout.control.record)
+        assert "--set grad_reduce=mean --set tp_reduce=plain --set seed=3" in control, control
+        assert "--set dropout=0" in control and layout.control.steps == 2
+    assert "--set micro_batch_size=8" in " ".join(single.control.record)
+    assert "--set micro_batch_size=4" in " ".join(dp2.control.record)  # the same global batch of 8
+    assert "--set tp=2" in " ".join(tp2.program.record) and "--set dp_replicate=2" in " ".join(dp2.program.record)
+    own_batch = across_layouts("single,dp2", steps=2, overrides=["micro_batch_size=2"])[1].control.record
+    assert "micro_batch_size=4" not in " ".join(own_batch) and own_batch.count("micro_batch_size=2") == 1
+    assert across_layouts("single,dp2", steps=2, controls=False)[1].control is None
+
+
+def test_the_command_line_refuses_a_layout_that_is_not_invariant_before_any_run(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["verify", "--across", "single,ep2", "--out", str(out)]) == 2
+    assert "ep2: expert parallelism is not layout-invariant yet" in capsys.readouterr().err
+    assert not out.exists()
+    assert main(["verify", "--across", "single,dp2", "--out", str(out), "--", "python", "t.py", "{nproc}",
+                 "{out}"]) == 2
+    assert "with a command: expected dp=N,N" in capsys.readouterr().err
+    assert main(["verify", "--across", "single,dp2048", "--out", str(out)]) == 2
+    assert "dp2048 needs 2048 ranks" in capsys.readouterr().err
+
+
+# -- the runner with a fake program: the comparison, the controls, the certificate ---------------
+
+def _program(name: str, values: str, steps: int = 4) -> SelfRecording:
+    """The fake program: records one global parameter per step, ``values`` (a seed) fixing it."""
+    base = [sys.executable, str(FAKE), "--out", "{out}", "--steps", str(steps), "--values", values, "--name", name]
+    return SelfRecording(steps=steps, nproc=1, record=tuple(base),
+                         save=tuple(base + ["--save-at", "{step}", "--ckpt", "{ckpt}"]),
+                         save_only=tuple(base + ["--save-at", "{step}", "--ckpt", "{ckpt}"]),
+                         resume=tuple(base))
+
+
+def _layouts(*, control_values=("plain-single", "plain-dp2"), second="same") -> list[Layout]:
+    return [Layout("single", 1, _program("single", "same"), _program("control-single", control_values[0], 2),
+                   ("grad_reduce=invariant",), ("grad_reduce=mean",)),
+            Layout("dp2", 2, _program("dp2", second), _program("control-dp2", control_values[1], 2),
+                   ("dp_replicate=2", "grad_reduce=invariant"), ("dp_replicate=2", "grad_reduce=mean"))]
+
+
+REDUCTIONS = [{"switch": "grad_reduce=invariant", "size": "dp_replicate", "covers": "the DP reduction"}]
+
+
+@pytest.fixture(scope="module")
+def passed(tmp_path_factory):
+    """Equal layouts, controls that differ: (out, result); shared by the tests that read it."""
+    out = tmp_path_factory.mktemp("across") / "pass"
+    return out, verify_across(_layouts(), out=out, reductions=REDUCTIONS)
+
+
+@pytest.fixture(scope="module")
+def diverged(tmp_path_factory):
+    """dp2 differs from step 2 on: (out, result)."""
+    out = tmp_path_factory.mktemp("across") / "diverged"
+    return out, verify_across(_layouts(second="from-step-2"), out=out)
+
+
+def test_equal_layouts_with_differing_controls_pass_and_write_the_certificate(passed):
+    out, result = passed
+    assert result.verdict is Verdict.PASS, result.to_dict()
+    check = result.checks["dp2"]
+    assert check.by == "global" and check.compared["steps"] == 4 and check.metrics["verdict"] == "identical"
+    assert [(c.run, c.differs, c.first_step) for c in result.controls] == [("control-dp2", True, 0)]
+    cert = json.loads((out / CERTIFICATE).read_text())
+    assert cert["verdict"] == "pass" and cert["reference"] == "single"
+    assert set(cert["environment"]) >= {"samebits", "torch", "python", "cpu", "device", "platform"}
+    assert cert["environment"]["torch"] == torch.__version__.split("+")[0] or \
+        cert["environment"]["torch"] == torch.__version__
+    assert [(l["cell"], l["world_size"], l["overrides"]) for l in cert["layouts"]] == [
+        ("single", 1, ["grad_reduce=invariant"]), ("dp2", 2, ["dp_replicate=2", "grad_reduce=invariant"])]
+    assert all(str(FAKE) in l["command"] for l in cert["layouts"])
+    assert cert["steps"] == [0, 1, 2, 3] and cert["roots_equal"] is True
+    roots = cert["roots"]
+    assert roots["single"] == roots["dp2"] and len(set(roots["single"].values())) == 4  # one root per step
+    assert cert["checkpoints"]["single"]["step"] == 2 and cert["checkpoints"]["single"]["files"] == 1
+    assert cert["checkpoints"]["single"]["sha256"] == cert["checkpoints"]["dp2"]["sha256"]  # same bytes here
+    assert cert["invariant_reductions"] == REDUCTIONS
+    assert [(c["run"], c["differs"], c["first_step"], c["overrides"]) for c in cert["controls"]] == [
+        ("control-dp2", True, 0, ["dp_replicate=2", "grad_reduce=mean"])]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["layouts"] == ["single", "dp2"] and summary["checks"]["dp2"]["verdict"] == "identical"
+
+
+def test_a_control_that_does_not_differ_fails_the_verdict(tmp_path):
+    """The same layouts without the switch computing the same bits: the comparison could not
+    tell layouts apart, so the equality of the layouts proves nothing."""
+    result = verify_across(_layouts(control_values=("plain", "plain")), out=tmp_path / "blind")
+    assert Verdict(result.checks["dp2"].verdict) is Verdict.IDENTICAL
+    assert result.verdict is Verdict.FAIL and [c.differs for c in result.controls] == [False]
+    summary = json.loads((tmp_path / "blind" / "summary.json").read_text())
+    from samebits.runs.conclusion import across_conclusion
+    sentence = across_conclusion(summary)
+    assert sentence.startswith("FAIL: ") and "the control did not differ for dp2" in sentence
+    assert "the comparison cannot tell layouts apart" in sentence
+
+
+def test_a_layout_that_differs_fails_at_its_first_step_and_roots_show_it(diverged):
+    out, result = diverged
+    check = result.checks["dp2"]
+    assert result.verdict is Verdict.FAIL and Verdict(check.verdict) is Verdict.DIVERGED
+    assert check.first_divergence["step"] == 2 and check.first_divergence["name"] == "w"
+    cert = json.loads((out / CERTIFICATE).read_text())
+    assert cert["roots_equal"] is False
+    assert [cert["roots"]["single"][s] == cert["roots"]["dp2"][s] for s in "0123"] == [True, True, False, False]
+
+
+def test_no_controls_is_said_in_the_certificate_and_the_verdict_stands_on_the_comparison(tmp_path):
+    result = verify_across(_layouts(control_values=("plain", "plain")), out=tmp_path / "n", controls=False)
+    assert result.verdict is Verdict.PASS and result.controls is None
+    cert = json.loads((tmp_path / "n" / CERTIFICATE).read_text())
+    assert cert["controls"] is None and cert["controls_note"] == "not run: --no-controls"
+    assert not (tmp_path / "n" / "control-dp2").exists()
+
+
+def test_the_report_page_leads_with_the_conclusion_and_renders_the_certificate(passed, diverged, tmp_path):
+    out = passed[0]
+    report = build_report([out])
+    assert report.kind == "verify --across" and report.verdict is Verdict.PASS
+    assert report.conclusion.startswith("PASS: dp2 (4 steps) bit-identical to single by global digest")
+    assert "every control (without the switches) differed at step 0" in report.conclusion
+    assert {"Verdicts", "Negative controls", "Certificate"} <= set(report.sections)
+    assert "every layout (single, dp2) holds the same global root at every step" in report.html
+    assert "grad_reduce=invariant" in report.html and "control-dp2" in report.html
+    cert = json.loads((out / CERTIFICATE).read_text())
+    assert cert["checkpoints"]["dp2"]["sha256"] in report.html
+    page = build_report([diverged[0]])
+    assert "holds the same global root" not in page.html and page.verdict is Verdict.FAIL
+    assert "dp2 diverged from single at step 2 (params/w)" in page.conclusion
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "summary.json").write_text((diverged[0] / "summary.json").read_text())
+    (damaged / CERTIFICATE).write_text("{not json")
+    with pytest.raises(ConfigError, match="certificate.json: cannot be read as JSON"):
+        build_report([damaged])
+
+
+# -- diff --by global of a resumed run ---------------------------------------------------------
+
+def _steps(directory, steps, world_size=1):
+    for rank in range(world_size):
+        with samebits.Recorder(directory, rank=rank, world_size=world_size, config={"w": 1}) as rec:
+            for step in steps:
+                rec.global_tensors(step, "params", [("w", torch.full((4,), float(step)))])
+
+
+def test_diff_by_global_compares_a_resumed_run_from_its_first_step(tmp_path):
+    """The full run holds steps 0-3, the run resumed at step 2 steps 2-3 (identical): not
+    DIVERGED at step 0, but INCOMPLETE saying where it starts; a window from step 2 is
+    IDENTICAL; a difference after the resume is DIVERGED there."""
+    _steps(tmp_path / "full", range(4))
+    _steps(tmp_path / "resumed", range(2, 4), world_size=2)
+    result = samebits.diff(tmp_path / "full", tmp_path / "resumed", by="global")
+    assert result.verdict is Verdict.INCOMPLETE, result.to_dict()
+    assert "--from-step 2" in result.incomplete[0] and any("b starts at step 2" in n for n in result.notes)
+    assert samebits.diff(tmp_path / "resumed", tmp_path / "full", by="global").verdict is Verdict.INCOMPLETE
+    window = samebits.diff(tmp_path / "full", tmp_path / "resumed", by="global", start_step=2)
+    assert window.verdict is Verdict.IDENTICAL and window.compared["steps"] == 2
+    with samebits.Recorder(tmp_path / "bad", rank=0, world_size=1, config={"w": 1}) as rec:
+        rec.global_tensors(2, "params", [("w", torch.full((4,), 2.0))])
+        rec.global_tensors(3, "params", [("w", torch.full((4,), 9.0))])
+    bad = samebits.diff(tmp_path / "full", tmp_path / "bad", by="global")
+    assert bad.verdict is Verdict.DIVERGED and bad.first_step == 3
+
+
+# -- the recipe, end to end ---------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_the_recipe_across_single_and_tp2_passes_with_its_controls_and_a_certificate(tmp_path, capsys):
+    """`samebits verify --across single,tp2 --steps 3`: tp_reduce=invariant, every step's
+    parameters equal by global digest; the controls (tp_reduce=plain) differ at step 0."""
+    out = tmp_path / "across"
+    code = main(["verify", "--across", "single,tp2", "--steps", "3", "--out", str(out), "--json",
+                 "--set", "num_layers=2", "--set", "seq_len=32"])
+    shown = json.loads(capsys.readouterr().out)
+    assert code == 0 and shown["verdict"] == "pass", shown
+    assert shown["checks"]["tp2"]["by"] == "global" and shown["checks"]["tp2"]["compared"]["steps"] == 3
+    assert [(c["run"], c["differs"], c["first_step"]) for c in shown["controls"]] == [("control-tp2", True, 0)]
+    cert = json.loads((out / CERTIFICATE).read_text())
+    assert cert["roots_equal"] and cert["steps"] == [0, 1, 2]
+    assert [r["switch"] for r in cert["invariant_reductions"]] == ["tp_reduce=invariant"]
+    assert set(cert["checkpoints"]) == {"single", "tp2"}

@@ -2,6 +2,7 @@
 
     GradientAccumulator(named_params, num_micro_batches=M)   hand-written loops
     InvariantHookState + invariant_comm_hook                  DDP (register_comm_hook)
+    InvariantReduceScatter                                    FSDP2 (set_custom_reduce_scatter)
     Preconditions(...).check()                                refuse what breaks invariance
     micro_batch_seed(seed, step, m)                           RNG keyed by (step, micro-batch)
     canonical_grad_norm / clip_grad_norm_                     the clipping norm in a fixed order
@@ -24,13 +25,15 @@ from samebits.invariant._matmul import (TP_BLOCK_SIZE, column_parallel_linear, i
 from samebits.invariant._norm import clip_sharded_grad_norm_, sharded_grad_norm
 from samebits.invariant._preconditions import (LOSS_NORMALIZATIONS, RNG_KEYS, Preconditions, check_micro_batch_size,
                                                micro_batch_seed)
-from samebits.invariant._reduce import (GradientAccumulator, InvariantHookState, ReduceStats, canonical_grad_norm,
-                                        clip_grad_norm_, invariant_comm_hook, reduce_blocks, ring_bytes)
+from samebits.invariant._reduce import (GradientAccumulator, InvariantHookState, InvariantReduceScatter, ReduceStats,
+                                        canonical_grad_norm, clip_grad_norm_, invariant_comm_hook, reduce_blocks,
+                                        ring_bytes)
 
 __all__ = [
     "GradientAccumulator",
     "InvariantHookState",
     "invariant_comm_hook",
+    "InvariantReduceScatter",
     "ReduceStats",
     "reduce_blocks",
     "Preconditions",

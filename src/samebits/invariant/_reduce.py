@@ -13,6 +13,11 @@ One step, on every rank (W ranks, M micro-batches, k = M / W of them here):
 
 Memory: the k local micro-batch gradients are kept until step 2 can run (k fp32 copies); with
 one micro-batch per rank that is one copy.
+
+Sharded parameters (tensor-parallel shards, FSDP2): with ``block_size=1`` every element is its
+own block, so however a parameter is cut, every rank holds whole blocks and the bits do not
+depend on the cut (the recipe's choice; `InvariantReduceScatter` is FSDP2's reduce-scatter
+made this way).  Larger blocks are a canonical layout of whole (unsharded) parameters only.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from samebits._torchutil import group_rank_and_world_size
 from samebits.errors import ConfigError, SamebitsError
@@ -89,12 +95,13 @@ class _Blocks:
 
 
 def reduce_blocks(micro_batches: list[torch.Tensor], *, num_micro_batches: int, group=None,
-                  stats: ReduceStats | None = None) -> torch.Tensor:
+                  stats: ReduceStats | None = None, scatter_only: bool = False) -> torch.Tensor:
     """The invariant SUM over every rank's micro-batches of (num_blocks, block_size) fp32 blocks.
 
     ``micro_batches`` are this rank's; ``num_micro_batches`` is M, the global count (it sets
     the fraction bits, so it must be the same at every DP size).  Returns the reduced fp32
-    blocks, the same bits on every rank and at every DP size.
+    blocks, the same bits on every rank and at every DP size; ``scatter_only``: only this
+    rank's share, rows [rank * n / W, (rank + 1) * n / W) (a reduce-scatter, no all-gather).
     """
     rank, world_size = group_rank_and_world_size(group)
     if not micro_batches:
@@ -114,6 +121,9 @@ def reduce_blocks(micro_batches: list[torch.Tensor], *, num_micro_batches: int, 
         inexact += lost
     device = micro_batches[0].device  # NCCL needs the collectives' tensors on the GPU
     counts = torch.tensor([inexact], dtype=torch.int64, device=device)
+    if world_size > 1 and num_blocks % world_size:
+        raise ConfigError(f"rank {rank}: {num_blocks} blocks do not split over {world_size} ranks; pad the "
+                          "buffer to a multiple of the group size")
     if world_size == 1:
         reduced = decode(total, exps, bits)
     else:
@@ -122,8 +132,11 @@ def reduce_blocks(micro_batches: list[torch.Tensor], *, num_micro_batches: int, 
         dist.reduce_scatter_tensor(shard, total, group=group)  # int64 SUM: exact and associative
         mine = slice(rank * shard_blocks, (rank + 1) * shard_blocks)
         decoded = decode(shard, exps[mine], bits)
-        reduced = torch.empty(num_blocks, block_size, dtype=torch.float32, device=device)
-        dist.all_gather_into_tensor(reduced, decoded, group=group)
+        if scatter_only:
+            reduced = decoded
+        else:
+            reduced = torch.empty(num_blocks, block_size, dtype=torch.float32, device=device)
+            dist.all_gather_into_tensor(reduced, decoded, group=group)
         dist.all_reduce(counts, group=group)
     if stats is not None:
         element_bytes = num_blocks * block_size
@@ -134,7 +147,7 @@ def reduce_blocks(micro_batches: list[torch.Tensor], *, num_micro_batches: int, 
         stats.nonfinite_blocks += int((exps == EXPONENT_NONFINITE).sum())
         stats.bytes_sent += (ring_bytes("all_reduce", num_blocks, world_size)  # int8 exponents
                              + ring_bytes("reduce_scatter", 8 * element_bytes, world_size)
-                             + ring_bytes("all_gather", 4 * element_bytes, world_size))
+                             + (0 if scatter_only else ring_bytes("all_gather", 4 * element_bytes, world_size)))
         stats.fp32_allreduce_bytes += ring_bytes("all_reduce", 4 * element_bytes, world_size)
     return reduced
 
@@ -171,7 +184,9 @@ class GradientAccumulator:
         if not self.named:
             raise ConfigError("GradientAccumulator got no parameters that require grad")
         self.num_micro_batches, self.seed, self.group = num_micro_batches, seed, group
-        self.layout = _Blocks([p.numel() for _, p in self.named], block_size, self.world_size)
+        # A DTensor parameter (a TP or FSDP2 shard) is reduced as its local shard: with
+        # block_size=1 its blocks are whole at any split (module docstring).
+        self.layout = _Blocks([_local(p).numel() for _, p in self.named], block_size, self.world_size)
         self._pending: list[torch.Tensor] = []
         self.last_stats: ReduceStats | None = None
 
@@ -219,7 +234,7 @@ class GradientAccumulator:
             raise SamebitsError(f"rank {self.rank}: accumulate() called {len(self._pending) + 1} times in one "
                                 f"step, but this rank takes {self.num_local_micro_batches} of the "
                                 f"{self.num_micro_batches} micro-batches; call reduce() after the last one")
-        self._pending.append(self.layout.gather([p.grad for _, p in self.named]))
+        self._pending.append(self.layout.gather([None if p.grad is None else _local(p.grad) for _, p in self.named]))
         for _, p in self.named:
             p.grad = None
 
@@ -235,8 +250,10 @@ class GradientAccumulator:
                                 stats=stats)
         self._pending = []
         params = [p for _, p in self.named]
-        for p, grad in zip(params, self.layout.scatter(reduced, params)):
-            p.grad = grad.to(p.device)
+        for p, grad in zip(params, self.layout.scatter(reduced, [_local(p) for p in params])):
+            grad = grad.to(_local(p).device)
+            p.grad = grad if not isinstance(p, DTensor) else DTensor.from_local(
+                grad, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
         self.last_stats = stats
         return stats
 
@@ -244,6 +261,58 @@ class GradientAccumulator:
         """`canonical_grad_norm` of the reduced gradients, then scale them by
         min(1, max_norm / (norm + 1e-6)) (max_norm 0: report only).  Returns the fp32 norm."""
         return clip_grad_norm_([p for _, p in self.named], max_norm)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly DTensor) tensor, as a plain tensor sharing storage."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class InvariantReduceScatter:
+    """FSDP2's gradient reduce-scatter made invariant: every element its own block (so FSDP2's
+    flat buffer, whatever its padding and order, is cut into whole blocks at any shard count),
+    the int64 fixed point of `reduce_blocks`, and only this rank's shard decoded.
+
+        for module in fsdp_modules:                      # each fully_shard'ed module
+            module.set_custom_reduce_scatter(InvariantReduceScatter(num_micro_batches=M))
+            module.set_gradient_divide_factor(1.0)       # a SUM: divide the loss by the global count
+
+    Run a rank's k = M / W backwards of a step with gradient sync on (FSDP2's default): on the
+    first k - 1 it keeps FSDP2's buffer and hands back zeros (FSDP2 adds them to the sharded
+    gradient: 0 + g = g, exactly), on the k-th it reduces all M micro-batches.  One instance
+    per module (per FSDP2 parameter group)."""
+
+    def __init__(self, num_micro_batches: int, group=None):
+        _, world_size = group_rank_and_world_size(group)
+        Preconditions(num_micro_batches=num_micro_batches, world_size=world_size).check()
+        self.num_micro_batches = num_micro_batches
+        self.num_local_micro_batches = num_micro_batches // world_size
+        self.last_stats = ReduceStats()
+        self._pending: list[torch.Tensor] = []
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op=None,
+                 async_op: bool = False):
+        if op is not None and op == dist.ReduceOp.AVG:
+            raise ConfigError("InvariantReduceScatter sums, but FSDP2 asked for an average: call "
+                              "module.set_gradient_divide_factor(1.0) on every fully_shard'ed module and "
+                              "divide the loss by the global count (GradientAccumulator.global_count)")
+        if input_tensor.dtype != torch.float32:
+            raise ConfigError(f"InvariantReduceScatter takes fp32 gradients, got {input_tensor.dtype}: keep "
+                              "FSDP2's reduce_dtype fp32 (MixedPrecisionPolicy(reduce_dtype=torch.float32))")
+        self._pending.append(input_tensor.detach().reshape(-1, 1).clone())
+        if len(self._pending) < self.num_local_micro_batches:
+            output_tensor.zero_()
+            return None
+        stats = ReduceStats()
+        shard = reduce_blocks(self._pending, num_micro_batches=self.num_micro_batches, group=group,
+                              stats=stats, scatter_only=True)
+        self._pending = []
+        self.last_stats = stats
+        output_tensor.copy_(shard.reshape(-1))
+        return None
 
 
 def canonical_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -331,4 +400,4 @@ invariant_comm_hook.__annotations__["return"] = torch.futures.Future[torch.Tenso
 
 
 __all__ = ["GradientAccumulator", "ReduceStats", "reduce_blocks", "canonical_grad_norm", "clip_grad_norm_",
-           "InvariantHookState", "invariant_comm_hook", "ring_bytes"]
+           "InvariantHookState", "invariant_comm_hook", "InvariantReduceScatter", "ring_bytes"]

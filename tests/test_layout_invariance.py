@@ -1,11 +1,13 @@
-"""The same bits at tp=1 and tp=2 (issue 28, first slice): `samebits.invariant`'s TP layers
-split over real ranks, and the recipe with `tp_reduce=invariant` (docs/invariance.md).
+"""The same bits at tp=1 and tp=2 (issue 28): `samebits.invariant`'s TP layers split over real
+ranks, and the recipe with `tp_reduce=invariant` (docs/invariance.md); then tp x dp (both
+switches) and FSDP2 (`grad_reduce=invariant`: `InvariantReduceScatter`) against one rank.
 
 This file run as a script is the worker: under torchrun at world 2 and 4 it runs the column-
 and row-parallel layers (forward and backward) and the sharded norm on shares of the same
 tensors (fast); at world 2 (slow) the recipe's tp2 cell with the switch (20 steps, with
 sequence parallelism and without) and without it (the control, 1 step), and in one plain
-process the same runs on one rank.
+process the same runs on one rank.  The mixed layouts (slow): tp2-dp2 at world 4 and fsdp2
+at world 2 with the switches and without (the controls), and one rank with them.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ import torch
 
 import samebits
 from samebits.errors import ConfigError
-from samebits.invariant import (column_parallel_linear, invariant_matmul, invariant_sum, row_parallel_linear,
-                                scale_columns, sharded_grad_norm)
+from samebits.invariant import (InvariantReduceScatter, block_exponents, column_parallel_linear, decode, encode,
+                                fraction_bits, invariant_matmul, invariant_sum, row_parallel_linear, scale_columns,
+                                sharded_grad_norm)
 from samebits.recipes import RecipeConfig
+from samebits.recipes.cells import ParallelDims
 from samebits.runs.across import compare_replicated
 from samebits.verdicts import Verdict
 
@@ -33,6 +37,15 @@ JOBS = [("invariant", ["tp_reduce=invariant"], STEPS, ("single", "tp2")),
         ("invariant-nosp", ["tp_reduce=invariant", "sequence_parallel=false"], STEPS, ("tp2",)),
         ("plain", [], 1, ("single", "tp2"))]
 TOKENS, K_ROW, N_ROW, K_COL, N_COL = (2, 7), 256, 96, 64, 256  # every share whole blocks of 32 up to tp=4
+MIXED_STEPS = 5
+GRAD, BOTH = ["grad_reduce=invariant", "ep=1"], ["grad_reduce=invariant", "tp_reduce=invariant", "ep=1"]
+# (label, overrides, steps, cell): tp x dp and FSDP2 against one rank; the controls lack a switch
+MIXED_JOBS = [("grad", GRAD, MIXED_STEPS, "single"), ("both", BOTH, MIXED_STEPS, "single"),
+              ("grad", GRAD, MIXED_STEPS, "fsdp2"), ("both", BOTH, MIXED_STEPS, "fsdp2"),
+              ("plain", ["grad_reduce=mean", "ep=1"], 1, "fsdp2"),
+              ("both", BOTH, MIXED_STEPS, "tp2-dp2"),
+              ("plain-dp", ["grad_reduce=mean", "tp_reduce=invariant", "ep=1"], 1, "tp2-dp2")]
+FSDP_BUFFER = 96  # a flat reduce-scatter buffer: whole shards at 1, 2 and 4 ranks
 
 
 # --- config (no processes) ------------------------------------------------------------------
@@ -51,6 +64,34 @@ TOKENS, K_ROW, N_ROW, K_COL, N_COL = (2, 7), 256, 96, 64, 256  # every share who
 def test_tp_reduce_invariant_refuses_what_it_does_not_cover(overrides, message):
     with pytest.raises(ConfigError, match=message):
         RecipeConfig(tp_reduce="invariant", **{"ep": 1, **overrides})
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"tp": 2, "sequence_parallel": False}, r"grad_reduce='invariant' with tp=2 needs tp_reduce='invariant' too"),
+    ({"dp_shard": 2, "tp": 2, "tp_reduce": "invariant"}, r"dp_shard=2 \(FSDP2\) covers tp=1 only, not tp=2"),
+    ({"ep": 0}, r"ep=0 is not covered yet: EP experts sum every rank's tokens"),
+    ({"pp": 2}, r"pp=2 is not covered yet"),
+])
+def test_grad_reduce_invariant_refuses_the_layouts_it_does_not_cover(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        RecipeConfig(grad_reduce="invariant", **{"ep": 1, **overrides})
+
+
+def test_grad_reduce_invariant_takes_tp_with_tp_reduce_invariant_and_fsdp2():
+    for cell, extra in (("tp2-dp2", ["tp_reduce=invariant"]), ("tp2", ["tp_reduce=invariant"]),
+                        ("fsdp2", []), ("fsdp2", ["tp_reduce=invariant"])):
+        sizes = ParallelDims.parse(cell).overrides()
+        cfg = RecipeConfig().with_overrides([*sizes, "grad_reduce=invariant", *extra])
+        assert cfg.grad_reduce == "invariant", cell
+
+
+def test_the_fsdp2_reduce_scatter_refuses_an_average_and_low_precision():
+    comm = InvariantReduceScatter(num_micro_batches=4)
+    out, buffer = torch.empty(8), torch.zeros(8)
+    with pytest.raises(ConfigError, match=r"set_gradient_divide_factor\(1.0\)"):
+        comm(out, buffer, None, torch.distributed.ReduceOp.AVG)
+    with pytest.raises(ConfigError, match="takes fp32 gradients, got torch.bfloat16"):
+        comm(out, buffer.bfloat16(), None, None)
 
 
 def test_tp_reduce_invariant_runs_at_tp_1_and_tp_2_with_or_without_sequence_parallelism():
@@ -146,6 +187,21 @@ def test_tp_layers_forward_and_backward_have_the_same_bits_at_tp_1_2_and_4(layer
         assert "split over %d ranks into 48 elements each" % world_size in ranks[0]["uneven"]
 
 
+def test_fsdp2_reduce_scatter_shards_join_into_the_one_rank_sum_and_blocks_across_the_cut_do_not(layer_runs):
+    """`InvariantReduceScatter` on a flat buffer (values spanning 60 binary orders, as FSDP2's
+    buffer of many parameters does) with 4 micro-batches shared by 1, 2 or 4 ranks: the joined
+    shards equal the one-rank sum bit for bit.  The control: the same sum in blocks of 16
+    elements, each rank blocking its own shard (the cut inside a block at 4 ranks), differs."""
+    ref = _reference()
+    for world_size in (2, 4):
+        ranks = [torch.load(layer_runs / f"layers-{world_size}-{r}.pt") for r in range(world_size)]
+        assert torch.equal(torch.cat([got["fsdp_shard"] for got in ranks]), ref["fsdp_shard"]), world_size
+        assert all(got["fsdp_stats"] == ref["fsdp_stats"] for got in ranks)
+    shards = [torch.load(layer_runs / f"layers-4-{r}.pt")["blocked_shard"] for r in range(4)]
+    assert ref["fsdp_stats"] == 0  # each element its own block: every encoding exact, the sum correctly rounded
+    assert not torch.equal(torch.cat(shards), ref["blocked_shard"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("label", ["invariant", "invariant-nosp"])
 def test_the_recipe_at_tp2_is_bit_identical_to_one_rank_with_tp_reduce_invariant(recipe_runs, label):
@@ -165,6 +221,41 @@ def test_the_recipe_at_tp2_is_bit_identical_to_one_rank_with_tp_reduce_invariant
 @pytest.mark.slow
 def test_control_without_the_switch_tp2_differs_from_one_rank_at_the_first_step(recipe_runs):
     result = samebits.diff(recipe_runs / "single-plain", recipe_runs / "tp2-plain", by="global")
+    report = result.to_dict()
+    assert result.verdict is Verdict.DIVERGED, report
+    assert report["first_divergence"]["step"] == 0 and report["first_divergence"]["phase"] == "params"
+
+
+@pytest.fixture(scope="module")
+def mixed_runs(tmp_path_factory) -> Path:
+    """One rank, fsdp2 (world 2) and tp2-dp2 (world 4), each with the switches and without
+    (`MIXED_JOBS`; about 90 s on 2 idle cores)."""
+    out = tmp_path_factory.mktemp("mixed")
+    _launch([sys.executable, __file__, str(out), "mixed-single"])
+    _torchrun(2, out, "mixed-fsdp2")
+    _torchrun(4, out, "mixed-tp2-dp2")
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run, reference, steps", [("tp2-dp2-both", "single-both", MIXED_STEPS),
+                                                   ("fsdp2-grad", "single-grad", MIXED_STEPS),
+                                                   ("fsdp2-both", "single-both", MIXED_STEPS)])
+def test_tp_x_dp_and_fsdp2_are_bit_identical_to_one_rank(mixed_runs, run, reference, steps):
+    """tp2-dp2 with grad_reduce and tp_reduce invariant, fsdp2 with grad_reduce invariant (and
+    with both): every step's parameters by global digest, and rank 0's losses and grad norm."""
+    result = samebits.diff(mixed_runs / reference, mixed_runs / run, by="global")
+    report = result.to_dict()
+    assert result.verdict is Verdict.IDENTICAL, report
+    assert report["compared"]["steps"] == steps and report["compared"]["tensors"] == 25, report["compared"]
+    replicated = compare_replicated(mixed_runs / reference, mixed_runs / run, phases=["metrics"])
+    assert replicated.verdict is Verdict.IDENTICAL and replicated.compared["steps"] == steps, replicated.to_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run, reference", [("tp2-dp2-plain-dp", "single-both"), ("fsdp2-plain", "single-grad")])
+def test_control_without_grad_reduce_invariant_tp_x_dp_and_fsdp2_differ_from_one_rank(mixed_runs, run, reference):
+    result = samebits.diff(mixed_runs / reference, mixed_runs / run, by="global")
     report = result.to_dict()
     assert result.verdict is Verdict.DIVERGED, report
     assert report["first_divergence"]["step"] == 0 and report["first_divergence"]["phase"] == "params"
@@ -212,7 +303,29 @@ def _layer_results(group, rank: int, world_size: int) -> dict:
             invariant_matmul(torch.zeros(3, 48), torch.zeros(48, 2), group=group)
         except ConfigError as err:
             out["uneven"] = str(err)
+    out.update(_fsdp_results(group, rank, world_size, gen))
     return out
+
+
+def _fsdp_results(group, rank: int, world_size: int, gen: torch.Generator) -> dict:
+    """4 micro-batches of a flat buffer, this rank's k = 4 / W of them through
+    `InvariantReduceScatter` (FSDP2's call: the whole buffer in, this rank's shard out; at
+    world 1 the whole sum).  The control: the 4 micro-batches of this rank's shard summed in
+    blocks of 16 cut from the shard (the block fixed point on one rank), as a reduction blocking FSDP2's
+    buffer by rank would (at 4 ranks a shard of 24 ends inside a block of the whole buffer)."""
+    scales = torch.pow(2.0, torch.randint(-30, 30, (FSDP_BUFFER,), generator=gen).double()).float()
+    buffers = [torch.randn(FSDP_BUFFER, generator=gen) * scales for _ in range(4)]
+    k, share = 4 // world_size, FSDP_BUFFER // world_size
+    comm = InvariantReduceScatter(num_micro_batches=4, group=group)
+    shard = torch.empty(share)
+    for buffer in buffers[rank * k:(rank + 1) * k]:
+        comm(shard, buffer, group, None)
+    pad = -share % 16
+    mine = [torch.cat([b[rank * share:(rank + 1) * share], torch.zeros(pad)]).reshape(-1, 16) for b in buffers]
+    exps = torch.stack([block_exponents(m) for m in mine]).amax(dim=0)  # what reduce_blocks does on one rank
+    bits = fraction_bits(4)
+    blocked = decode(sum(encode(m, exps, bits)[0] for m in mine), exps, bits).reshape(-1)[:share]
+    return {"fsdp_shard": shard, "fsdp_stats": comm.last_stats.inexact_elements, "blocked_shard": blocked}
 
 
 def _worker(out_dir: Path, mode: str) -> None:
@@ -223,12 +336,21 @@ def _worker(out_dir: Path, mode: str) -> None:
             if "single" in cells:
                 _run_recipe(main, "single", label, overrides, steps, out_dir)
         return
+    if mode == "mixed-single":
+        for label, overrides, steps, cell in MIXED_JOBS:
+            if cell == "single":
+                _run_recipe(main, cell, label, overrides, steps, out_dir)
+        return
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if mode == "layers":
         torch.save(_layer_results(dist.group.WORLD, rank, world_size), out_dir / f"layers-{world_size}-{rank}.pt")
+    elif mode.startswith("mixed-"):  # the cell's MIXED_JOBS, in this group
+        for label, overrides, steps, cell in MIXED_JOBS:
+            if cell == mode.removeprefix("mixed-"):
+                _run_recipe(main, cell, label, overrides, steps, out_dir)
     else:
         for label, overrides, steps, cells in JOBS:
             if "tp2" in cells:

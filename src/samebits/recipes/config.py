@@ -148,7 +148,8 @@ class RecipeConfig:
     forward and backward, and a clipping norm that does not depend on the split;
     docs/invariance.md), with or without sequence_parallel (the norms' weight gradients are
     summed over the positions exactly too).  Set it at every TP degree you compare, tp=1
-    included.  Invariant needs precision=fp32, ep=1, pp=1, dp_shard=1, and the per-rank
+    included.  With grad_reduce="invariant" too, tp x dp gives the same bits as one rank.
+    Invariant needs precision=fp32, ep=1, pp=1, dp_shard only at tp=1, and the per-rank
     share of d_model and ffn_hidden_size in whole blocks of 32."""
 
     pp: int = 1
@@ -225,8 +226,10 @@ class RecipeConfig:
     all-reduce: the bits depend on the DP size) or "invariant" (`samebits.invariant`: each
     step's global batch is `num_micro_batches` micro-batches of micro_batch_size samples,
     rank r takes its share in order, RNG keyed by (step, micro-batch), gradients summed in
-    int64 fixed point: the same bits at any DP size; docs/invariance.md).  Invariant mode
-    needs ep=1, tp=1, pp=1, dp_shard=1 (the DP size is then the world size)."""
+    int64 fixed point, each element its own block: the same bits at any DP size, plain or
+    FSDP2 (dp_shard), and with tp_reduce="invariant" at any TP size too; docs/invariance.md).
+    Invariant mode needs ep=1 and pp=1, tp=1 or tp_reduce="invariant", and dp_shard only at
+    tp=1."""
 
     num_micro_batches: int = 4
     """grad_reduce="invariant": micro-batches per step over all ranks; a multiple of every DP
@@ -311,13 +314,7 @@ class RecipeConfig:
              "fault_pp_reorder_microbatch_grads needs pp >= 2 and pp_microbatches >= 3")
         need(self.num_micro_batches >= 1,
              f"num_micro_batches must be >= 1, got {self.num_micro_batches}")
-        invariant_blockers = [f"{name}={getattr(self, name)}" for name, ok in (
-            ("ep", self.ep == 1), ("tp", self.tp == 1), ("pp", self.pp == 1),
-            ("dp_shard", self.dp_shard == 1)) if not ok]
-        need(self.grad_reduce != "invariant" or not invariant_blockers,
-             f"grad_reduce='invariant' sums per-micro-batch gradients over the data-parallel "
-             f"ranks only; {', '.join(invariant_blockers)} couples the computation to the layout "
-             "(EP experts sum every rank's tokens in one matmul). Set ep=1, tp=1, pp=1, dp_shard=1.")
+        self._check_grad_reduce(need)
         self._check_tp_reduce(need)
         need(self.data_dtype != "uint16" or self.vocab_size <= 2**16,
              f"vocab_size={self.vocab_size} does not fit data_dtype='uint16'; use 'uint32'")
@@ -327,18 +324,39 @@ class RecipeConfig:
         problem = check_gemm(self.precision, self.precision_gemm, self.device)
         need(problem is None, problem or "")
 
+    def _check_grad_reduce(self, need) -> None:
+        """grad_reduce='invariant': the layouts it covers today (docs/invariance.md): plain DP
+        and FSDP2 at any size, each with TP when tp_reduce='invariant'; not EP, PP, or FSDP2
+        with TP."""
+        if self.grad_reduce != "invariant":
+            return
+        blockers = [f"{name}={getattr(self, name)}" for name, ok in (
+            ("ep", self.ep == 1), ("pp", self.pp == 1)) if not ok]
+        need(not blockers,
+             f"grad_reduce='invariant' sums per-micro-batch gradients over the data-parallel ranks; "
+             f"{', '.join(blockers)} is not covered yet: EP experts sum every rank's tokens in one "
+             "matmul and combine them in an order set by the layout, and pipeline stages are not "
+             "wired to the accumulator (docs/invariance.md). Set ep=1 and pp=1.")
+        need(self.tp == 1 or self.tp_reduce == "invariant",
+             f"grad_reduce='invariant' with tp={self.tp} needs tp_reduce='invariant' too: the TP "
+             "linears' fp32 sums over the TP ranks depend on tp, so the data-parallel sum would add "
+             "gradients whose bits already depend on the layout. Set tp_reduce=invariant, or tp=1.")
+        need(self.dp_shard == 1 or self.tp == 1,
+             f"grad_reduce='invariant' with dp_shard={self.dp_shard} (FSDP2) covers tp=1 only, not "
+             f"tp={self.tp} yet (docs/invariance.md). Set tp=1, or use dp_replicate instead of dp_shard.")
+
     def _check_tp_reduce(self, need) -> None:
         """tp_reduce='invariant': what its layers and norm cover today (docs/invariance.md)."""
         if self.tp_reduce != "invariant":
             return
         blockers = [f"{name}={getattr(self, name)!r}" for name, ok in (
             ("precision", self.precision == "fp32"), ("ep", self.ep == 1), ("pp", self.pp == 1),
-            ("dp_shard", self.dp_shard == 1),
+            ("dp_shard", self.dp_shard == 1 or self.tp == 1),
             ("fault_tp_racy_accumulate", not self.fault_tp_racy_accumulate)) if not ok]
         need(not blockers,
              f"tp_reduce='invariant' makes the tensor-parallel linears, the norms and the clipping "
              f"norm independent of tp but does not cover {', '.join(blockers)} yet (docs/invariance.md "
-             "lists what is covered). Set precision=fp32, ep=1, pp=1, dp_shard=1.")
+             "lists what is covered). Set precision=fp32, ep=1, pp=1, and dp_shard=1 when tp > 1.")
         block = TP_BLOCK_SIZE * self.tp
         need(self.d_model % block == 0 and self.ffn_hidden_size % block == 0,
              f"tp_reduce='invariant' cuts each TP rank's share of a reduction into whole blocks of "

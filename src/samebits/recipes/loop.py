@@ -151,10 +151,13 @@ class _Run:
         self.data = Batches(build_token_source(cfg), cfg.micro_batch_size, dp_rank,
                             self.layout.dims.dp)
         # grad_reduce="invariant": the step's global batch is num_micro_batches micro-batches,
-        # this rank takes its share in order (docs/invariance.md).
+        # this DP rank takes its share in order (docs/invariance.md).  Each element is its own
+        # block, so TP and FSDP2 shards hold whole blocks; under FSDP2 its reduce-scatter
+        # (`InvariantReduceScatter`, parallelize.apply_fsdp) sums them instead.
         self.accumulator = GradientAccumulator(
             model.named_parameters(), num_micro_batches=cfg.num_micro_batches, seed=cfg.seed,
-            micro_batch_size=cfg.micro_batch_size) if cfg.grad_reduce == "invariant" else None
+            micro_batch_size=cfg.micro_batch_size, block_size=1,
+            group=self.layout.dp_group) if cfg.grad_reduce == "invariant" else None
         # The parameters the optimizer updates, walked once: the records of every step list
         # them (a walk of the module tree costs about as much as digesting the tiny recipe).
         # Nothing replaces a parameter after this point (a resume loads into them in place).
@@ -320,35 +323,11 @@ class _Run:
         if keep("metrics"):
             rec.metrics(step, **{k: v.detach() for k, v in losses.items()},
                         grad_norm=grad_norm, lr=lr)
-        named = self.named_params  # the same parameter objects after the update
 
         # Update.
         self.optimizer.step()
         self.scheduler.step()
-        ok = None
-        if rec is not None:
-            # The gradients of this update, recorded after it: AdamW reads gradients and never
-            # writes them (tests/test_recipe.py checks their digests across optimizer.step()).
-            # Recorded next to the parameters, a step's recording runs in one stretch, while its
-            # code and the tensors are still in cache (benchmarks/RESULTS.md, issue 16).
-            if keep("grads"):
-                rec.tensors(step, "grads", [(n, parallelize.local(g)) for n, p in named if (g := p.grad) is not None])
-            # The local params records, then the layout-independent global ones (diff across
-            # cells; collective).  Given the parameters themselves: a detached tensor loses the
-            # shard attributes (tensor_model_parallel, partition_dim) that make expert shards
-            # global.  A samebits.Recorder takes both in one call (an unsharded parameter is
-            # digested once for both records); a duck-typed recorder gets the two calls.
-            both = getattr(rec, "tensors_and_global", None)
-            if both is not None:
-                with torch.no_grad():
-                    both(step, "params", named, group=self.layout.expert_group)
-            else:
-                if keep("params"):
-                    rec.tensors(step, "params", [(n, parallelize.local(p.detach())) for n, p in named])
-                if hasattr(rec, "global_tensors"):
-                    with torch.no_grad():
-                        rec.global_tensors(step, "params", named, group=self.layout.expert_group)
-            ok = rec.end_step(step)
+        ok = self._record_update(rec, keep)
 
         local = torch.stack([v.detach() for v in losses.values()])
         mean = parallel.mean_over_ranks(local, self.layout)  # for the log line
@@ -359,12 +338,42 @@ class _Run:
         return metrics, ok
 
 
+    def _record_update(self, rec, keep) -> bool | None:
+        """Record the step's gradients and updated parameters; returns the recorder's end_step."""
+        if rec is None:
+            return None
+        step, named = self.step, self.named_params
+        # The gradients of this update, recorded after it: AdamW reads gradients and never
+        # writes them (tests/test_recipe.py checks their digests across optimizer.step()).
+        # Recorded next to the parameters, a step's recording runs in one stretch, while its
+        # code and the tensors are still in cache (benchmarks/RESULTS.md, issue 16).
+        if keep("grads"):
+            rec.tensors(step, "grads", [(n, parallelize.local(g)) for n, p in named if (g := p.grad) is not None])
+        # The local params records, then the layout-independent global ones (diff across
+        # cells; collective).  Given the parameters themselves: a detached tensor loses the
+        # shard attributes (tensor_model_parallel, partition_dim) that make expert shards
+        # global.  A samebits.Recorder takes both in one call (an unsharded parameter is
+        # digested once for both records); a duck-typed recorder gets the two calls.
+        both = getattr(rec, "tensors_and_global", None)
+        if both is not None:
+            with torch.no_grad():
+                both(step, "params", named, group=self.layout.expert_group)
+        else:
+            if keep("params"):
+                rec.tensors(step, "params", [(n, parallelize.local(p.detach())) for n, p in named])
+            if hasattr(rec, "global_tensors"):
+                with torch.no_grad():
+                    rec.global_tensors(step, "params", named, group=self.layout.expert_group)
+        return rec.end_step(step)
+
     def _invariant_step(self, rec, start: float, keep) -> tuple[dict[str, float], bool | None]:
         """A step whose bits do not depend on the DP size: this rank's micro-batches of the
         global batch, each with dropout and router jitter keyed by (step, micro-batch) and its
         loss divided by the number of micro-batches (all hold the same token count: a global
-        normalisation), gradients summed in int64 fixed point (`samebits.invariant`)."""
+        normalisation), gradients summed in int64 fixed point (`samebits.invariant`) over the DP
+        ranks: by the accumulator, or under FSDP2 by its reduce-scatter."""
         cfg, step, model, acc = self.cfg, self.step, self.model, self.accumulator
+        fsdp = self.layout.dims.dp_shard > 1  # InvariantReduceScatter sums in each backward
         size, count, first = cfg.micro_batch_size, cfg.num_micro_batches, self.data.consumed_samples
         self.optimizer.zero_grad(set_to_none=True)
         names, parts = [], None  # parts: (micro-batch, loss) with each row filled by one rank
@@ -377,30 +386,25 @@ class _Run:
                     self.precision.autocast(self.layout.device.type):
                 losses = _losses(model(tokens[:, :-1]), tokens, cfg)
                 (losses["loss"] / count).backward()
-            acc.accumulate()
+            if not fsdp:
+                acc.accumulate()
             names = list(losses)
             if parts is None:
                 parts = torch.zeros(count, len(names), dtype=torch.float32, device=self.layout.device)
             parts[index] = torch.stack([v.detach().float() for v in losses.values()])
         self.data.consumed_samples = first + count * size
-        acc.reduce()
-        grad_norm = acc.clip_grad_norm_(cfg.grad_clip)
-        if self.layout.world_size > 1:
-            dist.all_reduce(parts)  # one nonzero row per micro-batch: exact in any order
+        if not fsdp:
+            acc.reduce()
+        grad_norm = parallel.clip_grad_norm(model, self.layout, cfg.grad_clip)  # the same at any split
+        if self.layout.dp_group is not None:  # the TP ranks of a replica hold the same losses
+            dist.all_reduce(parts, group=self.layout.dp_group)  # one nonzero row per micro-batch: exact
         losses = dict(zip(names, parts.sum(dim=0) / count))  # the global mean, a fixed order
         lr = self.scheduler.get_last_lr()[0]
         if keep("metrics"):
             rec.metrics(step, **losses, grad_norm=grad_norm, lr=lr)
-        named = self.named_params
         self.optimizer.step()
         self.scheduler.step()
-        ok = None
-        if keep("grads"):  # after the update, as in train_step: the optimizer leaves gradients as they are
-            rec.tensors(step, "grads", [(n, p.grad) for n, p in named if p.grad is not None])
-        if keep("params"):
-            rec.tensors(step, "params", [(n, p.detach()) for n, p in named])
-        if rec is not None:
-            ok = rec.end_step(step)
+        ok = self._record_update(rec, keep)
         metrics = {"step": step, **{k: float(v) for k, v in losses.items()},
                    **{f"mean_{k}": float(v) for k, v in losses.items()},
                    "grad_norm": float(grad_norm), "lr": lr, "step_time_s": time.perf_counter() - start}

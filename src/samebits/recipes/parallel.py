@@ -176,14 +176,15 @@ def clip_grad_norm(model: nn.Module, layout, max_norm: float) -> torch.Tensor:
     placements: TP and FSDP2 shards); each group's sum of squares is all-reduced over
     exactly those dimensions, the groups are added in a fixed order, and pipeline stages
     add theirs over "pp".  Every sum has a fixed order, so the norm's bits repeat.  Under
-    tp_reduce=invariant the norm is `samebits.invariant.clip_sharded_grad_norm_`'s, whose bits
-    do not depend on tp either.
+    tp_reduce=invariant or grad_reduce=invariant the norm is
+    `samebits.invariant.clip_sharded_grad_norm_`'s, whose bits do not depend on how the
+    gradients are split (TP shards, FSDP2 shards, whole on every DP rank).
     """
-    if layout.tp_invariant:
+    if layout.tp_invariant or layout.grad_invariant:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         return invariant.clip_sharded_grad_norm_(
             [_local(g) for g in grads], max_norm, full_numels=[g.numel() for g in grads],
-            group=layout.group("tp") if layout.dims.tp > 1 else None)
+            group=layout.shard_group)
     groups: dict[tuple[str, ...], list[torch.Tensor]] = {}
     for name, param in model.named_parameters():
         grad = param.grad

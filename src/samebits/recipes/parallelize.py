@@ -28,7 +28,8 @@ the architecture, this file the parallelism), on PyTorch's own engines.
   keeps its rows), so the RNG advances and the masks are as without SP.  The norms' weights
   are Replicate DTensors whose grads come out Partial (each rank saw its positions):
   `parallel.reduce_gradients` sums them over the TP ranks;
-- FSDP2: `fully_shard` per block and at the root, over "dp_shard";
+- FSDP2: `fully_shard` per block and at the root, over "dp_shard" (with grad_reduce=invariant,
+  its gradient reduce-scatter is `samebits.invariant.InvariantReduceScatter`);
 - plain DP over "dp_replicate": one flat all-reduce of the gradients (`parallel.py`);
 - EP over "dp_replicate": the all_to_all dispatcher of `parallel.py` on that mesh group;
 - PP: `torch.distributed.pipelining` (`PipelineStage` + GPipe or 1F1B with micro-batches);
@@ -62,7 +63,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
-from samebits.invariant import column_parallel_linear, row_parallel_linear, scale_columns
+from samebits.invariant import InvariantReduceScatter, column_parallel_linear, row_parallel_linear, scale_columns
 from samebits.recipes.cells import ParallelDims
 from samebits.recipes.config import RecipeConfig
 from samebits.recipes.model import MLP, MoE, Block, Transformer
@@ -87,6 +88,7 @@ class ParallelLayout:
     pipeline: Pipeline | None = None
     sequence_parallel: bool = False  # the TP ranks hold sequence shards of the stream
     tp_invariant: bool = False  # tp_reduce=invariant: TP linears and the clipping norm split-invariant
+    grad_invariant: bool = False  # grad_reduce=invariant: DP sums (plain DP, FSDP2) in int64 fixed point
 
     @property
     def coords(self) -> dict[str, int]:
@@ -116,6 +118,23 @@ class ParallelLayout:
         """The process group of mesh dimension `dim` ("ep" is "dp_replicate")."""
         return self.mesh.get_group("dp_replicate" if dim == "ep" else dim)
 
+    @property
+    def dp_group(self):
+        """The data-parallel group: FSDP2's or plain DP's (a group of one at dp=1 among several
+        ranks); None at world size 1 (no mesh: this process alone)."""
+        if self.mesh is None:
+            return None
+        return self.group("dp_shard" if self.dims.dp_shard > 1 else "dp_replicate")
+
+    @property
+    def shard_group(self):
+        """The group the parameters are split over, for the invariant clipping norm: TP's, or
+        FSDP2's (the invariant modes never combine the two); None when every rank holds them
+        whole."""
+        if self.dims.tp > 1:
+            return self.group("tp")
+        return self.group("dp_shard") if self.dims.dp_shard > 1 else None
+
 
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
     """The named 4-D mesh (size-1 dimensions included, so every name always exists)."""
@@ -130,9 +149,12 @@ def parallelize(model: Transformer, cfg: RecipeConfig, rank: int, world_size: in
 
     At world size 1 nothing changes."""
     dims = ParallelDims.resolve(cfg, world_size)
-    layout = ParallelLayout(rank, world_size, dims, device, tp_invariant=cfg.tp_reduce == "invariant")
+    layout = ParallelLayout(rank, world_size, dims, device, tp_invariant=cfg.tp_reduce == "invariant",
+                            grad_invariant=cfg.grad_reduce == "invariant")
     if layout.tp_invariant and dims.tp == 1:
         apply_invariant_linears(model, None)  # the layer math of every TP degree, on one rank
+    elif layout.grad_invariant and not layout.tp_invariant:
+        _enter_blocks_through_one_node(model)
     if world_size == 1:
         return layout
     layout.mesh = build_mesh(dims, device.type)
@@ -150,7 +172,8 @@ def parallelize(model: Transformer, cfg: RecipeConfig, rank: int, world_size: in
                                   sequence_parallel=cfg.sequence_parallel, dropout=cfg.dropout)
     model.to(device)
     if dims.dp_shard > 1:
-        apply_fsdp(model, layout.mesh["dp_shard"])
+        apply_fsdp(model, layout.mesh["dp_shard"],
+                   num_micro_batches=cfg.num_micro_batches if layout.grad_invariant else None)
     if dims.pp > 1:
         layout.pipeline = Pipeline(model, cfg, coords["pp"], dims.pp, device,
                                    layout.mesh.get_group("pp"))
@@ -285,6 +308,18 @@ def apply_invariant_linears(model: Transformer, tp_mesh: DeviceMesh | None, *,
         first.register_forward_pre_hook(lambda _m, args: (_SliceSequence.apply(args[0], stream_group), *args[1:]))
     if last is not None:
         last.register_forward_hook(lambda _m, _a, out: (_GatherSequence.apply(out[0], stream_group), *out[1:]))
+
+
+def _enter_blocks_through_one_node(model: Transformer) -> None:
+    """grad_reduce=invariant: the stream enters the first block through one autograd node at
+    every layout (an identity; apply_invariant_linears has its own).  FSDP2 puts a node there
+    (its post-backward hook on the block's inputs), so the embeddings' gradient adds the
+    first block's two parts (residual, norm) before MTP's; without a node of our own, one
+    rank adds the three in another grouping (measured: fsdp2 differed from one rank at step 0
+    in embed.weight only)."""
+    first = dict(model.layers.items()).get("0")
+    if first is not None:
+        first.register_forward_pre_hook(lambda _m, args: (_SliceSequence.apply(args[0], None), *args[1:]))
 
 
 class _InvariantLinear:
@@ -439,11 +474,21 @@ class _RacyRowParallel:
 # --- FSDP2 ------------------------------------------------------------------------------------
 
 
-def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh) -> None:
-    """`fully_shard` each block and MTP module, then the root (embedding, norm, output)."""
-    for module in [*model.layers.values(), *(model.mtp or [])]:
+def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, *, num_micro_batches: int | None = None) -> None:
+    """`fully_shard` each block and MTP module, then the root (embedding, norm, output).
+
+    ``num_micro_batches`` (grad_reduce=invariant): every module's gradient reduce-scatter is
+    `samebits.invariant.InvariantReduceScatter` (an int64 sum of the step's micro-batches,
+    each element its own block: the same bits as plain DP and one rank), with FSDP2's divide
+    factor 1 (the loss is already divided by the global count)."""
+    modules = [*model.layers.values(), *(model.mtp or [])]
+    for module in modules:
         fully_shard(module, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
+    if num_micro_batches is not None:
+        for module in [*modules, model]:
+            module.set_custom_reduce_scatter(InvariantReduceScatter(num_micro_batches, group=dp_mesh.get_group()))
+            module.set_gradient_divide_factor(1.0)
 
 
 # --- pipeline parallelism --------------------------------------------------------------------

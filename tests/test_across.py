@@ -264,3 +264,15 @@ def test_the_recipe_across_single_and_tp2_passes_with_its_controls_and_a_certifi
     assert cert["roots_equal"] and cert["steps"] == [0, 1, 2]
     assert [r["switch"] for r in cert["invariant_reductions"]] == ["tp_reduce=invariant"]
     assert set(cert["checkpoints"]) == {"single", "tp2"}
+
+
+def test_the_conclusion_names_a_control_that_could_not_be_compared():
+    from samebits.runs.conclusion import across_conclusion
+    summary = {"verdict": "incomplete", "reference": "single", "layouts": ["single", "dp2", "tp2"],
+               "checks": {"dp2": {"verdict": "identical", "by": "global", "compared": {"steps": 4}},
+                          "tp2": {"verdict": "identical", "by": "global", "compared": {"steps": 4}}},
+               "controls": [{"layout": "dp2", "verdict": "diverged", "differs": True, "first_step": 0},
+                            {"layout": "tp2", "verdict": "incomplete", "differs": False, "first_step": None}]}
+    sentence = across_conclusion(summary)
+    assert sentence == ("INCOMPLETE: dp2 (4 steps), tp2 (4 steps) bit-identical to single by global digest; "
+                        "the control of tp2 could not be compared.")

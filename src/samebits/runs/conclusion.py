@@ -108,10 +108,13 @@ def across_conclusion(summary: dict) -> str:
         parts.append(f"controls {summary.get('controls_note') or 'not run'}")
     else:
         same = [c.get("layout") for c in controls if not c.get("differs") and c.get("verdict") != "incomplete"]
+        undecided_controls = [c.get("layout") for c in controls if c.get("verdict") == "incomplete"]
         if same:
             parts.append(f"the control did not differ for {', '.join(map(str, same))} (without the switches): the "
                          "comparison cannot tell layouts apart")
-        else:
+        if undecided_controls:
+            parts.append(f"the control of {', '.join(map(str, undecided_controls))} could not be compared")
+        if not same and not undecided_controls:
             parts.append(f"every control (without the switches) differed at step "
                          f"{' or '.join(sorted({str(c.get('first_step')) for c in controls}))}")
     return f"{_verdict(summary)}: {'; '.join(parts)}."

@@ -142,9 +142,11 @@ def test_a_verify_across_run_of_the_recipe_replays_as_the_readme_says(tmp_path, 
     (here N = the run's own size: the recipe's checkpoint loads at its saved layout only)."""
     out = tmp_path / "across"
     assert main(["verify", "--across", "dp=1,2", "--steps", "2", "--out", str(out), "--json"]) == 0
-    capsys.readouterr()
-    assert (out / "dp1" / "ckpt" / "step-1").is_dir()
-    code = main(["replay", str(out / "dp1"), "--step", "1", "--nproc", "1", "--out", str(tmp_path / "r"), "--json"])
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["layouts"] == ["single", "dp2"] and shown["checks"]["dp2"]["by"] == "global"
+    assert [(c["run"], c["differs"]) for c in shown["controls"]] == [("control-dp2", True)]  # the dp=N form works
+    assert (out / "single" / "ckpt" / "step-1").is_dir() and (out / "certificate.json").is_file()
+    code = main(["replay", str(out / "single"), "--step", "1", "--nproc", "1", "--out", str(tmp_path / "r"), "--json"])
     shown = json.loads(capsys.readouterr().out)
     assert code == 0 and shown["verdict"] == "identical", shown
     assert shown["check"]["compared"]["steps"] == 1

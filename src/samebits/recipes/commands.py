@@ -155,20 +155,21 @@ def control_global_batch(cells: Sequence[ParallelDims]) -> int:
 
 def across_cell_overrides(dims: ParallelDims, switches: Sequence[str], overrides: Sequence[str] = (), *,
                           control: bool = False, global_batch: int = DEFAULT_GLOBAL_BATCH) -> list[str]:
-    """The recipe's ``--set`` overrides for one layout of `verify --across`: the cell's sizes,
-    experts replicated (``ep=1``), the run's ``switches``, then the user's ``overrides``.
+    """The recipe's ``--set`` overrides for one layout of `verify --across`: the cell's sizes
+    (experts replicated: ``ep=1``, `invariant_overrides` refuses EP), the run's ``switches``,
+    then the user's ``overrides``.
 
     ``control``: the negative control of the same layout: the switches turned off, the same
     global batch as every other control (``micro_batch_size`` = ``DEFAULT_GLOBAL_BATCH`` / its
     data-parallel size, unless the user sets it) and `LAYOUT_INDEPENDENT`, so that what
     differs between two controls is the grouping of their reductions, nothing else."""
     if not control:
-        return [*dims.overrides(), "ep=1", *switches, *overrides]
+        return [*dims.overrides(), *switches, *overrides]  # the cell's sizes hold ep=1: EP is refused
     off = [f"{switch.partition('=')[0]}={'mean' if switch.startswith('grad_reduce') else 'plain'}"
            for switch in switches]
     sets_batch = any(item.partition("=")[0].strip() == "micro_batch_size" for item in overrides)
     return [*cell_overrides(dims, "fp32", global_batch=None if sets_batch else global_batch,
-                            overrides=()), "ep=1", *off, *overrides]
+                            overrides=()), *off, *overrides]
 
 
 def recorded_config_overrides(config: dict) -> list[str]:

@@ -29,7 +29,7 @@ from samebits.defaults import DEFAULT_GATE
 from samebits.errors import ConfigError, SamebitsError
 from samebits.runs._launch import DEFAULT_TIMEOUT_S, judge_recipe_run, judge_recorded_run, run_logged
 from samebits.runs.commands import OUT, SelfRecording, check_out_dir, default_out_dir, fill_placeholders, write_summary
-from samebits.stream.writer import STEP_TIMES_SUFFIX
+from samebits.stream import STEP_TIMES_SUFFIX
 from samebits.verdicts import ToDict, Verdict
 
 DEFAULT_RESAMPLES = 4000

@@ -513,7 +513,7 @@ static inline uint64_t fmix64(uint64_t x)
  *     D_k = fmix64(headers[k] ^ sums[sum_indices[k]])
  * goes little endian into out[offsets[k] .. offsets[k] + 8), after out is copied from
  * template[0 .. num_bytes) (the step's records with the digests left zero).  One call per step
- * in place of a dozen numpy operations (stream/writer.py, step templates). */
+ * in place of a dozen numpy operations (stream/_encoder.py, step templates). */
 SAMEBITS_EXPORT void samebits_finalize_into(const unsigned char *template, uint64_t num_bytes, uint64_t n,
                                             const uint64_t *sums, const int64_t *sum_indices,
                                             const uint64_t *headers, const int64_t *offsets,

@@ -1,4 +1,4 @@
-/* A Recorder's STEP frame in one call (docs/stream.md, "Frames"), for stream/writer.py.
+/* A Recorder's STEP frame in one call (docs/stream.md, "Frames"), for stream/_encoder.py.
  *
  *     u8 kind=3 | varint payload length | payload | u32 crc32(kind, length, payload)
  *     payload = varint step | varint record count | u64 root | the step's records

@@ -24,6 +24,7 @@ from samebits.recipes import commands as recipe
 from samebits.recipes.cells import ParallelDims, parse_layouts
 from samebits.runs.across import CERTIFICATE, Layout, verify_across
 from samebits.runs.commands import SelfRecording
+from samebits.runs.conclusion import across_conclusion
 from samebits.runs.report import build_report
 from samebits.verdicts import Verdict
 
@@ -173,7 +174,6 @@ def test_a_control_that_does_not_differ_fails_the_verdict(tmp_path):
     assert Verdict(result.checks["dp2"].verdict) is Verdict.IDENTICAL
     assert result.verdict is Verdict.FAIL and [c.differs for c in result.controls] == [False]
     summary = json.loads((tmp_path / "blind" / "summary.json").read_text())
-    from samebits.runs.conclusion import across_conclusion
     sentence = across_conclusion(summary)
     assert sentence.startswith("FAIL: ") and "the control did not differ for dp2" in sentence
     assert "the comparison cannot tell layouts apart" in sentence
@@ -267,7 +267,6 @@ def test_the_recipe_across_single_and_tp2_passes_with_its_controls_and_a_certifi
 
 
 def test_the_conclusion_names_a_control_that_could_not_be_compared():
-    from samebits.runs.conclusion import across_conclusion
     summary = {"verdict": "incomplete", "reference": "single", "layouts": ["single", "dp2", "tp2"],
                "checks": {"dp2": {"verdict": "identical", "by": "global", "compared": {"steps": 4}},
                           "tp2": {"verdict": "identical", "by": "global", "compared": {"steps": 4}}},

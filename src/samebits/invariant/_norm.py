@@ -29,16 +29,21 @@ _NONFINITE_EXP = 4096  # a tensor holding inf or nan on some rank: the norm is n
 
 
 def sharded_grad_norm(grads: Sequence[torch.Tensor], *, full_numels: Sequence[int] | None = None,
-                      group=None) -> torch.Tensor:
+                      group=None, replicated: Sequence[bool] | None = None) -> torch.Tensor:
     """The L2 norm (fp32, 0-dim, the same on every rank of ``group``) of tensors that are
     each either this rank's shard of a tensor of ``full_numels[i]`` elements split over
     ``group`` (``full_numels[i]`` > the local numel) or whole and the same on every rank of
     ``group`` (``full_numels[i]`` equal to it, or ``full_numels`` None).  The same bits
-    however the tensors are split, at any group size (``group=None``: this rank alone)."""
+    however the tensors are split, at any group size (``group=None``: this rank alone).
+    ``replicated[i]`` False says tensor i is split even where one rank holds it whole (a
+    pipeline stage's tensor, empty on the other stages): every rank's part is summed."""
     grads = list(grads)
     full = [g.numel() for g in grads] if full_numels is None else [int(n) for n in full_numels]
     if len(full) != len(grads):
         raise ConfigError(f"sharded_grad_norm: {len(grads)} gradients but {len(full)} full_numels")
+    whole = [n == g.numel() for g, n in zip(grads, full)] if replicated is None else [bool(r) for r in replicated]
+    if len(whole) != len(grads):
+        raise ConfigError(f"sharded_grad_norm: {len(grads)} gradients but {len(whole)} replicated flags")
     bad = [i for i, (g, n) in enumerate(zip(grads, full)) if n < g.numel()]
     if bad:
         raise ConfigError(f"sharded_grad_norm: gradient {bad[0]} holds {grads[bad[0]].numel()} elements, "
@@ -66,7 +71,7 @@ def sharded_grad_norm(grads: Sequence[torch.Tensor], *, full_numels: Sequence[in
                         dtype=torch.int64, device=device)
     sums = []
     for i, sq in enumerate(squares):
-        if full[i] == grads[i].numel() and rank != 0:  # replicated: counted once, from rank 0
+        if whole[i] and rank != 0:  # replicated: counted once, from rank 0
             sums.append(torch.zeros((), dtype=torch.int64, device=device))
             continue
         # An exact power of two; inf/nan (the result is nan then) made 0 before the conversion.
@@ -82,11 +87,12 @@ def sharded_grad_norm(grads: Sequence[torch.Tensor], *, full_numels: Sequence[in
 
 
 def clip_sharded_grad_norm_(grads: Sequence[torch.Tensor], max_norm: float, *,
-                            full_numels: Sequence[int] | None = None, group=None) -> torch.Tensor:
+                            full_numels: Sequence[int] | None = None, group=None,
+                            replicated: Sequence[bool] | None = None) -> torch.Tensor:
     """Scale ``grads`` in place by min(1, max_norm / (norm + 1e-6)) of their `sharded_grad_norm`
     (max_norm 0: report only).  Returns the fp32 norm."""
     grads = list(grads)
-    norm = sharded_grad_norm(grads, full_numels=full_numels, group=group)
+    norm = sharded_grad_norm(grads, full_numels=full_numels, group=group, replicated=replicated)
     if max_norm > 0:
         coeff = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for grad in grads:

@@ -6,8 +6,8 @@ This file run as a script is the worker: under torchrun at world 2 and 4 it runs
 and row-parallel layers (forward and backward) and the sharded norm on shares of the same
 tensors (fast); at world 2 (slow) the recipe's tp2 cell with the switch (20 steps, with
 sequence parallelism and without) and without it (the control, 1 step), and in one plain
-process the same runs on one rank.  The mixed layouts (slow): tp2-dp2 at world 4 and fsdp2
-at world 2 with the switches and without (the controls), and one rank with them.
+process the same runs on one rank.  The mixed layouts (slow): tp2-dp2 at world 4, fsdp2 and
+pp2 at world 2, with the switches and without (the controls), and one rank with them.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ MIXED_JOBS = [("grad", GRAD, MIXED_STEPS, "single"), ("both", BOTH, MIXED_STEPS,
               ("grad", GRAD, MIXED_STEPS, "fsdp2"), ("both", BOTH, MIXED_STEPS, "fsdp2"),
               ("plain", ["grad_reduce=mean", "ep=1"], 1, "fsdp2"),
               ("both", BOTH, MIXED_STEPS, "tp2-dp2"),
-              ("plain-dp", ["grad_reduce=mean", "tp_reduce=invariant", "ep=1"], 1, "tp2-dp2")]
+              ("plain-dp", ["grad_reduce=mean", "tp_reduce=invariant", "ep=1"], 1, "tp2-dp2"),
+              ("grad", GRAD, MIXED_STEPS, "pp2"), ("plain", ["grad_reduce=mean", "ep=1"], 1, "pp2")]
 FSDP_BUFFER = 96  # a flat reduce-scatter buffer: whole shards at 1, 2 and 4 ranks
 
 
@@ -70,16 +71,17 @@ def test_tp_reduce_invariant_refuses_what_it_does_not_cover(overrides, message):
     ({"tp": 2, "sequence_parallel": False}, r"grad_reduce='invariant' with tp=2 needs tp_reduce='invariant' too"),
     ({"dp_shard": 2, "tp": 2, "tp_reduce": "invariant"}, r"dp_shard=2 \(FSDP2\) covers tp=1 only, not tp=2"),
     ({"ep": 0}, r"ep=0 is not covered yet: EP experts sum every rank's tokens"),
-    ({"pp": 2}, r"pp=2 is not covered yet"),
+    ({"pp": 2, "tp": 2, "tp_reduce": "invariant", "sequence_parallel": False}, r"with pp=2 covers tp=1 only"),
 ])
 def test_grad_reduce_invariant_refuses_the_layouts_it_does_not_cover(overrides, message):
     with pytest.raises(ConfigError, match=message):
         RecipeConfig(grad_reduce="invariant", **{"ep": 1, **overrides})
 
 
-def test_grad_reduce_invariant_takes_tp_with_tp_reduce_invariant_and_fsdp2():
+def test_grad_reduce_invariant_takes_tp_with_tp_reduce_invariant_fsdp2_and_pp():
     for cell, extra in (("tp2-dp2", ["tp_reduce=invariant"]), ("tp2", ["tp_reduce=invariant"]),
-                        ("fsdp2", []), ("fsdp2", ["tp_reduce=invariant"])):
+                        ("fsdp2", []), ("fsdp2", ["tp_reduce=invariant"]), ("pp2", []), ("pp2-dp2", []),
+                        ("pp2", ["tp_reduce=invariant"])):
         sizes = ParallelDims.parse(cell).overrides()
         cfg = RecipeConfig().with_overrides([*sizes, "grad_reduce=invariant", *extra])
         assert cfg.grad_reduce == "invariant", cell
@@ -172,18 +174,21 @@ def test_tp_layers_forward_and_backward_have_the_same_bits_at_tp_1_2_and_4(layer
     """Row-parallel (K split: the forward sums over the ranks) and column-parallel (N split:
     the input gradient sums over the ranks): outputs, input and weight gradients, joined
     from the shares, equal the one-rank layer's bit for bit, on every rank; so do the
-    gradient norm and a norm weight's gradient summed over positions split over the ranks."""
+    gradient norm, a norm weight's gradient summed over positions split over the ranks, and
+    the norm of tensors each held whole by one rank (pipeline stages)."""
     ref = _reference()
     for world_size in (2, 4):
         ranks = [torch.load(layer_runs / f"layers-{world_size}-{r}.pt") for r in range(world_size)]
-        for name in ("row_y", "col_grad_x", "norm", "sp_norm_grad_w"):  # whole on every rank
+        for name in ("row_y", "col_grad_x", "norm", "sp_norm_grad_w", "pp_norm"):  # whole on every rank
             for rank, got in enumerate(ranks):
                 assert torch.equal(got[name], ref[name]), (world_size, rank, name)
         for name, dim in (("row_grad_x", -1), ("row_grad_w", 1), ("col_y", -1), ("col_grad_w", 0)):
             joined = torch.cat([got[name] for got in ranks], dim=dim)
             assert torch.equal(joined, ref[name]), (world_size, name)
-        # the control: the same shares summed as plain TP does (fp32 partials, all-reduced)
+        # the controls: the same shares summed as plain TP does (fp32 partials, all-reduced);
+        # stage tensors without replicated=False (a whole one on rank 1 counted as a replica)
         assert not torch.equal(ranks[0]["plain_row_y"], ref["plain_row_y"]), world_size
+        assert not torch.equal(ranks[0]["pp_norm_unflagged"], ref["pp_norm"]), world_size
         assert "split over %d ranks into 48 elements each" % world_size in ranks[0]["uneven"]
 
 
@@ -234,16 +239,20 @@ def mixed_runs(tmp_path_factory) -> Path:
     _launch([sys.executable, __file__, str(out), "mixed-single"])
     _torchrun(2, out, "mixed-fsdp2")
     _torchrun(4, out, "mixed-tp2-dp2")
+    _torchrun(2, out, "mixed-pp2")
     return out
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("run, reference, steps", [("tp2-dp2-both", "single-both", MIXED_STEPS),
                                                    ("fsdp2-grad", "single-grad", MIXED_STEPS),
-                                                   ("fsdp2-both", "single-both", MIXED_STEPS)])
-def test_tp_x_dp_and_fsdp2_are_bit_identical_to_one_rank(mixed_runs, run, reference, steps):
+                                                   ("fsdp2-both", "single-both", MIXED_STEPS),
+                                                   ("pp2-grad", "single-grad", MIXED_STEPS)])
+def test_tp_x_dp_fsdp2_and_pp2_are_bit_identical_to_one_rank(mixed_runs, run, reference, steps):
     """tp2-dp2 with grad_reduce and tp_reduce invariant, fsdp2 with grad_reduce invariant (and
-    with both): every step's parameters by global digest, and rank 0's losses and grad norm."""
+    with both), pp2 (1F1B) with grad_reduce invariant: every step's parameters by global digest,
+    and rank 0's losses and grad norm (rank 0 of pp2 is the first stage: the losses it holds
+    are the last stage's, sent back)."""
     result = samebits.diff(mixed_runs / reference, mixed_runs / run, by="global")
     report = result.to_dict()
     assert result.verdict is Verdict.IDENTICAL, report
@@ -253,8 +262,9 @@ def test_tp_x_dp_and_fsdp2_are_bit_identical_to_one_rank(mixed_runs, run, refere
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run, reference", [("tp2-dp2-plain-dp", "single-both"), ("fsdp2-plain", "single-grad")])
-def test_control_without_grad_reduce_invariant_tp_x_dp_and_fsdp2_differ_from_one_rank(mixed_runs, run, reference):
+@pytest.mark.parametrize("run, reference", [("tp2-dp2-plain-dp", "single-both"), ("fsdp2-plain", "single-grad"),
+                                            ("pp2-plain", "single-grad")])
+def test_control_without_grad_reduce_invariant_tp_x_dp_fsdp2_and_pp2_differ_from_one_rank(mixed_runs, run, reference):
     result = samebits.diff(mixed_runs / reference, mixed_runs / run, by="global")
     report = result.to_dict()
     assert result.verdict is Verdict.DIVERGED, report
@@ -304,6 +314,13 @@ def _layer_results(group, rank: int, world_size: int) -> dict:
         except ConfigError as err:
             out["uneven"] = str(err)
     out.update(_fsdp_results(group, rank, world_size, gen))
+    # pipeline stages: tensor i whole on rank i % W, empty elsewhere (replicated=False), and
+    # the control without the flags (a tensor whole on rank 1 is taken for a replica)
+    stage_tensors = [torch.randn(5 + i, generator=gen) for i in range(4)]
+    held = [t if i % world_size == rank else t[:0] for i, t in enumerate(stage_tensors)]
+    numels = [t.numel() for t in stage_tensors]
+    out["pp_norm"] = sharded_grad_norm(held, full_numels=numels, group=group, replicated=[False] * 4)
+    out["pp_norm_unflagged"] = sharded_grad_norm(held, full_numels=numels, group=group)
     return out
 
 

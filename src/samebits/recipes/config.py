@@ -330,13 +330,14 @@ class RecipeConfig:
         with TP."""
         if self.grad_reduce != "invariant":
             return
-        blockers = [f"{name}={getattr(self, name)}" for name, ok in (
-            ("ep", self.ep == 1), ("pp", self.pp == 1)) if not ok]
-        need(not blockers,
+        need(self.ep == 1,
              f"grad_reduce='invariant' sums per-micro-batch gradients over the data-parallel ranks; "
-             f"{', '.join(blockers)} is not covered yet: EP experts sum every rank's tokens in one "
-             "matmul and combine them in an order set by the layout, and pipeline stages are not "
-             "wired to the accumulator (docs/invariance.md). Set ep=1 and pp=1.")
+             f"ep={self.ep} is not covered yet: EP experts sum every rank's tokens in one matmul and "
+             "combine them in an order set by the layout (docs/invariance.md). Set ep=1.")
+        need(self.pp == 1 or self.tp == 1,
+             f"grad_reduce='invariant' with pp={self.pp} covers tp=1 only, not tp={self.tp} yet (the "
+             "clipping norm over stages and TP shards together is not wired; docs/invariance.md). "
+             "Set tp=1 or pp=1.")
         need(self.tp == 1 or self.tp_reduce == "invariant",
              f"grad_reduce='invariant' with tp={self.tp} needs tp_reduce='invariant' too: the TP "
              "linears' fp32 sums over the TP ranks depend on tp, so the data-parallel sum would add "
@@ -350,7 +351,7 @@ class RecipeConfig:
         if self.tp_reduce != "invariant":
             return
         blockers = [f"{name}={getattr(self, name)!r}" for name, ok in (
-            ("precision", self.precision == "fp32"), ("ep", self.ep == 1), ("pp", self.pp == 1),
+            ("precision", self.precision == "fp32"), ("ep", self.ep == 1), ("pp", self.pp == 1 or self.tp == 1),
             ("dp_shard", self.dp_shard == 1 or self.tp == 1),
             ("fault_tp_racy_accumulate", not self.fault_tp_racy_accumulate)) if not ok]
         need(not blockers,

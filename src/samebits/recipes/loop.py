@@ -375,23 +375,26 @@ class _Run:
         cfg, step, model, acc = self.cfg, self.step, self.model, self.accumulator
         fsdp = self.layout.dims.dp_shard > 1  # InvariantReduceScatter sums in each backward
         size, count, first = cfg.micro_batch_size, cfg.num_micro_batches, self.data.consumed_samples
+        keys, device = self.layout.block_keys, self.layout.device
         self.optimizer.zero_grad(set_to_none=True)
-        names, parts = [], None  # parts: (micro-batch, loss) with each row filled by one rank
+        names, parts = list(LOSS_NAMES), torch.zeros(count, len(LOSS_NAMES), dtype=torch.float32, device=device)
+        batches = {}  # parts: (micro-batch, loss) with each row filled by one rank
         for index in acc.micro_batches():
             samples = np.arange(first + index * size, first + (index + 1) * size)
-            tokens = torch.from_numpy(self.data.source.tokens(samples)).to(self.layout.device)
+            batches[index] = torch.from_numpy(self.data.source.tokens(samples)).to(device)
             if keep("data"):
-                rec.tensors(step, "data", [(f"tokens.mb{index}", tokens)])
-            with acc.micro_batch(step, index, generators=[self.jitter]), \
-                    self.precision.autocast(self.layout.device.type):
-                losses = _losses(model(tokens[:, :-1]), tokens, cfg)
-                (losses["loss"] / count).backward()
-            if not fsdp:
-                acc.accumulate()
-            names = list(losses)
-            if parts is None:
-                parts = torch.zeros(count, len(names), dtype=torch.float32, device=self.layout.device)
-            parts[index] = torch.stack([v.detach().float() for v in losses.values()])
+                rec.tensors(step, "data", [(f"tokens.mb{index}", batches[index])])
+        if self.layout.pipeline is not None:
+            self._invariant_pipeline(batches, parts)
+        else:
+            for index, tokens in batches.items():
+                with acc.micro_batch(step, index, generators=[self.jitter]), keys.micro_batch(step, index), \
+                        self.precision.autocast(device.type):
+                    losses = _losses(model(tokens[:, :-1]), tokens, cfg)
+                    (losses["loss"] / count).backward()
+                if not fsdp:
+                    acc.accumulate()
+                parts[index] = torch.stack([v.detach().float() for v in losses.values()])
         self.data.consumed_samples = first + count * size
         if not fsdp:
             acc.reduce()
@@ -409,6 +412,35 @@ class _Run:
                    **{f"mean_{k}": float(v) for k, v in losses.items()},
                    "grad_norm": float(grad_norm), "lr": lr, "step_time_s": time.perf_counter() - start}
         return metrics, ok
+
+    def _invariant_pipeline(self, batches: dict[int, torch.Tensor], parts: torch.Tensor) -> None:
+        """This DP rank's micro-batches through the pipeline, one pipeline micro-batch each:
+        each stage's forward of micro-batch m keyed by (step, m) (`acc.micro_batch`, the
+        blocks' `BlockKeys`), the accumulator taking each backward's gradients; the last
+        stage's losses (each micro-batch's divided by the global count) in ``parts``'s rows,
+        sent to every stage."""
+        cfg, step, acc, keys = self.cfg, self.step, self.accumulator, self.layout.block_keys
+        indices, count = list(batches), cfg.num_micro_batches
+        done = []  # the last stage's loss rows, in pipeline micro-batch order
+
+        def loss_fn(outputs, target):
+            mb_logits, balance, *mtp_logits = outputs
+            losses = _losses(ModelOutput(mb_logits, list(mtp_logits), balance.reshape(())), target, cfg)
+            done.append(torch.stack([v.detach().float() for v in losses.values()]))
+            return losses["loss"] / count
+
+        @contextlib.contextmanager
+        def keyed(chunk: int):
+            with acc.micro_batch(step, indices[chunk], generators=[self.jitter]), \
+                    keys.micro_batch(step, indices[chunk]):
+                yield
+
+        with self.precision.autocast(self.layout.device.type):
+            self.layout.pipeline.run_keyed(torch.cat([batches[i] for i in indices]), loss_fn, keyed,
+                                           lambda _chunk: acc.accumulate())
+        for chunk, row in enumerate(done):
+            parts[indices[chunk]] = row
+        self.layout.pipeline.broadcast_from_last(parts)
 
     def _pipeline_step(self, tokens: torch.Tensor):
         """Forward and backward of every micro-batch through the pipeline.  Returns the

@@ -180,6 +180,14 @@ def clip_grad_norm(model: nn.Module, layout, max_norm: float) -> torch.Tensor:
     `samebits.invariant.clip_sharded_grad_norm_`'s, whose bits do not depend on how the
     gradients are split (TP shards, FSDP2 shards, whole on every DP rank).
     """
+    if (layout.tp_invariant or layout.grad_invariant) and layout.dims.pp > 1:
+        # Every tensor of the whole model in its order, empty on the stages that lack it:
+        # each held by one stage, summed over the pipeline.
+        held = {n: _local(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+        grads = [held.get(n, torch.zeros(0, device=layout.device)) for n, _ in layout.full_params]
+        return invariant.clip_sharded_grad_norm_(
+            grads, max_norm, full_numels=[numel for _, numel in layout.full_params], group=layout.group("pp"),
+            replicated=[False] * len(grads))
     if layout.tp_invariant or layout.grad_invariant:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         return invariant.clip_sharded_grad_norm_(

@@ -46,6 +46,7 @@ engine, named in docs/recipe.md.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -63,7 +64,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
-from samebits.invariant import InvariantReduceScatter, column_parallel_linear, row_parallel_linear, scale_columns
+from samebits.invariant import (InvariantReduceScatter, column_parallel_linear, micro_batch_seed, row_parallel_linear,
+                                scale_columns)
 from samebits.recipes.cells import ParallelDims
 from samebits.recipes.config import RecipeConfig
 from samebits.recipes.model import MLP, MoE, Block, Transformer
@@ -89,6 +91,8 @@ class ParallelLayout:
     sequence_parallel: bool = False  # the TP ranks hold sequence shards of the stream
     tp_invariant: bool = False  # tp_reduce=invariant: TP linears and the clipping norm split-invariant
     grad_invariant: bool = False  # grad_reduce=invariant: DP sums (plain DP, FSDP2) in int64 fixed point
+    block_keys: BlockKeys | None = None  # grad_reduce=invariant: each block's draws keyed by (step, micro-batch)
+    full_params: tuple[tuple[str, int], ...] = ()  # under PP: every parameter of the whole model (name, numel)
 
     @property
     def coords(self) -> dict[str, int]:
@@ -155,6 +159,10 @@ def parallelize(model: Transformer, cfg: RecipeConfig, rank: int, world_size: in
         apply_invariant_linears(model, None)  # the layer math of every TP degree, on one rank
     elif layout.grad_invariant and not layout.tp_invariant:
         _enter_blocks_through_one_node(model)
+    if layout.grad_invariant:
+        layout.block_keys = BlockKeys(model, cfg.seed)
+    if dims.pp > 1:
+        layout.full_params = tuple((n, p.numel()) for n, p in model.named_parameters())
     if world_size == 1:
         return layout
     layout.mesh = build_mesh(dims, device.type)
@@ -175,8 +183,12 @@ def parallelize(model: Transformer, cfg: RecipeConfig, rank: int, world_size: in
         apply_fsdp(model, layout.mesh["dp_shard"],
                    num_micro_batches=cfg.num_micro_batches if layout.grad_invariant else None)
     if dims.pp > 1:
+        # grad_reduce=invariant: the pipeline's micro-batches are this DP rank's share of the
+        # step's num_micro_batches, one pipeline micro-batch each.
+        chunks = cfg.num_micro_batches // dims.dp if layout.grad_invariant else cfg.pp_microbatches
+        rows = chunks * cfg.micro_batch_size if layout.grad_invariant else cfg.micro_batch_size
         layout.pipeline = Pipeline(model, cfg, coords["pp"], dims.pp, device,
-                                   layout.mesh.get_group("pp"))
+                                   layout.mesh.get_group("pp"), num_chunks=chunks, batch_rows=rows)
     return layout
 
 
@@ -308,6 +320,37 @@ def apply_invariant_linears(model: Transformer, tp_mesh: DeviceMesh | None, *,
         first.register_forward_pre_hook(lambda _m, args: (_SliceSequence.apply(args[0], stream_group), *args[1:]))
     if last is not None:
         last.register_forward_hook(lambda _m, _a, out: (_GatherSequence.apply(out[0], stream_group), *out[1:]))
+
+
+class BlockKeys:
+    """grad_reduce=invariant: each block's random draws (dropout from torch's global RNG, an
+    MoE layer's router jitter) come from a stream keyed by (seed, step, micro-batch, block),
+    seeded by a forward pre-hook on every block of the whole model (MTP's too, numbered after
+    the layers), so a pipeline stage draws for its blocks what one rank draws for them.
+    ``with keys.micro_batch(step, index):`` around a micro-batch's forward; outside it the
+    blocks draw from the streams as they are (the pipeline's warm-up)."""
+
+    def __init__(self, model: Transformer, seed: int):
+        self.seed, self.current = seed, None
+        blocks = [*model.layers.values(), *(m.block for m in (model.mtp or []))]
+        for ordinal, block in enumerate(blocks):
+            block.register_forward_pre_hook(lambda module, _args, ordinal=ordinal: self._seed(module, ordinal))
+
+    @contextlib.contextmanager
+    def micro_batch(self, step: int, index: int):
+        self.current = (step, index)
+        try:
+            yield
+        finally:
+            self.current = None
+
+    def _seed(self, block: Block, ordinal: int) -> None:
+        if self.current is None:
+            return
+        key = micro_batch_seed(self.seed, *self.current)
+        torch.manual_seed(micro_batch_seed(key, ordinal, 0))
+        if isinstance(block.ffn, MoE) and block.ffn.jitter_generator is not None:
+            block.ffn.jitter_generator.manual_seed(micro_batch_seed(key, ordinal, 1))
 
 
 def _enter_blocks_through_one_node(model: Transformer) -> None:
@@ -547,6 +590,8 @@ class Pipeline:
     num_stages: int
     device: torch.device
     group: Any
+    num_chunks: int = 0  # pipeline micro-batches per step (0: cfg.pp_microbatches)
+    batch_rows: int = 0  # samples per step through this pipeline (0: cfg.micro_batch_size)
     stage: PipelineStage = field(init=False)
     _stash: dict = field(init=False, default_factory=dict)
     _schedule: Any = field(init=False, default=None)
@@ -561,11 +606,12 @@ class Pipeline:
             for param in self.model.parameters():
                 param.register_post_accumulate_grad_hook(self._stash_grad)
         schedule_cls = ScheduleGPipe if self.cfg.pp_schedule == "gpipe" else Schedule1F1B
-        self._schedule = schedule_cls(
-            self.stage, self.cfg.pp_microbatches, scale_grads=False,
-            loss_fn=lambda outputs, target: self._loss_fn(outputs, target))
         cfg = self.cfg
-        self._warm_up(torch.zeros(cfg.micro_batch_size, cfg.seq_len + 1, dtype=torch.int64,
+        self.num_chunks = self.num_chunks or cfg.pp_microbatches
+        self._schedule = schedule_cls(
+            self.stage, self.num_chunks, scale_grads=False,
+            loss_fn=lambda outputs, target: self._loss_fn(outputs, target))
+        self._warm_up(torch.zeros(self.batch_rows or cfg.micro_batch_size, cfg.seq_len + 1, dtype=torch.int64,
                                   device=self.device))
 
     def _stash_grad(self, param: torch.Tensor) -> None:
@@ -590,6 +636,30 @@ class Pipeline:
         self._step(tokens)
         if self._stash:
             self._accumulate_reversed()
+
+    def run_keyed(self, tokens: torch.Tensor, loss_fn: Callable, forward_context: Callable,
+                  after_backward: Callable) -> None:
+        """`run`, with pipeline micro-batch i's forward on this stage inside
+        ``forward_context(i)`` and ``after_backward(i)`` called after its backward
+        (grad_reduce=invariant: the micro-batch's keys, then the accumulator takes its
+        gradients)."""
+        stage = self.stage
+        forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+
+        def keyed_forward(chunk_id, *args, **kwargs):
+            with forward_context(chunk_id):
+                return forward(chunk_id, *args, **kwargs)
+
+        def taken_backward(chunk_id, *args, **kwargs):
+            out = backward(chunk_id, *args, **kwargs)
+            after_backward(chunk_id)
+            return out
+
+        stage.forward_one_chunk, stage.backward_one_chunk = keyed_forward, taken_backward
+        try:
+            self.run(tokens, loss_fn)
+        finally:
+            del stage.forward_one_chunk, stage.backward_one_chunk  # the class's methods again
 
     def _step(self, tokens: torch.Tensor) -> None:
         args = (tokens[:, :-1],) if self.first else ()

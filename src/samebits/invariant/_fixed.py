@@ -89,7 +89,9 @@ def encode(blocks: torch.Tensor, exponents: torch.Tensor, bits: int) -> tuple[to
     rounded = torch.round(scaled)  # half to even; exact in fp32 (an integer of at most 62 bits)
     inexact = int((rounded != scaled).sum())
     out = rounded.to(torch.int64)
-    wide = (shift > 126).nonzero().flatten()
+    # All-zero blocks (exponent EXPONENT_MIN: every zero gradient when each element is its own
+    # block) encode as zeros on the fp32 path already; only nonzero ones need float64.
+    wide = ((shift > 126) & (blocks != 0).any(dim=1)).nonzero().flatten()
     if wide.numel():
         rows = blocks[wide].to(torch.float64) * pow2(shift[wide])[:, None]
         rows_rounded = torch.round(rows)
@@ -111,7 +113,7 @@ def decode(sums: torch.Tensor, exponents: torch.Tensor, bits: int) -> torch.Tens
     """
     shift = bits - exponents.to(torch.int64).clamp(max=EXPONENT_NONFINITE - 1)
     out = sums.to(torch.float32) * _pow2_f32(-shift.clamp(max=126))[:, None]
-    wide = (shift > 126).nonzero().flatten()
+    wide = ((shift > 126) & (sums != 0).any(dim=1)).nonzero().flatten()  # zero sums decode to 0 as they are
     if wide.numel():
         out[wide] = _decode_wide(sums[wide], shift[wide])
     nonfinite = (exponents == EXPONENT_NONFINITE).nonzero().flatten()

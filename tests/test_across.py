@@ -71,7 +71,8 @@ def test_each_cell_asks_the_recipe_for_its_switches_and_the_run_takes_them_all()
     assert recipe.across_switches(cells) == ["grad_reduce=invariant", "tp_reduce=invariant"]
     assert [r["switch"] for r in across_reductions("single,dp2,tp2")] == ["grad_reduce=invariant",
                                                                            "grad_reduce=invariant",
-                                                                           "tp_reduce=invariant"]
+                                                                           "tp_reduce=invariant",
+                                                                           "grad_reduce=invariant"]
     assert [r["size"] for r in across_reductions("single,tp2")] == ["tp"]
 
 

@@ -49,13 +49,13 @@ INVARIANT_SWITCHES = {
     "dp_shard": ("grad_reduce=invariant", "the FSDP2 gradient reduce-scatter: the same int64 fixed point"),
     "tp": ("tp_reduce=invariant", "the tensor-parallel linears forward and backward, the norms' weight gradients "
            "under sequence parallelism and the clipping norm: exact block products summed in int64"),
+    "pp": ("grad_reduce=invariant", "the pipeline's micro-batch gradient accumulation (int64 fixed point), each "
+           "block's random draws keyed by (step, micro-batch, block) and the clipping norm over the stages"),
 }
 # Sizes no switch covers yet: a cell with one is refused, with the reason.
 NOT_INVARIANT = {
     "ep": "expert parallelism is not layout-invariant yet (an expert's gradient sums every rank's tokens in one "
           "matmul)",
-    "pp": "pipeline parallelism is not layout-invariant yet (the micro-batch gradient accumulation and the "
-          "stage totals of the clipping norm)",
 }
 
 

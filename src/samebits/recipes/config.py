@@ -149,7 +149,7 @@ class RecipeConfig:
     docs/invariance.md), with or without sequence_parallel (the norms' weight gradients are
     summed over the positions exactly too).  Set it at every TP degree you compare, tp=1
     included.  With grad_reduce="invariant" too, tp x dp gives the same bits as one rank.
-    Invariant needs precision=fp32, ep=1, pp=1, dp_shard only at tp=1, and the per-rank
+    Invariant needs precision=fp32, ep=1, pp and dp_shard only at tp=1, and the per-rank
     share of d_model and ffn_hidden_size in whole blocks of 32."""
 
     pp: int = 1
@@ -161,7 +161,8 @@ class RecipeConfig:
     tokens travel by all_to_all).  Must be 0, 1 or dp_replicate."""
 
     pp_microbatches: int = 2
-    """Micro-batches per step and pipeline (pp > 1); must divide micro_batch_size."""
+    """Micro-batches per step and pipeline (pp > 1); must divide micro_batch_size.  Not used
+    under grad_reduce="invariant" (the pipeline runs each DP rank's num_micro_batches share)."""
 
     pp_schedule: PipelineSchedule = "1f1b"
     """Pipeline schedule: "gpipe" (all forwards, then all backwards) or "1f1b"."""
@@ -226,9 +227,11 @@ class RecipeConfig:
     all-reduce: the bits depend on the DP size) or "invariant" (`samebits.invariant`: each
     step's global batch is `num_micro_batches` micro-batches of micro_batch_size samples,
     rank r takes its share in order, RNG keyed by (step, micro-batch), gradients summed in
-    int64 fixed point, each element its own block: the same bits at any DP size, plain or
-    FSDP2 (dp_shard), and with tp_reduce="invariant" at any TP size too; docs/invariance.md).
-    Invariant mode needs ep=1 and pp=1, tp=1 or tp_reduce="invariant", and dp_shard only at
+    int64 fixed point, each element its own block, every block's random draws keyed by
+    (step, micro-batch, block): the same bits at any DP size, plain or FSDP2 (dp_shard), at
+    any pipeline size (each DP rank's micro-batches are the pipeline's; pp_microbatches is
+    not used), and with tp_reduce="invariant" at any TP size too; docs/invariance.md).
+    Invariant mode needs ep=1, tp=1 or tp_reduce="invariant", and dp_shard and pp only at
     tp=1."""
 
     num_micro_batches: int = 4
@@ -325,9 +328,9 @@ class RecipeConfig:
         need(problem is None, problem or "")
 
     def _check_grad_reduce(self, need) -> None:
-        """grad_reduce='invariant': the layouts it covers today (docs/invariance.md): plain DP
-        and FSDP2 at any size, each with TP when tp_reduce='invariant'; not EP, PP, or FSDP2
-        with TP."""
+        """grad_reduce='invariant': the layouts it covers today (docs/invariance.md): plain DP,
+        FSDP2 and PP at any size, plain DP with TP when tp_reduce='invariant'; not EP, or FSDP2
+        or PP with TP."""
         if self.grad_reduce != "invariant":
             return
         need(self.ep == 1,

@@ -1325,6 +1325,40 @@ def test_a_whole_tensor_saved_at_one_rank_is_cut_into_each_ranks_shard(layouts):
         assert found["layout_change"]["to"] == {"world_size": 2, "layout": {"tp": 2}} and found["jitter"]
 
 
+def test_the_content_hash_is_the_same_for_one_state_saved_at_any_layout(layouts, tmp_path):
+    """`content_sha256`: the whole weight saved on one rank, its row shards (and the replicated
+    bias) saved on two, and the two ranks with their own random streams hash alike: each
+    tensor's global value, not the files (which differ); one bit of the weight or of an Adam
+    moment, or the progress, changes it."""
+    one, two = checkpoint.content_sha256(layouts / "one"), checkpoint.content_sha256(layouts / "two")
+    assert one["sha256"] == two["sha256"] and (one["world_size"], two["world_size"]) == (1, 2)
+    assert (one["step"], one["tensors"], one["elements"]) == (1, 8, 3 * (12 + 3) + 2)  # w, b and their two moments; two step counts
+    assert checkpoint.content_sha256(layouts / "per-rank-rng")["sha256"] == one["sha256"]  # random states: out
+    files = [sorted(p.name for p in (layouts / name / "step-1").iterdir()) for name in ("one", "two")]
+    assert files[0] != files[1]  # the files differ by layout
+
+    def saved_with(edit, name):
+        bundle = _rows_bundle(0, 1, trained=True)
+        edit(bundle)
+        checkpoint.save(tmp_path / name, bundle)
+        return checkpoint.content_sha256(tmp_path / name)["sha256"]
+
+    assert saved_with(lambda b: None, "same") == one["sha256"]
+
+    def flip(tensor):
+        with torch.no_grad():
+            bits = tensor.view(torch.int32)
+            bits.view(-1)[5] ^= 1  # the lowest mantissa bit of one element
+
+    assert saved_with(lambda b: flip(b.model.w), "weight") != one["sha256"]
+    assert saved_with(lambda b: flip(b.optimizer.state[b.model.w]["exp_avg_sq"]), "moment") != one["sha256"]
+    assert saved_with(lambda b: b.progress.update(consumed_samples=9), "progress") != one["sha256"]
+    with pytest.raises(CheckpointLayoutError, match=r"field progress.consumed_samples is 8 on saved rank 0 but 9"):
+        checkpoint.content_sha256(layouts / "per-rank-progress")
+    with pytest.raises(CheckpointLayoutError, match=r"model/w is rank-local .* and differs between them"):
+        checkpoint.content_sha256(layouts / "no-place")
+
+
 def test_what_cannot_move_to_another_layout_is_refused_by_name(layouts):
     """Per-rank random streams, per-rank plain values and rank-local tensors without a place:
     refused with the opt-in, naming them, the bundle untouched; a program that reseeds every

@@ -12,12 +12,16 @@ Per rank it stores model, optimizer (by parameter name), LR schedule, loop posit
 every random state (Python, NumPy, torch CPU, CUDA per device, the bundle's generators),
 with `torch.distributed.checkpoint` writing each rank's shards.  See docs/checkpoint.md.
 
+`content_sha256(path)` hashes the training state a checkpoint holds (model and optimizer
+tensors as global values, the progress), the same for the same state saved at any layout.
+
 `state_census(...)` lists the same states as named tensors, recorded at each step start in
 the `STATE_PHASE` phase of the run's census stream (`census_recorder`, `CENSUS_DIR`), so a
 resume that lost one shows which (`describe_state_record`).
 """
 
 from samebits.checkpoint._bundle import StateBundle, TensorShard
+from samebits.checkpoint._content import content_sha256
 from samebits.checkpoint._census import (CENSUS_DIR, STATE_PHASE, census_recorder, census_run, describe_state_record,
                                          global_rng_record, state_census)
 from samebits.checkpoint._errors import CheckpointError, CheckpointLayoutError
@@ -31,6 +35,7 @@ __all__ = [
     "load",
     "resolve",
     "saved_layout",
+    "content_sha256",
     "capture_rng_state",
     "restore_rng_state",
     "CheckpointError",

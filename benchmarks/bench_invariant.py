@@ -3,7 +3,7 @@
     python benchmarks/bench_invariant.py accuracy [--elements 1048576] [--ranks 8]
     python benchmarks/bench_invariant.py comm [--nproc 2] [--elements 4194304] [--rounds 20]
     python benchmarks/bench_invariant.py loop [--nproc 2] [--steps 30]
-    python benchmarks/bench_invariant.py recipe [--nproc 2] [--steps 12] [--rounds 2]
+    python benchmarks/bench_invariant.py recipe [--nproc 2] [--steps 12] [--rounds 2] [--cell dp2|fsdp2|tp2-dp2|pp2]
 
 accuracy (one process): 8 "ranks" x 1M fp32 gradient elements of mixed scales (each block of
 256 its own magnitude, 1e-6..1e2), summed (a) by the invariant reduction and (b) in fp32 in 24
@@ -24,7 +24,11 @@ with --grad-reduce invariant versus mean, alternating runs; median step time rat
 recipe (torchrun): the reference recipe (ep=1) with grad_reduce=invariant (4 micro-batches of 4
 samples per step: 2 per rank at DP=2) versus grad_reduce=mean with micro_batch_size 8 per rank
 (the same 16 samples per step, one forward per rank), alternating runs; median of the step times
-the recipe prints, first 3 steps of each run left out.
+the recipe prints, first 3 steps of each run left out.  --cell fsdp2 does the same under FSDP2
+(`InvariantReduceScatter` versus FSDP2's own reduce-scatter); --cell tp2-dp2 (4 ranks) adds
+tp_reduce=invariant to the invariant mode and runs a third, "tp_only" (tp_reduce=invariant,
+grad_reduce=mean), so the DP part's cost under TP shows apart from the TP layers'; --cell pp2
+runs the 16 samples as 4 pipeline micro-batches of 4 in both modes (1F1B).
 """
 
 from __future__ import annotations
@@ -156,21 +160,32 @@ def loop(nproc: int, steps: int, rounds: int) -> dict:
             "time_ratio": inv / mean}
 
 
-def recipe(nproc: int, steps: int, rounds: int) -> dict:
-    modes = {"invariant": ["--set", "grad_reduce=invariant", "--set", "num_micro_batches=4",
-                           "--set", "micro_batch_size=4"],
-             "mean": ["--set", "micro_batch_size=8"]}
+def recipe(nproc: int, steps: int, rounds: int, cell: str = "dp2") -> dict:
+    invariant = ["--set", "grad_reduce=invariant", "--set", "num_micro_batches=4", "--set", "micro_batch_size=4"]
+    modes = {"invariant": invariant, "mean": ["--set", "micro_batch_size=8"]}
+    layout: list[str] = []
+    if cell != "dp2":
+        nproc = {"fsdp2": 2, "tp2-dp2": 4, "pp2": 2}[cell]
+        layout = ["--cell", cell]
+    if cell == "pp2":  # one DP rank: the 16 samples in 4 pipeline micro-batches of 4 either way
+        modes["mean"] = ["--set", "micro_batch_size=16", "--set", "pp_microbatches=4"]
+    if cell == "tp2-dp2":
+        modes = {"invariant": [*invariant, "--set", "tp_reduce=invariant"],
+                 "tp_only": ["--set", "micro_batch_size=8", "--set", "tp_reduce=invariant"], **{"mean": modes["mean"]}}
     times = {mode: [] for mode in modes}
     for _ in range(rounds):
         for mode, extra in modes.items():
             argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                    "-m", "samebits.recipes", "--steps", str(steps), "--set", "ep=1", *extra]
+                    "-m", "samebits.recipes", *layout, "--steps", str(steps), "--set", "ep=1", *extra]
             done = subprocess.run(argv, capture_output=True, text=True, check=True)
             lines = [x for x in done.stdout.splitlines() if x.startswith("step ")]
             times[mode] += [float(x.rsplit("|", 1)[1].split()[0]) / 1000 for x in lines[3:]]
-    inv, mean = statistics.median(times["invariant"]), statistics.median(times["mean"])
-    return {"nproc": nproc, "steps": steps, "rounds": rounds, "invariant_step_s": inv, "mean_step_s": mean,
-            "time_ratio": inv / mean}
+    medians = {f"{mode}_step_s": statistics.median(values) for mode, values in times.items()}
+    result = {"cell": cell, "nproc": nproc, "steps": steps, "rounds": rounds, **medians,
+              "time_ratio": medians["invariant_step_s"] / medians["mean_step_s"]}
+    if "tp_only" in modes:
+        result["dp_part_ratio"] = medians["invariant_step_s"] / medians["tp_only_step_s"]
+    return result
 
 
 def main() -> None:
@@ -181,6 +196,7 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--cell", choices=("dp2", "fsdp2", "tp2-dp2", "pp2"), default="dp2")
     args = parser.parse_args()
     if args.what == "_comm_worker":
         _comm_worker(args.elements, args.rounds)
@@ -191,7 +207,7 @@ def main() -> None:
     elif args.what == "comm":
         result = comm(args.nproc, args.elements, args.rounds)
     elif args.what == "recipe":
-        result = recipe(args.nproc, args.steps, args.rounds)
+        result = recipe(args.nproc, args.steps, args.rounds, args.cell)
     else:
         result = loop(args.nproc, args.steps, args.rounds)
     print(json.dumps(result, indent=2))

@@ -150,11 +150,19 @@ def plain(value: Any) -> Any:
     return value
 
 
+def milliseconds(seconds: Any) -> Any:
+    """Seconds as results write them: rounded to the millisecond (a number, or each value of a
+    mapping of them); a field's ``serialised(convert=milliseconds)``."""
+    if isinstance(seconds, Mapping):
+        return {_plain_key(key): round(value, 3) for key, value in seconds.items()}
+    return round(seconds, 3)
+
+
 def _plain_key(key: Any) -> str:
     if isinstance(key, enum.Enum):
         return str(key.value)
     return key if isinstance(key, str) else str(key)
 
 
-__all__ = ["Verdict", "ToDict", "serialised", "plain", "EXIT_OK", "EXIT_BAD_VERDICT", "EXIT_CANNOT_RUN",
+__all__ = ["Verdict", "ToDict", "serialised", "plain", "milliseconds", "EXIT_OK", "EXIT_BAD_VERDICT", "EXIT_CANNOT_RUN",
            "EXIT_RERUN_ELSEWHERE", "EXIT_STOPPED"]

@@ -41,7 +41,7 @@ from samebits.runs.distance import ulp_distance
 from samebits.runs.progress import indented
 from samebits.runs.verify import VerifyResult, verify_recipe
 from samebits.stream import open_run
-from samebits.verdicts import ToDict, Verdict
+from samebits.verdicts import ToDict, Verdict, milliseconds, serialised
 
 
 
@@ -94,24 +94,23 @@ class Agreement(ToDict):
             return f"step {self.first_step}{ulp}"
         return {"not compared": "-"}.get(self.status, self.status)
 
-    def to_dict(self) -> dict:
-        return {"status": self.status, "by": self.by, "first_step": self.first_step, "max_ulp": self.max_ulp,
-                "detail": self.detail}
-
 
 @dataclass
 class CellResult(ToDict):
     """One (cell, precision): its verify result, or why it did not run."""
+
+    dict_keys = ("cell", "precision", "world_size", "required", "verdict", "repeatable", "resume", "agreement",
+                 "seconds", "reason", "out", "explanations", "bisect")
 
     cell: str
     precision: str
     world_size: int
     required: bool
     out: str
-    verify: VerifyResult | None = None
+    verify: VerifyResult | None = field(default=None, metadata=serialised(skip=True))  # its checks, below
     reason: str = ""  # why it did not start, or crashed
     agreement: Agreement = field(default_factory=lambda: Agreement("not compared"))
-    seconds: float = 0.0
+    seconds: float = field(default=0.0, metadata=serialised(convert=milliseconds))
     bisect: dict | None = None
 
     @property
@@ -129,17 +128,15 @@ class CellResult(ToDict):
             return "-"
         return {Verdict.IDENTICAL: "yes", Verdict.DIVERGED: "no"}.get(Verdict(result.verdict), "?")
 
-    def to_dict(self) -> dict:
-        return {"cell": self.cell, "precision": self.precision, "world_size": self.world_size,
-                "required": self.required, "verdict": self.verdict.value, "repeatable": self.check("independent"),
-                "resume": self.check("resume"), "agreement": self.agreement.to_dict(),
-                "seconds": round(self.seconds, 3), "reason": self.reason, "out": self.out,
-                "explanations": self.verify.explanations if self.verify is not None else {},
-                "bisect": self.bisect}
+    def dict_extras(self) -> dict:
+        return {"verdict": self.verdict, "repeatable": self.check("independent"), "resume": self.check("resume"),
+                "explanations": self.verify.explanations if self.verify is not None else {}}
 
 
 @dataclass
 class MatrixResult(ToDict):
+    dict_keys = ("verdict", "exit_code", "out", "baseline", "require_agreement", "failures", "cells", "notes")
+
     out: str
     baseline: str
     cells: list[CellResult]
@@ -167,10 +164,8 @@ class MatrixResult(ToDict):
             return Verdict.INCOMPLETE  # nothing held and nothing failed: nothing was proven
         return Verdict.FAIL if self.failures() else Verdict.PASS
 
-    def to_dict(self) -> dict:
-        return {"verdict": self.verdict.value, "exit_code": self.verdict.exit_code, "out": self.out,
-                "baseline": self.baseline, "require_agreement": self.require_agreement,
-                "failures": self.failures(), "cells": [c.to_dict() for c in self.cells], "notes": self.notes}
+    def dict_extras(self) -> dict:
+        return {"verdict": self.verdict, "exit_code": self.verdict.exit_code, "failures": self.failures()}
 
 
 def run_matrix(

@@ -29,7 +29,7 @@ from samebits.runs.across import compare_replicated
 from samebits.runs.commands import CKPT, NPROC, OUT, RUN, STEP, fill_placeholders, prepare_out_dir, write_summary
 from samebits.runs.verify import RunInfo
 from samebits.stream import open_run
-from samebits.verdicts import ToDict, Verdict
+from samebits.verdicts import ToDict, Verdict, milliseconds, serialised
 
 STOP = "{stop}"  # the step the replay stops before
 REPLAY_PLACEHOLDERS = (NPROC, OUT, STEP, STOP, RUN, CKPT)
@@ -46,20 +46,20 @@ class ReplayResult(ToDict):
     stop: int
     nproc: int
     recorded_world_size: int
+    dict_keys = ("verdict", "run", "out", "step", "stop", "nproc", "recorded_world_size", "check", "runs", "notes",
+                 "timings_s")
+
     check: DiffResult
     runs: list[RunInfo] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    timings: dict[str, float] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict, metadata=serialised(key="timings_s", convert=milliseconds))
 
     @property
     def verdict(self) -> Verdict:
         return Verdict(self.check.verdict)
 
-    def to_dict(self) -> dict:
-        return {"verdict": self.verdict.value, "run": self.run, "out": self.out, "step": self.step,
-                "stop": self.stop, "nproc": self.nproc, "recorded_world_size": self.recorded_world_size,
-                "check": self.check.to_dict(), "runs": [r.to_dict() for r in self.runs], "notes": self.notes,
-                "timings_s": {k: round(v, 3) for k, v in self.timings.items()}}
+    def dict_extras(self) -> dict:
+        return {"verdict": self.verdict}
 
 
 def recorded_steps(run_dir, rank: int = 0) -> list[int]:

@@ -45,7 +45,7 @@ from samebits.runs.conclusion import (across_conclusion, bisect_conclusion, diff
                                       verify_conclusion)
 from samebits.runs.distance import float_value, metric_distance
 from samebits.stream import Record, open_run
-from samebits.verdicts import ToDict, Verdict
+from samebits.verdicts import ToDict, Verdict, serialised
 
 MAX_RANKS = 64  # heatmap rows of ranks; a larger world is binned, each row a range of ranks
 MAX_READ_RANKS = 16384  # ranks whose steps are read for the heatmap (the rest are counted, not drawn)
@@ -144,31 +144,34 @@ class Pair:
         return self.result.verdict if self.result is not None else Verdict.INCOMPLETE
 
 
+def _pair_summary(pair: Pair) -> dict:
+    """A compared pair in the report's JSON: which runs, from which step, the verdict, and each
+    rank's first divergent step."""
+    return {"label": pair.label, "a": pair.a, "b": pair.b, "start_step": pair.start_step,
+            "verdict": pair.verdict.value, "error": pair.error,
+            "first_divergent_step_by_rank": {str(r): s for r, (s, _) in sorted(pair.first_by_rank.items())}}
+
+
 @dataclass
 class Report(ToDict):
     """The page and what it says: ``kind`` (verify, bisect, matrix, diff), the overall
     ``verdict`` (as the command that produced the inputs decided it, or the diff's), the
     section headings, the HTML text."""
 
+    dict_keys = ("kind", "verdict", "exit_code", "conclusion", "inputs", "out", "sections", "pairs", "notes")
+
     kind: str
     inputs: list[str]
     verdict: Verdict
     sections: list[str]
-    html: str
-    pairs: list[Pair]
+    html: str = field(metadata=serialised(skip=True))  # the page itself, written to `out`
+    pairs: list[Pair] = field(metadata=serialised(convert=lambda pairs: [_pair_summary(p) for p in pairs]))
     notes: list[str] = field(default_factory=list)
     out: str = ""
     conclusion: str = ""  # the sentence the page leads with, as the terminal printed it
 
-    def to_dict(self) -> dict:
-        return {"kind": self.kind, "verdict": self.verdict.value, "exit_code": self.verdict.exit_code,
-                "conclusion": self.conclusion,
-                "inputs": self.inputs, "out": self.out, "sections": self.sections,
-                "pairs": [{"label": p.label, "a": p.a, "b": p.b, "start_step": p.start_step,
-                           "verdict": p.verdict.value, "error": p.error,
-                           "first_divergent_step_by_rank": {str(r): s for r, (s, _) in sorted(p.first_by_rank.items())}}
-                          for p in self.pairs],
-                "notes": self.notes}
+    def dict_extras(self) -> dict:
+        return {"exit_code": self.verdict.exit_code}
 
 
 def write_report(inputs: list[str | Path], out: str | Path, *, start_step: int | None = None,

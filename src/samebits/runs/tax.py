@@ -30,7 +30,7 @@ from samebits.errors import ConfigError, SamebitsError
 from samebits.runs._launch import DEFAULT_TIMEOUT_S, judge_recipe_run, judge_recorded_run, run_logged
 from samebits.runs.commands import OUT, SelfRecording, check_out_dir, default_out_dir, fill_placeholders, write_summary
 from samebits.stream import STEP_TIMES_SUFFIX
-from samebits.verdicts import ToDict, Verdict
+from samebits.verdicts import ToDict, Verdict, serialised
 
 DEFAULT_RESAMPLES = 4000
 DETERMINISTIC_PLACEHOLDER = "{deterministic}"
@@ -43,12 +43,16 @@ ESTIMATOR = "ratio of median step times (deterministic / baseline)"
 class TaxResult(ToDict):
     """The measured tax.  ``times[label][pair]`` holds the kept per-step seconds of that run."""
 
+    dict_keys = ("verdict", "exit_code", "ratio", "estimator", "judgement", "ci", "confidence", "gate", "pairs",
+                 "warmup_steps_dropped", "steps_per_run", "median_step_s", "resamples", "seed", "commands", "out",
+                 "times_s", "notes")
+
     out: str
     commands: dict[str, str]
     pairs: int
-    warmup: int
+    warmup: int = dataclasses.field(metadata=serialised(key="warmup_steps_dropped"))
     gate: float
-    times: dict[str, list[list[float]]]
+    times: dict[str, list[list[float]]] = dataclasses.field(metadata=serialised(key="times_s"))
     ratio: float
     ci: tuple[float, float]
     confidence: float
@@ -72,15 +76,12 @@ class TaxResult(ToDict):
         return (f"inconclusive: the {interval} spans the gate {self.gate:.3f}: add pairs "
                 f"(--pairs {pairs_to_decide(self.pairs, self.ratio, self.ci, self.gate)})")
 
-    def to_dict(self) -> dict:
+    def dict_extras(self) -> dict:
         medians = {label: float(np.median(np.concatenate([np.asarray(t) for t in runs])))
                    for label, runs in self.times.items()}
-        return {"verdict": self.verdict.value, "exit_code": self.verdict.exit_code, "ratio": self.ratio,
-                "estimator": ESTIMATOR, "judgement": self.judgement,
-                "ci": list(self.ci), "confidence": self.confidence, "gate": self.gate, "pairs": self.pairs,
-                "warmup_steps_dropped": self.warmup, "steps_per_run": len(self.times[_LABELS[0]][0]),
-                "median_step_s": medians, "resamples": self.resamples, "seed": self.seed,
-                "commands": self.commands, "out": self.out, "times_s": self.times, "notes": self.notes}
+        return {"verdict": self.verdict, "exit_code": self.verdict.exit_code, "estimator": ESTIMATOR,
+                "judgement": self.judgement, "steps_per_run": len(self.times[_LABELS[0]][0]),
+                "median_step_s": medians}
 
 
 def judge(ci: tuple[float, float], gate: float) -> Verdict:

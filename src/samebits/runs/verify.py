@@ -34,7 +34,7 @@ from samebits.runs._explain import Finding, explain_independent, explain_resume,
 from samebits.runs._launch import judge_recipe_run, judge_recorded_run, run_logged
 from samebits.runs.commands import (CKPT, FROM, OUT, REFERENCE, RUN, STEP, SelfRecording, fill_placeholders,
                                     prepare_out_dir, write_summary)
-from samebits.verdicts import ToDict, Verdict
+from samebits.verdicts import ToDict, Verdict, milliseconds, serialised
 
 GUARANTEES = ("independent", "resume")
 PLACEHOLDERS = ("{out}", "{run}")  # in the command: this run's own work folder and its name
@@ -48,12 +48,8 @@ class RunInfo(ToDict):
     name: str
     command: str
     exit_code: int
-    seconds: float
+    seconds: float = field(metadata=serialised(convert=milliseconds))
     ended: str = "finished"  # "finished" | "stopped at step K (...)" | a tolerated crash
-
-    def to_dict(self) -> dict:
-        return {"name": self.name, "command": self.command, "exit_code": self.exit_code,
-                "seconds": round(self.seconds, 3), "ended": self.ended}
 
 
 @dataclass
@@ -62,9 +58,12 @@ class VerifyResult(ToDict):
     was not checked; ``verdict`` is a `Verdict`: PASS (every check identical), FAIL (a check
     diverged), INCOMPLETE (a check could not decide, or nothing was checked)."""
 
+    dict_keys = ("verdict", "checked", "not_checked", "out", "resume_at", "checks", "explanations", "findings",
+                 "runs", "bisect_command", "resume_bisect_command", "timings_s", "notes")
+
     out: str
     checks: dict[str, DiffResult | None]
-    timings: dict[str, float]
+    timings: dict[str, float] = field(metadata=serialised(key="timings_s", convert=milliseconds))
     resume_at: int | None
     notes: list[str] = field(default_factory=list)
     runs: list[RunInfo] = field(default_factory=list)
@@ -90,22 +89,8 @@ class VerifyResult(ToDict):
             return Verdict.INCOMPLETE
         return Verdict.PASS
 
-    def to_dict(self) -> dict:
-        return {
-            "verdict": self.verdict.value,
-            "checked": self.checked,
-            "not_checked": self.not_checked,
-            "out": self.out,
-            "resume_at": self.resume_at,
-            "checks": {name: (r.to_dict() if r is not None else None) for name, r in self.checks.items()},
-            "explanations": self.explanations,
-            "findings": [finding.to_dict() for finding in self.findings],
-            "runs": [run.to_dict() for run in self.runs],
-            "bisect_command": self.bisect_command,
-            "resume_bisect_command": self.resume_bisect_command,
-            "timings_s": {k: round(v, 3) for k, v in self.timings.items()},
-            "notes": self.notes,
-        }
+    def dict_extras(self) -> dict:
+        return {"verdict": self.verdict, "checked": self.checked, "not_checked": self.not_checked}
 
 
 def verify_recipe(

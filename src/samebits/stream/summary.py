@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from samebits.errors import ConfigError
 from samebits.stream.reader import open_run
+from samebits.verdicts import ToDict
 
 
 def summarise(path: str | os.PathLike) -> dict:
@@ -40,7 +41,7 @@ def summarise(path: str | os.PathLike) -> dict:
 
 
 @dataclass(frozen=True)
-class CatalogueEntry:
+class CatalogueEntry(ToDict):
     """One recorded name of one step: what it is and how often it occurs in the step."""
 
     phase: str
@@ -50,11 +51,6 @@ class CatalogueEntry:
     shape: tuple[int, ...] | None
     count: int  # occurrences in the step
     digested: bool  # False: recorded as absent, or over the size cap (shape and dtype only)
-
-    def to_dict(self) -> dict:
-        return {"phase": self.phase, "name": self.name, "kind": self.kind, "dtype": self.dtype,
-                "shape": list(self.shape) if self.shape is not None else None, "count": self.count,
-                "digested": self.digested}
 
 
 def catalogue(path: str | os.PathLike, *, rank: int | None = None, step: int | None = None) -> tuple[int, int, list[CatalogueEntry]]:

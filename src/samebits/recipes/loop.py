@@ -12,7 +12,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -42,29 +42,36 @@ class TrainResult:
     end_step: int  # next step to run: steps, the save step, or stopped_at + 1
     metrics: list[dict[str, float]] = field(default_factory=list)  # per step run, this rank
     stopped_at: int | None = None  # step that diverged from the reference run
-    checkpoint: Path | None = None  # directory saved by save_at
+    checkpoint: Path | None = None  # directory saved by save_at (its first step)
+    checkpoints: list[Path] = field(default_factory=list)  # every directory saved, in step order
     layout_change: dict[str, Any] | None = None  # a resume under another layout: from, to (StateBundle)
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # final local parameters
 
 
 def train(config: RecipeConfig, *, steps: int, recorder: Any = None, census: Any = None,
-          save_at: int | None = None, ckpt_dir: str | Path | None = None, resume_from: str | Path | None = None,
+          save_at: int | Sequence[int] | None = None, ckpt_dir: str | Path | None = None,
+          resume_from: str | Path | None = None,
           allow_layout_change: bool = False, keep_going: bool = False, log: bool = False) -> TrainResult:
     """Run optimizer steps [start, steps) on this rank; start is 0 or the resumed step.
 
     Joins the torchrun process group when the environment names one (or uses one already
     initialised); otherwise runs as world size 1.  `save_at=K` saves to `ckpt_dir` before
     step K and returns (``keep_going``: then trains on to ``steps``, as a training job that
-    saves and continues).  `recorder` (duck-typed, see docs/recipe.md) receives the per-step
-    records; when its `end_step` returns False on any rank, every rank stops.  `census`
-    receives the state census at each step start (and its `end_step`); by default the census
+    saves and continues; several steps, e.g. ``(10, 20)``, save before each and need it).
+    `recorder` (duck-typed, see docs/recipe.md) receives the per-step records; when its
+    `end_step` returns False on any rank, every rank stops.  `census` receives the state
+    census at each step start (and its `end_step`); by default the census
     stream beside a samebits Recorder's (`samebits.checkpoint.census_recorder`, RUN/state),
     none beside a duck-typed recorder.  `allow_layout_change`: `resume_from` may have been
     saved at another DP size (with grad_reduce=invariant) or TP size (tp_reduce=invariant),
     where the bits do not depend on the layout; anything else is refused (`_Run.resume`).
     """
-    if save_at is not None and (ckpt_dir is None or not 0 <= save_at <= steps):
+    saves = _save_steps(save_at)
+    if saves and (ckpt_dir is None or not all(0 <= k <= steps for k in saves)):
         raise ConfigError(f"save_at={save_at} needs ckpt_dir and 0 <= save_at <= steps={steps}")
+    if len(saves) > 1 and not keep_going:
+        raise ConfigError(f"save_at={save_at}: saving at several steps needs keep_going (the run trains on "
+                          "after each save)")
     with session(config) as (rank, world_size):
         run = _Run(config, rank, world_size)
         if resume_from is not None:
@@ -73,7 +80,7 @@ def train(config: RecipeConfig, *, steps: int, recorder: Any = None, census: Any
         if opened:
             census = checkpoint.census_recorder(recorder, append=resume_from is not None)
         try:
-            return run.loop(steps, recorder=recorder, census=census, save_at=save_at, ckpt_dir=ckpt_dir,
+            return run.loop(steps, recorder=recorder, census=census, save_at=saves, ckpt_dir=ckpt_dir,
                             keep_going=keep_going, log=log and rank == 0)
         finally:
             if opened and census is not None:
@@ -247,16 +254,18 @@ class _Run:
     def loop(self, steps: int, *, recorder, census=None, save_at, ckpt_dir, log: bool,
              keep_going: bool = False) -> TrainResult:
         result = TrainResult(start_step=self.step, end_step=self.step, layout_change=self.layout_change)
-        if save_at is not None and save_at < self.step:
-            raise ConfigError(f"save_at={save_at} is before the resumed step {self.step}")
+        save_at = _save_steps(save_at)
+        if save_at and save_at[0] < self.step:
+            raise ConfigError(f"save_at={save_at[0]} is before the resumed step {self.step}")
         tracer = trace.attach_from_env(self.model, recorder)  # off unless SAMEBITS_TRACE* is set
         while True:
-            if self.step == save_at and result.checkpoint is None:
-                result.checkpoint = checkpoint.save(ckpt_dir, self.bundle())
+            if self.step in save_at:
+                result.checkpoints.append(checkpoint.save(ckpt_dir, self.bundle()))
+                result.checkpoint = result.checkpoint or result.checkpoints[-1]
                 if not keep_going:
                     break
                 if log:
-                    print(f"saved {result.checkpoint} (before step {self.step}); going on", flush=True)
+                    print(f"saved {result.checkpoints[-1]} (before step {self.step}); going on", flush=True)
             if self.step >= steps:
                 break
             with tracer.step(self.step):  # encloses the whole step, the recorder's end_step too
@@ -367,8 +376,9 @@ class _Run:
         return rec.end_step(step)
 
     def _invariant_step(self, rec, start: float, keep) -> tuple[dict[str, float], bool | None]:
-        """A step whose bits do not depend on the DP size: this rank's micro-batches of the
-        global batch, each with dropout and router jitter keyed by (step, micro-batch) and its
+        """A step whose bits do not depend on the layout (DP, FSDP2, PP; TP with
+        tp_reduce=invariant): this DP rank's micro-batches of the global batch, each block's
+        dropout and router jitter keyed by (step, micro-batch, block) and each micro-batch's
         loss divided by the number of micro-batches (all hold the same token count: a global
         normalisation), gradients summed in int64 fixed point (`samebits.invariant`) over the DP
         ranks: by the accumulator, or under FSDP2 by its reduce-scatter."""
@@ -399,7 +409,7 @@ class _Run:
         if not fsdp:
             acc.reduce()
         grad_norm = parallel.clip_grad_norm(model, self.layout, cfg.grad_clip)  # the same at any split
-        if self.layout.dp_group is not None:  # the TP ranks of a replica hold the same losses
+        if self.layout.dp_group is not None:  # a replica's TP ranks and stages hold the same rows
             dist.all_reduce(parts, group=self.layout.dp_group)  # one nonzero row per micro-batch: exact
         losses = dict(zip(names, parts.sum(dim=0) / count))  # the global mean, a fixed order
         lr = self.scheduler.get_last_lr()[0]
@@ -464,6 +474,14 @@ class _Run:
 
 
 LOSS_NAMES = ("loss", "lm_loss", "load_balancing_loss", "mtp_loss")
+
+def _save_steps(save_at: int | Sequence[int] | None) -> list[int]:
+    """The steps to save before, sorted: none, one (an int) or several."""
+    if save_at is None:
+        return []
+    return sorted({int(save_at)} if isinstance(save_at, int) else {int(k) for k in save_at})
+
+
 # Config fields that name the layout: a resume under another layout may change them.
 LAYOUT_FIELDS = ("dp_replicate", "dp_shard", "tp", "pp", "ep", "sequence_parallel")
 

@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import samebits
 from samebits import checkpoint
 from samebits.checkpoint import CheckpointError, CheckpointLayoutError, StateBundle
-from samebits.errors import SamebitsError
+from samebits.errors import ConfigError, SamebitsError
 from samebits.recipes import RecipeConfig, train
 
 STEPS, SAVE_AT = 5, 2
@@ -1385,3 +1385,26 @@ def test_a_shard_place_that_does_not_hold_the_tensor_is_a_config_error(tmp_path)
     with pytest.raises(samebits.errors.ConfigError, match=r"StateBundle.shards\['w'\] places a tensor of shape "
                                                           r"\[4, 3\] at offsets \[2, 0\]"):
         checkpoint.save(tmp_path, bundle)
+
+
+def test_the_recipe_saves_at_several_steps_with_keep_going(tmp_path, capsys):
+    """--save-at 1,2 --keep-going: a checkpoint before step 1 and one after the last step
+    (what verify --across hashes), each a distinct state; several steps without --keep-going,
+    or a list that is not steps, are refused."""
+    from samebits.recipes.cli import main as recipe_main
+
+    root = tmp_path / "ckpt"
+    assert recipe_main(["--steps", "2", *_tiny_cli_args(), "--save-at", "2,1", "--ckpt", str(root),
+                        "--keep-going"]) == 0
+    said = capsys.readouterr().out
+    assert "(before step 1); going on" in said and "(before step 2); going on" in said
+    first, last = checkpoint.content_sha256(root / "step-1"), checkpoint.content_sha256(root / "step-2")
+    assert (first["step"], last["step"]) == (1, 2) and first["sha256"] != last["sha256"]
+    assert checkpoint.saved_layout(root)["step"] == 2  # latest: the last one saved
+    assert recipe_main(["--steps", "2", *_tiny_cli_args(), "--save-at", "1,2", "--ckpt", str(root)]) == 2
+    assert "--save-at 1,2: saving at several steps needs --keep-going" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        recipe_main(["--steps", "2", "--save-at", "1,x", "--ckpt", str(root)])
+    assert "'1,x' is not a step or a comma-separated list of steps" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="saving at several steps needs keep_going"):
+        train(_tiny(), steps=2, save_at=(1, 2), ckpt_dir=root)

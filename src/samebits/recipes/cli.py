@@ -7,6 +7,7 @@ print.
     python -m samebits.recipes --steps 20 --out runs/b --reference runs/a  # live check
     python -m samebits.recipes --steps 20 --save-at 10 --ckpt ckpt        # save, exit
     python -m samebits.recipes --steps 20 --save-at 10 --ckpt ckpt --keep-going  # save, go on
+    python -m samebits.recipes --steps 20 --save-at 10,20 --ckpt ckpt --keep-going  # save twice
     python -m samebits.recipes --steps 20 --resume-from ckpt                # continue
     python -m samebits.recipes --steps 20 --resume-from ckpt --allow-layout-change \
         --set grad_reduce=invariant --set ep=1            # continue a dp2 checkpoint on one rank
@@ -51,8 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, help="record fingerprint streams into this directory")
     parser.add_argument("--reference", type=Path,
                         help="compare each step live against the streams of this earlier run")
-    parser.add_argument("--save-at", type=int, metavar="K",
-                        help="save a checkpoint before step K into --ckpt, then exit")
+    parser.add_argument("--save-at", type=_save_steps, metavar="K",
+                        help="save a checkpoint before step K into --ckpt, then exit; K,K,... saves before "
+                             "each (with --keep-going)")
     parser.add_argument("--ckpt", type=Path, help="checkpoint root for --save-at")
     parser.add_argument("--keep-going", action="store_true",
                         help="after --save-at, train on to --steps instead of exiting")
@@ -76,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = cfg.with_overrides(args.overrides)
         if (args.save_at is None) != (args.ckpt is None):
             raise ConfigError("--save-at and --ckpt go together: give both or neither")
+        if args.save_at is not None and len(args.save_at) > 1 and not args.keep_going:
+            raise ConfigError(f"--save-at {','.join(map(str, args.save_at))}: saving at several steps needs "
+                              "--keep-going (the run trains on after each save)")
         if args.keep_going and args.save_at is None:
             raise ConfigError("--keep-going needs --save-at K and --ckpt DIR (it trains on after saving)")
         if args.allow_layout_change and args.resume_from is None:
@@ -116,6 +121,18 @@ def main(argv: list[str] | None = None) -> int:
                 (args.out / STOPPED_MARKER).write_text(
                     json.dumps({"stopped_at": result.stopped_at, "reason": "diverged from reference"}) + "\n")
     return EXIT_STOPPED if result.stopped_at is not None else EXIT_OK
+
+
+def _save_steps(text: str) -> list[int]:
+    """``--save-at K`` or ``K,K,...``: the steps to save before (non-negative, distinct)."""
+    try:
+        steps = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a step or a comma-separated list of steps "
+                                         "(e.g. 10 or 10,20)") from None
+    if any(step < 0 for step in steps) or len(set(steps)) != len(steps):
+        raise argparse.ArgumentTypeError(f"{text!r}: give distinct steps >= 0 (e.g. 10 or 10,20)")
+    return sorted(steps)
 
 
 def _make_recorder(args, cfg: RecipeConfig, rank: int, world_size: int):

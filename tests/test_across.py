@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import samebits
+from samebits import checkpoint
 from samebits.cli import main
 from samebits.cli._recipe import across_layouts, across_reductions
 from samebits.errors import ConfigError
@@ -110,19 +111,23 @@ def test_the_command_line_refuses_a_layout_that_is_not_invariant_before_any_run(
 
 # -- the runner with a fake program: the comparison, the controls, the certificate ---------------
 
-def _program(name: str, values: str, steps: int = 4) -> SelfRecording:
-    """The fake program: records one global parameter per step, ``values`` (a seed) fixing it."""
-    base = [sys.executable, str(FAKE), "--out", "{out}", "--steps", str(steps), "--values", values, "--name", name]
+def _program(name: str, values: str, steps: int = 4, *, resume: tuple[str, ...] = (),
+             extra: tuple[str, ...] = ()) -> SelfRecording:
+    """The fake program: trains one global parameter, recorded per step, ``values`` (a seed)
+    fixing its draws; ``resume``: words its resume adds (``--perturb-resume``, ...)."""
+    base = [sys.executable, str(FAKE), "--out", "{out}", "--steps", str(steps), "--values", values, "--name", name,
+            *extra]
     return SelfRecording(steps=steps, nproc=1, record=tuple(base),
                          save=tuple(base + ["--save-at", "{step}", "--ckpt", "{ckpt}"]),
                          save_only=tuple(base + ["--save-at", "{step}", "--ckpt", "{ckpt}"]),
-                         resume=tuple(base))
+                         resume=tuple(base + ["--resume-from", "{ckpt}", *resume]))
 
 
-def _layouts(*, control_values=("plain-single", "plain-dp2"), second="same") -> list[Layout]:
-    return [Layout("single", 1, _program("single", "same"), _program("control-single", control_values[0], 2),
+def _layouts(*, control_values=("plain-single", "plain-dp2"), second="same", controls=True) -> list[Layout]:
+    return [Layout("single", 1, _program("single", "same"),
+                   _program("control-single", control_values[0], 2) if controls else None,
                    ("grad_reduce=invariant",), ("grad_reduce=mean",)),
-            Layout("dp2", 2, _program("dp2", second), _program("control-dp2", control_values[1], 2),
+            Layout("dp2", 2, _program("dp2", second), _program("control-dp2", control_values[1], 2) if controls else None,
                    ("dp_replicate=2", "grad_reduce=invariant"), ("dp_replicate=2", "grad_reduce=mean"))]
 
 
@@ -133,7 +138,7 @@ REDUCTIONS = [{"switch": "grad_reduce=invariant", "size": "dp_replicate", "cover
 def passed(tmp_path_factory):
     """Equal layouts, controls that differ: (out, result); shared by the tests that read it."""
     out = tmp_path_factory.mktemp("across") / "pass"
-    return out, verify_across(_layouts(), out=out, reductions=REDUCTIONS)
+    return out, verify_across(_layouts(), out=out, reductions=REDUCTIONS, resume_across=True)
 
 
 @pytest.fixture(scope="module")
@@ -160,13 +165,82 @@ def test_equal_layouts_with_differing_controls_pass_and_write_the_certificate(pa
     assert cert["steps"] == [0, 1, 2, 3] and cert["roots_equal"] is True
     roots = cert["roots"]
     assert roots["single"] == roots["dp2"] and len(set(roots["single"].values())) == 4  # one root per step
-    assert cert["checkpoints"]["single"]["step"] == 2 and cert["checkpoints"]["single"]["files"] == 1
-    assert cert["checkpoints"]["single"]["sha256"] == cert["checkpoints"]["dp2"]["sha256"]  # same bytes here
+    final = cert["checkpoints"]
+    assert final["single"]["step"] == 4 and final["single"]["path"].endswith("single/ckpt/step-4")
+    assert final["single"]["content_sha256"] == final["dp2"]["content_sha256"] and cert["checkpoints_equal"] is True
+    assert final["single"]["content_sha256"] == checkpoint.content_sha256(out / "single" / "ckpt")["sha256"]
+    assert "random states are left out" in cert["checkpoints_note"]
+    assert (out / "dp2" / "ckpt" / "step-2").is_dir()  # for replay (and the resume)
+    resumed = cert["resume_across"]
+    assert resumed["step"] == 2 and resumed["from"] == "single"
+    assert resumed["checks"]["dp2"]["verdict"] == "identical" and resumed["checks"]["dp2"]["steps"] == 2
+    assert "--resume-from" in resumed["checks"]["dp2"]["command"] and "single/ckpt/step-2" in \
+        resumed["checks"]["dp2"]["command"]
     assert cert["invariant_reductions"] == REDUCTIONS
     assert [(c["run"], c["differs"], c["first_step"], c["overrides"]) for c in cert["controls"]] == [
         ("control-dp2", True, 0, ["dp_replicate=2", "grad_reduce=mean"])]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["layouts"] == ["single", "dp2"] and summary["checks"]["dp2"]["verdict"] == "identical"
+    assert summary["resume_across"]["checks"]["dp2"]["compared"]["steps"] == 2
+    assert "dp2 resumed single's checkpoint of step 2 and matched it bit for bit to step 3" in \
+        across_conclusion(summary)
+
+
+def test_resumes_that_are_not_exact_or_are_refused_are_caught(tmp_path):
+    """single saves at step 2; dp2 resumes it with one bit of w flipped: DIVERGED at step 2,
+    FAIL; dp4 refuses the resume as the recipe does without its switch: INCOMPLETE, naming
+    the switch, never a traceback.  The layouts' own uninterrupted runs still agree."""
+    layouts = [Layout("single", 1, _program("single", "same")),
+               Layout("dp2", 2, _program("dp2", "same", resume=("--perturb-resume",))),
+               Layout("dp4", 4, _program("dp4", "same", resume=("--refuse-resume",)))]
+    result = verify_across(layouts, out=tmp_path / "bad", controls=False, resume_across=True, resume_at=2)
+    assert [Verdict(c.verdict) for c in result.checks.values()] == [Verdict.IDENTICAL, Verdict.IDENTICAL]
+    perturbed, refused = result.resume["dp2"], result.resume["dp4"]
+    assert Verdict(perturbed.verdict) is Verdict.DIVERGED and perturbed.first_divergence["step"] == 2
+    assert perturbed.first_divergence["name"] in ("w", "loss")
+    assert Verdict(refused.verdict) is Verdict.INCOMPLETE
+    assert refused.incomplete[0].startswith("dp4 did not resume single's checkpoint of step 2: samebits.recipes: "
+                                            "error (rank 0): ")
+    assert "--set grad_reduce=invariant" in refused.incomplete[0] and "Traceback" not in refused.incomplete[0]
+    assert result.verdict is Verdict.FAIL
+    summary = json.loads((tmp_path / "bad" / "summary.json").read_text())
+    sentence = across_conclusion(summary)
+    assert "dp2 resumed from single's checkpoint of step 2 diverged at step 2" in sentence, sentence
+    assert "dp4 could not resume" in sentence and "grad_reduce=invariant" in sentence
+    cert = json.loads((tmp_path / "bad" / CERTIFICATE).read_text())
+    assert cert["resume_across"]["checks"]["dp4"]["verdict"] == "incomplete"
+
+
+def test_final_checkpoints_that_differ_fail_even_when_every_root_is_equal(tmp_path):
+    """dp2 records the same parameters but saves another data position: the roots are equal,
+    the final checkpoints' content hashes are not, and the verdict says so (FAIL)."""
+    layouts = [Layout("single", 1, _program("single", "same")),
+               Layout("dp2", 2, _program("dp2", "same", extra=("--samples-per-step", "9")))]
+    result = verify_across(layouts, out=tmp_path / "ckpt", controls=False)
+    assert Verdict(result.checks["dp2"].verdict) is Verdict.IDENTICAL
+    assert result.checkpoints_equal is False and result.verdict is Verdict.FAIL
+    cert = json.loads((tmp_path / "ckpt" / CERTIFICATE).read_text())
+    assert cert["roots_equal"] is True and cert["checkpoints_equal"] is False and cert["verdict"] == "fail"
+    sentence = across_conclusion(json.loads((tmp_path / "ckpt" / "summary.json").read_text()))
+    assert sentence.startswith("FAIL: ") and "the final checkpoints' content hashes differ: dp2 against single" in \
+        sentence, sentence
+
+
+def test_resume_across_options_are_checked_before_any_run(tmp_path, capsys):
+    with pytest.raises(ConfigError, match=r"--resume-at 4: the resume step must lie inside the run, between 1 and 3"):
+        verify_across(_layouts(controls=False), out=tmp_path / "a", resume_across=True, resume_at=4)
+    with pytest.raises(ConfigError, match="--resume-at with --across needs --resume-across"):
+        verify_across(_layouts(controls=False), out=tmp_path / "a", resume_at=2)
+    assert not (tmp_path / "a").exists()
+    assert main(["verify", "--across", "dp=1,2", "--resume-across", "--out", str(tmp_path / "b"), "--", "python",
+                 "t.py", "{nproc}", "{out}"]) == 2
+    assert "--resume-across needs the recipe" in capsys.readouterr().err
+    assert main(["verify", "--resume-across", "--out", str(tmp_path / "c")]) == 2
+    assert "--resume-across needs --across" in capsys.readouterr().err
+    single, dp2 = across_layouts("single,dp2", steps=4, controls=False)
+    resume = " ".join(dp2.resume)
+    assert "--resume-from {ckpt} --allow-layout-change" in resume and "--set dp_replicate=2" in resume
+    assert "--nproc-per-node 2" in resume and "--out {out}" in resume
 
 
 def test_a_control_that_does_not_differ_fails_the_verdict(tmp_path):
@@ -209,7 +283,8 @@ def test_the_report_page_leads_with_the_conclusion_and_renders_the_certificate(p
     assert "every layout (single, dp2) holds the same global root at every step" in report.html
     assert "grad_reduce=invariant" in report.html and "control-dp2" in report.html
     cert = json.loads((out / CERTIFICATE).read_text())
-    assert cert["checkpoints"]["dp2"]["sha256"] in report.html
+    assert cert["checkpoints"]["dp2"]["content_sha256"] in report.html
+    assert "Resume across layouts" in report.sections and "resume-dp2" in report.html
     page = build_report([diverged[0]])
     assert "holds the same global root" not in page.html and page.verdict is Verdict.FAIL
     assert "dp2 diverged from single at step 2 (params/w)" in page.conclusion
@@ -267,6 +342,51 @@ def test_the_recipe_across_single_dp2_and_tp2_passes_with_its_controls_and_a_cer
                                                                                       ("control-tp2", True, 0)]
     cert = json.loads((out / CERTIFICATE).read_text())
     assert cert["roots_equal"] and cert["steps"] == [0, 1, 2]
-    assert [r["switch"] for r in cert["invariant_reductions"]] == ["grad_reduce=invariant", "grad_reduce=invariant",
-                                                                   "tp_reduce=invariant"]
+    assert [(r["switch"], r["size"]) for r in cert["invariant_reductions"]] == [
+        ("grad_reduce=invariant", "dp_replicate"), ("grad_reduce=invariant", "dp_shard"),
+        ("tp_reduce=invariant", "tp"), ("grad_reduce=invariant", "pp")]
     assert set(cert["checkpoints"]) == {"single", "dp2", "tp2"}
+    # the final step's checkpoints hold one training state: by content, not by files
+    assert cert["checkpoints_equal"] is True, cert["checkpoints"]
+    assert len({c["content_sha256"] for c in cert["checkpoints"].values()}) == 1
+    assert len({c["files_sha256"] for c in cert["checkpoints"].values()}) == 3
+    assert all(c["step"] == 3 for c in cert["checkpoints"].values())
+
+
+@pytest.mark.slow
+def test_the_recipe_resumes_a_tp2_dp2_checkpoint_at_one_rank_and_at_dp4_bit_for_bit(tmp_path, capsys):
+    """`samebits verify --across tp2-dp2,single,dp4 --resume-across --steps 4 --resume-at 2`:
+    tp2-dp2 saves at step 2; single and dp4 resume it (--allow-layout-change) and equal its
+    uninterrupted run by global digest and metrics at steps 2 and 3; every final checkpoint
+    holds the same training state."""
+    out = tmp_path / "resume"
+    code = main(["verify", "--across", "tp2-dp2,single,dp4", "--resume-across", "--steps", "4", "--resume-at", "2",
+                 "--no-controls", "--out", str(out), "--json", "--set", "num_layers=2", "--set", "seq_len=32"])
+    shown = json.loads(capsys.readouterr().out)
+    assert code == 0 and shown["verdict"] == "pass", shown
+    resumed = shown["resume_across"]
+    assert resumed["step"] == 2 and resumed["from"] == "tp2-dp2"
+    for name in ("single", "dp4"):
+        check = resumed["checks"][name]
+        assert check["verdict"] == "identical" and check["by"] == "global", check
+        assert check["compared"]["steps"] == 2 and check["metrics"]["verdict"] == "identical"
+    commands = {run["name"]: run["command"] for run in shown["runs"]}
+    assert "--allow-layout-change" in commands["resume-dp4"] and "tp2-dp2/ckpt/step-2" in commands["resume-dp4"]
+    assert shown["checkpoints_equal"] is True
+
+
+@pytest.mark.slow
+def test_the_recipe_refuses_a_resume_at_another_dp_size_without_its_switch(tmp_path, capsys):
+    """With grad_reduce=mean set by hand, dp2 cannot resume single's checkpoint: the recipe
+    refuses, and the resume check is INCOMPLETE naming the switch (not a traceback)."""
+    out = tmp_path / "refused"
+    code = main(["verify", "--across", "single,dp2", "--resume-across", "--steps", "2", "--no-controls",
+                 "--out", str(out), "--json", "--set", "num_layers=2", "--set", "seq_len=32",
+                 "--set", "grad_reduce=mean"])
+    shown = json.loads(capsys.readouterr().out)
+    check = shown["resume_across"]["checks"]["dp2"]
+    assert check["verdict"] == "incomplete", check
+    assert check["incomplete"][0].startswith("dp2 did not resume single's checkpoint of step 1: samebits.recipes: "
+                                             "error"), check
+    assert "grad_reduce=invariant" in check["incomplete"][0] and "Traceback" not in check["incomplete"][0]
+    assert code != 0 and shown["verdict"] != "pass"

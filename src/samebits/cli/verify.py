@@ -51,6 +51,10 @@ def register(sub) -> None:
                              "step's parameters by global digest with the first layout, run the negative controls, "
                              "and write certificate.json; a command takes dp=N,N,... ({nproc} and {out} filled "
                              "in; docs/invariance.md)")
+    parser.add_argument("--resume-across", action="store_true",
+                        help="with --across: the first layout also saves its checkpoint of step --resume-at (default "
+                             "steps/2), every other layout resumes it (--allow-layout-change) and must equal the "
+                             "first layout's run bit for bit from there to the end")
     parser.add_argument("--no-controls", action="store_true",
                         help="with --across: skip the negative controls (the layouts without the switches, which "
                              "must differ); the certificate says they were not run")
@@ -65,6 +69,9 @@ def run(args) -> int:
     progress = progress_for(args)  # stderr, each line after the elapsed time; each run's steps live
 
     start = time.perf_counter()
+    if args.resume_across and args.across is None:
+        raise ConfigError("--resume-across needs --across LAYOUTS (the layouts that resume the first one's "
+                          "checkpoint); to check a resume at one layout, drop it (verify checks resume itself)")
     if args.across is not None:
         if args.keep_going:
             raise ConfigError("--keep-going applies to the A, B, C runs of verify; --across runs each size once "
@@ -91,6 +98,9 @@ def run_across(args, progress, start: float) -> int:
         if max(sizes) > MAX_NPROC:
             raise ConfigError(f"--across {spec}: a data-parallel size is at most {MAX_NPROC} (ranks of one run "
                               "on this machine)")
+        if args.resume_across:
+            raise ConfigError("--resume-across needs the recipe: a command has no resume at another layout to run; "
+                              "drop the command or --resume-across")
         across = verify_across(sizes, args.cmd, args.out, run_timeout=args.run_timeout, progress=progress,
                                controls=not args.no_controls)
     else:
@@ -100,7 +110,8 @@ def run_across(args, progress, start: float) -> int:
             raise ConfigError(f"--across {spec}: {largest.name} needs {largest.nproc} ranks; a run is at most "
                               f"{MAX_NPROC} ranks on this machine")
         across = verify_across(layouts, None, args.out, run_timeout=args.run_timeout, progress=progress,
-                               controls=not args.no_controls, reductions=across_reductions(spec))
+                               controls=not args.no_controls, reductions=across_reductions(spec),
+                               resume_across=args.resume_across, resume_at=args.resume_at)
     across.timings["total"] = time.perf_counter() - start
     return print_result(across, args.json, render_across)
 
@@ -119,6 +130,20 @@ def render_across(across) -> str:
         rows.append([f"{reference} = {name}", Verdict(check.verdict).value.upper(), check.by,
                      f"{c.get('steps', 0)} steps", where])
     lines += [table(["layouts", "verdict", "compared by", "window", "first divergence"], rows), ""]
+    if across.resume is not None:
+        rows = []
+        for check in across.resume.values():
+            first = check.first_divergence or {}
+            where = "-" if not first else f"step {first.get('step')}: {first.get('phase')}/{first.get('name')}"
+            if Verdict(check.verdict) is Verdict.INCOMPLETE:
+                where = "; ".join(check.incomplete[:1]) or where
+            rows.append([f"{reference} step {across.resume_at} -> {check.layout}", Verdict(check.verdict).value.upper(),
+                         f"{check.compared.get('steps', 0)} steps", where])
+        lines += [table(["resumed at another layout", "verdict", "window", "first divergence"], rows), ""]
+    if across.checkpoints:
+        equal = {True: "all equal", False: "DIFFER", None: "not compared"}[across.checkpoints_equal]
+        lines.append(f"final checkpoints by content ({equal}): " + ", ".join(
+            f"{name} {(c.get('content_sha256') or 'none')[:16]}" for name, c in across.checkpoints.items()))
     if across.controls is not None:
         lines.append(table(["control (no switches)", "differs", "first step", "detail"],
                            [[c.run, "yes" if c.differs else "NO", "-" if c.first_step is None else str(c.first_step),
@@ -127,6 +152,7 @@ def render_across(across) -> str:
     else:
         lines.append(f"controls: {across.controls_note}")
     lines += [f"note: {note}" for check in across.checks.values() for note in check.notes[:1]]
+    lines += [f"note: {note}" for note in across.notes]
     lines.append("wall time: " + ", ".join(f"{k} {v:.1f} s" for k, v in across.timings.items()))
     lines.append(f"streams, logs, summary.json and certificate.json in {across.out} (samebits report {across.out})")
     return "\n".join(lines)

@@ -72,7 +72,8 @@ def launcher(nproc: int) -> list[str]:
 def recipe_command(nproc: int = 1, *, steps: int | str | None = None, preset: str | None = None,
                    overrides: Sequence[str] = (), out: str | None = None, reference: str | None = None,
                    save_at: int | str | None = None, ckpt: str | None = None, keep_going: bool = False,
-                   resume_from: str | None = None, check: bool = False) -> list[str]:
+                   resume_from: str | None = None, allow_layout_change: bool = False,
+                   check: bool = False) -> list[str]:
     """The recipe's argv (its flags in one order); a value may be a placeholder such as
     ``"{out}"``, left for the runner.  See `python -m samebits.recipes --help`."""
     argv = launcher(nproc)
@@ -89,6 +90,8 @@ def recipe_command(nproc: int = 1, *, steps: int | str | None = None, preset: st
         argv.append("--keep-going")
     if resume_from is not None:
         argv += ["--resume-from", str(resume_from)]
+    if allow_layout_change:
+        argv.append("--allow-layout-change")
     if check:
         argv.append("--check")
     return argv

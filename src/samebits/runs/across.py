@@ -10,6 +10,13 @@ rank 0's metrics (`compare_replicated`, phase ``metrics``).  A run without globa
 command that records only local ones) is compared by rank 0's replicated records instead,
 as before: a record only one layout has (a rank-local shard) is listed, never counted equal.
 
+**Resume across layouts** (``resume_across``): the first layout also saves its checkpoint of
+step K (``--resume-at``, default steps/2); every other layout resumes that checkpoint (the
+recipe's ``--resume-from C --allow-layout-change``) into ``resume-NAME`` and must equal the
+first layout's uninterrupted run bit for bit from step K to the end (global digests of every
+step and rank 0's metrics).  A layout that refuses the resume (a switch missing) is
+INCOMPLETE, saying the program's own words.
+
 **Negative controls** in the same run: the reference layout and each other layout, without
 the switches, on the same global batch, for a few steps; each control must differ from the
 reference's control at step 0 or 1, or the comparison could not tell layouts apart and the
@@ -19,8 +26,10 @@ The verdict is proof or nothing: PASS only when every layout finished and compar
 every step, and every control differed; a run that failed is an error (exit 2), a missing
 step INCOMPLETE.  ``certificate.json`` in the output folder holds what was proven: the
 environment, each layout (cell, world size, overrides, command), each step's global root
-(a hash of every global record of the step) per layout, each layout's checkpoint, the
-invariant reductions and the controls; `samebits report OUT` renders it.
+(a hash of every global record of the step) per layout, each layout's checkpoint of the final
+step by content (`samebits.checkpoint.content_sha256`: the training state, the same at any
+layout; the verdict is FAIL when they differ, even with equal roots) and by files, the
+invariant reductions, the resume checks and the controls; `samebits report OUT` renders it.
 """
 
 from __future__ import annotations
@@ -35,9 +44,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
+from samebits.checkpoint import content_sha256
 from samebits.compare import DiffResult, Divergence, diff
-from samebits.errors import ConfigError
-from samebits.runs._launch import failed, run_logged
+from samebits.errors import ConfigError, SamebitsError
+from samebits.runs._launch import RunFailed, failed, run_logged
 from samebits.runs.commands import (CKPT, NPROC, OUT, RUN, STEP, RecipeRefused, SelfRecording, fill_placeholders,
                                     holds, prepare_out_dir, write_summary)
 from samebits.runs.verify import RunInfo
@@ -49,6 +59,7 @@ ACROSS_PLACEHOLDERS = (NPROC, OUT)  # in a command for --across: the rank count,
 CERTIFICATE = "certificate.json"
 CONTROL_STEPS = 2  # a control must differ at step 0 or 1: two steps show it
 CONTROL_PREFIX = "control-"
+RESUME_PREFIX = "resume-"
 _SPEC = re.compile(r"^\s*dp\s*=\s*(\d+(?:\s*,\s*\d+)*)\s*$")
 
 
@@ -69,8 +80,9 @@ def parse_across(spec: str) -> list[int]:
 class Layout:
     """One layout of ``verify --across``: its name (a cell, e.g. ``tp2``), its rank count, the
     program that records it (None: the command template, ``{nproc}`` = ``nproc``), its negative
-    control (the same layout without the switches; None: none), and the overrides each was
-    given (what the certificate shows)."""
+    control (the same layout without the switches; None: none), the overrides each was
+    given (what the certificate shows), and ``resume``: the command that resumes a checkpoint
+    saved at another layout (``{ckpt}``) into ``{out}`` (None: the program's ``resume``)."""
 
     name: str
     nproc: int
@@ -78,6 +90,7 @@ class Layout:
     control: SelfRecording | None = None
     overrides: tuple[str, ...] = ()
     control_overrides: tuple[str, ...] = ()
+    resume: tuple[str, ...] | None = None
 
 
 def compare_replicated(a, b, *, rank: int = 0, start_step: int | None = None, stop_step: int | None = None,
@@ -188,8 +201,11 @@ class ControlCheck(ToDict):
 
 @dataclass
 class AcrossResult(ToDict):
-    """What ``verify --across`` found: each layout's run, its comparison with the first, and
-    the negative controls (``controls`` None: not run, ``controls_note`` says why)."""
+    """What ``verify --across`` found: each layout's run, its comparison with the first, the
+    negative controls (``controls`` None: not run, ``controls_note`` says why), the resume
+    checks (``resume``: layout -> its resume of the first layout's checkpoint of step
+    ``resume_at``, compared from there; None: not asked) and the final checkpoints' content
+    hashes (``checkpoints``; ``checkpoints_equal`` None: not all hashed)."""
 
     out: str
     layouts: list[str]
@@ -200,6 +216,10 @@ class AcrossResult(ToDict):
     roots: dict[str, dict[int, str]] = field(default_factory=dict)  # layout -> step -> global root
     notes: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    resume: dict[str, LayoutCheck] | None = None
+    resume_at: int | None = None
+    checkpoints: dict[str, dict] = field(default_factory=dict)  # layout -> its final checkpoint's hashes
+    checkpoints_equal: bool | None = None
 
     @property
     def failed_controls(self) -> list[ControlCheck]:
@@ -207,8 +227,8 @@ class AcrossResult(ToDict):
 
     @property
     def verdict(self) -> Verdict:
-        verdicts = [Verdict(c.verdict) for c in self.checks.values()]
-        if Verdict.DIVERGED in verdicts or self.failed_controls:
+        verdicts = [Verdict(c.verdict) for c in [*self.checks.values(), *(self.resume or {}).values()]]
+        if Verdict.DIVERGED in verdicts or self.failed_controls or self.checkpoints_equal is False:
             return Verdict.FAIL
         if not verdicts or any(v is not Verdict.IDENTICAL for v in verdicts) or \
                 any(Verdict(c.verdict) is Verdict.INCOMPLETE for c in self.controls or []):
@@ -221,6 +241,10 @@ class AcrossResult(ToDict):
                 "checks": {check.layout: check.to_dict() for check in self.checks.values()},
                 "controls": None if self.controls is None else [c.to_dict() for c in self.controls],
                 "controls_note": self.controls_note,
+                "resume_across": None if self.resume is None else {
+                    "step": self.resume_at, "from": self.layouts[0] if self.layouts else None,
+                    "checks": {check.layout: check.to_dict() for check in self.resume.values()}},
+                "checkpoints": self.checkpoints, "checkpoints_equal": self.checkpoints_equal,
                 "runs": [run.to_dict() for run in self.runs], "notes": self.notes,
                 "timings_s": {k: round(v, 3) for k, v in self.timings.items()}}
 
@@ -228,7 +252,8 @@ class AcrossResult(ToDict):
 def verify_across(layouts: Sequence[Layout] | Sequence[int], cmd: list[str] | None = None, out=None, *,
                   programs: Mapping[int, SelfRecording] | None = None, rank: int = 0, controls: bool = True,
                   reductions: Sequence[dict] = (), run_timeout: float | None = None,
-                  progress: Callable[[str], None] | None = None) -> AcrossResult:
+                  progress: Callable[[str], None] | None = None, resume_across: bool = False,
+                  resume_at: int | None = None) -> AcrossResult:
     """Run the training at each layout and compare each with the first; run the negative
     controls (``controls``, when the layouts have them); write summary.json and
     certificate.json into ``out``.
@@ -236,9 +261,12 @@ def verify_across(layouts: Sequence[Layout] | Sequence[int], cmd: list[str] | No
     ``layouts``: `Layout` objects (the recipe's: `samebits.cli._recipe.across_layouts`), or
     data-parallel sizes with ``cmd`` (``{nproc}`` replaced by the size and ``{out}`` by the folder
     it must record into, e.g. ``torchrun --nproc-per-node {nproc} train.py --out {out}``) or
-    with ``programs`` (one per size).  A recipe layout also saves its checkpoint of step
-    ``steps // 2`` into its folder's ckpt/, so that `samebits replay` can re-run a step of it.
+    with ``programs`` (one per size).  A recipe layout also saves its checkpoints of step
+    ``steps // 2`` (``resume_at`` with ``resume_across``), so that `samebits replay` can re-run a
+    step of it, and of the final step (the certificate's content hash) into its folder's ckpt/.
     ``reductions``: what the switches make invariant (the certificate's list).
+    ``resume_across``: every layout but the first also resumes the first's checkpoint of step
+    ``resume_at`` (default ``steps // 2``) and must equal its run from there on.
     """
     sizes = None if all(isinstance(layout, Layout) for layout in layouts) else [int(size) for size in layouts]
     layouts = _as_layouts(layouts, cmd, programs)
@@ -248,7 +276,18 @@ def verify_across(layouts: Sequence[Layout] | Sequence[int], cmd: list[str] | No
             raise ConfigError(f"--across with a command: the command must contain {' and '.join(missing)} "
                               "({nproc}: the data-parallel size of each run; {out}: the folder it records "
                               "into), e.g. -- torchrun --nproc-per-node {nproc} train.py --out {out}")
-    else:
+    if resume_across:
+        if cmd is not None:
+            raise ConfigError("--resume-across needs the recipe (a command has no resume at another layout to "
+                              "run); drop the command or --resume-across")
+        steps = layouts[0].program.steps
+        resume_at = steps // 2 if resume_at is None else resume_at
+        if not 0 < resume_at < steps:
+            raise ConfigError(f"--resume-at {resume_at}: the resume step must lie inside the run, between 1 and "
+                              f"{steps - 1} (--steps {steps})")
+    elif resume_at is not None:
+        raise ConfigError("--resume-at with --across needs --resume-across (where the other layouts resume)")
+    if cmd is None:
         for layout in layouts:  # each layout's options and config, before any run and any folder
             try:
                 layout.program.refuse_early()
@@ -259,7 +298,14 @@ def verify_across(layouts: Sequence[Layout] | Sequence[int], cmd: list[str] | No
     result = AcrossResult(out=str(out), layouts=[layout.name for layout in layouts], checks={})
     checkpoints = {}
     for layout in layouts:
-        checkpoints[layout.name] = _run_layout(layout, cmd, out, result, run_timeout, progress, say)
+        checkpoints[layout.name] = _run_layout(layout, cmd, out, result, run_timeout, progress, say,
+                                               resume_at if resume_across else None)
+    if resume_across:
+        result.resume, result.resume_at = {}, resume_at
+        saved = checkpoints[layouts[0].name]["path"] / f"step-{resume_at}"
+        for layout in layouts[1:]:
+            result.resume[layout.name] = _resume_layout(layout, layouts[0].name, saved, resume_at, out, result,
+                                                        run_timeout, progress, say)
     run_controls = controls and cmd is None and all(layout.control is not None for layout in layouts)
     if run_controls:
         for layout in layouts:
@@ -277,6 +323,9 @@ def verify_across(layouts: Sequence[Layout] | Sequence[int], cmd: list[str] | No
                                 "not run: a command has no switch to turn off (controls need the recipe)"
                                 if cmd is not None else "not run: a layout has no control program")
     result.roots = {layout.name: global_roots(out / layout.name) for layout in layouts}
+    result.checkpoints, result.checkpoints_equal, note = final_checkpoints(checkpoints)
+    if note:
+        result.notes.append(note)
     write_summary(out, result)
     write_certificate(out, result, layouts, checkpoints, reductions)
     return result
@@ -300,8 +349,11 @@ def _as_layouts(layouts, cmd, programs) -> list[Layout]:
     return [Layout(f"dp{size}", size, None if programs is None else programs[size]) for size in sizes]
 
 
-def _run_layout(layout: Layout, cmd, out: Path, result: AcrossResult, run_timeout, progress, say) -> dict | None:
-    """Run one layout into out/NAME; its checkpoint ({"step", "path"}) or None."""
+def _run_layout(layout: Layout, cmd, out: Path, result: AcrossResult, run_timeout, progress, say,
+                resume_at: int | None) -> dict | None:
+    """Run one layout into out/NAME; its checkpoints ({"steps", "final", "path"}: the root) or
+    None.  A program saves at steps/2 (``resume_at`` when given: where the others resume) for
+    replay and at its final step for the certificate."""
     run_dir = out / layout.name
     checkpoint = None
     if cmd is not None:
@@ -309,14 +361,33 @@ def _run_layout(layout: Layout, cmd, out: Path, result: AcrossResult, run_timeou
         argv = fill_placeholders(cmd, {NPROC: layout.nproc, OUT: run_dir, RUN: layout.name})
     else:
         program = layout.program
-        save_at = program.steps // 2
-        template = program.save if save_at > 0 else program.record  # a checkpoint to replay from
-        argv = fill_placeholders(template, {OUT: run_dir, STEP: save_at, CKPT: run_dir / "ckpt", RUN: layout.name})
-        if save_at > 0:
-            checkpoint = {"step": save_at, "path": run_dir / "ckpt"}
+        middle = program.steps // 2 if resume_at is None else resume_at
+        saves = sorted({step for step in (middle, program.steps) if step > 0})
+        argv = fill_placeholders(program.save, {OUT: run_dir, STEP: ",".join(map(str, saves)), CKPT: run_dir / "ckpt",
+                                                RUN: layout.name})
+        checkpoint = {"steps": saves, "final": program.steps, "path": run_dir / "ckpt"}
     _launch(layout.name, argv, out, run_dir, result, run_timeout, progress, say,
             None if cmd is not None else layout.program.steps)
     return checkpoint
+
+
+def _resume_layout(layout: Layout, reference: str, saved: Path, step: int, out: Path, result: AcrossResult,
+                   run_timeout, progress, say) -> LayoutCheck:
+    """``layout`` resumes ``reference``'s checkpoint ``saved`` (of step ``step``) into
+    out/resume-NAME; its comparison with the reference's run from ``step`` on.  A resume the
+    program refuses (or that fails) is INCOMPLETE with the program's reason."""
+    name = RESUME_PREFIX + layout.name
+    run_dir = out / name
+    template = layout.resume if layout.resume is not None else layout.program.resume
+    argv = fill_placeholders(template, {OUT: run_dir, CKPT: saved, RUN: name})
+    try:
+        _launch(name, argv, out, run_dir, result, run_timeout, progress, say, layout.program.steps - step)
+    except RunFailed as err:
+        return LayoutCheck(layout.name, Verdict.INCOMPLETE, "resume", None, {"steps": 0},
+                           incomplete=[f"{layout.name} did not resume {reference}'s checkpoint of step {step}: "
+                                       f"{err.reason} (log: {out / 'logs' / (name + '.log')})"])
+    say(f"comparing {name} with {reference} from step {step}")
+    return compare_layouts(out / reference, run_dir, layout.name, start_step=step)
 
 
 def _run_control(layout: Layout, out: Path, result: AcrossResult, run_timeout, progress, say) -> None:
@@ -353,17 +424,18 @@ def _has_global_records(path) -> bool:
     return False
 
 
-def compare_layouts(reference, other, name: str, *, rank: int = 0) -> LayoutCheck:
-    """``other`` against ``reference``, any layouts: by global digest (every step's global
-    records) and rank ``rank``'s metrics when the reference holds global records; by rank
-    ``rank``'s replicated records otherwise."""
+def compare_layouts(reference, other, name: str, *, rank: int = 0, start_step: int | None = None) -> LayoutCheck:
+    """``other`` against ``reference``, any layouts, from ``start_step`` on (None: 0; a run
+    resumed there): by global digest (every step's global records) and rank ``rank``'s
+    metrics when the reference holds global records; by rank ``rank``'s replicated records
+    otherwise."""
     if not _has_global_records(reference):
-        local = compare_replicated(reference, other, rank=rank)
+        local = compare_replicated(reference, other, rank=rank, start_step=start_step)
         data = local.to_dict()
         return LayoutCheck(name, Verdict(local.verdict), f"rank {rank}'s replicated records",
                            data.get("first_divergence"), local.compared, list(local.notes), list(local.incomplete))
-    by_global = diff(reference, other, by="global")
-    metrics = compare_replicated(reference, other, rank=rank, phases=["metrics"])
+    by_global = diff(reference, other, by="global", start_step=start_step)
+    metrics = compare_replicated(reference, other, rank=rank, phases=["metrics"], start_step=start_step)
     data, metric_data = by_global.to_dict(), metrics.to_dict()
     verdicts = (Verdict(by_global.verdict), Verdict(metrics.verdict))
     verdict = Verdict.DIVERGED if Verdict.DIVERGED in verdicts else \
@@ -436,6 +508,40 @@ def checkpoint_sha256(path: Path) -> dict:
     return {"sha256": total.hexdigest(), "files": len(files)}
 
 
+def final_checkpoints(checkpoints: Mapping[str, dict | None]) -> tuple[dict, bool | None, str]:
+    """Each layout's checkpoint of its final step, hashed by content (`content_sha256`: the
+    same training state hashes alike at any layout) and by files: ({layout: hashes}, whether
+    every content hash is equal (None: not every layout's could be hashed), a note saying
+    which differ or why one could not be hashed)."""
+    hashes, problems = {}, []
+    for name, saved in checkpoints.items():
+        if saved is None:
+            continue
+        path = Path(saved["path"]) / f"step-{saved['final']}"
+        if not path.is_dir():
+            problems.append(f"{name} saved no checkpoint of its final step {saved['final']} ({path})")
+            continue
+        entry = {"step": saved["final"], "path": str(path)}
+        try:
+            entry.update(content_sha256=content_sha256(path)["sha256"])
+        except SamebitsError as err:
+            entry.update(content_sha256=None, content_error=str(err))
+            problems.append(f"{name}'s checkpoint has no layout-independent hash: {err}")
+        files = checkpoint_sha256(path)
+        hashes[name] = {**entry, "files_sha256": files["sha256"], "files": files["files"]}
+    if not hashes:
+        return hashes, None, ""
+    if problems:
+        return hashes, None, "final checkpoints not compared: " + "; ".join(problems)
+    contents = {entry["content_sha256"] for entry in hashes.values()}
+    if len(contents) == 1:
+        return hashes, True, ""
+    first = next(iter(hashes))
+    differ = [name for name, entry in hashes.items() if entry["content_sha256"] != hashes[first]["content_sha256"]]
+    return hashes, False, (f"the final checkpoints' content hashes differ: {', '.join(differ)} against {first} "
+                           "(the saved training state, model and optimizer tensors and progress, is not the same)")
+
+
 def environment(reference) -> dict:
     """Where the certificate was made: versions, host, CPU, and the reference run's device."""
     def version(name: str) -> str | None:
@@ -469,10 +575,6 @@ def certificate(result: AcrossResult, layouts: Sequence[Layout], checkpoints: Ma
     roots = result.roots
     steps = sorted({step for per_step in roots.values() for step in per_step})
     equal = bool(steps) and all(len({roots[name].get(step) for name in roots}) == 1 for step in steps)
-    hashes = {}
-    for name, saved in checkpoints.items():
-        if saved is not None and Path(saved["path"]).is_dir():
-            hashes[name] = {"step": saved["step"], "path": str(saved["path"]), **checkpoint_sha256(saved["path"])}
     return {
         "kind": "samebits verify --across certificate",
         "verdict": result.verdict.value,
@@ -483,10 +585,19 @@ def certificate(result: AcrossResult, layouts: Sequence[Layout], checkpoints: Ma
         "steps": steps,
         "roots": {name: {str(step): root for step, root in per_step.items()} for name, per_step in roots.items()},
         "roots_equal": equal,
-        "checkpoints": hashes,
-        "checkpoints_note": ("each layout's checkpoint files: their layout (ranks, shards) depends on the world "
-                             "size, so these hashes identify each layout's artefact; the parameters' equality "
-                             "is the roots'"),
+        "checkpoints": result.checkpoints,
+        "checkpoints_equal": result.checkpoints_equal,
+        "checkpoints_note": ("each layout's checkpoint of the final step. content_sha256: the training state it "
+                             "holds (every model and optimizer tensor's global value, its pieces joined by their "
+                             "places, with the step and consumed samples), the same at any layout; random states "
+                             "are left out (per rank by nature). files_sha256: its files, whose layout (ranks, "
+                             "shards) depends on the world size: they identify each layout's artefact"),
+        "resume_across": None if result.resume is None else {
+            "step": result.resume_at, "from": layouts[0].name,
+            "checks": {c.layout: {"verdict": Verdict(c.verdict).value, "by": c.by,
+                                  "steps": c.compared.get("steps"), "command": commands.get(RESUME_PREFIX + c.layout),
+                                  "first_divergence": c.first_divergence, "incomplete": c.incomplete}
+                       for c in result.resume.values()}},
         "invariant_reductions": [dict(r) for r in reductions],
         "controls": None if result.controls is None else [
             {**c.to_dict(), "overrides": next((list(l.control_overrides) for l in layouts if l.name == c.layout), []),
@@ -504,5 +615,6 @@ def write_certificate(out: Path, result: AcrossResult, layouts: Sequence[Layout]
 
 
 __all__ = ["verify_across", "AcrossResult", "Layout", "LayoutCheck", "ControlCheck", "compare_replicated",
-           "compare_layouts", "compare_control", "global_roots", "checkpoint_sha256", "certificate",
-           "write_certificate", "parse_across", "ACROSS_PLACEHOLDERS", "CERTIFICATE", "CONTROL_STEPS"]
+           "compare_layouts", "compare_control", "global_roots", "checkpoint_sha256", "final_checkpoints",
+           "certificate", "write_certificate", "parse_across", "ACROSS_PLACEHOLDERS", "CERTIFICATE", "CONTROL_STEPS",
+           "RESUME_PREFIX"]

@@ -85,7 +85,8 @@ def verify_conclusion(summary: dict) -> str:
 
 def across_conclusion(summary: dict) -> str:
     """`verify --across`: the layouts that diverged from the reference (where), those that could
-    not be decided, those bit-identical, and what the negative controls showed."""
+    not be decided, those bit-identical, the resumes at other layouts (``--resume-across``),
+    whether the final checkpoints hold the same state, and what the negative controls showed."""
     reference = summary.get("reference") or "the first layout"
     diverged, undecided, held = [], [], []
     for name, check in (summary.get("checks") or {}).items():
@@ -103,6 +104,14 @@ def across_conclusion(summary: dict) -> str:
     if held:
         parts.append(f"{', '.join(held)} bit-identical to {reference} by "
                      f"{'global digest' if all(c.get('by') == 'global' for c in (summary.get('checks') or {}).values()) else 'replicated records'}")
+    parts += _resume_across_parts(summary, reference)
+    if summary.get("checkpoints_equal") is False:
+        differ = next((n for n in summary.get("notes") or [] if "content hashes differ" in n),
+                      "the final checkpoints' content hashes differ")
+        held_roots = " although every step's parameters compared equal" if held and not diverged else ""
+        parts.append(differ + held_roots)
+    elif summary.get("checkpoints_equal") is True:
+        parts.append("the final checkpoints hold the same training state (content hashes equal)")
     controls = summary.get("controls")
     if controls is None:
         parts.append(f"controls {summary.get('controls_note') or 'not run'}")
@@ -118,6 +127,32 @@ def across_conclusion(summary: dict) -> str:
             parts.append(f"every control (without the switches) differed at step "
                          f"{' or '.join(sorted({str(c.get('first_step')) for c in controls}))}")
     return f"{_verdict(summary)}: {'; '.join(parts)}."
+
+
+def _resume_across_parts(summary: dict, reference: str) -> list[str]:
+    """The resumes of ``--resume-across``: which diverged (where), could not resume (why), matched."""
+    resumed = summary.get("resume_across")
+    if not resumed:
+        return []
+    step, last = resumed.get("step"), None
+    parts, matched = [], []
+    for name, check in (resumed.get("checks") or {}).items():
+        verdict = str(check.get("verdict"))
+        first = check.get("first_divergence") or {}
+        if verdict == "diverged":
+            parts.append(f"{name} resumed from {reference}'s checkpoint of step {step} diverged at step "
+                         f"{first.get('step')} ({_where(first)})")
+        elif verdict != "identical":
+            why = (check.get("incomplete") or check.get("notes") or ["could not be decided"])[0]
+            parts.append(f"{name} could not resume ({why})")
+        else:
+            steps = (check.get("compared") or {}).get("steps") or 0
+            last = step + steps - 1 if step is not None else None
+            matched.append(name)
+    if matched:
+        parts.append(f"{', '.join(matched)} resumed {reference}'s checkpoint of step {step} and matched it bit for "
+                     f"bit to step {last}")
+    return parts
 
 
 def bisect_conclusion(summary: dict) -> str:

@@ -717,6 +717,21 @@ class _Page:
             rows.append([f"{reference} = {name}", check.get("verdict"), check.get("by"),
                          (check.get("compared") or {}).get("steps"), where])
         self.add(_table(["layouts", "verdict", "compared by", "steps", "first divergence"], rows, verdict_column=1))
+        resumed = summary.get("resume_across")
+        if resumed:
+            self.h2("Resume across layouts", "resume-across")
+            rows = []
+            for name, check in (resumed.get("checks") or {}).items():
+                first = check.get("first_divergence") or {}
+                where = "-" if not first else f"step {first.get('step')}: {first.get('phase')}/{first.get('name')}"
+                if check.get("verdict") == Verdict.INCOMPLETE.value:
+                    where = "; ".join((check.get("incomplete") or [])[:1]) or where
+                rows.append([f"resume-{name}", check.get("verdict"), (check.get("compared") or {}).get("steps"),
+                             where])
+            self.add(f"<p>{_esc(resumed.get('from'))} saved its checkpoint of step {_esc(resumed.get('step'))}; each "
+                     "other layout resumed it (--allow-layout-change) and must equal its uninterrupted run bit for "
+                     "bit from there to the end (global digests at every step, rank 0's metrics).</p>"
+                     + _table(["run", "verdict", "steps", "first divergence"], rows, verdict_column=1))
         controls = summary.get("controls")
         self.h2("Negative controls", "controls")
         if controls is None:
@@ -755,8 +770,13 @@ class _Page:
         checkpoints = cert.get("checkpoints") or {}
         self.add("<h3>Checkpoints</h3>")
         if checkpoints:
-            self.add(_table(["layout", "step", "files", "sha256"],
-                            [[n, c.get("step"), c.get("files"), c.get("sha256")] for n, c in checkpoints.items()])
+            equal = {True: "every layout's final checkpoint holds the same training state (content hashes equal)",
+                     False: "the final checkpoints' content hashes DIFFER: the saved training state is not the same",
+                     None: "the final checkpoints' content hashes were not all computed"}[cert.get("checkpoints_equal")]
+            self.add(f"<p>{_esc(equal)}</p>" + _table(
+                ["layout", "step", "content sha256", "files", "files sha256"],
+                [[n, c.get("step"), c.get("content_sha256") or c.get("content_error") or "-", c.get("files"),
+                  c.get("files_sha256") or c.get("sha256")] for n, c in checkpoints.items()])
                      + f"<p class=\"note\">{_esc(cert.get('checkpoints_note') or '')}</p>")
         else:
             self.add("<p>no checkpoint saved (a command, or runs of one step)</p>")

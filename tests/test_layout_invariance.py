@@ -6,8 +6,9 @@ This file run as a script is the worker: under torchrun at world 2 and 4 it runs
 and row-parallel layers (forward and backward) and the sharded norm on shares of the same
 tensors (fast); at world 2 (slow) the recipe's tp2 cell with the switch (20 steps, with
 sequence parallelism and without) and without it (the control, 1 step), and in one plain
-process the same runs on one rank.  The mixed layouts (slow): tp2-dp2 at world 4, fsdp2 and
-pp2 at world 2, with the switches and without (the controls), and one rank with them.
+process the same runs on one rank.  The mixed layouts (slow): tp2-dp2 and fsdp2-tp2 at world
+4, fsdp2 and pp2 at world 2, with the switches and without (the controls), and one rank with
+them.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ MIXED_JOBS = [("grad", GRAD, MIXED_STEPS, "single"), ("both", BOTH, MIXED_STEPS,
               ("plain", ["grad_reduce=mean", "ep=1"], 1, "fsdp2"),
               ("both", BOTH, MIXED_STEPS, "tp2-dp2"),
               ("plain-dp", ["grad_reduce=mean", "tp_reduce=invariant", "ep=1"], 1, "tp2-dp2"),
-              ("grad", GRAD, MIXED_STEPS, "pp2"), ("plain", ["grad_reduce=mean", "ep=1"], 1, "pp2")]
+              ("grad", GRAD, MIXED_STEPS, "pp2"), ("plain", ["grad_reduce=mean", "ep=1"], 1, "pp2"),
+              ("both", BOTH, MIXED_STEPS, "fsdp2-tp2")]
 FSDP_BUFFER = 96  # a flat reduce-scatter buffer: whole shards at 1, 2 and 4 ranks
 
 
@@ -69,7 +71,6 @@ def test_tp_reduce_invariant_refuses_what_it_does_not_cover(overrides, message):
 
 @pytest.mark.parametrize("overrides, message", [
     ({"tp": 2, "sequence_parallel": False}, r"grad_reduce='invariant' with tp=2 needs tp_reduce='invariant' too"),
-    ({"dp_shard": 2, "tp": 2, "tp_reduce": "invariant"}, r"dp_shard=2 \(FSDP2\) covers tp=1 only, not tp=2"),
     ({"ep": 0}, r"ep=0 is not covered yet: EP experts sum every rank's tokens"),
     ({"pp": 2, "tp": 2, "tp_reduce": "invariant", "sequence_parallel": False}, r"with pp=2 covers tp=1 only"),
 ])
@@ -80,7 +81,8 @@ def test_grad_reduce_invariant_refuses_the_layouts_it_does_not_cover(overrides, 
 
 def test_grad_reduce_invariant_takes_tp_with_tp_reduce_invariant_fsdp2_and_pp():
     for cell, extra in (("tp2-dp2", ["tp_reduce=invariant"]), ("tp2", ["tp_reduce=invariant"]),
-                        ("fsdp2", []), ("fsdp2", ["tp_reduce=invariant"]), ("pp2", []), ("pp2-dp2", []),
+                        ("fsdp2", []), ("fsdp2", ["tp_reduce=invariant"]), ("fsdp2-tp2", ["tp_reduce=invariant"]),
+                        ("pp2", []), ("pp2-dp2", []),
                         ("pp2", ["tp_reduce=invariant"])):
         sizes = ParallelDims.parse(cell).overrides()
         cfg = RecipeConfig().with_overrides([*sizes, "grad_reduce=invariant", *extra])
@@ -233,13 +235,14 @@ def test_control_without_the_switch_tp2_differs_from_one_rank_at_the_first_step(
 
 @pytest.fixture(scope="module")
 def mixed_runs(tmp_path_factory) -> Path:
-    """One rank, fsdp2 (world 2) and tp2-dp2 (world 4), each with the switches and without
-    (`MIXED_JOBS`; about 90 s on 2 idle cores)."""
+    """One rank, fsdp2 and pp2 (world 2), tp2-dp2 and fsdp2-tp2 (world 4), with the switches
+    and without (`MIXED_JOBS`; about 2 minutes on 2 busy cores)."""
     out = tmp_path_factory.mktemp("mixed")
     _launch([sys.executable, __file__, str(out), "mixed-single"])
     _torchrun(2, out, "mixed-fsdp2")
     _torchrun(4, out, "mixed-tp2-dp2")
     _torchrun(2, out, "mixed-pp2")
+    _torchrun(4, out, "mixed-fsdp2-tp2")
     return out
 
 
@@ -247,10 +250,12 @@ def mixed_runs(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("run, reference, steps", [("tp2-dp2-both", "single-both", MIXED_STEPS),
                                                    ("fsdp2-grad", "single-grad", MIXED_STEPS),
                                                    ("fsdp2-both", "single-both", MIXED_STEPS),
-                                                   ("pp2-grad", "single-grad", MIXED_STEPS)])
+                                                   ("pp2-grad", "single-grad", MIXED_STEPS),
+                                                   ("fsdp2-tp2-both", "single-both", MIXED_STEPS)])
 def test_tp_x_dp_fsdp2_and_pp2_are_bit_identical_to_one_rank(mixed_runs, run, reference, steps):
     """tp2-dp2 with grad_reduce and tp_reduce invariant, fsdp2 with grad_reduce invariant (and
-    with both), pp2 (1F1B) with grad_reduce invariant: every step's parameters by global digest,
+    with both), pp2 (1F1B) with grad_reduce invariant, fsdp2-tp2 with both (the clipping norm
+    over FSDP2 and TP shards; step 2 clips): every step's parameters by global digest,
     and rank 0's losses and grad norm (rank 0 of pp2 is the first stage: the losses it holds
     are the last stage's, sent back)."""
     result = samebits.diff(mixed_runs / reference, mixed_runs / run, by="global")

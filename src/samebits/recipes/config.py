@@ -149,8 +149,9 @@ class RecipeConfig:
     docs/invariance.md), with or without sequence_parallel (the norms' weight gradients are
     summed over the positions exactly too).  Set it at every TP degree you compare, tp=1
     included.  With grad_reduce="invariant" too, tp x dp gives the same bits as one rank.
-    Invariant needs precision=fp32, ep=1, pp and dp_shard only at tp=1, and the per-rank
-    share of d_model and ffn_hidden_size in whole blocks of 32."""
+    Invariant needs precision=fp32, ep=1, pp only at tp=1, dp_shard at tp > 1 only with
+    grad_reduce="invariant", and the per-rank share of d_model and ffn_hidden_size in whole
+    blocks of 32."""
 
     pp: int = 1
     """Pipeline stages (`torch.distributed.pipelining`): the blocks split evenly in order."""
@@ -231,8 +232,7 @@ class RecipeConfig:
     (step, micro-batch, block): the same bits at any DP size, plain or FSDP2 (dp_shard), at
     any pipeline size (each DP rank's micro-batches are the pipeline's; pp_microbatches is
     not used), and with tp_reduce="invariant" at any TP size too; docs/invariance.md).
-    Invariant mode needs ep=1, tp=1 or tp_reduce="invariant", and dp_shard and pp only at
-    tp=1."""
+    Invariant mode needs ep=1, tp=1 or tp_reduce="invariant", and pp only at tp=1."""
 
     num_micro_batches: int = 4
     """grad_reduce="invariant": micro-batches per step over all ranks; a multiple of every DP
@@ -329,8 +329,8 @@ class RecipeConfig:
 
     def _check_grad_reduce(self, need) -> None:
         """grad_reduce='invariant': the layouts it covers today (docs/invariance.md): plain DP,
-        FSDP2 and PP at any size, plain DP with TP when tp_reduce='invariant'; not EP, or FSDP2
-        or PP with TP."""
+        FSDP2 and PP at any size, DP and FSDP2 with TP when tp_reduce='invariant'; not EP, or
+        PP with TP."""
         if self.grad_reduce != "invariant":
             return
         need(self.ep == 1,
@@ -345,9 +345,7 @@ class RecipeConfig:
              f"grad_reduce='invariant' with tp={self.tp} needs tp_reduce='invariant' too: the TP "
              "linears' fp32 sums over the TP ranks depend on tp, so the data-parallel sum would add "
              "gradients whose bits already depend on the layout. Set tp_reduce=invariant, or tp=1.")
-        need(self.dp_shard == 1 or self.tp == 1,
-             f"grad_reduce='invariant' with dp_shard={self.dp_shard} (FSDP2) covers tp=1 only, not "
-             f"tp={self.tp} yet (docs/invariance.md). Set tp=1, or use dp_replicate instead of dp_shard.")
+
 
     def _check_tp_reduce(self, need) -> None:
         """tp_reduce='invariant': what its layers and norm cover today (docs/invariance.md)."""
@@ -355,12 +353,13 @@ class RecipeConfig:
             return
         blockers = [f"{name}={getattr(self, name)!r}" for name, ok in (
             ("precision", self.precision == "fp32"), ("ep", self.ep == 1), ("pp", self.pp == 1 or self.tp == 1),
-            ("dp_shard", self.dp_shard == 1 or self.tp == 1),
+            ("dp_shard", self.dp_shard == 1 or self.tp == 1 or self.grad_reduce == "invariant"),
             ("fault_tp_racy_accumulate", not self.fault_tp_racy_accumulate)) if not ok]
         need(not blockers,
              f"tp_reduce='invariant' makes the tensor-parallel linears, the norms and the clipping "
              f"norm independent of tp but does not cover {', '.join(blockers)} yet (docs/invariance.md "
-             "lists what is covered). Set precision=fp32, ep=1, pp=1, and dp_shard=1 when tp > 1.")
+             "lists what is covered). Set precision=fp32, ep=1, pp=1 when tp > 1, and dp_shard=1 when "
+             "tp > 1 unless grad_reduce=invariant.")
         block = TP_BLOCK_SIZE * self.tp
         need(self.d_model % block == 0 and self.ffn_hidden_size % block == 0,
              f"tp_reduce='invariant' cuts each TP rank's share of a reduction into whole blocks of "

@@ -188,6 +188,19 @@ def clip_grad_norm(model: nn.Module, layout, max_norm: float) -> torch.Tensor:
         return invariant.clip_sharded_grad_norm_(
             grads, max_norm, full_numels=[numel for _, numel in layout.full_params], group=layout.group("pp"),
             replicated=[False] * len(grads))
+    if layout.grad_invariant and layout.dims.dp_shard > 1 and layout.dims.tp > 1:
+        # FSDP2 over TP shards: every rank's piece summed over the whole world (pp = 1 and
+        # dp_replicate = 1 here), a piece replicated over TP only from TP rank 0.
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        first = layout.coords["tp"] == 0
+        pieces = [_local(g) if first or not _tp_replicated(g) else _local(g)[:0].reshape(0) for g in grads]
+        norm = invariant.sharded_grad_norm(pieces, full_numels=[g.numel() for g in grads], group=dist.group.WORLD,
+                                           replicated=[False] * len(grads))
+        if max_norm > 0:  # every local gradient, the TP replicas' too
+            coeff = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for grad in grads:
+                _local(grad).mul_(coeff.to(grad.device))
+        return norm
     if layout.tp_invariant or layout.grad_invariant:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         return invariant.clip_sharded_grad_norm_(
@@ -227,6 +240,15 @@ def clip_grad_norm(model: nn.Module, layout, max_norm: float) -> torch.Tensor:
             for grad in grads:
                 grad.mul_(coeff)
     return norm
+
+
+def _tp_replicated(grad: torch.Tensor) -> bool:
+    """Whether every TP rank holds the same piece of ``grad`` (no "tp" mesh dimension, or
+    Replicate on it)."""
+    if not isinstance(grad, DTensor):
+        return True
+    names = grad.device_mesh.mesh_dim_names or ()
+    return "tp" not in names or grad.placements[names.index("tp")].is_replicate()
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

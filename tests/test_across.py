@@ -199,7 +199,7 @@ def test_resumes_that_are_not_exact_or_are_refused_are_caught(tmp_path):
     assert Verdict(perturbed.verdict) is Verdict.DIVERGED and perturbed.first_divergence["step"] == 2
     assert perturbed.first_divergence["name"] in ("w", "loss")
     assert Verdict(refused.verdict) is Verdict.INCOMPLETE
-    assert refused.incomplete[0].startswith("dp4 did not resume single's checkpoint of step 2: samebits.recipes: "
+    assert refused.incomplete[0].startswith("dp4 could not resume single's checkpoint of step 2: samebits.recipes: "
                                             "error (rank 0): ")
     assert "--set grad_reduce=invariant" in refused.incomplete[0] and "Traceback" not in refused.incomplete[0]
     assert result.verdict is Verdict.FAIL
@@ -386,7 +386,7 @@ def test_the_recipe_refuses_a_resume_at_another_dp_size_without_its_switch(tmp_p
     shown = json.loads(capsys.readouterr().out)
     check = shown["resume_across"]["checks"]["dp2"]
     assert check["verdict"] == "incomplete", check
-    assert check["incomplete"][0].startswith("dp2 did not resume single's checkpoint of step 1: samebits.recipes: "
+    assert check["incomplete"][0].startswith("dp2 could not resume single's checkpoint of step 1: samebits.recipes: "
                                              "error"), check
     assert "grad_reduce=invariant" in check["incomplete"][0] and "Traceback" not in check["incomplete"][0]
     assert code != 0 and shown["verdict"] != "pass"

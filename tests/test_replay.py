@@ -4,6 +4,7 @@ first step; a run not recorded in invariant mode is refused."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 
 import samebits
 from samebits.cli import main
+from samebits.cli._recipe import replay_config_at
 from samebits.errors import ConfigError
 from samebits.runs.across import compare_replicated
 from samebits.runs.replay import replay
@@ -54,6 +56,40 @@ def test_a_run_not_recorded_in_invariant_mode_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="not recorded in invariant mode"):
         replay(tmp_path / "plain", step=0, cmd=["true"], out=tmp_path / "out")
     assert main(["replay", str(tmp_path / "plain"), "--step", "0", "--with", "true"]) == 2
+
+
+def test_the_recipe_replays_at_another_rank_count_with_the_layout_of_n_ranks():
+    """`replay --nproc N` on the recipe: the run's recorded config, then (at another rank count
+    than the run's) the sizes of N data-parallel ranks and --allow-layout-change; at its own
+    rank count, the config as recorded."""
+    config = {"grad_reduce": "invariant", "tp_reduce": "invariant", "dp_replicate": 2, "tp": 2, "seed": 3,
+              "parallel": {"cell": "tp2-dp2", "mesh": {"pp": 1, "dp_replicate": 2, "dp_shard": 1, "tp": 2, "ep": 1}}}
+    recorded = ["--set", "dp_replicate=2", "--set", "grad_reduce=invariant", "--set", "seed=3", "--set", "tp=2",
+                "--set", "tp_reduce=invariant"]
+    assert replay_config_at(4)(config) == recorded
+    assert replay_config_at(1)(config) == recorded + ["--set", "pp=1", "--set", "dp_replicate=1", "--set", "dp_shard=1",
+                                                      "--set", "tp=1", "--set", "ep=1", "--allow-layout-change"]
+    assert replay_config_at(2)(config) == recorded + ["--set", "pp=1", "--set", "dp_replicate=2", "--set", "dp_shard=1",
+                                                      "--set", "tp=1", "--set", "ep=1", "--allow-layout-change"]
+    assert replay_config_at(2)({"grad_reduce": "invariant"}) == ["--set", "grad_reduce=invariant"]  # no mesh: as is
+
+
+@pytest.mark.slow
+def test_a_recipe_step_replays_at_another_rank_count(tmp_path, capsys):
+    """A dp2 run of `verify --across` replays its step 1 on one rank, and the one-rank run on
+    two, from their own checkpoints (--allow-layout-change): the same records."""
+    out = tmp_path / "across"
+    assert main(["verify", "--across", "single,dp2", "--steps", "2", "--no-controls", "--out", str(out),
+                 "--set", "num_layers=2", "--set", "seq_len=32"]) == 0
+    capsys.readouterr()
+    for run, nproc in (("dp2", 1), ("single", 2)):
+        code = main(["replay", str(out / run), "--step", "1", "--nproc", str(nproc), "--out",
+                     str(tmp_path / f"replay-{run}"), "--json"])
+        shown = json.loads(capsys.readouterr().out)
+        assert code == 0 and shown["verdict"] == "identical", shown
+        assert (shown["recorded_world_size"], shown["nproc"]) == (3 - nproc, nproc)
+        assert shown["check"]["compared"]["steps"] == 1 and shown["check"]["compared"]["records"] > 0
+        assert "--allow-layout-change" in shown["runs"][0]["command"]
 
 
 def test_a_step_the_run_did_not_record_is_refused(tmp_path):

@@ -75,6 +75,27 @@ def replay_command(nproc: int) -> list[str]:
 replay_config = recipe.recorded_config_overrides
 
 
+def replay_config_at(nproc: int):
+    """`samebits replay --nproc N` on the recipe: a function of the run's recorded config (its
+    stream header's) giving the recipe's words.  At the run's own rank count: its config as
+    recorded.  At another: the layout of N data-parallel ranks (one rank: single) set after
+    it, and ``--allow-layout-change``; the recipe resumes the checkpoint there only where the
+    run's switches make its bits independent of the layout (grad_reduce / tp_reduce=invariant),
+    and refuses, saying which switch, otherwise."""
+    def words(config: dict) -> list[str]:
+        said = replay_config(config)
+        mesh = (config.get("parallel") or {}).get("mesh") if isinstance(config.get("parallel"), dict) else None
+        if not isinstance(mesh, dict):
+            return said
+        recorded = ParallelDims(**{k: int(v) for k, v in mesh.items() if k in ParallelDims.__dataclass_fields__})
+        if recorded.world_size == nproc:
+            return said
+        return [*said, *(word for item in ParallelDims(dp_replicate=nproc).overrides() for word in ("--set", item)),
+                "--allow-layout-change"]
+
+    return words
+
+
 def matrix_program(*, overrides: Sequence[str] = (), nondeterministic: bool = False,
                    global_batch: int | None = recipe.DEFAULT_GLOBAL_BATCH, layout_independent: bool = True):
     """`samebits matrix` on the recipe (`samebits.runs.matrix.MatrixProgram`): cells in the
@@ -98,4 +119,5 @@ def matrix_program(*, overrides: Sequence[str] = (), nondeterministic: bool = Fa
 
 
 __all__ = ["recipe_program", "tax_programs", "across_programs", "across_layouts", "across_reductions", "replay_command", "replay_config",
+           "replay_config_at",
            "matrix_program"]

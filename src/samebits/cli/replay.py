@@ -7,7 +7,7 @@ import sys
 
 from samebits.cli._format import echo, escape, print_result, table
 from samebits.cli._lazy import lazy
-from samebits.cli._recipe import replay_command, replay_config
+from samebits.cli._recipe import replay_command, replay_config_at
 from samebits.cli._options import (add_out_option, add_run_timeout_option, check_input_directory, positive_int,
                                    rank_count, step_number)
 from samebits.verdicts import Verdict
@@ -23,7 +23,9 @@ def register(sub) -> None:
         description="From RUN's checkpoint at step K, re-run steps K..K+n-1 on --nproc ranks and compare rank "
         "0's replicated records (parameters, reduced gradients, global metrics) with what RUN recorded. Only "
         "a run trained with grad_reduce=invariant (docs/invariance.md) can be replayed at another data-parallel "
-        "size. With no --with command: the reference recipe. A command gets {nproc}, {out}, {step}, {stop}, "
+        "size. With no --with command: the reference recipe, with the run's recorded config (at another rank count: "
+        "N data-parallel ranks and --allow-layout-change, which the recipe refuses where the run's switches do not "
+        "cover the change). A command gets {nproc}, {out}, {step}, {stop}, "
         "{run} and {ckpt} filled in. Exit 0 IDENTICAL, 1 DIVERGED, 2 could not run or decide.",
     )
     parser.add_argument("run_dir", metavar="RUN", help="the recorded run (its stream folder)")
@@ -49,7 +51,8 @@ def run(args) -> int:
     command = shlex.split(args.replay_with) if args.replay_with else None
     # No command of the user's: the reference recipe, with the run's recorded config.
     result = replay(args.run_dir, step=args.step, nproc=args.nproc, num_steps=args.num_steps,
-                    cmd=command or replay_command(args.nproc), recorded_config=None if command else replay_config,
+                    cmd=command or replay_command(args.nproc),
+                    recorded_config=None if command else replay_config_at(args.nproc),
                     ckpt=args.ckpt, out=args.out, run_timeout=args.run_timeout, progress=progress)
     return print_result(result, args.json, render)
 

@@ -35,7 +35,8 @@ def register(sub) -> None:
     add_recipe_options(parser, steps=8, nproc=2, nondeterministic=True)
     parser.add_argument("--resume-at", type=step_number, default=None, metavar="K",
                         help="the resume step: recipe default steps/2; with a command it is required "
-                             "with --resume-with (samebits cannot know where your script checkpoints)")
+                             "with --resume-with (samebits cannot know where your script checkpoints); with "
+                             "--across --resume-across: where the other layouts resume the first's checkpoint")
     parser.add_argument("--resume-with", default=None, metavar="'CMD'",
                         help="with a command: how to resume it from A's checkpoint; {from} is A's work folder "
                              "(the {out} A ran with), {step} the --resume-at step, {out} C's own work folder")

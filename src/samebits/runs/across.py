@@ -384,7 +384,7 @@ def _resume_layout(layout: Layout, reference: str, saved: Path, step: int, out: 
         _launch(name, argv, out, run_dir, result, run_timeout, progress, say, layout.program.steps - step)
     except RunFailed as err:
         return LayoutCheck(layout.name, Verdict.INCOMPLETE, "resume", None, {"steps": 0},
-                           incomplete=[f"{layout.name} did not resume {reference}'s checkpoint of step {step}: "
+                           incomplete=[f"{layout.name} could not resume {reference}'s checkpoint of step {step}: "
                                        f"{err.reason} (log: {out / 'logs' / (name + '.log')})"])
     say(f"comparing {name} with {reference} from step {step}")
     return compare_layouts(out / reference, run_dir, layout.name, start_step=step)

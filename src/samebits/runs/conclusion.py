@@ -144,7 +144,7 @@ def _resume_across_parts(summary: dict, reference: str) -> list[str]:
                          f"{first.get('step')} ({_where(first)})")
         elif verdict != "identical":
             why = (check.get("incomplete") or check.get("notes") or ["could not be decided"])[0]
-            parts.append(f"{name} could not resume ({why})")
+            parts.append(why if why.startswith(f"{name} could not resume") else f"{name} could not resume ({why})")
         else:
             steps = (check.get("compared") or {}).get("steps") or 0
             last = step + steps - 1 if step is not None else None

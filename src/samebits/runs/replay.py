@@ -12,7 +12,10 @@ The command is a template with these placeholders filled: ``{nproc}`` (N), ``{ou
 replay's record folder), ``{step}`` (K), ``{stop}`` (K + n, the step to stop before), ``{run}``
 (RUN) and ``{ckpt}`` (the checkpoint folder, default RUN/ckpt or RUN/../ckpt).  The reference
 recipe (the command line's default) also gets the run's recorded config, and resumes the
-newest checkpoint at or before K.
+newest checkpoint at or before K; at another rank count than the run's, with the layout of N
+data-parallel ranks and ``--allow-layout-change`` (`samebits.cli._recipe.replay_config_at`): the
+recipe moves the checkpoint where the run's switches make its bits independent of the layout,
+and refuses, naming the switch, where they do not.
 """
 
 from __future__ import annotations
@@ -143,7 +146,8 @@ def _checkpoint_at_or_before(root: Path, step: int) -> Path:
         raise ConfigError(f"no checkpoint folder {root}: replay resumes the run's checkpoint of a step at or before "
                           f"--step {step}. Pass --ckpt DIR (the root the run saved into), or make a run that saves "
                           "one: `samebits verify --across` on the recipe saves each size's checkpoint of step "
-                          "steps/2 into its folder's ckpt/ (a run made before this version saved none: run it again)")
+                          "steps/2 (and of its last step) into its folder's ckpt/ (a run made before this version saved "
+                          "none: run it again)")
     saved = sorted(int(p.name[5:]) for p in root.glob("step-*") if p.is_dir() and p.name[5:].isdigit())
     usable = [s for s in saved if s <= step]
     if not usable:

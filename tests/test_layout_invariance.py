@@ -7,8 +7,8 @@ and row-parallel layers (forward and backward) and the sharded norm on shares of
 tensors (fast); at world 2 (slow) the recipe's tp2 cell with the switch (20 steps, with
 sequence parallelism and without) and without it (the control, 1 step), and in one plain
 process the same runs on one rank.  The mixed layouts (slow): tp2-dp2 and fsdp2-tp2 at world
-4, fsdp2 and pp2 at world 2, with the switches and without (the controls), and one rank with
-them.
+4, fsdp2, pp2 and ep2 at world 2, with the switches and without (the controls), and one rank
+with them.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ MIXED_JOBS = [("grad", GRAD, MIXED_STEPS, "single"), ("both", BOTH, MIXED_STEPS,
               ("both", BOTH, MIXED_STEPS, "tp2-dp2"),
               ("plain-dp", ["grad_reduce=mean", "tp_reduce=invariant", "ep=1"], 1, "tp2-dp2"),
               ("grad", GRAD, MIXED_STEPS, "pp2"), ("plain", ["grad_reduce=mean", "ep=1"], 1, "pp2"),
-              ("both", BOTH, MIXED_STEPS, "fsdp2-tp2")]
+              ("both", BOTH, MIXED_STEPS, "fsdp2-tp2"),
+              ("grad", ["grad_reduce=invariant"], MIXED_STEPS, "ep2"), ("plain", ["grad_reduce=mean"], 1, "ep2")]
 FSDP_BUFFER = 96  # a flat reduce-scatter buffer: whole shards at 1, 2 and 4 ranks
 
 
@@ -71,7 +72,8 @@ def test_tp_reduce_invariant_refuses_what_it_does_not_cover(overrides, message):
 
 @pytest.mark.parametrize("overrides, message", [
     ({"tp": 2, "sequence_parallel": False}, r"grad_reduce='invariant' with tp=2 needs tp_reduce='invariant' too"),
-    ({"ep": 0}, r"ep=0 is not covered yet: EP experts sum every rank's tokens"),
+    ({"ep": 0, "tp": 2, "tp_reduce": "invariant", "sequence_parallel": False},
+     r"with ep=0 covers tp=1 and moe_grouped_gemm='torch' only"),
     ({"pp": 2, "tp": 2, "tp_reduce": "invariant", "sequence_parallel": False}, r"with pp=2 covers tp=1 only"),
 ])
 def test_grad_reduce_invariant_refuses_the_layouts_it_does_not_cover(overrides, message):
@@ -79,10 +81,10 @@ def test_grad_reduce_invariant_refuses_the_layouts_it_does_not_cover(overrides, 
         RecipeConfig(grad_reduce="invariant", **{"ep": 1, **overrides})
 
 
-def test_grad_reduce_invariant_takes_tp_with_tp_reduce_invariant_fsdp2_and_pp():
+def test_grad_reduce_invariant_takes_tp_with_tp_reduce_invariant_fsdp2_pp_and_ep():
     for cell, extra in (("tp2-dp2", ["tp_reduce=invariant"]), ("tp2", ["tp_reduce=invariant"]),
                         ("fsdp2", []), ("fsdp2", ["tp_reduce=invariant"]), ("fsdp2-tp2", ["tp_reduce=invariant"]),
-                        ("pp2", []), ("pp2-dp2", []),
+                        ("pp2", []), ("pp2-dp2", []), ("ep2", []), ("ep4", ["tp_reduce=invariant"]),
                         ("pp2", ["tp_reduce=invariant"])):
         sizes = ParallelDims.parse(cell).overrides()
         cfg = RecipeConfig().with_overrides([*sizes, "grad_reduce=invariant", *extra])
@@ -235,14 +237,15 @@ def test_control_without_the_switch_tp2_differs_from_one_rank_at_the_first_step(
 
 @pytest.fixture(scope="module")
 def mixed_runs(tmp_path_factory) -> Path:
-    """One rank, fsdp2 and pp2 (world 2), tp2-dp2 and fsdp2-tp2 (world 4), with the switches
-    and without (`MIXED_JOBS`; about 2 minutes on 2 busy cores)."""
+    """One rank, fsdp2, pp2 and ep2 (world 2), tp2-dp2 and fsdp2-tp2 (world 4), with the
+    switches and without (`MIXED_JOBS`; about 2 minutes on 2 busy cores)."""
     out = tmp_path_factory.mktemp("mixed")
     _launch([sys.executable, __file__, str(out), "mixed-single"])
     _torchrun(2, out, "mixed-fsdp2")
     _torchrun(4, out, "mixed-tp2-dp2")
     _torchrun(2, out, "mixed-pp2")
     _torchrun(4, out, "mixed-fsdp2-tp2")
+    _torchrun(2, out, "mixed-ep2")
     return out
 
 
@@ -251,11 +254,13 @@ def mixed_runs(tmp_path_factory) -> Path:
                                                    ("fsdp2-grad", "single-grad", MIXED_STEPS),
                                                    ("fsdp2-both", "single-both", MIXED_STEPS),
                                                    ("pp2-grad", "single-grad", MIXED_STEPS),
-                                                   ("fsdp2-tp2-both", "single-both", MIXED_STEPS)])
+                                                   ("fsdp2-tp2-both", "single-both", MIXED_STEPS),
+                                                   ("ep2-grad", "single-grad", MIXED_STEPS)])
 def test_tp_x_dp_fsdp2_and_pp2_are_bit_identical_to_one_rank(mixed_runs, run, reference, steps):
     """tp2-dp2 with grad_reduce and tp_reduce invariant, fsdp2 with grad_reduce invariant (and
     with both), pp2 (1F1B) with grad_reduce invariant, fsdp2-tp2 with both (the clipping norm
-    over FSDP2 and TP shards; step 2 clips): every step's parameters by global digest,
+    over FSDP2 and TP shards; step 2 clips), ep2 with grad_reduce invariant (experts sharded
+    over the DP ranks; one rank replicates them): every step's parameters by global digest,
     and rank 0's losses and grad norm (rank 0 of pp2 is the first stage: the losses it holds
     are the last stage's, sent back)."""
     result = samebits.diff(mixed_runs / reference, mixed_runs / run, by="global")
@@ -268,8 +273,8 @@ def test_tp_x_dp_fsdp2_and_pp2_are_bit_identical_to_one_rank(mixed_runs, run, re
 
 @pytest.mark.slow
 @pytest.mark.parametrize("run, reference", [("tp2-dp2-plain-dp", "single-both"), ("fsdp2-plain", "single-grad"),
-                                            ("pp2-plain", "single-grad")])
-def test_control_without_grad_reduce_invariant_tp_x_dp_fsdp2_and_pp2_differ_from_one_rank(mixed_runs, run, reference):
+                                            ("pp2-plain", "single-grad"), ("ep2-plain", "single-grad")])
+def test_control_without_grad_reduce_invariant_tp_x_dp_fsdp2_pp2_and_ep2_differ_from_one_rank(mixed_runs, run, reference):
     result = samebits.diff(mixed_runs / reference, mixed_runs / run, by="global")
     report = result.to_dict()
     assert result.verdict is Verdict.DIVERGED, report

@@ -149,9 +149,9 @@ class RecipeConfig:
     docs/invariance.md), with or without sequence_parallel (the norms' weight gradients are
     summed over the positions exactly too).  Set it at every TP degree you compare, tp=1
     included.  With grad_reduce="invariant" too, tp x dp gives the same bits as one rank.
-    Invariant needs precision=fp32, ep=1, pp only at tp=1, dp_shard at tp > 1 only with
-    grad_reduce="invariant", and the per-rank share of d_model and ffn_hidden_size in whole
-    blocks of 32."""
+    Invariant needs precision=fp32, pp only at tp=1, ep > 1 only at tp=1 with
+    grad_reduce="invariant", dp_shard at tp > 1 only with grad_reduce="invariant", and the
+    per-rank share of d_model and ffn_hidden_size in whole blocks of 32."""
 
     pp: int = 1
     """Pipeline stages (`torch.distributed.pipelining`): the blocks split evenly in order."""
@@ -231,8 +231,9 @@ class RecipeConfig:
     int64 fixed point, each element its own block, every block's random draws keyed by
     (step, micro-batch, block): the same bits at any DP size, plain or FSDP2 (dp_shard), at
     any pipeline size (each DP rank's micro-batches are the pipeline's; pp_microbatches is
-    not used), and with tp_reduce="invariant" at any TP size too; docs/invariance.md).
-    Invariant mode needs ep=1, tp=1 or tp_reduce="invariant", and pp only at tp=1."""
+    not used), at any EP size (each expert's rows per source rank kept apart), and with
+    tp_reduce="invariant" at any TP size too; docs/invariance.md).  Invariant mode needs tp=1
+    or tp_reduce="invariant", and pp and ep > 1 only at tp=1."""
 
     num_micro_batches: int = 4
     """grad_reduce="invariant": micro-batches per step over all ranks; a multiple of every DP
@@ -329,14 +330,14 @@ class RecipeConfig:
 
     def _check_grad_reduce(self, need) -> None:
         """grad_reduce='invariant': the layouts it covers today (docs/invariance.md): plain DP,
-        FSDP2 and PP at any size, DP and FSDP2 with TP when tp_reduce='invariant'; not EP, or
-        PP with TP."""
+        FSDP2, PP and EP at any size, DP and FSDP2 with TP when tp_reduce='invariant'; not PP
+        or EP with TP."""
         if self.grad_reduce != "invariant":
             return
-        need(self.ep == 1,
-             f"grad_reduce='invariant' sums per-micro-batch gradients over the data-parallel ranks; "
-             f"ep={self.ep} is not covered yet: EP experts sum every rank's tokens in one matmul and "
-             "combine them in an order set by the layout (docs/invariance.md). Set ep=1.")
+        need(self.ep == 1 or (self.tp == 1 and self.moe_grouped_gemm == "torch"),
+             f"grad_reduce='invariant' with ep={self.ep} covers tp=1 and moe_grouped_gemm='torch' only "
+             f"(each expert's rows per source rank as their own GEMM), not tp={self.tp}, moe_grouped_gemm="
+             f"{self.moe_grouped_gemm!r} (docs/invariance.md). Set ep=1, or tp=1 and moe_grouped_gemm=torch.")
         need(self.pp == 1 or self.tp == 1,
              f"grad_reduce='invariant' with pp={self.pp} covers tp=1 only, not tp={self.tp} yet (the "
              "clipping norm over stages and TP shards together is not wired; docs/invariance.md). "
@@ -352,14 +353,16 @@ class RecipeConfig:
         if self.tp_reduce != "invariant":
             return
         blockers = [f"{name}={getattr(self, name)!r}" for name, ok in (
-            ("precision", self.precision == "fp32"), ("ep", self.ep == 1), ("pp", self.pp == 1 or self.tp == 1),
+            ("precision", self.precision == "fp32"),
+            ("ep", self.ep == 1 or (self.tp == 1 and self.grad_reduce == "invariant")),
+            ("pp", self.pp == 1 or self.tp == 1),
             ("dp_shard", self.dp_shard == 1 or self.tp == 1 or self.grad_reduce == "invariant"),
             ("fault_tp_racy_accumulate", not self.fault_tp_racy_accumulate)) if not ok]
         need(not blockers,
              f"tp_reduce='invariant' makes the tensor-parallel linears, the norms and the clipping "
              f"norm independent of tp but does not cover {', '.join(blockers)} yet (docs/invariance.md "
-             "lists what is covered). Set precision=fp32, ep=1, pp=1 when tp > 1, and dp_shard=1 when "
-             "tp > 1 unless grad_reduce=invariant.")
+             "lists what is covered). Set precision=fp32; pp=1 when tp > 1; ep=1 unless tp=1 with "
+             "grad_reduce=invariant; dp_shard=1 when tp > 1 unless grad_reduce=invariant.")
         block = TP_BLOCK_SIZE * self.tp
         need(self.d_model % block == 0 and self.ffn_hidden_size % block == 0,
              f"tp_reduce='invariant' cuts each TP rank's share of a reduction into whole blocks of "

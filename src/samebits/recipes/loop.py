@@ -161,10 +161,14 @@ class _Run:
         # this DP rank takes its share in order (docs/invariance.md).  Each element is its own
         # block, so TP and FSDP2 shards hold whole blocks; under FSDP2 its reduce-scatter
         # (`InvariantReduceScatter`, parallelize.apply_fsdp) sums them instead.
+        experts = self.layout.expert_param_names
         self.accumulator = GradientAccumulator(
-            model.named_parameters(), num_micro_batches=cfg.num_micro_batches, seed=cfg.seed,
-            micro_batch_size=cfg.micro_batch_size, block_size=1,
-            group=self.layout.dp_group) if cfg.grad_reduce == "invariant" else None
+            [(n, p) for n, p in model.named_parameters() if n not in experts],
+            num_micro_batches=cfg.num_micro_batches, seed=cfg.seed, micro_batch_size=cfg.micro_batch_size,
+            block_size=1, group=self.layout.dp_group) if cfg.grad_reduce == "invariant" else None
+        # Under EP the expert shards' gradients are kept per micro-batch by their owner.
+        self.expert_grads = parallel.InvariantExpertGradients(model, cfg.num_micro_batches, self.layout.dims.ep) \
+            if self.accumulator is not None and experts else None
         # The parameters the optimizer updates, walked once: the records of every step list
         # them (a walk of the module tree costs about as much as digesting the tiny recipe).
         # Nothing replaces a parameter after this point (a resume loads into them in place).
@@ -404,10 +408,14 @@ class _Run:
                     (losses["loss"] / count).backward()
                 if not fsdp:
                     acc.accumulate()
+                if self.expert_grads is not None:
+                    self.expert_grads.micro_batch_done()
                 parts[index] = torch.stack([v.detach().float() for v in losses.values()])
         self.data.consumed_samples = first + count * size
         if not fsdp:
             acc.reduce()
+        if self.expert_grads is not None:
+            self.expert_grads.reduce()
         grad_norm = parallel.clip_grad_norm(model, self.layout, cfg.grad_clip)  # the same at any split
         if self.layout.dp_group is not None:  # a replica's TP ranks and stages hold the same rows
             dist.all_reduce(parts, group=self.layout.dp_group)  # one nonzero row per micro-batch: exact

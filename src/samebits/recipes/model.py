@@ -114,10 +114,28 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        # take(source, name, expert, grad), set by the training loop (grad_reduce=invariant
+        # under EP): each (expert, source rank) segment is its own GEMM, and its weight
+        # gradients go to `take` instead of the parameters' .grad.
+        self.take_grad = None
 
-    def forward(self, rows, tokens_per_expert, row_prob, gemm: str) -> torch.Tensor:
+    def forward(self, rows, tokens_per_expert, row_prob, gemm: str, source_counts=None) -> torch.Tensor:
         """Rows (M, D) grouped by expert -> (M, D), scaled by row_prob when the grouped GEMM
-        is a `samebits.kernels` one (it fuses the scaling and computes dprob itself)."""
+        is a `samebits.kernels` one (it fuses the scaling and computes dprob itself).
+        ``source_counts`` (E, W): each expert's rows per source rank, in that order."""
+        if gemm == "torch" and self.take_grad is not None:
+            counts = (source_counts if source_counts is not None else tokens_per_expert[:, None]).tolist()
+            outs, offset = [], 0
+            for e, per_source in enumerate(counts):
+                for source, num_rows in enumerate(per_source):
+                    if num_rows == 0:
+                        continue
+                    xe = rows[offset:offset + num_rows]
+                    offset += num_rows
+                    w1 = _TakeGrad.apply(self.w1[e], self.take_grad, (source, "w1", e))
+                    w2 = _TakeGrad.apply(self.w2[e], self.take_grad, (source, "w2", e))
+                    outs.append(squared_relu(xe @ w1) @ w2)
+            return torch.cat(outs) if outs else rows.new_zeros(rows.shape)
         if gemm == "torch":
             counts = tokens_per_expert.tolist()  # host sync: split sizes
             outs = [squared_relu(xe @ self.w1[e]) @ self.w2[e]
@@ -129,6 +147,21 @@ class GroupedExperts(nn.Module):
         hidden = squared_relu(grouped_gemm_dprob(rows, self.w1, tokens_per_expert, ones,
                                                  variant=variant))
         return grouped_gemm_dprob(hidden, self.w2, tokens_per_expert, row_prob, variant=variant)
+
+
+class _TakeGrad(torch.autograd.Function):
+    """The identity on an expert's weight whose backward hands the gradient to ``take`` (one
+    segment's, kept apart) and none to the parameter."""
+
+    @staticmethod
+    def forward(ctx, weight, take, key):
+        ctx.take, ctx.key = take, key
+        return weight.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.take(*ctx.key, grad)
+        return None, None, None
 
 
 def _kernel(name: str, option: str, value: str):
@@ -185,7 +218,8 @@ class MoE(nn.Module):
         prob_in_gemm = self.gemm_mode != "torch"
         local_rows, local_prob, local_counts, handle = self.dispatcher.dispatch(
             rows, row_prob, tokens_per_expert)
-        local_out = self.experts(local_rows, local_counts, local_prob, self.gemm_mode)
+        local_out = self.experts(local_rows, local_counts, local_prob, self.gemm_mode,
+                                 source_counts=getattr(handle, "source_counts", None))
         out_rows = self.dispatcher.combine(local_out, handle)  # (R, D) expert-sorted
         out = self._combine(out_rows, row_prob, row_token, order, top_prob,
                             scaled=prob_in_gemm, num_tokens=num_tokens)

@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from samebits import invariant
+from samebits.recipes.model import MoE
 
 
 def init_process_group(device_type: str = "cpu") -> tuple[int, int, bool]:
@@ -75,6 +76,7 @@ class _DispatchHandle:
     recv_splits: list[int]
     regroup: torch.Tensor  # received row order -> grouped by local expert
     ungroup: torch.Tensor  # its inverse
+    source_counts: torch.Tensor | None = None  # (E_local, W): each local expert's rows per source rank
 
 
 class ExpertParallelDispatcher:
@@ -110,13 +112,61 @@ class ExpertParallelDispatcher:
             row_key = row_key * len(row_key) + torch.randperm(len(row_key), generator=entropy)
         regroup = torch.argsort(row_key, stable=True)  # unique indices: deterministic backward
         grouped = received.index_select(0, regroup)
-        handle = _DispatchHandle(send_splits, recv_splits, regroup, torch.argsort(regroup))
+        handle = _DispatchHandle(send_splits, recv_splits, regroup, torch.argsort(regroup), recv_counts.t())
         return (grouped[:, :-1], grouped[:, -1].to(row_prob.dtype), recv_counts.sum(dim=0),
                 handle)
 
     def combine(self, rows, handle: _DispatchHandle):
         back = rows.index_select(0, handle.ungroup)
         return _AllToAll.apply(back, handle.send_splits, handle.recv_splits, self.group)
+
+
+class InvariantExpertGradients:
+    """grad_reduce=invariant under EP: the owner of an expert adds, in one backward, the rows
+    of every EP rank's current micro-batch.  Each (expert, source rank) segment is its own
+    GEMM (`GroupedExperts.take_grad`), so its weight gradient is the one that micro-batch
+    gives on one rank; kept apart (W per backward, M in the step, all on the owner), they
+    are summed as the accumulator sums micro-batches: each element its own block, exponent
+    the max over the M, int64, decoded once; no DP reduction (no other rank holds them)."""
+
+    def __init__(self, model: nn.Module, num_micro_batches: int, ep: int):
+        self.num_micro_batches, self.ep = num_micro_batches, ep
+        self.params: dict[str, nn.Parameter] = {}
+        for name, module in model.named_modules():
+            if isinstance(module, MoE):
+                prefix = f"{name}.experts"
+                module.experts.take_grad = lambda source, which, expert, grad, prefix=prefix: self._take(
+                    f"{prefix}.{which}", source, expert, grad)
+                self.params[f"{prefix}.w1"], self.params[f"{prefix}.w2"] = module.experts.w1, module.experts.w2
+        self._current: dict[tuple[str, int], torch.Tensor] = {}
+        self._pending: dict[str, list[torch.Tensor]] = {name: [] for name in self.params}
+
+    def _take(self, name: str, source: int, expert: int, grad: torch.Tensor) -> None:
+        buffer = self._current.get((name, source))
+        if buffer is None:
+            buffer = self._current[(name, source)] = torch.zeros_like(self.params[name], requires_grad=False)
+        buffer[expert] += grad  # one segment per (expert, source): 0 + g
+
+    def micro_batch_done(self) -> None:
+        """After each backward: every source's gradients, one contribution each (zeros for a
+        source whose rows reached none of these experts)."""
+        for name, param in self.params.items():
+            for source in range(self.ep):
+                part = self._current.pop((name, source), None)
+                self._pending[name].append(torch.zeros_like(param, requires_grad=False) if part is None else part)
+
+    def reduce(self) -> None:
+        bits = invariant.fraction_bits(self.num_micro_batches)
+        for name, param in self.params.items():
+            parts = [g.reshape(-1, 1) for g in self._pending[name]]
+            if len(parts) != self.num_micro_batches:
+                raise AssertionError(f"{name}: {len(parts)} expert gradient parts, expected {self.num_micro_batches}")
+            exps = invariant.block_exponents(parts[0])
+            for part in parts[1:]:
+                exps = torch.maximum(exps, invariant.block_exponents(part))
+            total = sum(invariant.encode(part, exps, bits)[0] for part in parts)
+            param.grad = invariant.decode(total, exps, bits).view_as(param)
+            self._pending[name] = []
 
 
 def reduce_gradients(model: nn.Module, layout) -> None:
@@ -180,6 +230,13 @@ def clip_grad_norm(model: nn.Module, layout, max_norm: float) -> torch.Tensor:
     `samebits.invariant.clip_sharded_grad_norm_`'s, whose bits do not depend on how the
     gradients are split (TP shards, FSDP2 shards, whole on every DP rank).
     """
+    if layout.grad_invariant and layout.expert_param_names:
+        # EP: expert shards split over the EP group, everything else whole on every rank.
+        named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+        experts = [n in layout.expert_param_names for n, _ in named]
+        return invariant.clip_sharded_grad_norm_(
+            [g for _, g in named], max_norm, group=layout.group("ep"), replicated=[not e for e in experts],
+            full_numels=[g.numel() * (layout.dims.ep if e else 1) for (_, g), e in zip(named, experts)])
     if (layout.tp_invariant or layout.grad_invariant) and layout.dims.pp > 1:
         # Every tensor of the whole model in its order, empty on the stages that lack it:
         # each held by one stage, summed over the pipeline.

@@ -1241,6 +1241,21 @@ def _rows_bundle(rank: int, world: int, *, trained: bool, **kwargs) -> StateBund
                        **{"shards": shards, **kwargs})
 
 
+def _columns_bundle(rank: int) -> StateBundle:
+    """`_rows_bundle(trained=True)` split by columns at world 2, unevenly (rank 0 the first two
+    of three columns, rank 1 the last): the content hash must join pieces by their places."""
+    g = torch.Generator().manual_seed(0)
+    weight, bias, grad = (torch.randn(4, 3, generator=g), torch.randn(3, generator=g),
+                          torch.randn(4, 3, generator=g))
+    cols = slice(0, 2) if rank == 0 else slice(2, 3)
+    model = _Rows(weight[:, cols], bias)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model.w.grad, model.b.grad = grad[:, cols].clone(), torch.ones(3)
+    optimizer.step()
+    return StateBundle(model=model, optimizer=optimizer, layout={"tp": 2}, progress={"step": 1, "consumed_samples": 8},
+                       shards={"w": checkpoint.TensorShard((4, 3), (0, 2 * rank))})
+
+
 def _rows_state(bundle: StateBundle) -> dict[str, torch.Tensor]:
     state = bundle.optimizer.state_dict()["state"]
     return {"w": bundle.model.w.detach(), "b": bundle.model.b.detach(),
@@ -1265,6 +1280,7 @@ def _layout_worker(rank: int, world: int, init: str, out: str) -> None:
         checkpoint.save(Path(out) / "per-rank-progress", bundle)
         checkpoint.save(Path(out) / "no-place", _rows_bundle(rank, world, trained=True, shards={},
                                                              rank_local={"w"}))
+        checkpoint.save(Path(out) / "columns", _columns_bundle(rank))
         fresh = _rows_bundle(rank, world, trained=False)
         checkpoint.load(Path(out) / "one", fresh, allow_layout_change=True)
         reference = _rows_bundle(rank, world, trained=True)
@@ -1334,6 +1350,7 @@ def test_the_content_hash_is_the_same_for_one_state_saved_at_any_layout(layouts,
     assert one["sha256"] == two["sha256"] and (one["world_size"], two["world_size"]) == (1, 2)
     assert (one["step"], one["tensors"], one["elements"]) == (1, 8, 3 * (12 + 3) + 2)  # w, b and their two moments; two step counts
     assert checkpoint.content_sha256(layouts / "per-rank-rng")["sha256"] == one["sha256"]  # random states: out
+    assert checkpoint.content_sha256(layouts / "columns")["sha256"] == one["sha256"]  # pieces joined by place
     files = [sorted(p.name for p in (layouts / name / "step-1").iterdir()) for name in ("one", "two")]
     assert files[0] != files[1]  # the files differ by layout
 

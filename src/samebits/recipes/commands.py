@@ -51,12 +51,11 @@ INVARIANT_SWITCHES = {
            "under sequence parallelism and the clipping norm: exact block products summed in int64"),
     "pp": ("grad_reduce=invariant", "the pipeline's micro-batch gradient accumulation (int64 fixed point), each "
            "block's random draws keyed by (step, micro-batch, block) and the clipping norm over the stages"),
+    "ep": ("grad_reduce=invariant", "the experts' weight gradients: each (expert, source rank) segment its own GEMM, "
+           "its gradient one micro-batch's, summed on the owner in int64; the clipping norm over the EP group"),
 }
 # Sizes no switch covers yet: a cell with one is refused, with the reason.
-NOT_INVARIANT = {
-    "ep": "expert parallelism is not layout-invariant yet (an expert's gradient sums every rank's tokens in one "
-          "matmul)",
-}
+NOT_INVARIANT: dict[str, str] = {}
 
 
 def launcher(nproc: int) -> list[str]:
@@ -159,7 +158,7 @@ def control_global_batch(cells: Sequence[ParallelDims]) -> int:
 def across_cell_overrides(dims: ParallelDims, switches: Sequence[str], overrides: Sequence[str] = (), *,
                           control: bool = False, global_batch: int = DEFAULT_GLOBAL_BATCH) -> list[str]:
     """The recipe's ``--set`` overrides for one layout of `verify --across`: the cell's sizes
-    (experts replicated: ``ep=1``, `invariant_overrides` refuses EP), the run's ``switches``,
+    (``ep`` included: EP is covered by ``grad_reduce=invariant``), the run's ``switches``,
     then the user's ``overrides``.
 
     ``control``: the negative control of the same layout: the switches turned off, the same
@@ -167,7 +166,7 @@ def across_cell_overrides(dims: ParallelDims, switches: Sequence[str], overrides
     data-parallel size, unless the user sets it) and `LAYOUT_INDEPENDENT`, so that what
     differs between two controls is the grouping of their reductions, nothing else."""
     if not control:
-        return [*dims.overrides(), *switches, *overrides]  # the cell's sizes hold ep=1: EP is refused
+        return [*dims.overrides(), *switches, *overrides]
     off = [f"{switch.partition('=')[0]}={'mean' if switch.startswith('grad_reduce') else 'plain'}"
            for switch in switches]
     sets_batch = any(item.partition("=")[0].strip() == "micro_batch_size" for item in overrides)

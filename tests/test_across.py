@@ -124,7 +124,8 @@ def _program(name: str, values: str, steps: int = 4, *, resume: tuple[str, ...] 
     return SelfRecording(steps=steps, nproc=1, record=tuple(base),
                          save=tuple(base + ["--save-at", "{step}", "--ckpt", "{ckpt}"]),
                          save_only=tuple(base + ["--save-at", "{step}", "--ckpt", "{ckpt}"]),
-                         resume=tuple(base + ["--resume-from", "{ckpt}", *resume]))
+                         resume=tuple(base + ["--resume-from", "{ckpt}", "--save-at", str(steps), "--ckpt",
+                                              "{out}/ckpt", *resume]))
 
 
 def _layouts(*, control_values=("plain-single", "plain-dp2"), second="same", controls=True) -> list[Layout]:
@@ -172,6 +173,7 @@ def test_equal_layouts_with_differing_controls_pass_and_write_the_certificate(pa
     final = cert["checkpoints"]
     assert final["single"]["step"] == 4 and final["single"]["path"].endswith("single/ckpt/step-4")
     assert final["single"]["content_sha256"] == final["dp2"]["content_sha256"] and cert["checkpoints_equal"] is True
+    assert final["resume-dp2"]["content_sha256"] == final["single"]["content_sha256"]  # the resume's final state too
     assert final["single"]["content_sha256"] == checkpoint.content_sha256(out / "single" / "ckpt")["sha256"]
     assert "random states are left out" in cert["checkpoints_note"]
     assert (out / "dp2" / "ckpt" / "step-2").is_dir()  # for replay (and the resume)
@@ -207,6 +209,8 @@ def test_resumes_that_are_not_exact_or_are_refused_are_caught(tmp_path):
                                             "error (rank 0): ")
     assert "--set grad_reduce=invariant" in refused.incomplete[0] and "Traceback" not in refused.incomplete[0]
     assert result.verdict is Verdict.FAIL
+    assert result.checkpoints["resume-dp2"]["content_sha256"] != result.checkpoints["single"]["content_sha256"]
+    assert "resume-dp4" not in result.checkpoints and result.checkpoints_equal is False
     summary = json.loads((tmp_path / "bad" / "summary.json").read_text())
     sentence = across_conclusion(summary)
     assert "dp2 resumed from single's checkpoint of step 2 diverged at step 2" in sentence, sentence
@@ -244,6 +248,7 @@ def test_resume_across_options_are_checked_before_any_run(tmp_path, capsys):
     single, dp2 = across_layouts("single,dp2", steps=4, controls=False)
     resume = " ".join(dp2.resume)
     assert "--resume-from {ckpt} --allow-layout-change" in resume and "--set dp_replicate=2" in resume
+    assert "--save-at 4 --ckpt {out}/ckpt --keep-going" in resume
     assert "--nproc-per-node 2" in resume and "--out {out}" in resume
 
 
@@ -376,7 +381,8 @@ def test_the_recipe_resumes_a_tp2_dp2_checkpoint_at_one_rank_and_at_dp4_bit_for_
         assert check["compared"]["steps"] == 2 and check["metrics"]["verdict"] == "identical"
     commands = {run["name"]: run["command"] for run in shown["runs"]}
     assert "--allow-layout-change" in commands["resume-dp4"] and "tp2-dp2/ckpt/step-2" in commands["resume-dp4"]
-    assert shown["checkpoints_equal"] is True
+    assert shown["checkpoints_equal"] is True and set(shown["checkpoints"]) == {
+        "tp2-dp2", "single", "dp4", "resume-single", "resume-dp4"}
 
 
 @pytest.mark.slow

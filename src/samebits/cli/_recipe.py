@@ -44,7 +44,8 @@ def across_layouts(spec: str, *, steps: int, overrides: Sequence[str] = (), cont
     product of sizes), each with the switches that any of them needs (`across_switches`: the
     layouts compute one function), its program, and, with ``controls``, its negative control
     (the same layout without the switches, on one global batch, `CONTROL_STEPS` steps); its
-    ``resume`` continues a checkpoint saved at another layout (``--allow-layout-change``)."""
+    ``resume`` continues a checkpoint saved at another layout (``--allow-layout-change``) and
+    saves its final step into ``{out}/ckpt`` (the certificate compares its content)."""
     cells = parse_layouts(spec)
     switches = recipe.across_switches(cells)
     batch = recipe.control_global_batch(cells)
@@ -54,7 +55,8 @@ def across_layouts(spec: str, *, steps: int, overrides: Sequence[str] = (), cont
         control_sets = recipe.across_cell_overrides(dims, switches, overrides, control=True, global_batch=batch)
         control = recipe_program(dims.world_size, steps=min(steps, CONTROL_STEPS.resolve()), overrides=control_sets) \
             if controls else None
-        resume = recipe.recipe_command(dims.world_size, steps=steps, overrides=sets, out="{out}", resume_from="{ckpt}",
+        resume = recipe.recipe_command(dims.world_size, steps=steps, overrides=sets, out="{out}", save_at=steps,
+                                       ckpt="{out}/ckpt", keep_going=True, resume_from="{ckpt}",
                                        allow_layout_change=True)
         layouts.append(Layout(dims.name, dims.world_size, recipe_program(dims.world_size, steps=steps, overrides=sets),
                               control, tuple(sets), tuple(control_sets) if controls else (), tuple(resume)))

@@ -266,7 +266,9 @@ def verify_across(layouts: Sequence[Layout] | Sequence[int], cmd: list[str] | No
     step of it, and of the final step (the certificate's content hash) into its folder's ckpt/.
     ``reductions``: what the switches make invariant (the certificate's list).
     ``resume_across``: every layout but the first also resumes the first's checkpoint of step
-    ``resume_at`` (default ``steps // 2``) and must equal its run from there on.
+    ``resume_at`` (default ``steps // 2``) and must equal its run from there on; a resume
+    that saves its final checkpoint into ``{out}/ckpt`` (the recipe's does) has it hashed with
+    the layouts' (``resume-NAME``), which must be equal too.
     """
     sizes = None if all(isinstance(layout, Layout) for layout in layouts) else [int(size) for size in layouts]
     layouts = _as_layouts(layouts, cmd, programs)
@@ -306,6 +308,10 @@ def verify_across(layouts: Sequence[Layout] | Sequence[int], cmd: list[str] | No
         for layout in layouts[1:]:
             result.resume[layout.name] = _resume_layout(layout, layouts[0].name, saved, resume_at, out, result,
                                                         run_timeout, progress, say)
+            resumed_ckpt = out / (RESUME_PREFIX + layout.name) / "ckpt"
+            if resumed_ckpt.is_dir():  # a resume that saved its final step: its state must be the same too
+                checkpoints[RESUME_PREFIX + layout.name] = {"steps": [layout.program.steps],
+                                                            "final": layout.program.steps, "path": resumed_ckpt}
     run_controls = controls and cmd is None and all(layout.control is not None for layout in layouts)
     if run_controls:
         for layout in layouts:

@@ -132,7 +132,8 @@ def _layouts(*, control_values=("plain-single", "plain-dp2"), second="same", con
     return [Layout("single", 1, _program("single", "same"),
                    _program("control-single", control_values[0], 2) if controls else None,
                    ("grad_reduce=invariant",), ("grad_reduce=mean",)),
-            Layout("dp2", 2, _program("dp2", second), _program("control-dp2", control_values[1], 2) if controls else None,
+            Layout("dp2", 2, _program("dp2", second),
+                   _program("control-dp2", control_values[1], 2) if controls else None,
                    ("dp_replicate=2", "grad_reduce=invariant"), ("dp_replicate=2", "grad_reduce=mean"))]
 
 

@@ -1348,7 +1348,8 @@ def test_the_content_hash_is_the_same_for_one_state_saved_at_any_layout(layouts,
     moment, or the progress, changes it."""
     one, two = checkpoint.content_sha256(layouts / "one"), checkpoint.content_sha256(layouts / "two")
     assert one["sha256"] == two["sha256"] and (one["world_size"], two["world_size"]) == (1, 2)
-    assert (one["step"], one["tensors"], one["elements"]) == (1, 8, 3 * (12 + 3) + 2)  # w, b and their two moments; two step counts
+    # w, b and their two moments each; two step counts
+    assert (one["step"], one["tensors"], one["elements"]) == (1, 8, 3 * (12 + 3) + 2)
     assert checkpoint.content_sha256(layouts / "per-rank-rng")["sha256"] == one["sha256"]  # random states: out
     assert checkpoint.content_sha256(layouts / "columns")["sha256"] == one["sha256"]  # pieces joined by place
     files = [sorted(p.name for p in (layouts / name / "step-1").iterdir()) for name in ("one", "two")]

@@ -120,6 +120,6 @@ def matrix_program(*, overrides: Sequence[str] = (), nondeterministic: bool = Fa
                          notes=tuple(notes))
 
 
-__all__ = ["recipe_program", "tax_programs", "across_programs", "across_layouts", "across_reductions", "replay_command", "replay_config",
-           "replay_config_at",
+__all__ = ["recipe_program", "tax_programs", "across_programs", "across_layouts", "across_reductions", "replay_command",
+           "replay_config", "replay_config_at",
            "matrix_program"]

@@ -1,0 +1,112 @@
+"""Byte tests of the layout-invariant autograd Functions (registered in
+src/samebits/kernels/kernel-coverage.toml, so `samebits coverage` judges them):
+
+* `invariant._matmul._ColumnParallel` / `_RowParallel` (the TP linears of `tp_reduce=invariant`):
+  output, input and weight gradients repeat bit for bit at 1 and 2 threads, and at one rank the
+  two layers are the same function (both are `invariant_matmul` over the whole K);
+* `invariant._matmul._ScaleColumns` (a norm's weight under SP): repeats, and its weight gradient
+  is `invariant_sum` of grad * y;
+* `recipes.parallelize._SliceSequence` / `_GatherSequence` (the SP stream's entry and exit):
+  on a one-rank gloo group each is the identity and its backward the reverse (the 2- and 4-rank
+  splits are checked against one rank in tests/test_layout_invariance.py);
+* `recipes.model._TakeGrad` (an expert weight's gradient kept apart under EP): the identity
+  forward, and the backward hands the exact gradient to its taker and none to the parameter.
+
+Each would fail if its Function changed its bits between runs or threads, or stopped being
+what the layouts rely on.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from samebits.invariant import column_parallel_linear, invariant_sum, row_parallel_linear, scale_columns
+from samebits.recipes.model import _TakeGrad
+from samebits.recipes.parallelize import _GatherSequence, _SliceSequence
+from samebits.testing import assert_same_bits
+
+
+def _inputs(rows=6, k=64, n=24, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, rows, k, generator=gen).requires_grad_(True)
+    weight = (torch.randn(n, k, generator=gen) * 0.1).requires_grad_(True)
+    return x, weight
+
+
+@pytest.mark.bitwise(runs=2, threads=[1, 2])
+def test_column_parallel_linear_repeats():
+    x, weight = _inputs()
+    return column_parallel_linear(x, weight), x, weight  # the output; grads of x and weight
+
+
+@pytest.mark.bitwise(runs=2, threads=[1, 2])
+def test_row_parallel_linear_repeats():
+    x, weight = _inputs(seed=1)
+    return row_parallel_linear(x, weight), x, weight
+
+
+def test_column_and_row_parallel_are_one_function_at_one_rank():
+    x, weight = _inputs(seed=2)
+    column = column_parallel_linear(x, weight)
+    column.square().sum().backward()
+    grads = x.grad.clone(), weight.grad.clone()
+    x.grad = weight.grad = None
+    row = row_parallel_linear(x, weight)
+    row.square().sum().backward()
+    assert_same_bits(column, row)
+    assert_same_bits(grads[0], x.grad)
+    assert_same_bits(grads[1], weight.grad)
+    assert torch.allclose(column, x @ weight.t(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.bitwise(runs=2, threads=[1, 2])
+def test_scale_columns_repeats():
+    gen = torch.Generator().manual_seed(3)
+    y = torch.randn(2, 10, 16, generator=gen).requires_grad_(True)
+    weight = torch.randn(16, generator=gen).requires_grad_(True)
+    return scale_columns(y, weight), y, weight
+
+
+def test_scale_columns_weight_gradient_is_the_invariant_sum():
+    gen = torch.Generator().manual_seed(4)
+    y = torch.randn(2, 10, 16, generator=gen)
+    weight = torch.randn(16, generator=gen).requires_grad_(True)
+    grad = torch.randn(2, 10, 16, generator=gen)
+    out = scale_columns(y, weight)
+    out.backward(grad)
+    assert_same_bits(out.detach(), y * weight.detach())
+    assert_same_bits(weight.grad, invariant_sum(grad * y))
+
+
+@pytest.fixture(scope="module")
+def one_rank_group(tmp_path_factory):
+    if dist.is_initialized():
+        pytest.fail("a process group is already initialised in this test process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('sp') / 'init'}",
+                            rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.mark.bitwise(runs=2)
+@pytest.mark.parametrize("function", [_SliceSequence, _GatherSequence], ids=["slice", "gather"])
+def test_sequence_entry_and_exit_are_the_identity_at_one_rank(one_rank_group, function):
+    stream = torch.arange(2 * 6 * 4, dtype=torch.float32).view(2, 6, 4).requires_grad_(True)
+    out = function.apply(stream * 1.5, one_rank_group)
+    assert_same_bits(out.detach(), stream.detach() * 1.5)  # one rank holds every position
+    return out, stream  # the output; the gradient through the reverse collective
+
+
+def test_take_grad_hands_the_gradient_to_its_taker_and_none_to_the_weight():
+    weight = torch.randn(5, 3, generator=torch.Generator().manual_seed(5)).requires_grad_(True)
+    taken = {}
+    out = _TakeGrad.apply(weight, lambda source, name, expert, grad: taken.update({(source, name, expert): grad.clone()}),
+                          (1, "w1", 0))  # as the MoE layer keys it: (source rank, weight, expert)
+    assert_same_bits(out.detach(), weight.detach())
+    grad = torch.randn(5, 3, generator=torch.Generator().manual_seed(6))
+    out.backward(grad)
+    assert weight.grad is None
+    assert list(taken) == [(1, "w1", 0)]
+    assert_same_bits(taken[(1, "w1", 0)], grad)

@@ -3,7 +3,7 @@
     python benchmarks/bench_invariant.py accuracy [--elements 1048576] [--ranks 8]
     python benchmarks/bench_invariant.py comm [--nproc 2] [--elements 4194304] [--rounds 20]
     python benchmarks/bench_invariant.py loop [--nproc 2] [--steps 30]
-    python benchmarks/bench_invariant.py recipe [--nproc 2] [--steps 12] [--rounds 2] [--cell dp2|fsdp2|tp2-dp2|pp2]
+    python benchmarks/bench_invariant.py recipe [--nproc 2] [--steps 12] [--rounds 2] [--cell dp2|fsdp2|tp2-dp2|pp2|ep2]
 
 accuracy (one process): 8 "ranks" x 1M fp32 gradient elements of mixed scales (each block of
 256 its own magnitude, 1e-6..1e2), summed (a) by the invariant reduction and (b) in fp32 in 24
@@ -28,7 +28,8 @@ the recipe prints, first 3 steps of each run left out.  --cell fsdp2 does the sa
 (`InvariantReduceScatter` versus FSDP2's own reduce-scatter); --cell tp2-dp2 (4 ranks) adds
 tp_reduce=invariant to the invariant mode and runs a third, "tp_only" (tp_reduce=invariant,
 grad_reduce=mean), so the DP part's cost under TP shows apart from the TP layers'; --cell pp2
-runs the 16 samples as 4 pipeline micro-batches of 4 in both modes (1F1B).
+runs the 16 samples as 4 pipeline micro-batches of 4 in both modes (1F1B); --cell ep2 keeps the
+experts sharded (no ep=1) in both modes.
 """
 
 from __future__ import annotations
@@ -165,7 +166,7 @@ def recipe(nproc: int, steps: int, rounds: int, cell: str = "dp2") -> dict:
     modes = {"invariant": invariant, "mean": ["--set", "micro_batch_size=8"]}
     layout: list[str] = []
     if cell != "dp2":
-        nproc = {"fsdp2": 2, "tp2-dp2": 4, "pp2": 2}[cell]
+        nproc = {"fsdp2": 2, "tp2-dp2": 4, "pp2": 2, "ep2": 2}[cell]
         layout = ["--cell", cell]
     if cell == "pp2":  # one DP rank: the 16 samples in 4 pipeline micro-batches of 4 either way
         modes["mean"] = ["--set", "micro_batch_size=16", "--set", "pp_microbatches=4"]
@@ -176,7 +177,8 @@ def recipe(nproc: int, steps: int, rounds: int, cell: str = "dp2") -> dict:
     for _ in range(rounds):
         for mode, extra in modes.items():
             argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                    "-m", "samebits.recipes", *layout, "--steps", str(steps), "--set", "ep=1", *extra]
+                    "-m", "samebits.recipes", *layout, "--steps", str(steps),
+                    *(["--set", "ep=1"] if cell != "ep2" else []), *extra]
             done = subprocess.run(argv, capture_output=True, text=True, check=True)
             lines = [x for x in done.stdout.splitlines() if x.startswith("step ")]
             times[mode] += [float(x.rsplit("|", 1)[1].split()[0]) / 1000 for x in lines[3:]]
@@ -196,7 +198,7 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--cell", choices=("dp2", "fsdp2", "tp2-dp2", "pp2"), default="dp2")
+    parser.add_argument("--cell", choices=("dp2", "fsdp2", "tp2-dp2", "pp2", "ep2"), default="dp2")
     args = parser.parse_args()
     if args.what == "_comm_worker":
         _comm_worker(args.elements, args.rounds)

@@ -172,7 +172,6 @@ BY_HAND = {
     "stream/reader.py::Record": "its keys depend on its kind (a metric: value and bits; a tensor: shape, "
                                 "numel, digest, absent, capped), as docs/stream.md shows a record",
     "recipes/config.py::RecipeConfig": "the recipe is a client: its config is dataclasses.asdict",
-    "runs/across.py::AcrossResult": "issue 28 work in flight",
 }
 
 

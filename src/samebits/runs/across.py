@@ -53,7 +53,7 @@ from samebits.runs.commands import (CKPT, NPROC, OUT, RUN, STEP, RecipeRefused, 
 from samebits.runs.verify import RunInfo
 from samebits.stream import GLOBAL_PHASE_PREFIX, open_run
 from samebits.stream.reader import require_same_digest_version
-from samebits.verdicts import ToDict, Verdict
+from samebits.verdicts import ToDict, Verdict, milliseconds, serialised
 
 ACROSS_PLACEHOLDERS = (NPROC, OUT)  # in a command for --across: the rank count, the run's folder
 CERTIFICATE = "certificate.json"
@@ -207,17 +207,22 @@ class AcrossResult(ToDict):
     ``resume_at``, compared from there; None: not asked) and the final checkpoints' content
     hashes (``checkpoints``; ``checkpoints_equal`` None: not all hashed)."""
 
+    dict_keys = ("verdict", "out", "layouts", "reference", "checks", "controls", "controls_note", "resume_across",
+                 "checkpoints", "checkpoints_equal", "runs", "notes", "timings_s")
+
     out: str
     layouts: list[str]
-    checks: dict  # layout name (a size, when verify_across was given sizes) -> comparison with layouts[0]'s run
+    # layout name (a size, when verify_across was given sizes) -> comparison with layouts[0]'s run
+    checks: dict = field(metadata=serialised(convert=lambda checks: _by_layout(checks)))
     runs: list[RunInfo] = field(default_factory=list)
     controls: list[ControlCheck] | None = None
     controls_note: str = ""
-    roots: dict[str, dict[int, str]] = field(default_factory=dict)  # layout -> step -> global root
+    # layout -> step -> global root (certificate.json has them)
+    roots: dict[str, dict[int, str]] = field(default_factory=dict, metadata=serialised(skip=True))
     notes: list[str] = field(default_factory=list)
-    timings: dict[str, float] = field(default_factory=dict)
-    resume: dict[str, LayoutCheck] | None = None
-    resume_at: int | None = None
+    timings: dict[str, float] = field(default_factory=dict, metadata=serialised(key="timings_s", convert=milliseconds))
+    resume: dict[str, LayoutCheck] | None = field(default=None, metadata=serialised(skip=True))  # resume_across
+    resume_at: int | None = field(default=None, metadata=serialised(skip=True))
     checkpoints: dict[str, dict] = field(default_factory=dict)  # layout -> its final checkpoint's hashes
     checkpoints_equal: bool | None = None
 
@@ -235,18 +240,16 @@ class AcrossResult(ToDict):
             return Verdict.INCOMPLETE
         return Verdict.PASS
 
-    def to_dict(self) -> dict:
-        return {"verdict": self.verdict.value, "out": self.out, "layouts": self.layouts,
-                "reference": self.layouts[0] if self.layouts else None,
-                "checks": {check.layout: check.to_dict() for check in self.checks.values()},
-                "controls": None if self.controls is None else [c.to_dict() for c in self.controls],
-                "controls_note": self.controls_note,
-                "resume_across": None if self.resume is None else {
-                    "step": self.resume_at, "from": self.layouts[0] if self.layouts else None,
-                    "checks": {check.layout: check.to_dict() for check in self.resume.values()}},
-                "checkpoints": self.checkpoints, "checkpoints_equal": self.checkpoints_equal,
-                "runs": [run.to_dict() for run in self.runs], "notes": self.notes,
-                "timings_s": {k: round(v, 3) for k, v in self.timings.items()}}
+    def dict_extras(self) -> dict:
+        reference = self.layouts[0] if self.layouts else None
+        resume = None if self.resume is None else {"step": self.resume_at, "from": reference,
+                                                   "checks": _by_layout(self.resume)}
+        return {"verdict": self.verdict, "reference": reference, "resume_across": resume}
+
+
+def _by_layout(checks: Mapping) -> dict:
+    """Checks as results write them: by each check's own layout name."""
+    return {check.layout: check.to_dict() for check in checks.values()}
 
 
 def verify_across(layouts: Sequence[Layout] | Sequence[int], cmd: list[str] | None = None, out=None, *,

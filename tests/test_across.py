@@ -68,12 +68,12 @@ def test_each_cell_asks_the_recipe_for_its_switches_and_the_run_takes_them_all()
     assert recipe.invariant_overrides(ParallelDims.parse("pp2")) == ["grad_reduce=invariant"]
     cells = parse_layouts("single,dp2,tp2")
     assert recipe.across_switches(cells) == ["grad_reduce=invariant", "tp_reduce=invariant"]
-    assert [r["switch"] for r in across_reductions("single,dp2,tp2")] == ["grad_reduce=invariant",
-                                                                           "grad_reduce=invariant",
-                                                                           "tp_reduce=invariant",
-                                                                           "grad_reduce=invariant",
-                                                                           "grad_reduce=invariant"]
+    # the certificate lists what the layouts split, not every size a switch would cover
+    assert [(r["switch"], r["size"]) for r in across_reductions("single,dp2,tp2")] == [
+        ("grad_reduce=invariant", "dp_replicate"), ("tp_reduce=invariant", "tp")]
     assert [r["size"] for r in across_reductions("single,tp2")] == ["tp"]
+    assert [r["size"] for r in across_reductions("single,fsdp2,pp2,ep2")] == ["dp_replicate", "dp_shard", "pp", "ep"]
+    assert len(recipe.invariant_reductions(["grad_reduce=invariant"])) == 4  # without cells: every size it covers
 
 
 def test_the_layouts_programs_and_their_controls():
@@ -353,8 +353,7 @@ def test_the_recipe_across_single_dp2_and_tp2_passes_with_its_controls_and_a_cer
     cert = json.loads((out / CERTIFICATE).read_text())
     assert cert["roots_equal"] and cert["steps"] == [0, 1, 2]
     assert [(r["switch"], r["size"]) for r in cert["invariant_reductions"]] == [
-        ("grad_reduce=invariant", "dp_replicate"), ("grad_reduce=invariant", "dp_shard"),
-        ("tp_reduce=invariant", "tp"), ("grad_reduce=invariant", "pp")]
+        ("grad_reduce=invariant", "dp_replicate"), ("tp_reduce=invariant", "tp")]  # the sizes these layouts split
     assert set(cert["checkpoints"]) == {"single", "dp2", "tp2"}
     # the final step's checkpoints hold one training state: by content, not by files
     assert cert["checkpoints_equal"] is True, cert["checkpoints"]

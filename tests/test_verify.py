@@ -242,7 +242,7 @@ def _docs_example(filename: str) -> tuple[str, list[list[str]]]:
     start = text.index(f"# file: {filename}")
     script = text[start:text.index("```", start)]
     commands = []
-    for block in re.findall(r"```sh\n(.*?)```", text[start + 1:].split("# file:")[0], re.S):
+    for block in re.findall(r"```sh[^\n]*\n(.*?)```", text[start + 1:].split("# file:")[0], re.S):
         if block.startswith("samebits verify"):
             commands.append(shlex.split(block.replace("\\\n", " "))[1:])
     return script, commands

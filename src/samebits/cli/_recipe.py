@@ -64,8 +64,10 @@ def across_layouts(spec: str, *, steps: int, overrides: Sequence[str] = (), cont
 
 
 def across_reductions(spec: str) -> list[dict]:
-    """What the switches of ``spec``'s layouts make invariant (the certificate's list)."""
-    return recipe.invariant_reductions(recipe.across_switches(parse_layouts(spec)))
+    """What the switches of ``spec``'s layouts make invariant along the sizes they vary (the
+    certificate's list)."""
+    cells = parse_layouts(spec)
+    return recipe.invariant_reductions(recipe.across_switches(cells), cells)
 
 
 def replay_command(nproc: int) -> list[str]:

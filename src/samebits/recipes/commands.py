@@ -143,10 +143,14 @@ def across_switches(cells: Sequence[ParallelDims]) -> list[str]:
     return list(dict.fromkeys(s for dims in cells for s in invariant_overrides(dims)))
 
 
-def invariant_reductions(switches: Sequence[str]) -> list[dict]:
-    """What ``switches`` make invariant, one entry per (switch, size) of `INVARIANT_SWITCHES`."""
+def invariant_reductions(switches: Sequence[str], cells: Sequence[ParallelDims] | None = None) -> list[dict]:
+    """What ``switches`` make invariant, one entry per (switch, size) of `INVARIANT_SWITCHES`;
+    with ``cells``, only the sizes some cell splits (> 1), so that a certificate lists what its
+    layouts exercised, not every size the switch would cover."""
+    used = None if cells is None else {key for dims in cells for key, size in dims.sizes().items() if size > 1}
     return [{"switch": switch, "size": key, "covers": covers}
-            for key, (switch, covers) in INVARIANT_SWITCHES.items() if switch in switches]
+            for key, (switch, covers) in INVARIANT_SWITCHES.items()
+            if switch in switches and (used is None or key in used)]
 
 
 def control_global_batch(cells: Sequence[ParallelDims]) -> int:

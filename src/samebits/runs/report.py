@@ -144,6 +144,16 @@ class Pair:
         return self.result.verdict if self.result is not None else Verdict.INCOMPLETE
 
 
+def _layout_check_where(check: dict) -> str:
+    """Where a `verify --across` check (a layout's, or a resume's) first differs, or why it
+    could not decide; "-" for neither."""
+    first = check.get("first_divergence") or {}
+    where = "-" if not first else f"step {first.get('step')}: {first.get('phase')}/{first.get('name')}"
+    if check.get("verdict") == Verdict.INCOMPLETE.value:
+        where = "; ".join((check.get("incomplete") or [])[:1]) or where
+    return where
+
+
 def _pair_summary(pair: Pair) -> dict:
     """A compared pair in the report's JSON: which runs, from which step, the verdict, and each
     rank's first divergent step."""
@@ -710,24 +720,16 @@ class _Page:
         reference = summary.get("reference")
         rows = []
         for name, check in (summary.get("checks") or {}).items():
-            first = check.get("first_divergence") or {}
-            where = "-" if not first else f"step {first.get('step')}: {first.get('phase')}/{first.get('name')}"
-            if check.get("verdict") == Verdict.INCOMPLETE.value:
-                where = "; ".join((check.get("incomplete") or [])[:1]) or where
             rows.append([f"{reference} = {name}", check.get("verdict"), check.get("by"),
-                         (check.get("compared") or {}).get("steps"), where])
+                         (check.get("compared") or {}).get("steps"), _layout_check_where(check)])
         self.add(_table(["layouts", "verdict", "compared by", "steps", "first divergence"], rows, verdict_column=1))
         resumed = summary.get("resume_across")
         if resumed:
             self.h2("Resume across layouts", "resume-across")
             rows = []
             for name, check in (resumed.get("checks") or {}).items():
-                first = check.get("first_divergence") or {}
-                where = "-" if not first else f"step {first.get('step')}: {first.get('phase')}/{first.get('name')}"
-                if check.get("verdict") == Verdict.INCOMPLETE.value:
-                    where = "; ".join((check.get("incomplete") or [])[:1]) or where
                 rows.append([f"resume-{name}", check.get("verdict"), (check.get("compared") or {}).get("steps"),
-                             where])
+                             _layout_check_where(check)])
             self.add(f"<p>{_esc(resumed.get('from'))} saved its checkpoint of step {_esc(resumed.get('step'))}; each "
                      "other layout resumed it (--allow-layout-change) and must equal its uninterrupted run bit for "
                      "bit from there to the end (global digests at every step, rank 0's metrics).</p>"

@@ -275,9 +275,10 @@ def _scaler_state(scaler: Any) -> torch.Tensor:
     scale, tracker = getattr(scaler, "_scale", None), getattr(scaler, "_growth_tracker", None)
     scale = float(getattr(scaler, "_init_scale", float("nan"))) if scale is None else scale
     tracker = float(getattr(scaler, "_init_growth_tracker", -1)) if tracker is None else tracker
-    values = [v.reshape(-1)[0].to(device="cpu", dtype=torch.float64) if isinstance(v, torch.Tensor)
-              else torch.tensor(float(v), dtype=torch.float64) for v in (scale, tracker)]
-    return torch.stack(values)
+    device = next((v.device for v in (scale, tracker) if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    values = [v.reshape(-1)[0].to(device=device, dtype=torch.float64) if isinstance(v, torch.Tensor)
+              else torch.tensor(float(v), dtype=torch.float64, device=device) for v in (scale, tracker)]
+    return torch.stack(values).cpu()  # widened where they live (exact), then one copy to the host
 
 
 def _float64(values: Sequence[Any]) -> torch.Tensor:

@@ -1,0 +1,156 @@
+"""Fail-safe recording: samebits' code inside the user's process never reaches the program.
+
+Every hook zero-code recording puts into a user's process (constructor wrappers, module,
+optimizer and backward hooks, the census, digests, the encoder and writer, the exit
+handlers) runs its own work inside `guard`:
+
+    with guard("forward", step=step, records="forward outputs"):
+        ...samebits' own work...
+
+An exception raised there is swallowed (the program runs on exactly as it would without
+samebits) and recorded as a **gap**: one line in ``SAMEBITS_DIR/gaps-rank-NNNNN.jsonl``
+(site, step, which records, the error), and, once per site, the whole traceback in
+``SAMEBITS_DIR/samebits-log-rank-NNNNN.txt``.  The user's own exceptions never pass through
+a guard: a wrapper calls the user's (or torch's) code outside it.
+
+`read_gaps` gives a run's gaps back to the launcher: a verdict that touches a gapped
+record is INCOMPLETE, never PASS and never DIVERGED on it (`samebits.runs.verify`).  A gap
+at a site that writes the main stream (``verdict=True``) can hide or fake a difference; a
+gap in the census or the tracking of state (``verdict=False``) only leaves an explanation
+short.  ``SAMEBITS_FAULT_SITE`` (tests only) makes the named site raise, to prove that the
+program's exit code, output and bits do not change when samebits fails there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+GAPS_FILE = "gaps-rank-{rank}.jsonl"  # in the run directory, one JSON line per gap
+LOG_FILE = "samebits-log-rank-{rank}.txt"  # the traceback of each site's first gap
+MAX_GAPS = 1_000  # a site that fails every step: its first gaps are enough
+FAULT_VARIABLE = "SAMEBITS_FAULT_SITE"  # tests: make this site raise (comma-separated)
+
+#: Every hook site, with whether a gap there touches the verdict (it writes the main stream).
+SITES: dict[str, bool] = {
+    "startup": True,  # install(): nothing is recorded in this process
+    "forward_pre": False,  # census and inputs at a top-level forward
+    "forward": True,  # a top-level forward's outputs
+    "backward": True,  # the root of a backward() call
+    "optimizer_step": True,  # params, grads, optimizer state after a step
+    "step_end": True,  # the step's end (the frame written)
+    "census": False,  # the state census
+    "tracking": False,  # constructor wrappers, generator and data-loader tracking
+    "exit": True,  # closing the streams at exit
+}
+
+
+class InjectedFault(RuntimeError):
+    """Raised at a site named in ``SAMEBITS_FAULT_SITE`` (fault-injection tests only)."""
+
+
+class _Gaps:
+    def __init__(self):
+        self.count = 0
+        self.logged: set[str] = set()
+        self.faults = {s.strip() for s in os.environ.get(FAULT_VARIABLE, "").split(",") if s.strip()}
+
+    def directory(self) -> Path | None:
+        directory = os.environ.get("SAMEBITS_DIR", "").strip()
+        return Path(directory) if directory else None
+
+
+_GAPS = _Gaps()
+
+
+def _rank() -> str:
+    rank = os.environ.get("RANK", "").strip()
+    return f"{int(rank):05d}" if rank.isdigit() else "x"
+
+
+def record_gap(site: str, error: BaseException, *, step: int | None = None, records: str = "") -> None:
+    """Note that samebits could not record ``records`` at ``site`` in ``step`` because of
+    ``error``.  Never raises: when even this fails, a line on stderr is all that is left."""
+    try:
+        _GAPS.count += 1
+        if _GAPS.count > MAX_GAPS:
+            return
+        directory = _GAPS.directory()
+        message = f"{type(error).__name__}: {error}"
+        entry = {"site": site, "step": step, "records": records or site, "error": message[:2000],
+                 "verdict": SITES.get(site.partition(".")[0], True), "pid": os.getpid()}
+        if directory is None:
+            print(f"samebits: could not record {entry['records']} at {site} (step {step}): {message}",
+                  file=sys.stderr)
+            return
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(directory / GAPS_FILE.format(rank=_rank()), "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(entry) + "\n")
+        if site not in _GAPS.logged:
+            _GAPS.logged.add(site)
+            text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+            with open(directory / LOG_FILE.format(rank=_rank()), "a", encoding="utf-8") as handle:
+                handle.write(f"--- samebits could not record {entry['records']} at {site}, step {step} "
+                             f"(pid {os.getpid()}); a samebits bug, please report it with this log ---\n{text}\n")
+    except Exception:  # noqa: BLE001 - the last resort: a line on stderr, the program untouched
+        try:
+            print(f"samebits: could not record at {site}: {error!r}", file=sys.stderr)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+@contextlib.contextmanager
+def guard(site: str, *, step: int | None = None, records: str = ""):
+    """Run samebits' own work; an exception it raises becomes a gap (`record_gap`) and goes
+    no further.  ``site`` is one of `SITES` (``"tracking.dataloader"``: a site and detail)."""
+    try:
+        if _GAPS.faults and (site in _GAPS.faults or site.partition(".")[0] in _GAPS.faults):
+            raise InjectedFault(f"samebits fault injected at {site} ({FAULT_VARIABLE})")
+        yield
+    except Exception as err:  # noqa: BLE001 - the contract: nothing of ours reaches the program
+        record_gap(site, err, step=step, records=records)
+
+
+def read_gaps(run_dir: str | os.PathLike) -> list[dict]:
+    """Every gap recorded in run ``run_dir`` (all ranks), in file order; an unreadable line
+    is itself a gap (``site`` "unreadable"), so that it is never taken for none."""
+    run_dir = Path(run_dir)
+    gaps: list[dict] = []
+    if not run_dir.is_dir():
+        return gaps
+    for path in sorted(run_dir.glob(GAPS_FILE.format(rank="*"))):
+        try:
+            lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError as err:
+            gaps.append({"site": "unreadable", "step": None, "records": path.name, "error": str(err),
+                         "verdict": True, "file": str(path)})
+            continue
+        rank = path.name[len("gaps-rank-"):-len(".jsonl")]
+        for line in lines:
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                entry = None
+            if not isinstance(entry, dict):
+                entry = {"site": "unreadable", "step": None, "records": path.name, "error": "a damaged line",
+                         "verdict": True}
+            entry["rank"] = int(rank) if rank.isdigit() else None
+            entry["log"] = str(run_dir / LOG_FILE.format(rank=rank))
+            gaps.append(entry)
+    return gaps
+
+
+def summarise_gaps(gaps: list[dict]) -> str:
+    """One line: what samebits could not record, and where the log is."""
+    if not gaps:
+        return ""
+    sites = list(dict.fromkeys(f"{g.get('records') or g.get('site')} ({g.get('site')})" for g in gaps))
+    steps = sorted({g["step"] for g in gaps if isinstance(g.get("step"), int)})
+    where = f" from step {steps[0]}" if steps else ""
+    more = f" and {len(sites) - 3} more" if len(sites) > 3 else ""
+    return (f"samebits could not record {', '.join(sites[:3])}{more}{where}: a samebits bug, please report it "
+            f"with {gaps[0].get('log', 'the run log')}")

@@ -2,7 +2,8 @@
 
 * `tensor_leaves`: the (label, tensor) pairs of a module's inputs or outputs (`torch.utils._pytree`);
   `op_tensor_args` / `op_tensor_outputs`: the same for one ATen op's arguments, on the hot path;
-* `call_site`: the user's file:line, skipping torch's frames and samebits' own;
+* `call_site`: the program's file:line (installed packages included), skipping torch's, the standard
+  library's and the caller's own frames;
 * `is_uninitialized_op`: ops whose outputs are uninitialised memory (bytes that are not results);
 * `AutogradScopes`: which forward code created the autograd node running in backward;
 * `optimizer_params`: an optimizer's parameters with their names;
@@ -17,8 +18,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import os
 import sys
+import sysconfig
 from collections.abc import Mapping
 from typing import Any, Iterator
 
@@ -107,19 +110,34 @@ def op_tensor_outputs(out: Any) -> list[tuple[str, torch.Tensor]]:
 
 
 def call_site(skip_frames: int = 1, *, skip: tuple[str, ...] = ("<",), with_function: bool = True) -> str | None:
-    """``file:line in function`` (or ``file:line``) of the nearest caller whose file is not
-    torch's and starts with none of ``skip`` (folders, ``"<"`` for generated code);
-    ``skip_frames`` counts from the caller of this function."""
-    skipped = (TORCH_DIR, *skip)
+    """``file:line in function`` (or ``file:line``) of the nearest caller that is the program's:
+    the innermost frame whose file is neither torch's (``torch/`` itself: an installed package
+    whose name starts with "torch", such as torchtitan's ``decoder.py``, is the program's) nor
+    Python's standard library (``runpy``, ``copy``, ``contextlib``: a launcher's or a helper's
+    line, not the program's), and starts with none of ``skip`` (folders, ``"<"`` for generated
+    code); ``skip_frames`` counts from the caller of this function."""
     frame = sys._getframe(skip_frames)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not filename.startswith(skipped):
+        if not filename.startswith(skip) and not _library_file(filename):
             if with_function:
                 return f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"
             return f"{filename}:{frame.f_lineno}"
         frame = frame.f_back
     return None
+
+
+_STDLIB_DIRS = tuple({os.path.join(sysconfig.get_paths()[key], "") for key in ("stdlib", "platstdlib")})
+_PACKAGE_DIRS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
+
+
+@functools.lru_cache(maxsize=4096)
+def _library_file(filename: str) -> bool:
+    """A file of torch itself or of the standard library (whose folder may hold site-packages:
+    the packages installed there are programs' code)."""
+    if filename.startswith(TORCH_DIR + os.sep):
+        return True
+    return filename.startswith(_STDLIB_DIRS) and not any(part in filename for part in _PACKAGE_DIRS)
 
 
 # -- ops whose outputs are not results -------------------------------------------------------

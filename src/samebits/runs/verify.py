@@ -29,7 +29,7 @@ from typing import Callable
 from samebits.autorecord import environment_for, read_stop, recording_variables, with_variables
 from samebits.checkpoint import CENSUS_DIR
 from samebits.compare import DiffResult, diff
-from samebits.errors import ConfigError
+from samebits.errors import ConfigError, IncomparableRunsError
 from samebits.runs._explain import Finding, explain_independent, explain_resume, ordered
 from samebits.runs._launch import judge_recipe_run, judge_recorded_run, run_logged
 from samebits.runs.commands import (CKPT, FROM, OUT, REFERENCE, RUN, STEP, SelfRecording, fill_placeholders,
@@ -145,8 +145,8 @@ def verify_recipe(
     say("comparing ...")
     notes: list[str] = []
     checks = {
-        "independent": _with_census(diff(out / "a", out / "b"), out / "a", out / "b", None, "independent", notes),
-        "resume": _with_census(diff(out / "a", out / "c", start_step=resume_at), out / "a", out / "c",
+        "independent": _with_census(_diff(out / "a", out / "b"), out / "a", out / "b", None, "independent", notes),
+        "resume": _with_census(_diff(out / "a", out / "c", start_step=resume_at), out / "a", out / "c",
                                resume_at, "resume", notes),
     }
     result = VerifyResult(str(out), checks, timings, resume_at, notes, runs)
@@ -156,6 +156,23 @@ def verify_recipe(
         result.resume_bisect_command = shlex.join([*program.bisect_words, "--resume-at", str(resume_at)])
     write_summary(out, result)
     return result
+
+
+def _diff(a: Path, b: Path, start_step: int | None = None) -> DiffResult:
+    """`diff` of two of verify's runs.  Runs that cannot be compared (other configs, other
+    recorded names) give no verdict (exit 2); the advice then names the command that shows
+    their differences anyway, since verify itself takes no --allow-config-diff (issue 33)."""
+    try:
+        return diff(a, b, start_step=start_step)
+    except IncomparableRunsError as err:
+        message, _, advice = str(err).rpartition("\n")
+        if "--allow-config-diff" not in advice:  # compare's advice is for `samebits diff`, which takes it
+            message = str(err)
+        words = ["samebits", "diff", str(a), str(b), "--allow-config-diff"]
+        if start_step is not None:
+            words[4:4] = ["--from-step", str(start_step)]
+        raise IncomparableRunsError(f"{message}\nverify compares only runs that record the same things; to see "
+                                    f"where they differ anyway, run `{shlex.join(words)}`", err.differences) from err
 
 
 def _with_census(check: DiffResult, a: Path, b: Path, start_step: int | None, name: str,
@@ -259,8 +276,8 @@ def verify_command(
             ended = judge_recorded_run(name, argv, code, run_dir, log) or "finished"
         runs.append(RunInfo(name, shlex.join(argv), code, seconds, ended))
         say(f"      done in {seconds:.1f} s: {ended}")
-    checks = {"independent": diff(out / "a", out / "b"),
-              "resume": diff(out / "a", out / "c", start_step=resume_at) if resume_with else None}
+    checks = {"independent": _diff(out / "a", out / "b"),
+              "resume": _diff(out / "a", out / "c", start_step=resume_at) if resume_with else None}
     result = VerifyResult(str(out), checks, timings, resume_at, notes, runs)
     _explain(result, out / "a", out / "b", out / "c")
     result.bisect_command = "samebits bisect -- " + command  # bisect fills {out} and {run} per run, as here

@@ -189,9 +189,18 @@ def test_tp_layers_forward_and_backward_have_the_same_bits_at_tp_1_2_and_4(layer
         for name, dim in (("row_grad_x", -1), ("row_grad_w", 1), ("col_y", -1), ("col_grad_w", 0)):
             joined = torch.cat([got[name] for got in ranks], dim=dim)
             assert torch.equal(joined, ref[name]), (world_size, name)
-        # the controls: the same shares summed as plain TP does (fp32 partials, all-reduced);
+        # the controls: the same shares summed as plain TP does (fp32 partials, all-reduced),
+        # on a K where that differs from the one-rank GEMM on this CPU, checked before use (a
+        # GEMM that blocks K the way the shares do gives the plain sum's bits: 256 over 2 ranks
+        # on AMD EPYC), and the invariant layer on those same inputs equals one rank;
         # stage tensors without replicated=False (a whole one on rank 1 counted as a replica)
-        assert not torch.equal(ranks[0]["plain_row_y"], ref["plain_row_y"]), world_size
+        control_k = ranks[0]["control_k"]
+        assert control_k is not None, f"no control K where plain TP differs from one rank at tp={world_size}"
+        x_ctrl, w_ctrl = _control_inputs(control_k)
+        assert not torch.equal(ranks[0]["plain_row_y"], x_ctrl @ w_ctrl.t()), world_size
+        for rank, got in enumerate(ranks):
+            assert torch.equal(got["control_row_y"], row_parallel_linear(x_ctrl, w_ctrl, None).detach()), \
+                (world_size, rank, control_k)
         assert not torch.equal(ranks[0]["pp_norm_unflagged"], ref["pp_norm"]), world_size
         assert "split over %d ranks into 48 elements each" % world_size in ranks[0]["uneven"]
 
@@ -284,6 +293,34 @@ def test_control_without_grad_reduce_invariant_tp_x_dp_fsdp2_pp2_and_ep2_differ_
 # --- the worker -------------------------------------------------------------------------------
 
 
+CONTROL_KS = (K_ROW, 192, 128, 448, 640, 384, 512)  # candidates for the plain-TP control's K
+
+
+def _control_inputs(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + k)
+    return torch.randn(*TOKENS, k, generator=gen), torch.randn(N_ROW, k, generator=gen) * 0.05
+
+
+def _row_control(group, rank: int, world_size: int) -> dict:
+    """The negative control of the row-parallel layer, checked before use: the first K (whole
+    blocks of 32 per share) where plain TP's all-reduced fp32 partials differ from the one-rank
+    GEMM here, with the invariant layer's output on the same shares.  The choice is the same on
+    every rank (both sides are whole tensors every rank holds)."""
+    if group is None:
+        return {}
+    for k in CONTROL_KS:
+        if k % (32 * world_size):
+            continue
+        x, w = _control_inputs(k)
+        share = slice(rank * k // world_size, (rank + 1) * k // world_size)
+        plain = x[..., share] @ w[:, share].t()
+        torch.distributed.all_reduce(plain, group=group)
+        if not torch.equal(plain, x @ w.t()):
+            invariant = row_parallel_linear(x[..., share].clone(), w[:, share].clone(), group).detach()
+            return {"control_k": k, "plain_row_y": plain, "control_row_y": invariant}
+    return {"control_k": None}
+
+
 def _layer_results(group, rank: int, world_size: int) -> dict:
     """Both layers on this rank's share (rank order, contiguous) of the same full tensors."""
     gen = torch.Generator().manual_seed(28)
@@ -312,12 +349,9 @@ def _layer_results(group, rank: int, world_size: int) -> dict:
     positions = slice(rank * 8 // world_size, (rank + 1) * 8 // world_size)
     w_norm = torch.randn(K_COL, generator=gen).requires_grad_()
     scale_columns(y_seq[:, positions], w_norm, group).backward(g_seq[:, positions])
-    plain = x_row[..., mine_k] @ w_row[:, mine_k].t()
-    if group is not None:
-        torch.distributed.all_reduce(plain, group=group)
     out = {"row_y": row_y.detach(), "row_grad_x": x_r.grad, "row_grad_w": w_r.grad, "col_y": col_y.detach(),
-           "col_grad_x": x_c.grad, "col_grad_w": w_c.grad, "norm": norm, "plain_row_y": plain,
-           "sp_norm_grad_w": w_norm.grad}
+           "col_grad_x": x_c.grad, "col_grad_w": w_c.grad, "norm": norm, "sp_norm_grad_w": w_norm.grad}
+    out.update(_row_control(group, rank, world_size))
     if group is not None:
         try:
             invariant_matmul(torch.zeros(3, 48), torch.zeros(48, 2), group=group)

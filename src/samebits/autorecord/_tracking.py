@@ -2,13 +2,17 @@
 
 Zero-code recording cannot wait for an optimizer's first ``step()`` to learn of it: a resumed
 process whose ``load_state_dict`` was forgotten would then have no optimizer in its census at
-the resume step, and a missing record names nothing.  `install_tracking` wraps the
-constructors of every kind of training state, once per process:
+the resume step, and a missing record names nothing.  `install_tracking` watches the
+construction of every kind of training state, once per process:
 
-* ``torch.optim.Optimizer``, ``LRScheduler`` and ``torch.amp.GradScaler`` (their ``__init__``);
-* ``torch.Generator`` (replaced by a subclass that notes where each one was made) and
-  ``numpy.random.default_rng``: generators are named by creation site (``train.py:30``);
-* ``torch.utils.data.DataLoader`` (its creation site, its iterators and their position).
+* ``torch.optim.Optimizer``, ``LRScheduler`` and ``torch.amp.GradScaler`` (their ``__init__``;
+  the deprecated ``torch.cuda.amp.GradScaler`` calls it too);
+* ``torch.Generator`` and ``numpy.random.default_rng``: generators are named by creation site
+  (``train.py:30``);
+* every ``torch.utils.data.DataLoader``, subclasses included (torchdata's
+  ``StatefulDataLoader`` never calls ``DataLoader.__init__``): its creation site, and its
+  iterators, whose ``_num_yielded`` is the position in the epoch (restored by a stateful
+  loader's ``load_state_dict``).
 
 It also keeps a short log of *events* on the global generators: each one's state as the
 process starts (``initial``), a restore or a seed
@@ -16,14 +20,23 @@ process starts (``initial``), a restore or a seed
 ...) with the digest of the state it set, and a draw by a data loader's iterator (creating it
 draws a base seed; its first batch draws the sampler's seed).  The verify explanation reads
 them to say "restored at train.py:58, then drawn from by the DataLoader iterator made at
-train.py:70".  Objects are held weakly: tracking keeps nothing alive.
+train.py:70".
+
+The program must not be able to tell (issue 33): ``torch.Generator`` stays torch's own class
+(its metaclass's ``__call__`` notes each one made), nothing is stored on the program's
+objects (what tracking knows lives here, keyed by ``id`` and held weakly: tracking keeps
+nothing alive), and every wrapper calls the original outside `guard`, so that samebits'
+own failures become gaps and the program's exceptions and results pass through unchanged.
 """
 
 from __future__ import annotations
 
+import copy
+import copyreg
 import functools
 import os
 import random
+import sys
 import weakref
 from typing import Any, Callable
 
@@ -31,6 +44,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from samebits._torchutil import SAMEBITS_DIR, call_site, outside_dispatch_modes
+from samebits.autorecord._gaps import guard
 from samebits.checkpoint import global_rng_record
 from samebits.fingerprint import digest
 
@@ -40,28 +54,52 @@ except ImportError:  # pragma: no cover
     _np = None
 
 MAX_EVENTS = 10_000  # a program that reseeds every step keeps its first events only
+_TRACKED = "_samebits_tracking"  # marks samebits' own wrappers (on the wrapper, never on the program's objects)
 
 
 class _Live:
-    """Objects in creation order, held weakly."""
+    """Objects in creation order, held weakly, each with its site and what tracking notes
+    about it (a dict), kept here rather than on the object: ``vars(obj)``, pickling and
+    ``deepcopy`` see nothing.  Keyed by ``id`` (a user's class may define ``__hash__`` or
+    ``__eq__``); an entry goes when its object dies."""
 
     def __init__(self):
-        self._refs: list[tuple[weakref.ref, str | None]] = []
+        self._entries: dict[int, tuple[weakref.ref, str | None, dict]] = {}
 
-    def add(self, obj: Any, site: str | None = None) -> None:
+    def add(self, obj: Any, site: str | None = None) -> dict | None:
+        """Track ``obj`` (once); its notes, or None if it cannot be held weakly."""
+        notes = self.notes(obj)
+        if notes is not None:
+            return notes
+        key = id(obj)
+        entries = self._entries
+
+        def gone(ref, key=key):  # its id may be reused: drop only its own entry
+            entry = entries.get(key)
+            if entry is not None and entry[0] is ref:
+                del entries[key]
+
         try:
-            self._refs.append((weakref.ref(obj), site))
+            ref = weakref.ref(obj, gone)
         except TypeError:  # not weak-referenceable: not tracked
-            pass
+            return None
+        notes = {}
+        entries[key] = (ref, site, notes)
+        return notes
+
+    def notes(self, obj: Any) -> dict | None:
+        """What tracking noted about ``obj``; None if it is not tracked."""
+        entry = self._entries.get(id(obj))
+        if entry is None or entry[0]() is not obj:
+            return None
+        return entry[2]
 
     def alive(self) -> list[tuple[Any, str | None]]:
-        out, keep = [], []
-        for ref, site in self._refs:
+        out = []
+        for ref, site, _ in list(self._entries.values()):
             obj = ref()
             if obj is not None:
                 out.append((obj, site))
-                keep.append((ref, site))
-        self._refs = keep
         return out
 
 
@@ -77,22 +115,22 @@ class _DrawWatch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not self.seen and _draws_from_the_global_generator(func, args, kwargs):
-            self.seen = True
-            self.tracking.event("torch_cpu", "drawn", _site(), by=f"{func.name()} (a draw from the global generator)")
+        if not self.seen:
+            with guard("tracking.draw_watch", step=self.tracking.step(), records="events"):
+                if _draws_from_the_global_generator(func, args, kwargs):
+                    self.seen = True
+                    self.tracking.event("torch_cpu", "drawn", _site(),
+                                        by=f"{func.name()} (a draw from the global generator)")
         return func(*args, **kwargs)
 
 
 def _draws_from_the_global_generator(func, args, kwargs) -> bool:
-    try:
-        if torch.Tag.nondeterministic_seeded not in func.tags or kwargs.get("generator") is not None:
-            return False
-        device = kwargs.get("device")
-        if device is not None and torch.device(device).type != "cpu":
-            return False
-        return all(a.device.type == "cpu" for a in args if isinstance(a, torch.Tensor))
-    except Exception:  # noqa: BLE001 - watching must never break the program
+    if torch.Tag.nondeterministic_seeded not in func.tags or kwargs.get("generator") is not None:
         return False
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type != "cpu":
+        return False
+    return all(a.device.type == "cpu" for a in args if isinstance(a, torch.Tensor))
 
 
 class Tracking:
@@ -107,7 +145,8 @@ class Tracking:
         self.schedulers = _Live()
         self.scalers = _Live()
         self.generators = _Live()
-        self.loaders = _Live()
+        self.loaders = _Live()  # notes: "iterator", a weakref to its newest iterator
+        self.iterators = _Live()  # data-loader iterators; notes: "first_done"
         self.events: list[dict] = []
         self.written = 0  # events already handed to `new_events`
 
@@ -128,7 +167,8 @@ class Tracking:
     def loader_positions(self) -> list[tuple[str, torch.Tensor]]:
         """``data.<site>``: int64[1], the batches its newest iterator yielded (-1: none yet), for
         each live DataLoader: the position in the epoch, which a resume must restore (how many
-        iterators a process made is its own history, not state)."""
+        iterators a process made is its own history, not state).  A stateful loader's iterator
+        starts from the position its ``load_state_dict`` restored."""
         records, seen = [], set()
         for loader, site in self.loaders.alive():
             name = f"data.{site or 'unknown'}"
@@ -137,8 +177,8 @@ class Tracking:
                 number += 1
                 name = f"data.{site or 'unknown'}#{number}"
             seen.add(name)
-            state = loader.__dict__.get("_samebits_position", [None, 0])
-            iterator = state[0]() if state[0] is not None else None
+            ref = (self.loaders.notes(loader) or {}).get("iterator")
+            iterator = ref() if ref is not None else None
             yielded = int(getattr(iterator, "_num_yielded", -1)) if iterator is not None else -1
             records.append((name, torch.tensor([yielded], dtype=torch.int64)))
         return records
@@ -173,10 +213,29 @@ class Tracking:
                                 "site": site, **extra})
 
 
+def _package_dir(name: str) -> str | None:
+    """The folder of package ``name`` if the program has imported it (never imports it)."""
+    module = sys.modules.get(name)
+    path = getattr(module, "__file__", None)
+    return os.path.dirname(path) if path else None
+
+
+#: Frames that are never the user's line: torch's (always skipped by `call_site`), samebits',
+#: NumPy's, generated code, and the standard library's copying (``deepcopy`` of a generator
+#: makes one: its site is the line that copied).
+_NUMPY_DIR = os.path.dirname(_np.__file__) if _np is not None else "\0"
+_SKIPPED = ("<", SAMEBITS_DIR, _NUMPY_DIR, copy.__file__, copyreg.__file__)
+
+
+def _skipped() -> tuple[str, ...]:
+    torchdata = _package_dir("torchdata")  # a stateful loader's own frames, as torch's are
+    return _SKIPPED + (torchdata,) if torchdata else _SKIPPED
+
+
 def _site() -> str | None:
     """The user's ``file:line`` that made the call (torch's and samebits' own frames skipped),
     the file as its base name."""
-    site = call_site(2, skip=("<", SAMEBITS_DIR, _NUMPY_DIR), with_function=False)
+    site = call_site(2, skip=_skipped(), with_function=False)
     if site is None:
         return None
     path, _, line = site.rpartition(":")
@@ -187,38 +246,38 @@ def _in_a_library() -> bool:
     """Whether the caller (past torch's and samebits' frames) is an installed library's code
     (site-packages), not the program's own: e.g. Lightning's `isolate_rng` restoring a state
     it saved itself a moment before."""
-    site = call_site(2, skip=("<", SAMEBITS_DIR, _NUMPY_DIR), with_function=False) or ""
+    site = call_site(2, skip=_skipped(), with_function=False) or ""
     return any(part in site for part in ("site-packages", "dist-packages"))
 
 
-_NUMPY_DIR = os.path.dirname(_np.__file__) if _np is not None else "\0"
-
-
-def _wrap_init(cls, on_made: Callable[[Any], None]) -> None:
+def _wrap_init(cls, on_made: Callable[[Any], None], what: str) -> None:
+    """``cls.__init__`` calls ``on_made(self)`` after the original returned (inside `guard`)."""
     original = cls.__init__
-    if getattr(original, "_samebits_tracking", False):
+    if getattr(original, _TRACKED, False):
         return
 
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        on_made(self)
+        with guard(f"tracking.{what}", records=f"the {what}'s creation"):
+            on_made(self)
 
-    __init__._samebits_tracking = True
+    setattr(__init__, _TRACKED, True)
     cls.__init__ = __init__
 
 
-def _torch_state_digest() -> int:
-    return digest(torch.get_rng_state())
-
-
 def install_tracking(tracking: Tracking) -> None:
-    """Wrap the constructors and the global generators' restore/seed functions (once)."""
-    _wrap_init(torch.optim.Optimizer, tracking.optimizers.add)
-    _wrap_init(torch.optim.lr_scheduler.LRScheduler, tracking.schedulers.add)
+    """Watch the constructors and the global generators' restore/seed functions (once)."""
+    with guard("tracking.install", records="training state tracking"):
+        _install(tracking)
+
+
+def _install(tracking: Tracking) -> None:
+    _wrap_init(torch.optim.Optimizer, lambda made: tracking.optimizers.add(made), "optimizer")
+    _wrap_init(torch.optim.lr_scheduler.LRScheduler, lambda made: tracking.schedulers.add(made), "scheduler")
     scaler = getattr(getattr(torch, "amp", None), "GradScaler", None)
     if scaler is not None:
-        _wrap_init(scaler, tracking.scalers.add)
+        _wrap_init(scaler, lambda made: tracking.scalers.add(made), "scaler")
     _track_generators(tracking)
     _track_loaders(tracking)
     _track_restores(tracking)
@@ -231,78 +290,152 @@ def install_tracking(tracking: Tracking) -> None:
         tracking.event(generator, "initial", None, digest=f"{state:016x}")
 
 
+# --- generators ----------------------------------------------------------------------------
+
 def _track_generators(tracking: Tracking) -> None:
-    base = torch.Generator
-    if getattr(base, "_samebits_tracking", False):
+    def made(generator) -> None:
+        with guard("tracking.generator", records="a generator's creation site"):
+            tracking.generators.add(generator, _site())
+
+    base = torch._C.Generator
+    meta = type(base)
+    if meta is not type:
+        _watch_generator_calls(meta, base, made)
+    elif torch.Generator is base:  # an older torch: its metaclass is ``type``, which cannot be changed
+        torch.Generator = _generator_factory(base, made)
+    if _np is not None:
+        _track_default_rng(made)
+
+
+def _watch_generator_calls(meta: type, base: type, made: Callable[[Any], None]) -> None:
+    """torch >= 2.13 gives ``torch.Generator`` a metaclass written in Python
+    (``torch._opaque_base.OpaqueBaseMeta``): its ``__call__`` is the one place that sees every
+    ``torch.Generator(...)``, a user's subclass and an unpickled copy included, while
+    ``torch.Generator`` stays torch's own class (``type(g) is torch.Generator``, isinstance,
+    pickling and ``torch.compile`` as without samebits).  Other classes of that metaclass
+    (opaque objects) pass straight through."""
+    original = meta.__call__  # type.__call__ unless torch gives the metaclass its own
+    if getattr(original, _TRACKED, False):
         return
 
-    class Generator(base):  # torch.Generator, noting where each is made
-        _samebits_tracking = True
+    def __call__(cls, *args, **kwargs):
+        obj = original(cls, *args, **kwargs)
+        if isinstance(obj, base):
+            made(obj)
+        return obj
 
-        def __init__(self, *args, **kwargs):
-            tracking.generators.add(self, _site())
+    __call__.__doc__ = original.__doc__
+    setattr(__call__, _TRACKED, True)
+    meta.__call__ = __call__
 
-    Generator.__module__, Generator.__qualname__ = "torch", "Generator"
-    Generator.__doc__ = base.__doc__
-    torch.Generator = Generator
-    if _np is not None and not getattr(_np.random.default_rng, "_samebits_tracking", False):
-        original = _np.random.default_rng
 
-        @functools.wraps(original)
-        def default_rng(*args, **kwargs):
-            generator = original(*args, **kwargs)
-            tracking.generators.add(generator, _site())
+def _generator_factory(base: type, made: Callable[[Any], None]) -> type:
+    """Where ``torch.Generator``'s metaclass is ``type`` (torch < 2.13): ``torch.Generator``
+    becomes a stand-in whose ``torch.Generator(...)`` returns a genuine ``torch._C.Generator``
+    (noted), and which every generator is an instance of (``torch.default_generator``
+    included).  ``type(g) is torch.Generator`` is False there: the one difference left."""
+
+    class _GeneratorType(type(base)):
+        def __instancecheck__(cls, instance):
+            return isinstance(instance, base) if cls is factory else super().__instancecheck__(instance)
+
+        def __subclasscheck__(cls, subclass):
+            return issubclass(subclass, base) if cls is factory else super().__subclasscheck__(subclass)
+
+    class Generator(base, metaclass=_GeneratorType):
+        def __new__(cls, *args, **kwargs):
+            generator = base(*args, **kwargs) if cls is factory else base.__new__(cls, *args, **kwargs)
+            made(generator)
             return generator
 
-        default_rng._samebits_tracking = True
-        _np.random.default_rng = default_rng
+    factory = Generator
+    Generator.__module__, Generator.__qualname__ = "torch", "Generator"
+    Generator.__doc__ = base.__doc__
+    setattr(Generator, _TRACKED, True)
+    return Generator
 
+
+def _track_default_rng(made: Callable[[Any], None]) -> None:
+    """``numpy.random.default_rng`` notes each generator it makes; replaced where NumPy
+    defines it too, so that the function pickles by name as before."""
+    original = _np.random.default_rng
+    if getattr(original, _TRACKED, False):
+        return
+
+    @functools.wraps(original)
+    def default_rng(*args, **kwargs):
+        generator = original(*args, **kwargs)
+        made(generator)
+        return generator
+
+    setattr(default_rng, _TRACKED, True)
+    _np.random.default_rng = default_rng
+    home = sys.modules.get(getattr(original, "__module__", None) or "")
+    if home is not None and getattr(home, "default_rng", None) is original:
+        home.default_rng = default_rng
+
+
+# --- data loaders --------------------------------------------------------------------------
 
 def _track_loaders(tracking: Tracking) -> None:
+    """A DataLoader of any class is noted as it is made (``DataLoader.__new__``: its
+    subclasses need not call ``DataLoader.__init__``, and the site is the line that made it,
+    not a subclass's ``super().__init__``); each iterator, as it is made, becomes its loader's
+    newest (``_BaseDataLoaderIter.__init__``, which a stateful loader's iterators call before
+    restoring their position)."""
     from torch.utils.data import DataLoader  # noqa: PLC0415 - torch's, loaded with torch.utils.data
     from torch.utils.data.dataloader import _BaseDataLoaderIter  # noqa: PLC0415
 
-    if getattr(DataLoader.__iter__, "_samebits_tracking", False):
+    if getattr(DataLoader.__dict__.get("__new__"), _TRACKED, False):
         return
+    original_new = DataLoader.__new__
+    original_init, original_next = _BaseDataLoaderIter.__init__, _BaseDataLoaderIter.__next__
+    plain_new = original_new is object.__new__
 
-    def made(loader):
-        loader.__dict__["_samebits_position"] = [None, 0]
-        tracking.loaders.add(loader, _site())
+    def __new__(cls, *args, **kwargs):
+        # object.__new__ takes the class alone once a class defines __new__
+        loader = original_new(cls) if plain_new else original_new(cls, *args, **kwargs)
+        with guard("tracking.dataloader", records="a data loader's creation site"):
+            tracking.loaders.add(loader, _site())
+        return loader
 
-    _wrap_init(DataLoader, made)
-    original_iter, original_next = DataLoader.__iter__, _BaseDataLoaderIter.__next__
-
-    @functools.wraps(original_iter)
-    def __iter__(self):
-        with outside_dispatch_modes():
-            before = torch.get_rng_state()
-        iterator = original_iter(self)
-        state = self.__dict__.setdefault("_samebits_position", [None, 0])
-        if state[0] is None or state[0]() is not iterator:
-            state[1] += 1
-        try:
-            state[0] = weakref.ref(iterator)
-        except TypeError:
-            state[0] = None
-        if _advanced(before):
-            tracking.event("torch_cpu", "drawn", _site(), by="the DataLoader iterator made here")
-        return iterator
+    @functools.wraps(original_init)
+    def __init__(self, loader, *args, **kwargs):
+        before = None
+        with guard("tracking.dataloader_iter", records="a data loader's position"):
+            with outside_dispatch_modes():
+                before = torch.get_rng_state()
+        original_init(self, loader, *args, **kwargs)
+        with guard("tracking.dataloader_iter", records="a data loader's position"):
+            notes = tracking.loaders.add(loader, _site())  # made before tracking began: named by its first use
+            tracking.iterators.add(self)
+            if notes is not None:
+                notes["iterator"] = weakref.ref(self)
+            if before is not None and _advanced(before):
+                tracking.event("torch_cpu", "drawn", _site(), by="the DataLoader iterator made here")
 
     @functools.wraps(original_next)
     def __next__(self):
-        if self.__dict__.get("_samebits_first_done"):
-            return original_next(self)
-        self.__dict__["_samebits_first_done"] = True
-        with outside_dispatch_modes():
-            before = torch.get_rng_state()
+        before = None
+        with guard("tracking.dataloader_next", records="a data loader's first draw"):
+            notes = tracking.iterators.notes(self)
+            if notes is not None and not notes.get("first_done"):
+                notes["first_done"] = True
+                with outside_dispatch_modes():
+                    before = torch.get_rng_state()
         batch = original_next(self)
-        if _advanced(before):
-            tracking.event("torch_cpu", "drawn", _site(),
-                           by="the first batch of a DataLoader iterator (its sampler's shuffle seed)")
+        if before is not None:
+            with guard("tracking.dataloader_next", records="a data loader's first draw"):
+                if _advanced(before):
+                    tracking.event("torch_cpu", "drawn", _site(),
+                                   by="the first batch of a DataLoader iterator (its sampler's shuffle seed)")
         return batch
 
-    __iter__._samebits_tracking = True
-    DataLoader.__iter__ = __iter__
+    for wrapper in (__new__, __init__, __next__):
+        setattr(wrapper, _TRACKED, True)
+    __new__.__doc__ = original_new.__doc__
+    DataLoader.__new__ = __new__
+    _BaseDataLoaderIter.__init__ = __init__
     _BaseDataLoaderIter.__next__ = __next__
 
 
@@ -312,29 +445,32 @@ def _advanced(before: torch.Tensor) -> bool:
         return not torch.equal(before, torch.get_rng_state())
 
 
+# --- restores and seeds of the global generators -------------------------------------------
+
 def _track_restores(tracking: Tracking) -> None:
     """Restores and seeds of the global generators, each with the digest of the state set."""
 
     def wrap(owner, attribute: str, generator: str, what: str) -> None:
         original = getattr(owner, attribute, None)
-        if original is None or getattr(original, "_samebits_tracking", False):
+        if original is None or getattr(original, _TRACKED, False):
             return
 
         @functools.wraps(original)
         def wrapper(*args, **kwargs):
             result = original(*args, **kwargs)
-            try:
-                with outside_dispatch_modes():
-                    state = digest(global_rng_record(generator))
-            except Exception:  # noqa: BLE001 - an event must never break the program
-                state = None
-            tracking.event(generator, what, _site(), digest=None if state is None else f"{state:016x}",
-                           call=f"{getattr(owner, '__name__', '')}.{attribute}", library=_in_a_library())
-            if generator == "torch_cpu" and what == "restored":
-                tracking.watch_draws_after_restore()
+            with guard(f"tracking.{what}", records=f"a {generator} generator event"):
+                try:
+                    with outside_dispatch_modes():
+                        state = digest(global_rng_record(generator))
+                except Exception:  # noqa: BLE001 - the event without its digest
+                    state = None
+                tracking.event(generator, what, _site(), digest=None if state is None else f"{state:016x}",
+                               call=f"{getattr(owner, '__name__', '')}.{attribute}", library=_in_a_library())
+                if generator == "torch_cpu" and what == "restored":
+                    tracking.watch_draws_after_restore()
             return result
 
-        wrapper._samebits_tracking = True
+        setattr(wrapper, _TRACKED, True)
         setattr(owner, attribute, wrapper)
 
     import torch.random as torch_random  # noqa: PLC0415 - torch's own module

@@ -704,11 +704,11 @@ def _compare_step(rank: int, step: int, records_a: list[Record],
         keys_a.add(rec_a.key)
         rec_b = by_key_b.get(rec_a.key)
         if rec_b is not None:
-            if rec_a.capped or rec_b.capped:
-                if _same_shape(rec_a, rec_b):
-                    shape_only.append(rec_a)
-                    continue
-            elif rec_a.same_content(rec_b):
+            match = record_match(rec_a, rec_b)
+            if match == SHAPE_ONLY:
+                shape_only.append(rec_a)
+                continue
+            if match == EQUAL:
                 continue
         differing += 1
         if first is None:
@@ -732,6 +732,21 @@ def _compare_step(rank: int, step: int, records_a: list[Record],
         first.records_differing = differing
         return first, shape_only
     return _order_divergence(rank, step, records_a, records_b), shape_only
+
+
+EQUAL, DIFFERS, SHAPE_ONLY = "equal", "differs", "shape_only"
+
+
+def record_match(rec_a: Record, rec_b: Record) -> str:
+    """The one comparison rule of every verdict (`diff`, `diff --by global`, `verify --across`):
+    two records of one identity are EQUAL only when both hold their value's digest (or a
+    metric's bits, or both are None) and those agree; a tensor without a digest on either side
+    (over ``max_tensor_bytes`` when recorded) is SHAPE_ONLY when dtype and shape agree, a
+    record that is compared but never counted equal; anything else DIFFERS."""
+    if rec_a.kind == rec_b.kind == "tensor" and not (rec_a.absent and rec_b.absent) and \
+            (rec_a.capped or rec_b.capped or rec_a.digest is None or rec_b.digest is None):
+        return SHAPE_ONLY if _same_shape(rec_a, rec_b) else DIFFERS
+    return EQUAL if rec_a.same_content(rec_b) else DIFFERS
 
 
 def _same_shape(rec_a: Record, rec_b: Record) -> bool:
@@ -810,5 +825,5 @@ def _shape_only_reason(run_a: Run, run_b: Run, count: int, examples: list[str]) 
             "SAMEBITS_MAX_TENSOR_BYTES) or with a cap above the largest tensor")
 
 
-__all__ = ["diff", "divergent_steps", "DiffResult", "Divergence", "RankStep", "GlobalDiffResult",
+__all__ = ["diff", "divergent_steps", "record_match", "EQUAL", "DIFFERS", "SHAPE_ONLY", "DiffResult", "Divergence", "RankStep", "GlobalDiffResult",
            "GlobalTensorResult"]

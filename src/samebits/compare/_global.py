@@ -87,6 +87,11 @@ class GlobalDiffResult(ToDict):
         return {"exit_code": self.verdict.exit_code, "by": "global", "first_divergence": first}
 
 
+def _record_match(rec_a, rec_b) -> str:
+    from samebits.compare import record_match  # noqa: PLC0415  (the package imports this module first)
+    return record_match(rec_a, rec_b)
+
+
 def _entry(record) -> dict:
     return {"dtype": record.dtype, "shape": list(record.shape or ()),
             "digest": None if record.digest is None else f"{record.digest:016x}"}
@@ -201,7 +206,9 @@ def diff_global(a: str | os.PathLike, b: str | os.PathLike, *, start: int = 0, s
         run_a.close()
         run_b.close()
     tensors = list(results.values())
-    differing = [t for t in tensors if t.status != "identical"]
+    differing = [t for t in tensors if t.status not in ("identical", "shape_only")]
+    shape_only = [t for t in tensors if t.status == "shape_only"]
+    compared["tensors_shape_only"] = len(shape_only)
     first_step = min((t.first_step for t in differing), default=None)
     window = f"[{start}, {stop if stop is not None else 'end'})"
     if differing:
@@ -215,6 +222,11 @@ def diff_global(a: str | os.PathLike, b: str | os.PathLike, *, start: int = 0, s
         elif steps_compared == 0:
             incomplete.append(f"nothing to compare: the runs hold global records in the window {window}, but at no "
                               "common step")
+        if shape_only:
+            incomplete.append(f"{len(shape_only)} global tensor(s) were compared by shape and dtype only, never by "
+                              f"value: they hold no digest (over max_tensor_bytes when recorded), e.g. "
+                              f"{', '.join(t.phase + '/' + t.name for t in shape_only[:5])}. To compare their values, "
+                              "record both runs without the cap or with a cap above the largest tensor")
         if resumed is not None and not incomplete:
             label, first, _ = resumed
             incomplete.append(f"no divergence from step {first} on, where {label} starts ({label} resumed a run?); "
@@ -242,12 +254,19 @@ def _compare(results: dict, key: tuple, step: int, rec_a, rec_b, inconsistent: l
     if result is None:
         result = results[key] = GlobalTensorResult(phase=key[0], name=key[1], occurrence=key[2], status="identical",
                                                    first_step=None, steps_compared=0, a=None, b=None)
-    if result.status != "identical":
+    if result.status not in ("identical", "shape_only"):
         return  # its first difference is already known
     if rec_a is not None and rec_b is not None:
         result.steps_compared += 1
         result.a, result.b = _entry(rec_a), _entry(rec_b)
-        if rec_a.same_content(rec_b) and not inconsistent:
+        match = _record_match(rec_a, rec_b)
+        if match == "shape_only" and not inconsistent:
+            # no digest on a side (over max_tensor_bytes): the shapes agree, the values are unknown
+            result.status, result.first_step = "shape_only", step
+            result.detail = (f"compared by shape and dtype only at step {step}: no digest (over the size cap when "
+                             f"recorded): a {rec_a.summary()}, b {rec_b.summary()}")
+            return
+        if match == "equal" and not inconsistent:
             return
         result.status, result.first_step = "differs", step
         if inconsistent:

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
 from samebits.checkpoint import content_sha256
-from samebits.compare import DiffResult, Divergence, diff
+from samebits.compare import DIFFERS, SHAPE_ONLY, DiffResult, Divergence, diff, record_match
 from samebits.errors import ConfigError, SamebitsError
 from samebits.runs._launch import RunFailed, failed, run_logged
 from samebits.runs.commands import (CKPT, NPROC, OUT, RUN, STEP, RecipeRefused, SelfRecording, fill_placeholders,
@@ -93,13 +93,26 @@ class Layout:
     resume: tuple[str, ...] | None = None
 
 
+# Declared name mappings: a wrapper that renames every parameter the same way at one layout
+# (DDP holds the model as ``module``).  A record of the first layout not found by its own name
+# is looked for under these, and the verdict says which mapping matched how many records.
+NAME_MAPPINGS = (("DDP's `module.` prefix", "module."), ("torch.compile's `_orig_mod.` prefix", "_orig_mod."))
+_SHOWN = 6  # names listed in a note or a reason
+
+
 def compare_replicated(a, b, *, rank: int = 0, start_step: int | None = None, stop_step: int | None = None,
                        phases: Iterable[str] | None = None) -> DiffResult:
     """Compare rank ``rank``'s records of runs ``a`` and ``b`` (of any world sizes) step by step,
-    for start <= step < stop (stop None: to ``a``'s end).  Records are matched by identity;
-    ``phases`` restricts to those phases.  A step of ``a`` that ``b`` lacks makes the verdict
-    INCOMPLETE (DIVERGED if an earlier step differed); records that only one run holds are
-    listed in the notes and not counted as compared."""
+    for start <= step < stop (stop None: to ``a``'s end), with the rule of every verdict
+    (`samebits.compare.record_match`).  Records are matched by identity, or by a declared
+    mapping (`NAME_MAPPINGS`: DDP's ``module.`` prefix, said in the notes); ``phases``
+    restricts to those phases.  Every selected record of ``a`` must be found in ``b`` at each
+    of its steps, and a record counts as compared only with both digests present and equal:
+    a record ``b`` lacks (``missing``), one without a digest (``shape_only``, over
+    ``max_tensor_bytes``) or a step of ``a`` that ``b`` lacks makes the verdict INCOMPLETE
+    naming them (DIVERGED when a record differs).  Records only ``b`` holds are listed in the
+    notes.  ``compared`` counts steps, records (compared equal or differing), shape_only and
+    missing."""
     start = 0 if start_step is None else start_step
     wanted = None if phases is None else set(phases)
     run_a, run_b = open_run(a), open_run(b)
@@ -110,9 +123,10 @@ def compare_replicated(a, b, *, rank: int = 0, start_step: int | None = None, st
     finally:
         run_a.close()
         run_b.close()
-    compared = {"ranks": 1, "steps": 0, "records": 0, "rank": rank, "world_size_a": run_a.world_size,
-                "world_size_b": run_b.world_size}
-    notes, incomplete, only = [], [], set()
+    compared = {"ranks": 1, "steps": 0, "records": 0, "shape_only": 0, "missing": 0, "rank": rank,
+                "world_size_a": run_a.world_size, "world_size_b": run_b.world_size}
+    notes, incomplete, only_b = [], [], set()
+    missing, shape_only, mapped = {}, {}, {}  # name -> first step; mapping label -> {a name: b name}
     first = None
     for step, records_a in steps_a.items():
         records_b = steps_b.get(step)
@@ -120,26 +134,50 @@ def compare_replicated(a, b, *, rank: int = 0, start_step: int | None = None, st
             incomplete.append(f"step {step}: in {a} but not in {b} (rank {rank})")
             break
         compared["steps"] += 1
+        matched, differing = set(), []
         for key, record in records_a.items():
-            other = records_b.get(key)
-            if other is None:
-                only.add(f"{key[1]}/{key[2]} only in {a}")
+            other_key = _find(key, records_b, mapped)
+            if other_key is None:
+                compared["missing"] += 1
+                missing.setdefault(f"{key[1]}/{key[2]}", step)
+                continue
+            matched.add(other_key)
+            other = records_b[other_key]
+            match = record_match(record, other)
+            if match == SHAPE_ONLY:
+                compared["shape_only"] += 1
+                shape_only.setdefault(f"{key[1]}/{key[2]}", step)
                 continue
             compared["records"] += 1
-            if not record.same_content(other) and first is None:
-                first = Divergence(step=step, rank=rank, reason="content", phase=key[1], name=key[2],
-                                   occurrence=key[3], kind=key[0], a=record.to_dict(), b=other.to_dict(),
-                                   records_differing=sum(1 for k, r in records_a.items() if k in records_b
-                                                         and not r.same_content(records_b[k])),
-                                   detail=f"{key[1]}/{key[2]}: {record.summary()} vs {other.summary()}")
-        only.update(f"{key[1]}/{key[2]} only in {b}" for key in records_b if key not in records_a)
-        if first is not None:
+            if match == DIFFERS:
+                differing.append((key, record, other))
+        only_b.update(f"{key[1]}/{key[2]}" for key in records_b if key not in matched)
+        if differing:
+            key, record, other = differing[0]
+            first = Divergence(step=step, rank=rank, reason="content", phase=key[1], name=key[2],
+                               occurrence=key[3], kind=key[0], a=record.to_dict(), b=other.to_dict(),
+                               records_differing=len(differing),
+                               detail=f"{key[1]}/{key[2]}: {record.summary()} vs {other.summary()}")
             break
-    if only:
-        notes.append(f"not comparable (held by one layout only, e.g. rank-local shards): "
-                     f"{', '.join(sorted(only)[:6])}{' ...' if len(only) > 6 else ''}")
+    for label, pairs in mapped.items():
+        shown = ", ".join(f"{x} -> {y}" for x, y in sorted(pairs.items())[:_SHOWN])
+        notes.append(f"matched by {label}: {len(pairs)} record name(s) of {a} found under another name in {b} "
+                     f"({shown}{' ...' if len(pairs) > _SHOWN else ''})")
+    if only_b:
+        notes.append(f"only in {b} (not compared): {_names(only_b)}")
+    if missing:
+        incomplete.append(f"{len(missing)} record(s) only in {a} (rank {rank}), not found in {b} by name or by a "
+                          f"declared mapping ({', '.join(label for label, _ in NAME_MAPPINGS)}), so they were not compared: "
+                          f"{_names(missing, steps=True)}")
+    if shape_only:
+        incomplete.append(f"{len(shape_only)} record(s) were compared by shape and dtype only, never by value: they "
+                          f"hold no digest (over max_tensor_bytes when recorded): {_names(shape_only, steps=True)}. "
+                          "To compare their values, record both runs without the cap or with a cap above the "
+                          "largest tensor")
     if first is not None:
         verdict = Verdict.DIVERGED
+        notes.extend(incomplete)  # the divergence is proof; what could not be compared is still said
+        incomplete = []
     elif incomplete:
         verdict = Verdict.INCOMPLETE
     elif compared["records"] == 0:
@@ -151,6 +189,27 @@ def compare_replicated(a, b, *, rank: int = 0, start_step: int | None = None, st
     return DiffResult(a=str(a), b=str(b), verdict=verdict, first_divergence=first,
                       ranks_diverged_first=[rank] if first else [], divergences={rank: first} if first else {},
                       compared=compared, notes=notes, incomplete=incomplete)
+
+
+def _find(key: tuple, records_b: Mapping, mapped: dict) -> tuple | None:
+    """The key of ``b``'s record for ``a``'s record ``key``: the same identity, else the one a
+    declared mapping gives (``b``'s name with the prefix added, or removed), noted in ``mapped``."""
+    if key in records_b:
+        return key
+    kind, phase, name, occurrence = key
+    for label, prefix in NAME_MAPPINGS:
+        for other_name in (prefix + name, name[len(prefix):] if name.startswith(prefix) else None):
+            if other_name is not None and (kind, phase, other_name, occurrence) in records_b:
+                mapped.setdefault(label, {})[name] = other_name
+                return (kind, phase, other_name, occurrence)
+    return None
+
+
+def _names(names, steps: bool = False) -> str:
+    """A few of ``names`` (sorted), with the first step each was seen at when ``names`` maps them."""
+    shown = sorted(names)[:_SHOWN]
+    text = ", ".join(f"{n} (from step {names[n]})" if steps else n for n in shown)
+    return text + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
 
 
 def _rank_steps(run, rank: int, start: int, stop: int | None, phases: set | None) -> dict[int, dict]:
@@ -177,6 +236,9 @@ class LayoutCheck(ToDict):
     notes: list[str] = field(default_factory=list)
     incomplete: list[str] = field(default_factory=list)
     metrics: dict | None = None  # rank 0's metrics compared (by "global")
+    # what the verdict rests on: records (global tensors and metrics) compared by digest, compared
+    # by shape only (no digest: never equal), and missing at this layout (never compared)
+    counts: dict = field(default_factory=lambda: {"compared": 0, "shape_only": 0, "missing": 0})
 
 
 @dataclass
@@ -442,7 +504,8 @@ def compare_layouts(reference, other, name: str, *, rank: int = 0, start_step: i
         local = compare_replicated(reference, other, rank=rank, start_step=start_step)
         data = local.to_dict()
         return LayoutCheck(name, Verdict(local.verdict), f"rank {rank}'s replicated records",
-                           data.get("first_divergence"), local.compared, list(local.notes), list(local.incomplete))
+                           data.get("first_divergence"), local.compared, list(local.notes), list(local.incomplete),
+                           counts=_counts(local))
     by_global = diff(reference, other, by="global", start_step=start_step)
     metrics = compare_replicated(reference, other, rank=rank, phases=["metrics"], start_step=start_step)
     data, metric_data = by_global.to_dict(), metrics.to_dict()
@@ -456,7 +519,20 @@ def compare_layouts(reference, other, name: str, *, rank: int = 0, start_step: i
     notes = [n for n in by_global.notes if not n.startswith(("world size:", "config "))] + list(metrics.notes)
     return LayoutCheck(name, verdict, "global", first, dict(by_global.compared), notes,
                        list(by_global.incomplete) + [f"metrics: {line}" for line in metrics.incomplete],
-                       metrics={"verdict": metric_data["verdict"], "compared": metrics.compared})
+                       metrics={"verdict": metric_data["verdict"], "compared": metrics.compared},
+                       counts=_counts(metrics, by_global))
+
+
+def _counts(replicated: DiffResult, by_global=None) -> dict:
+    """What a layout's verdict rests on (the certificate's counts): records compared by digest,
+    by shape only (no digest), and missing at the other layout; global tensors counted once
+    each (over the steps), replicated records once per step."""
+    counts = {"compared": replicated.compared.get("records", 0), "shape_only": replicated.compared.get("shape_only", 0),
+              "missing": replicated.compared.get("missing", 0)}
+    for tensor in [] if by_global is None else by_global.tensors:
+        if tensor.status != "only_in_b":  # held by the other layout only: nothing of the first's left out
+            counts[{"shape_only": "shape_only", "only_in_a": "missing"}.get(tensor.status, "compared")] += 1
+    return counts
 
 
 def compare_control(reference_control, control, name: str) -> ControlCheck:
@@ -604,7 +680,8 @@ def certificate(result: AcrossResult, layouts: Sequence[Layout], checkpoints: Ma
         "resume_across": None if result.resume is None else {
             "step": result.resume_at, "from": layouts[0].name,
             "checks": {c.layout: {"verdict": Verdict(c.verdict).value, "by": c.by,
-                                  "steps": c.compared.get("steps"), "command": commands.get(RESUME_PREFIX + c.layout),
+                                  "steps": c.compared.get("steps"), "counts": dict(c.counts),
+                                  "command": commands.get(RESUME_PREFIX + c.layout),
                                   "first_divergence": c.first_divergence, "incomplete": c.incomplete}
                        for c in result.resume.values()}},
         "invariant_reductions": [dict(r) for r in reductions],
@@ -612,7 +689,9 @@ def certificate(result: AcrossResult, layouts: Sequence[Layout], checkpoints: Ma
             {**c.to_dict(), "overrides": next((list(l.control_overrides) for l in layouts if l.name == c.layout), []),
              "command": commands.get(c.run)} for c in result.controls],
         "controls_note": result.controls_note,
-        "checks": {c.layout: {"verdict": Verdict(c.verdict).value, "by": c.by} for c in result.checks.values()},
+        "checks": {c.layout: {"verdict": Verdict(c.verdict).value, "by": c.by, "steps": c.compared.get("steps"),
+                              "counts": dict(c.counts), "notes": list(c.notes), "incomplete": list(c.incomplete)}
+                   for c in result.checks.values()},
     }
 
 

@@ -1,13 +1,20 @@
 """Detection benchmark: run samebits on a corpus of planted faults and score what it says.
 
-    python benchmarks/bench_detection.py                      # every case in tests/corpus/cases.json
+    python benchmarks/bench_detection.py                      # both corpora, a table each
+    python benchmarks/bench_detection.py --corpus tests/corpus            # only the written-here corpus
+    python benchmarks/bench_detection.py --corpus tests/realcode/hf       # one trainer of the real-code corpus
     python benchmarks/bench_detection.py --case set_param_order --case sampler_time_seed
     python benchmarks/bench_detection.py --timeout 300 --json > detection.json
     python benchmarks/bench_detection.py --from-json detection.json --markdown
 
-Each case is a small training script with one planted fault (tests/corpus/*.py, the line
-marked `# PLANTED`) and the samebits command that should find it.  The command runs with
-`--json`; its output is judged strictly against the case's expectation (tests/corpus/README.md):
+Two corpora, scored and reported apart.  The written-here corpus (tests/corpus/cases.json):
+each case is a small training script with one planted fault (tests/corpus/*.py, the line
+marked `# PLANTED`).  The real-code corpus (tests/realcode/*/cases.json, one manifest per
+trainer): installed trainers (HF Trainer, accelerate, torchtitan, Lightning, litgpt) run
+through their own entry points, with the fault planted from outside (tests/realcode/README.md);
+it also holds control cases, the unmodified run and its exact resume, that must PASS.  Each
+case's samebits command runs with `--json`; its output is judged strictly against the case's
+expectation (tests/corpus/README.md):
 
 * hit    the verdict is right and the origin is the planted line or the expected class
          (verify: the right step and, where the case says what explains it, the right
@@ -16,7 +23,11 @@ marked `# PLANTED`) and the samebits command that should find it.  The command r
          run that could not be judged, a timeout;
 * wrong  samebits named something else: another line, another step, another finding first,
          a verdict that contradicts the fault (PASS/IDENTICAL for a run that crashed or
-         really differs).
+         really differs; FAIL for a control case, a false alarm);
+* crash  samebits gave no verdict because a run died under it or samebits itself failed
+         (exit 2 with no JSON, or a run that did not end cleanly), where the case expects one.
+
+Accuracy is hits over the cases that ran (a crash counts against it, as a miss does).
 
 A benchmark, not a gate: it exits 0 whatever the score (2 only for bad arguments).
 """
@@ -37,8 +48,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-CORPUS = Path(__file__).resolve().parent.parent / "tests" / "corpus"
+ROOT = Path(__file__).resolve().parent.parent
+CORPUS = ROOT / "tests" / "corpus"
 MANIFEST = CORPUS / "cases.json"
+REALCODE = ROOT / "tests" / "realcode"  # one folder per trainer, each with its cases.json
+WRITTEN_HERE = "written-here"
 
 # The origin classes a case may expect, and the origin `kind` (bisect's JSON) that says each.
 CLASS_KINDS = {
@@ -85,10 +99,44 @@ class Score:
     seconds: float
     exit_code: int | None
     said: str = ""  # samebits' own sentence: the origin's conclusion, or its error message
+    corpus: str = WRITTEN_HERE  # "written-here", or "realcode/<trainer>" (the manifest's folder)
 
 
 def load_cases(path: Path = MANIFEST) -> list[dict]:
     return json.loads(path.read_text())["cases"]
+
+
+@dataclass
+class Corpus:
+    """One manifest: its label in the tables, the folder `{corpus}` stands for, its cases."""
+    label: str
+    folder: Path
+    cases: list[dict]
+
+
+def default_manifests() -> list[Path]:
+    """The written-here corpus, then every real-code trainer's manifest."""
+    return [MANIFEST, *sorted(REALCODE.glob("*/cases.json"))]
+
+
+def corpus_label(manifest: Path) -> str:
+    manifest = manifest.resolve()
+    if manifest == MANIFEST.resolve():
+        return WRITTEN_HERE
+    if manifest.parent.parent == REALCODE.resolve():
+        return f"realcode/{manifest.parent.name}"
+    return str(manifest.parent)
+
+
+def load_corpus(path: str | Path) -> Corpus:
+    """A manifest given as its cases.json or as the folder holding it."""
+    manifest = Path(path)
+    if manifest.is_dir():
+        manifest = manifest / "cases.json"
+    if not manifest.is_file():
+        raise FileNotFoundError(f"no manifest at {manifest}: give a cases.json or the folder that holds one "
+                                f"(tests/corpus, tests/realcode/<trainer>)")
+    return Corpus(corpus_label(manifest), manifest.parent.resolve(), load_cases(manifest))
 
 
 def _alternatives(value: str | list[str] | None) -> list[str]:
@@ -102,13 +150,15 @@ def describe_explains(explains: dict | None) -> str:
     if not explains:
         return ""
     extra = [explains.get("generator"), " or ".join(_alternatives(explains.get("site"))) or None]
-    return f"; explains: {explains['kind']}" + "".join(f" {x}" for x in extra if x)
+    return f"; explains: {' or '.join(_alternatives(explains['kind']))}" + "".join(f" {x}" for x in extra if x)
 
 
 def describe_expected(case: dict) -> str:
     exp = case["expected"]
     if "exit" in exp:
         return f"exit {exp['exit']} (failed run), never PASS/identical"
+    if exp.get("verdict") == "pass":
+        return "PASS: every check identical (the unmodified trainer)"
     origin = exp.get("origin", {})
     if "resume_diverged_at" in exp:
         return (f"FAIL: A = B identical, resume diverged at step {exp['resume_diverged_at']}"
@@ -123,8 +173,8 @@ def describe_expected(case: dict) -> str:
     return f"{exp['verdict']}: {where}" + (f" ({at.strip()})" if at else "")
 
 
-def expand(items: list[str], tmp: Path) -> list[str]:
-    subs = {"{python}": sys.executable, "{corpus}": str(CORPUS), "{tmp}": str(tmp)}
+def expand(items: list[str], tmp: Path, corpus: Path = CORPUS) -> list[str]:
+    subs = {"{python}": sys.executable, "{corpus}": str(corpus), "{tmp}": str(tmp)}
     out = []
     for item in items:
         for key, value in subs.items():
@@ -133,12 +183,13 @@ def expand(items: list[str], tmp: Path) -> list[str]:
     return out
 
 
-def samebits_argv(case: dict, tmp: Path) -> list[str]:
+def samebits_argv(case: dict, tmp: Path, corpus: Path = CORPUS) -> list[str]:
     """`python -m samebits SUBCOMMAND OPTIONS --json --out DIR -- RUN`."""
     command, *options = case["samebits"]
-    argv = [sys.executable, "-m", "samebits", command, *expand(options, tmp), "--json", "--out", str(tmp / "out")]
+    argv = [sys.executable, "-m", "samebits", command, *expand(options, tmp, corpus), "--json",
+            "--out", str(tmp / "out")]
     if case.get("run"):
-        argv += ["--", *expand(case["run"], tmp)]
+        argv += ["--", *expand(case["run"], tmp, corpus)]
     return argv
 
 
@@ -208,11 +259,40 @@ def judge(case: dict, payload: dict | None, exit_code: int | None, stderr: str) 
         if exit_code == 0:
             return "wrong", "a good verdict (PASS/identical) for a run that crashed"
         return "wrong", f"a verdict (exit {exit_code}) for a run that crashed"
-    if exit_code not in (0, 1) or payload is None:
-        return "miss", f"could not run (exit {exit_code})"
+    crashed = crash_reason(payload, exit_code, stderr)
+    if crashed:
+        return "crash", crashed
+    if exit_code not in (0, 1):
+        return "miss", f"could not decide (exit {exit_code}, verdict {payload.get('verdict')})"
+    if exp.get("verdict") == "pass":
+        return _judge_control(payload)
     if "resume_diverged_at" in exp or "independent_diverged_at" in exp:
         return _judge_verify(exp, payload)
     return _judge_bisect(case, exp, payload)
+
+
+def crash_reason(payload: dict | None, exit_code: int, stderr: str) -> str | None:
+    """Why samebits gave no verdict where one was due: it printed none (a run died under it, or
+    samebits raised), or a run it judged did not end cleanly; None when it judged normally."""
+    if payload is None:
+        return f"no verdict (exit {exit_code}): {_first_line(stderr)}"
+    for run in payload.get("runs") or []:
+        ended = str(run.get("ended", "finished"))
+        if "crash" in ended or "exception" in ended:
+            return f"run {run.get('name')} ended {ended[:100]} (exit {run.get('exit_code')})"
+    return None
+
+
+def _judge_control(payload: dict) -> tuple[str, str]:
+    """A control case (the unmodified trainer, or its exact resume): only PASS is right."""
+    verdict = str(payload.get("verdict", "")).lower()
+    checks = {name: check for name, check in (payload.get("checks") or {}).items() if check is not None}
+    if verdict == "pass" and checks and all(_identical(check) for check in checks.values()):
+        return "hit", f"PASS ({', '.join(checks)} identical)"
+    differ = [name for name, check in checks.items() if _identical(check) is False]
+    if differ:
+        return "wrong", f"a false alarm: {', '.join(differ)} reported different for the unmodified trainer"
+    return "miss", f"verdict {verdict or '?'} without a difference"
 
 
 def _identical(check: dict | None) -> bool | None:
@@ -274,8 +354,8 @@ def _judge_explains(want: dict, payload: dict, check: str) -> tuple[str, str]:
     kind = first.get("kind")
     if first.get("check") not in (None, check):
         return "wrong", f"the first finding ({kind}) is about the {first.get('check')} check, not the {check} one"
-    if kind != want["kind"]:
-        return "wrong", f"first finding {kind}, expected {want['kind']}"
+    if kind not in _alternatives(want["kind"]):  # a list where the fault has several true causes
+        return "wrong", f"first finding {kind}, expected {' or '.join(_alternatives(want['kind']))}"
     if "site" in want:
         site = _file_line(first.get("site"))
         if site is None:
@@ -370,13 +450,14 @@ def _judge_private_generator(want: dict, origin: dict) -> tuple[str, str]:
     return "miss", "generator, but the conclusion names neither the private generator nor its creation site"
 
 
-def run_case(case: dict, *, timeout: float, keep: Path | None = None) -> Score:
+def run_case(case: dict, *, timeout: float, keep: Path | None = None, corpus: Path = CORPUS,
+             label: str = WRITTEN_HERE) -> Score:
     missing = missing_requirements(case)
     if missing:
         return Score(case["name"], case["setting"], describe_expected(case), "-", "skipped",
-                     f"not installed: {', '.join(missing)}", 0.0, None)
+                     f"not installed: {', '.join(missing)}", 0.0, None, corpus=label)
     tmp = Path(tempfile.mkdtemp(prefix=f"corpus-{case['name']}-"))
-    argv = samebits_argv(case, tmp)
+    argv = samebits_argv(case, tmp, corpus)
     env = dict(os.environ)
     env.pop("PYTHONHASHSEED", None)  # the set-order faults need each process to draw its own
     start = time.perf_counter()
@@ -406,7 +487,7 @@ def run_case(case: dict, *, timeout: float, keep: Path | None = None) -> Score:
             indent=1))
     shutil.rmtree(tmp, ignore_errors=True)
     return Score(case["name"], case["setting"], describe_expected(case), got, outcome, why, seconds, exit_code,
-                 said)
+                 said, corpus=label)
 
 
 def _said(payload: dict | None) -> str:
@@ -417,7 +498,7 @@ def _said(payload: dict | None) -> str:
             or findings[0].get("says") or "")
 
 
-def rejudge(case: dict, kept: Path) -> Score:
+def rejudge(case: dict, kept: Path, label: str = WRITTEN_HERE) -> Score:
     """Score a case again from the raw output that ``--keep`` saved (after a matcher change)."""
     raw = json.loads((kept / f"{case['name']}.json").read_text())
     try:
@@ -429,10 +510,10 @@ def rejudge(case: dict, kept: Path) -> Score:
     if payload is None:
         said = _first_line(raw["stderr"]) if raw["exit"] is not None else "killed (timeout)"
     return Score(case["name"], case["setting"], describe_expected(case), summarise(payload, raw["exit"], raw["stderr"]),
-                 outcome, why, raw.get("seconds", 0.0), raw["exit"], said)
+                 outcome, why, raw.get("seconds", 0.0), raw["exit"], said, corpus=label)
 
 
-def render(scores: list[Score]) -> str:
+def _table(scores: list[Score]) -> str:
     rows = [["case", "expected", "got", "result", "s"]]
     for s in scores:
         rows.append([s.name, s.expected, s.got, f"{s.outcome.upper()}: {s.why}", f"{s.seconds:.0f}"])
@@ -441,21 +522,65 @@ def render(scores: list[Score]) -> str:
     for r in rows:
         lines.append(" | ".join(cell[:70].ljust(w) for cell, w in zip(r, widths)))
     lines.insert(1, "-+-".join("-" * w for w in widths))
-    return "\n".join(lines) + "\n\n" + totals_line(totals(scores))
+    return "\n".join(lines)
+
+
+def _grouped(scores: list[Score]) -> dict[str, list[Score]]:
+    """Scores by corpus, the written-here corpus first, then the trainers in name order."""
+    labels = sorted({s.corpus for s in scores}, key=lambda label: (label != WRITTEN_HERE, label))
+    return {label: [s for s in scores if s.corpus == label] for label in labels}
+
+
+def render(scores: list[Score]) -> str:
+    """A table per corpus with its totals; with several corpora, the per-corpus summary last."""
+    groups = _grouped(scores)
+    if len(groups) <= 1:
+        return _table(scores) + "\n\n" + totals_line(totals(scores))
+    parts = [f"== {label} ==\n{_table(group)}\n\n{totals_line(totals(group))}" for label, group in groups.items()]
+    return "\n\n".join(parts) + "\n\n" + render_summary(scores)
+
+
+def render_summary(scores: list[Score], markdown: bool = False) -> str:
+    """Per corpus (the real-code one per trainer): right/miss/wrong/crash and the accuracy, the
+    real-code corpus's total apart from the written-here one."""
+    rows = [[label, *_summary_cells(totals(group))] for label, group in _grouped(scores).items()]
+    realcode = [s for s in scores if s.corpus != WRITTEN_HERE]
+    if len({s.corpus for s in realcode}) > 1:
+        rows.append(["realcode (all trainers)", *_summary_cells(totals(realcode))])
+    header = ["corpus", "cases", "right", "miss", "wrong", "crash", "skipped", "accuracy"]
+    if markdown:
+        return "\n".join("| " + " | ".join(r) + " |" for r in [header, ["---"] + ["---:"] * 7, *rows])
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = [" | ".join(cell.ljust(w) for cell, w in zip(r, widths)) for r in [header, *rows]]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _summary_cells(t: dict) -> list[str]:
+    accuracy = f"{100 * t['accuracy']:.0f}%" if t["accuracy"] is not None else "-"
+    return [str(t["cases"]), str(t["hit"]), str(t["miss"]), str(t["wrong"]), str(t["crash"]), str(t["skipped"]),
+            accuracy]
 
 
 def render_markdown(scores: list[Score]) -> str:
-    """The same table for benchmarks/RESULTS.md."""
-    lines = ["| case | setting | expected | samebits said | result | s |", "|---|---|---|---|---|---:|"]
-    for s in scores:
-        cells = [s.name, s.setting, s.expected, s.got, f"**{s.outcome}**: {s.why}", f"{s.seconds:.0f}"]
-        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
-    return "\n".join(lines) + "\n\n" + totals_line(totals(scores))
+    """The same tables for benchmarks/RESULTS.md."""
+    groups = _grouped(scores)
+    parts = []
+    for label, group in groups.items():
+        lines = ["| case | setting | expected | samebits said | result | s |", "|---|---|---|---|---|---:|"]
+        for s in group:
+            cells = [s.name, s.setting, s.expected, s.got, f"**{s.outcome}**: {s.why}", f"{s.seconds:.0f}"]
+            lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+        table = "\n".join(lines) + "\n\n" + totals_line(totals(group))
+        parts.append(table if len(groups) == 1 else f"#### {label}\n\n{table}")
+    if len(groups) > 1:
+        parts.append(render_summary(scores, markdown=True))
+    return "\n\n".join(parts)
 
 
 def totals(scores: list[Score]) -> dict:
     ran = [s for s in scores if s.outcome != "skipped"]
-    count = {k: sum(s.outcome == k for s in ran) for k in ("hit", "miss", "wrong")}
+    count = {k: sum(s.outcome == k for s in ran) for k in ("hit", "miss", "wrong", "crash")}
     return {"cases": len(scores), "ran": len(ran), **count,
             "skipped": len(scores) - len(ran),
             "accuracy": round(count["hit"] / len(ran), 3) if ran else None,
@@ -463,16 +588,23 @@ def totals(scores: list[Score]) -> dict:
             "max_seconds": round(max((s.seconds for s in ran), default=0.0), 1)}
 
 
+def totals_by_corpus(scores: list[Score]) -> dict:
+    return {label: totals(group) for label, group in _grouped(scores).items()}
+
+
 def totals_line(t: dict) -> str:
     if not t["ran"]:
         return "no case ran"
     return (f"localisation accuracy {t['hit']}/{t['ran']} = {100 * t['accuracy']:.0f}% "
-            f"(miss {t['miss']}, wrong {t['wrong']}, skipped {t['skipped']}); "
+            f"(miss {t['miss']}, wrong {t['wrong']}, crash {t.get('crash', 0)}, skipped {t['skipped']}); "
             f"{t['seconds_per_case']:.0f} s per case on average, slowest {t['max_seconds']:.0f} s")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--corpus", action="append", default=[], metavar="PATH",
+                        help="a manifest (cases.json, or the folder holding it) to run, repeatable; default: "
+                             "tests/corpus and every tests/realcode/*/cases.json, reported apart")
     parser.add_argument("--case", action="append", default=[], metavar="NAME", help="run only this case (repeatable)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per case before it counts as a miss")
     parser.add_argument("--keep", default=None, help="folder for each case's raw samebits output")
@@ -487,27 +619,34 @@ def main(argv: list[str] | None = None) -> int:
         saved = [Score(**row) for row in json.loads(Path(args.from_json).read_text())["scores"]]
         print(render_markdown(saved) if args.markdown else render(saved))
         return 0
-    cases = load_cases()
-    names = {c["name"] for c in cases}
+    try:
+        corpora = [load_corpus(path) for path in (args.corpus or default_manifests())]
+    except FileNotFoundError as err:
+        print(f"bench_detection: --corpus: {err}", file=sys.stderr)
+        return 2
+    names = [c["name"] for corpus in corpora for c in corpus.cases]
     unknown = [n for n in args.case if n not in names]
     if unknown:
         print(f"bench_detection: unknown case(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}",
               file=sys.stderr)
         return 2
-    if args.case:
-        cases = [c for c in cases if c["name"] in args.case]
+    todo = [(corpus, case) for corpus in corpora for case in corpus.cases if not args.case or case["name"] in args.case]
     scores = []
     if args.rejudge:
-        scores = [rejudge(case, Path(args.rejudge)) for case in cases
-                  if (Path(args.rejudge) / f"{case['name']}.json").exists()]
-        cases = []
-    for index, case in enumerate(cases, 1):
-        print(f"[{index}/{len(cases)}] {case['name']} ...", file=sys.stderr, flush=True)
-        score = run_case(case, timeout=args.timeout, keep=Path(args.keep) if args.keep else None)
+        kept = Path(args.rejudge)
+        scores = [rejudge(case, kept, corpus.label) for corpus, case in todo if (kept / f"{case['name']}.json").exists()]
+        todo = []
+    for index, (corpus, case) in enumerate(todo, 1):
+        print(f"[{index}/{len(todo)}] {corpus.label}: {case['name']} ...", file=sys.stderr, flush=True)
+        score = run_case(case, timeout=args.timeout, keep=Path(args.keep) if args.keep else None,
+                         corpus=corpus.folder, label=corpus.label)
         print(f"      {score.outcome.upper()} in {score.seconds:.0f} s: {score.why}", file=sys.stderr, flush=True)
         scores.append(score)
     if args.json:
-        print(json.dumps({"scores": [asdict(s) for s in scores], "totals": totals(scores)}, indent=1))
+        realcode = [s for s in scores if s.corpus != WRITTEN_HERE]
+        print(json.dumps({"scores": [asdict(s) for s in scores], "totals": totals(scores),
+                          "by_corpus": totals_by_corpus(scores),
+                          "realcode": totals(realcode) if realcode else None}, indent=1))
     elif args.markdown:
         print(render_markdown(scores))
     else:

@@ -375,7 +375,7 @@ def test_matcher_file_line():
     assert bench.judge(case, _bisect("op", site=None, phase="backward"), 1, "")[0] == "miss"
     assert bench.judge(case, _bisect("input_batch"), 1, "")[0] == "wrong"
     assert bench.judge(case, {"verdict": "identical", "origin": None}, 0, "")[0] == "wrong"
-    assert bench.judge(case, None, 2, "samebits bisect: error: ...")[0] == "miss"
+    assert bench.judge(case, None, 2, "samebits bisect: error: ...")[0] == "crash"  # no verdict at all
     assert bench.judge(case, None, None, "")[0] == "miss"  # timeout
 
 

@@ -91,6 +91,11 @@ class StateBundle:
     """Plain JSON-able values kept with the checkpoint (e.g. the run's config); `load`
     replaces them with the saved ones, so the caller can compare."""
 
+    layout_metadata: Collection[str] = ()
+    """Dotted paths of `metadata` entries that describe the layout (a config's parallel
+    sizes, e.g. "config.tp"): the same state saved at another layout differs there, so the
+    resumable-state hash (`content_sha256(...)["state_sha256"]`) leaves them out."""
+
 
 def collect(bundle: StateBundle, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(flat tensors keyed for DCP, JSON-able tree with {"__tensor__": key} placeholders)."""
@@ -150,6 +155,19 @@ def collect(bundle: StateBundle, rank: int) -> tuple[dict[str, torch.Tensor], di
                     for k, t in tensors.items()},
     }
     return tensors, plain
+
+
+def declared_places(bundle: StateBundle, rank: int) -> dict[str, tuple[list[int], list[int]] | None]:
+    """Model key (as `collect` keys it for `rank`) -> (global shape, offsets) that the bundle
+    declares for it (`StateBundle.shards`), or None for a tensor without a place."""
+    shards = dict(bundle.shards)
+    rank_local = set(bundle.rank_local) | set(shards)
+    places = {}
+    for name, value in bundle.model.state_dict().items():
+        key = f"model/{name}@rank{rank}" if name in rank_local else f"model/{name}"
+        place = _checked_place(name, shards[name], value) if name in shards else None
+        places[key] = None if place is None else (list(place.global_shape), list(place.offsets))
+    return places
 
 
 def _checked_place(name: str, place: TensorShard, value: torch.Tensor) -> TensorShard:

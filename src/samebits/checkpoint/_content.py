@@ -2,15 +2,25 @@
 
 The files of a checkpoint depend on the world size (one shard file and manifest per rank,
 each rank's piece of a sharded tensor), so two layouts that hold the same training state
-write different bytes.  `content_sha256` reads every saved model and optimizer tensor,
-joins each one's pieces into its global value by their recorded places (`_layout`'s
-pieces: replicas counted once, a TP shard at its offsets), and hashes, in sorted order of
-name, each tensor's (name, dtype, global shape, bytes), then the global progress (step,
-consumed samples).  No process group is needed: one process reads every rank's part.
+write different bytes.  `content_sha256` returns two hashes of what the files hold:
+
+- ``sha256`` (the content): every saved model and optimizer tensor joined into its global
+  value by the recorded places (`_layout`'s pieces), hashed in sorted order of name as
+  (name, dtype, global shape, bytes), then the global progress (step, consumed samples).
+  Every saved piece is read: a replica must hold the same bytes as the piece it repeats, and
+  a piece without a place beside placed ones is refused, never dropped.
+- ``state_sha256`` (the whole resumable state): the content hash, then every progress field,
+  each parameter's optimizer settings and plain state, the LR scheduler, the metadata (less
+  the entries `StateBundle.layout_metadata` names: the layout itself) and rank 0's random
+  states.  Other ranks' random streams depend on the layout (dp2 has two, one rank one), so
+  they are in neither hash.
+
+No process group is needed: one process reads every rank's part.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -21,29 +31,33 @@ import torch
 
 from samebits.checkpoint._bundle import empty_tensors
 from samebits.checkpoint._errors import CheckpointError, CheckpointLayoutError
-from samebits.checkpoint._layout import _cut, _pieces, _same_on_every_rank
-from samebits.checkpoint._storage import (FORMAT, _check_dcp_metadata, _check_digests, _quiet_single_process,
+from samebits.checkpoint._layout import _cut, _pieces, _renamed, _same_on_every_rank, base_key
+from samebits.checkpoint._storage import (_check_dcp_metadata, _check_digests, _quiet_single_process,
                                           _read_dcp_metadata, _read_meta, _read_rank_manifest, _safe_reader,
-                                          _tensor_only_planner, resolve)
+                                          _tensor_only_planner, format_version, resolve)
 
-PROGRESS_FIELDS = ("step", "consumed_samples")  # the global progress the hash covers
+PROGRESS_FIELDS = ("step", "consumed_samples")  # the global progress the content hash covers
+#: The parts of the resumable state `state_sha256` covers beyond the content, in its order.
+STATE_PARTS = ("progress", "optimizer", "lr_scheduler", "metadata", "rng")
 
 
 def content_sha256(path: str | os.PathLike) -> dict[str, Any]:
     """The SHA-256 of the training state the checkpoint ``path`` (a root's latest or a step-K
-    directory) holds, independent of the layout it was saved at.
+    directory) holds, independent of the layout it was saved at, and of its whole resumable
+    state.
 
-    Covered: every model and optimizer tensor as its global value (the saved pieces joined
-    by their places, `StateBundle.shards`; a replicated tensor once), by sorted name, as
-    (name, dtype, global shape, bytes); and the progress fields ``step`` and
-    ``consumed_samples``.  Left out: random states (per rank by nature: each rank's streams,
-    or the live states of a program that reseeds every draw), optimizer settings, the LR
-    schedule and metadata (plain values, not the trained state).
+    ``sha256`` covers every model and optimizer tensor as its global value (the saved pieces
+    joined by their places, `StateBundle.shards`; a replicated tensor once, after its replicas
+    are compared byte for byte), by sorted name, as (name, dtype, global shape, bytes); and the
+    progress fields ``step`` and ``consumed_samples``.  ``state_sha256`` covers that, then the
+    parts in `STATE_PARTS` (``state_parts``: each part's own hash, to say which differ).
 
-    Returns {"sha256", "step", "tensors" (how many), "elements", "world_size"}.  A piece that
-    does not tile its tensor, replicas that drifted apart, a rank-local tensor without a place
-    that differs per rank, or progress that differs per rank has no global value: a
-    `CheckpointLayoutError` naming it; a damaged checkpoint a `CheckpointError`.
+    Returns {"sha256", "state_sha256", "state_parts", "step", "tensors" (how many), "elements",
+    "world_size"}.  A piece that does not tile its tensor or has no place beside placed ones,
+    replicas that differ, a rank-local tensor without a place that differs per rank, or
+    progress, optimizer settings, schedule or metadata that differ per rank have no global
+    value: a `CheckpointLayoutError` naming it; a damaged checkpoint, or one mixed from two
+    saves, a `CheckpointError`.
     """
     directory = resolve(path)
     real = Path(os.path.realpath(directory))
@@ -53,7 +67,9 @@ def content_sha256(path: str | os.PathLike) -> dict[str, Any]:
     source = str(directory)
     _same_on_every_rank(saved, "progress", source)
     pieces = _pieces(saved, source)  # base key -> its distinct pieces (refuses drifted replicas)
-    reads = {piece.key: piece.spec for found in pieces.values() for piece in found}
+    # Every saved piece is read (replicas too, to compare their bytes), and rank 0's random states.
+    reads = {key: spec for plain in saved for key, spec in plain["tensors"].items() if not key.startswith("rng@")}
+    reads.update({key: spec for key, spec in saved[0]["tensors"].items() if key.startswith("rng@")})
     metadata = _read_dcp_metadata(directory / ".metadata", real / ".metadata", meta)
     metadata = _check_dcp_metadata(directory / ".metadata", real, metadata, reads, directory / "meta.json")
     import torch.distributed.checkpoint as dcp  # here: importing it takes ~0.6 s
@@ -66,8 +82,9 @@ def content_sha256(path: str | os.PathLike) -> dict[str, Any]:
     except Exception as err:  # DCP wraps what a damaged shard raises
         raise CheckpointError(f"{directory}: could not read its tensors ({err}); the shards are damaged or "
                               "incomplete: hash an older step") from err
-    if meta["format"] == FORMAT:
+    if format_version(meta) >= 2:
         _check_digests(tensors, reads, meta, directory / "meta.json", directory)
+    _same_replicas(saved, pieces, tensors, source)
 
     total = hashlib.sha256()
     elements = 0
@@ -80,13 +97,103 @@ def content_sha256(path: str | os.PathLike) -> dict[str, Any]:
             value[dst] = tensors[key][src]
         header = json.dumps([base, found[0].spec["dtype"], list(shape)])
         total.update(header.encode() + b"\0")
-        total.update(value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        total.update(_bytes(value))
         elements += value.numel()
     progress = saved[0]["progress"]
     covered = {name: progress.get(name) for name in PROGRESS_FIELDS}
     total.update(json.dumps(covered, sort_keys=True).encode())
-    return {"sha256": total.hexdigest(), "step": meta["step"], "tensors": len(pieces), "elements": elements,
-            "world_size": meta["world_size"]}
+    content = total.hexdigest()
+
+    parts = _state_parts(saved, tensors, meta, source)
+    state = hashlib.sha256(content.encode())
+    for name in STATE_PARTS:
+        state.update(b"\0" + name.encode() + b"\0" + parts[name].encode())
+    return {"sha256": content, "state_sha256": state.hexdigest(), "state_parts": parts, "step": meta["step"],
+            "tensors": len(pieces), "elements": elements, "world_size": meta["world_size"]}
 
 
-__all__ = ["content_sha256", "PROGRESS_FIELDS"]
+def _bytes(value: torch.Tensor) -> bytes:
+    return value.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _same_replicas(saved: list[dict[str, Any]], pieces, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Every saved piece holds the bytes of the piece `_pieces` keeps for its place (replicas
+    are compared here by value, not by their recorded digests, which a checkpoint of the first
+    format lacks): no saved piece is left out of the hash unread."""
+    kept = {}
+    for base, found in pieces.items():
+        for piece in found:
+            kept[(base, piece.offsets, piece.sizes)] = piece
+    for rank, plain in enumerate(saved):
+        for key, spec in plain["tensors"].items():
+            if key.startswith("rng@"):
+                continue
+            base = base_key(key)
+            offsets = tuple(spec.get("offsets", [0] * len(spec["shape"])))
+            piece = kept.get((base, offsets, tuple(spec["shape"])))
+            if piece is None:  # an unplaced rank-local copy: `_pieces` keeps the first and
+                piece = pieces[base][0]  # compares the others by digest; compare bytes too
+            if piece.key != key and _bytes(tensors[piece.key]) != _bytes(tensors[key]):
+                raise CheckpointLayoutError(
+                    f"{source}: {base} at offsets {list(offsets)} is saved by ranks {piece.rank} and {rank} "
+                    "with different bits, so the saved layout's replicas of it had drifted apart: it has "
+                    "no one global value; load it at the saved layout")
+
+
+def _state_parts(saved: list[dict[str, Any]], tensors: dict[str, torch.Tensor], meta: dict[str, Any],
+                 source: str) -> dict[str, str]:
+    """The SHA-256 of each part of the resumable state beyond the tensors, each the same for
+    the same state saved at any layout (`STATE_PARTS`)."""
+    def digest(value: Any) -> str:
+        return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+    for name in ("lr_scheduler",):
+        _same_on_every_rank(saved, name, source)
+    metadata = [_without(plain["metadata"], meta.get("layout_metadata", [])) for plain in saved]
+    _same_on_every_rank([{"metadata": m} for m in metadata], "metadata", source)
+
+    # Optimizer: each parameter's group settings and plain state (tensors are the content's),
+    # by parameter name, so the grouping and the ranks that hold a parameter do not matter.
+    settings: dict[str, Any] = {}
+    holder: dict[str, int] = {}
+    for rank, plain in enumerate(saved):
+        optimizer = plain["optimizer"]
+        if optimizer is None:
+            continue
+        per_param: dict[str, Any] = {}
+        for group in optimizer.get("param_groups", []):
+            rest = {k: v for k, v in group.items() if k != "params"}
+            for name in group.get("params", []):
+                per_param[name] = {"settings": rest}
+        for name, entry in (optimizer.get("state") or {}).items():
+            plain_state = {k: v for k, v in entry.items() if not (isinstance(v, dict) and "__tensor__" in v)}
+            per_param.setdefault(name, {})["state"] = plain_state
+        for name, value in per_param.items():
+            if name in settings and settings[name] != value:
+                raise CheckpointLayoutError(
+                    f"{source}: the optimizer settings of parameter {name} differ between saved ranks "
+                    f"{holder[name]} and {rank}: it has no one resumable state; load it at the saved layout")
+            settings.setdefault(name, value)
+            holder.setdefault(name, rank)
+
+    # Rank 0's random states, each tensor by the SHA-256 of its bytes.
+    rng = _renamed(saved[0]["rng"], lambda key: "sha256:" + hashlib.sha256(_bytes(tensors[key])).hexdigest()
+                   if key in tensors else "missing")
+    return {"progress": digest(saved[0]["progress"]), "optimizer": digest(settings),
+            "lr_scheduler": digest(saved[0]["lr_scheduler"]), "metadata": digest(metadata[0]), "rng": digest(rng)}
+
+
+def _without(metadata: Any, paths: list[str]) -> Any:
+    """`metadata` with the entries at the dotted `paths` removed (where they exist)."""
+    value = copy.deepcopy(metadata)
+    for path in paths:
+        *parents, last = path.split(".")
+        node = value
+        for key in parents:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(last, None)
+    return value
+
+
+__all__ = ["content_sha256", "PROGRESS_FIELDS", "STATE_PARTS"]

@@ -176,6 +176,14 @@ def _pieces(saved: list[dict[str, Any]], source: str) -> dict[str, list[_Piece]]
                     "of it had drifted apart; a load under another layout could take either: "
                     "load it at the saved layout")
     for base, copies in unplaced.items():
+        if base in by_base:  # some pieces have a place, these none: which rows would they be?
+            placed = sorted({piece.rank for piece in by_base[base].values()})
+            raise CheckpointLayoutError(
+                f"{source}: {base} is saved with a place in a global tensor by rank(s) {placed} but "
+                f"without one by rank(s) {[piece.rank for piece in copies]}, so those pieces have no "
+                "place to be joined at (they are refused, not dropped): the manifest is damaged or the "
+                "ranks declared their shards differently. Load it at the saved layout, or save every "
+                "rank's piece with its place (StateBundle.shards)")
         digests = {piece.spec.get("digest") for piece in copies}
         shapes = {piece.sizes for piece in copies}
         if len(copies) > 1 and (None in digests or len(digests) > 1 or len(shapes) > 1):

@@ -53,14 +53,16 @@ import torch.distributed as dist
 from samebits._torchutil import group_rank_and_world_size
 from samebits.fingerprint import DIGEST_VERSION, DTYPE_CODES, digest_many
 from samebits.checkpoint._bundle import (DAMAGED, MAX_DEPTH, StateBundle, apply, check,
-                                         check_loaded, collect, empty_tensors)
+                                         check_loaded, collect, declared_places, empty_tensors)
 from samebits.checkpoint._errors import CheckpointError, CheckpointLayoutError
 from samebits.checkpoint._layout import plan_move
 from samebits.errors import SamebitsError
 
-FORMAT = "samebits-checkpoint/2"
-# Written before the checksums and digests: loaded with every structural check, without them.
-_LEGACY_FORMATS = ("samebits-checkpoint/1",)
+FORMAT = "samebits-checkpoint/3"
+# /1: before the checksums and digests; /2: before the save id.  Both load with every check
+# their files allow (a /2 checkpoint all but the save id's), and a warning saying so.
+_LEGACY_FORMATS = ("samebits-checkpoint/2", "samebits-checkpoint/1")
+_SAVE_ID = re.compile(r"[0-9a-f]{32}")
 LATEST = "latest"
 
 # The most bytes `load` reads of each file (a bigger one is damage, not a checkpoint to OOM on).
@@ -72,6 +74,7 @@ _MAX_CHUNKS = 1024  # per tensor; samebits writes one (DCP one per shard of a DT
 _STAGED, _ASIDE, _LINKED = ".staged-", ".old-", ".link-"
 _SHARD_FILE = re.compile(r"__\d+_\d+\.distcp")  # DCP's FileSystemWriter names: __<rank>_<n>.distcp
 _RANK_FIELDS = ("progress", "metadata", "optimizer", "lr_scheduler", "rng", "tensors")
+_RANK_SAVE_FIELD = "save"  # {"id", "step"}: which save wrote the file (format 3)
 
 #: Test-only switches (environment variables), read at save/load time.
 DROP_RNG_ENV = "SAMEBITS_TEST_DROP_RNG"  # comma-separated random states `load` leaves out
@@ -95,7 +98,9 @@ def save(path: str | os.PathLike, bundle: StateBundle) -> Path:
         _finish_or_remove_interrupted_commits(root)
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
         tmp.mkdir()
-    _barrier(world_size)
+    # One id for this save, on every rank (the broadcast also waits for rank 0's directory):
+    # each rank's file records it, so a directory mixed from two saves is refused by name.
+    save_id = _broadcast_from_rank0(uuid.uuid4().hex if rank == 0 else None, world_size)
 
     tensors, plain = collect(bundle, rank)
     digests = _digests(tensors)
@@ -113,7 +118,8 @@ def save(path: str | os.PathLike, bundle: StateBundle) -> Path:
         print(f"samebits.checkpoint: rank {rank} wrote its shards to {tmp}; pausing {pause} s "
               f"before the commit ({SAVE_PAUSE_ENV})", file=sys.stderr, flush=True)
         time.sleep(pause)
-    _write_json(tmp / f"rank-{rank}.json", {"rank": rank, **plain})
+    _write_json(tmp / f"rank-{rank}.json", {"rank": rank, _RANK_SAVE_FIELD: {"id": save_id, "step": step},
+                                            **plain})
     _barrier(world_size)
 
     if rank == 0:
@@ -121,6 +127,7 @@ def save(path: str | os.PathLike, bundle: StateBundle) -> Path:
             "format": FORMAT, "world_size": world_size, "layout": dict(bundle.layout),
             "step": step, "torch_version": torch.__version__, "digest_version": DIGEST_VERSION,
             "metadata_sha256": hashlib.sha256((tmp / ".metadata").read_bytes()).hexdigest(),
+            "save_id": save_id, "layout_metadata": sorted(bundle.layout_metadata),
         })
         _fsync_dir(tmp)
         _commit(root, tmp, final)
@@ -135,6 +142,14 @@ def _digests(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
     plain = {key: t for key, t in tensors.items()
              if (type(t) is torch.Tensor or type(t) is torch.nn.Parameter) and t.dtype in DTYPE_CODES}
     return dict(zip(plain, digest_many(plain.values()))) if plain else {}
+
+
+def _broadcast_from_rank0(value: Any, world_size: int) -> Any:
+    if world_size == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _check_shared_tensors(digests: dict[str, int], rank: int) -> None:
@@ -305,7 +320,11 @@ def load(path: str | os.PathLike, bundle: StateBundle, *, allow_layout_change: b
             rank_path = directory / f"rank-{rank}.json"
             plain = _read_rank_manifest(rank_path, real / rank_path.name, rank, meta)
             reads = plain["tensors"]
-        else:
+            # The places this rank's bundle declares must be the places it saved: at the same
+            # layout each rank reads its own pieces, which are its rows only if it still holds
+            # the place it held.  Opted in, pieces are cut by place instead (as at a layout change).
+            moved = _places_differ(bundle, plain, rank, rank_path, meta, refuse=not allow_layout_change)
+        if moved:
             rank_path = directory / "rank-0.json"
             saved = [_read_rank_manifest(directory / f"rank-{r}.json", real / f"rank-{r}.json", r, meta)
                      for r in range(meta["world_size"])]
@@ -315,6 +334,9 @@ def load(path: str | os.PathLike, bundle: StateBundle, *, allow_layout_change: b
         source = str(rank_path) if move is None else (
             f"{directory} (saved at world_size={meta['world_size']}, loaded by rank {rank} of {world_size})")
         plan = check(bundle, plain, rank=rank, source=source, skip_rng=skip)
+        note = legacy_note(directory, meta)
+        if note is not None and rank == 0:
+            warnings.warn(note, stacklevel=3)
         metadata = _read_dcp_metadata(directory / ".metadata", real / ".metadata", meta)
         metadata = _check_dcp_metadata(directory / ".metadata", real, metadata, reads, rank_path)
     import torch.distributed.checkpoint as dcp
@@ -329,7 +351,7 @@ def load(path: str | os.PathLike, bundle: StateBundle, *, allow_layout_change: b
         raise CheckpointError(f"{directory}: rank {rank} could not read its tensors ({err}); "
                               "the shards are damaged or incomplete: load an older step") from err
     with _agreed(rank, world_size, "after reading the shards"):
-        if meta["format"] == FORMAT:
+        if format_version(meta) >= 2:
             _check_digests(tensors, reads, meta, rank_path, directory)
         if move is not None:
             tensors = move.assemble(tensors)
@@ -351,6 +373,35 @@ def load(path: str | os.PathLike, bundle: StateBundle, *, allow_layout_change: b
                   f"{', reseeded_rng: the live random states kept' if reseeded_rng else ''})",
                   file=sys.stderr, flush=True)
     return directory
+
+
+def _places_differ(bundle: StateBundle, plain: dict[str, Any], rank: int, rank_path: Path,
+                   meta: dict[str, Any], *, refuse: bool) -> bool:
+    """Whether the places `bundle.shards` declares for this rank's model tensors differ from
+    the places rank-<r>.json recorded; when they do and `refuse`, a CheckpointLayoutError naming
+    the tensor and both places."""
+    declared = declared_places(bundle, rank)
+    for key, spec in plain["tensors"].items():
+        if not key.startswith("model/") or key not in declared:
+            continue  # a name the bundle lacks: `check` names it
+        saved = (spec["global_shape"], spec["offsets"]) if "global_shape" in spec else None
+        live = declared[key]
+        if saved == live:
+            continue
+        if not refuse:
+            return True
+
+        def said(place):
+            return ("no place in a global tensor" if place is None
+                    else f"offsets {place[1]} of a global tensor of shape {place[0]}")
+
+        raise CheckpointLayoutError(
+            f"{rank_path}: rank {rank} saved {key} with {said(saved)}, but rank {rank}'s bundle "
+            f"declares {said(live)} (StateBundle.shards), at the same world size "
+            f"({meta['world_size']}) and layout {meta['layout']}: loading it would give this rank "
+            "the values of another place. Declare the places the saved run declared, or pass "
+            "allow_layout_change=True to cut each rank's piece from the saved pieces by place")
+    return False
 
 
 def saved_layout(path: str | os.PathLike) -> dict[str, Any]:
@@ -737,7 +788,8 @@ def _deeper_than(value: Any, limit: int) -> str | None:
 
 
 _META_FIELDS = {"format": str, "world_size": int, "layout": dict, "step": int,
-                "torch_version": str, "digest_version": int, "metadata_sha256": str}
+                "torch_version": str, "digest_version": int, "metadata_sha256": str,
+                "save_id": str, "layout_metadata": list}
 
 
 def _read_meta(path: Path, real: Path) -> dict[str, Any]:
@@ -746,9 +798,11 @@ def _read_meta(path: Path, real: Path) -> dict[str, Any]:
     if meta.get("format") != FORMAT and meta.get("format") not in _LEGACY_FORMATS:
         raise CheckpointError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}; "
                               "this is not a samebits checkpoint of this version")
-    legacy = meta["format"] != FORMAT
+    version = format_version(meta)
+    legacy = version < 2
     required = ["world_size", "layout", "step"] + ([] if legacy else
-                                                   ["digest_version", "metadata_sha256"])
+                                                   ["digest_version", "metadata_sha256"]) + (
+        ["save_id", "layout_metadata"] if version >= 3 else [])
     for field_name in required:
         if field_name not in meta:
             raise CheckpointError(f"{path} has no {field_name!r}: it is damaged or was edited; "
@@ -765,20 +819,45 @@ def _read_meta(path: Path, real: Path) -> dict[str, Any]:
     if meta["world_size"] < 1 or meta["step"] < 0:
         raise CheckpointError(f"{path}: world_size {meta['world_size']}, step {meta['step']}: "
                               f"not a world size and a step; {DAMAGED}")
+    if "save_id" in meta and _SAVE_ID.fullmatch(meta["save_id"]) is None:
+        raise CheckpointError(f"{path}: field save_id is {meta['save_id'][:40]!r}, not a save id (32 hex "
+                              f"digits); {DAMAGED}")
+    if not all(isinstance(p, str) for p in meta.get("layout_metadata", [])):
+        raise CheckpointError(f"{path}: field layout_metadata is not a list of dotted paths; {DAMAGED}")
     return _signed(path, meta, required=not legacy)
+
+
+def format_version(meta: dict[str, Any]) -> int:
+    """1, 2 or 3: what the checkpoint's files hold (checksums and digests from 2, the save id
+    from 3)."""
+    return int(meta["format"].rsplit("/", 1)[1])
+
+
+def legacy_note(directory: Path, meta: dict[str, Any]) -> str | None:
+    """What a checkpoint of an earlier format is not checked for (None for this format)."""
+    version = format_version(meta)
+    if version >= 3:
+        return None
+    lacking = "no save id" if version == 2 else "no save id, checksums or tensor digests"
+    return (f"{directory} was saved by an earlier samebits ({meta['format']}): its files carry {lacking}, "
+            "so a directory mixed from two saves (a rank's files copied from another run) cannot be told "
+            "from one save; it loads with every other check. Save it again with this samebits to have it "
+            "checked")
 
 
 def _read_rank_manifest(path: Path, real: Path, rank: int, meta: dict[str, Any]) -> dict[str, Any]:
     """rank-<r>.json, with its fields and tensor manifest checked (`_bundle.check` checks the
     rest against the bundle)."""
     plain = _read_json(path, real, _MAX_BYTES["rank"])
-    legacy = meta["format"] != FORMAT
-    missing = [name for name in _RANK_FIELDS if name not in plain]
+    version = format_version(meta)
+    legacy = version < 2
+    missing = [name for name in _RANK_FIELDS + ((_RANK_SAVE_FIELD,) if version >= 3 else ())
+               if name not in plain]
     if missing or plain.get("rank") != rank:
         what = f"fields {missing}" if missing else f"rank {rank} (it says {plain.get('rank')!r})"
         raise CheckpointError(f"{path} lacks {what}: the file is damaged or was edited; load an "
                               "older step-K directory or save again")
-    extra = sorted(set(plain) - set(_RANK_FIELDS) - {"rank", "sha256"})
+    extra = sorted(set(plain) - set(_RANK_FIELDS) - {"rank", "sha256", _RANK_SAVE_FIELD})
     if extra:
         raise CheckpointError(f"{path}: field {extra[0]!r} is not one samebits writes; {DAMAGED}")
     tensors = plain["tensors"]
@@ -788,11 +867,37 @@ def _read_rank_manifest(path: Path, real: Path, rank: int, meta: dict[str, Any])
         raise CheckpointError(f"{path} lists tensors without a valid shape and dtype: "
                               f"{bad[:5]}; the file is damaged: load an older step-K directory")
     plain = _signed(path, plain, required=not legacy)
+    if version >= 3:
+        _check_save(path, plain.pop(_RANK_SAVE_FIELD), rank, meta)
+    else:
+        plain.pop(_RANK_SAVE_FIELD, None)
     step = plain["progress"].get("step") if isinstance(plain["progress"], dict) else None
     if step != meta["step"] or isinstance(step, bool):
         raise CheckpointError(f"{path}: field progress.step is {step!r}, but meta.json says step "
                               f"{meta['step']}; {DAMAGED}")
     return plain
+
+
+def _check_save(path: Path, save: Any, rank: int, meta: dict[str, Any]) -> None:
+    """The save that wrote rank `rank`'s file is the one meta.json names (the same id and step):
+    a file copied in from another run's save, or another save of this step, is refused before
+    any tensor is read (its shard's bytes are then checked against this file's digests)."""
+    if (not isinstance(save, dict) or set(save) != {"id", "step"} or not isinstance(save["id"], str)
+            or _SAVE_ID.fullmatch(save["id"]) is None or not _is_count(save["step"])):
+        raise CheckpointError(f"{path}: field save is {_short_json(save)}, not the save's id and step; "
+                              f"{DAMAGED}")
+    if save["id"] != meta["save_id"] or save["step"] != meta["step"]:
+        raise CheckpointError(
+            f"{path}: rank {rank}'s file was written by save {save['id']} of step {save['step']}, but "
+            f"{path.parent / 'meta.json'} by save {meta['save_id']} of step {meta['step']}: the directory "
+            f"mixes files of two saves (rank {rank}'s files copied from another run, or from another "
+            "save of this step), and loading it would give some ranks another run's state. Load a "
+            "directory whose files all come from one save (an older step-K directory), or save again")
+
+
+def _short_json(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _is_tensor_spec(spec: Any, legacy: bool) -> bool:

@@ -594,10 +594,11 @@ def checkpoint_sha256(path: Path) -> dict:
 
 
 def final_checkpoints(checkpoints: Mapping[str, dict | None]) -> tuple[dict, bool | None, str]:
-    """Each layout's checkpoint of its final step, hashed by content (`content_sha256`: the
-    same training state hashes alike at any layout) and by files: ({layout: hashes}, whether
-    every content hash is equal (None: not every layout's could be hashed), a note saying
-    which differ or why one could not be hashed)."""
+    """Each layout's checkpoint of its final step, hashed by content and by its whole resumable
+    state (`content_sha256`'s ``sha256`` and ``state_sha256``: the same state hashes alike at
+    any layout) and by files: ({layout: hashes}, whether every content hash and every state hash
+    is equal (None: not every layout's could be hashed), a note saying which differ, in which
+    parts of the state, or why one could not be hashed)."""
     hashes, problems = {}, []
     for name, saved in checkpoints.items():
         if saved is None:
@@ -608,9 +609,11 @@ def final_checkpoints(checkpoints: Mapping[str, dict | None]) -> tuple[dict, boo
             continue
         entry = {"step": saved["final"], "path": str(path)}
         try:
-            entry.update(content_sha256=content_sha256(path)["sha256"])
+            hashed = content_sha256(path)
+            entry.update(content_sha256=hashed["sha256"], state_sha256=hashed["state_sha256"],
+                         state_parts=hashed["state_parts"])
         except SamebitsError as err:
-            entry.update(content_sha256=None, content_error=str(err))
+            entry.update(content_sha256=None, state_sha256=None, content_error=str(err))
             problems.append(f"{name}'s checkpoint has no layout-independent hash: {err}")
         files = checkpoint_sha256(path)
         hashes[name] = {**entry, "files_sha256": files["sha256"], "files": files["files"]}
@@ -618,13 +621,21 @@ def final_checkpoints(checkpoints: Mapping[str, dict | None]) -> tuple[dict, boo
         return hashes, None, ""
     if problems:
         return hashes, None, "final checkpoints not compared: " + "; ".join(problems)
-    contents = {entry["content_sha256"] for entry in hashes.values()}
-    if len(contents) == 1:
-        return hashes, True, ""
     first = next(iter(hashes))
     differ = [name for name, entry in hashes.items() if entry["content_sha256"] != hashes[first]["content_sha256"]]
-    return hashes, False, (f"the final checkpoints' content hashes differ: {', '.join(differ)} against {first} "
-                           "(the saved training state, model and optimizer tensors and progress, is not the same)")
+    if differ:
+        return hashes, False, (f"the final checkpoints' content hashes differ: {', '.join(differ)} against {first} "
+                               "(the saved training state, model and optimizer tensors and progress, is not the same)")
+    reference = hashes[first]
+    states = {name: sorted(part for part, value in entry["state_parts"].items()
+                           if value != reference["state_parts"].get(part))
+              for name, entry in hashes.items() if entry["state_sha256"] != reference["state_sha256"]}
+    if not states:
+        return hashes, True, ""
+    return hashes, False, ("the final checkpoints' resumable states differ although their contents are equal: "
+                           + "; ".join(f"{name} in {', '.join(parts) or 'its state hash'}"
+                                       for name, parts in states.items())
+                           + f" against {first} (a resume of one would not continue like a resume of the other)")
 
 
 def environment(reference) -> dict:
@@ -674,9 +685,13 @@ def certificate(result: AcrossResult, layouts: Sequence[Layout], checkpoints: Ma
         "checkpoints_equal": result.checkpoints_equal,
         "checkpoints_note": ("each layout's checkpoint of the final step. content_sha256: the training state it "
                              "holds (every model and optimizer tensor's global value, its pieces joined by their "
-                             "places, with the step and consumed samples), the same at any layout; random states "
-                             "are left out (per rank by nature). files_sha256: its files, whose layout (ranks, "
-                             "shards) depends on the world size: they identify each layout's artefact"),
+                             "places, with the step and consumed samples), the same at any layout. state_sha256: "
+                             "the whole resumable state, the content with every progress field, each parameter's "
+                             "optimizer settings, the LR scheduler, the metadata less the layout's own entries and "
+                             "rank 0's random states (state_parts: each part's hash); other ranks' random states "
+                             "are left out (per rank by nature). Both must be equal. files_sha256: its files, whose "
+                             "layout (ranks, shards) depends on the world size: they identify each layout's "
+                             "artefact"),
         "resume_across": None if result.resume is None else {
             "step": result.resume_at, "from": layouts[0].name,
             "checks": {c.layout: {"verdict": Verdict(c.verdict).value, "by": c.by,

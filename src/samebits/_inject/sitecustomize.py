@@ -42,8 +42,13 @@ if _record:
         import samebits.autorecord
 
         samebits.autorecord.install()
-    except Exception as err:
-        print(f"samebits: zero-code recording disabled in pid {os.getpid()}: {err}", file=sys.stderr)
+    except Exception as err:  # a gap for the whole process: its verdict is INCOMPLETE, never PASS
+        try:
+            from samebits.autorecord._gaps import record_gap
+
+            record_gap("startup", err, records="everything (recording could not start)")
+        except Exception:  # noqa: BLE001 - a line on stderr is all that can be said
+            print(f"samebits: zero-code recording disabled in pid {os.getpid()}: {err}", file=sys.stderr)
 
 if _probe_dir:
     try:

@@ -65,11 +65,12 @@ import traceback
 
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from samebits import settings
-from samebits._torchutil import optimizer_params, process_rank, tensor_leaves
+from samebits._torchutil import optimizer_params, outside_dispatch_modes, process_rank, tensor_leaves
 from samebits._inject import with_injection
+from samebits.autorecord._gaps import guard, inject, read_gaps, record_gap, summarise_gaps
 from samebits.autorecord._tracking import Tracking, install_tracking
 from samebits.autorecord._outcome import (
     STOPPED_MARKER,
@@ -111,6 +112,8 @@ class _AutoRecorder:
         self.tracking = Tracking(lambda: self.step)  # what the program made, from construction
         self.first_step = self.step  # a resumed process starts here
         self.census_open: int | None = None  # the census step written at the step's end
+        self.forwards: list[bool] = []  # per module call in progress: whether its hooks record
+        self.state_was_empty: dict[int, bool] = {}  # optimizer id -> no state when its step began
 
     def _rec(self):
         if self.recorder is None:
@@ -123,8 +126,9 @@ class _AutoRecorder:
 
     def _ours(self):
         """Torch work of zero-code recording itself (census, detach, digests): the tracer, if
-        any, must neither trace nor count it."""
-        return self.tracer.suspended() if self.tracer is not None else contextlib.nullcontext()
+        any, must neither trace nor count it, and no other dispatch mode in force (selective
+        activation checkpointing's caching mode, a user's mode) may see it."""
+        return self.tracer.suspended() if self.tracer is not None else outside_dispatch_modes()
 
     def _tracked(self, live) -> list:
         return [obj for obj, _ in live.alive()]
@@ -139,17 +143,22 @@ class _AutoRecorder:
         if self.census is None:
             return
         tracking = self.tracking
-        optimizers = self._tracked(tracking.optimizers)
-        optimizers += [o for o in self.optimizers if not any(o is seen for seen in optimizers)]
-        with self._ours():
-            self._close_census_step()
-            self.census.tensors(self.step, STATE_PHASE,
-                                state_census(optimizers=optimizers, schedulers=self._tracked(tracking.schedulers),
-                                             scalers=self._tracked(tracking.scalers),
-                                             generators=tracking.named_generators())
-                                + tracking.loader_positions())
-            if self.step == self.first_step and self.step > 0:
-                self._record_restored(optimizers)
+        with guard("census", step=self.step, records="the state census"):
+            optimizers = self._tracked(tracking.optimizers)
+            optimizers += [o for o in self.optimizers if not any(o is seen for seen in optimizers)]
+            # A container (torchtitan's OptimizersContainer) holds no state of its own: its
+            # inner optimizers, tracked from their construction, are the census's.
+            optimizers = [o for o in optimizers if not _inner_optimizers(o)]
+            with self._ours():
+                self._close_census_step()
+                self.census.tensors(self.step, STATE_PHASE,
+                                    state_census(optimizers=optimizers,
+                                                 schedulers=self._tracked(tracking.schedulers),
+                                                 scalers=self._tracked(tracking.scalers),
+                                                 generators=tracking.named_generators())
+                                    + tracking.loader_positions())
+                if self.step == self.first_step and self.step > 0:
+                    self._record_restored(optimizers)
         self.census_open = self.step
 
     def _record_restored(self, optimizers) -> None:
@@ -161,13 +170,13 @@ class _AutoRecorder:
                 if id(param) in seen:
                     continue
                 seen.add(id(param))
-                params.append((name, param.detach()))
+                params.append((name, _local(param.detach())))
                 for key, value in sorted(optimizer.state.get(param, {}).items()):
                     if isinstance(value, torch.Tensor):
-                        state.append((f"{name}.{key}", value))
+                        state.append((f"{name}.{key}", _local(value)))
         if not params:
             for module in self.top_level_seen.values():
-                params += [(self.param_names.get(id(p), n), p.detach()) for n, p in module.named_parameters()]
+                params += [(self.param_names.get(id(p), n), _local(p.detach())) for n, p in module.named_parameters()]
         self.census.tensors(self.step, "restored.params", params)
         self.census.tensors(self.step, "restored.optimizer", state)
 
@@ -192,10 +201,15 @@ class _AutoRecorder:
     # how the user's code ended: the launcher reads it (see _outcome)
     def excepthook(self, kind, value, tb) -> None:
         self.exception = value
-        lines = "".join(traceback.format_exception(kind, value, tb)).rstrip().splitlines()
-        self.exception_tail = lines[-TRACEBACK_LINES:]
+        with guard("exit", step=self.step, records="the uncaught exception's traceback"):
+            lines = "".join(traceback.format_exception(kind, value, tb)).rstrip().splitlines()
+            self.exception_tail = lines[-TRACEBACK_LINES:]
 
     def at_exit(self) -> None:
+        with guard("exit", step=self.step, records="the streams' close and the outcome file"):
+            self._at_exit()
+
+    def _at_exit(self) -> None:
         if self.recorder is None and (self.exception is None or process_rank() is None):
             return  # a launcher (torchrun's agent reports its workers' failure) or a helper process
         streams_closed = True
@@ -241,15 +255,20 @@ class _AutoRecorder:
 
     # forward hooks: count nesting so only top-level outputs are recorded
     def pre_forward(self, module, args):
+        records = _observable()  # not a recompute in backward, a transform, a trace or an export
+        self.forwards.append(records)
+        if not records:
+            return
         if self.depth == 0:
-            self.tracking.begin()
-            self._name_params(module)
-            self.record_census()
-            if self.census is not None:
-                inputs = list(tensor_leaves(args, type(module).__name__))
-                if inputs:
-                    with self._ours():
-                        self.census.tensors(self.step, "inputs", [(n, _local(t.detach())) for n, t in inputs])
+            with guard("forward_pre", step=self.step, records="the step's census and inputs"):
+                self.tracking.begin()
+                self._name_params(module)
+                self.record_census()
+                if self.census is not None:
+                    inputs = [(n, t) for n, t in tensor_leaves(args, type(module).__name__) if _recordable(t)]
+                    if inputs:
+                        with self._ours():
+                            self.census.tensors(self.step, "inputs", [(n, _local(t.detach())) for n, t in inputs])
         self.depth += 1
 
     def _name_params(self, module) -> None:
@@ -263,51 +282,98 @@ class _AutoRecorder:
                 self.param_names.setdefault(id(param), prefix + name)
 
     def post_forward(self, module, args, output):
+        if not (self.forwards.pop() if self.forwards else False):
+            return
         self.depth -= 1
         if self.depth != 0:
             return
-        leaves = list(tensor_leaves(output, type(module).__name__))
-        if leaves:
-            with self._ours():
-                self._rec().tensors(self.step, "forward", [(n, t.detach()) for n, t in leaves])
+        with guard("forward", step=self.step, records=f"the outputs of {type(module).__name__}.forward"):
+            leaves = [(n, t) for n, t in tensor_leaves(output, type(module).__name__) if _recordable(t)]
+            if leaves:
+                with self._ours():
+                    self._rec().tensors(self.step, "forward", [(n, _local(t.detach())) for n, t in leaves])
 
     def backward_root(self, tensors) -> None:
         """Record the root(s) of a ``backward()`` call at the current step."""
-        roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-        named = [("root" if len(roots) == 1 else f"root.{index}", root) for index, root in enumerate(roots)
-                 if isinstance(root, torch.Tensor)]
-        if not named:
+        if not _observable(in_backward_too=True):
             return
-        rec = self._rec()
-        with self._ours():
-            for name, root in named:
-                root = _local(root.detach())
-                if root.numel() == 1 and root.layout == torch.strided and not root.is_nested:
-                    rec.metrics(self.step, phase="backward", **{name: root.reshape(())})
-                else:
-                    rec.tensors(self.step, "backward", [(name, root)])
+        with guard("backward", step=self.step, records="the backward() root"):
+            roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+            named = [("root" if len(roots) == 1 else f"root.{index}", root) for index, root in enumerate(roots)
+                     if isinstance(root, torch.Tensor) and _recordable(root)]
+            if not named:
+                return
+            rec = self._rec()
+            with self._ours():
+                for name, root in named:
+                    root = _local(root.detach())
+                    if root.numel() == 1 and root.layout == torch.strided and not root.is_nested:
+                        rec.metrics(self.step, phase="backward", **{name: root.reshape(())})
+                    else:
+                        rec.tensors(self.step, "backward", [(name, root)])
+
+    def before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        with guard("optimizer_step", step=self.step, records="the optimizer step's state check"):
+            self.state_was_empty[id(optimizer)] = not any(inner.state for inner in _effective(optimizer))
 
     def after_optimizer_step(self, optimizer, args, kwargs):
+        was_empty = self.state_was_empty.pop(id(optimizer), False)
+        if _inside_another_optimizer_step(optimizer):
+            return  # a container's inner optimizer (torchtitan's, accelerate's): the container records
+        if was_empty and _is_state_init_step(optimizer):
+            return  # a zero-LR step that only creates the state (DCP's and torchtitan's checkpoint load)
+        ended = False
+        with guard("optimizer_step", step=self.step, records="parameters, gradients and optimizer state"):
+            ended = self._after_optimizer_step(optimizer)
+        if ended:
+            self._end_step()
+
+    def _after_optimizer_step(self, optimizer) -> bool:
+        """Record the step's parameters, gradients and optimizer state; True if ``optimizer``
+        is the one whose step ends a training step (the first one that stepped)."""
         if self.first_optimizer is None:
             self.first_optimizer = optimizer
         if not any(seen is optimizer for seen in self.optimizers):
             self.optimizers.append(optimizer)
         rec = self._rec()
-        phase_prefix = "" if optimizer is self.first_optimizer else f"optimizer{id(optimizer) & 0xFFFF:x}."
-        names = list(optimizer_params(optimizer, self.param_names))
+        phase_prefix = "" if optimizer is self.first_optimizer else f"optimizer{self._optimizer_number(optimizer)}."
+        inner = _effective(optimizer)
+        names, seen = [], set()
+        for opt in inner:
+            for name, param in optimizer_params(opt, self.param_names):
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    names.append((name, param, opt))
+        state = []
+        for name, param, opt in names:
+            for key, value in sorted(opt.state.get(param, {}).items()):
+                if isinstance(value, torch.Tensor):
+                    state.append((f"{name}.{key}", value))
         with self._ours():
-            rec.tensors(self.step, phase_prefix + "grads", [(n, p.grad) for n, p in names])
-            rec.tensors(self.step, phase_prefix + "params", [(n, p.detach()) for n, p in names])
-            state = []
-            for name, param in names:
-                for key, value in sorted(optimizer.state.get(param, {}).items()):
-                    if isinstance(value, torch.Tensor):
-                        state.append((f"{name}.{key}", value))
-            rec.tensors(self.step, phase_prefix + "optimizer", state)
+            for phase, named in ((phase_prefix + "grads", [(n, p.grad) for n, p, _ in names]),
+                                 (phase_prefix + "params", [(n, p.detach()) for n, p, _ in names]),
+                                 (phase_prefix + "optimizer", state)):
+                if any(_is_dtensor(t) for _, t in named):
+                    rec.tensors_and_global(self.step, phase, named)  # local shards, and whole tensors
+                else:
+                    rec.tensors(self.step, phase, named)
+        if self.tracer is not None:
+            self.tracer.optimizer_post(optimizer)
+        return optimizer is self.first_optimizer
+
+    def _optimizer_number(self, optimizer) -> int:
+        """A name for an optimizer that does not end the step, stable across processes: its
+        place in construction order (never its ``id()``), else in the order of first steps."""
+        for number, made in enumerate(self._tracked(self.tracking.optimizers)):
+            if made is optimizer:
+                return number
+        return next(number for number, seen in enumerate(self.optimizers) if seen is optimizer)
+
+    def _end_step(self) -> None:
+        """The step's last records, its frame, then the next step (the live check may stop here)."""
         tracer = self.tracer
-        if tracer is not None:
-            tracer.optimizer_post(optimizer)
-        if optimizer is self.first_optimizer:
+        stop = False
+        with guard("step_end", step=self.step, records="the step's end"):
             if tracer is not None:
                 tracer.finish_step(self.step)  # its records belong before the step is written
             if self.census_step != self.step:
@@ -315,10 +381,12 @@ class _AutoRecorder:
                 self.record_census()  # a step without a top-level forward still has its census
             with self._ours():
                 self._close_census_step()
-            if rec.end_step(self.step) is False:
-                self.stop(self.step)
-            self.step += 1
-            if tracer is not None:
+            stop = self.recorder is not None and self.recorder.end_step(self.step) is False
+        if stop:
+            self.stop(self.step)
+        self.step += 1
+        if tracer is not None:
+            with guard("step_end", step=self.step - 1, records="the tracer's step end"):
                 tracer.after_end_step(self.step - 1)  # may end the process (a bisect re-run)
                 tracer.begin_step(self.step)
 
@@ -330,6 +398,7 @@ def install() -> bool:
         return True
     if settings.read("SAMEBITS_DISABLE"):
         return False
+    inject("startup")  # fault-injection tests: sitecustomize records the whole process as a gap
     state = _AutoRecorder()
     previous_hook = sys.excepthook
 
@@ -343,9 +412,11 @@ def install() -> bool:
         state.tracer = install_zero_code(state._rec, state.step)  # a bad setting raises here, first
         state.tracking.watch_draws = False  # the tracer's own dispatch modes come and go
     _state = state
-    install_tracking(state.tracking)
+    with guard("tracking", records="the training state's construction (census context)"):
+        install_tracking(state.tracking)
     register_module_forward_pre_hook(_state.pre_forward)
     register_module_forward_hook(_state.post_forward, always_call=True)
+    register_optimizer_step_pre_hook(_state.before_optimizer_step)
     register_optimizer_step_post_hook(_state.after_optimizer_step)
     _wrap_backward(_state)
     return True
@@ -370,6 +441,103 @@ def note(owner: str, message: str, step: int | None = None) -> bool:
     return True
 
 
+def _observable(in_backward_too: bool = False) -> bool:
+    """Whether a module call (or a backward root) now is the program's own eager training
+    step: not a recompute during backward (activation checkpointing), not inside a functorch
+    transform (vmap, grad), a dynamo trace, an export or a fake-tensor mode.  Outside those,
+    samebits' hooks record; inside them they do nothing at all."""
+    try:
+        if not in_backward_too and torch._C._current_graph_task_id() != -1:
+            return False  # the engine is running a backward: a forward now is a recompute
+        if torch._C._are_functorch_transforms_active():
+            return False
+        compiler = getattr(torch, "compiler", None)
+        if compiler is not None and (compiler.is_compiling() or getattr(compiler, "is_exporting", bool)()):
+            return False
+        return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None
+    except Exception:  # noqa: BLE001 - an older torch: record as before
+        return True
+
+
+def _recordable(tensor) -> bool:
+    """A tensor with real data samebits can digest: a plain tensor or parameter, or a DTensor
+    (its local shard); not a functorch wrapper, a fake or meta tensor, or another subclass."""
+    if not isinstance(tensor, torch.Tensor):
+        return False
+    if _is_dtensor(tensor):
+        return True
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.device.type == "meta":
+        return False
+    try:
+        return not torch._C._functorch.is_functorch_wrapped_tensor(tensor)
+    except Exception:  # noqa: BLE001
+        return True
+
+
+def _is_dtensor(tensor) -> bool:
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(tensor, getattr(dtensor, "DTensor", ()))
+
+
+def _inner_optimizers(optimizer) -> list:
+    """The optimizers a container optimizer steps (torchtitan's ``OptimizersContainer.optimizers``,
+    accelerate's ``AcceleratedOptimizer.optimizer``); [] for an ordinary optimizer."""
+    found = []
+    for attribute in ("optimizers", "optimizer"):
+        value = optimizer.__dict__.get(attribute) if hasattr(optimizer, "__dict__") else None
+        values = value if isinstance(value, (list, tuple)) else [value]
+        found += [v for v in values if isinstance(v, torch.optim.Optimizer) and v is not optimizer]
+    return found
+
+
+def _effective(optimizer) -> list:
+    """The optimizers whose parameters and state ``optimizer``'s step updates: a container's
+    inner ones (recursively), else ``optimizer`` itself."""
+    inner = _inner_optimizers(optimizer)
+    if not inner:
+        return [optimizer]
+    return [leaf for opt in inner for leaf in _effective(opt)]
+
+
+def _inside_another_optimizer_step(optimizer) -> bool:
+    """Whether ``optimizer.step()`` runs inside another optimizer's ``step`` (a container
+    stepping its inner optimizers): only the outermost step is a training step.  Read from
+    the Python stack, so an exception in an earlier step cannot leave a stale count behind."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "step":
+            owner = frame.f_locals.get("self")
+            # Only an outer step that runs the step hooks itself counts (torch patches the
+            # ``step`` of classes whose __init__ ran Optimizer's): accelerate's wrapper does not.
+            if owner is not optimizer and isinstance(owner, torch.optim.Optimizer) and \
+                    getattr(getattr(type(owner), "step", None), "hooked", False):
+                return True
+        frame = frame.f_back
+    return False
+
+
+def _is_state_init_step(optimizer) -> bool:
+    """A step that only creates the optimizer's state: it had no state when it began, every
+    group that has a learning rate has 0, and every gradient is None or zero.  That is how
+    checkpoint loaders materialise Adam's moments before loading into them (DCP's
+    ``_init_optim_state``, torchtitan's ``init_optim_state``); a training step with a warm-up
+    LR of 0 has real gradients.  Costs a check of the gradients only when the LR is 0."""
+    try:
+        groups = [group for opt in _effective(optimizer) for group in opt.param_groups]
+        lrs = [group["lr"] for group in groups if "lr" in group]
+        if not lrs or any(float(lr) != 0.0 for lr in lrs):
+            return False
+        with outside_dispatch_modes():
+            for group in groups:
+                for param in group["params"]:
+                    grad = param.grad
+                    if grad is not None and bool(_local(grad).ne(0).any()):
+                        return False
+        return True
+    except Exception:  # noqa: BLE001 - when in doubt it is a training step, as before
+        return False
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor (the recorded stream is per rank); other tensors as they are."""
     to_local = getattr(tensor, "to_local", None)
@@ -382,7 +550,7 @@ def _wrap_backward(state: _AutoRecorder) -> None:
     previous = torch.autograd.backward
 
     def backward(tensors, *args, **kwargs):
-        state.backward_root(tensors)
+        state.backward_root(tensors)  # fail-safe: its own guard
         return previous(tensors, *args, **kwargs)
 
     backward.__wrapped__ = previous
@@ -436,4 +604,5 @@ def environment_for(out_dir, *, reference=None, step_offset=None, append=False, 
 
 
 __all__ = ["install", "environment_for", "recording_variables", "with_variables", "read_outcomes", "read_stop",
+           "read_gaps", "summarise_gaps", "record_gap",
            "STOPPED_MARKER", "STATE_DIR", "EVENTS_FILE", "NOTES_FILE", "EXIT_STOPPED", "ENV_ENABLE", "note"]

@@ -23,7 +23,6 @@ program's exit code, output and bits do not change when samebits fails there.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -68,8 +67,8 @@ _GAPS = _Gaps()
 
 
 def _rank() -> str:
-    rank = os.environ.get("RANK", "").strip()
-    return f"{int(rank):05d}" if rank.isdigit() else "x"
+    rank = os.environ.get("RANK", "").strip()  # unset: one process, which records as rank 0
+    return f"{int(rank) if rank.isdigit() else 0:05d}"
 
 
 def record_gap(site: str, error: BaseException, *, step: int | None = None, records: str = "") -> None:
@@ -103,16 +102,36 @@ def record_gap(site: str, error: BaseException, *, step: int | None = None, reco
             pass
 
 
-@contextlib.contextmanager
-def guard(site: str, *, step: int | None = None, records: str = ""):
+def inject(site: str) -> None:
+    """Raise `InjectedFault` if ``SAMEBITS_FAULT_SITE`` names ``site`` (for a site that fails
+    by raising to its caller, such as ``startup``)."""
+    if site in _GAPS.faults:
+        raise InjectedFault(f"samebits fault injected at {site} ({FAULT_VARIABLE})")
+
+
+class guard:  # noqa: N801 - used as a statement: ``with guard(site):``
     """Run samebits' own work; an exception it raises becomes a gap (`record_gap`) and goes
-    no further.  ``site`` is one of `SITES` (``"tracking.dataloader"``: a site and detail)."""
-    try:
-        if _GAPS.faults and (site in _GAPS.faults or site.partition(".")[0] in _GAPS.faults):
-            raise InjectedFault(f"samebits fault injected at {site} ({FAULT_VARIABLE})")
-        yield
-    except Exception as err:  # noqa: BLE001 - the contract: nothing of ours reaches the program
-        record_gap(site, err, step=step, records=records)
+    no further.  ``site`` is one of `SITES` (``"tracking.dataloader"``: a site and detail).
+    An injected fault (``SAMEBITS_FAULT_SITE``) is raised as the site's work ends, and taken
+    as any other exception there."""
+
+    __slots__ = ("site", "step", "records")
+
+    def __init__(self, site: str, *, step: int | None = None, records: str = ""):
+        self.site, self.step, self.records = site, step, records
+
+    def __enter__(self) -> "guard":
+        return self
+
+    def __exit__(self, kind, error, tb) -> bool:
+        if kind is None:
+            if not _GAPS.faults or not (self.site in _GAPS.faults or self.site.partition(".")[0] in _GAPS.faults):
+                return False
+            error = InjectedFault(f"samebits fault injected at {self.site} ({FAULT_VARIABLE})")
+        elif not issubclass(kind, Exception):
+            return False  # KeyboardInterrupt, SystemExit: the program's, never swallowed
+        record_gap(self.site, error, step=self.step, records=self.records)
+        return True  # the contract: nothing of ours reaches the program
 
 
 def read_gaps(run_dir: str | os.PathLike) -> list[dict]:

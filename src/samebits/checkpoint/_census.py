@@ -38,6 +38,7 @@ tracer (or any other mode) called around the loop never sees it.
 
 from __future__ import annotations
 
+import numbers
 import random
 import re
 import struct
@@ -101,8 +102,8 @@ def _census(optimizers, schedulers, user, scalers, include_cuda: bool) -> list[t
         records.append((f"rng.user.{name}", _generator_state(generator)))
     for index, optimizer in enumerate(optimizers):
         records.append((f"optim{index}.step", _optimizer_steps(optimizer)))
-        records.append((f"optim{index}.lr", _float64([group["lr"] for group in
-                                                      optimizer.param_groups])))
+        records.append((f"optim{index}.lr", _float64([_number(group.get("lr", float("nan")))
+                                                      for group in optimizer.param_groups])))
         records.append((f"optim{index}.hparams", _hyperparameters(optimizer)))
     for index, scheduler in enumerate(schedulers):
         records.append((f"sched{index}.last_epoch",
@@ -261,16 +262,14 @@ def _hyperparameters(optimizer: Any) -> torch.Tensor:
         for key in sorted(k for k in group if k not in ("params", "lr") and isinstance(k, str)):
             items = group[key] if isinstance(group[key], (tuple, list)) else (group[key],)
             for item in items:
-                if isinstance(item, torch.Tensor) and item.numel() == 1:
-                    item = item.item()
-                values.append(float(item) if isinstance(item, (bool, int, float)) else float("nan"))
+                values.append(_number(item))
     return torch.tensor(values, dtype=torch.float64)
 
 
 def _scaler_state(scaler: Any) -> torch.Tensor:
     """float64[2]: the scale and growth tracker the scaler's next step uses (its initial ones
     before its first use, as its state_dict says); NaN, -1 when it is disabled."""
-    if not getattr(scaler, "_enabled", True):
+    if not scaler.is_enabled():
         return torch.tensor([float("nan"), -1.0], dtype=torch.float64)
     scale, tracker = getattr(scaler, "_scale", None), getattr(scaler, "_growth_tracker", None)
     scale = float(getattr(scaler, "_init_scale", float("nan"))) if scale is None else scale
@@ -282,7 +281,16 @@ def _scaler_state(scaler: Any) -> torch.Tensor:
 
 
 def _float64(values: Sequence[Any]) -> torch.Tensor:
-    return torch.tensor([float(v) for v in values], dtype=torch.float64)
+    return torch.tensor([_number(v) for v in values], dtype=torch.float64)
+
+
+def _number(value: Any) -> float:
+    """A group setting as a float64, exactly: a Python number, a one-element tensor (a tensor
+    LR, as capturable or compiled optimizers hold it), NaN for anything else (a group without
+    an LR, as torchtitan's container has)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value.detach().reshape(()).to("cpu", torch.float64))
+    return float(value) if isinstance(value, numbers.Real) else float("nan")
 
 
 def _float_bits(value: float) -> int:
@@ -342,7 +350,9 @@ def _is_scheduler(value: Any) -> bool:
 
 
 def _is_scaler(value: Any) -> bool:
-    return hasattr(value, "_growth_tracker") and callable(getattr(value, "get_scale", None))
+    # A GradScaler made with enabled=False (nanoGPT's on CPU or float32) has no _growth_tracker
+    # at all: its methods and its enabled flag are what every GradScaler has.
+    return callable(getattr(value, "get_scale", None)) and callable(getattr(value, "is_enabled", None))
 
 
 def _checked_sequence(argument: str, values: Any, check, wanted: str) -> Sequence[Any]:

@@ -172,8 +172,13 @@ def render(result: VerifyResult) -> str:
             continue
         c = check.compared
         counts = f"{c['ranks']} x {c['steps']} x {c['records']:,}"
-        verdict = Verdict(check.verdict)
-        if verdict is Verdict.IDENTICAL:
+        verdict = result.check_verdict(name)
+        if name in result.gaps and verdict is Verdict.INCOMPLETE:
+            gap = result.gaps[name]
+            rows.append([label, "INCOMPLETE", counts, "samebits could not record " +
+                         ("the state census" if gap is None else "this run" if gap < 0 else f"from step {gap}")
+                         + " (see the note)"])
+        elif verdict is Verdict.IDENTICAL:
             rows.append([label, "IDENTICAL", counts, "-"])
         elif verdict is Verdict.DIVERGED:
             d = check.first_divergence

@@ -63,8 +63,16 @@ def verify_conclusion(summary: dict) -> str:
             unchecked.append(label(name))
             continue
         verdict = check.get("verdict")
+        gaps = summary.get("gaps") or {}
+        gap = gaps.get(name)
+        first = check.get("first_divergence") or {}
+        if name in gaps and (verdict == "identical" or (verdict == "diverged" and isinstance(gap, int) and not (
+                isinstance(first.get("step"), int) and first["step"] < gap))):
+            undecided.append(f"{label(name)} could not be decided (samebits could not record "
+                             + ("the state census" if not isinstance(gap, int) else "the run" if gap < 0
+                                else f"from step {gap}") + ": a samebits bug, see the note)")
+            continue
         if verdict == "diverged":
-            first = check.get("first_divergence") or {}
             text = f"{label(name)} diverged at step {first.get('step')}, rank {first.get('rank')} ({_where(first)})"
             lines = explanations.get(name) or []
             if lines:

@@ -26,13 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from samebits.autorecord import environment_for, read_stop, recording_variables, with_variables
+from samebits.autorecord import environment_for, read_gaps, read_stop, recording_variables, summarise_gaps, with_variables
 from samebits.checkpoint import CENSUS_DIR
 from samebits.compare import DiffResult, diff
 from samebits.errors import ConfigError, IncomparableRunsError
 from samebits.runs._explain import Finding, explain_independent, explain_resume, ordered
-from samebits.runs._launch import judge_recipe_run, judge_recorded_run, run_logged
-from samebits.runs.commands import (CKPT, FROM, OUT, REFERENCE, RUN, STEP, SelfRecording, fill_placeholders,
+from samebits.runs._launch import RunFailed, judge_recipe_run, judge_recorded_run, run_logged
+from samebits.runs.commands import (CKPT, OUT, REFERENCE, STEP, SelfRecording, fill_placeholders,
                                     prepare_out_dir, write_summary)
 from samebits.verdicts import ToDict, Verdict, milliseconds, serialised
 
@@ -58,7 +58,7 @@ class VerifyResult(ToDict):
     was not checked; ``verdict`` is a `Verdict`: PASS (every check identical), FAIL (a check
     diverged), INCOMPLETE (a check could not decide, or nothing was checked)."""
 
-    dict_keys = ("verdict", "checked", "not_checked", "out", "resume_at", "checks", "explanations", "findings",
+    dict_keys = ("verdict", "checked", "not_checked", "out", "resume_at", "checks", "gaps", "explanations", "findings",
                  "runs", "bisect_command", "resume_bisect_command", "timings_s", "notes")
 
     out: str
@@ -71,6 +71,10 @@ class VerifyResult(ToDict):
     findings: list[Finding] = field(default_factory=list)  # the same, as claims: most specific first
     bisect_command: str = ""  # how to locate the origin op of an independent-runs divergence
     resume_bisect_command: str = ""  # the same for a resume divergence (A against the resumed run)
+    #: check -> the first step from which its runs have records samebits could not write (a
+    #: gap, `samebits.autorecord._gaps`; -1: the whole run; None: only the state census or the
+    #: tracking of state): no PASS while any is there, and no divergence from that step on
+    gaps: dict[str, int | None] = field(default_factory=dict)
 
     @property
     def checked(self) -> list[str]:
@@ -80,9 +84,26 @@ class VerifyResult(ToDict):
     def not_checked(self) -> list[str]:
         return [name for name, check in self.checks.items() if check is None]
 
+    def check_verdict(self, name: str) -> Verdict | None:
+        """Check ``name``'s verdict, with its gaps: identical records are no proof where samebits
+        could not record, and a divergence at or after a gap may be the gap's own making."""
+        check = self.checks.get(name)
+        if check is None:
+            return None
+        verdict = Verdict(check.verdict)
+        if name not in self.gaps:
+            return verdict
+        if verdict is Verdict.IDENTICAL:
+            return Verdict.INCOMPLETE
+        gap, first = self.gaps[name], check.first_divergence
+        if verdict is Verdict.DIVERGED and gap is not None and (first is None or first.step is None
+                                                                or first.step >= gap):
+            return Verdict.INCOMPLETE
+        return verdict
+
     @property
     def verdict(self) -> Verdict:
-        verdicts = [Verdict(check.verdict) for check in self.checks.values() if check is not None]
+        verdicts = [self.check_verdict(name) for name, check in self.checks.items() if check is not None]
         if Verdict.DIVERGED in verdicts:
             return Verdict.FAIL  # a divergence is proof, whatever else could not be decided
         if not verdicts or any(v is not Verdict.IDENTICAL for v in verdicts):
@@ -150,6 +171,7 @@ def verify_recipe(
                                resume_at, "resume", notes),
     }
     result = VerifyResult(str(out), checks, timings, resume_at, notes, runs)
+    _add_gaps(result, {"a": out / "a", "b": out / "b", "c": out / "c"})
     _explain(result, out / "a", out / "b", out / "c")
     if program.bisect_words:
         result.bisect_command = shlex.join(program.bisect_words)
@@ -276,31 +298,33 @@ def verify_command(
             ended = judge_recorded_run(name, argv, code, run_dir, log) or "finished"
         runs.append(RunInfo(name, shlex.join(argv), code, seconds, ended))
         say(f"      done in {seconds:.1f} s: {ended}")
+        _refuse_unrecorded(name, argv, run_dir)
     checks = {"independent": _diff(out / "a", out / "b"),
               "resume": _diff(out / "a", out / "c", start_step=resume_at) if resume_with else None}
     result = VerifyResult(str(out), checks, timings, resume_at, notes, runs)
+    _add_gaps(result, {"a": out / "a", "b": out / "b", "c": out / "c"})
     _explain(result, out / "a", out / "b", out / "c")
     result.bisect_command = "samebits bisect -- " + command  # bisect fills {out} and {run} per run, as here
     if resume_with is not None:
-        result.resume_bisect_command = resume_bisect_command(cmd, shlex.split(resume_with), resume_at, out)
+        result.resume_bisect_command = resume_bisect_command(cmd, shlex.split(resume_with), resume_at, what)
     write_summary(out, result)
     return result
 
 
-def resume_bisect_command(cmd: list[str], resume_with: list[str], resume_at: int, out: Path) -> str:
+def resume_bisect_command(cmd: list[str], resume_with: list[str], resume_at: int,
+                          record: dict | None = None) -> str:
     """The `samebits bisect` command that locates the origin of a resume divergence: A is the
-    command, B the resume command, numbered from ``resume_at``.  The placeholders are filled
-    as for verify's runs, in fresh folders under OUT/bisect-work: A's {out} is B's {from}, so
-    B resumes from the checkpoint that the bisect's own A run saves."""
-    work = out / "bisect-work"
-    side_a = fill_placeholders(cmd, {OUT: work / "a", RUN: "a"})
-    side_b = fill_placeholders(resume_with, {OUT: work / "c", RUN: "c", STEP: resume_at, FROM: work / "a"})
-    command = shlex.join(["samebits", "bisect", "--a", shlex.join(side_a), "--b", shlex.join(side_b),
+    command, B the resume command, numbered from ``resume_at``.  The placeholders stay in it:
+    bisect fills them per run as verify does, every run in a new work folder of its own
+    (``{out}``: a trainer that resumes from the latest checkpoint in its output folder starts
+    clean), every B resuming the checkpoints of the bisect's first A (``{from}``, ``{step}``).
+    ``record``: verify's choice of what to record (``--exclude`` ...), given to bisect as the
+    variables it reads."""
+    command = shlex.join(["samebits", "bisect", "--a", shlex.join(cmd), "--b", shlex.join(resume_with),
                           "--b-step-offset", str(resume_at)])
-    used = [p for p in PLACEHOLDERS + RESUME_PLACEHOLDERS if any(p in part for part in cmd + resume_with)]
-    if any(p in used for p in ("{out}", "{from}")):
-        command = shlex.join(["mkdir", "-p", str(work / "a"), str(work / "c")]) + " && " + command
-    return command
+    chosen = {name: value for name, value in recording_variables(**{k: v for k, v in (record or {}).items()
+                                                                    if k != "steps"}).items() if value is not None}
+    return shlex.join([f"{name}={value}" for name, value in sorted(chosen.items())]) + (" " if chosen else "") + command
 
 
 def _expand(argv: list[str], out: Path, run: str, step: int | None = None) -> list[str]:
@@ -311,6 +335,37 @@ def _expand(argv: list[str], out: Path, run: str, step: int | None = None) -> li
     if step is not None:
         values.update({"{step}": str(step), "{from}": str(out / "work" / "a")})
     return fill_placeholders(argv, values)
+
+
+_CHECK_RUNS = {"independent": ("a", "b"), "resume": ("a", "c")}
+
+
+def _refuse_unrecorded(name: str, argv: list[str], run_dir: Path) -> None:
+    """A run in which samebits could not start recording at all (a ``startup`` gap and no
+    stream) has nothing to compare: exit 2 with what failed, never a comparison of nothing."""
+    gaps = [gap for gap in read_gaps(run_dir) if gap.get("site") == "startup"]
+    if gaps and not any(run_dir.glob("rank-*.sbs")):
+        raise RunFailed(f"run {name} ran ({shlex.join(argv)}) but samebits could not record it: "
+                        f"{gaps[0].get('error')}. {summarise_gaps(gaps)}.", "samebits could not record", name)
+
+
+def _add_gaps(result: VerifyResult, run_dirs: dict[str, Path]) -> None:
+    """What samebits could not record in each run (`read_gaps`): the first gapped step of each
+    check whose runs have a gap in the records it compares, and one line in the notes."""
+    gaps = {run: read_gaps(path) for run, path in run_dirs.items()}
+    found = [gap for run in gaps.values() for gap in run]
+    if not found:
+        return
+    for name, check in result.checks.items():
+        if check is None:
+            continue
+        mine = [gap for run in _CHECK_RUNS.get(name, ()) for gap in gaps.get(run, ())]
+        steps = [gap.get("step") for gap in mine if gap.get("verdict", True)]
+        if steps:
+            result.gaps[name] = min(step if isinstance(step, int) else -1 for step in steps)
+        elif mine:
+            result.gaps[name] = None  # the census or the tracking only: no PASS, divergences stand
+    result.notes.insert(0, summarise_gaps(found) + "; no verdict rests on what is missing")
 
 
 def _explain(result: VerifyResult, run_a: Path, run_b: Path, run_c: Path) -> None:

@@ -146,9 +146,11 @@ def _alternatives(value: str | list[str] | None) -> list[str]:
     return [value] if isinstance(value, str) else list(value)
 
 
-def describe_explains(explains: dict | None) -> str:
+def describe_explains(explains: dict | list[dict] | None) -> str:
     if not explains:
         return ""
+    if isinstance(explains, list):
+        return "; explains: " + " or ".join(describe_explains(one).removeprefix("; explains: ") for one in explains)
     extra = [explains.get("generator"), " or ".join(_alternatives(explains.get("site"))) or None]
     return f"; explains: {' or '.join(_alternatives(explains['kind']))}" + "".join(f" {x}" for x in extra if x)
 
@@ -344,9 +346,16 @@ def _generator_name(value: str | None) -> str | None:
     return f"user:{site}" if site else value
 
 
-def _judge_explains(want: dict, payload: dict, check: str) -> tuple[str, str]:
+def _judge_explains(want: dict | list[dict], payload: dict, check: str) -> tuple[str, str]:
     """The verdict and step are right; now the first finding must name the fault: its kind,
-    and its site and generator where the case gives them."""
+    and its site and generator where the case gives them.  `want` may be a list of such
+    expectations, each of them right (a fault with several true answers): the first finding
+    must meet one; judged by the one of its kind, when it meets none."""
+    if isinstance(want, list):
+        results = [_judge_explains(alternative, payload, check) for alternative in want]
+        kind = ((payload.get("findings") or [{}])[0]).get("kind")
+        same_kind = [r for alternative, r in zip(want, results) if kind in _alternatives(alternative["kind"])]
+        return next((r for r in results if r[0] == "hit"), (same_kind or results)[0])
     findings = payload.get("findings")
     if not findings:
         return "miss", "verdict right, but no finding explains it"

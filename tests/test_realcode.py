@@ -36,7 +36,8 @@ def _is_control(case: dict) -> bool:
 def realcode_problems(case: dict, folder: Path) -> list[str]:
     """What is wrong with one real-code case ([] for a well-formed one): a control case (the
     unmodified trainer, verify, expected PASS, nothing planted) or a fault case in the corpus
-    schema, where `explains.kind` may list the kinds of a fault with several true causes."""
+    schema, where `explains.kind` may list the kinds of a fault with several true causes and
+    `explains` may list whole alternatives (each right)."""
     name = case.get("name", "?")
     if _is_control(case):
         problems = []
@@ -48,8 +49,15 @@ def realcode_problems(case: dict, folder: Path) -> list[str]:
             problems.append("run, fault and setting are required")
         return [f"{name}: {p}" for p in problems]
     case = json.loads(json.dumps(case))
-    explains = case.get("expected", {}).get("explains")
+    expected = case.get("expected", {})
     problems = []
+    if isinstance(expected.get("explains"), list):  # alternatives: check each, then the case with the first
+        if not expected["explains"]:
+            problems.append(f"{name}: explains lists no alternative")
+        for alternative in expected["explains"][1:]:
+            problems += [f"{name}: {p}" for p in corpus_checks._explains_problems(alternative)]
+        expected["explains"] = (expected["explains"] or [None])[0]
+    explains = expected.get("explains")
     if isinstance(explains, dict) and isinstance(explains.get("kind"), list):
         kinds = explains["kind"]
         if not kinds or not all(k in bench.FINDING_KINDS for k in kinds):
@@ -185,6 +193,23 @@ def test_fault_with_several_true_causes_accepts_each():
     wrong = [{"check": "resume", "kind": "data_position", "step": 4}]
     assert bench.judge(case, _verify("fail", resume=4, findings=wrong), 1, "")[0] == "wrong"
     assert " or " in bench.describe_expected(case)
+
+
+def test_explains_alternatives_each_right():
+    _, case = BY_NAME["hf_collator_numpy"]
+    creation = case["expected"]["explains"][1]["generator"]
+    batch = [{"check": "independent", "kind": "input_batch", "step": 0}]
+    named = [{"check": "independent", "kind": "generator", "step": 0, "generator": creation.replace(":", ":/x/", 1)}]
+    cpu = [{"check": "independent", "kind": "generator", "step": 0, "generator": "torch_cpu"}]
+    order = [{"check": "independent", "kind": "order", "step": 0}]
+    judged = {name: bench.judge(case, _verify("fail", independent=0, findings=found), 1, "")[0]
+              for name, found in [("batch", batch), ("named", named), ("cpu", cpu), ("order", order)]}
+    assert judged == {"batch": "hit", "named": "hit", "cpu": "wrong", "order": "wrong"}
+    assert "input_batch or generator user:" in bench.describe_expected(case)
+    for change in (lambda e: e.update(explains=[]), lambda e: e["explains"][1].update(kind="rng")):
+        broken = json.loads(json.dumps(case))
+        change(broken["expected"])
+        assert realcode_problems(broken, REALCODE / "hf"), broken["expected"]
 
 
 def _score(name, outcome, corpus):

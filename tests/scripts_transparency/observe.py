@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 warnings.simplefilter("ignore")  # the deprecated torch.cuda.amp.GradScaler says so once per run
 torch.manual_seed(0)
+torch.set_rng_state(torch.get_rng_state())  # a restore: recording watches the next draws until a step begins
 
 
 def show(label, thunk):

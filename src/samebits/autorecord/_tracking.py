@@ -84,6 +84,7 @@ class _Live:
         except TypeError:  # not weak-referenceable: not tracked
             return None
         notes = {}
+        entries.pop(key, None)  # a dead one's id, reused: the new object goes last, in creation order
         entries[key] = (ref, site, notes)
         return notes
 

@@ -85,3 +85,54 @@ def test_gaps_are_read_back_and_summarised(tmp_path):
     assert gaps[0]["rank"] == 1 and gaps[0]["log"].endswith("samebits-log-rank-00001.txt")
     line = summarise_gaps(gaps)
     assert "the outputs of GPT.forward (forward)" in line and "from step 3" in line and "samebits bug" in line
+
+
+# --- what real trainers do, with PyTorch's own APIs (tests/scripts_failsafe/real_apis.py) -----
+
+REAL_APIS = Path(__file__).resolve().parent / "scripts_failsafe" / "real_apis.py"
+
+
+def _plain(*args: str) -> list[str]:
+    proc = subprocess.run([sys.executable, str(REAL_APIS), *args], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return _program_lines(proc.stdout)
+
+
+@pytest.mark.parametrize("ac", ["selective", "full"])
+def test_fsdp2_activation_checkpointing_a_container_and_a_state_init_step_record_cleanly(tmp_path, ac):
+    """FSDP2 (DTensors), SAC or full AC (the recompute in backward is no new forward, and samebits'
+    ops never run inside SAC's mode), a container optimizer (recorded once, unprefixed) and DCP's
+    zero-LR `_init_optim_state` (no training step): the program's output is a plain run's, every
+    step has one forward, and the parameters carry global digests too."""
+    from samebits.stream import open_run
+
+    args = ["3", "--ac", ac]
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "samebits", "run", "--out", str(out), "-q", "--",
+                           sys.executable, str(REAL_APIS), *args], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _program_lines(proc.stdout) == _plain(*args)
+    assert read_gaps(out) == []
+    run = open_run(out)
+    try:
+        steps = {block.step: [(r.phase, r.name) for r in block.records()] for block in run.stream(0).steps()}
+    finally:
+        run.close()
+    assert sorted(steps) == [0, 1, 2]  # the state-init step is not a step
+    for step, names in steps.items():
+        phases = [phase for phase, _ in names]
+        assert phases.count("forward") == 1, (step, phases)
+        assert {"grads", "params", "optimizer", "global:params"} <= set(phases), (step, sorted(set(phases)))
+        assert not any(phase.startswith("optimizer") and "." in phase for phase in phases), phases
+
+
+@pytest.mark.slow
+def test_two_optimizers_have_names_that_two_processes_share(tmp_path):
+    """A second optimizer's records are named by construction order, never id(): two
+    bit-identical runs PASS (with id() in the name they FAILed: 'b: no such record')."""
+    out = tmp_path / "v"
+    proc = subprocess.run([sys.executable, "-m", "samebits", "verify", "--out", str(out), "--json", "-q", "--",
+                           sys.executable, str(REAL_APIS), "3", "--no-fsdp", "--ac", "none", "--two"],
+                          capture_output=True, text=True, timeout=900)
+    payload = json.loads(proc.stdout)
+    assert proc.returncode == 0 and payload["verdict"] == "pass", (payload["verdict"], payload.get("notes"))

@@ -352,3 +352,26 @@ def test_a_census_that_differs_fails_a_self_recording_run_whose_outputs_agree(tm
     d = check.first_divergence
     assert (d.step, d.name) == (2, "rng.user.router_jitter"), d
     assert notes and "every recorded output is identical, but the state census differs at step 2" in notes[0]
+
+
+def test_the_census_takes_what_real_trainers_make():
+    """nanoGPT's disabled scaler (`torch.cuda.amp.GradScaler(enabled=False)`: no _growth_tracker),
+    torch.amp's disabled one, a group without "lr" (torchtitan's OptimizersContainer) and a
+    tensor LR: recorded, never a ConfigError inside the user's step."""
+    import warnings
+
+    param = torch.nn.Parameter(torch.ones(2))
+    plain = torch.optim.SGD([param], lr=0.5)
+    no_lr = torch.optim.SGD([param], lr=0.5)
+    del no_lr.param_groups[0]["lr"]
+    tensor_lr = torch.optim.Adam([param], lr=torch.tensor(0.25))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        old_style = torch.cuda.amp.GradScaler(enabled=False)
+    records = dict(state_census(optimizers=[plain, no_lr, tensor_lr],
+                                scalers=[old_style, torch.amp.GradScaler("cpu", enabled=False)], include_cuda=False))
+    assert records["optim0.lr"].tolist() == [0.5]
+    assert torch.isnan(records["optim1.lr"]).all()
+    assert records["optim2.lr"].tolist() == [0.25]
+    for name in ("scaler0", "scaler1"):
+        assert torch.isnan(records[name][0]) and records[name][1].item() == -1.0

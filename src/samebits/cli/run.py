@@ -11,7 +11,8 @@ from samebits.cli._options import (add_progress_options, add_recording_options, 
 from samebits.errors import SamebitsError
 from samebits.verdicts import EXIT_CANNOT_RUN, EXIT_STOPPED
 
-read_outcomes, read_stop = lazy("samebits.autorecord", "read_outcomes", "read_stop")
+read_gaps, read_outcomes, read_stop, summarise_gaps = lazy("samebits.autorecord", "read_gaps", "read_outcomes",
+                                                          "read_stop", "summarise_gaps")
 diff = lazy("samebits.compare", "diff")
 run_recorded = lazy("samebits.runs.record", "run_recorded")
 summarise = lazy("samebits.stream", "summarise")
@@ -45,11 +46,16 @@ def run(args) -> int:
     code = run_recorded(args.cmd, args.out, reference=args.reference, step_offset=args.step_offset,
                         progress=progress_for(args), **recording_options(args))
     say = lambda message: echo(f"samebits run: {message}", file=sys.stderr)  # noqa: E731
+    gaps = read_gaps(args.out)
     try:
         summary = summarise(args.out)
     except SamebitsError as err:
         say(f"command exited with {code}; nothing was recorded ({err})")
+        if gaps:
+            say(summarise_gaps(gaps))
         return code or EXIT_CANNOT_RUN
+    if gaps:  # the command's own exit code stands: samebits' failure is not the program's
+        say(summarise_gaps(gaps) + "; a comparison of this run is INCOMPLETE where it is missing")
     steps = max((r["steps"] for r in summary["ranks"]), default=0)
     records = sum(r["records"] for r in summary["ranks"])
     say(f"command exited with {code}; recorded {len(summary['ranks'])} rank(s), {steps} step(s), "

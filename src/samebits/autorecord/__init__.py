@@ -32,9 +32,10 @@ when a run differs.  Per step:
 * ``inputs``: the tensor arguments of each top-level forward (the batch);
 * ``state_end`` after the step's optimizer step: the generators again (a generator whose
   state did not move during a step cannot explain that step);
-* in a resumed process's first step only, ``restored.params`` and ``restored.optimizer``:
-  parameters and optimizer state as the step begins, named as the main stream names them,
-  to compare with the uninterrupted run's records of the step before.
+* in a process's first step only, ``restored.params`` and ``restored.optimizer``:
+  parameters and optimizer state as the step begins, named as the main stream names them:
+  a resumed process's, to compare with the uninterrupted run's records of the step before;
+  a fresh process's, its initial parameters (unseeded initial weights differ there).
 
 Events on the global generators (restores, seeds, draws by data-loader iterators) go to
 ``state/events-rank-NNNNN.jsonl``, and the lines samebits' callbacks say to
@@ -43,6 +44,14 @@ Events on the global generators (restores, seeds, draws by data-loader iterators
 With ``SAMEBITS_REFERENCE`` set, each step's root is checked against the reference run as
 it is written; at the first step that differs the process says so on stderr, leaves
 ``stopped.json`` in its run directory and exits with code 3 (`EXIT_STOPPED`).
+
+Fail-safe: every hook runs samebits' own work inside `_gaps.guard`, so an exception of
+samebits' never reaches the program; what could not be recorded is a gap (``gaps-rank-N.jsonl``)
+and a verdict touching it is INCOMPLETE.  Only the program's eager training step is recorded:
+a recompute during backward (activation checkpointing), functorch transforms, dynamo traces,
+exports and fake tensors are not.  A container optimizer (torchtitan's, accelerate's) is
+recorded once, at its own step, with its inner optimizers' state; a zero-LR step that only
+creates the optimizer state (a checkpoint load's) is not a training step.
 
 Parameter names come from the top-level modules that ran forward (their
 ``named_parameters``); a parameter no module claims is named ``group{g}.param{i}``.
@@ -157,7 +166,7 @@ class _AutoRecorder:
                                                  scalers=self._tracked(tracking.scalers),
                                                  generators=tracking.named_generators())
                                     + tracking.loader_positions())
-                if self.step == self.first_step and self.step > 0:
+                if self.step == self.first_step:  # a fresh process too: its initial parameters
                     self._record_restored(optimizers)
         self.census_open = self.step
 

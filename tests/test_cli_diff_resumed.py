@@ -33,10 +33,15 @@ def _record(directory, command: str, *, first: int = 0, flip_at: int | None = No
 
 
 @pytest.fixture
-def runs(tmp_path):
-    a = _record(tmp_path / "a", "python train.py --ckpt-dir ckpt-a")
-    b = _record(tmp_path / "b", "python train.py --ckpt-dir ckpt-b")
-    c = _record(tmp_path / "c", "python train.py --ckpt-dir ckpt-c --resume ckpt-a/step-4.pt", first=4)
+def runs(tmp_path, monkeypatch):
+    """Each run writes its checkpoints into its own folder (``--ckpt-dir a/ckpt``, from tmp_path),
+    so that their values are paths the runs wrote (issue 34 item 7)."""
+    monkeypatch.chdir(tmp_path)
+    a = _record(tmp_path / "a", "python train.py --ckpt-dir a/ckpt")
+    b = _record(tmp_path / "b", "python train.py --ckpt-dir b/ckpt")
+    c = _record(tmp_path / "c", "python train.py --ckpt-dir c/ckpt --resume a/ckpt/step-4.pt", first=4)
+    for run in (a, b, c):
+        (run / "ckpt").mkdir()
     return a, b, c
 
 
@@ -45,7 +50,7 @@ def test_commands_that_differ_only_in_output_paths_compare_and_say_so(runs, caps
     assert main(["diff", str(a), str(b)]) == 0
     out = capsys.readouterr().out
     assert "IDENTICAL" in out
-    assert "note: the recorded command lines differ only in where they write: --ckpt-dir ckpt-a / ckpt-b" in out
+    assert "note: the recorded command lines differ only in where they write: --ckpt-dir a/ckpt / b/ckpt" in out
 
 
 def test_a_command_line_that_differs_in_an_input_is_still_refused(tmp_path):
@@ -65,8 +70,14 @@ def test_a_command_line_that_differs_in_an_input_is_still_refused(tmp_path):
     ("python a.py --out x", "python b.py --out y", None),  # another script
     ("python t.py --seed 1 --out x", "python t.py --seed 2 --out y", None),
 ])
-def test_output_paths_only(a, b, found):
-    assert output_paths_only(a, b) == found
+def test_output_paths_only(a, b, found, tmp_path, monkeypatch):
+    """Each value that is an output is a folder its run wrote (runs/a, x/1 ...: made here)."""
+    monkeypatch.chdir(tmp_path)
+    for option, value_a, value_b in found or []:
+        for value in (value_a, value_b):
+            (tmp_path / value).mkdir(parents=True)
+    run_a, run_b = (tmp_path, tmp_path) if found else (None, None)
+    assert output_paths_only(a, b, run_a, run_b) == found
 
 
 def test_a_resumed_run_is_compared_from_its_first_step(runs, capsys):

@@ -705,7 +705,8 @@ def certificate(result: AcrossResult, layouts: Sequence[Layout], checkpoints: Ma
              "command": commands.get(c.run)} for c in result.controls],
         "controls_note": result.controls_note,
         "checks": {c.layout: {"verdict": Verdict(c.verdict).value, "by": c.by, "steps": c.compared.get("steps"),
-                              "counts": dict(c.counts), "notes": list(c.notes), "incomplete": list(c.incomplete)}
+                              "counts": dict(c.counts), "first_divergence": c.first_divergence,
+                              "notes": list(c.notes), "incomplete": list(c.incomplete)}
                    for c in result.checks.values()},
     }
 

@@ -43,6 +43,7 @@ from samebits.compare import DiffResult, diff, divergent_steps
 from samebits.errors import ConfigError, IncomparableRunsError, StreamError
 from samebits.runs.conclusion import (across_conclusion, bisect_conclusion, diff_conclusion, matrix_conclusion,
                                       verify_conclusion)
+from samebits.runs.across import CONTROL_STEPS
 from samebits.runs.distance import float_value, metric_distance
 from samebits.stream import Record, open_run
 from samebits.verdicts import ToDict, Verdict, serialised
@@ -239,13 +240,30 @@ def build_report(inputs: list[str | Path], *, start_step: int | None = None, all
                       "'stages' or 'cells'); give the output directory of one of those commands.")
 
 
+MAX_JSON_BYTES = 64 << 20  # a summary or certificate larger than this is refused (they are kilobytes)
+MAX_JSON_DEPTH = 64  # nesting deeper than this is refused (the files nest a few levels)
+
+
 def _summary(path: Path) -> dict | None:
     """The ``summary.json`` in ``path``, checked field by field (`_SUMMARY`): None when there is
     none; `ConfigError` naming the file and the field when it is not a regular file, not JSON,
     or a field has the wrong type (a page is never built from a summary it would misread)."""
+    data = _json_file(path / "summary.json", "the summary.json a samebits command wrote")
+    if data is None:
+        return None
     file = path / "summary.json"
+    kind = "matrix" if "cells" in data else "bisect" if "stages" in data else "verify" if "checks" in data else None
+    if kind is not None:  # (an object of none of them is refused by `build_report`, with what it expected)
+        _check_fields(data, _SUMMARY[kind], file, "")
+    return data
+
+
+def _json_file(file: Path, expected: str) -> dict | None:
+    """The JSON object in ``file`` (None when there is none), read as every input is: a regular
+    file only (a FIFO must not block), at most `MAX_JSON_BYTES`, JSON nested at most
+    `MAX_JSON_DEPTH` deep; `ConfigError` naming the file otherwise."""
     try:
-        # O_NONBLOCK: a FIFO in place of the summary must not block the open
+        # O_NONBLOCK: a FIFO in place of the file must not block the open
         fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         return None
@@ -256,24 +274,38 @@ def _summary(path: Path) -> dict | None:
         os.close(fd)
         kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else \
             "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "something else"
-        raise ConfigError(f"{file}: {kind}, not a regular file; expected the summary.json a samebits command wrote.")
+        raise ConfigError(f"{file}: {kind}, not a regular file; expected {expected}.")
     with os.fdopen(fd, "rb") as handle:
         try:
-            raw = handle.read()
+            raw = handle.read(MAX_JSON_BYTES + 1)
         except OSError as err:
             raise ConfigError(f"{file}: cannot be read ({err.strerror or err}).") from None
+    if len(raw) > MAX_JSON_BYTES:
+        raise ConfigError(f"{file}: larger than {MAX_JSON_BYTES >> 20} MiB; expected {expected} (a few kilobytes).")
     try:
         data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as err:
         reason = "nested too deeply" if isinstance(err, RecursionError) else str(err)
         raise ConfigError(f"{file}: cannot be read as JSON ({reason}); was the command interrupted while writing "
                           "it? Re-run the command, or report two of its run directories instead.") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{file}: not a samebits summary (a JSON object was expected, found {_json_type(data)}).")
-    kind = "matrix" if "cells" in data else "bisect" if "stages" in data else "verify" if "checks" in data else None
-    if kind is not None:  # (an object of none of them is refused by `build_report`, with what it expected)
-        _check_fields(data, _SUMMARY[kind], file, "")
+        raise ConfigError(f"{file}: not {expected} (a JSON object was expected, found {_json_type(data)}).")
+    if _depth(data) > MAX_JSON_DEPTH:
+        raise ConfigError(f"{file}: nested more than {MAX_JSON_DEPTH} levels deep; expected {expected}.")
     return data
+
+
+def _depth(value: Any) -> int:
+    """How deep ``value`` nests (1 for a leaf), without recursion."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        deepest = max(deepest, depth)
+        if deepest > MAX_JSON_DEPTH:
+            return deepest
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        todo.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 # What the page reads of each summary, by type: a dict spec lists the fields it may read (each
@@ -290,17 +322,37 @@ class _Required:
         self.spec = spec
 
 
-_CHECK = {"verdict": str, "first_divergence": dict, "compared": dict, "notes": list}
+_CHECK = {"verdict": str, "first_divergence": dict, "compared": dict, "notes": list, "incomplete": list, "by": str,
+          "counts": _Each(int)}
+_CONTROL = {"verdict": str, "differs": bool, "first_step": int, "layout": str, "run": str}
 _SUMMARY = {
     "verify": {"verdict": _Required(str), "checks": _Each(_CHECK, null=True), "resume_at": int, "runs": [dict],
-               "explanations": _Each(list), "notes": list, "sizes": list, "layouts": list,
-               "controls": [{"verdict": str, "differs": bool}]},
+               "explanations": _Each(list), "notes": list, "sizes": list, "layouts": list, "reference": str,
+               "controls": [_CONTROL], "controls_note": str, "checkpoints_equal": bool,
+               "resume_across": {"step": int, "from": str, "checks": _Each(_CHECK)}},
     "bisect": {"verdict": _Required(str), "stages": [{"runs_s": dict}], "control_flow": dict,
                "origin": {"elements": {"values": [dict], "dumps": list}, "state_differs": list, "params": list,
                           "ranks": list},
                "notes": list},
     "matrix": {"verdict": _Required(str), "cells": [{"agreement": dict, "out": str, "explanations": _Each(list),
                                                      "bisect": dict}], "failures": list, "notes": list},
+}
+
+
+# certificate.json (`samebits.runs.across.certificate`), as the page reads it
+_CERT_CHECK = {"verdict": _Required(str), "by": str, "steps": int, "counts": _Each(int), "notes": [str],
+               "incomplete": [str], "command": str, "first_divergence": dict}
+_CERTIFICATE = {
+    "verdict": _Required(str), "kind": str, "environment": dict, "reference": str,
+    "layouts": [{"cell": str, "world_size": int, "overrides": [str], "command": str}],
+    "steps": [int], "roots": _Each(_Each(str, null=True)), "roots_equal": bool,
+    "checkpoints": _Each({"step": int, "path": str, "content_sha256": str, "state_sha256": str, "content_error": str,
+                          "files": int, "files_sha256": str, "sha256": str, "state_parts": dict}),
+    "checkpoints_equal": bool, "checkpoints_note": str,
+    "resume_across": {"step": int, "from": str, "checks": _Each(_CERT_CHECK)},
+    "invariant_reductions": [{"switch": str, "size": str, "covers": str}],
+    "controls": [{**_CONTROL, "detail": str, "overrides": [str], "command": str}], "controls_note": str,
+    "checks": _Each(_CERT_CHECK),
 }
 
 
@@ -333,8 +385,8 @@ def _check_fields(value: Any, spec: Any, file: Path, where: str) -> None:
             _check_fields(item, spec[0], file, f"{where}[{index}]")
         return
     if not isinstance(value, spec) or (spec is int and isinstance(value, bool)):
-        raise _wrong_type(file, where, {str: "a string", int: "an integer", list: "a list", dict: "an object"}[spec],
-                          value)
+        raise _wrong_type(file, where, {str: "a string", int: "an integer", list: "a list", dict: "an object",
+                                        bool: "true or false"}[spec], value)
 
 
 def _wrong_type(file: Path, where: str, expected: str, value: Any) -> ConfigError:
@@ -363,9 +415,115 @@ def _verdict(value: Any, where: Path) -> Verdict:
 # the inputs
 
 
+# -- every verdict shown is re-derived from the checks shown -----------------------------------
+#
+# A summary (or certificate) whose verdict word contradicts its own checks was edited or damaged:
+# it is refused (exit 2), never shown.  A verdict more cautious than its checks (INCOMPLETE where
+# the checks alone give PASS: verify's gaps, say) stands, said in the notes.
+
+
+def _check_verdict(check: dict, file: Path, where: str) -> Verdict:
+    """A check's verdict word, held to the evidence the check carries: DIVERGED needs its first
+    divergence; IDENTICAL allows none, nor anything incomplete, missing or compared by shape only."""
+    verdict = _verdict(check.get("verdict"), file)
+    counts = check.get("counts") or {}
+    gaps = [what for what, bad in (("a first divergence", check.get("first_divergence")),
+                                   ("incomplete lines", check.get("incomplete")),
+                                   ("missing records", counts.get("missing")),
+                                   ("records compared by shape only", counts.get("shape_only")))
+            if bad]
+    if verdict is Verdict.DIVERGED and "first_divergence" in check and not check["first_divergence"]:
+        raise _contradiction(file, f"{where} says 'diverged' but names no first divergence")
+    if verdict is Verdict.IDENTICAL and gaps:
+        raise _contradiction(file, f"{where} says 'identical' but holds {gaps[0]}")
+    return verdict
+
+
+def _contradiction(file: Path, why: str) -> ConfigError:
+    return ConfigError(f"{file}: {why}: its verdicts contradict its checks, so the file was edited or damaged after "
+                       "the command wrote it; samebits report shows only verdicts it can re-derive. Re-run the "
+                       "command (or report two of its run directories).")
+
+
+def _settle(claimed: Verdict, derived: Verdict, file: Path, why: str, notes: list[str]) -> Verdict:
+    """The verdict to show: ``derived`` (from the checks); a ``claimed`` INCOMPLETE stands (more
+    cautious, with a note); any other disagreement is refused."""
+    if claimed is derived:
+        return derived
+    if claimed is Verdict.INCOMPLETE:
+        notes.append(f"{file.name} says INCOMPLETE where its checks alone give {derived.value.upper()} ({why}): "
+                     "shown as INCOMPLETE")
+        return claimed
+    raise _contradiction(file, f"it says {claimed.value!r} but its checks give {derived.value!r} ({why})")
+
+
+def _verify_verdict(summary: dict, file: Path) -> tuple[Verdict, str]:
+    """verify's verdict from its checks (`samebits.runs.verify.VerifyResult.verdict`)."""
+    verdicts = {name: _check_verdict(check, file, f"check {name!r}")
+                for name, check in (summary.get("checks") or {}).items() if check is not None}
+    why = ", ".join(f"{name}: {v.value}" for name, v in verdicts.items()) or "no check"
+    if Verdict.DIVERGED in verdicts.values():
+        return Verdict.FAIL, why
+    if not verdicts or any(v is not Verdict.IDENTICAL for v in verdicts.values()):
+        return Verdict.INCOMPLETE, why
+    return Verdict.PASS, why
+
+
+def _control_differs(control: dict) -> bool:
+    step = control.get("first_step")
+    return control.get("verdict") == Verdict.DIVERGED.value and isinstance(step, int) and \
+        not isinstance(step, bool) and step < CONTROL_STEPS
+
+
+def _checkpoints_equal(checkpoints: dict | None) -> bool | None:
+    """Whether the final checkpoints hold one state (content and, where hashed, resumable state):
+    None when there are none or one lacks its content hash."""
+    entries = list((checkpoints or {}).values())
+    if not entries or any(not isinstance(e, dict) or not e.get("content_sha256") for e in entries):
+        return None
+    return all(len({e.get(key) for e in entries}) == 1 for key in ("content_sha256", "state_sha256"))
+
+
+def _across_verdict(data: dict, file: Path) -> tuple[Verdict, str]:
+    """`verify --across`'s verdict from its checks, resumes, controls and final checkpoints
+    (`samebits.runs.across.AcrossResult.verdict`), for a summary or a certificate alike."""
+    checks = {f"layout {name!r}": check for name, check in (data.get("checks") or {}).items() if check is not None}
+    resumed = (data.get("resume_across") or {}).get("checks") or {}
+    checks.update({f"resume {name!r}": check for name, check in resumed.items() if check is not None})
+    verdicts = {where: _check_verdict(check, file, where) for where, check in checks.items()}
+    controls = data.get("controls")
+    for index, control in enumerate(controls or []):
+        if "differs" in control and bool(control["differs"]) != _control_differs(control):
+            raise _contradiction(file, f"control {index} ({control.get('run')}) says differs={control['differs']} but "
+                                       f"its verdict {control.get('verdict')!r} at step {control.get('first_step')!r} "
+                                       "says otherwise")
+    failed = [c.get("run") for c in controls or [] if c.get("verdict") != "incomplete" and not _control_differs(c)]
+    equal = data.get("checkpoints_equal")
+    if "checkpoints" in data:  # re-derived from the hashes shown
+        derived = _checkpoints_equal(data.get("checkpoints"))
+        if equal is True and derived is not True:
+            raise _contradiction(file, "checkpoints_equal is true but the checkpoints' hashes shown are not all equal")
+        equal = derived if equal is not False else False
+    why = ", ".join(f"{where}: {v.value}" for where, v in verdicts.items()) or "no check"
+    if failed:
+        why += f"; control(s) that did not differ: {', '.join(map(str, failed))}"
+    if equal is False:
+        why += "; the final checkpoints differ"
+    if Verdict.DIVERGED in verdicts.values() or failed or equal is False:
+        return Verdict.FAIL, why
+    if not verdicts or any(v is not Verdict.IDENTICAL for v in verdicts.values()) or \
+            any(c.get("verdict") == "incomplete" for c in controls or []):
+        return Verdict.INCOMPLETE, why
+    return Verdict.PASS, why
+
+
 def _verify_report(path: Path, summary: dict, say) -> Report:
-    verdict = _verdict(summary.get("verdict"), path / "summary.json")
+    file = path / "summary.json"
+    notes: list[str] = []
+    derived, why = _verify_verdict(summary, file)
+    verdict = _settle(_verdict(summary.get("verdict"), file), derived, file, why, notes)
     page = _Page("verify", f"samebits verify: {path}", verdict)
+    page.notes.extend(notes)
     page.conclusion = verify_conclusion(summary)
     checks = summary.get("checks") or {}
     resume_at = summary.get("resume_at")
@@ -382,6 +540,8 @@ def _verify_report(path: Path, summary: dict, say) -> Report:
         if pair.result is not None and recorded != pair.verdict.value:
             pair.notes.append(f"summary.json says {recorded!r} for this check, but comparing the streams now gives "
                               f"{pair.verdict.value!r}: the streams changed after verify ran (or are damaged).")
+            if page.verdict is Verdict.PASS:  # a PASS the streams no longer show is not shown
+                page.verdict = Verdict.INCOMPLETE
         pairs.append(pair)
     page.verify_summary(summary, pairs)
     for pair in sorted(pairs, key=lambda p: p.verdict is Verdict.IDENTICAL):  # what failed comes first
@@ -395,8 +555,27 @@ def _across_report(path: Path, summary: dict) -> Report:
     rank, so the verdicts are shown as verify found them; then its certificate.json (the
     environment, each step's global root per layout, the checkpoints, the invariant reductions,
     the negative controls)."""
-    verdict = _verdict(summary.get("verdict"), path / "summary.json")
+    file = path / "summary.json"
+    notes: list[str] = []
+    claimed = _verdict(summary.get("verdict"), file)
+    derived, why = _across_verdict(summary, file)
+    verdict = _settle(claimed, derived, file, why, notes)
+    certificate = _certificate(path) if "layouts" in summary else None
+    if certificate is not None:
+        cert_file = path / "certificate.json"
+        cert_derived, cert_why = _across_verdict(certificate, cert_file)
+        cert_verdict = _settle(_verdict(certificate.get("verdict"), cert_file), cert_derived, cert_file, cert_why,
+                               notes)
+        if cert_verdict is not verdict:
+            raise _contradiction(cert_file, f"its verdict {cert_verdict.value!r} is not summary.json's "
+                                            f"{verdict.value!r}")
+        for name, check in (certificate.get("checks") or {}).items():
+            recorded = ((summary.get("checks") or {}).get(name) or {}).get("verdict")
+            if check.get("verdict") != recorded:
+                raise _contradiction(cert_file, f"layout {name!r} is {check.get('verdict')!r} here but "
+                                                f"{recorded!r} in summary.json")
     page = _Page("verify --across", f"samebits verify --across: {path}", verdict)
+    page.notes.extend(notes)
     if "layouts" not in summary:  # written before 2026-12: dp sizes, rank 0's replicated records
         page.verify_summary(summary, [])
         page.notes.append(f"runs of different data-parallel sizes ({', '.join(map(str, summary.get('sizes') or []))}) "
@@ -405,7 +584,6 @@ def _across_report(path: Path, summary: dict) -> Report:
         return page.finish([str(path)], [], notes=list(summary.get("notes") or []))
     page.conclusion = across_conclusion(summary)
     page.across_summary(summary)
-    certificate = _certificate(path)
     if certificate is None:
         page.notes.append(f"no certificate.json in {path}: the roots, checkpoints and reductions are not shown")
     else:
@@ -416,17 +594,12 @@ def _across_report(path: Path, summary: dict) -> Report:
 
 
 def _certificate(path: Path) -> dict | None:
-    """``path``/certificate.json, or None; `ConfigError` naming the file when it is not JSON."""
+    """``path``/certificate.json checked field by field (`_CERTIFICATE`), or None when there is
+    none; `ConfigError` naming the file and the field otherwise (as for summary.json)."""
     file = path / "certificate.json"
-    if not file.is_file():
-        return None
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ConfigError(f"{file}: cannot be read as JSON ({err}); it is what `samebits verify --across` writes") \
-            from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{file}: not a JSON object; expected the certificate `samebits verify --across` writes")
+    data = _json_file(file, "the certificate `samebits verify --across` writes")
+    if data is not None:
+        _check_fields(data, _CERTIFICATE, file, "")
     return data
 
 

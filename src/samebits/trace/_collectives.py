@@ -11,6 +11,8 @@ the current stream before the collective, which waits for that stream, so no cop
 needed.  Code that imported a collective by name before tracing started (``from
 torch.distributed import all_reduce``) and collectives issued from C++ (DDP's reducer) are
 not seen; the gradients after reduction are recorded at the optimizer step anyway.
+Collectives of a checkpoint library's save or load (`torch.distributed.checkpoint`) are not
+the training's and are passed through untraced (`samebits.trace._checkpointing`).
 
 Ids: ``<group>/<collective>:<n>``, group ``world`` or ``group<r0>-<r1>...``; n counts that
 collective on that group in the step, so every rank of the group gives it the same id.
@@ -26,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from samebits._torchutil import call_site
+from samebits.trace._checkpointing import issued_by_checkpointing
 from samebits.trace._config import PRE_PHASE
 from samebits.trace._tensors import TRACE_DIR
 
@@ -93,6 +96,8 @@ def _wrap(name, original):
             tracer.arm()  # zero-code: a process issuing collectives is a worker
         state = tracer.now
         if state is None or (state.level < 1 and not state.special):
+            return original(*args, **kwargs)
+        if issued_by_checkpointing():  # a checkpoint save's coordination (a random save_id): not training
             return original(*args, **kwargs)
         bound = signature.bind(*args, **kwargs)
         arguments = dict(bound.arguments)

@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from samebits._torchutil import AutogradScopes, call_site, optimizer_params, process_rank, tensor_leaves
 from samebits.checkpoint import state_census
-from samebits.trace import _collectives
+from samebits.trace import _checkpointing, _collectives
 from samebits.trace._config import (CENSUS_EVENT, CENSUS_PHASE, PRE_PHASE, TraceConfig, record_name, record_phase,
                                     source_prefix)
 from samebits.trace._ops import OpMode
@@ -319,6 +319,7 @@ class Tracer:
     def _activate(self) -> None:
         """Open the step: what it traces on this rank (rung, test/dump hooks), and its hooks."""
         cfg, step = self.config, self.step_now
+        _checkpointing.patch(active)  # DCP imported since the last step: its save and load run untraced
         selected = cfg.rank_selected(self.rank) and cfg.step_selected(step)
         level = cfg.level if selected else 0
         special = [s for s in (cfg.perturb, cfg.dump) if s is not None and s.step == step and s.rank == self.rank]
@@ -393,6 +394,7 @@ class Tracer:
         self._grad_hooks.clear()
         self._recorder_hooks.clear()
         _collectives.unpatch()
+        _checkpointing.unpatch()
         _unpatch_autograd()
         _unpatch_optimizer_init()
         if _active is self:
@@ -409,6 +411,7 @@ class Tracer:
     def install_permanent(self) -> None:
         """Rung-1 patches and optimizer hooks, for the life of the tracer."""
         _collectives.patch(active)
+        _checkpointing.patch(active)
         _patch_autograd()
         self._permanent_handles.append(register_optimizer_step_pre_hook(self._optimizer_pre))
         if not self.zero_code:  # zero-code recording calls optimizer_post itself, before end_step

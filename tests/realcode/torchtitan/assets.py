@@ -6,7 +6,7 @@ wheel.  We make both, deterministically, from a seeded Markov chain over a fixed
 vocabulary (no downloads, nothing binary committed):
 
     ASSETS/tokenizer/tokenizer.json, tokenizer_config.json   word-level, < 2048 ids (the debug model's vocab)
-    ASSETS/c4_test/c4-train.json                              JSON lines {"text": ...}, NUM_DOCS documents
+    ASSETS/c4_test/c4-train.json                              JSON lines {"text": ...}, NUM_DOCS documents (a new epoch, reshuffled by torchtitan, starts at step 8 on 1 rank)
 
 `make_assets(folder)` writes them once (atomically, so two ranks starting together are safe) and
 returns the folder; a folder that already holds them is left as it is.
@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 NUM_WORDS = 900          # words in the made-up vocabulary (+ 3 special tokens: well under 2048)
-NUM_DOCS = 400           # documents in c4_test: far more tokens than 20 steps read
+NUM_DOCS = 24            # documents in c4_test: about 7 steps of data, so torchtitan reshuffles (a new epoch) within a 10-step run
 BOS, EOS, UNK = "<|begin_of_text|>", "<|end_of_text|>", "<unk>"
 SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "sa", "te", "vo", "zi", "po", "da", "fe", "gu", "hi", "jo")
 

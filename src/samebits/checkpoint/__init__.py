@@ -13,7 +13,9 @@ every random state (Python, NumPy, torch CPU, CUDA per device, the bundle's gene
 with `torch.distributed.checkpoint` writing each rank's shards.  See docs/checkpoint.md.
 
 `content_sha256(path)` hashes the training state a checkpoint holds (model and optimizer
-tensors as global values, the progress), the same for the same state saved at any layout.
+tensors as global values, the progress) and its whole resumable state (`STATE_PARTS`: every
+progress field, optimizer settings, scheduler, metadata less its layout entries, rank 0's
+random states), each the same for the same state saved at any layout.
 
 `state_census(...)` lists the same states as named tensors, recorded at each step start in
 the `STATE_PHASE` phase of the run's census stream (`census_recorder`, `CENSUS_DIR`), so a
@@ -21,7 +23,7 @@ resume that lost one shows which (`describe_state_record`).
 """
 
 from samebits.checkpoint._bundle import StateBundle, TensorShard
-from samebits.checkpoint._content import content_sha256
+from samebits.checkpoint._content import STATE_PARTS, content_sha256
 from samebits.checkpoint._census import (CENSUS_DIR, STATE_PHASE, census_recorder, census_run, describe_state_record,
                                          global_rng_record, state_census)
 from samebits.checkpoint._errors import CheckpointError, CheckpointLayoutError
@@ -36,6 +38,7 @@ __all__ = [
     "resolve",
     "saved_layout",
     "content_sha256",
+    "STATE_PARTS",
     "capture_rng_state",
     "restore_rng_state",
     "CheckpointError",

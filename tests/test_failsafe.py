@@ -136,3 +136,17 @@ def test_two_optimizers_have_names_that_two_processes_share(tmp_path):
                           capture_output=True, text=True, timeout=900)
     payload = json.loads(proc.stdout)
     assert proc.returncode == 0 and payload["verdict"] == "pass", (payload["verdict"], payload.get("notes"))
+
+
+def test_a_compiled_model_keeps_its_graph_under_recording(tmp_path):
+    """samebits' hooks return before dynamo traces anything of theirs: the same graphs and no
+    graph break (at the first version, a hook's `_current_graph_task_id()` broke the graph and
+    the model ran eagerly: another program)."""
+    script = Path(__file__).resolve().parent / "scripts_failsafe" / "compiled.py"
+    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    proc = subprocess.run([sys.executable, "-m", "samebits", "run", "--out", str(tmp_path / "run"), "-q", "--",
+                           sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert _program_lines(proc.stdout) == _program_lines(plain.stdout)
+    assert "breaks 0" in proc.stdout and "'unique_graphs': 1" in proc.stdout, proc.stdout

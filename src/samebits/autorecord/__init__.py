@@ -264,6 +264,8 @@ class _AutoRecorder:
 
     # forward hooks: count nesting so only top-level outputs are recorded
     def pre_forward(self, module, args):
+        if _compiling():  # first, and nothing else: dynamo folds this to True and traces no more of us
+            return
         records = _observable()  # not a recompute in backward, a transform, a trace or an export
         self.forwards.append(records)
         if not records:
@@ -291,6 +293,8 @@ class _AutoRecorder:
                 self.param_names.setdefault(id(param), prefix + name)
 
     def post_forward(self, module, args, output):
+        if _compiling():
+            return
         if not (self.forwards.pop() if self.forwards else False):
             return
         self.depth -= 1
@@ -304,7 +308,7 @@ class _AutoRecorder:
 
     def backward_root(self, tensors) -> None:
         """Record the root(s) of a ``backward()`` call at the current step."""
-        if not _observable(in_backward_too=True):
+        if _compiling() or not _observable(in_backward_too=True):
             return
         with guard("backward", step=self.step, records="the backward() root"):
             roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
@@ -448,6 +452,9 @@ def note(owner: str, message: str, step: int | None = None) -> bool:
     except OSError:
         return False
     return True
+
+
+_compiling = torch.compiler.is_compiling  # dynamo answers True while it traces: our hooks vanish from graphs
 
 
 def _observable(in_backward_too: bool = False) -> bool:

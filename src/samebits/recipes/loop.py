@@ -192,6 +192,8 @@ class _Run:
             | self.precision.rank_local_names,
             shards=_shard_places(self.model),
             metadata={"config": self.cfg.to_dict()},
+            # the layout's own fields differ between layouts by design: not resumable state
+            layout_metadata=tuple(f"config.{field}" for field in LAYOUT_FIELDS),
         )
 
     def resume(self, path: str | Path, *, allow_layout_change: bool = False) -> None:

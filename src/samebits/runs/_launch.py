@@ -70,8 +70,12 @@ def run_logged(argv: list[str], log: Path, *, env: dict | None = None, header: s
     their own).  On Linux the run also gets SIGTERM if samebits itself dies (SIGKILL included)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    with open(log, "w") as handle:
-        handle.write("$ " + (header + " " if header else "") + shlex.join(argv) + "\n")
+    # the command line as text: a path that is not UTF-8 (``--out $'o\xff'``) is written as
+    # `\xff`, never raised as UnicodeEncodeError (the run itself gets the bytes as given)
+    line = "$ " + (header + " " if header else "") + shlex.join(argv) + "\n"
+    line = line.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    with open(log, "w", encoding="utf-8", errors="backslashreplace") as handle:
+        handle.write(line)
         handle.flush()
         with _signals_interrupt():
             try:

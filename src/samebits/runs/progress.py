@@ -28,6 +28,7 @@ import statistics
 import sys
 import threading
 import time
+import unicodedata
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -43,6 +44,21 @@ _CLEAR = "\r\x1b[K"  # carriage return, erase to the end of the line
 
 def _identity(text: str) -> str:
     return text
+
+
+_UNSAFE = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})  # controls, format (bidi) characters, line separators
+
+
+def one_line(name: str) -> str:
+    """A recorded name as one line of safe text: a newline, an escape sequence or a bidi
+    override in a record name is shown as ``\\n``, ``\\x1b``, ``\\u202e``, never sent (a
+    name must not print a second, fake progress line)."""
+    if name.isprintable():
+        return name
+    return "".join(char if unicodedata.category(char) not in _UNSAFE and char.isprintable() or char == " "
+                   else (f"\\x{ord(char):02x}" if ord(char) < 0x100 else f"\\u{ord(char):04x}"
+                         if ord(char) < 0x10000 else f"\\U{ord(char):08x}")
+                   for char in name)
 
 
 class Progress:
@@ -310,7 +326,7 @@ class StepWatcher:
             text += f"  {rate:.1f} steps/s" if rate >= 1 else f"  {1 / rate:.1f} s/step"
         text += f"  run {now - self.started:.1f}s"
         if self.last_record is not None:
-            text += f"  last: {self.last_record[0]}/{self.last_record[1]}"
+            text += f"  last: {one_line(self.last_record[0])}/{one_line(self.last_record[1])}"
         return text
 
     def _show(self, now: float) -> None:

@@ -1,8 +1,7 @@
 """Following a stream while its writer is still writing it: the steps as they land.
 
-`StreamTail.poll` looks at the file's size and reads only the bytes added since the last
-poll: the frames that completed in them (a frame the writer has not finished yet waits for
-the next poll), with no check of step roots or records.  It is how a watcher shows a run's
+`StreamTail.poll` looks at the file's size and reads only the frames completed since the last
+poll (a frame the writer has not finished yet waits, unread, until the file reaches its end), with no check of step roots or records.  It is how a watcher shows a run's
 progress live (`samebits.runs.progress`); it proves nothing about the stream, which the
 verifying reader (`StreamReader`) judges after the run.  A frame that does not decode (a
 damaged file, a newer writer) ends the following quietly: `StreamTail.broken` says why.
@@ -19,6 +18,11 @@ from pathlib import Path
 from samebits.stream import _format as fmt
 
 _MAX_WALKED_RECORDS = 1 << 20  # a step with more records is shown without its last record's name
+# The largest frame followed (its bytes are read once it is complete): far above what a step of
+# millions of records takes; a larger length is a damaged field, and the verifying reader judges
+# the stream after the run.
+MAX_FRAME_BYTES = 256 << 20
+_HEAD_BYTES = 11  # a frame's kind byte and its length varint (at most 10 bytes)
 
 
 @dataclass(frozen=True)
@@ -34,16 +38,20 @@ class StepSeen:
 class StreamTail:
     """Follow one rank's stream file (``rank-NNNNN.sbs``) as it grows.
 
-    Each `poll` costs one ``stat`` when the file has not grown, and otherwise one read of the
-    new bytes; the names interned so far are kept, so that a step's last record can be named."""
+    Each `poll` costs one ``stat`` when the file has not grown, and otherwise a read of the
+    frames that completed: frame by frame from the first byte not yet parsed, so that at most
+    one frame's bytes are held (never the unparsed rest of the file).  A frame whose declared
+    length lies beyond the file's end waits, and costs one ``stat`` a poll until the file
+    reaches its end; one declaring more than `MAX_FRAME_BYTES` ends the following
+    (`broken`).  The names interned so far are kept, so that a step's last record can be named."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.rank: int | None = None  # from the header frame, once it landed
         self.names: list[str] = []
         self.broken: str | None = None  # why following stopped (a frame that does not decode)
-        self._offset = 0  # the file offset of the first byte not yet read
-        self._pending = b""  # bytes read whose frame is not complete yet
+        self._offset = 0  # the file offset of the first frame not yet parsed
+        self._waiting_for = 0  # the file size the frame at _offset needs to be complete (0: not known)
 
     def poll(self) -> list[StepSeen]:
         """The steps whose frames completed since the last poll, in order ([] when none did)."""
@@ -53,51 +61,59 @@ class StreamTail:
             size = os.stat(self.path).st_size
         except OSError:
             return []  # not there yet, or gone: nothing new
-        if size <= self._offset:
-            return []
+        if size <= self._offset or size < self._waiting_for:
+            return []  # nothing new, or the frame in writing is not complete yet: not read again
+        seen: list[StepSeen] = []
         try:
             with open(self.path, "rb") as file:
-                file.seek(self._offset)
-                added = file.read(size - self._offset)
+                while self.broken is None and self._offset < size:
+                    frame = self._frame(file, self._offset, size)
+                    if frame is None:
+                        break  # the writer is still writing this frame
+                    kind, payload, end = frame
+                    try:
+                        self._take(kind, payload, seen)
+                    except (ValueError, IndexError, UnicodeDecodeError, KeyError, TypeError) as err:
+                        self.broken = f"a {fmt.FRAME_KINDS.get(kind, kind)} frame that does not decode ({err})"
+                        break
+                    self._offset, self._waiting_for = end, 0
         except OSError:
-            return []
-        self._offset += len(added)
-        data = self._pending + added if self._pending else added
-        seen: list[StepSeen] = []
-        pos = 0
-        while pos < len(data):
-            frame = self._frame(data, pos)
-            if frame is None:
-                break  # the writer is still writing this frame
-            kind, payload, end = frame
-            try:
-                self._take(kind, payload, seen)
-            except (ValueError, IndexError, UnicodeDecodeError, KeyError, TypeError) as err:
-                self.broken = f"a {fmt.FRAME_KINDS.get(kind, kind)} frame that does not decode ({err})"
-                break
-            pos = end
-        self._pending = b"" if self.broken is not None else bytes(data[pos:])
+            pass  # gone while read: what was parsed stands
         return seen
 
-    def _frame(self, data: bytes, pos: int):
-        """(kind, payload, end) of the complete frame at ``pos``, or None when it is incomplete."""
-        kind = data[pos]
+    def _frame(self, file, pos: int, size: int):
+        """(kind, payload, end) of the complete frame at file offset ``pos``, or None when it is
+        incomplete (``_waiting_for``: the size it needs, once its length is known)."""
+        file.seek(pos)
+        head = file.read(_HEAD_BYTES)
+        if not head:
+            return None
+        kind = head[0]
         if kind not in fmt.FRAME_KINDS:
-            self.broken = f"an unknown frame kind {kind}"
+            self.broken = f"an unknown frame kind {kind} at byte {pos}"
             return None
         try:
-            length, start = fmt.decode_varint(data, pos + 1, min(len(data), pos + 11))
+            length, start = fmt.decode_varint(head, 1, len(head))
         except IndexError:
-            return None
+            return None  # the length field itself is not written yet
         except ValueError as err:
-            self.broken = f"an invalid frame length ({err})"
+            self.broken = f"an invalid frame length at byte {pos} ({err})"
             return None
-        end = start + length + 4
-        if end > len(data):
+        if length > MAX_FRAME_BYTES:
+            self.broken = (f"a {fmt.FRAME_KINDS[kind]} frame of {length} bytes at byte {pos}, over the follower's "
+                           f"limit of {MAX_FRAME_BYTES} bytes (a damaged length field?)")
             return None
+        end = pos + start + length + 4
+        if end > size:
+            self._waiting_for = end
+            return None
+        file.seek(pos)
+        data = file.read(start + length + 4)
+        if len(data) < start + length + 4:
+            return None  # shrank under us: wait
         payload = data[start:start + length]
-        if zlib.crc32(payload, zlib.crc32(data[pos:start])) != fmt.unpack_u32(data, start + length):
-            self.broken = "a frame whose checksum does not match"
+        if zlib.crc32(payload, zlib.crc32(data[:start])) != fmt.unpack_u32(data, start + length):
+            self.broken = f"a frame whose checksum does not match at byte {pos}"
             return None
         return kind, payload, end
 
@@ -140,4 +156,4 @@ def _body_start(payload: bytes, record_at: int) -> int:
     return pos
 
 
-__all__ = ["StreamTail", "StepSeen"]
+__all__ = ["StreamTail", "StepSeen", "MAX_FRAME_BYTES"]

@@ -28,6 +28,8 @@ expectation (tests/corpus/README.md):
          (exit 2 with no JSON, or a run that did not end cleanly), where the case expects one.
 
 Accuracy is hits over the cases that ran (a crash counts against it, as a miss does).
+`--json` prints `scores` (each with its `corpus`), `totals` (every case printed), and, added
+with the real-code corpus, `by_corpus` (totals per corpus label) and `realcode` (its total).
 
 A benchmark, not a gate: it exits 0 whatever the score (2 only for bad arguments).
 """

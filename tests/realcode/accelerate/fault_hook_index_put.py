@@ -1,7 +1,7 @@
 """Planted fault: a per-token bias added to Llama's token embeddings by a forward hook registered
 from outside the model.  `token_bias[input_ids]` is advanced indexing: its backward is
 index_put_ with accumulate=True, which on CPU with 2 threads adds the rows of repeated tokens
-(16 x 32 tokens over 64 ids) in thread arrival order: the gradient differs run to run.
+(32 x 32 tokens over 64 ids) in thread arrival order: the gradient differs run to run.
 Run: like train.py.
 """
 import torch

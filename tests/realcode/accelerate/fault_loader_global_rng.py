@@ -8,4 +8,4 @@ from torch.utils.data import DataLoader
 
 from train import main
 
-main(make_loader=lambda windows: DataLoader(windows, batch_size=16, shuffle=True))  # PLANTED
+main(make_loader=lambda windows: DataLoader(windows, batch_size=32, shuffle=True))  # PLANTED

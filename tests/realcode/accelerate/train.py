@@ -43,10 +43,10 @@ def main(model_hook=None, make_loader=None):
     model = LlamaForCausalLM(config)
     if model_hook is not None:
         model_hook(model)
-    windows = torch.randint(0, 64, (192, 32), generator=torch.Generator().manual_seed(1))
+    windows = torch.randint(0, 64, (384, 32), generator=torch.Generator().manual_seed(1))
     # the loader's own generator: an iterator then draws its base seed from it, not from torch's
     # global RNG, which load_state restores (a draw after the restore would shift dropout)
-    loader = (make_loader or (lambda data: DataLoader(data, batch_size=16, shuffle=True,
+    loader = (make_loader or (lambda data: DataLoader(data, batch_size=32, shuffle=True,
                                                       generator=torch.Generator().manual_seed(0))))(windows)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     scheduler = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=1, num_training_steps=args.steps)

@@ -22,7 +22,7 @@ def parse_args():
     return parser.parse_args()
 
 
-def token_dataset(num_windows=192, length=32, vocab=64):
+def token_dataset(num_windows=384, length=32, vocab=64):
     """Random token windows from a private seeded generator: no tokenizer, no files."""
     ids = torch.randint(0, vocab, (num_windows, length), generator=torch.Generator().manual_seed(1))
     return [{"input_ids": row, "labels": row} for row in ids]
@@ -38,7 +38,7 @@ def main(training_args=None, data_collator=None, model_hook=None):
     if model_hook is not None:
         model_hook(model)
     settings = dict(
-        output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=16, learning_rate=3e-3,
+        output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=32, learning_rate=3e-3,
         lr_scheduler_type="cosine", warmup_steps=2, weight_decay=0.01, save_steps=4, seed=0,
         use_cpu=True, report_to=[], logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
     )

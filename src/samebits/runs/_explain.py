@@ -9,14 +9,23 @@ parameters and optimizer state as it begins (``restored.*``) and a log of restor
 of the global generators (`samebits.autorecord.EVENTS_FILE`).  This module turns differences
 between those records into `Finding`s, each a claim with its evidence, most specific first:
 
-    off_by_one, model_params, optimizer_state, scheduler, grad_scaler, iteration_counter,
-    data_position, generator_consumed, generator, input_batch, order, script_said
+    off_by_one, initial_params, model_params, optimizer_state, scheduler, grad_scaler,
+    iteration_counter, data_position, generator_consumed, generator, input_batch, order, script_said
 
 Rules that keep a finding honest:
 
-* a generator is named only if it moved during that step in one of the runs (an unseeded
-  generator the program never draws from differs between any two processes and explains
-  nothing);
+* a generator is said to be drawn in a step only if the census shows it moved in that step
+  in one of the runs: its ``state`` at the step's first forward differs from its ``state_end``
+  after the optimizer step (an unseeded generator the program never draws from differs between
+  any two processes and explains nothing; one drawn while the model was built, before the
+  first step, or by another run's checkpoint save between steps, explains no step).  One that
+  moved only before the step's first forward (since the step before ended) is named only when
+  the step's input batch differs: the batch is drawn there;
+* parameters that differ as the first step begins are the initial parameters, named as such;
+* a resumed run that trains past the last step of the run it resumes did not restore its
+  step counter, and is named so;
+* a batch that differs is looked up, by digest, among all of A's inputs: found, it is a data
+  position (the step it replays), not an unexplained batch;
 * a record present in one run and absent in the other is itself a finding ("C has no
   optimizer state at step 4");
 * for a resume, state that also differs between the two independent runs A and B is no
@@ -85,21 +94,6 @@ class _Census:
             self.events[rank] = _read_jsonl(self.path / EVENTS_FILE.format(rank=rank))
         return self.events[rank]
 
-    def state_before(self, rank: int, step: int, name: str) -> str | None:
-        """The digest (hex) of global generator ``name`` before the process's first step
-        ``step``: its last seed or restore before that step, else its state as the process
-        started; None when not known."""
-        generator = _RNG_GLOBAL.get(name)
-        if generator is None:
-            return None
-        before = None
-        for event in self.events_of(rank):
-            if event.get("generator") != generator or not isinstance(event.get("step"), int):
-                continue
-            if event["step"] <= step and event.get("event") in ("initial", "seeded", "restored"):
-                before = event.get("digest")
-        return before
-
 
 def _census(directory: Path, first: int, last: int) -> _Census | None:
     """The census of a run (`census_run`: its census stream, every phase of it; in a run
@@ -123,22 +117,21 @@ def _same(a, b) -> bool:
 
 
 def _used(census: _Census, rank: int, step: int, name: str) -> bool | None:
-    """Did generator record ``name`` move during ``step``: between the step's first forward and
-    its end, or before that first forward (since the step before ended, or, in a process's
-    first step, since its last seed or restore, or since the process started)?  None: not
-    known (no ``state_end``, or no state to compare with before a first step)."""
+    """Did generator record ``name`` move during ``step``: between the step's first forward
+    (its census ``state``) and the end of its optimizer step (``state_end``)?  None: not known
+    (a census without ``state_end``, e.g. the recipe's).  Nothing before the first forward
+    counts: a process's model built from it, another run's checkpoint save between steps."""
     start, end = census.get(rank, step, STATE_PHASE), census.get(rank, step, "state_end")
     if name not in start or name not in end:
         return None
-    if not _same(start[name], end[name]):
-        return True
-    if (rank, step - 1) in census.steps:  # (every caller reads the step before too)
-        previous = census.get(rank, step - 1, "state_end")
-        return not _same(previous[name], start[name]) if name in previous else None
-    before = census.state_before(rank, step, name)  # the process's first recorded step
-    if before is None or start[name].digest is None:
-        return None
-    return before != f"{start[name].digest:016x}"
+    return not _same(start[name], end[name])
+
+
+def _moved_before(census: _Census, rank: int, step: int, name: str) -> bool:
+    """Did generator record ``name`` move between the end of the step before (in the same
+    process) and this step's first forward, where a loop draws the step's batch?"""
+    previous, start = census.get(rank, step - 1, "state_end"), census.get(rank, step, STATE_PHASE)
+    return name in previous and name in start and not _same(previous[name], start[name])
 
 
 def _generator_label(name: str) -> tuple[str, str]:
@@ -203,6 +196,44 @@ def explain_resume(dir_a: Path, dir_b: Path | None, dir_c: Path, resume_at: int,
             if found:
                 findings += found
                 break
+    findings += _trained_past(dir_a, dir_c, resume_at)
+    return findings
+
+
+def _last_steps(directory: Path) -> dict[int, int]:
+    """The last step each rank of a run recorded in its main stream."""
+    last: dict[int, int] = {}
+    try:
+        run = open_run(directory)
+        for rank in run.ranks:
+            reader = run.stream(rank)
+            try:
+                for block in reader.steps():
+                    last[rank] = block.step
+            finally:
+                reader.close()
+    except StreamError:
+        return last
+    return last
+
+
+def _trained_past(dir_a: Path, dir_c: Path, resume_at: int) -> list[Finding]:
+    """A resumed run that records steps after the last step of the run it resumes: its step
+    counter was not restored (it counts its training length again from the resume)."""
+    last_a, last_c = _last_steps(dir_a), _last_steps(dir_c)
+    findings = []
+    for rank, end_a in sorted(last_a.items()):
+        end_c = last_c.get(rank)
+        if end_c is None or end_c <= end_a:
+            continue
+        ran = end_c - resume_at + 1
+        again = (f": it ran {ran} steps from step {resume_at}, A's whole length again, as a counter that starts "
+                 "from 0 does" if ran == end_a + 1 else "")
+        findings.append(Finding(
+            "resume", "iteration_counter", end_a + 1, rank,
+            f"C trains past A's end: A's last step is {end_a}, C goes on to step {end_c}{again}. The step counter "
+            "was not restored from the checkpoint (a loop's iteration counter, the Trainer's global step, "
+            "torchtitan's train_state): restore it with the rest of the checkpoint", "steps"))
     return findings
 
 
@@ -319,23 +350,26 @@ def _resume_step(census_a, census_b, census_c, main_a, dir_c, rank, step, resume
                 "or save and load the loader's state)", name, site=name.removeprefix("data.").split("#")[0])
             break
     events = census_c.events_of(rank)
-    generators = []  # (name, restored then drawn) for the generators that explain this step
+    inputs_a, inputs_c = census_a.get(rank, step, "inputs"), census_c.get(rank, step, "inputs")
+    changed_inputs = _differing(inputs_a, inputs_c)
+    generators = []  # (name, restored then drawn, why it explains the step)
     for name in (n for n in differing if n.startswith("rng.")):
         consumed = (_restored_then_drawn(events, _generator_label(name)[0], state_a[name], state_c[name], resume_at)
                     if step == resume_at else None)
         used = (_used(census_a, rank, step, name), _used(census_c, rank, step, name))
-        if consumed is not None or used != (False, False):  # a generator nobody drew from explains nothing
-            generators.append((name, consumed))
-    inputs_a, inputs_c = census_a.get(rank, step, "inputs"), census_c.get(rank, step, "inputs")
-    changed_inputs = _differing(inputs_a, inputs_c)
-    batch_from = _matching_inputs(census_a, rank, inputs_c, step) if changed_inputs else None
+        why = _why_drawn(used, step, census_a, census_c, rank, name, bool(changed_inputs))
+        if consumed is not None or why:  # a generator nobody drew from explains nothing
+            generators.append((name, consumed, why))
+    batch_from = _batch_replayed(census_a, rank, inputs_c, changed_inputs, step)
     order_evidence = ""
     if batch_from is not None:
         if batch_from == step + 1:
             how = ("the resumed run drew again a batch that A had drawn before the checkpoint (a prefetched "
                    "batch not saved with the checkpoint, or the RNG saved after the prefetch)")
         elif position_differs or not generators:
-            how = "the loader did not skip the batches already seen" if batch_from < step else "C's data is ahead"
+            how = (f"the data position was not restored (C replays A's step {batch_from}: the loader did not "
+                   "skip the batches already seen, or its state was not loaded)" if batch_from < step
+                   else "C's data is ahead")
         else:
             how = None  # the same position, an earlier batch: the order was drawn from an old generator state
             order_evidence = (f"; C's batch of step {step} is A's batch of step {batch_from}: the data order "
@@ -344,7 +378,7 @@ def _resume_step(census_a, census_b, census_c, main_a, dir_c, rank, step, resume
             add("data_position", f"the input batch of step {step} differs: C's batch is A's batch of step "
                 f"{batch_from}: {how}", f"inputs:{changed_inputs[0]}")
     # 6. generators: restored then drawn from, or just in another state (if used in the step)
-    for name, consumed in generators:
+    for name, consumed, why in generators:
         ident, label = _generator_label(name)
         if consumed is not None:
             restore, draws, exact = consumed
@@ -363,7 +397,7 @@ def _resume_step(census_a, census_b, census_c, main_a, dir_c, rank, step, resume
             # the place is where it was drawn from, when known (not the restore: it is not the cause)
             add("generator_consumed", says, name, site=draws[0].get("site") if draws else None, generator=ident)
             continue
-        add("generator", f"{describe_state_record(name)} (and step {step} draws from it{order_evidence})", name,
+        add("generator", f"{describe_state_record(name)} ({why}{order_evidence})", name,
             generator=ident,
             site=ident.removeprefix("user:") if ident.startswith("user:") else None)
     if changed_inputs and batch_from is None and not any(f.kind in ("data_position", "generator",
@@ -373,7 +407,7 @@ def _resume_step(census_a, census_b, census_c, main_a, dir_c, rank, step, resume
     return findings
 
 
-_ORDER = ["off_by_one", "script_said", "model_params", "optimizer_state", "scheduler", "grad_scaler",
+_ORDER = ["off_by_one", "script_said", "initial_params", "model_params", "optimizer_state", "scheduler", "grad_scaler",
           "iteration_counter", "data_position", "generator_consumed", "generator", "input_batch", "order"]
 
 
@@ -430,6 +464,39 @@ def _matching_inputs(census: _Census, rank: int, inputs: dict, around: int) -> i
     return None
 
 
+def _why_drawn(used: tuple[bool | None, ...], step: int, census_a: _Census, census_other: _Census, rank: int,
+               name: str, batch_differs: bool) -> str:
+    """Why a generator that differs explains ``step`` (the words of its finding), or "" when
+    it does not: it moved during the step in one of the runs; or, when the step's batch
+    differs, it moved before the step's first forward, where the batch is drawn."""
+    if True in used:
+        return f"and step {step} draws from it"
+    if all(u is None for u in used):
+        return f"whether step {step} draws from it is not recorded"
+    if batch_differs and (_moved_before(census_a, rank, step, name) or _moved_before(census_other, rank, step, name)):
+        return (f"it was drawn from before step {step}'s first forward, where the step's batch comes from, "
+                "and the batch differs")
+    return ""
+
+
+def _batch_replayed(census: _Census, rank: int, inputs: dict, changed: list[str], around: int) -> int | None:
+    """The step of A whose batch C's batch of step ``around`` is: every input equal, else the
+    first input that differs found by its digest among all of A's inputs (any forward of a
+    step, any name: a batch a resumed run draws again)."""
+    if not changed:
+        return None
+    whole = _matching_inputs(census, rank, inputs, around)
+    if whole is not None:
+        return whole
+    record = inputs[changed[0]]
+    if record.digest is None:
+        return None
+    for (r, step), phases in sorted(census.steps.items()):
+        if r == rank and step != around and any(_same(mine, record) for mine in phases.get("inputs", {}).values()):
+            return step
+    return None
+
+
 def _restored_then_drawn(events: list[dict], generator: str, record_a, record_c, resume_at: int):
     """(the restore, the draws after it, exact) when C restored ``generator`` before its first
     step and then drew from it before that step's first forward (its state there is not the
@@ -464,15 +531,17 @@ def census_suspects(names: list[str], dir_a: Path, dir_b: Path, rank: int,
     ``step``'s start on ``rank``, with every record of the runs' census (`census_run`) that
     differs there added (the generators the program made, by site; loader positions; the
     recipe's generators and precision state); ``unused``: the generators neither run drew from
-    in the step (no suspects).  A generator whose use is not known (a census without
-    ``state_end``, e.g. the recipe's) stays a suspect.  Each census is read once."""
+    in the step, nor before its first forward, where its batch is drawn (no suspects).  A
+    generator whose use is not known (a census without ``state_end``, e.g. the recipe's) stays
+    a suspect.  Each census is read once."""
     censuses = [_census(directory, max(0, step - 1), step) for directory in (dir_a, dir_b)]
     if any(census is None for census in censuses):
         return list(names), []
     state_a, state_b = (census.get(rank, step, STATE_PHASE) for census in censuses)
     names = list(names) + [name for name in _differing(state_a, state_b) if name not in names]
     unused = [name for name in names if name.startswith("rng.")
-              and all(_used(census, rank, step, name) is False for census in censuses)]
+              and all(_used(census, rank, step, name) is False and not _moved_before(census, rank, step, name)
+                      for census in censuses)]
     return [name for name in names if name not in unused], unused
 
 
@@ -490,33 +559,51 @@ def explain_independent(dir_a: Path, dir_b: Path, diverged_at: int, order: str |
     if census_a is None or census_b is None:
         return findings
     for rank in census_a.ranks:
+        initial = _initial_params(census_a, census_b, rank)
+        if initial is not None:
+            findings.append(initial)
         for step in range(0, diverged_at + 1):
             state_a, state_b = census_a.get(rank, step, STATE_PHASE), census_b.get(rank, step, STATE_PHASE)
+            changed = _differing(census_a.get(rank, step, "inputs"), census_b.get(rank, step, "inputs"))
             found = []
             for name in _differing(state_a, state_b):
                 if not name.startswith("rng."):
                     continue
-                if _used(census_a, rank, step, name) is False and _used(census_b, rank, step, name) is False:
+                used = (_used(census_a, rank, step, name), _used(census_b, rank, step, name))
+                why = _why_drawn(used, step, census_a, census_b, rank, name, bool(changed))
+                if not why:
                     continue
                 ident, label = _generator_label(name)
                 found.append(Finding("independent", "generator", step, rank,
-                                     f"{label} is in another state in B than in A at the start of step {step}, "
-                                     "and the step draws from it: it is seeded from something that changes "
-                                     "between runs (the time, a process id, os.urandom); seed it with a constant "
-                                     f"[census record {name}]",
+                                     f"{label} is in another state in B than in A at the start of step {step} "
+                                     f"({why}): it is seeded from something that changes between runs (the time, "
+                                     f"a process id, os.urandom); seed it with a constant [census record {name}]",
                                      name, site=ident.removeprefix("user:") if ident.startswith("user:") else None,
                                      generator=ident))
-            changed = _differing(census_a.get(rank, step, "inputs"), census_b.get(rank, step, "inputs"))
             if changed and not found:
                 found.append(Finding("independent", "input_batch", step, rank,
                                      f"the input batch of step {step} differs between A and B ({changed[0]}) while "
-                                     "every generator the step draws from is in the same state: the data pipeline "
-                                     "draws from an unseeded source (a worker's generator, a time seed); "
-                                     "`samebits bisect` narrows it", f"inputs:{changed[0]}"))
+                                     "no generator drawn from in the step, or before its first forward, differs: "
+                                     "the data pipeline draws from an unseeded source (a worker's generator, a "
+                                     "time seed); `samebits bisect` narrows it", f"inputs:{changed[0]}"))
             if found:
                 findings += found
                 break
     return findings
+
+
+def _initial_params(census_a: _Census, census_b: _Census, rank: int) -> Finding | None:
+    """The parameters as step 0 begins (a fresh process's ``restored.params``) that differ
+    between two independent runs: the initial weights, before any training op."""
+    params_a, params_b = census_a.get(rank, 0, "restored.params"), census_b.get(rank, 0, "restored.params")
+    wrong = _differing(params_a, params_b)
+    if not wrong:
+        return None
+    return Finding("independent", "initial_params", 0, rank,
+                   f"the initial parameters differ before step 0 ({len(wrong)} of {len(params_a)}, first {wrong[0]}): "
+                   "the model is built from weights initialised differently in each run, before any training step "
+                   "(no torch.manual_seed before the model is built, a seed that changes, or another checkpoint "
+                   "loaded); seed torch with a constant before building the model", f"params:{wrong[0]}")
 
 
 __all__ = ["Finding", "explain_resume", "explain_independent", "ordered", "script_notes", "census_suspects"]

@@ -22,7 +22,8 @@ def register(sub) -> None:
                     "step by step, the origin of a bisection and the difference between the runs' "
                     "environments. Give the output directory of samebits verify, bisect or "
                     "matrix, or two run directories (compared here). Exit code: that of the verdict shown "
-                    "(0 good, 1 bad, 2 could not decide or could not run).",
+                    "(0 good, 1 bad, 2 could not decide or could not run, 3 the command was stopped before it finished: "
+                    "its summary.json says so).",
     )
     parser.add_argument("inputs", nargs="+", metavar="RUN_OR_OUTPUT_DIR",
                         help="an output directory of verify/bisect/matrix, or two run directories")
@@ -45,12 +46,12 @@ def run(args) -> int:
                           allow_config_diff=args.allow_config_diff, progress=progress)
     if args.json:
         print_json(report.to_dict())
-        return report.verdict.exit_code
+        return report.exit_code
     rows = [[pair.label, pair.verdict.value.upper(),
              ", ".join(f"rank {r}: step {s}" for r, (s, _) in sorted(pair.first_by_rank.items())[:4])
              + (" ..." if len(pair.first_by_rank) > 4 else "") or (pair.error.splitlines()[0] if pair.error else "-")]
             for pair in report.pairs]
-    echo(f"samebits report: {report.verdict.value.upper()} ({report.kind})")
+    echo(f"samebits report: {'STOPPED' if report.stopped else report.verdict.value.upper()} ({report.kind})")
     if report.conclusion:
         echo(report.conclusion)  # the sentence the page leads with
     if rows:
@@ -59,4 +60,4 @@ def run(args) -> int:
     echo("")
     echo(f"wrote {report.out} ({len(report.sections)} sections); open it in a browser (works offline)")
     sys.stdout.flush()
-    return report.verdict.exit_code
+    return report.exit_code

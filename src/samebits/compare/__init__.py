@@ -848,5 +848,6 @@ def _shape_only_reason(run_a: Run, run_b: Run, count: int, examples: list[str]) 
             "SAMEBITS_MAX_TENSOR_BYTES) or with a cap above the largest tensor")
 
 
-__all__ = ["diff", "divergent_steps", "record_match", "EQUAL", "DIFFERS", "SHAPE_ONLY", "DiffResult", "Divergence", "RankStep", "GlobalDiffResult",
+__all__ = ["diff", "divergent_steps", "record_match", "EQUAL", "DIFFERS", "SHAPE_ONLY",
+           "DiffResult", "Divergence", "RankStep", "GlobalDiffResult",
            "GlobalTensorResult"]

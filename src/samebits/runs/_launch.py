@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import re
 import shlex
@@ -366,6 +367,49 @@ def _signal_exit(code: int, log: Path) -> str | None:
     return None
 
 
+STOPPED = "stopped"  # the verdict word of a summary.json whose command did not finish (exit 3)
+UNFINISHED = ("the command did not finish: it was killed (SIGKILL, or its machine went away) or is still running; "
+              "the runs listed are those that had ended")
+
+
+def write_stopped(out: Path, runs: list, reason: str, name: str = "summary.json") -> Path:
+    """``out``/summary.json of a command that has not finished: verdict "stopped" (exit 3, never a
+    verdict on the runs), why, and the runs that had ended (``runs``: `RunInfo` objects).  The
+    command's own summary replaces it when it finishes."""
+    data = {"verdict": STOPPED, "exit_code": 3, "stopped": reason, "out": str(out),
+            "runs": [run.to_dict() if hasattr(run, "to_dict") else dict(run) for run in runs]}
+    path = Path(out) / name
+    tmp = path.with_name(path.name + ".tmp")
+    # ensure_ascii: a path that is not UTF-8 is kept as an escape, never an encoding error
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    os.replace(tmp, path)  # whole or not at all: a kill mid-write leaves the previous one
+    return path
+
+
+@contextlib.contextmanager
+def stopped_marked(out: Path, runs: list):
+    """While a command's runs go, ``out``/summary.json says "stopped" with the runs that ended
+    (call the yielded ``mark()`` after each): a samebits killed by SIGKILL leaves that.  An
+    interruption (SIGINT, SIGTERM, SIGHUP: its runs are ended first) or a run that did not
+    finish (a worker killed by SIGKILL, a crash) writes why before it propagates."""
+    def mark(reason: str = UNFINISHED) -> None:
+        write_stopped(out, runs, reason)
+
+    mark()
+    try:
+        yield mark
+    except KeyboardInterrupt as err:
+        signum = getattr(err, "signum", signal.SIGINT)
+        mark(f"stopped by {_signal_name(signum)} (exit {128 + signum}); the runs it had started were ended")
+        raise
+    except RunFailed as err:
+        mark(f"run {err.label or '?'} did not finish: {err.reason}")
+        raise
+    except Exception as err:
+        mark(f"stopped by an error: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
+        raise
+
+
 def _signal_name(number: int) -> str:
     try:
         return signal.Signals(number).name
@@ -373,5 +417,5 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-__all__ = ["run_logged", "end_process_tree", "Interrupted", "END_GRACE_S", "failed", "judge_recipe_run", "judge_recorded_run", "RunFailed", "teardown_note",
+__all__ = ["run_logged", "stopped_marked", "write_stopped", "STOPPED", "end_process_tree", "Interrupted", "END_GRACE_S", "failed", "judge_recipe_run", "judge_recorded_run", "RunFailed", "teardown_note",
            "DEFAULT_TIMEOUT_S"]

@@ -47,7 +47,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 from samebits.checkpoint import content_sha256
 from samebits.compare import DIFFERS, SHAPE_ONLY, DiffResult, Divergence, diff, record_match
 from samebits.errors import ConfigError, SamebitsError
-from samebits.runs._launch import RunFailed, failed, run_logged
+from samebits.runs._launch import RunFailed, failed, run_logged, stopped_marked, UNFINISHED, write_stopped
 from samebits.runs.commands import (CKPT, NPROC, OUT, RUN, STEP, RecipeRefused, SelfRecording, fill_placeholders,
                                     holds, prepare_out_dir, write_summary)
 from samebits.runs.verify import RunInfo
@@ -167,7 +167,8 @@ def compare_replicated(a, b, *, rank: int = 0, start_step: int | None = None, st
         notes.append(f"only in {b} (not compared): {_names(only_b)}")
     if missing:
         incomplete.append(f"{len(missing)} record(s) only in {a} (rank {rank}), not found in {b} by name or by a "
-                          f"declared mapping ({', '.join(label for label, _ in NAME_MAPPINGS)}), so they were not compared: "
+                          f"declared mapping ({', '.join(label for label, _ in NAME_MAPPINGS)}), so they were not "
+                          f"compared: "
                           f"{_names(missing, steps=True)}")
     if shape_only:
         incomplete.append(f"{len(shape_only)} record(s) were compared by shape and dtype only, never by value: they "
@@ -364,23 +365,24 @@ def verify_across(layouts: Sequence[Layout] | Sequence[int], cmd: list[str] | No
     say = progress or (lambda message: None)
     result = AcrossResult(out=str(out), layouts=[layout.name for layout in layouts], checks={})
     checkpoints = {}
-    for layout in layouts:
-        checkpoints[layout.name] = _run_layout(layout, cmd, out, result, run_timeout, progress, say,
-                                               resume_at if resume_across else None)
-    if resume_across:
-        result.resume, result.resume_at = {}, resume_at
-        saved = checkpoints[layouts[0].name]["path"] / f"step-{resume_at}"
-        for layout in layouts[1:]:
-            result.resume[layout.name] = _resume_layout(layout, layouts[0].name, saved, resume_at, out, result,
-                                                        run_timeout, progress, say)
-            resumed_ckpt = out / (RESUME_PREFIX + layout.name) / "ckpt"
-            if resumed_ckpt.is_dir():  # a resume that saved its final step: its state must be the same too
-                checkpoints[RESUME_PREFIX + layout.name] = {"steps": [layout.program.steps],
-                                                            "final": layout.program.steps, "path": resumed_ckpt}
-    run_controls = controls and cmd is None and all(layout.control is not None for layout in layouts)
-    if run_controls:
+    with stopped_marked(out, result.runs):  # a killed verify leaves summary.json saying so (issue 34)
         for layout in layouts:
-            _run_control(layout, out, result, run_timeout, progress, say)
+            checkpoints[layout.name] = _run_layout(layout, cmd, out, result, run_timeout, progress, say,
+                                                   resume_at if resume_across else None)
+        if resume_across:
+            result.resume, result.resume_at = {}, resume_at
+            saved = checkpoints[layouts[0].name]["path"] / f"step-{resume_at}"
+            for layout in layouts[1:]:
+                result.resume[layout.name] = _resume_layout(layout, layouts[0].name, saved, resume_at, out, result,
+                                                            run_timeout, progress, say)
+                resumed_ckpt = out / (RESUME_PREFIX + layout.name) / "ckpt"
+                if resumed_ckpt.is_dir():  # a resume that saved its final step: its state must be the same too
+                    checkpoints[RESUME_PREFIX + layout.name] = {"steps": [layout.program.steps],
+                                                                "final": layout.program.steps, "path": resumed_ckpt}
+        run_controls = controls and cmd is None and all(layout.control is not None for layout in layouts)
+        if run_controls:
+            for layout in layouts:
+                _run_control(layout, out, result, run_timeout, progress, say)
     reference = out / layouts[0].name
     for index, layout in enumerate(layouts[1:], 1):
         say(f"comparing {layout.name} with {layouts[0].name}")
@@ -476,6 +478,7 @@ def _launch(name: str, argv: list[str], out: Path, run_dir: Path, result: Across
                                streams=run_dir, steps=steps)
     result.timings[name] = seconds
     result.runs.append(RunInfo(name, shlex.join(argv), code, seconds))
+    write_stopped(out, result.runs, UNFINISHED)  # what it had, should verify itself be killed next
     if code != 0:
         raise failed(name, argv, code, log)
 

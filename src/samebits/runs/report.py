@@ -43,10 +43,11 @@ from samebits.compare import DiffResult, diff, divergent_steps
 from samebits.errors import ConfigError, IncomparableRunsError, StreamError
 from samebits.runs.conclusion import (across_conclusion, bisect_conclusion, diff_conclusion, matrix_conclusion,
                                       verify_conclusion)
+from samebits.runs._launch import STOPPED
 from samebits.runs.across import CONTROL_STEPS
 from samebits.runs.distance import float_value, metric_distance
 from samebits.stream import Record, open_run
-from samebits.verdicts import ToDict, Verdict, serialised
+from samebits.verdicts import EXIT_STOPPED, ToDict, Verdict, serialised
 
 MAX_RANKS = 64  # heatmap rows of ranks; a larger world is binned, each row a range of ranks
 MAX_READ_RANKS = 16384  # ranks whose steps are read for the heatmap (the rest are counted, not drawn)
@@ -180,9 +181,14 @@ class Report(ToDict):
     notes: list[str] = field(default_factory=list)
     out: str = ""
     conclusion: str = ""  # the sentence the page leads with, as the terminal printed it
+    stopped: str = ""  # why the command did not finish (its summary says "stopped"): no verdict, exit 3
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_STOPPED if self.stopped else self.verdict.exit_code
 
     def dict_extras(self) -> dict:
-        return {"exit_code": self.verdict.exit_code}
+        return {"exit_code": self.exit_code, **({"stopped": self.stopped} if self.stopped else {})}
 
 
 def write_report(inputs: list[str | Path], out: str | Path, *, start_step: int | None = None,
@@ -228,6 +234,8 @@ def build_report(inputs: list[str | Path], *, start_step: int | None = None, all
         raise ConfigError(f"{path}: neither an output directory (no summary.json) nor one of two runs. Give the "
                           "directory `samebits verify`, `bisect` or `matrix` wrote (--out), or two run directories "
                           "to compare.")
+    if summary.get("verdict") == STOPPED:
+        return _stopped_report(path, summary)
     if "cells" in summary:
         return _matrix_report(path, summary, say)
     if "stages" in summary:
@@ -593,6 +601,23 @@ def _across_report(path: Path, summary: dict) -> Report:
     return page.finish([str(path)], [], notes=list(summary.get("notes") or []))
 
 
+def _stopped_report(path: Path, summary: dict) -> Report:
+    """A command that did not finish (`samebits.runs._launch.write_stopped`): what stopped it and
+    the runs that had ended; no verdict on the runs (exit 3)."""
+    file = path / "summary.json"
+    _check_fields(summary, {"stopped": _Required(str), "runs": [{"name": str, "command": str, "ended": str}]},
+                  file, "")
+    page = _Page("stopped", f"samebits: {path} (stopped)", Verdict.INCOMPLETE)
+    page.stopped = summary["stopped"]
+    page.conclusion = f"STOPPED: {summary['stopped']}; nothing was compared."
+    page.h2("Runs that had ended", "runs")
+    runs = summary.get("runs") or []
+    page.add(_table(["run", "exit", "ended", "seconds", "command"],
+                    [[r.get("name"), r.get("exit_code"), r.get("ended"), r.get("seconds"), r.get("command")]
+                     for r in runs]) if runs else "<p>none</p>")
+    return page.finish([str(path)], [])
+
+
 def _certificate(path: Path) -> dict | None:
     """``path``/certificate.json checked field by field (`_CERTIFICATE`), or None when there is
     none; `ConfigError` naming the file and the field otherwise (as for summary.json)."""
@@ -822,6 +847,7 @@ class _Page:
         self.parts: list[str] = []
         self.sections: list[str] = []
         self.notes: list[str] = []
+        self.stopped = ""  # a command that did not finish: why
 
     def h2(self, text: str, anchor: str) -> None:
         self.sections.append(text)
@@ -838,8 +864,8 @@ class _Page:
         lead = (f'<p class="conclusion v-{self.verdict.value}" id="conclusion">{_esc(self.conclusion)}</p>'
                 if self.conclusion else "")
         head = (f'<h1>{_esc(self.title)}</h1>{lead}<p>verdict: <span class="verdict v-{self.verdict.value}" '
-                f'id="verdict">{_esc(self.verdict.value.upper())}</span> '
-                f'<span class="note">({_esc(self.kind)}; exit code {self.verdict.exit_code})</span></p>'
+                f'id="verdict">{_esc("STOPPED" if self.stopped else self.verdict.value.upper())}</span> '
+                f'<span class="note">({_esc(self.kind)}; exit code {EXIT_STOPPED if self.stopped else self.verdict.exit_code})</span></p>'
                 f'<p class="note">made by samebits report at {_esc(time.strftime("%Y-%m-%d %H:%M:%S %Z"))} from '
                 + ", ".join(f"<code>{_esc(i)}</code>" for i in inputs) + "</p>")
         toc = "<p>" + " &middot; ".join(f'<a href="#s{i}">{_esc(s)}</a>' for i, s in enumerate(self.sections)) + "</p>"
@@ -855,7 +881,7 @@ class _Page:
                 f"<title>{_esc(self.title)}</title><style>{_CSS}</style></head><body>"
                 + head + toc + "\n".join(body) + "</body></html>\n")
         return Report(kind=self.kind, inputs=inputs, verdict=self.verdict, sections=list(self.sections),
-                      html=page, pairs=pairs, notes=notes, conclusion=self.conclusion)
+                      html=page, pairs=pairs, notes=notes, conclusion=self.conclusion, stopped=self.stopped)
 
     # -- summaries of the commands -----------------------------------------------------------
 

@@ -31,7 +31,7 @@ from samebits.checkpoint import CENSUS_DIR
 from samebits.compare import DiffResult, diff
 from samebits.errors import ConfigError, IncomparableRunsError
 from samebits.runs._explain import Finding, explain_independent, explain_resume, ordered
-from samebits.runs._launch import RunFailed, judge_recipe_run, judge_recorded_run, run_logged
+from samebits.runs._launch import RunFailed, judge_recipe_run, judge_recorded_run, run_logged, stopped_marked
 from samebits.runs.commands import (CKPT, OUT, REFERENCE, STEP, SelfRecording, fill_placeholders,
                                     prepare_out_dir, write_summary)
 from samebits.verdicts import ToDict, Verdict, milliseconds, serialised
@@ -150,19 +150,21 @@ def verify_recipe(
     ]
     timings: dict[str, float] = {}
     runs: list[RunInfo] = []
-    for index, (name, argv, may_stop) in enumerate(stages, 1):
-        say(f"[{index}/{len(stages)}] run {name}: {program.nproc} rank(s), {steps} steps ...")
-        run_dir = out / name[0].lower()
-        log = out / "logs" / (name.split()[0].lower() + ("-resume" if "resume" in name else "") + ".log")
-        code, seconds = run_logged(argv, log, label=name, env=env, progress=progress, streams=run_dir,
-                                   steps=steps - resume_at if name.startswith("C") else steps)  # C starts at resume_at
-        timings[name] = seconds
-        # torchrun replaces the recipe's exit code 3 by its own: the marker file tells.
-        stop = read_stop(run_dir) if may_stop else None
-        judge_recipe_run(name, argv, code, log, stopped=stop is not None)
-        ended = f"stopped at step {stop.get('stopped_at')} (differs from A)" if stop is not None else "finished"
-        runs.append(RunInfo(name, shlex.join(argv), code, seconds, ended))
-        say(f"      done in {seconds:.1f} s" + (" (stopped at its first divergent step)" if stop else ""))
+    with stopped_marked(out, runs) as mark:  # a killed verify leaves summary.json saying so (issue 34)
+        for index, (name, argv, may_stop) in enumerate(stages, 1):
+            say(f"[{index}/{len(stages)}] run {name}: {program.nproc} rank(s), {steps} steps ...")
+            run_dir = out / name[0].lower()
+            log = out / "logs" / (name.split()[0].lower() + ("-resume" if "resume" in name else "") + ".log")
+            code, seconds = run_logged(argv, log, label=name, env=env, progress=progress, streams=run_dir,
+                                       steps=steps - resume_at if name.startswith("C") else steps)  # C: from resume_at
+            timings[name] = seconds
+            # torchrun replaces the recipe's exit code 3 by its own: the marker file tells.
+            stop = read_stop(run_dir) if may_stop else None
+            judge_recipe_run(name, argv, code, log, stopped=stop is not None)
+            ended = f"stopped at step {stop.get('stopped_at')} (differs from A)" if stop is not None else "finished"
+            runs.append(RunInfo(name, shlex.join(argv), code, seconds, ended))
+            mark()  # what it had so far, should verify itself be killed next
+            say(f"      done in {seconds:.1f} s" + (" (stopped at its first divergent step)" if stop else ""))
     say("comparing ...")
     notes: list[str] = []
     checks = {
@@ -284,21 +286,23 @@ def verify_command(
                          "--resume-with (docs/resume.md)")
     timings: dict[str, float] = {}
     runs: list[RunInfo] = []
-    for index, (name, argv, env) in enumerate(stages, 1):
-        say(f"[{index}/{len(stages)}] run {name}: {shlex.join(argv)}")
-        log = out / "logs" / (name.split()[0].lower() + ".log")
-        run_dir = Path(env["SAMEBITS_DIR"])
-        kwargs = {"timeout": run_timeout} if run_timeout is not None else {}
-        code, seconds = run_logged(argv, log, env=env, label=name, progress=progress, streams=run_dir, **kwargs)
-        timings[name] = seconds
-        stop = read_stop(run_dir)
-        if stop is not None:
-            ended = f"stopped at step {stop.get('stopped_at')} (differs from A)"
-        else:
-            ended = judge_recorded_run(name, argv, code, run_dir, log) or "finished"
-        runs.append(RunInfo(name, shlex.join(argv), code, seconds, ended))
-        say(f"      done in {seconds:.1f} s: {ended}")
-        _refuse_unrecorded(name, argv, run_dir)
+    with stopped_marked(out, runs) as mark:  # a killed verify leaves summary.json saying so (issue 34)
+        for index, (name, argv, env) in enumerate(stages, 1):
+            say(f"[{index}/{len(stages)}] run {name}: {shlex.join(argv)}")
+            log = out / "logs" / (name.split()[0].lower() + ".log")
+            run_dir = Path(env["SAMEBITS_DIR"])
+            kwargs = {"timeout": run_timeout} if run_timeout is not None else {}
+            code, seconds = run_logged(argv, log, env=env, label=name, progress=progress, streams=run_dir, **kwargs)
+            timings[name] = seconds
+            stop = read_stop(run_dir)
+            if stop is not None:
+                ended = f"stopped at step {stop.get('stopped_at')} (differs from A)"
+            else:
+                ended = judge_recorded_run(name, argv, code, run_dir, log) or "finished"
+            runs.append(RunInfo(name, shlex.join(argv), code, seconds, ended))
+            mark()  # what it had so far, should verify itself be killed next
+            say(f"      done in {seconds:.1f} s: {ended}")
+            _refuse_unrecorded(name, argv, run_dir)
     checks = {"independent": _diff(out / "a", out / "b"),
               "resume": _diff(out / "a", out / "c", start_step=resume_at) if resume_with else None}
     result = VerifyResult(str(out), checks, timings, resume_at, notes, runs)

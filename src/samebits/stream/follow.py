@@ -1,9 +1,10 @@
 """Following a stream while its writer is still writing it: the steps as they land.
 
 `StreamTail.poll` looks at the file's size and reads only the frames completed since the last
-poll (a frame the writer has not finished yet waits, unread, until the file reaches its end), with no check of step roots or records.  It is how a watcher shows a run's
-progress live (`samebits.runs.progress`); it proves nothing about the stream, which the
-verifying reader (`StreamReader`) judges after the run.  A frame that does not decode (a
+poll (a frame the writer has not finished yet waits, unread, until the file reaches its end),
+with no check of step roots or records.  It is how a watcher shows a run's progress live
+(`samebits.runs.progress`); it proves nothing about the stream, which the verifying reader
+(`StreamReader`) judges after the run.  A frame that does not decode (a
 damaged file, a newer writer) ends the following quietly: `StreamTail.broken` says why.
 """
 

@@ -63,8 +63,10 @@ def test_verify_resume_failure_hint_prints_the_resume_bisect(tmp_path, capsys):
     hint = next(line for line in text.splitlines() if "samebits bisect --a" in line)
     assert f"--b-step-offset {K}" in hint
     command = hint.split("`")[1]
-    work = str(out / "bisect-work" / "a")
-    assert f"--ckpt {work}" in command and f"--resume {work}" in command  # B resumes the bisect's own A
-    assert "{" not in command
+    words = shlex.split(command)
+    side_a, side_b = (shlex.split(words[words.index(flag) + 1]) for flag in ("--a", "--b"))
+    # The placeholders stay for bisect to fill per run: every run a new work folder of its own
+    # ({out}), every B resuming the bisect's own first A ({from}).
+    assert side_a[-2:] == ["--ckpt", "{out}"] and side_b[-2:] == ["--resume", "{from}"], command
     summary = json.loads((out / "summary.json").read_text())
     assert summary["resume_bisect_command"] == command

@@ -51,7 +51,7 @@ from samebits.checkpoint import describe_state_record
 from samebits.errors import ConfigError, SamebitsError
 from samebits.runs._explain import census_suspects
 from samebits.runs._launch import failed, run_logged, teardown_note
-from samebits.runs.commands import (CKPT, OUT, RUN, STEP, SelfRecording, check_out_dir, default_out_dir,
+from samebits.runs.commands import (CKPT, FROM, OUT, RUN, STEP, SelfRecording, check_out_dir, default_out_dir,
                                     fill_placeholders, holds, write_summary)
 from samebits.stream.reader import open_run
 from samebits.trace import (ENV_VARS, LEVEL_NAMES, EventSpec, OriginFinding, OriginReport, TraceConfig,
@@ -78,7 +78,10 @@ class Command:
     """How to run one side: a command under zero-code recording, or a program that records
     itself (the reference recipe).  ``argv`` is a template: a program that records itself
     gets ``{out}`` (its stream folder) filled; a zero-code command gets ``{out}`` (its own work
-    folder, new for every run) and ``{run}`` (the run's label), as `samebits verify` fills them."""
+    folder, new and empty for every run, so a trainer that resumes from the latest checkpoint in
+    its output folder starts clean) and ``{run}`` (the run's label), as `samebits verify` fills
+    them, and a resumed command (``step_offset`` K) ``{step}`` (K) and ``{from}`` (the work
+    folder of the run it resumes: the bisect's first run of A)."""
 
     label: str
     argv: list[str]
@@ -86,11 +89,14 @@ class Command:
     exit_notes: list[str] = field(default_factory=list)
     step_offset: int | None = None  # a resumed command: its first step number (SAMEBITS_STEP_OFFSET)
     from_step: int | None = None  # record only steps >= this (SAMEBITS_STEPS=K:)
+    spec: settings.RecordingSpec | None = None  # what to record (default: the environment's SAMEBITS_* choice)
 
     def launch(self, out_dir: Path, config: TraceConfig, log: Path, timeout: float | None = None,
-               progress: Callable[[str], None] | None = None, work: Path | None = None) -> float:
+               progress: Callable[[str], None] | None = None, work: Path | None = None,
+               resumes: Path | None = None) -> float:
         """Run once, recording into ``out_dir``.  ``work``: the run's own work folder, the
-        ``{out}`` of a zero-code command (default: OUT_DIR-work beside the streams)."""
+        ``{out}`` of a zero-code command (default: OUT_DIR-work beside the streams); ``resumes``:
+        the work folder of the run it resumes, its ``{from}``."""
         env = dict(os.environ)
         if self.recipe:  # it records itself; a resume bisect records only steps >= K on both sides
             argv = fill_placeholders(self.argv, {OUT: out_dir})
@@ -100,9 +106,17 @@ class Command:
             work = work if work is not None else out_dir.with_name(out_dir.name + "-work")
             if holds(self.argv, OUT):
                 work.mkdir(parents=True, exist_ok=True)
-            argv = fill_placeholders(self.argv, {OUT: work, RUN: out_dir.name})
+            values: dict[str, object] = {OUT: work, RUN: out_dir.name}
+            if self.step_offset is not None:
+                values[STEP] = self.step_offset
+            if resumes is not None:
+                values[FROM] = resumes
+            argv = fill_placeholders(self.argv, values)
+            # What to record (--exclude, SAMEBITS_EXCLUDE, ...) is the same for every run; only
+            # the steps are the bisect's (a resume compares steps >= K).
+            spec = self.spec if self.spec is not None else settings.RecordingSpec.from_env()
             env = environment_for(out_dir, command=shlex.join(self.argv), step_offset=self.step_offset,
-                                  steps=None if self.from_step is None else f"{self.from_step}:")
+                                  spec=spec, steps=None if self.from_step is None else f"{self.from_step}:")
         for name in ENV_VARS:
             env.pop(name, None)
         env.update(config.to_env())
@@ -269,6 +283,7 @@ class _Bisector:
         self.stages: list[Stage] = []
         self.notes: list[str] = []
         self._sides: dict[str, Command] = {"a": side_a, "b": side_b}
+        self.first_a_work: Path | None = None  # the first run of A's work folder: {from} of every resumed B
         self.from_step = side_b.from_step  # a resume bisect: only steps >= this are compared and traced
         self.resume_step = self.from_step  # b resumed a here (None when one side is bisected against itself)
         if self.from_step is not None:
@@ -292,9 +307,13 @@ class _Bisector:
             run_config = config
             if self.perturb_b is not None and command.label.startswith("b"):
                 run_config = config.with_(perturb=self.perturb_b)  # test hook: side B only
+            work = self.out / "work" / f"{number}-{stage.name}" / label  # every run its own, new and empty
+            resumes = self.first_a_work if command.step_offset is not None else None
             seconds = command.launch(directory, run_config,
                                      self.out / "logs" / f"{number}-{stage.name}-{label}.log", self.run_timeout,
-                                     progress=self.progress, work=self.out / "work" / f"{number}-{stage.name}" / label)
+                                     progress=self.progress, work=work, resumes=resumes)
+            if self.first_a_work is None and label == "a" and not command.recipe:
+                self.first_a_work = work  # every resumed B resumes this run's checkpoints ({from})
             self.notes.extend(command.exit_notes)
             command.exit_notes.clear()
             stage.runs[label] = seconds
@@ -362,8 +381,8 @@ class _Bisector:
                     self.conclude(stage, report)
         else:
             stage = Stage("steps", "phases", "all steps, every rank; each side twice (repeatability)")
-            a2 = Command("a2", a.argv, a.recipe, step_offset=a.step_offset, from_step=a.from_step)
-            b2 = Command("b2", b.argv, b.recipe, step_offset=b.step_offset, from_step=b.from_step)
+            a2 = Command("a2", a.argv, a.recipe, step_offset=a.step_offset, from_step=a.from_step, spec=a.spec)
+            b2 = Command("b2", b.argv, b.recipe, step_offset=b.step_offset, from_step=b.from_step, spec=b.spec)
             dirs = self.run_stage(stage, self.base_config(), [("a", a), ("a2", a2), ("b", b), ("b2", b2)])
             _check_compared(dirs)
             noise_a = find_origins(dirs["a"], dirs["a2"])
@@ -889,7 +908,8 @@ def _control_flow(finding: OriginFinding) -> ControlFlow:
 def bisect(cmd_a: list[str] | None = None, cmd_b: list[str] | None = None, *, out=None,
            program: SelfRecording | None = None, stop_after: int | None = None,
            run_timeout: float | None = 1800, b_step_offset: int | None = None,
-           resume_at: int | None = None, progress: Callable[[str], None] | None = None) -> BisectResult:
+           resume_at: int | None = None, progress: Callable[[str], None] | None = None,
+           spec: settings.RecordingSpec | None = None) -> BisectResult:
     """Find where two runs part, and the op that is the origin.
 
     * ``program``: a program that records itself (the reference recipe, as in ``samebits
@@ -906,7 +926,10 @@ def bisect(cmd_a: list[str] | None = None, cmd_b: list[str] | None = None, *, ou
     ``samebits verify --resume-at K`` numbers run C); both sides record, and every stage
     compares and traces, only steps >= K, so A's steps before the resume are no divergence.
     ``{out}`` and ``{run}`` in a command are filled per run, as `samebits verify` fills them:
-    a work folder of its own (``out``/work/STAGE/SIDE) and the side's label.
+    a work folder of its own, new and empty (``out``/work/STAGE/SIDE), and the side's label; in
+    B's command with ``b_step_offset`` K, ``{step}`` is K and ``{from}`` the work folder of the
+    bisect's first run of A (where it saved the checkpoints every B resumes).  ``spec``: what
+    every run records (default: the environment's ``SAMEBITS_*`` choice, e.g. SAMEBITS_EXCLUDE).
     Output (streams, logs, dumps) goes under ``out``, which must be new or empty.
     A run that crashes raises `SamebitsError` (the CLI exits 2): never a verdict.
     """
@@ -927,6 +950,12 @@ def bisect(cmd_a: list[str] | None = None, cmd_b: list[str] | None = None, *, ou
         if steps is not None and not 0 < resume_at < steps:
             raise ConfigError(f"--resume-at {resume_at} must be between 1 and {steps - 1} (inside the run of "
                               f"--steps {steps}).")
+    for words, side in ((cmd_a or [], "--a"), (cmd_b or [], "--b")):
+        for placeholder in (STEP, FROM):
+            if holds(words, placeholder) and (side == "--a" or b_step_offset is None):
+                raise ConfigError(f"{side} holds {placeholder}, which only a resumed command B can use (with "
+                                  f"--b-step-offset K: {STEP} is K, {FROM} the work folder of the bisect's "
+                                  "first run of A); use {out} for a run's own work folder.")
     if (program is None) == (not cmd_a):
         raise ConfigError("bisect: give a command (or --a and --b) or the program to run, not both"
                           if program is not None else "bisect: no command given: write `samebits bisect -- python "
@@ -945,10 +974,10 @@ def bisect(cmd_a: list[str] | None = None, cmd_b: list[str] | None = None, *, ou
             side_b = Command("b", fill_placeholders(program.resume, {CKPT: ckpt}), recipe=True,
                              step_offset=resume_at, from_step=resume_at)
     else:
-        side_a = Command("a", list(cmd_a), from_step=b_step_offset)
+        side_a = Command("a", list(cmd_a), from_step=b_step_offset, spec=spec)
         same = cmd_b is None
         side_b = Command("b", list(cmd_a if cmd_b is None else cmd_b), step_offset=b_step_offset,
-                         from_step=b_step_offset)
+                         from_step=b_step_offset, spec=spec)
     bisector = _Bisector(side_a, side_b, out, progress, stop_after, same, run_timeout)
     result = bisector.bisect()
     write_summary(out, result)

@@ -21,6 +21,7 @@ recorded at each step start names the state the checkpoint did not restore.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -308,7 +309,7 @@ def verify_command(
     result = VerifyResult(str(out), checks, timings, resume_at, notes, runs)
     _add_gaps(result, {"a": out / "a", "b": out / "b", "c": out / "c"})
     _explain(result, out / "a", out / "b", out / "c")
-    result.bisect_command = "samebits bisect -- " + command  # bisect fills {out} and {run} per run, as here
+    result.bisect_command = _recording_prefix(what) + "samebits bisect -- " + command  # bisect fills {out}, {run}
     if resume_with is not None:
         result.resume_bisect_command = resume_bisect_command(cmd, shlex.split(resume_with), resume_at, what)
     write_summary(out, result)
@@ -324,11 +325,22 @@ def resume_bisect_command(cmd: list[str], resume_with: list[str], resume_at: int
     clean), every B resuming the checkpoints of the bisect's first A (``{from}``, ``{step}``).
     ``record``: verify's choice of what to record (``--exclude`` ...), given to bisect as the
     variables it reads."""
-    command = shlex.join(["samebits", "bisect", "--a", shlex.join(cmd), "--b", shlex.join(resume_with),
-                          "--b-step-offset", str(resume_at)])
-    chosen = {name: value for name, value in recording_variables(**{k: v for k, v in (record or {}).items()
-                                                                    if k != "steps"}).items() if value is not None}
-    return shlex.join([f"{name}={value}" for name, value in sorted(chosen.items())]) + (" " if chosen else "") + command
+    return _recording_prefix(record) + shlex.join(["samebits", "bisect", "--a", _join(cmd), "--b", _join(resume_with),
+                                                   "--b-step-offset", str(resume_at)])
+
+
+def _join(argv: list[str]) -> str:
+    """`shlex.join` that leaves a placeholder's braces unquoted (the words go inside a quoted
+    --a/--b, where no shell expands them)."""
+    return " ".join(word if re.fullmatch(r"[\w@%+=:,./{}-]+", word) else shlex.quote(word) for word in argv)
+
+
+def _recording_prefix(record: dict | None) -> str:
+    """``VAR=value `` for each ``SAMEBITS_*`` variable of what verify recorded (``--exclude``
+    ...), which bisect reads for every run; its step window is bisect's own."""
+    chosen = sorted((name, value) for name, value in recording_variables(**(record or {})).items()
+                    if value is not None and name != "SAMEBITS_STEPS")
+    return "".join(shlex.quote(f"{name}={value}") + " " for name, value in chosen)
 
 
 def _expand(argv: list[str], out: Path, run: str, step: int | None = None) -> list[str]:

@@ -612,6 +612,13 @@ def _check_dcp_metadata(path: Path, directory: Path, metadata, manifest: dict[st
                 info.relative_path, info.offset, info.length)
         clean_entries[key] = TensorStorageMetadata(
             properties=TensorProperties(dtype=dtype), size=torch.Size(shape), chunks=clean_chunks)
+    for (fqn, _), info in storage.items():  # a file this rank reads is whole, not only where it reads
+        size = sizes.get(info.relative_path)
+        if size is not None and info.offset + info.length > size:
+            raise CheckpointError(
+                f"{path}: {fqn!r} is stored at bytes {info.offset}..{info.offset + info.length} of "
+                f"{info.relative_path}, which has {size}: the shard is truncated; load an older step-K "
+                "directory")
     for name, file_spans in spans.items():  # so no byte is read into two tensors
         file_spans.sort()
         for (_, end, first), (start, _, second) in zip(file_spans, file_spans[1:]):

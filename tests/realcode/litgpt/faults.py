@@ -2,20 +2,20 @@
 
 Each fault takes litgpt's command-line arguments and returns them (changed only by time_seed); it
 changes one thing through a knob litgpt leaves open (its seed argument), a small patch of one
-method of Fabric or torchdata, or a forward hook, the way a user's own wrapper or a library bug
+method of torch, Fabric or torchdata, or a forward hook, the way a user's own wrapper or a library bug
 would; litgpt's training code itself is untouched.  The line each case's `planted` names is
 marked PLANTED in a comment.
 """
 import time
 
+import torch
 from torch import nn
 
 
 def no_optimizer_load(argv):
-    """The resume restores the model, loader and counters but not AdamW's moments and step counts."""
-    from lightning.fabric.wrappers import _FabricOptimizer
-
-    _FabricOptimizer.load_state_dict = lambda self, state_dict: None  # PLANTED
+    """The resume restores the model, loader and counters but not AdamW's moments and step counts.
+    (Fabric.load hands the checkpoint to the unwrapped optimizer, so the patch is on AdamW itself.)"""
+    torch.optim.AdamW.load_state_dict = lambda self, state_dict: None  # PLANTED
     return argv
 
 

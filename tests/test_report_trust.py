@@ -178,3 +178,17 @@ def test_random_certificate_edits_never_pass_a_fail_and_never_raise_a_traceback(
         (out / "page.html").write_text(report.html)
 
     check()
+
+
+def test_a_matrix_whose_verdict_contradicts_its_cells_is_refused(tmp_path):
+    """The matrix's verdict is re-derived from its cells too (a failing cell edited away is not)."""
+    cell = {"cell": "dp2", "precision": "fp32", "verdict": "fail", "repeatable": "no", "resume": "yes"}
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / "summary.json").write_text(json.dumps({"verdict": "pass", "cells": [cell], "failures": []}))
+    with pytest.raises(ConfigError, match=r"it says 'pass' but its checks give 'fail'"):
+        build_report([out])
+    (out / "summary.json").write_text(json.dumps({"verdict": "pass", "failures": [],
+                                                  "cells": [{**cell, "verdict": "pass"}]}))
+    with pytest.raises(ConfigError, match=r"cell 0 \(dp2 fp32\) says 'pass' but a check of it diverged"):
+        build_report([out])

@@ -27,6 +27,7 @@ from samebits.stream.reader import (Record, Run, StreamReader, open_run, read_st
                                     require_same_digest_version)
 from samebits.verdicts import ToDict, Verdict, serialised
 from samebits.compare._global import GlobalDiffResult, GlobalTensorResult, diff_global
+from samebits.compare._rule import DIFFERS, EQUAL, SHAPE_ONLY, record_match
 
 @dataclass
 class Divergence(ToDict):
@@ -755,27 +756,6 @@ def _compare_step(rank: int, step: int, records_a: list[Record],
         first.records_differing = differing
         return first, shape_only
     return _order_divergence(rank, step, records_a, records_b), shape_only
-
-
-EQUAL, DIFFERS, SHAPE_ONLY = "equal", "differs", "shape_only"
-
-
-def record_match(rec_a: Record, rec_b: Record) -> str:
-    """The one comparison rule of every verdict (`diff`, `diff --by global`, `verify --across`):
-    two records of one identity are EQUAL only when both hold their value's digest (or a
-    metric's bits, or both are None) and those agree; a tensor without a digest on either side
-    (over ``max_tensor_bytes`` when recorded) is SHAPE_ONLY when dtype and shape agree, a
-    record that is compared but never counted equal; anything else DIFFERS."""
-    if rec_a.kind == rec_b.kind == "tensor" and not (rec_a.absent and rec_b.absent) and \
-            (rec_a.capped or rec_b.capped or rec_a.digest is None or rec_b.digest is None):
-        return SHAPE_ONLY if _same_shape(rec_a, rec_b) else DIFFERS
-    return EQUAL if rec_a.same_content(rec_b) else DIFFERS
-
-
-def _same_shape(rec_a: Record, rec_b: Record) -> bool:
-    """Two tensor records that agree in everything a capped record keeps (dtype, shape)."""
-    return (rec_a.kind == rec_b.kind == "tensor" and not rec_a.absent and not rec_b.absent
-            and rec_a.dtype == rec_b.dtype and rec_a.shape == rec_b.shape)
 
 
 def _order_divergence(rank: int, step: int, records_a: list[Record], records_b: list[Record]) -> Divergence | None:

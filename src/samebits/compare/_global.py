@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from samebits.compare._rule import record_match
 from samebits.stream.reader import Run, open_run, require_same_digest_version
 from samebits.stream import GLOBAL_PHASE_PREFIX
 from samebits.verdicts import ToDict, Verdict
@@ -85,11 +86,6 @@ class GlobalDiffResult(ToDict):
                      "detail": head.detail, "records_differing": len(at_first),
                      "tensors": [t.name for t in at_first]}
         return {"exit_code": self.verdict.exit_code, "by": "global", "first_divergence": first}
-
-
-def _record_match(rec_a, rec_b) -> str:
-    from samebits.compare import record_match  # noqa: PLC0415  (the package imports this module first)
-    return record_match(rec_a, rec_b)
 
 
 def _entry(record) -> dict:
@@ -259,7 +255,7 @@ def _compare(results: dict, key: tuple, step: int, rec_a, rec_b, inconsistent: l
     if rec_a is not None and rec_b is not None:
         result.steps_compared += 1
         result.a, result.b = _entry(rec_a), _entry(rec_b)
-        match = _record_match(rec_a, rec_b)
+        match = record_match(rec_a, rec_b)
         if match == "shape_only" and not inconsistent:
             # no digest on a side (over max_tensor_bytes): the shapes agree, the values are unknown
             result.status, result.first_step = "shape_only", step

@@ -343,7 +343,8 @@ _SUMMARY = {
                           "ranks": list},
                "notes": list},
     "matrix": {"verdict": _Required(str), "cells": [{"agreement": dict, "out": str, "explanations": _Each(list),
-                                                     "bisect": dict}], "failures": list, "notes": list},
+                                                     "bisect": dict, "verdict": str, "repeatable": str,
+                                                     "resume": str}], "failures": list, "notes": list},
 }
 
 
@@ -652,9 +653,37 @@ def _bisect_report(path: Path, summary: dict, say) -> Report:
     return page.finish([str(path)], pairs, notes=list(summary.get("notes") or []))
 
 
+def _matrix_verdict(summary: dict, file: Path) -> tuple[Verdict, str]:
+    """matrix's verdict from its cells and failures (`samebits.runs.matrix.MatrixResult.verdict`),
+    each cell's verdict held to its checks (PASS: none diverged or undecided; FAIL: one diverged)."""
+    cells = summary.get("cells") or []
+    verdicts = []
+    for index, cell in enumerate(cells):
+        where = f"cell {index} ({cell.get('cell')} {cell.get('precision')})"
+        verdict = _verdict(cell.get("verdict"), file)
+        checks = [cell.get(name) for name in ("repeatable", "resume") if cell.get(name) is not None]
+        if verdict is Verdict.PASS and any(check in ("no", "?") for check in checks):
+            raise _contradiction(file, f"{where} says 'pass' but a check of it diverged or could not decide")
+        if verdict is Verdict.FAIL and checks and "no" not in checks:
+            raise _contradiction(file, f"{where} says 'fail' but none of its checks diverged")
+        verdicts.append(verdict)
+    failures = list(summary.get("failures") or [])
+    why = f"{len(cells)} cell(s): " + ", ".join(v.value for v in verdicts) + (f"; failures: {failures[0]}"
+                                                                              if failures else "")
+    if Verdict.FAIL in verdicts or failures:
+        return Verdict.FAIL, why
+    if Verdict.PASS not in verdicts:
+        return Verdict.INCOMPLETE, why
+    return Verdict.PASS, why
+
+
 def _matrix_report(path: Path, summary: dict, say) -> Report:
-    verdict = _verdict(summary.get("verdict"), path / "summary.json")
+    file = path / "summary.json"
+    notes: list[str] = []
+    derived, why = _matrix_verdict(summary, file)
+    verdict = _settle(_verdict(summary.get("verdict"), file), derived, file, why, notes)
     page = _Page("matrix", f"samebits matrix: {path}", verdict)
+    page.notes.extend(notes)
     page.conclusion = matrix_conclusion(summary)
     page.matrix_summary(summary)
     pairs = []

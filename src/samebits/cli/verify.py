@@ -130,7 +130,11 @@ def render_across(across) -> str:
             where = "; ".join(check.incomplete[:1]) or where
         rows.append([f"{reference} = {name}", Verdict(check.verdict).value.upper(), check.by,
                      f"{c.get('steps', 0)} steps", where])
-    lines += [table(["layouts", "verdict", "compared by", "window", "first divergence"], rows), ""]
+    lines += [table(["layouts", "verdict", "compared by", "window", "first divergence"], rows)]
+    lines += ["records: " + "; ".join(f"{check.layout} {check.counts.get('compared', 0)} compared by digest, "
+                                      f"{check.counts.get('shape_only', 0)} by shape only, "
+                                      f"{check.counts.get('missing', 0)} missing"
+                                      for check in across.checks.values()), ""]
     if across.resume is not None:
         rows = []
         for check in across.resume.values():

@@ -5,6 +5,8 @@ per check, so that a plain run and a run under `samebits run` can be compared li
 import copy
 import io
 import pickle
+import random
+import re
 import sys
 import warnings
 
@@ -23,7 +25,7 @@ def show(label, thunk):
         value = thunk()
     except Exception as err:  # noqa: BLE001 - the observation is the point
         value = f"raises {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-    print(f"{label}: {value}", flush=True)
+    print(f"{label}: {re.sub(' at 0x[0-9a-f]+', '', str(value))}", flush=True)  # an address differs run to run
 
 
 def roundtrips(obj):
@@ -99,6 +101,12 @@ np_rng = np.random.default_rng(5)
 show("numpy default_rng", lambda: (type(np_rng).__name__, np_rng.integers(0, 100, 3).tolist()))
 show("numpy default_rng pickles", lambda: pickle.loads(pickle.dumps(np.random.default_rng)) is np.random.default_rng)
 check_roundtrips("np_rng", np_rng)
+
+show("torch.manual_seed is torch.random.manual_seed", lambda: torch.manual_seed is torch.random.manual_seed)
+for name, function in (("torch.manual_seed", torch.manual_seed), ("torch.set_rng_state", torch.set_rng_state),
+                       ("torch.seed", torch.seed), ("random.seed", random.seed), ("random.setstate", random.setstate),
+                       ("np.random.seed", np.random.seed), ("np.random.set_state", np.random.set_state)):
+    show(f"{name} pickles", lambda function=function: callable(pickle.loads(pickle.dumps(function))))
 
 # --- data loaders -------------------------------------------------------------------------
 dataset = TensorDataset(torch.arange(12.0).reshape(6, 2))

@@ -126,12 +126,15 @@ class _DrawWatch(TorchDispatchMode):
 
 
 def _draws_from_the_global_generator(func, args, kwargs) -> bool:
-    if torch.Tag.nondeterministic_seeded not in func.tags or kwargs.get("generator") is not None:
+    try:
+        if torch.Tag.nondeterministic_seeded not in func.tags or kwargs.get("generator") is not None:
+            return False
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type != "cpu":
+            return False
+        return all(a.device.type == "cpu" for a in args if isinstance(a, torch.Tensor))
+    except Exception:  # noqa: BLE001 - an op without tags or a device torch cannot name: not a draw we know
         return False
-    device = kwargs.get("device")
-    if device is not None and torch.device(device).type != "cpu":
-        return False
-    return all(a.device.type == "cpu" for a in args if isinstance(a, torch.Tensor))
 
 
 class Tracking:
@@ -370,10 +373,7 @@ def _track_default_rng(made: Callable[[Any], None]) -> None:
         return generator
 
     setattr(default_rng, _TRACKED, True)
-    _np.random.default_rng = default_rng
-    home = sys.modules.get(getattr(original, "__module__", None) or "")
-    if home is not None and getattr(home, "default_rng", None) is original:
-        home.default_rng = default_rng
+    _replace(_np.random, "default_rng", original, default_rng)
 
 
 # --- data loaders --------------------------------------------------------------------------
@@ -472,7 +472,7 @@ def _track_restores(tracking: Tracking) -> None:
             return result
 
         setattr(wrapper, _TRACKED, True)
-        setattr(owner, attribute, wrapper)
+        _replace(owner, attribute, original, wrapper)
 
     import torch.random as torch_random  # noqa: PLC0415 - torch's own module
 
@@ -485,3 +485,17 @@ def _track_restores(tracking: Tracking) -> None:
     if _np is not None:
         wrap(_np.random, "set_state", "numpy", "restored")
         wrap(_np.random, "seed", "numpy", "seeded")
+
+
+def _replace(owner, attribute: str, original: Any, wrapper: Callable) -> None:
+    """Put ``wrapper`` in ``original``'s place as ``owner.attribute``, and where the original
+    lives under its own name (``torch.manual_seed`` is ``torch.random.manual_seed``: one
+    wrapper for both, still the same object), so that pickling a function by name finds the
+    wrapper there.  A bound method (``random.seed``) is named after the attribute it sits in."""
+    home = sys.modules.get(getattr(original, "__module__", None) or "")
+    name = getattr(original, "__qualname__", None) or ""
+    if home is not None and home is not owner and getattr(home, name, None) is original:
+        setattr(home, name, wrapper)
+    elif home is not owner or name != attribute:
+        wrapper.__module__, wrapper.__qualname__ = owner.__name__, attribute
+    setattr(owner, attribute, wrapper)

@@ -127,11 +127,23 @@ def _used(census: _Census, rank: int, step: int, name: str) -> bool | None:
     return not _same(start[name], end[name])
 
 
-def _moved_before(census: _Census, rank: int, step: int, name: str) -> bool:
+def _moved_before(census: _Census, rank: int, step: int, name: str) -> bool | None:
     """Did generator record ``name`` move between the end of the step before (in the same
-    process) and this step's first forward, where a loop draws the step's batch?"""
+    process) and this step's first forward, where a loop draws the step's batch?  None: not
+    known (the process's first step: nothing recorded before it)."""
     previous, start = census.get(rank, step - 1, "state_end"), census.get(rank, step, STATE_PHASE)
-    return name in previous and name in start and not _same(previous[name], start[name])
+    if name not in previous or name not in start:
+        return None
+    return not _same(previous[name], start[name])
+
+
+def _batch_source(census: _Census, rank: int, step: int, name: str) -> bool:
+    """Could generator ``name`` have drawn the step's batch: it moved before the step's first
+    forward, or, in the process's first step, it is one the program made (a sampler's: the
+    global generators move before any step for the model's initialisation and imports, the
+    program's own only when the program draws from them)."""
+    before = _moved_before(census, rank, step, name)
+    return before is True or (before is None and name.startswith("rng.user."))
 
 
 def _generator_label(name: str) -> tuple[str, str]:
@@ -473,9 +485,13 @@ def _why_drawn(used: tuple[bool | None, ...], step: int, census_a: _Census, cens
         return f"and step {step} draws from it"
     if all(u is None for u in used):
         return f"whether step {step} draws from it is not recorded"
-    if batch_differs and (_moved_before(census_a, rank, step, name) or _moved_before(census_other, rank, step, name)):
+    if batch_differs and any(_moved_before(census, rank, step, name) for census in (census_a, census_other)):
         return (f"it was drawn from before step {step}'s first forward, where the step's batch comes from, "
                 "and the batch differs")
+    if batch_differs and any(_batch_source(census, rank, step, name) for census in (census_a, census_other)):
+        return (f"the program's own generator, not drawn from during step {step}; the step's batch differs, and "
+                "whether the batch was drawn from it before the step's first forward is not recorded (a process's "
+                "first step)")
     return ""
 
 
@@ -540,7 +556,7 @@ def census_suspects(names: list[str], dir_a: Path, dir_b: Path, rank: int,
     state_a, state_b = (census.get(rank, step, STATE_PHASE) for census in censuses)
     names = list(names) + [name for name in _differing(state_a, state_b) if name not in names]
     unused = [name for name in names if name.startswith("rng.")
-              and all(_used(census, rank, step, name) is False and not _moved_before(census, rank, step, name)
+              and all(_used(census, rank, step, name) is False and not _batch_source(census, rank, step, name)
                       for census in censuses)]
     return [name for name in names if name not in unused], unused
 

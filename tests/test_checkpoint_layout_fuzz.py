@@ -1,7 +1,8 @@
 """Layout-changing checkpoint fuzz (slow, issue 34): crafted tp2 checkpoints loaded on one rank.
 
-Two tp2 saves of the same step are made once ("a", and "b": another run whose rank 1 rows
-differ by one bit, everything else the same).  Each example copies "a", damages it one way,
+Three tp2 saves of the same step are made once ("a"; "b": another run whose rank 1 rows differ
+by one bit, everything else the same; "c": one whose rank 0 rows differ by one bit).  Each
+example copies "a" or "c", damages it one way,
 loads it into a fresh one-rank bundle with `allow_layout_change=True` (the ranks' pieces
 joined by their places) and hashes it with `content_sha256`:
 
@@ -18,8 +19,9 @@ not.  Required, for every example:
   a refused load leaves the bundle untouched;
 - 0 silent mixed loads: a checkpoint mixed from two saves, or damaged without its checksum
   re-recorded, is refused by the load and by the hash;
-- 0 hash collisions: a checkpoint that loads and whose `sha256` (or `state_sha256`) equals
-  another's loaded the same tensors and progress (or the same whole state).
+- 0 hash collisions: a checkpoint made from "a" never hashes like one made from "c" (their
+  pieces differ), and one that loads and whose `sha256` (or `state_sha256`) equals another's
+  loaded the same tensors and progress (or the same whole state).
 
 As a script it measures instead of asserting (the numbers in benchmarks/RESULTS.md):
 
@@ -64,6 +66,8 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
         checkpoint.save(Path(out) / "a", rows_bundle(rank, world))
         _seed_all()
         checkpoint.save(Path(out) / "b", rows_bundle(rank, world, edit=_flip_first_bit if rank == 1 else None))
+        _seed_all()
+        checkpoint.save(Path(out) / "c", rows_bundle(rank, world, edit=_flip_first_bit if rank == 0 else None))
     finally:
         dist.destroy_process_group()
     sys.stdout.flush()
@@ -87,10 +91,17 @@ class Case:
     amount: int = 1
     fraction: float = 0.5
     crafted: bool = False
+    base: str = "a"  # the save damaged: "a" or "c" (rank 0's rows differ)
 
 
 @st.composite
 def cases(draw) -> Case:
+    case = draw(_damages())
+    return Case(**{**case.__dict__, "base": draw(st.sampled_from(["a", "c"]))})
+
+
+@st.composite
+def _damages(draw) -> Case:
     kind = draw(st.sampled_from(["mixed", "place", "field", "truncated"]))
     if kind == "mixed":
         return Case(kind, rank=draw(st.integers(0, 1)),
@@ -226,9 +237,13 @@ class Fuzz:
         self.violations: list[str] = []
         self.content_seen: dict[str, str] = {}
         self.state_seen: dict[str, str] = {}
-        reference = self._fresh()
-        checkpoint.load(saves / "a", reference, allow_layout_change=True)
-        self._remember(checkpoint.content_sha256(saves / "a"), _state(reference), "reference")
+        self.hash_base: dict[str, str] = {}  # every hash seen -> the save it was made from
+        for base in ("a", "c"):
+            reference = self._fresh()
+            checkpoint.load(saves / base, reference, allow_layout_change=True)
+            hashed = checkpoint.content_sha256(saves / base)
+            self._remember(hashed, _state(reference), f"reference {base}")
+            self._from_base(hashed, base, f"reference {base}")
 
     @staticmethod
     def _fresh():
@@ -241,10 +256,16 @@ class Fuzz:
             if key is not None and seen.setdefault(key, value) != value:  # (no state hash: older code)
                 self.violations.append(f"{label}: hash collision: {key[:16]} already named another loaded state")
 
+    def _from_base(self, hashed: dict, base: str, label: str) -> None:
+        for key in (hashed["sha256"], hashed.get("state_sha256")):
+            if key is not None and self.hash_base.setdefault(key, base) != base:
+                self.violations.append(f"{label}: hash collision between differing contents: {key[:16]} also "
+                                       f"hashes a checkpoint made from {self.hash_base[key]!r}")
+
     def run(self, case: Case) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp) / "a"
-            shutil.copytree(self.saves / "a", root)
+            shutil.copytree(self.saves / case.base, root)
             if not damage(case, root / "step-1", self.saves / "b" / "step-1"):
                 return
             must_refuse = case.kind == "mixed" or not case.crafted
@@ -277,6 +298,8 @@ class Fuzz:
                 self.violations.append(f"{label}: silent {'mixed' if case.kind == 'mixed' else 'damaged'} load")
             if must_refuse and hashed is not None:
                 self.violations.append(f"{label}: hashed although {'mixed' if case.kind == 'mixed' else 'damaged'}")
+            if hashed is not None and case.kind != "mixed":  # a mix's pieces come from two saves
+                self._from_base(hashed, case.base, label)
             if loaded is not None and hashed is not None:
                 self._remember(hashed, loaded, label)
 

@@ -56,7 +56,7 @@ from samebits.checkpoint._bundle import (DAMAGED, MAX_DEPTH, StateBundle, apply,
                                          check_loaded, collect, declared_places, empty_tensors)
 from samebits.checkpoint._errors import CheckpointError, CheckpointLayoutError
 from samebits.checkpoint._layout import plan_move
-from samebits.errors import SamebitsError
+from samebits.errors import ConfigError, SamebitsError
 
 FORMAT = "samebits-checkpoint/3"
 # /1: before the checksums and digests; /2: before the save id.  Both load with every check
@@ -89,6 +89,9 @@ def save(path: str | os.PathLike, bundle: StateBundle) -> Path:
     """
     if "step" not in bundle.progress:
         raise CheckpointError('bundle.progress has no "step": set it to the next step to run')
+    if isinstance(bundle.layout_metadata, str) or not all(isinstance(p, str) for p in bundle.layout_metadata):
+        raise ConfigError(f"StateBundle.layout_metadata is {bundle.layout_metadata!r}; give a list of dotted paths "
+                          'into metadata, e.g. ["config.tp"]')
     rank, world_size = group_rank_and_world_size()
     root = Path(path)
     step = int(bundle.progress["step"])

@@ -107,3 +107,19 @@ def test_one_rule_for_every_comparator_a_record_without_digest_is_shape_only():
     assert results[("params", "big", 0)].status == "shape_only"
     _compare(results, ("params", "big", 0), 1, tensor(1), tensor(2), [], None)
     assert results[("params", "big", 0)].status == "differs"  # a later difference still shows
+
+
+def test_inputs_of_micro_batches_another_layout_does_not_hold_are_noted_not_missing(tmp_path):
+    """dp2's rank 0 reads micro-batches 0 and 1, dp4's only 0: ``data/tokens.mb1`` is the
+    layout's, never a record the other layout lost (tests/test_resume_layout.py's dp2 -> dp4)."""
+    import torch  # noqa: PLC0415
+    import samebits  # noqa: PLC0415
+    for name, world, batches in (("dp2", 2, 2), ("dp4", 4, 1)):
+        with samebits.Recorder(tmp_path / name, rank=0, world_size=world) as rec:
+            rec.tensors(0, "params", [("w", torch.ones(3))])
+            rec.tensors(0, "data", [(f"tokens.mb{m}", torch.full((4,), m)) for m in range(batches)])
+            rec.end_step(0)
+    check = compare_replicated(tmp_path / "dp2", tmp_path / "dp4")
+    assert check.verdict is Verdict.IDENTICAL, check.to_dict()
+    assert check.compared["not_held"] == 1 and check.compared["missing"] == 0
+    assert any("data/tokens.mb1" in note and "does not" in note for note in check.notes), check.notes

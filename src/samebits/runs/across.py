@@ -98,6 +98,10 @@ class Layout:
 # is looked for under these, and the verdict says which mapping matched how many records.
 NAME_MAPPINGS = (("DDP's `module.` prefix", "module."), ("torch.compile's `_orig_mod.` prefix", "_orig_mod."))
 _SHOWN = 6  # names listed in a note or a reason
+# Phases whose records a rank holds by the layout: its own micro-batches' inputs (dp2's rank 0
+# holds micro-batches 0 and 1 of 4, dp4's only 0).  Compared where both layouts hold them; one the
+# other layout's rank does not hold is listed in the notes, never counted missing.
+LAYOUT_LOCAL_PHASES = ("data",)
 
 
 def compare_replicated(a, b, *, rank: int = 0, start_step: int | None = None, stop_step: int | None = None,
@@ -111,8 +115,9 @@ def compare_replicated(a, b, *, rank: int = 0, start_step: int | None = None, st
     a record ``b`` lacks (``missing``), one without a digest (``shape_only``, over
     ``max_tensor_bytes``) or a step of ``a`` that ``b`` lacks makes the verdict INCOMPLETE
     naming them (DIVERGED when a record differs).  Records only ``b`` holds are listed in the
-    notes.  ``compared`` counts steps, records (compared equal or differing), shape_only and
-    missing."""
+    notes, as are the inputs (`LAYOUT_LOCAL_PHASES`) of micro-batches ``b``'s rank does not hold
+    at its layout (``not_held``).  ``compared`` counts steps, records (compared equal or
+    differing), shape_only, missing and not_held."""
     start = 0 if start_step is None else start_step
     wanted = None if phases is None else set(phases)
     run_a, run_b = open_run(a), open_run(b)
@@ -123,9 +128,9 @@ def compare_replicated(a, b, *, rank: int = 0, start_step: int | None = None, st
     finally:
         run_a.close()
         run_b.close()
-    compared = {"ranks": 1, "steps": 0, "records": 0, "shape_only": 0, "missing": 0, "rank": rank,
+    compared = {"ranks": 1, "steps": 0, "records": 0, "shape_only": 0, "missing": 0, "not_held": 0, "rank": rank,
                 "world_size_a": run_a.world_size, "world_size_b": run_b.world_size}
-    notes, incomplete, only_b = [], [], set()
+    notes, incomplete, only_b, not_held = [], [], set(), set()
     missing, shape_only, mapped = {}, {}, {}  # name -> first step; mapping label -> {a name: b name}
     first = None
     for step, records_a in steps_a.items():
@@ -138,6 +143,10 @@ def compare_replicated(a, b, *, rank: int = 0, start_step: int | None = None, st
         for key, record in records_a.items():
             other_key = _find(key, records_b, mapped)
             if other_key is None:
+                if key[1] in LAYOUT_LOCAL_PHASES:  # another layout's rank holds other micro-batches
+                    compared["not_held"] += 1
+                    not_held.add(f"{key[1]}/{key[2]}")
+                    continue
                 compared["missing"] += 1
                 missing.setdefault(f"{key[1]}/{key[2]}", step)
                 continue
@@ -165,6 +174,9 @@ def compare_replicated(a, b, *, rank: int = 0, start_step: int | None = None, st
                      f"({shown}{' ...' if len(pairs) > _SHOWN else ''})")
     if only_b:
         notes.append(f"only in {b} (not compared): {_names(only_b)}")
+    if not_held:
+        notes.append(f"only in {a}, inputs its rank {rank} holds at its layout and {b}'s does not (another "
+                     f"share of the micro-batches; not compared): {_names(not_held)}")
     if missing:
         incomplete.append(f"{len(missing)} record(s) only in {a} (rank {rank}), not found in {b} by name or by a "
                           f"declared mapping ({', '.join(label for label, _ in NAME_MAPPINGS)}), so they were not "

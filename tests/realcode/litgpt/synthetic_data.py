@@ -60,7 +60,7 @@ class SyntheticTokens(DataModule):
         else:
             loader_class = DataLoader  # PLANTED (loader: plain: Fabric pickles it into the checkpoint)
         return loader_class(self.train_windows, batch_size=self.batch_size, shuffle=True,
-                            generator=torch.Generator().manual_seed(self.seed))
+                            generator=torch.Generator().manual_seed(self.seed))  # PLANTED (num_train 48: 2 epochs)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_windows, batch_size=self.batch_size)

@@ -13,6 +13,9 @@ A block's fence names its language and one marker, e.g. ```` ```bash runnable ``
   a fragment of a larger program, or a synopsis); its ``samebits`` commands must still name real
   commands and options.
 * ``output``: what a command prints, a layout or a file format.
+* ``realcode``: a shell command that runs a trainer of the real-code corpus (``tests/realcode/``,
+  paths from the repository root) under samebits; `tests/test_docs_realcode.py` (slow, with the
+  ``realcode`` extra) runs it as written and it must PASS.
 
 The fast tests check that every block is marked, that every ``samebits`` command in a block
 names a command and options that exist, and that runnable ones parse as samebits parses them;
@@ -37,7 +40,7 @@ from samebits.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-MARKERS = ("runnable", "file", "illustrative", "output")
+MARKERS = ("runnable", "file", "illustrative", "output", "realcode")
 SHELLS = ("bash", "sh", "console")
 BLOCK_TIMEOUT_S = 600  # one block; a busy 2-core machine runs a verify several times slower
 
@@ -93,6 +96,7 @@ def test_every_block_is_marked():
     misplaced = [b.where for b in ALL if (b.marker == "file") != (b.file_name is not None)]
     assert misplaced == [], "a file block starts with '# file: NAME', and only a file block does"
     assert [b.where for b in ALL if b.marker == "runnable" and b.language not in SHELLS + ("python",)] == []
+    assert [b.where for b in ALL if b.marker == "realcode" and b.language not in SHELLS] == []
 
 
 def _logical_lines(body: str) -> list[str]:
@@ -151,7 +155,7 @@ def test_documented_commands_name_real_commands_and_options():
     assert wrong == []
 
 
-@pytest.mark.parametrize("block", [b for b in ALL if b.marker == "runnable" and b.language in SHELLS],
+@pytest.mark.parametrize("block", [b for b in ALL if b.marker in ("runnable", "realcode") and b.language in SHELLS],
                          ids=lambda b: b.where)
 def test_runnable_commands_parse(block):
     """As samebits parses them: options in place, values of the right type, no recipe option with a command."""

@@ -74,8 +74,6 @@ def test_a_replayed_batch_is_the_data_position_with_the_step_it_replays(runs):
     assert not any(f.kind == "generator" for f in findings), findings  # the torch generator moved in no step
 
 
-@pytest.mark.xfail(strict=True, reason="needs zero-code recording to record a fresh process's parameters as step 0 "
-                   "begins (autorecord: restored.params at the first step, step 0 too); remove this mark with it")
 def test_unseeded_initial_weights_are_the_initial_parameters(runs):
     root = runs["root"]
     a = _record(root / "unseeded-a", "--bug", "unseeded")

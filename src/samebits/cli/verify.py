@@ -226,9 +226,8 @@ def next_steps(result: VerifyResult) -> list[str]:
         if result.resume_bisect_command:
             hints.append(f"      to find the origin op of the resume (A against C from step {result.resume_at}): "
                          f"`{result.resume_bisect_command}`")
-            if "bisect-work" in result.resume_bisect_command:
-                hints.append("      (its A saves the checkpoint in bisect-work/a, where its B resumes from: "
-                             "{out} and {from} filled as for this run)")
+            hints.append("      (bisect fills {out}, {from} and {step} for every run it makes: each its own new "
+                         "folder, its B resuming from its first A's checkpoint)")
     if resume is None:
         hints.append("resume was not checked: add --resume-with 'CMD' --resume-at K (docs/resume.md), "
                      "and --require-resume in CI")

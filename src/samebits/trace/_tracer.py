@@ -575,11 +575,34 @@ class Tracer:
             except TypeError:  # not weakly referenceable
                 pass
 
-    def _optimizer_pre(self, optimizer, args, kwargs) -> None:
+    def _optimizer_pre(self, optimizer, args, kwargs):
         self.note_optimizer(optimizer)
         state = self.now
         if state is None:
-            return
+            return None
+        # torch hands a global pre-hook the step's args with the optimizer first: step(self, closure)
+        closure = kwargs.get("closure") if "closure" in kwargs else (args[1] if len(args) > 1 else None)
+        if callable(closure):
+            # ``step(closure)`` (Lightning's training_step, LBFGS): the closure runs the step's
+            # forward and backward inside step(); they are phases of their own, and the
+            # gradients the update reduces are the closure's, so the optimizer phase begins
+            # when the closure returns.
+            def traced_closure(*closure_args, **closure_kwargs):
+                if self.now is state and state.stage == "optimizer":
+                    state.enter_stage("post")  # a root forward inside the closure begins a new forward
+                result = closure(*closure_args, **closure_kwargs)
+                if self.now is state:
+                    self._enter_optimizer(optimizer, state)
+                return result
+
+            if "closure" in kwargs:
+                return args, {**kwargs, "closure": traced_closure}
+            return (args[0], traced_closure, *args[2:]), kwargs
+        self._enter_optimizer(optimizer, state)
+        return None
+
+    def _enter_optimizer(self, optimizer, state) -> None:
+        """The reduced gradients the update starts from, then the optimizer phase."""
         if state.level >= 1:
             n = state.peek_number("phase", "optimizer")
             self.record("phase", f"reduce:{n}", "out",

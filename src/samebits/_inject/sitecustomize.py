@@ -44,7 +44,7 @@ if _record:
         samebits.autorecord.install()
     except Exception as err:  # a gap for the whole process: its verdict is INCOMPLETE, never PASS
         try:
-            from samebits.autorecord._gaps import record_gap
+            from samebits.autorecord import record_gap
 
             record_gap("startup", err, records="everything (recording could not start)")
         except Exception:  # noqa: BLE001 - a line on stderr is all that can be said

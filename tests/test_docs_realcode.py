@@ -48,3 +48,7 @@ def test_documented_trainer_commands_pass(block, tmp_path):
     assert done.returncode == 0, f"{block.where}: exit {done.returncode}\n{said}"
     payload = json.loads(done.stdout)
     assert payload["verdict"] == "pass" and payload["checked"] == ["independent", "resume"], said
+    assert payload["gaps"] == {}, said  # samebits recorded everything it meant to
+    independent, resumed = payload["checks"]["independent"], payload["checks"]["resume"]
+    assert independent["compared"]["steps"] > resumed["compared"]["steps"] > 0, said
+    assert independent["compared"]["records"] > 100, said  # params, grads, optimizer state, forwards

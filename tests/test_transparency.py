@@ -126,10 +126,17 @@ def _data_positions(run: Path) -> dict[int, int]:
     positions = {}
     for block in samebits.open_run(run / STATE_DIR).stream(0).steps():
         for record in block.records():
-            if record.phase == "state" and record.name.startswith("data."):
+            if record.phase == "state" and record.name.startswith("data.") and not record.name.startswith("data.state."):
                 assert record.name == f"data.stateful_loader.py:{LOADER_LINE}"
                 positions[block.step] = by_digest[record.digest]
     return positions
+
+
+def _loader_states(run: Path) -> dict[int, int]:
+    """``data.state.<site>`` of each census step: {step: digest}."""
+    return {block.step: record.digest for block in samebits.open_run(run / STATE_DIR).stream(0).steps()
+            for record in block.records() if record.phase == "state"
+            and record.name == f"data.state.stateful_loader.py:{LOADER_LINE}"}
 
 
 def _line_of(marker: str) -> int:
@@ -164,6 +171,10 @@ def test_a_stateful_data_loader_is_tracked_through_its_restore(tmp_path):
     assert _data_positions(runs["a"]) == {step: step + 1 for step in range(6)}
     assert _data_positions(runs["c"]) == {3: 4, 4: 5, 5: 6}  # restored mid-epoch, as A
     assert _data_positions(runs["forgot"])[3] == 1  # the epoch started again: what the census must show
+    # the loader's own state_dict (a dataset's position beyond the count): A's at step 3 is the
+    # restored one's, and the forgotten restore's differs
+    states = {name: _loader_states(out) for name, out in runs.items()}
+    assert states["a"][3] == states["c"][3] and states["forgot"][3] != states["a"][3]
     events = [json.loads(line) for path in (runs["a"] / STATE_DIR).glob("events-*.jsonl")
               for line in path.read_text().splitlines()]
     drawn = [e for e in events if e["event"] == "drawn"]

@@ -185,6 +185,13 @@ class Tracking:
             iterator = ref() if ref is not None else None
             yielded = int(getattr(iterator, "_num_yielded", -1)) if iterator is not None else -1
             records.append((name, torch.tensor([yielded], dtype=torch.int64)))
+            if callable(getattr(type(loader), "state_dict", None)):
+                # A stateful loader (torchdata's StatefulDataLoader) saves more than the count:
+                # its dataset's own position (torchtitan's sample_idx, buffers).  Its state_dict
+                # is what a checkpoint saves, read as a checkpoint reads it.
+                with guard("tracking.dataloader_state", step=self.step(), records=f"{name}'s state_dict"):
+                    records.append(("data.state." + name.removeprefix("data."),
+                                    torch.tensor(list(_state_digest(loader.state_dict())), dtype=torch.uint8)))
         return records
 
     def watch_draws_after_restore(self) -> None:
@@ -234,6 +241,47 @@ _SKIPPED = ("<", SAMEBITS_DIR, _NUMPY_DIR, copy.__file__, copyreg.__file__)
 def _skipped() -> tuple[str, ...]:
     torchdata = _package_dir("torchdata")  # a stateful loader's own frames, as torch's are
     return _SKIPPED + (torchdata,) if torchdata else _SKIPPED
+
+
+def _state_digest(value: Any) -> bytes:
+    """SHA-256 of a state dict's exact contents (nested dicts by sorted key, lists, numbers by
+    their bits, strings, tensors and arrays by dtype, shape and bytes), for the census."""
+    import hashlib  # noqa: PLC0415 - only stateful loaders need it
+    import struct  # noqa: PLC0415
+
+    hasher = hashlib.sha256()
+
+    def feed(item: Any) -> None:
+        if isinstance(item, dict):
+            hasher.update(b"d%d" % len(item))
+            for key in sorted(item, key=str):
+                feed(str(key))
+                feed(item[key])
+        elif isinstance(item, (list, tuple)):
+            hasher.update(b"l%d" % len(item))
+            for element in item:
+                feed(element)
+        elif isinstance(item, bool) or item is None:
+            hasher.update(b"b" + repr(item).encode())
+        elif isinstance(item, int):
+            hasher.update(b"i" + str(item).encode() + b";")
+        elif isinstance(item, float):
+            hasher.update(b"f" + struct.pack("<d", item))
+        elif isinstance(item, (str, bytes)):
+            data = item.encode() if isinstance(item, str) else item
+            hasher.update(b"s%d:" % len(data) + data)
+        elif isinstance(item, torch.Tensor):
+            with outside_dispatch_modes():
+                local = item.detach().to_local() if hasattr(item, "to_local") else item.detach()
+                data = local.cpu().contiguous().view(torch.uint8).numpy().tobytes() if local.numel() else b""
+            hasher.update(f"t{local.dtype}{tuple(local.shape)}:".encode() + data)
+        elif hasattr(item, "dtype") and hasattr(item, "tobytes"):  # a NumPy array or scalar
+            hasher.update(f"a{item.dtype}{getattr(item, 'shape', ())}:".encode() + item.tobytes())
+        else:
+            hasher.update(b"r" + repr(item).encode())
+
+    feed(value)
+    return hasher.digest()
 
 
 def _site() -> str | None:

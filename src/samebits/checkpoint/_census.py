@@ -188,6 +188,9 @@ def describe_state_record(name: str) -> str:
     if index.startswith("scaler") and index[len("scaler"):].isdigit():
         return (f"GradScaler {index[len('scaler'):]}'s scale or growth tracker differs at step start: "
                 "scaler.load_state_dict not called on resume")
+    if name.startswith("data.state."):
+        return (f"data loader {name.removeprefix('data.state.')}'s own state (its state_dict: where its dataset "
+                "is in the data) differs at step start: the data position was not restored on resume")
     if name.startswith("data."):
         return (f"data loader {name.removeprefix('data.')} is at another position in its epoch at step "
                 "start (batches its iterator yielded): the data position was not restored on resume")

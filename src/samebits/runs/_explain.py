@@ -359,7 +359,8 @@ def _resume_step(census_a, census_b, census_c, main_a, dir_c, rank, step, resume
         if name.startswith("data."):
             position_differs = True
             add("data_position", f"{describe_state_record(name)} (step {step}: skip the batches already seen, "
-                "or save and load the loader's state)", name, site=name.removeprefix("data.").split("#")[0])
+                "or save and load the loader's state)", name,
+                site=name.removeprefix("data.").removeprefix("state.").split("#")[0])
             break
     events = census_c.events_of(rank)
     inputs_a, inputs_c = census_a.get(rank, step, "inputs"), census_c.get(rank, step, "inputs")
@@ -453,6 +454,8 @@ def _what(name: str) -> str:
         return f"LR scheduler {name.split('.')[0].removeprefix('sched')} ({name})"
     if name.startswith("scaler"):
         return f"GradScaler ({name})"
+    if name.startswith("data.state."):
+        return f"the state of the data loader made at {name.removeprefix('data.state.')}"
     if name.startswith("data."):
         return f"data loader made at {name.removeprefix('data.')}"
     return name

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from samebits.autorecord._gaps import SITES, read_gaps, summarise_gaps
+from samebits.stream.gaps import SITES, read_gaps, summarise_gaps
 
 SCRIPT = Path(__file__).resolve().parent / "scripts_failsafe" / "train.py"
 STEPS = "4"
@@ -66,6 +66,12 @@ def _check_site(tmp_path: Path, site: str, plain_output: list[str]) -> None:
 
 def test_a_failing_optimizer_hook_changes_nothing_and_the_verdict_is_incomplete(tmp_path, plain_output):
     _check_site(tmp_path, "optimizer_step", plain_output)
+    # `samebits diff` holds gapped records to the same rule: never IDENTICAL on what is missing
+    from samebits.compare import diff
+
+    out = tmp_path / "v-optimizer_step"
+    result = diff(out / "a", out / "b")
+    assert result.verdict == "incomplete" and "samebits could not record" in result.incomplete[0], result
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ import torch
 
 import samebits
 from samebits.autorecord import STATE_DIR
-from samebits.autorecord._gaps import read_gaps
+from samebits.stream.gaps import read_gaps
 from samebits.autorecord._tracking import _generator_factory
 from samebits.fingerprint import digest
 

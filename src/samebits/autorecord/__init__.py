@@ -45,7 +45,7 @@ With ``SAMEBITS_REFERENCE`` set, each step's root is checked against the referen
 it is written; at the first step that differs the process says so on stderr, leaves
 ``stopped.json`` in its run directory and exits with code 3 (`EXIT_STOPPED`).
 
-Fail-safe: every hook runs samebits' own work inside `_gaps.guard`, so an exception of
+Fail-safe: every hook runs samebits' own work inside `samebits.stream.gaps.guard`, so an exception of
 samebits' never reaches the program; what could not be recorded is a gap (``gaps-rank-N.jsonl``)
 and a verdict touching it is INCOMPLETE.  Only the program's eager training step is recorded:
 a recompute during backward (activation checkpointing), functorch transforms, dynamo traces,
@@ -79,7 +79,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from samebits import settings
 from samebits._torchutil import optimizer_params, outside_dispatch_modes, process_rank, tensor_leaves
 from samebits._inject import with_injection
-from samebits.autorecord._gaps import guard, inject, read_gaps, record_gap, summarise_gaps
+from samebits.stream.gaps import guard, inject, read_gaps, record_gap, summarise_gaps
 from samebits.autorecord._tracking import Tracking, install_tracking
 from samebits.autorecord._outcome import (
     STOPPED_MARKER,

@@ -44,7 +44,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from samebits._torchutil import SAMEBITS_DIR, call_site, outside_dispatch_modes
-from samebits.autorecord._gaps import guard
+from samebits.stream.gaps import guard
 from samebits.checkpoint import global_rng_record
 from samebits.fingerprint import digest
 

@@ -23,6 +23,7 @@ from typing import Any, Iterator
 from samebits.compare import _parallel
 from samebits.errors import ConfigError, IncomparableRunsError, StreamError
 from samebits.stream import step_root as _step_root
+from samebits.stream.gaps import read_gaps, summarise_gaps
 from samebits.stream.reader import (Record, Run, StreamReader, open_run, read_stop_marker,
                                     require_same_digest_version)
 from samebits.verdicts import ToDict, Verdict, serialised
@@ -214,6 +215,7 @@ def diff(
     if divergences and incomplete:
         notes.extend(incomplete)  # the divergence is proof; what could not be read is still said
         incomplete = []
+    verdict = _with_gaps(verdict, first, a, b, notes, incomplete)
     return DiffResult(
         a=str(a),
         b=str(b),
@@ -225,6 +227,25 @@ def diff(
         notes=notes,
         incomplete=incomplete,
     )
+
+
+def _with_gaps(verdict: Verdict, first, a, b, notes: list[str], incomplete: list[str]) -> Verdict:
+    """The verdict with what samebits could not record in either run (`samebits.stream.gaps`):
+    identical records are no proof where some are missing, and a divergence at or after the
+    first gapped step may be the gap's own making (INCOMPLETE); one before it stands.  Gaps in
+    the census or the tracking of state only are a note: the streams compared are whole."""
+    gaps = [gap for run in (a, b) for gap in read_gaps(run)]
+    if not gaps:
+        return verdict
+    line = summarise_gaps(gaps)
+    steps = [gap.get("step") if isinstance(gap.get("step"), int) else -1 for gap in gaps if gap.get("verdict", True)]
+    if not steps or verdict is Verdict.INCOMPLETE or (
+            verdict is Verdict.DIVERGED and first is not None and first.step < min(steps)):
+        notes.append(line)
+        return verdict
+    incomplete.insert(0, line + ("; nothing from the run on is proof" if min(steps) < 0 else
+                                 f"; nothing from step {min(steps)} on is proof"))
+    return Verdict.INCOMPLETE
 
 
 def divergent_steps(a, b, *, start_step: int | None = None, stop_step: int | None = None) -> Iterator[RankStep]:

@@ -73,7 +73,7 @@ class VerifyResult(ToDict):
     bisect_command: str = ""  # how to locate the origin op of an independent-runs divergence
     resume_bisect_command: str = ""  # the same for a resume divergence (A against the resumed run)
     #: check -> the first step from which its runs have records samebits could not write (a
-    #: gap, `samebits.autorecord._gaps`; -1: the whole run; None: only the state census or the
+    #: gap, `samebits.stream.gaps`; -1: the whole run; None: only the state census or the
     #: tracking of state): no PASS while any is there, and no divergence from that step on
     gaps: dict[str, int | None] = field(default_factory=dict)
 

@@ -1,5 +1,5 @@
 """Fail-safe recording (issue 33): samebits' code inside the user's process never changes the
-program.  For each hook site, `SAMEBITS_FAULT_SITE` makes samebits' own work there raise; the
+program.  For each hook site, `SAMEBITS_TEST_FAULT_SITE` makes samebits' own work there raise; the
 program's exit code, output (each step's loss bits, its final parameters' digest) must be those
 of a plain run, and the verdict INCOMPLETE naming what could not be recorded, never PASS."""
 
@@ -33,7 +33,7 @@ def plain_output() -> list[str]:
 
 
 def _verify_with_fault(tmp_path: Path, site: str) -> tuple[int, dict]:
-    env = dict(os.environ, SAMEBITS_FAULT_SITE=site)
+    env = dict(os.environ, SAMEBITS_TEST_FAULT_SITE=site)
     out = tmp_path / f"v-{site}"
     proc = subprocess.run([sys.executable, "-m", "samebits", "verify", "--out", str(out), "--json", "-q", "--",
                            sys.executable, str(SCRIPT), STEPS], capture_output=True, text=True, env=env, timeout=900)
@@ -43,7 +43,7 @@ def _verify_with_fault(tmp_path: Path, site: str) -> tuple[int, dict]:
 
 def _check_site(tmp_path: Path, site: str, plain_output: list[str]) -> None:
     if site == "startup":  # nothing recorded at all: exit 2 naming the gap, the runs' logs as they were
-        env = dict(os.environ, SAMEBITS_FAULT_SITE=site)
+        env = dict(os.environ, SAMEBITS_TEST_FAULT_SITE=site)
         out = tmp_path / "v-startup"
         proc = subprocess.run([sys.executable, "-m", "samebits", "verify", "--out", str(out), "-q", "--",
                                sys.executable, str(SCRIPT), STEPS], capture_output=True, text=True, env=env,

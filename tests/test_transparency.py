@@ -37,7 +37,7 @@ TIMEOUT = 600  # seconds a program may take under samebits on a busy 2-core mach
 
 
 def _run(argv, *, env=None, cwd=None) -> subprocess.CompletedProcess:
-    full_env = {key: value for key, value in os.environ.items() if key != "SAMEBITS_FAULT_SITE"}
+    full_env = {key: value for key, value in os.environ.items() if key != "SAMEBITS_TEST_FAULT_SITE"}
     full_env.update(env or {})
     return subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=TIMEOUT, env=full_env,
                           cwd=cwd)
@@ -71,7 +71,7 @@ def test_what_the_program_observes_is_the_same_under_samebits_run(tmp_path):
     assert read_gaps(run) == []  # and samebits recorded it all
 
 
-#: Every tracking site the observing program passes through (SAMEBITS_FAULT_SITE makes each one raise).
+#: Every tracking site the observing program passes through (SAMEBITS_TEST_FAULT_SITE makes each one raise).
 TRACKING_SITES = ("tracking.optimizer", "tracking.scheduler", "tracking.scaler", "tracking.generator",
                   "tracking.dataloader", "tracking.dataloader_iter", "tracking.dataloader_next",
                   "tracking.seeded", "tracking.restored", "tracking.draw_watch")
@@ -81,7 +81,7 @@ def test_a_failing_tracking_wrapper_changes_nothing_the_program_sees(tmp_path):
     """Each constructor, iterator, seed and restore wrapper made to raise: the program's output
     is as without samebits, and each failure is a gap naming its site.  Fails on the code
     before issue 33 (no wrapper was guarded: no gaps)."""
-    env = {"SAMEBITS_FAULT_SITE": ",".join(TRACKING_SITES)}
+    env = {"SAMEBITS_TEST_FAULT_SITE": ",".join(TRACKING_SITES)}
     plain, recorded, run = _plain_and_recorded(tmp_path, SCRIPTS / "observe.py", env=env)
     _same_lines(plain, recorded)
     sites = {gap["site"] for gap in read_gaps(run)}

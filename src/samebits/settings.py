@@ -354,6 +354,9 @@ REGISTRY: dict[str, Setting] = _declare(
     # test hooks
     Setting("SAMEBITS_TEST_PERTURB", "text", "`step=S,rank=R,op=ID[,phase=P]` nudges the first output of that "
             "op or collective by one ulp (to test that tracing finds it)", "", area="test hooks", test_only=True),
+    Setting("SAMEBITS_TEST_FAULT_SITE", "list", "hook sites of zero-code recording whose own work raises (to test "
+            "that samebits never changes the program: each becomes a gap, the verdict INCOMPLETE; sites: "
+            "samebits.stream.gaps.SITES)", (), area="test hooks", test_only=True),
     Setting("SAMEBITS_TEST_DROP_RNG", "list", "random states a checkpoint load leaves out (to test that a lost "
             "RNG is caught)", (), area="test hooks", test_only=True),
     Setting("SAMEBITS_TEST_FLIP", "text", "`step=S,rank=R,op=OP[,mode=M][,call=N]` (M: once or always) flips one bit of "

@@ -17,7 +17,7 @@ a guard: a wrapper calls the user's (or torch's) code outside it.
 record is INCOMPLETE, never PASS and never DIVERGED on it (`samebits.runs.verify`).  A gap
 at a site that writes the main stream (``verdict=True``) can hide or fake a difference; a
 gap in the census or the tracking of state (``verdict=False``) only leaves an explanation
-short.  ``SAMEBITS_FAULT_SITE`` (tests only) makes the named site raise, to prove that the
+short.  ``SAMEBITS_TEST_FAULT_SITE`` (tests only) makes the named site raise, to prove that the
 program's exit code, output and bits do not change when samebits fails there.
 """
 
@@ -32,7 +32,7 @@ from pathlib import Path
 GAPS_FILE = "gaps-rank-{rank}.jsonl"  # in the run directory, one JSON line per gap
 LOG_FILE = "samebits-log-rank-{rank}.txt"  # the traceback of each site's first gap
 MAX_GAPS = 1_000  # a site that fails every step: its first gaps are enough
-FAULT_VARIABLE = "SAMEBITS_FAULT_SITE"  # tests: make this site raise (comma-separated)
+FAULT_VARIABLE = "SAMEBITS_TEST_FAULT_SITE"  # tests: make this site raise (comma-separated)
 
 #: Every hook site, with whether a gap there touches the verdict (it writes the main stream).
 SITES: dict[str, bool] = {
@@ -49,7 +49,7 @@ SITES: dict[str, bool] = {
 
 
 class InjectedFault(RuntimeError):
-    """Raised at a site named in ``SAMEBITS_FAULT_SITE`` (fault-injection tests only)."""
+    """Raised at a site named in ``SAMEBITS_TEST_FAULT_SITE`` (fault-injection tests only)."""
 
 
 class _Gaps:
@@ -103,7 +103,7 @@ def record_gap(site: str, error: BaseException, *, step: int | None = None, reco
 
 
 def inject(site: str) -> None:
-    """Raise `InjectedFault` if ``SAMEBITS_FAULT_SITE`` names ``site`` (for a site that fails
+    """Raise `InjectedFault` if ``SAMEBITS_TEST_FAULT_SITE`` names ``site`` (for a site that fails
     by raising to its caller, such as ``startup``)."""
     if site in _GAPS.faults:
         raise InjectedFault(f"samebits fault injected at {site} ({FAULT_VARIABLE})")
@@ -112,7 +112,7 @@ def inject(site: str) -> None:
 class guard:  # noqa: N801 - used as a statement: ``with guard(site):``
     """Run samebits' own work; an exception it raises becomes a gap (`record_gap`) and goes
     no further.  ``site`` is one of `SITES` (``"tracking.dataloader"``: a site and detail).
-    An injected fault (``SAMEBITS_FAULT_SITE``) is raised as the site's work ends, and taken
+    An injected fault (``SAMEBITS_TEST_FAULT_SITE``) is raised as the site's work ends, and taken
     as any other exception there."""
 
     __slots__ = ("site", "step", "records")

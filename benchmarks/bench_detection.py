@@ -64,6 +64,7 @@ CLASS_KINDS = {
     "same values different order": {"order"},
     "collective order": {"order", "collective", "control_flow"},
     "replicas differ": {"replicas"},
+    "initial state": {"initial_state"},  # initial weights that differ before step 0 (unseeded)
 }
 # How a conclusion names each generator.
 GENERATORS = {
@@ -83,7 +84,8 @@ PRIVATE_GENERATOR = re.compile(r"private generator", re.I)
 # The kinds of verify's findings (`--json` "findings", most specific first); a case's
 # `explains` names one of them.
 FINDING_KINDS = ("off_by_one", "model_params", "optimizer_state", "scheduler", "grad_scaler", "iteration_counter",
-                 "data_position", "generator_consumed", "generator", "input_batch", "order", "script_said")
+                 "data_position", "generator_consumed", "generator", "input_batch", "order", "script_said",
+                 "initial_params")
 # Kinds that claim where the difference comes from; any other kind (not_localised,
 # below_dispatcher, receiver-style findings) is "not localised".
 CLAIMS = {"op", "probe", "collective", "generator", "input_batch", "order", "initial_state", "replicas"}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 
+import pytest
 import torch
 
 import samebits
@@ -44,8 +45,10 @@ def _traced_sites(directory, forward) -> dict[str, str]:
     return {key.partition("|")[2]: site for key, site in sites.items()}
 
 
+@pytest.mark.slow  # torchtitan comes with the realcode extra, which .ci/run installs before the slow set
 def test_an_installed_trainer_whose_name_starts_with_torch_is_the_program(tmp_path):
     # torchtitan's SwiGLU feed-forward: `F.silu(self.w1(x)) * self.w3(x)` at its own line.
+    pytest.importorskip("torchtitan", reason="pip install -e '.[realcode]' (CI installs it for the slow set)")
     from torchtitan.models.common import feed_forward
     from torchtitan.models.common.linear import Linear
 

@@ -289,6 +289,26 @@ def _resume_step(census_a, census_b, census_c, main_a, dir_c, rank, step, resume
     loaders_a = {n for n in state_a if n.startswith("data.")}
     if loaders_a != {n for n in state_c if n.startswith("data.")}:
         differing = [n for n in differing if not n.startswith("data.")]
+
+    def consumed_by_training(name: str) -> bool:
+        # A loader whose position A's steps do not move (an evaluation loader, drawn before
+        # training or between evaluations) feeds no training step: its position is no data
+        # position of the step (litgpt's validation loader, made at the training loader's line).
+        values = [census_a.get(rank, other, STATE_PHASE).get(name) for other in (step - 1, step, step + 1)]
+        values = [v for v in values if v is not None]
+        return len(values) < 2 or not all(_same(v, values[0]) for v in values[1:])
+
+    differing = [n for n in differing if not n.startswith("data.") or consumed_by_training(n)]
+
+    def restored_by_its_state(name: str) -> bool:
+        # A stateful loader's state_dict (data.state.<site>) is where it is; the batches its
+        # newest iterator yielded count from wherever that iterator was made (litgpt makes a
+        # new one after torchdata's restore), so the count alone is no finding.
+        state = "data.state." + name.removeprefix("data.")
+        return state in state_a and state in state_c and _same(state_a[state], state_c[state])
+
+    differing = [n for n in differing if not n.startswith("data.") or n.startswith("data.state.")
+                 or not restored_by_its_state(n)]
     missing = [n for n in state_a if n not in state_c and not n.startswith(("rng.user.", "data."))]
     extra = [n for n in state_c if n not in state_a and not n.startswith(("rng.user.", "data."))]
     progress = [n for n in differing if _is_progress(n)]

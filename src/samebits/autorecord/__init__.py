@@ -610,10 +610,12 @@ def environment_for(out_dir, *, reference=None, step_offset=None, append=False, 
     chooses what is recorded (`recording_variables`)."""
     env = with_injection(os.environ)
     env[ENV_ENABLE] = "1"
-    env["SAMEBITS_DIR"] = str(out_dir)
+    # Absolute: a program that changes its working folder (Lightning's demo, a launcher) must
+    # still write its streams where the caller reads them.
+    env["SAMEBITS_DIR"] = os.path.abspath(out_dir)
     env["SAMEBITS_COMMAND"] = command
     variables = recording_variables(**what)
-    variables.update({"SAMEBITS_REFERENCE": None if reference is None else str(reference),
+    variables.update({"SAMEBITS_REFERENCE": None if reference is None else os.path.abspath(reference),
                       "SAMEBITS_STEP_OFFSET": None if step_offset is None else str(step_offset),
                       "SAMEBITS_APPEND": "1" if append else None})
     return with_variables(env, variables)

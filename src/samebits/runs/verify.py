@@ -345,11 +345,11 @@ def _recording_prefix(record: dict | None) -> str:
 
 def _expand(argv: list[str], out: Path, run: str, step: int | None = None) -> list[str]:
     """``argv`` with the placeholders of run ``run`` filled in; its work folder is created."""
-    work = out / "work" / run
+    work = (out / "work" / run).absolute()  # absolute: the program may change its folder, or want one
     work.mkdir(parents=True, exist_ok=True)
     values = {"{out}": str(work), "{run}": run}
     if step is not None:
-        values.update({"{step}": str(step), "{from}": str(out / "work" / "a")})
+        values.update({"{step}": str(step), "{from}": str((out / "work" / "a").absolute())})
     return fill_placeholders(argv, values)
 
 

@@ -125,7 +125,7 @@ TRIGGERS = {
     "env-flash-attention": _env_case("FLASH_ATTENTION_DETERMINISTIC", "0"),
     "env-mamba": _env_case("MAMBA_DETERMINISTIC", "0"),
     "env-causal-conv1d": _env_case("CAUSAL_CONV1D_DETERMINISTIC", "false"),
-    "env-pythonhashseed": _env_case("PYTHONHASHSEED", "random"),
+    "env-pythonhashseed": _env_case("PYTHONHASHSEED", "abc"),  # Python refuses to start; "random" is unset
     "env-omp-threads": _env_case("OMP_NUM_THREADS", "auto"),
     "torch-deterministic-algorithms": _torch_case(
         "torch-deterministic-algorithms", lambda mp: torch.use_deterministic_algorithms(True, warn_only=True)),
@@ -170,9 +170,16 @@ def test_rule_triggers_and_passes(rule_id, monkeypatch, torch_state):
     found = [v for v in trigger(monkeypatch) if v.rule == rule_id]
     assert found, f"{rule_id} did not fire"
     assert all(v.fix and v.setting for v in found)
-    if rule_id.startswith("env-"):  # the second env case is "unset": also a violation
-        unset = passing(monkeypatch)
-        assert unset and unset[0].found == UNSET
+    if rule_id.startswith("env-"):  # the second env case is "unset": a violation, or advice where unset
+        unset = passing(monkeypatch)  # cannot change this machine's bits (issue 35 item 9)
+        setting = next(s for s in _environment.ENV_SETTINGS if s.rule_id == rule_id)
+        if setting.unset_advice:
+            environ = {k: v for k, v in GOOD_ENV.items() if k != setting.name}
+            (advice,) = run_checks(None, env=True, torch_flags=False, environ=environ,
+                                   platform=GPU_PLATFORM).advice
+            assert not unset and advice.rule == rule_id and advice.found == UNSET and advice.when
+        else:
+            assert unset and unset[0].found == UNSET
         assert not _violated(rule_id)
     else:
         assert not [v for v in passing(monkeypatch) if v.rule == rule_id]
@@ -658,7 +665,8 @@ def test_cuda_and_library_rules_do_not_apply_without_that_software(clean_env):
     cuda_rules = {"env-cublas-workspace", "env-nccl-algo", "env-nccl-proto", "env-nvte-nondeterministic",
                   "env-flash-attention", "env-mamba", "env-causal-conv1d"}
     assert cuda_rules == set(result.not_applicable) and not violated & cuda_rules
-    assert violated == {"env-pythonhashseed", "env-omp-threads"}  # these matter on any machine
+    # these apply on any machine, but unset they cannot change the bits of runs here: advice
+    assert not violated and {a.rule for a in result.advice} == {"env-pythonhashseed", "env-omp-threads"}
     assert "without CUDA" in result.not_applicable["env-cublas-workspace"]
     # CUDA and NCCL present, Transformer Engine absent: its rule alone stays out
     gpu_without_te = {**cpu_only, "cuda": True, "nccl": True}

@@ -4,8 +4,12 @@ Rules about software this machine does not have (CUDA, NCCL, Transformer Engine,
 listed as "not applicable", never as violations.  A config in which no rule found a key it
 reads is not called clean: the output names the format assumed and the keys seen.
 
-Exit 0 clean, 1 violations, 2 bad input (unreadable or malformed config, unknown rule id,
-a config no rule could interpret).
+A setting that cannot change the bits of runs on this machine as they are (an unset
+OMP_NUM_THREADS or PYTHONHASHSEED) is printed as advice, with the cases in which it would
+matter, and is not a violation.
+
+Exit 0 clean (advice or not), 1 violations, 2 bad input (unreadable or malformed config,
+unknown rule id, a config no rule could interpret).
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json({"clean": not result.violations and interpreted,
                     "violations": [v.to_dict() for v in result.violations],
+                    "advice": [a.to_dict() for a in result.advice],
                     "rules_run": result.rules_run,
                     "not_applicable": result.not_applicable,
                     "config_format": fmt,
@@ -83,7 +88,14 @@ def run(args: argparse.Namespace) -> int:
         echo(f"\n{len(result.violations)} violation(s) in the {checked}; "
               "details: samebits check --list-rules")
     elif interpreted:
-        echo(f"clean: the {checked} pass(es) {len(result.rules_run)} determinism rules")
+        with_advice = f", with {len(result.advice)} piece(s) of advice below" if result.advice else ""
+        echo(f"clean: the {checked} pass(es) {len(result.rules_run)} determinism rules{with_advice}")
+    if result.advice:
+        echo("advice (not violations: these cannot change the bits of runs on this machine as "
+             "they are, only in the cases named):")
+        for item in result.advice:
+            echo(f"  {item.rule}: {item.setting}={_show(item.found)}: {item.when}.\n"
+                 f"    to rule it out: {item.fix}")
     if config is not None:
         echo(f"config {args.config} read as {fmt}: "
               + (f"{len(result.checked_keys)} key(s) checked: {', '.join(result.checked_keys)}"

@@ -16,16 +16,43 @@ from samebits.determinism._rules import UNSET, CheckContext, RuleFinding, Rule, 
 def _env_rule(setting: EnvSetting) -> Rule:
     def check_env(ctx: CheckContext) -> Iterator[RuleFinding]:
         value = ctx.environ.get(setting.name)
-        if value is None:
-            default = setting.default or "<n>"
-            yield RuleFinding(setting.name, UNSET, f"export {setting.name}={default} "
-                          "(samebits.deterministic_mode() sets it when unset)")
+        if setting.name == "OMP_NUM_THREADS" and value is None and _config_pins_threads(ctx):
+            return  # the config pins the count (config-num-threads checks it): nothing varies
+        if value is None or value in setting.unset_values:
+            default = setting.default or _default_threads()
+            fix = f"export {setting.name}={default} (samebits.deterministic_mode() sets it when unset)"
+            yield RuleFinding(setting.name, UNSET if value is None else value, fix,
+                              advice=_unset_advice(setting))
         else:
             problem = setting.validate(value)
             if problem:
                 yield RuleFinding(setting.name, value, f"{setting.name} {problem}; {setting.fix}")
     return Rule(id=setting.rule_id, category="env", setting=setting.name, checks=setting.checks,
                 why=setting.why, fix=setting.fix, func=check_env, requires=setting.requires)
+
+
+def _unset_advice(setting: EnvSetting) -> str:
+    if setting.name == "OMP_NUM_THREADS":
+        threads = _default_threads()
+        if threads != "<n>":  # name the count, so the fix pins the one runs here already use
+            return setting.unset_advice.replace("its default thread count,",
+                                                f"its default thread count ({threads} here),")
+    return setting.unset_advice
+
+
+def _default_threads() -> str:
+    """torch's default intra-op thread count on this machine, when torch is already imported
+    (importing it only for a number would cost the CLI seconds); else ``<n>``.  In the
+    `samebits check` process the count is untouched, so it is what a fresh run here gets."""
+    torch = sys.modules.get("torch")
+    return str(torch.get_num_threads()) if torch is not None else "<n>"
+
+
+def _config_pins_threads(ctx: CheckContext) -> bool:
+    if ctx.config is None:
+        return False
+    values = [value for key in THREAD_KEYS for _, value in ctx.config.find(key)]
+    return bool(values) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values)
 
 
 for _setting in ENV_SETTINGS:

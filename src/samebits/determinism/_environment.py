@@ -3,6 +3,12 @@
 One table, used twice: `deterministic_mode` fills in unset variables with the default and
 refuses bad values the user already set (never overwrites them), and the `env-*` rules
 of `samebits check` report unset and bad values.
+
+An unset variable is a violation only where leaving it unset can change the bits of runs on
+this machine as they are.  PYTHONHASHSEED and OMP_NUM_THREADS cannot by themselves: unset, the
+thread count is the same on every run here, and a random str hash changes bits only in a
+program that lets a set's iteration order decide something.  For them `EnvSetting.unset_advice`
+says when it would matter, and `samebits check` prints it as advice (exit 0), not a violation.
 """
 
 from __future__ import annotations
@@ -34,6 +40,10 @@ class EnvSetting:
     why: str
     fix: str
     requires: tuple[str, ...] = ()  # software the variable matters for (see _rules.FEATURES)
+    unset_advice: str = ""
+    """Non-empty: unset (or PYTHONHASHSEED=random) is advice, not a violation; the sentence
+    says the only cases in which the unset value changes the bits."""
+    unset_values: tuple[str, ...] = ()  # values that mean the same as unset
 
 
 def _one_of(allowed: tuple[str, ...]) -> Callable[[str], str | None]:
@@ -149,7 +159,13 @@ ENV_SETTINGS: tuple[EnvSetting, ...] = (
         why="A randomized str hash changes set iteration order, so code that builds "
             "parameter groups, buckets or data orders from a set changes between runs.  "
             "It only takes effect in new interpreters: set it in the launcher.",
-        fix="launch with PYTHONHASHSEED=0 (e.g. PYTHONHASHSEED=0 torchrun ...)"),
+        fix="launch with PYTHONHASHSEED=0 (e.g. PYTHONHASHSEED=0 torchrun ...)",
+        # Python refuses to start with any other value, so a bad value is a violation.
+        unset_values=("random",),
+        unset_advice="str and bytes hashes differ on every run, which changes the bits only if "
+                     "the program lets the iteration order of a set (or frozenset) of strings "
+                     "decide something: parameter groups, gradient buckets, a data order "
+                     "(dict order is insertion order and does not depend on it)"),
     EnvSetting(
         # default: deterministic_mode fills in the pinned thread count
         name="OMP_NUM_THREADS", rule_id="env-omp-threads", default="",
@@ -157,7 +173,13 @@ ENV_SETTINGS: tuple[EnvSetting, ...] = (
         checks="OMP_NUM_THREADS pins the CPU thread count",
         why="CPU reductions split work by thread: the same sum gives different bits at 1 "
             "and 2 threads (measured), and torch's default is the machine's core count.",
-        fix="export OMP_NUM_THREADS=<n> (the same n on every run)"),
+        fix="export OMP_NUM_THREADS=<n> (the same n on every run)",
+        unset_advice="torch uses its default thread count, the same on every run on this "
+                     "machine, so runs here agree; the bits change only if the count differs "
+                     "between runs: another machine with another core count, another CPU "
+                     "affinity (taskset, a container's CPU limit), or a launcher that sets it "
+                     "for some runs (torchrun sets OMP_NUM_THREADS=1 when it starts more than one "
+                     "process per node)"),
 )
 
 ENV_BY_NAME = {s.name: s for s in ENV_SETTINGS}

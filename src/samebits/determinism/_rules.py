@@ -5,6 +5,10 @@ flag, a config option), says why it matters and how to fix it.  Rules never chan
 anything: `check` lists every violation at once and `validate` raises them together in
 one `DeterminismError` (fail closed).  Built-in rules live in `_builtin_rules`; users
 add their own with `@rule(...)` or `register_rule(Rule(...))`.
+
+A finding that cannot change the bits of runs on this machine as they are (an unset
+OMP_NUM_THREADS: every run here uses the same default) is `Advice`, kept apart from the
+violations: `check` and `validate` ignore it, `samebits check` prints it and exits 0.
 """
 
 from __future__ import annotations
@@ -54,11 +58,14 @@ class RuleFinding(NamedTuple):
     into a `Violation`).
 
     `fix` overrides the rule's generic fix when the finding knows a more precise one.
+    `advice`, when given, makes the finding advice rather than a violation: the sentence says
+    the only cases in which the setting changes the bits.
     """
 
     setting: str
     found: Any
     fix: str | None = None
+    advice: str = ""
 
 
 Finding = RuleFinding  # the old name (samebits.determinism.Finding is a deprecated alias)
@@ -76,6 +83,21 @@ class Violation(ToDict):
 
     def __str__(self) -> str:
         return f"[{self.rule}] {self.setting} = {_show(self.found)}: {self.fix}"
+
+
+@dataclass(frozen=True)
+class Advice(ToDict):
+    """A setting that cannot change the bits of runs on this machine as they are, only in the
+    cases `when` names; `fix` rules those out too."""
+
+    rule: str
+    setting: str
+    found: Any = field(metadata=serialised(convert=lambda found: _jsonable(found)))
+    when: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"[{self.rule}] {self.setting} = {_show(self.found)}: {self.when}; to rule it out: {self.fix}"
 
 
 @dataclass(frozen=True)
@@ -169,6 +191,7 @@ class CheckResult:
     unread_keys: list[str] = field(default_factory=list)
     near_misses: dict[str, str] = field(default_factory=dict)
     not_applicable: dict[str, str] = field(default_factory=dict)  # rule id -> why it does not apply here
+    advice: list[Advice] = field(default_factory=list)  # findings that cannot change this machine's bits
     checked_keys: list[str] = field(default_factory=list)  # config keys some rule read and found
 
 
@@ -263,6 +286,10 @@ def run_checks(config: Mapping | None = None, *, env: bool = True,
             view.names_read.update(r.keys)
         result.rules_run.append(r.id)
         for finding in _as_findings(r.func(ctx), r.id):
+            if finding.advice:
+                result.advice.append(Advice(rule=r.id, setting=finding.setting, found=finding.found,
+                                            when=finding.advice, fix=finding.fix or r.fix))
+                continue
             result.violations.append(Violation(rule=r.id, setting=finding.setting,
                                                found=finding.found, fix=finding.fix or r.fix,
                                                why=r.why))

@@ -196,6 +196,7 @@ class _AutoRecorder:
             return
         self.census.tensors(step, "state_end",
                             state_census(generators=self.tracking.named_generators()))
+        self.tracking.release()
         self.census.end_step(step)
         self._write_events()
 

@@ -54,6 +54,7 @@ except ImportError:  # pragma: no cover
     _np = None
 
 MAX_EVENTS = 10_000  # a program that reseeds every step keeps its first events only
+MAX_HELD = 64  # generators made in one step and held to its census: a per-sample generator keeps the newest
 _TRACKED = "_samebits_tracking"  # marks samebits' own wrappers (on the wrapper, never on the program's objects)
 
 
@@ -153,6 +154,12 @@ class Tracking:
         self.iterators = _Live()  # data-loader iterators; notes: "first_done"
         self.events: list[dict] = []
         self.written = 0  # events already handed to `new_events`
+        # Generators made since the step began, held until its census has read them (`release`):
+        # one made, seeded, drawn from and dropped between two censuses (a dataset's clock-seeded
+        # reshuffle, made in the data fetch and gone by the step's first forward) is otherwise
+        # never seen, and the batch it shuffled is blamed on nothing.  Only a generator's lifetime
+        # changes, by at most a step; a generator has no finaliser the program could observe.
+        self.held: list[Any] = []
 
     # --- what the census reads ---------------------------------------------------------
     def named_generators(self) -> dict[str, Any]:
@@ -211,6 +218,16 @@ class Tracking:
                 watch.__exit__(None, None, None)
             except Exception:  # noqa: BLE001 - another mode pushed above it: it ends with the process
                 pass
+
+    def hold(self, generator: Any) -> None:
+        """Keep ``generator``, made during a step, alive until the step's census is written."""
+        if self.begun:
+            self.held.append(generator)
+            del self.held[:-MAX_HELD]
+
+    def release(self) -> None:
+        """The step's census read the generators: the program's own references decide again."""
+        self.held.clear()
 
     def new_events(self) -> list[dict]:
         events = self.events[self.written:]
@@ -348,6 +365,7 @@ def _track_generators(tracking: Tracking) -> None:
     def made(generator) -> None:
         with guard("tracking.generator", records="a generator's creation site"):
             tracking.generators.add(generator, _site())
+            tracking.hold(generator)
 
     base = torch._C.Generator
     meta = type(base)

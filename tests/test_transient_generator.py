@@ -1,0 +1,37 @@
+"""A private generator made, drawn from and dropped between two steps' first forwards (a
+dataset's clock-seeded reshuffle: torchtitan's ``reloop``) is named by its site, not blamed on
+"the input batch" (issue 33: it was never alive at a census)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from samebits import diff
+from samebits.runs._explain import census_suspects, explain_independent
+
+SCRIPT = Path(__file__).parent / "scripts_transient" / "reshuffle.py"
+RESHUFFLE_LINE = 17  # the line that makes the clock-seeded generator
+
+
+def _record(out: Path, reference: Path | None = None) -> Path:
+    argv = [sys.executable, "-m", "samebits", "run", "--out", str(out)]
+    if reference is not None:
+        argv += ["--reference", str(reference)]
+    proc = subprocess.run(argv + ["--", sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode in (0, 3), proc.stderr[-3000:]
+    return out
+
+
+def test_a_generator_made_and_dropped_in_the_data_fetch_is_named(tmp_path):
+    assert f"PLANTED" in SCRIPT.read_text().splitlines()[RESHUFFLE_LINE - 1]
+    a = _record(tmp_path / "a")
+    b = _record(tmp_path / "b", reference=a)
+    result = diff(a, b)
+    step = result.first_divergence.step
+    assert step == 2  # the second epoch's first batch
+    findings = explain_independent(a, b, step)
+    assert findings and findings[0].kind == "generator", [f.says for f in findings]
+    assert findings[0].generator == f"user:reshuffle.py:{RESHUFFLE_LINE}"
+    # bisect reads the same census: the private generator is its suspect
+    suspects, _ = census_suspects([], a, b, 0, step)
+    assert suspects == [f"rng.user.reshuffle.py:{RESHUFFLE_LINE}"], suspects

@@ -15,6 +15,7 @@ import difflib
 import importlib
 import os
 import pkgutil
+import shlex
 import signal
 import sys
 
@@ -100,6 +101,76 @@ def unknown_command(argv: list[str], commands: list[str]) -> str | None:
     return f"unknown command {word!r}; {hint}`samebits --help` lists the commands"
 
 
+def forgotten_separator(argv: list[str], parser: argparse.ArgumentParser) -> str | None:
+    """The error for a command of the user's given without ``--`` before it (``samebits verify
+    python train.py --out x``): argparse would take the options samebits knows (``--out x``) as
+    samebits' own and leave the program without them, to fail later in its own words.  Every
+    command that runs a program (a positional ``cmd``) wants ``--`` first; the error shows the
+    command line with it.  None when ``--`` comes first, the command takes no program, or an
+    option is not one samebits knows (argparse's own error names it)."""
+    index = next((i for i, arg in enumerate(argv) if not arg.startswith("-")), None)
+    commands = parser._subparsers._group_actions[0].choices
+    if index is None or argv[index] not in commands:
+        return None
+    command = commands[argv[index]]
+    if not any(action.dest == "cmd" and not action.option_strings for action in command._actions):
+        return None  # its positionals are runs or packages, not a program
+    words = argv[index + 1:]
+    first = _first_positional(command, words)
+    if first is None:
+        return None
+    program = next(action for action in command._actions if action.dest == "cmd")
+    taken = [] if program.nargs == argparse.REMAINDER else \
+        [word.split("=", 1)[0] for word in words[first:] if _option_action(command, word) is not None]
+    fixed = shlex.join(["samebits", *argv[:index + 1], *words[:first], "--", *words[first:]])
+    why = (f"without it, samebits takes {', '.join(dict.fromkeys(taken))} as its own option"
+           f"{'s' if len(set(taken)) > 1 else ''} and your program never sees {'them' if len(set(taken)) > 1 else 'it'}"
+           if taken else "everything after `--` is your command, as written; samebits' options go before it")
+    return f"`{words[first]}` starts a command with no `--` before it: did you forget `--`? ({why}). Write:\n  {fixed}"
+
+
+def _option_action(parser: argparse.ArgumentParser, word: str) -> argparse.Action | None:
+    """The action of ``parser`` that the option word ``word`` (``--out``, ``--out=x``, an
+    abbreviation argparse accepts) names; None for no option, or one that parser lacks."""
+    if not word.startswith("-") or word == "-":
+        return None
+    name = word.split("=", 1)[0] if word.startswith("--") else word
+    found = parser._option_string_actions.get(name)
+    if found is None and name.startswith("--") and parser.allow_abbrev:
+        close = [option for option in parser._option_string_actions if option.startswith(name)]
+        found = parser._option_string_actions[close[0]] if len(close) == 1 else None
+    return found
+
+
+def _first_positional(parser: argparse.ArgumentParser, words: list[str]) -> int | None:
+    """The index in ``words`` of the first word argparse would read as a positional (the
+    program's first word), skipping options and their values as argparse does; None when
+    ``--`` comes first, when there is none, or at an option ``parser`` does not know."""
+    i = 0
+    while i < len(words):
+        word = words[i]
+        if word == "--":
+            return None
+        if not word.startswith("-") or word == "-":
+            return i
+        action = _option_action(parser, word)
+        if action is None:
+            return None
+        i += 1
+        if "=" in word or action.nargs == 0:
+            continue
+        if isinstance(action.nargs, int):
+            i += action.nargs
+        elif action.nargs is None:
+            i += 1
+        elif action.nargs == "?":
+            i += 1 if i < len(words) and not words[i].startswith("-") else 0
+        else:  # "*", "+": argparse takes every word up to the next option
+            while i < len(words) and not words[i].startswith("-"):
+                i += 1
+    return None
+
+
 def _closest_options(parser: argparse.ArgumentParser, args: argparse.Namespace, extras: list[str]) -> str:
     """``; did you mean --resume-at?`` for a mistyped option of the command (or of samebits)."""
     command = parser._subparsers._group_actions[0].choices.get(getattr(args, "command", None) or "", parser)
@@ -121,6 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown is not None:
         parser.print_usage(sys.stderr)
         print(f"samebits: error: {escape(unknown)}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    forgotten = forgotten_separator(argv, parser)
+    if forgotten is not None:  # before parsing: the options after the program word are not samebits'
+        command = next(arg for arg in argv if not arg.startswith("-"))
+        print(f"samebits {command}: error: {escape(forgotten, keep_newlines=True)}", file=sys.stderr)
         return EXIT_CANNOT_RUN
     args, extras = parser.parse_known_args(argv)
     if extras:  # what argparse's parse_args refuses, with the closest options of the command

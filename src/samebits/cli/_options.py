@@ -8,8 +8,10 @@ takes an option spells, documents, defaults and checks it the same way.
 * argparse types that check a value before any work starts, and say the valid range:
   `positive_int` (counts), `step_number` (steps, ranks, offsets), `rank_count` (processes of
   one run), `positive_float` (timeouts, ratios), `open_unit_interval` (a confidence), `int_range`;
-* `check_input_file`, `check_input_directory`: what a command reads must be a regular file (a FIFO
-  in place of a stream would hang the reader, a device would feed it forever);
+* `check_input_file`, `check_input_directory`, `check_out_directory`: what a command reads must
+  exist and be a regular file (a FIFO in place of a stream would hang the reader, a device would
+  feed it forever), what it writes into must be new or empty; checked before the library (and
+  torch, seconds) is loaded, so that a mistyped path is refused at once;
 * `add_progress_options`, `progress_for`: ``-q`` and ``--stall-factor``, and the live progress
   of a command that launches runs (`samebits.runs.progress`).
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import stat
 import sys
 from pathlib import Path
@@ -112,15 +115,38 @@ def check_input_file(path: str | os.PathLike, what: str) -> None:
 
 
 def check_input_directory(path: str | os.PathLike, depth: int = 0) -> None:
-    """`check_input_file` for every stream (``*.sbs``) and JSON file (a summary, a stop marker, an
-    outcome, a trace) in the directory ``path`` and, ``depth`` levels down, in its
-    subdirectories (an output directory holds runs ``a``, ``b``, ``c``, stages and cells).
-    Anything but a directory is left to the command, which says what it expected."""
+    """Refuse, before the library (and torch) is loaded, a ``path`` that cannot be what the
+    command reads: a path that does not exist, or is no directory; with ``depth`` 0 (a run
+    directory) one that holds no stream (``rank-NNNNN.sbs``).  Then `check_input_file` for
+    every stream and JSON file (a summary, a stop marker, an outcome, a trace) in it and,
+    ``depth`` levels down, in its subdirectories (an output directory holds runs ``a``, ``b``,
+    ``c``, stages and cells).  A directory that cannot be listed is left to the reader, which
+    says why in its own words."""
     path = Path(path)
+    what = "run directory" if depth == 0 else "directory"
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        give = ("give the folder a run was recorded into (`samebits run --out DIR`, the Recorder's directory, or "
+                "a run of an output folder such as samebits-out/verify-TIME/a)" if depth == 0 else
+                "give the output directory of samebits verify, bisect or matrix, or two run directories")
+        raise ConfigError(f"{path}: no such {what}; {give}.") from None
+    except (OSError, ValueError):
+        return
+    if not stat.S_ISDIR(mode):
+        kind = "a file" if stat.S_ISREG(mode) else file_kind(mode)
+        raise ConfigError(f"{path}: {kind}, not a directory; pass the {what} holding rank-NNNNN.sbs files"
+                          + ("." if depth == 0 else " (or the output directory of verify, bisect or matrix)."))
     try:
         entries = list(os.scandir(path))
     except (OSError, ValueError):
         return
+    if depth == 0 and not any(_STREAM_NAME.match(entry.name) for entry in entries):
+        runs = sorted(entry.name for entry in entries if _holds_streams(path / entry.name))
+        hint = (f" It holds the run{'s' if len(runs) > 1 else ''} {', '.join(runs)}: give one, e.g. {path / runs[0]}."
+                if runs else " Was the run recorded with samebits (Recorder, `samebits run --out DIR`, or "
+                "SAMEBITS_DIR)?")
+        raise ConfigError(f"{path}: no fingerprint streams (rank-NNNNN.sbs) in this directory.{hint}")
     for entry in sorted(entries, key=lambda e: e.name):
         if entry.name.endswith(_READ_SUFFIXES):
             check_input_file(path / entry.name, "a fingerprint stream (rank-NNNNN.sbs, as samebits wrote it)"
@@ -132,6 +158,31 @@ def check_input_directory(path: str | os.PathLike, depth: int = 0) -> None:
                 continue
             if subdirectory:
                 check_input_directory(path / entry.name, depth - 1)
+
+
+_STREAM_NAME = re.compile(r"^rank-\d{5,}\.sbs$")  # samebits.stream.reader's name of a rank's stream
+
+
+def _holds_streams(path: Path) -> bool:
+    """Whether ``path`` is a directory holding a rank's stream (a run of an output directory)."""
+    try:
+        return path.is_dir() and any(_STREAM_NAME.match(entry.name) for entry in os.scandir(path))
+    except OSError:
+        return False
+
+
+def check_out_directory(out: str | os.PathLike | None, option: str = "--out") -> None:
+    """Refuse, before the library is loaded, an output folder that is a file or holds anything
+    (samebits never writes over runs): the check `samebits.runs.commands.check_out_dir` makes
+    again when the command runs, made here without importing torch.  None: the default folder."""
+    if out is None:
+        return
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{option} {out} is a file, not a directory: give a new directory to write into.")
+    if out.is_dir() and any(out.iterdir()):
+        raise ConfigError(f"{option} {out} exists and is not an empty directory (it may hold an earlier run): "
+                          f"samebits never overwrites runs. Pass a new {option} directory or delete the old one.")
 
 
 def add_recipe_options(parser: argparse.ArgumentParser, *, steps: int, nproc: int | None = None,

@@ -8,8 +8,8 @@ import sys
 from samebits.cli._format import echo, escape, print_result, table
 from samebits.cli._lazy import lazy
 from samebits.cli._recipe import replay_command, replay_config_at
-from samebits.cli._options import (add_out_option, add_run_timeout_option, check_input_directory, positive_int,
-                                   rank_count, step_number)
+from samebits.cli._options import (add_out_option, add_run_timeout_option, check_input_directory, check_out_directory,
+                                   positive_int, rank_count, step_number)
 from samebits.verdicts import Verdict
 
 DiffResult = lazy("samebits.compare", "DiffResult")
@@ -48,6 +48,7 @@ def run(args) -> int:
         echo(message, file=sys.stderr, flush=True)
 
     check_input_directory(args.run_dir)
+    check_out_directory(args.out)
     command = shlex.split(args.replay_with) if args.replay_with else None
     # No command of the user's: the reference recipe, with the run's recorded config.
     result = replay(args.run_dir, step=args.step, nproc=args.nproc, num_steps=args.num_steps,

@@ -6,8 +6,8 @@ import sys
 
 from samebits.cli._format import echo
 from samebits.cli._lazy import lazy
-from samebits.cli._options import (add_progress_options, add_recording_options, check_input_directory, progress_for,
-                                   recording_options, step_number)
+from samebits.cli._options import (add_progress_options, add_recording_options, check_input_directory,
+                                   check_out_directory, progress_for, recording_options, step_number)
 from samebits.errors import SamebitsError
 from samebits.verdicts import EXIT_CANNOT_RUN, EXIT_STOPPED
 
@@ -41,6 +41,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    check_out_directory(args.out)  # before the library (and torch) is loaded
     if args.reference is not None:
         check_input_directory(args.reference)
     code = run_recorded(args.cmd, args.out, reference=args.reference, step_offset=args.step_offset,

@@ -7,8 +7,8 @@ import time
 from samebits.cli._format import print_result, table
 from samebits.cli._lazy import lazy
 from samebits.cli._options import (MAX_NPROC, add_out_option, add_progress_options, add_recipe_options,
-                                   add_recording_options, add_run_timeout_option, progress_for, recording_options,
-                                   step_number)
+                                   add_recording_options, add_run_timeout_option, check_out_directory, progress_for,
+                                   recording_options, step_number)
 from samebits.cli._recipe import across_layouts, across_reductions, recipe_program
 from samebits.errors import ConfigError
 from samebits.verdicts import Verdict
@@ -67,16 +67,11 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    check(args)
     progress = progress_for(args)  # stderr, each line after the elapsed time; each run's steps live
 
     start = time.perf_counter()
-    if args.resume_across and args.across is None:
-        raise ConfigError("--resume-across needs --across LAYOUTS (the layouts that resume the first one's "
-                          "checkpoint); to check a resume at one layout, drop it (verify checks resume itself)")
     if args.across is not None:
-        if args.keep_going:
-            raise ConfigError("--keep-going applies to the A, B, C runs of verify; --across runs each size once "
-                              "with no live check, so drop --keep-going there.")
         return run_across(args, progress, start)
     if args.cmd:
         result = verify_command(args.cmd, args.out, resume_with=args.resume_with, resume_at=args.resume_at,
@@ -89,6 +84,49 @@ def run(args) -> int:
                                record=recording_options(args), keep_going=args.keep_going)
     result.timings["total"] = time.perf_counter() - start
     return print_result(result, args.json, render)
+
+
+# In --resume-with only: the resume step and A's work folder (samebits.runs.verify.RESUME_PLACEHOLDERS).
+RESUME_PLACEHOLDERS = ("{step}", "{from}")
+
+
+def check(args) -> None:
+    """Refuse, before the library (and torch) is loaded, options that cannot go together and an
+    output folder that is in use: the checks `samebits.runs.verify` makes again, made here so
+    that a mistake costs no second of start-up."""
+    if args.resume_across and args.across is None:
+        raise ConfigError("--resume-across needs --across LAYOUTS (the layouts that resume the first one's "
+                          "checkpoint); to check a resume at one layout, drop it (verify checks resume itself)")
+    if args.across is not None and args.keep_going:
+        raise ConfigError("--keep-going applies to the A, B, C runs of verify; --across runs each size once "
+                          "with no live check, so drop --keep-going there.")
+    if args.across is None and args.cmd:
+        if args.resume_with is None and args.require_resume:
+            raise ConfigError("--require-resume: no resume check asked for. Give --resume-with 'CMD' (how to resume "
+                              "your script from A's checkpoint: {from} is A's work folder, {step} the step) and "
+                              "--resume-at K; see docs/resume.md.")
+        if args.resume_with is not None and args.resume_at is None:
+            raise ConfigError("--resume-with needs --resume-at K: the step the resumed command starts from "
+                              "(there is no default for a command: samebits cannot know where it checkpoints).")
+        if args.resume_at is not None and args.resume_at < 1:
+            raise ConfigError(f"--resume-at {args.resume_at}: must be a step >= 1 (a resume after at least one step).")
+        if args.resume_at is not None and args.resume_with is None:
+            raise ConfigError("--resume-at without --resume-with: give the command that resumes your script too.")
+        for placeholder in RESUME_PLACEHOLDERS:
+            if any(placeholder in part for part in args.cmd):
+                raise ConfigError(f"the command holds {placeholder}, which only --resume-with can use; use {{out}} "
+                                  "for the run's own work folder.")
+    elif args.across is None:  # the recipe
+        if args.resume_with is not None:
+            raise ConfigError("--resume-with needs a command of yours (after --): the reference recipe resumes "
+                              "itself; drop --resume-with, or give the command it resumes.")
+        if args.steps < 2:
+            raise ConfigError(f"--steps {args.steps}: verify needs at least 2 steps (one before and one after the "
+                              "resume).")
+        if args.resume_at is not None and not 0 < args.resume_at < args.steps:
+            raise ConfigError(f"--resume-at {args.resume_at} must be between 1 and {args.steps - 1} (inside the "
+                              "run).")
+    check_out_directory(args.out)
 
 
 def run_across(args, progress, start: float) -> int:

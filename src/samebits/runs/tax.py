@@ -1,17 +1,35 @@
 """The determinism tax: how much slower the deterministic run is, as a ratio with a confidence
-interval, from interleaved paired runs.  Protocol: docs/tax.md.
+interval, from interleaved paired runs, measured until it decides.  Protocol: docs/tax.md.
 
-    result = tax(out="tax-out", pairs=5, steps=12, warmup=2, gate=1.05)   # the reference recipe
-    result.ratio, result.ci, result.verdict                                # PASS when ci[1] <= gate
+    result = tax(out="tax-out", programs=..., pairs=4, budget_s=300, gate=1.05)   # the reference recipe
+    result.ratio, result.ci, result.verdict                       # PASS when ci[1] <= gate
 
 Each pair runs the deterministic command (A) and the baseline (B) back to back, in the order
-A B, then B A, ... so slow drifts of the machine fall on both sides.  Step times come from
-the runs' step-time files (``rank-NNNNN.steptimes``, written beside each stream; the
-comparator never reads them): the step time is the wall time from one step's first record to
-the next step's, the slowest rank's.  Warm-up steps are dropped.  The ratio is the median of
-the per-step ratios A/B (step s of A against step s of its paired B: the same data, the same
-work); its confidence interval comes from a paired bootstrap that resamples pairs of runs and
-then steps within each pair, so both run-to-run and step-to-step variation widen it.
+A B, then B A, ... so slow drifts of the machine fall on both sides.  Step times come from the
+runs' step-time files (``rank-NNNNN.steptimes``, beside each stream; the comparator never reads
+them).  The first ``warmup`` timed steps of every run are dropped.
+
+The statistics (`estimate`), in logs of seconds:
+
+* **Steps are paired**: step s of A against step s of its pair's B (the same data, the same
+  work, the same distance from start-up), r = log A_s - log B_s.  Work that varies from step to
+  step, and warm-up left after the dropped steps when it is common to both, cancel in r.
+* **Each pair gives one block estimate**: the 20% trimmed mean of its step ratios (a step
+  slowed by another process on one side only is trimmed, not averaged in), with Yuen's
+  standard error from the winsorized variance.  Pairs are independent; steps of one run are
+  not (they share the process, its memory layout and the machine's state).
+* **Steps count as samples only where that is sound**: when the pairs' block estimates agree
+  as closely as their step-to-step noise predicts (an F test, Bancroft's "sometimes pool" rule
+  at 25%), there is no sign of a run-level effect nor of dependence between steps, and the
+  interval uses the pooled variance with the steps' degrees of freedom.  Otherwise the pairs
+  are the samples: the interval is a t interval on the pairs' block estimates (n - 1 degrees
+  of freedom), valid whatever the steps of a run share.
+* **Looks**: `tax` looks after ``pairs`` pairs, then each time the pairs double, until the
+  interval clears the gate or the time budget ends.  The k-th look of an adaptive measurement
+  uses 1 - (1 - confidence) / 2**k, so the chance of a wrong PASS or FAIL over all its looks
+  stays under 1 - confidence (Bonferroni); a fixed measurement (budget 0) looks once.
+* **Advice**: an undecided result estimates, from the spread seen, the pairs that would decide
+  it and their time.
 """
 
 from __future__ import annotations
@@ -19,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import shlex
+import time
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -32,63 +51,107 @@ from samebits.runs.commands import OUT, SelfRecording, check_out_dir, default_ou
 from samebits.stream import STEP_TIMES_SUFFIX
 from samebits.verdicts import ToDict, Verdict, serialised
 
-DEFAULT_RESAMPLES = 4000
+DEFAULT_PAIRS = 4  # pairs before the first look
+DEFAULT_BUDGET_S = 300.0  # wall time after which no pair is added
+TRIM = 0.2  # share of each pair's step ratios trimmed at each end
+POOL_ALPHA = 0.25  # the pooling test's level: pool steps only when pairs agree clearly enough
 DETERMINISTIC_PLACEHOLDER = "{deterministic}"
 _LABELS = ("deterministic", "baseline")
-# The one estimator of the tax: the headline ratio, its interval and the medians shown beside it agree.
-ESTIMATOR = "ratio of median step times (deterministic / baseline)"
+# The one estimator of the tax: the headline ratio, its interval and the typical steps shown beside it agree.
+ESTIMATOR = ("geometric mean of paired step-time ratios (step s of the deterministic run over step s of its "
+             "pair's baseline), 20% trimmed in each pair")
 
 
-@dataclasses.dataclass
-class TaxResult(ToDict):
-    """The measured tax.  ``times[label][pair]`` holds the kept per-step seconds of that run."""
+@dataclasses.dataclass(frozen=True)
+class TaxEstimate(ToDict):
+    """One look's statistics (see the module docstring).
 
-    dict_keys = ("verdict", "exit_code", "ratio", "estimator", "judgement", "ci", "confidence", "gate", "pairs",
-                 "warmup_steps_dropped", "steps_per_run", "median_step_s", "resamples", "seed", "commands", "out",
-                 "times_s", "notes")
+    ``unit`` says what the interval counts as independent samples: "steps" (the pairs agree as
+    their step noise predicts: pooled) or "pairs" (block estimates, one per pair).
+    ``typical_step_s``: per label, the geometric mean of the step times kept (the same steps for
+    A and B), so ``ratio`` is exactly their quotient.  ``pair_sd``: the standard deviation of one
+    pair's log ratio under ``unit``, which sizes the advice.  ``pooling_f``/``pooling_p``: the test
+    of run-level effects (None with one pair)."""
 
-    out: str
-    commands: dict[str, str]
-    pairs: int
-    warmup: int = dataclasses.field(metadata=serialised(key="warmup_steps_dropped"))
-    gate: float
-    times: dict[str, list[list[float]]] = dataclasses.field(metadata=serialised(key="times_s"))
     ratio: float
     ci: tuple[float, float]
     confidence: float
-    resamples: int
-    seed: int
-    notes: list[str] = dataclasses.field(default_factory=list)
+    unit: str
+    df: float
+    pairs: int
+    steps_per_pair: int
+    steps_kept: int
+    pair_sd: float
+    pooling_f: float | None
+    pooling_p: float | None
+    typical_step_s: dict[str, float]
 
-    @property
-    def verdict(self) -> Verdict:
-        return judge(self.ci, self.gate)
 
-    @property
-    def judgement(self) -> str:
-        """The verdict's reason, in one sentence (what to do when it is inconclusive)."""
-        low, high = self.ci
-        interval = f"{100 * self.confidence:.0f}% CI {low:.3f}-{high:.3f}"
-        if self.verdict is Verdict.PASS:
-            return f"the {interval} is within the gate {self.gate:.3f}"
-        if self.verdict is Verdict.FAIL:
-            return f"the whole {interval} is over the gate {self.gate:.3f}"
-        return (f"inconclusive: the {interval} spans the gate {self.gate:.3f}: add pairs "
-                f"(--pairs {pairs_to_decide(self.pairs, self.ratio, self.ci, self.gate)})")
-
-    def dict_extras(self) -> dict:
-        medians = {label: float(np.median(np.concatenate([np.asarray(t) for t in runs])))
-                   for label, runs in self.times.items()}
-        return {"verdict": self.verdict, "exit_code": self.verdict.exit_code, "estimator": ESTIMATOR,
-                "judgement": self.judgement, "steps_per_run": len(self.times[_LABELS[0]][0]),
-                "median_step_s": medians}
+def estimate(deterministic: list[list[float]], baseline: list[list[float]], *,
+             confidence: float = 0.95, trim: float = TRIM, pool_alpha: float = POOL_ALPHA) -> TaxEstimate:
+    """The tax and its ``confidence`` interval from per-step seconds: ``deterministic[i][s]``
+    and ``baseline[i][s]`` are step s of pair i (every run the same number of steps)."""
+    if not deterministic or len(deterministic) != len(baseline):
+        raise ConfigError("tax estimate: give the same number (>= 1) of deterministic and baseline runs.")
+    lengths = {len(run) for run in deterministic} | {len(run) for run in baseline}
+    if len(lengths) != 1 or 0 in lengths:
+        raise ConfigError(f"tax estimate: every run must keep the same number (>= 1) of steps; got {sorted(lengths)}.")
+    if not 0 < confidence < 1:
+        raise ConfigError(f"confidence={confidence}: must be between 0 and 1, e.g. 0.95.")
+    a, b = np.asarray(deterministic, dtype=np.float64), np.asarray(baseline, dtype=np.float64)
+    if (a <= 0).any() or (b <= 0).any() or not (np.isfinite(a).all() and np.isfinite(b).all()):
+        raise ConfigError("tax estimate: step times must be positive, finite seconds.")
+    log_a, log_b = np.log(a), np.log(b)
+    ratios = log_a - log_b  # (pairs, steps): step s of A over step s of its B
+    num_pairs, num_steps = ratios.shape
+    cut = int(math.floor(trim * num_steps))
+    kept = num_steps - 2 * cut
+    order = np.argsort(ratios, axis=1, kind="stable")[:, cut:num_steps - cut]  # the steps kept, per pair
+    rows = np.arange(num_pairs)[:, None]
+    blocks = ratios[rows, order].mean(axis=1)  # one trimmed mean per pair
+    center = float(blocks.mean())
+    typical = {"deterministic": float(np.exp(log_a[rows, order].mean())),
+               "baseline": float(np.exp(log_b[rows, order].mean()))}
+    # Yuen: the trimmed mean's variance from the winsorized variance, (S-1) s_w^2 / (h (h-1)).
+    if kept >= 2:
+        ranked = np.sort(ratios, axis=1)
+        winsorized = np.clip(ratios, ranked[:, cut:cut + 1], ranked[:, num_steps - cut - 1:num_steps - cut])
+        within = (num_steps - 1) * winsorized.var(axis=1, ddof=1) / (kept * (kept - 1))
+        within_var, within_df = float(within.mean()), num_pairs * (kept - 1)
+    else:
+        within_var, within_df = math.nan, 0
+    between_var = float(blocks.var(ddof=1)) if num_pairs >= 2 else math.nan
+    pooling_f = pooling_p = None
+    if num_pairs >= 2 and within_df > 0:
+        pooling_f = between_var / within_var if within_var > 0 else (1.0 if between_var == 0 else math.inf)
+        pooling_p = f_sf(pooling_f, num_pairs - 1, within_df)
+    if num_pairs == 1 and within_df > 0:  # no second pair to see run-to-run variation: steps only
+        unit, var, df = "steps", within_var, within_df
+    elif pooling_p is not None and pooling_p > pool_alpha:
+        unit = "steps"
+        df = (num_pairs - 1) + within_df
+        var = ((num_pairs - 1) * between_var + within_df * within_var) / df
+    elif num_pairs >= 2:
+        unit, var, df = "pairs", between_var, num_pairs - 1
+    else:  # one pair of one kept step: no spread to measure
+        unit, var, df = "pairs", math.inf, 0
+    if var == 0:
+        half = 0.0
+    elif math.isfinite(var) and df > 0:
+        half = t_quantile(0.5 + confidence / 2, df) * math.sqrt(var / num_pairs)
+    else:
+        half = math.inf
+    return TaxEstimate(ratio=math.exp(center), ci=(math.exp(center - half), math.exp(center + half)),
+                       confidence=confidence, unit=unit, df=float(df), pairs=num_pairs, steps_per_pair=num_steps,
+                       steps_kept=kept, pair_sd=math.sqrt(var) if math.isfinite(var) else math.inf,
+                       pooling_f=pooling_f, pooling_p=pooling_p, typical_step_s=typical)
 
 
 def judge(ci: tuple[float, float], gate: float) -> Verdict:
     """PASS when the whole interval is at or under the gate, FAIL when it is wholly over it, and
     INCOMPLETE when it spans the gate: the measurement cannot tell (a busy machine, too few
     pairs), so it neither passes nor fails the change; `TaxResult.judgement` says how many pairs
-    to run."""
+    would decide it."""
     low, high = ci
     if high <= gate:
         return Verdict.PASS
@@ -97,46 +160,192 @@ def judge(ci: tuple[float, float], gate: float) -> Verdict:
     return Verdict.INCOMPLETE
 
 
-def pairs_to_decide(pairs: int, ratio: float, ci: tuple[float, float], gate: float) -> int:
-    """About how many pairs would make an interval like ``ci`` clear ``gate``: its width falls
-    as 1/sqrt(pairs), and it must shrink to twice the distance from ``ratio`` to the gate
-    (at least double the pairs; at most 1,000)."""
-    width, distance = ci[1] - ci[0], abs(ratio - gate)
-    if distance < width / 2000:  # a ratio (almost) on the gate: no number of pairs is enough
-        return 1000
-    return min(1000, max(2 * pairs, math.ceil(pairs * (width / (2 * distance)) ** 2)))
+def look_confidence(confidence: float, look: int, adaptive: bool) -> float:
+    """The confidence of look ``look`` (1-based): all of it for a measurement that looks once,
+    else the k-th look spends (1 - confidence) / 2**k, which sums to under 1 - confidence."""
+    return confidence if not adaptive else 1 - (1 - confidence) / 2 ** look
 
 
-def paired_bootstrap(deterministic: list[list[float]], baseline: list[list[float]], *,
-                     resamples: int = DEFAULT_RESAMPLES, confidence: float = 0.95,
-                     seed: int = 0) -> tuple[float, tuple[float, float]]:
-    """The tax (`ESTIMATOR`: the median step time of A over that of B, the two medians a
-    report shows) and its percentile bootstrap interval.
+def pairs_to_decide(est: TaxEstimate, gate: float, confidence: float) -> int | None:
+    """About how many pairs in all would make an interval at ``confidence`` clear ``gate``,
+    from the spread ``est`` saw (one pair's standard deviation, `TaxEstimate.pair_sd`) and the
+    distance of its ratio from the gate: n = (z sd / |log ratio - log gate|)^2.  None when no
+    number will do: a ratio on the gate, or no spread measured."""
+    margin = abs(math.log(est.ratio) - math.log(gate))
+    if not math.isfinite(est.pair_sd) or margin < 1e-4:
+        return None
+    z = _normal_quantile(0.5 + confidence / 2)
+    return max(est.pairs + 1, math.ceil((z * est.pair_sd / margin) ** 2))
 
-    ``deterministic[i][s]`` and ``baseline[i][s]`` are step s of pair i.  Each resample draws
-    the pairs with replacement, then the steps of each drawn pair with replacement (a two-level
-    bootstrap: steps of one run share its machine state, so pairs are the independent unit),
-    the same draws for A and B (paired), and takes the same statistic."""
-    if not deterministic or len(deterministic) != len(baseline):
-        raise ConfigError("paired_bootstrap: give the same number (>= 1) of deterministic and baseline runs.")
-    lengths = {len(run) for run in deterministic} | {len(run) for run in baseline}
-    if len(lengths) != 1 or 0 in lengths:
-        raise ConfigError(f"paired_bootstrap: every run must keep the same number (>= 1) of steps; got {sorted(lengths)}.")
-    if not 0 < confidence < 1:
-        raise ConfigError(f"confidence={confidence}: must be between 0 and 1, e.g. 0.95.")
-    a, b = np.asarray(deterministic, dtype=np.float64), np.asarray(baseline, dtype=np.float64)
-    if (a <= 0).any() or (b <= 0).any() or not (np.isfinite(a).all() and np.isfinite(b).all()):
-        raise ConfigError("paired_bootstrap: step times must be positive, finite seconds.")
-    num_pairs, num_steps = a.shape
-    rng = np.random.default_rng(seed)
-    chosen_pairs = rng.integers(0, num_pairs, size=(resamples, num_pairs))
-    chosen_steps = rng.integers(0, num_steps, size=(resamples, num_pairs, num_steps))
-    drawn = (chosen_pairs[:, :, None], chosen_steps)
-    statistics = (np.median(a[drawn].reshape(resamples, -1), axis=1)
-                  / np.median(b[drawn].reshape(resamples, -1), axis=1))
-    tail = (1 - confidence) / 2
-    low, high = np.quantile(statistics, [tail, 1 - tail])
-    return float(np.median(a) / np.median(b)), (float(low), float(high))
+
+# --- Student t and F distributions (numpy has none; samebits does not depend on scipy) -----------
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta function I_x(a, b), by its continued fraction (Lentz)."""
+    if x <= 0:
+        return 0.0
+    if x >= 1:
+        return 1.0
+    if x > (a + 1) / (a + b + 2):  # the fraction converges fast on this side only
+        return 1.0 - _betainc(b, a, 1.0 - x)
+    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    fraction = d
+    for m in range(1, 500):
+        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            fraction *= c * d
+        if abs(c * d - 1.0) < 1e-15:
+            break
+    return math.exp(log_front) * fraction / a
+
+
+def t_cdf(t: float, df: float) -> float:
+    """P(T <= t) for Student's t with ``df`` degrees of freedom."""
+    tail = 0.5 * _betainc(df / 2, 0.5, df / (df + t * t))
+    return 1.0 - tail if t > 0 else tail
+
+
+def t_quantile(p: float, df: float) -> float:
+    """The ``p`` quantile of Student's t (p in (0.5, 1)), by bisection on `t_cdf`."""
+    if df > 1e7:  # the normal, to 1e-7; the incomplete beta loses digits this close to x = 1
+        return _normal_quantile(p)
+    low, high = 0.0, 1.0
+    while t_cdf(high, df) < p:
+        high *= 2
+    for _ in range(200):
+        middle = (low + high) / 2
+        low, high = (middle, high) if t_cdf(middle, df) < p else (low, middle)
+        if high - low < 1e-12 * max(1.0, high):
+            break
+    return (low + high) / 2
+
+
+def f_sf(f: float, df_num: float, df_den: float) -> float:
+    """P(F > f) for the F distribution with (``df_num``, ``df_den``) degrees of freedom."""
+    if f <= 0:
+        return 1.0
+    if math.isinf(f):
+        return 0.0
+    return _betainc(df_den / 2, df_num / 2, df_den / (df_den + df_num * f))
+
+
+def _normal_quantile(p: float) -> float:
+    """The ``p`` quantile of the standard normal (p in (0.5, 1)), by bisection on math.erf."""
+    low, high = 0.0, 40.0
+    for _ in range(200):
+        middle = (low + high) / 2
+        low, high = (middle, high) if 0.5 * (1 + math.erf(middle / math.sqrt(2))) < p else (low, middle)
+    return (low + high) / 2
+
+
+# --- the measurement ------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class TaxResult(ToDict):
+    """The measured tax: the last look's `TaxEstimate`, and how the measurement went.
+    ``times[label][pair]`` holds the kept per-step seconds of that run."""
+
+    dict_keys = ("verdict", "exit_code", "ratio", "estimator", "judgement", "ci", "confidence", "look_confidence",
+                 "looks", "samples", "pooling", "gate", "pairs", "steps_per_run", "steps_kept_per_pair",
+                 "typical_step_s", "advice", "budget_s", "elapsed_s", "seconds_per_pair", "warmup_steps_dropped",
+                 "commands", "out", "times_s", "notes")
+
+    out: str
+    commands: dict[str, str]
+    warmup: int = dataclasses.field(metadata=serialised(key="warmup_steps_dropped"))
+    gate: float
+    times: dict[str, list[list[float]]] = dataclasses.field(metadata=serialised(key="times_s"))
+    estimate: TaxEstimate = dataclasses.field(metadata=serialised(skip=True))
+    confidence: float
+    looks: int = 1
+    budget_s: float = 0.0
+    elapsed_s: float = 0.0
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def ratio(self) -> float:
+        return self.estimate.ratio
+
+    @property
+    def ci(self) -> tuple[float, float]:
+        return self.estimate.ci
+
+    @property
+    def pairs(self) -> int:
+        return self.estimate.pairs
+
+    @property
+    def seconds_per_pair(self) -> float:
+        return self.elapsed_s / self.pairs if self.pairs else 0.0
+
+    @property
+    def verdict(self) -> Verdict:
+        return judge(self.ci, self.gate)
+
+    @property
+    def advice(self) -> dict | None:
+        """For an undecided result: the pairs in all that would likely decide it at the next
+        look's confidence, and the time they would take (None: no number of pairs will)."""
+        if self.verdict is not Verdict.INCOMPLETE:
+            return None
+        adaptive = self.budget_s > 0
+        needed = pairs_to_decide(self.estimate, self.gate, look_confidence(self.confidence, self.looks + 1, adaptive))
+        if needed is None:
+            return None
+        seconds = needed * self.seconds_per_pair
+        return {"pairs": needed, "seconds": seconds, "budget_s": _round_up_minutes(1.2 * seconds)}
+
+    @property
+    def judgement(self) -> str:
+        """The verdict's reason, in one sentence (what to do when it is inconclusive)."""
+        est = self.estimate
+        low, high = est.ci
+        interval = f"{_percent(est.confidence)} CI {low:.3f}-{high:.3f}"
+        if self.looks > 1 or self.budget_s > 0:
+            interval += f" (look {self.looks}; {_percent(self.confidence)} over all looks)"
+        if self.verdict is Verdict.PASS:
+            return f"the {interval} is within the gate {self.gate:.3f}"
+        if self.verdict is Verdict.FAIL:
+            return f"the whole {interval} is over the gate {self.gate:.3f}"
+        spent = (f"after {self.pairs} pair(s) in {_duration(self.elapsed_s)}"
+                 + (f" (budget {_duration(self.budget_s)})" if self.budget_s > 0 else ""))
+        advice = self.advice
+        if advice is None:
+            return (f"inconclusive: the {interval} spans the gate {self.gate:.3f} {spent}, and the ratio is on "
+                    "the gate: no number of pairs would decide it; the tax is at the gate")
+        return (f"inconclusive: the {interval} spans the gate {self.gate:.3f} {spent}; from the spread seen, "
+                f"about {advice['pairs']} pairs in all would decide it, about {_duration(advice['seconds'])} "
+                f"of runs (estimate): rerun with --budget {advice['budget_s']:.0f}")
+
+    def dict_extras(self) -> dict:
+        est = self.estimate
+        return {"verdict": self.verdict, "exit_code": self.verdict.exit_code, "ratio": est.ratio, "ci": est.ci,
+                "estimator": ESTIMATOR, "judgement": self.judgement, "look_confidence": est.confidence,
+                "samples": est.unit, "pooling": {"f": est.pooling_f, "p": est.pooling_p, "alpha": POOL_ALPHA,
+                                                 "df": est.df},
+                "pairs": est.pairs, "steps_per_run": est.steps_per_pair, "steps_kept_per_pair": est.steps_kept,
+                "typical_step_s": est.typical_step_s, "advice": self.advice,
+                "seconds_per_pair": self.seconds_per_pair}
+
+
+def _percent(confidence: float) -> str:
+    text = f"{100 * confidence:.2f}".rstrip("0").rstrip(".")
+    return f"{text}%"
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+def _round_up_minutes(seconds: float) -> float:
+    return 60.0 * max(1, math.ceil(seconds / 60))
 
 
 def read_step_times(run_dir: str | Path) -> dict[int, float]:
@@ -166,12 +375,46 @@ def read_step_times(run_dir: str | Path) -> dict[int, float]:
     return slowest
 
 
+def measure(run_pair: Callable[[int], tuple[list[float], list[float]]], *, pairs: int = DEFAULT_PAIRS,
+            budget_s: float = DEFAULT_BUDGET_S, gate: float = DEFAULT_GATE, confidence: float = 0.95,
+            clock: Callable[[], float] = time.monotonic,
+            say: Callable[[str], None] = lambda message: None) -> tuple[dict[str, list[list[float]]], TaxEstimate, int, float]:
+    """Run pairs (``run_pair(i)`` returns pair i's kept step seconds, deterministic then
+    baseline) and look at the estimate after ``pairs`` pairs, then each time the pairs double,
+    until the interval clears ``gate`` or another pair at the pace so far would end after
+    ``budget_s`` seconds (the first ``pairs`` always run; that case takes one last look).
+    ``budget_s`` 0: exactly ``pairs`` pairs, one look.  Returns the step times (cut to the
+    shortest run), the last look's estimate, the number of looks and the seconds spent."""
+    adaptive = budget_s > 0
+    start = clock()
+    times: dict[str, list[list[float]]] = {label: [] for label in _LABELS}
+    looks, next_look = 0, pairs
+    while True:
+        det, base = run_pair(len(times["deterministic"]))
+        times["deterministic"].append(list(det))
+        times["baseline"].append(list(base))
+        done, elapsed = len(times["deterministic"]), clock() - start
+        out_of_time = adaptive and elapsed * (done + 1) / done > budget_s
+        if done < pairs or (done < next_look and not out_of_time):
+            continue
+        looks += 1
+        shortest = min(len(run) for runs in times.values() for run in runs)
+        cut = {label: [run[:shortest] for run in runs] for label, runs in times.items()}
+        est = estimate(cut["deterministic"], cut["baseline"], confidence=look_confidence(confidence, looks, adaptive))
+        verdict = judge(est.ci, gate)
+        say(f"look {looks} after {done} pair(s), {elapsed:.0f} s: {est.ratio:.3f}x, {_percent(est.confidence)} CI "
+            f"{est.ci[0]:.3f}-{est.ci[1]:.3f} ({est.unit} as samples): {verdict.value}")
+        if verdict is not Verdict.INCOMPLETE or not adaptive or out_of_time:
+            return cut, est, looks, elapsed
+        next_look = 2 * done
+
+
 def tax(out: str | Path | None = None, *, command: list[str] | None = None, command_a: str | None = None,
-        command_b: str | None = None, programs: Mapping[str, SelfRecording] | None = None, pairs: int = 5,
-        warmup: int = 2, gate: float = DEFAULT_GATE, resamples: int = DEFAULT_RESAMPLES, confidence: float = 0.95,
-        seed: int = 0, run_timeout: float | None = DEFAULT_TIMEOUT_S,
+        command_b: str | None = None, programs: Mapping[str, SelfRecording] | None = None,
+        pairs: int = DEFAULT_PAIRS, budget_s: float = DEFAULT_BUDGET_S, warmup: int = 2, gate: float = DEFAULT_GATE,
+        confidence: float = 0.95, run_timeout: float | None = DEFAULT_TIMEOUT_S,
         progress: Callable[[str], None] | None = None) -> TaxResult:
-    """Measure the determinism tax with ``pairs`` interleaved paired runs.
+    """Measure the determinism tax with interleaved paired runs until it decides (`measure`).
 
     ``programs``: a program that records itself (its ``record`` template, ``{out}`` the run's
     stream folder) for "deterministic" (A) and "baseline" (B): the reference recipe with
@@ -179,16 +422,19 @@ def tax(out: str | Path | None = None, *, command: list[str] | None = None, comm
     run under zero-code recording, with ``{deterministic}`` expanded to 1 (A) and 0 (B).
     ``command_a`` and ``command_b``: two commands (shell words), A the deterministic one.
     ``{out}`` in a zero-code command is that run's own work folder.  The first ``warmup`` timed
-    steps of every run are dropped.
+    steps of every run are dropped.  ``pairs``: pairs before the first look; ``budget_s``: no
+    pair is added once another would end after this many seconds (0: exactly ``pairs``).
     """
     if pairs < 1:
-        raise ConfigError(f"--pairs {pairs}: at least 1 pair (5 or more for a useful interval).")
+        raise ConfigError(f"--pairs {pairs}: at least 1 pair (4 or more for a useful interval).")
+    if not 0 <= budget_s < math.inf:
+        raise ConfigError(f"--budget {budget_s}: seconds, 0 or more (0 runs exactly --pairs pairs).")
     if warmup < 0:
         raise ConfigError(f"--warmup {warmup}: cannot drop a negative number of steps.")
-    if gate <= 0:
+    if not 0 < gate < math.inf:
         raise ConfigError(f"--gate {gate}: a ratio gate is a positive number, e.g. 1.05.")
-    if resamples < 100:
-        raise ConfigError(f"--resamples {resamples}: at least 100 bootstrap resamples.")
+    if not 0 < confidence < 1:
+        raise ConfigError(f"--confidence {confidence}: a number between 0 and 1, e.g. 0.95.")
     modes = [command is not None, command_a is not None or command_b is not None, programs is not None]
     if sum(modes) > 1:
         raise ConfigError("give either `-- CMD` (with {deterministic}) or --a 'CMD' --b 'CMD', not both.")
@@ -222,9 +468,11 @@ def tax(out: str | Path | None = None, *, command: list[str] | None = None, comm
                          for part in command] for label in _LABELS}
     else:
         argvs = {"deterministic": shlex.split(command_a), "baseline": shlex.split(command_b)}
-    times: dict[str, list[list[float]]] = {label: [] for label in _LABELS}
     notes: list[str] = []
-    for pair in range(pairs):
+    lengths: set[int] = set()
+
+    def run_pair(pair: int) -> tuple[list[float], list[float]]:
+        kept_by_label = {}
         order = _LABELS if pair % 2 == 0 else _LABELS[::-1]  # A B, B A, A B, ...
         for label in order:
             run_dir = out / f"pair-{pair}" / label
@@ -232,7 +480,7 @@ def tax(out: str | Path | None = None, *, command: list[str] | None = None, comm
             work.mkdir(parents=True, exist_ok=True)
             argv = fill_placeholders(argvs[label], {OUT: run_dir if recipe else work})
             log = out / "logs" / f"pair-{pair}-{label}.log"
-            say(f"[pair {pair + 1}/{pairs}] {label}: {shlex.join(argv)}")
+            say(f"[pair {pair + 1}] {label}: {shlex.join(argv)}")
             if recipe:  # it records itself into run_dir
                 code, seconds = run_logged(argv, log, label=f"{label} (pair {pair})", timeout=run_timeout,
                                            progress=progress, streams=run_dir, steps=steps)
@@ -249,20 +497,21 @@ def tax(out: str | Path | None = None, *, command: list[str] | None = None, comm
             if not kept:
                 raise SamebitsError(f"{label} run of pair {pair} ({run_dir}) timed {len(step_times)} step(s), all "
                                     f"dropped as warm-up (--warmup {warmup}); run more steps or drop fewer.")
-            times[label].append(kept)
+            kept_by_label[label] = kept
+            lengths.add(len(kept))
             say(f"      done in {seconds:.1f} s: median step {1000 * float(np.median(kept)):.1f} ms over {len(kept)} steps")
-    lengths = {len(run) for runs in times.values() for run in runs}
+        return kept_by_label["deterministic"], kept_by_label["baseline"]
+
+    times, est, looks, elapsed = measure(run_pair, pairs=pairs, budget_s=budget_s, gate=gate, confidence=confidence,
+                                         say=say)
     if len(lengths) != 1:
-        shortest = min(lengths)
-        notes.append(f"runs timed different numbers of steps ({sorted(lengths)}); each is cut to its first {shortest}")
-        times = {label: [run[:shortest] for run in runs] for label, runs in times.items()}
-    ratio, ci = paired_bootstrap(times["deterministic"], times["baseline"], resamples=resamples,
-                                 confidence=confidence, seed=seed)
+        notes.append(f"runs timed different numbers of steps ({sorted(lengths)}); each is cut to its first "
+                     f"{min(lengths)}")
     commands = {label: shlex.join(argv) for label, argv in argvs.items()}
-    result = TaxResult(str(out), commands, pairs, warmup, gate, times, ratio, ci, confidence, resamples, seed, notes)
+    result = TaxResult(str(out), commands, warmup, gate, times, est, confidence, looks, budget_s, elapsed, notes)
     write_summary(out, result, "tax.json")
     return result
 
 
-__all__ = ["tax", "TaxResult", "paired_bootstrap", "judge", "pairs_to_decide", "read_step_times", "DEFAULT_GATE",
-           "ESTIMATOR"]
+__all__ = ["tax", "measure", "estimate", "TaxResult", "TaxEstimate", "judge", "look_confidence", "pairs_to_decide",
+           "read_step_times", "t_quantile", "f_sf", "DEFAULT_GATE", "DEFAULT_PAIRS", "DEFAULT_BUDGET_S", "ESTIMATOR"]

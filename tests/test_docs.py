@@ -11,19 +11,25 @@ A block's fence names its language and one marker, e.g. ```` ```bash runnable ``
   writes it into the page's folder before the page's first runnable block.
 * ``illustrative``: not run (placeholders such as ``K`` or ``<your arguments>``, a GPU, a cluster,
   a fragment of a larger program, or a synopsis); its ``samebits`` commands must still name real
-  commands and options.
+  commands and options, and a file it names that the page does not give (``train.py``, a config)
+  is named in a comment line of the block, ``# needs: train.py (your training script)``, so
+  that the reader knows what to bring (issue 35: ``recipe.toml`` was named and never given).
 * ``output``: what a command prints, a layout or a file format.
 * ``realcode``: a shell command that runs a trainer of the real-code corpus (``tests/realcode/``,
   paths from the repository root) under samebits; `tests/test_docs_realcode.py` (slow, with the
   ``realcode`` extra) runs it as written and it must PASS.
 
 The fast tests check that every block is marked, that every ``samebits`` command in a block
-names a command and options that exist, and that runnable ones parse as samebits parses them;
+names a command and options that exist, that runnable ones parse as samebits parses them (with
+``--`` before a program), that every file a block names is given (a file block of the page, a
+file of the repository, or a ``# needs:`` line), and that a script of the page is given only
+options its argparse declares, and every one it requires (issue 35: ``--ckpt-dir`` missing);
 the slow test (`test_runnable_blocks_run`) runs them.
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shlex
@@ -34,7 +40,7 @@ from pathlib import Path
 
 import pytest
 
-from samebits.cli import build_parser
+from samebits.cli import build_parser, forgotten_separator
 from samebits.cli._options import refuse_recipe_options
 from samebits.errors import ConfigError
 
@@ -169,6 +175,8 @@ def test_runnable_commands_parse(block):
             refuse_recipe_options(args)
         except ConfigError as err:
             pytest.fail(f"{block.where}: `samebits {shlex.join(argv)}`: {err}")
+        forgotten = forgotten_separator(argv, parser)
+        assert forgotten is None, f"{block.where}: `samebits {shlex.join(argv)}`: {forgotten}"
 
 
 def test_runnable_blocks_use_only_the_files_their_page_gives():
@@ -187,6 +195,127 @@ def test_runnable_blocks_use_only_the_files_their_page_gives():
                     if word.endswith(".py") and "{" not in word and script not in given:
                         missing.append(f"{block.where}: {word} is no file block of the page")
     assert missing == []
+
+
+# What a command line reads that the reader must have: scripts and configs.  A value of an
+# option that names what the command writes (``--out gpu_check.json``) is an output.
+INPUT_SUFFIXES = (".py", ".toml", ".yaml", ".yml", ".json", ".cfg", ".sh")
+OUTPUT_OPTIONS = ("--out", "-o", "--output", "--output-dir", "--save")
+SHELL_OPERATORS = ("&&", "||", ";", "|")
+
+
+def _needs(block: Block) -> set[str]:
+    """The files a block says the reader brings: ``# needs: train.py (your script), recipe.toml``."""
+    found = set()
+    for line in block.body.splitlines():
+        said = re.match(r"^\s*(?:\$\s+)?#\s*needs:\s*(.+)$", line)
+        if said:
+            found.update(re.findall(r"[\w./-]+\.\w+", said.group(1)))
+    return found
+
+
+def _commands(block: Block) -> list[list[str]]:
+    """The words of each command line of a shell block, and of each command quoted in one
+    (``--resume-with 'python train.py ...'``, ``sh -c '...'``), comments dropped."""
+    found = []
+
+    def add(words: list[str]) -> None:
+        found.append(words)
+        for word in words:
+            if " " in word.strip():
+                try:
+                    add(shlex.split(word, comments=True))
+                except ValueError:
+                    pass
+
+    for line in _logical_lines(block.body):
+        try:
+            add(shlex.split(line, comments=True))
+        except ValueError:  # a synopsis with an unbalanced bracket or quote
+            add(line.split("#", 1)[0].split())
+    return found
+
+
+def _placeholder(word: str) -> bool:
+    return any(mark in word for mark in ("{", "<", "$", "*", "..."))
+
+
+def _input_files(words: list[str]) -> list[str]:
+    """The words of one command that name a file it reads (see `INPUT_SUFFIXES`)."""
+    files = []
+    for i, word in enumerate(words):
+        word = word.strip("[]")
+        if word.startswith("-") or not word.endswith(INPUT_SUFFIXES) or _placeholder(word) or " " in word:
+            continue
+        if i > 0 and words[i - 1].split("=", 1)[0] in OUTPUT_OPTIONS:
+            continue
+        files.append(word)
+    return files
+
+
+def test_every_file_an_example_names_is_given():
+    """A runnable block's files are file blocks of its page (its folder holds nothing else); an
+    illustrative block's are file blocks, files of the repository (``tests/scripts_invariant/...``),
+    or named in its ``# needs:`` line, so that no example silently assumes a file the reader lacks."""
+    missing = []
+    for block in ALL:
+        if block.language not in SHELLS or block.marker not in ("runnable", "illustrative"):
+            continue
+        given = {b.file_name for b in blocks(block.page) if b.marker == "file"}
+        needs = _needs(block)
+        for words in _commands(block):
+            for word in _input_files(words):
+                name = word.split("/")[-1]
+                if block.marker == "runnable" and name not in given:
+                    missing.append(f"{block.where}: {word} is no file block of the page")
+                elif block.marker == "illustrative" and name not in given and word not in needs \
+                        and name not in needs and not (ROOT / word).is_file():
+                    missing.append(f"{block.where}: {word} is neither given by the page nor named in a "
+                                   "'# needs:' line of the block")
+    assert missing == []
+
+
+def _declared_options(source: str) -> tuple[set[str], set[str]] | None:
+    """The options a script's argparse declares, and those it requires; None when it declares
+    none (no argparse: its words are its own business)."""
+    declared, required = set(), set()
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument"):
+            continue
+        flags = [a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("-")]
+        declared.update(flags)
+        if flags and any(k.arg == "required" and isinstance(k.value, ast.Constant) and k.value.value is True
+                         for k in node.keywords):
+            required.add(flags[0])
+    return (declared, required) if declared else None
+
+
+def test_a_page_s_script_gets_only_options_it_declares_and_all_it_requires():
+    """`python train.py --ckpt-dir X` where the page's train.py declares --ckpt-dir: an example
+    that gives a script an option it lacks, or leaves out one it requires, fails as pasted."""
+    wrong = []
+    for block in ALL:
+        if block.language not in SHELLS or block.marker not in ("runnable", "illustrative", "realcode"):
+            continue
+        scripts = {b.file_name: _declared_options(b.body) for b in blocks(block.page)
+                   if b.marker == "file" and (b.file_name or "").endswith(".py")}
+        for words in _commands(block):
+            for i, word in enumerate(words):
+                options = scripts.get(word.split("/")[-1]) if word.endswith(".py") else None
+                if options is None:
+                    continue
+                declared, required = options
+                given = []
+                for arg in words[i + 1:]:
+                    if arg in SHELL_OPERATORS:
+                        break
+                    if arg.startswith("--"):
+                        given.append(arg.split("=", 1)[0])
+                wrong += [f"{block.where}: {word} has no option {option}" for option in given
+                          if option not in declared and not _placeholder(option)]
+                wrong += [f"{block.where}: {word} requires {option}, which the example leaves out"
+                          for option in sorted(required - set(given))]
+    assert wrong == []
 
 
 @pytest.mark.parametrize("block", [b for b in ALL if b.language == "python" and b.marker in ("file", "runnable")],

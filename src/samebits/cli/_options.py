@@ -3,8 +3,8 @@ takes an option spells, documents, defaults and checks it the same way.
 
 * `add_recording_options`: what to record (`run`, `verify`);
 * `add_recipe_options`: the reference recipe's size and config (`verify`, `bisect`, `tax`, `matrix`);
-* `add_out_option`, `add_run_timeout_option`: where a command that launches runs writes, and
-  how long one run may take;
+* `add_out_option`, `add_run_timeout_option`, `add_stop_after_option`: where a command that
+  launches runs writes, how long one run may take, and after which step a program is ended;
 * argparse types that check a value before any work starts, and say the valid range:
   `positive_int` (counts), `step_number` (steps, ranks, offsets), `rank_count` (processes of
   one run), `positive_float` (timeouts, ratios), `open_unit_interval` (a confidence), `int_range`;
@@ -241,6 +241,28 @@ class _DeprecatedSpelling(argparse.Action):
         print(f"{parser.prog}: warning: {option_string} {values} is deprecated: write {new} {values} (the same "
               f"name in every command)", file=sys.stderr)
         setattr(namespace, self.dest, values)
+
+
+def add_stop_after_option(parser: argparse.ArgumentParser, what: str = "end every run after this step (long "
+                          "commands)", *, old_steps_count: bool = False) -> None:
+    """``--stop-after STEP``: end the program after that step (its steps numbered from 0; 0 ends
+    it after one step).  One name, one meaning in every command: ``--steps`` counts the
+    reference recipe's training steps, never where a program of the user's stops.
+    ``old_steps_count``: the command also accepts its old spelling, ``--steps N`` (stop after N
+    steps, i.e. ``--stop-after N-1``), with a one-line warning (`samebits probe` until 2026-12)."""
+    parser.add_argument("--stop-after", type=step_number, default=None, metavar="STEP", help=what)
+    if old_steps_count:
+        parser.add_argument("--steps", dest="stop_after", type=positive_int, default=None, metavar="N",
+                            action=_StepsCount, help=argparse.SUPPRESS)
+
+
+class _StepsCount(argparse.Action):
+    """``--steps N``, the old spelling of ``--stop-after N-1``: stores that, and says to use it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"{parser.prog}: warning: {option_string} {values} is deprecated: write --stop-after {values - 1} (end "
+              f"after step {values - 1}; --steps counts the reference recipe's steps)", file=sys.stderr)
+        setattr(namespace, self.dest, values - 1)
 
 
 def add_out_option(parser: argparse.ArgumentParser, command: str) -> None:

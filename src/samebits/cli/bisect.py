@@ -6,7 +6,8 @@ import shlex
 
 from samebits.cli._format import print_result, table
 from samebits.cli._options import (add_out_option, add_progress_options, add_recipe_options, add_run_timeout_option,
-                                   check_out_directory, progress_for, step_number)
+                                   add_stop_after_option, check_out_directory, progress_for,
+                                   step_number)
 from samebits.cli._lazy import lazy
 from samebits.cli._recipe import recipe_program
 from samebits.errors import ConfigError
@@ -38,8 +39,7 @@ def register(sub) -> None:
                         "only steps >= K are compared (no command; for your own, --b-step-offset)")
     add_out_option(parser, "bisect")
     add_progress_options(parser)
-    parser.add_argument("--stop-after", type=step_number, default=None, metavar="STEP",
-                        help="end every run after this step (long commands)")
+    add_stop_after_option(parser)
     add_run_timeout_option(parser)
     add_recipe_options(parser, steps=4, nproc=2, nondeterministic=True)
     parser.add_argument("--json", action="store_true", help="print the result as JSON")

@@ -173,7 +173,7 @@ def test_two_runs_in_a_browser_divergence_localised_and_hostile_names_shown_as_t
     assert HOSTILE_SHOWN in text  # the tensor name and the config value, as text
     assert dom.headings[0].startswith("samebits diff")
     for section in ("ulp growth", "metric curves", "where the runs differ, step by step",
-                    "records that differ, step by step", "environment and config"):
+                    "records that differ, by module, step by step", "environment and config"):
         assert any(section in heading for heading in dom.headings), (section, dom.headings)
     verdicts = [attrs for tag, attrs in dom.tags if attrs.get("id") == "verdict"]
     assert verdicts and "DIVERGED" in text
@@ -532,7 +532,7 @@ def test_the_records_table_never_scrolls_sideways_and_cut_steps_are_one_line(tmp
     result = synthetic_verify(tmp_path / "v")
     report = build_report([tmp_path / "v"])
     table = re.search(r'<table id="per-tensor".*?</table>', report.html, re.S).group(0)
-    steps = re.findall(r"<tr><th>record \\ step</th>(.*?)</tr>", table)[0].count("<th>")
+    steps = re.findall(r"<tr><th>module \\ step</th>(.*?)</tr>", table)[0].count("<th>")
     assert steps == 1  # C ran one step past the resume that differs (step 8); the rest was cut
     assert "steps 9-19: not run past the first divergence (the live check stopped run C (resumed at step 6) at " \
            "step 8)" in html.unescape(report.html)
@@ -541,7 +541,7 @@ def test_the_records_table_never_scrolls_sideways_and_cut_steps_are_one_line(tmp
     synthetic_verify(tmp_path / "k", stop=False)
     report = build_report([tmp_path / "k"])
     table = re.search(r'<table id="per-tensor".*?</table>', report.html, re.S).group(0)
-    assert re.findall(r"<tr><th>record \\ step</th>(.*?)</tr>", table)[0].count("<th>") == 12
+    assert re.findall(r"<tr><th>module \\ step</th>(.*?)</tr>", table)[0].count("<th>") == 12
     assert "not run past" not in report.html and "more steps run by both" not in report.html
 
 

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import re
 import sys
+from pathlib import Path
 
 from samebits.cli._format import echo, print_json, progress_printer, table
-from samebits.cli._options import check_input_directory
+from samebits.cli._options import check_input_directory, check_input_file
 from samebits.cli._lazy import lazy
 
 write_report = lazy("samebits.runs.report", "write_report")
+_STREAM = re.compile(r"^rank-\d{5,}\.sbs$")  # a rank's stream (samebits.stream.reader's name)
 
 
 def register(sub) -> None:
@@ -37,9 +41,34 @@ def register(sub) -> None:
     parser.set_defaults(func=run)
 
 
+def check_output_directory(path: str | os.PathLike, depth: int = 2) -> None:
+    """Refuse, before torch loads, an output directory that cannot be read: `check_input_directory`
+    on it and on each folder under it that holds streams (its runs a, b, c, a stage's or a
+    cell's), ``depth`` levels down; a folder without streams (verify's work/, where the
+    program wrote its checkpoints) is the program's own, never refused."""
+    path = Path(path)
+    if not path.is_dir():
+        check_input_directory(path, depth=depth)  # says what is wrong: missing, or not a directory
+        return
+    try:
+        entries = sorted(os.scandir(path), key=lambda e: e.name)
+    except OSError:
+        return  # the reader says why, in its own words
+    if any(_STREAM.match(entry.name) for entry in entries):  # a run: its streams and JSON files checked
+        check_input_directory(path, depth=0)
+    for entry in entries:
+        if entry.name.endswith(".json"):
+            check_input_file(path / entry.name, "a JSON file, as samebits wrote it")
+        elif depth > 0 and entry.is_dir(follow_symlinks=False):
+            check_output_directory(path / entry.name, depth - 1)
+
+
 def run(args) -> int:
     for path in args.inputs:  # one output directory holds its runs (a, b, c), stages and cells two levels down
-        check_input_directory(path, depth=2 if len(args.inputs) == 1 else 0)
+        if len(args.inputs) == 1:
+            check_output_directory(path)
+        else:
+            check_input_directory(path)
     progress = progress_printer("report")
     progress(f"samebits report: {' '.join(args.inputs)} -> {args.out}")
     report = write_report(args.inputs, args.out, start_step=args.from_step,
@@ -47,7 +76,8 @@ def run(args) -> int:
     if args.json:
         print_json(report.to_dict())
         return report.exit_code
-    rows = [[pair.label, pair.verdict.value.upper(),
+    # each row says what its pair's sentence says (`Pair.conclusion`): the same window, the same first step
+    rows = [[pair.label, pair.verdict.value.upper(), f"step {pair.start_step}" if pair.start_step else "every step",
              ", ".join(f"rank {r}: step {s}" for r, (s, _) in sorted(pair.first_by_rank.items())[:4])
              + (" ..." if len(pair.first_by_rank) > 4 else "") or (pair.error.splitlines()[0] if pair.error else "-")]
             for pair in report.pairs]
@@ -56,7 +86,10 @@ def run(args) -> int:
         echo(report.conclusion)  # the sentence the page leads with
     if rows:
         echo("")
-        echo(table(["compared", "verdict", "first divergent step by rank"], rows))
+        echo(table(["compared", "verdict", "compared from", "first divergent step by rank"], rows))
+        for pair in report.pairs:
+            if pair.window and pair.start_step is not None and pair.window != f"compared from step {pair.start_step}":
+                echo(f"{pair.label}: {pair.window}")  # why that window (a resumed run), as the sentence says
     echo("")
     echo(f"wrote {report.out} ({len(report.sections)} sections); open it in a browser (works offline)")
     sys.stdout.flush()

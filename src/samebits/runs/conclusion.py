@@ -10,10 +10,16 @@ it has in memory, the page the summary on disk.
     bisect   DIVERGED: <the bisection's own conclusion: the origin, or why it is not known>
     matrix   FAIL: single fp32: resume diverged (bisect of the resume: ...)
     diff     DIVERGED at step 3, rank 1: grads/layer2.weight
+             DIVERGED at step 5, rank 0: params/fc.weight (compared from step 4, where b starts: b resumed a run)
+
+A diff of a resumed run chooses its own window (its streams start later: `samebits.compare.diff`
+compares from there and says so in a note); `diff_window` reads that choice back, so the
+sentence, the report's tables and its JSON all name the same window.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 MAX_FAILURES = 3  # a matrix names this many failing cells in its sentence, then counts the rest
@@ -200,13 +206,43 @@ def matrix_conclusion(summary: dict) -> str:
     return f"{verdict}: " + "; ".join(parts) + "."
 
 
+# The note `samebits.compare.diff` writes when one run's streams start later than the other's
+# (a resumed run) and no --from-step was given: it then compares from that run's first step.
+_RESUMED_NOTE = re.compile(r"^(a|b) starts at step (\d+) and (?:a|b) at step \d+ \(\1 resumed a run\?\): "
+                           r"compared from step \2 on$")
+
+
+def diff_window(result: dict) -> tuple[int, str] | None:
+    """The step a rank-by-rank diff compared from by its own choice, because one run resumed
+    the other (its streams start at that step), and which run that is ("a" or "b"); None when
+    the diff compared the window it was given (or every step)."""
+    for note in result.get("notes") or []:
+        match = _RESUMED_NOTE.match(str(note))
+        if match:
+            return int(match.group(2)), match.group(1)
+    return None
+
+
+def window_words(window: tuple[int, str] | None, start_step: int | None = None) -> str:
+    """How the compared window reads in a sentence: "compared from step 4, where b starts: b
+    resumed a run", "compared from step 4" (a window given), or "" (every step)."""
+    if window is not None:
+        step, label = window
+        return f"compared from step {step}, where {label} starts: {label} resumed a run"
+    return f"compared from step {start_step}" if start_step else ""
+
+
 def diff_conclusion(result: dict) -> str:
-    """A rank-by-rank diff (`samebits.compare.DiffResult.to_dict`): where the runs first part,
-    or that they are identical (with what was compared), or that it could not decide."""
+    """A rank-by-rank diff (`samebits.compare.DiffResult.to_dict`): where the runs first part
+    (with the window when the diff chose it, for a resumed run: the steps before it are in one
+    run only and were not compared), or that they are identical (with what was compared), or
+    that it could not decide."""
     verdict = result.get("verdict")
     if verdict == "diverged":
         first = result.get("first_divergence") or {}
-        return f"DIVERGED at step {first.get('step')}, rank {first.get('rank')}: {_where(first)}"
+        window = window_words(diff_window(result))
+        return (f"DIVERGED at step {first.get('step')}, rank {first.get('rank')}: {_where(first)}"
+                + (f" ({window})" if window else ""))
     if verdict == "identical":
         return f"IDENTICAL: bit for bit. {compared_counts(result.get('compared') or {})}"
     return ("INCOMPLETE: could not decide (no divergence found in what was compared, but not everything could "
@@ -220,4 +256,4 @@ def compared_counts(compared: dict[str, Any]) -> str:
 
 
 __all__ = ["conclusion", "verify_conclusion", "bisect_conclusion", "matrix_conclusion", "diff_conclusion",
-           "compared_counts"]
+           "diff_window", "window_words", "compared_counts"]

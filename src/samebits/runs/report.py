@@ -41,11 +41,12 @@ from typing import Any, Callable
 from samebits.autorecord import read_stop
 from samebits.compare import DiffResult, diff, divergent_steps
 from samebits.errors import ConfigError, IncomparableRunsError, StreamError
-from samebits.runs.conclusion import (across_conclusion, bisect_conclusion, diff_conclusion, matrix_conclusion,
-                                      verify_conclusion)
+from samebits.runs.conclusion import (across_conclusion, bisect_conclusion, diff_conclusion, diff_window,
+                                      matrix_conclusion, verify_conclusion, window_words)
 from samebits.runs._launch import STOPPED
 from samebits.runs.across import CONTROL_STEPS
 from samebits.runs.distance import float_value, metric_distance
+from samebits.runs._state_positions import StatePicture, StateTrack, state_positions
 from samebits.stream import Record, open_run
 from samebits.verdicts import EXIT_STOPPED, ToDict, Verdict, serialised
 
@@ -54,8 +55,10 @@ MAX_READ_RANKS = 16384  # ranks whose steps are read for the heatmap (the rest a
 MAX_STEPS = 120  # heatmap columns; more steps are binned, each column a range of steps
 MAX_GROUP_ROWS = 32  # heatmap rows of record groups (one or two ranks)
 MAX_TENSOR_ROWS = 40  # per-tensor table rows (records that differ at some step)
+MAX_LEAVES = 4  # a module row names this many of its differing records per group, then "..."
 MAX_TENSOR_STEPS = 12  # per-tensor table columns, from the first divergent step on (no sideways scroll)
 MAX_CURVES = 12  # metric curves drawn per pair
+MAX_STATE_CHARTS = 8  # census records drawn per pair (the rest are listed)
 # What a person calls the recorded metrics: zero-code recording records the root of backward()
 # (the loss), the recipe records loss, grad_norm and lr under "metrics".
 _METRIC_NAMES = {"backward/root": "loss", "metrics/loss": "loss", "metrics/grad_norm": "grad norm",
@@ -104,7 +107,8 @@ class Pair:
     label: str
     a: str
     b: str
-    start_step: int | None = None
+    start_step: int | None = None  # the first step compared: the one given, or the one diff chose (a resumed b)
+    window: str = ""  # why the comparison starts there, in words (`window_words`); "" for every step
     result: DiffResult | None = None
     error: str = ""  # why the runs could not be compared (then result is None)
     first_by_rank: dict[int, tuple[int, str | None]] = field(default_factory=dict)  # rank -> (step, missing side)
@@ -116,6 +120,8 @@ class Pair:
     names: tuple[str, str] = ("run a", "run b")  # what the legends call a and b
     stopped_b: int | None = None  # the step at which the live check stopped run b (its first divergence)
     context: str = ""  # what the diff's first record means on this page (a bisection explains it)
+    independent: str | None = None  # a verify's run B beside a resume pair: census records that differ A to B too
+    census_summary: dict = field(default_factory=dict)  # what the state census picture shows (`StatePicture`)
     _cache: dict = field(default_factory=dict, repr=False)  # what the drawings read or derive, once
 
     def view(self, rank: int) -> _RankView:
@@ -145,6 +151,14 @@ class Pair:
     def verdict(self) -> Verdict:
         return self.result.verdict if self.result is not None else Verdict.INCOMPLETE
 
+    @property
+    def conclusion(self) -> str:
+        """This comparison's one sentence (`diff_conclusion`, as `samebits diff` prints it): the
+        page's pair section, the terminal's table and the JSON all say this one."""
+        if self.result is None:
+            return f"INCOMPLETE: could not compare: {self.error.splitlines()[0] if self.error else ''}"
+        return diff_conclusion(self.result.to_dict())
+
 
 def _layout_check_where(check: dict) -> str:
     """Where a `verify --across` check (a layout's, or a resume's) first differs, or why it
@@ -157,11 +171,22 @@ def _layout_check_where(check: dict) -> str:
 
 
 def _pair_summary(pair: Pair) -> dict:
-    """A compared pair in the report's JSON: which runs, from which step, the verdict, and each
-    rank's first divergent step."""
-    return {"label": pair.label, "a": pair.a, "b": pair.b, "start_step": pair.start_step,
-            "verdict": pair.verdict.value, "error": pair.error,
-            "first_divergent_step_by_rank": {str(r): s for r, (s, _) in sorted(pair.first_by_rank.items())}}
+    """A compared pair in the report's JSON: which runs, from which step and why (the window),
+    the verdict and its sentence, the first divergence, and each rank's first divergent step
+    (in the same window, so rank by rank agrees with the first divergence)."""
+    first = pair.result.first_divergence if pair.result is not None else None
+    return {"label": pair.label, "a": pair.a, "b": pair.b, "start_step": pair.start_step, "window": pair.window,
+            "verdict": pair.verdict.value, "conclusion": pair.conclusion, "error": pair.error,
+            "first_divergence": None if first is None else {
+                "step": first.step, "rank": first.rank,
+                "record": _where_of(first)},
+            "first_divergent_step_by_rank": {str(r): s for r, (s, _) in sorted(pair.first_by_rank.items())},
+            **({"census": pair.census_summary} if pair.census_summary else {})}
+
+
+def _where_of(divergence) -> str:
+    """A divergence's record (phase/name), or what it says when it has no record."""
+    return f"{divergence.phase}/{divergence.name}" if divergence.name is not None else divergence.detail
 
 
 @dataclass
@@ -545,6 +570,8 @@ def _verify_report(path: Path, summary: dict, say) -> Report:
         start = resume_at if name == "resume" else None
         pair = _compare(f"{name}: a vs {other}", path / "a", path / other, start, False, say,
                         f"[{index}/{len(todo)}]", names=_verify_names(other, resume_at))
+        if name == "resume" and (path / "b").is_dir():
+            pair.independent = str(path / "b")
         recorded = check.get("verdict")
         if pair.result is not None and recorded != pair.verdict.value:
             pair.notes.append(f"summary.json says {recorded!r} for this check, but comparing the streams now gives "
@@ -762,6 +789,12 @@ def _compare(label: str, a: Path, b: Path, start_step: int | None, allow_config_
     except (IncomparableRunsError, StreamError) as err:
         pair.error = str(err)
         say(f"      could not compare: {pair.error.splitlines()[0]}")
+    chosen = diff_window(pair.result.to_dict()) if pair.result is not None and start_step is None else None
+    if chosen is not None:  # b resumed a: diff compared from b's first step; every drawing uses that window
+        pair.start_step = chosen[0]
+    pair.window = window_words(chosen, pair.start_step)
+    if pair.result is not None:
+        pair.notes.extend(f"{label}: {note}" for note in pair.result.notes)  # what `samebits diff` says under it
     run_a, run_b = open_run(a), open_run(b)
     try:
         pair.headers = (run_a.header, run_b.header)
@@ -770,7 +803,7 @@ def _compare(label: str, a: Path, b: Path, start_step: int | None, allow_config_
             for rank in run.ranks[:MAX_READ_RANKS]:
                 steps[rank] = _steps(run, rank)
         if pair.result is not None and pair.result.verdict is Verdict.DIVERGED:
-            for found in divergent_steps(run_a, run_b, start_step=start_step):
+            for found in divergent_steps(run_a, run_b, start_step=pair.start_step):  # diff's window
                 pair.first_by_rank[found.rank] = (found.step, found.missing)
     except StreamError as err:
         pair.notes.append(f"the streams could not be read for the drawings: {err}")
@@ -1096,8 +1129,9 @@ class _Page:
     def pair_sections(self, pair: Pair) -> None:
         self.h2(f"{pair.label}: {pair.verdict.value}", f"pair-{pair.label}")
         self.add(f'<p>a = {_esc(pair.names[0])}: <code>{_esc(pair.a)}</code><br>b = {_esc(pair.names[1])}: '
-                 f'<code>{_esc(pair.b)}</code>' + (f"<br>compared from step {_esc(pair.start_step)}"
-                                                   if pair.start_step else "") + "</p>")
+                 f'<code>{_esc(pair.b)}</code>' + (f'<br><span class="window">{_esc(pair.window)}</span>'
+                                                   if pair.window else "") + "</p>"
+                 f'<p class="pair-conclusion"><b>{_esc(pair.conclusion)}</b></p>')
         if pair.stopped_b is not None:
             self.add(f'<p class="note">the live check stopped {_esc(pair.names[1])} at step {pair.stopped_b}, its '
                      "first step that differs from a: later steps were not run (run verify with --keep-going to "
@@ -1112,9 +1146,14 @@ class _Page:
             self._heatmap(pair)
             self._environment(pair, facts=False)
             return
+        resumed = bool(pair.start_step)  # a resume's failure is explained by its state: that picture first
+        if result is not None and resumed:
+            self._census(pair, rank)
         if result is not None:
             self._ulp_growth(pair, rank)
         self._curves(pair, rank)
+        if result is not None and not resumed:
+            self._census(pair, rank)
         if result is not None:
             self._heatmap(pair)
             self._tensors(pair)
@@ -1136,6 +1175,46 @@ class _Page:
                      f"<p class=\"mono wrap\">{_esc(d.detail)}</p>")
         for reason in result.incomplete:
             self.add(f'<p class="err">incomplete: {_esc(reason)}</p>')
+
+    def _census(self, pair: Pair, rank: int) -> None:
+        """The training state at each step start (the state census), b against a: for each
+        record that differs, the step of a whose state b holds (`state_positions`), drawn; the
+        records equal throughout and those left out (with why) listed under it."""
+        picture = state_positions(pair.a, pair.b, rank, pair.start_step or 0, independent=pair.independent)
+        if picture is None:  # no census stream (a loop that records none): nothing to draw, nothing to say
+            return
+        pair.census_summary = picture.to_dict()
+        if not picture.tracks and not picture.left_out:
+            return  # the state was the same throughout: the other sections say where the runs part
+        label_a, label_b = _short_names(pair)
+        self.h2(f"{pair.label}: the training state, step by step (rank {rank})", "census")
+        self.add(f"<p>At each step start the state census records the bits of every generator, the optimizer's "
+                 f"step counts and learning rates, the LR scheduler's position and the step's input batch (the "
+                 f"data position). They are digests, so each chart places {_esc(label_b)}'s state at the step of "
+                 f"{_esc(label_a)} that holds the same bits: on the diagonal, {_esc(label_b)} holds "
+                 f"{_esc(label_a)}'s state of that very step; below it, {_esc(label_a)}'s of an earlier step (not "
+                 f"restored, or restored from another step); a cross in the top band: no step of "
+                 f"{_esc(label_a)} holds it. Generators carry ticks for the steps in which each run drew from "
+                 "them.</p>")
+        if picture.tracks:
+            charts = [_state_chart(track, picture, pair, label_a, label_b)
+                      for track in picture.tracks[:MAX_STATE_CHARTS]]
+            self.add('<ul id="census-says">' + "".join(f"<li>{_esc(t.says(label_a, label_b))}</li>"
+                                                        for t in picture.tracks) + "</ul>")
+            self.add('<div class="charts" id="census-plot">' + "".join(charts) + "</div>")
+            if len(picture.tracks) > MAX_STATE_CHARTS:
+                self.add(f"<p class=\"note\">{len(picture.tracks) - MAX_STATE_CHARTS} more differing record(s) "
+                         "listed above, not drawn</p>")
+        else:
+            self.add(f"<p>no state record that could explain the difference differs between {_esc(label_a)} and "
+                     f"{_esc(label_b)} at a step start.</p>")
+        lines = []
+        if picture.same:
+            lines.append(f"the same in both runs at every compared step: {', '.join(picture.same)}")
+        lines.extend(f"left out: {title}: {why}" for title, why in picture.left_out)
+        if lines:
+            self.add('<ul class="note" id="census-notes">' + "".join(f"<li>{_esc(x)}</li>" for x in lines)
+                     + "</ul>")
 
     def _ulp_growth(self, pair: Pair, rank: int) -> None:
         """How far apart the runs are at each step: the largest ulp distance per metric (log
@@ -1208,7 +1287,7 @@ class _Page:
                      "not drawn</p>")
 
     def _tensors(self, pair: Pair) -> None:
-        title = f"{pair.label}: records that differ, step by step"
+        title = f"{pair.label}: records that differ, by module, step by step"
         self.h2(title, "tensors")
         d = pair.result.first_divergence if pair.result is not None else None
         if d is None:
@@ -1228,32 +1307,36 @@ class _Page:
             self.add(f'<p class="err">the records after the first divergence could not be read: {_esc(err)}</p>')
             return
         differing: dict[tuple, dict[int, tuple[str, str]]] = {}
+        present: dict[tuple, set[int]] = {}  # record -> the steps both runs hold it (a module's "of n")
         for step in wanted:
             at_a, at_b = records_a.get(step, {}), records_b.get(step, {})
             for key in list(at_a) + [k for k in at_b if k not in at_a]:
+                present.setdefault(key, set()).add(step)
                 ra, rb = at_a.get(key), at_b.get(key)
                 if ra is not None and rb is not None and ra.same_content(rb):
                     continue
                 differing.setdefault(key, {})[step] = _cell(ra, rb, True, True)
-        keys = list(differing)[:MAX_TENSOR_ROWS]
+        params = {key[2] for step in wanted for at in (records_a.get(step, {}),) for key in at
+                  if key[1] in ("params", "grads")}
+        rows = _module_rows(differing, present, params)
+        shown = rows[:MAX_TENSOR_ROWS]
         rows_html = []
-        for key in keys:
+        for row in shown:
             cells = []
             for step in wanted:
-                if step in differing[key]:
-                    css, text = differing[key][step]
-                    cells.append(f'<td class="{css}" title="{_esc(text)}">{_esc(_short(text))}</td>')
-                else:
-                    cells.append('<td class="t-eq" title="bit-identical">=</td>')
-            rows_html.append(f'<tr><th class="mono rec" title="{_esc(key[0])}">{_esc(_key_label(key))}</th>'
+                css, text, short = row.cell(step)
+                cells.append(f'<td class="{css}" title="{_esc(text)}">{_esc(short)}</td>')
+            rows_html.append(f'<tr><th class="mono rec" title="{_esc(row.hover)}">{_esc(row.title)}</th>'
                              f"{''.join(cells)}</tr>")
         head = "".join(f"<th>{s}</th>" for s in wanted)
-        self.add(f"<p>rank {rank} (the first to diverge), from step {d.step}: each cell says whether the record "
-                 "is bit-identical (=) or how it differs (hover for the detail). Metrics: distance in ulps, exact "
-                 "from the recorded bits. Tensors: <b>digests only: values not recorded</b> (no magnitude is "
-                 "known; `samebits bisect` dumps the origin op's elements).</p>"
+        self.add(f"<p>rank {rank} (the first to diverge), from step {d.step}: each metric on its own row, with its "
+                 "distance in ulps, exact from the recorded bits; the tensors grouped by the module they belong to "
+                 "(its parameters, their gradients and optimizer state, its activations), each cell saying how "
+                 "many of the module's records differ at that step (= none; hover for which). Tensors are "
+                 "<b>digests only: values not recorded</b> (no magnitude is known; `samebits bisect` dumps the "
+                 "origin op's elements).</p>"
                  f'<table id="per-tensor" class="records"><colgroup><col class="rec"></colgroup>'
-                 f'<tr><th>record \\ step</th>{head}</tr>{"".join(rows_html)}</table>')
+                 f'<tr><th>module \\ step</th>{head}</tr>{"".join(rows_html)}</table>')
         lines = []
         if len(both) > len(wanted):
             lines.append(f"steps {both[len(wanted)]}-{both[-1]} ({len(both) - len(wanted)} more steps run by both) "
@@ -1263,8 +1346,8 @@ class _Page:
                          f"{pair.names[1]} at step {pair.stopped_b})")
         if lone:
             lines.append(f"steps {_span(lone)}: recorded in one run only")
-        if len(differing) > len(keys):
-            lines.append(f"{len(differing) - len(keys)} more differing record(s) not listed")
+        if len(rows) > len(shown):
+            lines.append(f"{len(rows) - len(shown)} more row(s) of differing records not listed")
         if lines:
             self.add('<ul class="note" id="tensor-notes">' + "".join(f"<li>{_esc(x)}</li>" for x in lines) + "</ul>")
 
@@ -1591,6 +1674,91 @@ def _short(text: str) -> str:
                                             "only b" if text.endswith("run b") else "differs")
 
 
+@dataclass
+class _ModuleRow:
+    """One row of the records table: a metric (its own cells, with ulps) or a module (its
+    tensor records together: how many differ at each step, which on hover)."""
+
+    title: str
+    hover: str
+    differing: dict[int, list[tuple[str, str, str]]]  # step -> [(record, css class, how it differs)]
+    records: dict[int, int]  # step -> the module's records both runs hold there
+    metric: bool = False
+
+    def cell(self, step: int) -> tuple[str, str, str]:
+        """(css class, hover text, cell text) at ``step``."""
+        found = self.differing.get(step)
+        if not found:
+            return "t-eq", "bit-identical", "="
+        if self.metric:
+            _, css, how = found[0]
+            return css, how, _short(how)
+        count = self.records.get(step) or len(found)
+        return ("t-ne", f"{len(found)} of {count} record(s) differ: "
+                + "; ".join(f"{name} ({how})" for name, _, how in found), f"{len(found)} of {count}")
+
+    @property
+    def first(self) -> int:
+        return min(self.differing)
+
+
+def _module_of(key: tuple, params: set[str]) -> str:
+    """The module a tensor record belongs to: a parameter's or gradient's owner (``fc`` of
+    ``fc.weight``), the parameter an optimizer state belongs to (``fc.weight.exp_avg``), the
+    module whose output or input it is (``GPT.fc.0``: ``GPT.fc``)."""
+    _, phase, name, _ = key
+    if phase == "optimizer":
+        owner = max((p for p in params if name.startswith(p + ".")), key=len, default=None)
+        name = owner if owner is not None else name.rpartition(".")[0] or name
+    elif phase not in ("params", "grads"):
+        parts = name.split(".")
+        while len(parts) > 1 and parts[-1].isdigit():  # output or input index
+            parts.pop()
+        return ".".join(parts)
+    return name.rpartition(".")[0] or "(top level)"
+
+
+def _module_rows(differing: dict[tuple, dict[int, tuple[str, str]]], present: dict[tuple, set[int]],
+                 params: set[str]) -> list[_ModuleRow]:
+    """The records table's rows: each differing metric, then each module with a differing tensor
+    record, earliest first divergence first (then in record order)."""
+    rows: dict[str, _ModuleRow] = {}
+    for key, at in differing.items():
+        kind, phase, name, _ = key
+        if kind == "metric":
+            label = _key_label(key)
+            rows[f"metric {label}"] = _ModuleRow(label, kind, {s: [(label, css, how)] for s, (css, how) in at.items()},
+                                                 {}, metric=True)
+            continue
+        module = _module_of(key, params)
+        row = rows.setdefault(f"module {module}", _ModuleRow(module, "", {}, {}))
+        for step, (css, how) in at.items():
+            row.differing.setdefault(step, []).append((_key_label(key), css, how))
+    for key, steps in present.items():  # each module's count of records, step by step
+        if key[0] != "metric":
+            row = rows.get(f"module {_module_of(key, params)}")
+            if row is not None:
+                for step in steps:
+                    row.records[step] = row.records.get(step, 0) + 1
+    for row in rows.values():
+        if row.metric:
+            continue
+        by_group: dict[str, list[str]] = {}  # what differs in the module: group -> its records, leaf names
+        for found in row.differing.values():
+            for label, _, _ in found:
+                phase, _, name = label.partition("/")
+                leaf = name[len(row.title) + 1:] if name.startswith(row.title + ".") else name
+                names = by_group.setdefault(_GROUP_NAMES.get(phase, phase), [])
+                if leaf not in names:
+                    names.append(leaf)
+        groups = sorted(by_group, key=lambda g: _GROUP_ORDER.index(g) if g in _GROUP_ORDER else len(_GROUP_ORDER))
+        said = "; ".join(f"{g}: {', '.join(by_group[g][:MAX_LEAVES])}" + (" ..." if len(by_group[g]) > MAX_LEAVES
+                                                                          else "") for g in groups)
+        row.hover = f"module {row.title}: " + "; ".join(f"{g}: {', '.join(by_group[g])}" for g in groups)
+        row.title = f"{row.title} ({said})"
+    return sorted(rows.values(), key=lambda r: (not r.metric, r.first))
+
+
 def _log_ticks(decades: int) -> list[int]:
     step = max(1, math.ceil(decades / 6))
     return list(range(0, decades + 1, step))
@@ -1691,6 +1859,109 @@ def _ulp_plot(pair: Pair, rank: int, evidence: dict[int, dict[tuple[str, str], _
             f'<p class="legend" id="ulp-legend">{legend or "no metric recorded on this rank"}</p>')
 
 
+def _short_names(pair: Pair) -> tuple[str, str]:
+    """What sentences call the two runs: verify's A, B, C, else a and b."""
+    names = []
+    for name, fallback in zip(pair.names, ("a", "b")):
+        word = name.removeprefix("run ").split(" ")[0] if name.startswith("run ") else ""
+        names.append(word if word in ("A", "B", "C") else fallback)
+    return names[0], names[1]
+
+
+def _state_chart(track: StateTrack, picture: StatePicture, pair: Pair, label_a: str, label_b: str) -> str:
+    """One census record of b against a as an inline SVG: x the step, y the step of a whose
+    state the run holds; a on the diagonal (solid), b dashed with a red mark where it is not on
+    the diagonal, a cross in the top band where no step of a holds its state, the generators'
+    draws as ticks under the axis, the steps the live check cut hatched."""
+    width, left, right, top, band = 540, 74, 14, 40, 22
+    plot_h = 150
+    draws = 2 if track.is_generator else 0
+    axis_y = top + band + plot_h
+    height = axis_y + 22 + draws * 14 + 6
+    start = min(picture.window) if picture.window else 0
+    xs = sorted(set(picture.window) | {s for s in picture.steps_a if s >= start})
+    low_x, high_x = xs[0], max(xs[-1], xs[0] + 1)
+    ys = picture.steps_a or [0]
+    low_y, high_y = min(ys), max(max(ys), min(ys) + 1)
+
+    def x(step: float) -> float:
+        return left + (step - low_x) / (high_x - low_x) * (width - left - right)
+
+    def y(step: float) -> float:
+        return top + band + (high_y - step) / (high_y - low_y) * plot_h
+
+    parts = [f'<rect x="{left}" y="{top + band}" width="{width - left - right}" height="{plot_h}" fill="#fbfcfd" '
+             'stroke="#d0d7de"/>',
+             f'<rect x="{left}" y="{top}" width="{width - left - right}" height="{band - 4}" fill="#f6f8fa"/>'
+             f'<text x="{left - 5}" y="{top + 13}" text-anchor="end" font-size="10" fill="#57606a">no step</text>']
+    cut = [s for s in xs if pair.cut(s)]
+    if cut:
+        x0 = x(cut[0] - 0.5)
+        parts.append(f'<rect class="cut" x="{x0:.1f}" y="{top}" width="{max(width - right - x0, 0):.1f}" '
+                     f'height="{axis_y - top}" fill="#eef1f4"><title>{_esc(pair.names[1])}: not run past the first '
+                     f'divergence (live check)</title></rect><text x="{(x0 + width - right) / 2:.0f}" '
+                     f'y="{top + band + 14}" text-anchor="middle" font-size="11" fill="#57606a">'
+                     + (f"{_esc(label_b)} not run past the first divergence" if width - right - x0 > 220 else
+                        "not run") + "</text>")
+    for k in _ticks(low_y, high_y):
+        parts.append(f'<line x1="{left}" x2="{width - right}" y1="{y(k):.1f}" y2="{y(k):.1f}" stroke="#e5e9ee"/>'
+                     f'<text x="{left - 5}" y="{y(k) + 4:.1f}" text-anchor="end" font-size="11">{k}</text>')
+    for k in _ticks(low_x, high_x):
+        parts.append(f'<text x="{x(k):.1f}" y="{axis_y + 14}" text-anchor="middle" font-size="11">{k}</text>')
+    parts.append(f'<text x="{left - 5}" y="{axis_y + 14}" text-anchor="end" font-size="11" fill="#57606a">step'
+                 f'</text><text x="16" y="{top + band + plot_h / 2:.0f}" font-size="11" text-anchor="middle" '
+                 f'transform="rotate(-90 16 {top + band + plot_h / 2:.0f})">{_esc(label_a)}\'s step held</text>')
+    diagonal = [s for s in picture.steps_a if low_x <= s <= high_x]
+    if diagonal:
+        parts.append(f'<polyline class="state-a" fill="none" stroke="{COLOUR_A}" stroke-width="2.4" points="'
+                     + " ".join(f"{x(s):.1f},{y(s):.1f}" for s in diagonal) + '"/>')
+    held = [(s, t) for s, t in sorted(track.positions.items()) if t is not None]
+    if held:
+        parts.append(f'<polyline class="state-b" fill="none" stroke="{COLOUR_B}" stroke-width="2.4" {_DASHED} '
+                     'points="' + " ".join(f"{x(s):.1f},{y(t):.1f}" for s, t in held) + '"/>')
+    for s, t in sorted(track.positions.items()):
+        if t is None:
+            tip = f"step {s}: {label_b}'s {track.title} matches no step of {label_a}"
+            parts.append(f'<text class="state-none" x="{x(s):.1f}" y="{top + 14}" text-anchor="middle" '
+                         f'font-size="15" font-weight="700" fill="#cf222e">&#215;<title>{_esc(tip)}</title></text>')
+        elif t != s:
+            tip = f"step {s}: {label_b} holds {label_a}'s {track.title} of step {t}"
+            parts.append(f'<circle class="state-differs" cx="{x(s):.1f}" cy="{y(t):.1f}" r="4.5" fill="#cf222e">'
+                         f"<title>{_esc(tip)}</title></circle>")
+        else:
+            tip = f"step {s}: {label_b}'s {track.title} is {label_a}'s of this step"
+            parts.append(f'<circle class="state-same" cx="{x(s):.1f}" cy="{y(t):.1f}" r="3" fill="{COLOUR_B}">'
+                         f"<title>{_esc(tip)}</title></circle>")
+    for s, where in sorted(track.only_in.items()):
+        tip = f"step {s}: only {label_a if where == 'a' else label_b} records its {track.title}"
+        parts.append(f'<rect class="state-only" x="{x(s) - 4:.1f}" y="{top + 5}" width="8" height="8" fill="#d4a72c">'
+                     f"<title>{_esc(tip)}</title></rect>")
+    for row, (who, colour, steps) in enumerate(((label_a, COLOUR_A, track.drawn_a),
+                                                (label_b, COLOUR_B, track.drawn_b))[:draws]):
+        y0 = axis_y + 22 + row * 14
+        parts.append(f'<text x="{left - 5}" y="{y0 + 8}" text-anchor="end" font-size="10" fill="#57606a">'
+                     f"{_esc(who)} drew</text>")
+        for s in steps:
+            parts.append(f'<rect class="draw-{"a" if row == 0 else "b"}" x="{x(s) - 3:.1f}" y="{y0}" width="6" '
+                         f'height="10" fill="{colour}"><title>{_esc(f"step {s}: {who} drew from the {track.title}")}'
+                         "</title></rect>")
+    legend = (f'<g font-size="12"><line x1="{left}" y1="14" x2="{left + 30}" y2="14" stroke="{COLOUR_A}" '
+              f'stroke-width="2.4"/><text x="{left + 36}" y="18">{_esc(label_a)}: {_esc(pair.names[0])}</text>'
+              f'<line x1="{left + 230}" y1="14" x2="{left + 260}" y2="14" stroke="{COLOUR_B}" stroke-width="2.4" '
+              f'{_DASHED}/><text x="{left + 266}" y="18">{_esc(label_b)}: {_esc(pair.names[1])}</text></g>')
+    svg = (f'<svg class="chart state-chart" data-record="{_esc(track.name)}" width="100%" '
+           f'viewBox="0 0 {width} {height}" role="img"><title>{_esc(track.title)}: the step of {_esc(label_a)} '
+           f"whose state each run holds</title>{legend}{''.join(parts)}</svg>")
+    return (f'<div class="chart-box"><h3>{_esc(track.title)}<span class="note mono">{_esc(track.name)}</span></h3>'
+            f'{svg}<p class="mono wrap small">{_esc(track.says(label_a, label_b))}</p></div>')
+
+
+def _ticks(low: int, high: int) -> list[int]:
+    """At most about 6 whole-step ticks from ``low`` to ``high``."""
+    every = max(1, math.ceil((high - low) / 6))
+    return list(range(low, high + 1, every))
+
+
 def _chart(name: str, series_a: dict[int, Record], series_b: dict[int, Record], pair: Pair,
            first_step: int | None) -> str:
     """One metric of both runs as an inline SVG line chart: a solid, b dashed in another colour,
@@ -1746,8 +2017,8 @@ def _chart(name: str, series_a: dict[int, Record], series_b: dict[int, Record], 
         parts.append(f'<rect class="cut" x="{x0:.1f}" y="{top}" width="{width - right - x0:.1f}" '
                      f'height="{height - top - bottom}" fill="#eef1f4"><title>{_esc(pair.names[1])}: not run past '
                      f'the first divergence (live check)</title></rect><text x="{(x0 + width - right) / 2:.0f}" '
-                     f'y="{top + 14}" text-anchor="middle" font-size="11" fill="#57606a">b not run past the '
-                     "first divergence</text>")
+                     f'y="{top + 14}" text-anchor="middle" font-size="11" fill="#57606a">'
+                     + ("b not run past the first divergence" if width - right - x0 > 220 else "not run") + "</text>")
     for fraction in (0.0, 0.5, 1.0):
         value = low + (high - low) * fraction
         parts.append(f'<line x1="{left}" x2="{width - right}" y1="{y(value):.1f}" y2="{y(value):.1f}" '

@@ -313,6 +313,46 @@ def test_verify_output_in_a_browser(verify_out, tmp_path, capsys):
     screenshot(page, tmp_path, "report-verify-real")
 
 
+MINIGPT = Path(__file__).parent / "scripts_resume" / "minigpt.py"
+
+
+@pytest.mark.slow  # three real runs of a tiny GPT (about 25 s here)
+def test_a_tiny_gpts_resume_fault_is_shown_as_a_picture_of_the_state_in_a_browser(tmp_path, capsys):
+    """The issue's user: a tiny GPT with its own checkpoints (tests/scripts_resume/minigpt.py:
+    AdamW, a LambdaLR warm-up and cosine, torch.save at step 3), resumed without its scheduler's
+    state, under zero-code recording.  The report of that verify shows the scheduler's position
+    and the learning rate as a picture: C holds A's state of step 0 at step 3, A's of step 1 at
+    step 4; and its window and first step agree everywhere."""
+    script = f"{sys.executable} {MINIGPT} --sched --out {{out}}"
+    out = tmp_path / "v"
+    code = main(["verify", "--out", str(out), "--resume-at", "3", "--resume-with",
+                 f"{script} --resume-from {{from}} --bug sched", "--", *script.split()])
+    assert code == EXIT_BAD_VERDICT, capsys.readouterr()
+    capsys.readouterr()
+    page = tmp_path / "resume.html"
+    assert main(["report", str(out), "-o", str(page)]) == EXIT_BAD_VERDICT  # its work/ folder holds no stream
+    terminal = capsys.readouterr().out
+    assert re.search(r"resume: a vs c\s+DIVERGED\s+step 3\s+rank 0: step 4", terminal), terminal
+    assert_self_contained(page.read_text(encoding="utf-8"))
+    dom = rendered_dom(page, tmp_path)
+    assert_nothing_injected(dom)
+    assert "resume: a vs c: the training state, step by step (rank 0)" in dom.headings
+    says = element_text(dom.markup, "census-says")
+    assert "step 3: C holds A's LR scheduler 0 position (last_epoch) of step 0 (3 steps behind)" in says
+    assert "step 4: C holds A's optimizer 0 learning rates of step 1 (3 steps behind)" in says  # equal at 3
+    charts = re.findall(r'<svg class="chart state-chart" data-record="([^"]+)"', dom.markup)
+    assert charts[:1] == ["sched0.last_epoch"] and "optim0.lr" in charts, charts
+    assert not any(name.startswith("rng.python") for name in charts)  # differs between A and B too: left out
+    chart = re.search(r'data-record="sched0.last_epoch".*?</svg>', dom.markup, re.S).group(0)
+    assert re.search(r'<circle class="state-differs"[^>]*><title>step 3: C holds A\'s LR scheduler 0 position '
+                     r'\(last_epoch\) of step 0</title>', html.unescape(chart)), chart
+    # the divergence: the records that differ, by module (wte, fc, head), never one row per digest
+    table = re.search(r'<table id="per-tensor".*?</table>', dom.markup, re.S).group(0)
+    rows = re.findall(r'<th class="mono rec" title="[^"]*">([^<]*)</th>', table)
+    assert [row.split(" ")[0] for row in rows] == ["wte", "fc", "head"], rows
+    screenshot(page, tmp_path, "report-resume-census")
+
+
 @pytest.mark.slow
 def test_matrix_output_draws_its_failing_cell(verify_out, tmp_path):
     out, result = verify_out

@@ -22,6 +22,7 @@ from samebits.checkpoint import CENSUS_DIR
 from samebits.cli import main
 from samebits.runs.conclusion import diff_conclusion, diff_window
 from samebits.runs.report import build_report
+from samebits.runs.verify import VerifyResult
 from samebits.verdicts import EXIT_BAD_VERDICT
 
 STEPS, RESUME_AT = 8, 4
@@ -148,3 +149,23 @@ def test_the_records_that_differ_are_grouped_by_module_not_listed_as_digest_rows
                      r'params/fc.bias \(digest differs\); optimizer/fc.weight.exp_avg \(digest differs\); '
                      r'optimizer/fc.bias.exp_avg \(digest differs\)">4 of 6</td>', table)
     assert ">digest<" not in table
+
+
+def test_a_verify_folder_whose_program_wrote_a_work_folder_is_reported(tmp_path, capsys):
+    """verify gives a command's runs {out} = OUT/work/a, b, c (checkpoints, logs: no stream);
+    the report of OUT reads its runs and leaves the program's own folders alone (it refused the
+    whole folder: "OUT/work/a: no fingerprint streams")."""
+    out = tmp_path / "v"
+    a, c = write_run(out / "a"), write_run(out / "c", start=RESUME_AT, scheduler_restarts=True)
+    write_run(out / "b")
+    for run in ("a", "b", "c"):
+        (out / "work" / run).mkdir(parents=True)
+        (out / "work" / run / "ckpt.pt").write_bytes(b"not a stream")
+    checks = {"independent": samebits.diff(a, out / "b"), "resume": samebits.diff(a, c, start_step=RESUME_AT)}
+    (out / "summary.json").write_text(json.dumps(VerifyResult(str(out), checks, {"A": 1.0}, RESUME_AT, [], [])
+                                                 .to_dict(), default=str))
+    assert main(["report", str(out), "-o", str(tmp_path / "r.html")]) == EXIT_BAD_VERDICT, capsys.readouterr().err
+    said = capsys.readouterr().out
+    assert re.search(r"resume: a vs c\s+DIVERGED\s+step 4\s+rank 0: step 5", said), said
+    assert main(["report", str(out / "nope"), "-o", str(tmp_path / "r.html")]) == 2  # still refused at once
+    assert "no such directory" in capsys.readouterr().err

@@ -729,6 +729,8 @@ def _matrix_report(path: Path, summary: dict, say) -> Report:
             pair = _compare(f"{cell.get('cell')} {cell.get('precision')} {name}: a vs {other}", cell_out / "a",
                             cell_out / other, start, False, say, f"[{len(pairs) + 1}]",
                             names=_verify_names(other, start))
+            if name == "resume" and (cell_out / "b").is_dir():
+                pair.independent = str(cell_out / "b")  # census records that differ A to B too are left out
             pairs.append(pair)
             page.pair_sections(pair)
     if len(failing) > MAX_PAIRS:

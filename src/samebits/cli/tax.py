@@ -83,11 +83,11 @@ def render(result: TaxResult) -> str:
             for label in ("deterministic", "baseline")]
     if est.unit == "steps" and est.pairs > 1:
         samples = (f"steps counted as samples: the pairs agree as closely as their step noise predicts "
-                   f"(F {est.pooling_f:.2f}, p {est.pooling_p:.2f} > {data['pooling']['alpha']})")
+                   f"(F {est.pooling_f:.2f}, p {est.pooling_p:.2g} > {data['pooling']['alpha']})")
     elif est.unit == "steps":
         samples = "one pair: the interval holds step-to-step noise only, not run-to-run variation"
     else:
-        test = f" (F {est.pooling_f:.2f}, p {est.pooling_p:.2f} <= {data['pooling']['alpha']})" \
+        test = f" (F {est.pooling_f:.2f}, p {est.pooling_p:.2g} <= {data['pooling']['alpha']})" \
             if est.pooling_f is not None else ""
         samples = (f"pairs counted as samples: the pairs differ more than their step noise explains{test}, so "
                    "steps of one run are not independent samples")

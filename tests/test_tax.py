@@ -196,6 +196,19 @@ def test_the_budget_ends_the_measurement_and_the_advice_is_estimated_from_the_sp
     assert "(look 3; 95% over all looks)" in result.judgement and "after 11 pair(s) in 99 s (budget 100 s)" in result.judgement
 
 
+def test_an_adaptive_measurement_never_decides_on_one_pair():
+    """One pair's interval holds step noise only (nothing shows run-to-run variation): with a
+    budget, the first look waits for a second pair; with --budget 0 and --pairs 1, one pair is
+    what was asked for."""
+    host = FakeHost(1.0, noise=0.05)
+    _, est, looks, _ = measure(host.run_pair, pairs=1, budget_s=300, gate=1.05, clock=host.clock)
+    assert host.ran == 2 ** looks and est.pairs == host.ran and est.unit == "steps"  # looks at 2, 4, ...
+    assert est.pooling_p is not None and judge(est.ci, 1.05) is Verdict.PASS
+    host = FakeHost(1.0, noise=0.05)
+    _, est, looks, _ = measure(host.run_pair, pairs=1, budget_s=0, gate=1.05, clock=host.clock)
+    assert host.ran == 1 and est.unit == "steps" and est.pooling_p is None
+
+
 def test_no_advice_to_add_pairs_when_the_ratio_is_on_the_gate():
     det, base = synthetic(1.05, noise=0.05, pairs=4, steps=10, seed=2)
     est = estimate(det, base)

@@ -382,13 +382,15 @@ def measure(run_pair: Callable[[int], tuple[list[float], list[float]]], *, pairs
     """Run pairs (``run_pair(i)`` returns pair i's kept step seconds, deterministic then
     baseline) and look at the estimate after ``pairs`` pairs, then each time the pairs double,
     until the interval clears ``gate`` or another pair at the pace so far would end after
-    ``budget_s`` seconds (the first ``pairs`` always run; that case takes one last look).
-    ``budget_s`` 0: exactly ``pairs`` pairs, one look.  Returns the step times (cut to the
+    ``budget_s`` seconds (the first ``pairs`` always run; that case takes one last look; the
+    first look waits for a second pair while the budget allows).  ``budget_s`` 0: exactly
+    ``pairs`` pairs, one look.  Returns the step times (cut to the
     shortest run), the last look's estimate, the number of looks and the seconds spent."""
     adaptive = budget_s > 0
     start = clock()
     times: dict[str, list[list[float]]] = {label: [] for label in _LABELS}
-    looks, next_look = 0, pairs
+    # One pair cannot show run-to-run variation: an adaptive measurement looks at two or more.
+    looks, next_look = 0, max(pairs, 2) if adaptive else pairs
     while True:
         det, base = run_pair(len(times["deterministic"]))
         times["deterministic"].append(list(det))

@@ -43,7 +43,7 @@ def good_env(monkeypatch):
     for setting in ENV_SETTINGS:
         monkeypatch.setenv(setting.name, GOOD_ENV[setting.name])
     # a GPU machine with every library: every env rule applies, whatever this machine has
-    monkeypatch.setattr(_rules, "detect_platform", lambda: {feature: True for feature in _rules.FEATURES})
+    monkeypatch.setattr(_rules, "detect_platform", lambda **_: {feature: True for feature in _rules.FEATURES})
     return monkeypatch
 
 
@@ -148,7 +148,7 @@ def test_real_subprocess(tmp_path):
 def test_env_check_on_a_cpu_only_torch(monkeypatch, capsys):
     for setting in ENV_SETTINGS:
         monkeypatch.delenv(setting.name, raising=False)
-    monkeypatch.setattr(_rules, "detect_platform", lambda: {feature: False for feature in _rules.FEATURES})
+    monkeypatch.setattr(_rules, "detect_platform", lambda **_: {feature: False for feature in _rules.FEATURES})
     assert main(["check", "--env", "--json"]) == 0  # unset thread count and hash seed: advice (issue 35 item 9)
     data = json.loads(capsys.readouterr().out)
     assert data["clean"] is True and data["violations"] == []
@@ -169,7 +169,7 @@ def test_settings_that_cannot_change_this_machines_bits_are_advice_not_violation
     with the cases in which they would matter.  A value that is wrong stays a violation."""
     for setting in ENV_SETTINGS:
         monkeypatch.delenv(setting.name, raising=False)
-    monkeypatch.setattr(_rules, "detect_platform", lambda: {feature: False for feature in _rules.FEATURES})
+    monkeypatch.setattr(_rules, "detect_platform", lambda **_: {feature: False for feature in _rules.FEATURES})
     monkeypatch.setenv("PYTHONHASHSEED", "random")  # the same as unset
     assert main(["check", "--env"]) == 0
     out = capsys.readouterr().out
@@ -190,7 +190,7 @@ def test_settings_that_cannot_change_this_machines_bits_are_advice_not_violation
 def test_a_config_that_pins_the_thread_count_needs_no_omp_advice(monkeypatch, tmp_path, capsys):
     for setting in ENV_SETTINGS:
         monkeypatch.delenv(setting.name, raising=False)
-    monkeypatch.setattr(_rules, "detect_platform", lambda: {feature: False for feature in _rules.FEATURES})
+    monkeypatch.setattr(_rules, "detect_platform", lambda **_: {feature: False for feature in _rules.FEATURES})
     path = _write(tmp_path, "train.json", json.dumps({"train": {"num_threads": 4}, "seed": 0}))
     assert main(["check", "--config", path, "--env", "--json"]) == 0
     assert [a["rule"] for a in json.loads(capsys.readouterr().out)["advice"]] == ["env-pythonhashseed"]
@@ -219,3 +219,27 @@ def test_config_check_names_the_keys_it_read(tmp_path, capsys):
     assert main(["check", "--config", path]) == 0
     out = capsys.readouterr().out
     assert f"config {path} read as TOML: 1 key(s) checked: num_threads" in out
+
+
+def test_a_cuda_build_of_torch_on_a_machine_without_a_gpu_has_no_cuda_violations(monkeypatch, capsys):
+    """The default torch wheel on Linux is built with CUDA; on a machine with no GPU its runs use no
+    cuBLAS nor NCCL, so CUBLAS_WORKSPACE_CONFIG and NCCL_* cannot change their bits: not applicable
+    (the CLI counts the GPUs; a library check() inside a training process does not)."""
+    import torch
+    import torch.distributed as dist
+
+    for setting in ENV_SETTINGS:
+        monkeypatch.delenv(setting.name, raising=False)
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    assert main(["check", "--env", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["violations"] == [] and data["clean"] is True
+    for rule_id in ("env-cublas-workspace", "env-nccl-algo", "env-nccl-proto"):
+        assert data["not_applicable"][rule_id].startswith("no GPU is visible on this machine")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # one GPU: the CUDA settings decide bits
+    assert main(["check", "--env", "--json"]) == 1
+    violated = {v["rule"] for v in json.loads(capsys.readouterr().out)["violations"]}
+    assert {"env-cublas-workspace", "env-nccl-algo", "env-nccl-proto"} <= violated
+

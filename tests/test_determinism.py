@@ -669,10 +669,14 @@ def test_cuda_and_library_rules_do_not_apply_without_that_software(clean_env):
     assert not violated and {a.rule for a in result.advice} == {"env-pythonhashseed", "env-omp-threads"}
     assert "without CUDA" in result.not_applicable["env-cublas-workspace"]
     # CUDA and NCCL present, Transformer Engine absent: its rule alone stays out
-    gpu_without_te = {**cpu_only, "cuda": True, "nccl": True}
+    gpu_without_te = {**cpu_only, "cuda": True, "gpu": True, "nccl": True}
     result = run_checks(None, env=True, torch_flags=False, environ={}, platform=gpu_without_te)
     assert {"env-cublas-workspace", "env-nccl-algo"} <= {v.rule for v in result.violations}
     assert result.not_applicable["env-nvte-nondeterministic"] == "Transformer Engine is not installed"
+    # a CUDA build of torch on a machine without a GPU (samebits check counts them): not applicable either
+    cuda_build_no_gpu = {**gpu_without_te, "gpu": False}
+    result = run_checks(None, env=True, torch_flags=False, environ={}, platform=cuda_build_no_gpu)
+    assert not result.violations and result.not_applicable["env-nccl-algo"].startswith("no GPU is visible")
 
 
 def test_this_machines_platform_is_detected():

@@ -60,7 +60,9 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config) if args.config else None
     check_env = args.env or config is None
     try:
-        result = run_checks(config, env=check_env, torch_flags=False, ignore=args.ignore)
+        # devices: this process forks nothing, so it may count the GPUs (a CUDA wheel on a machine
+        # without one: the CUDA rules do not apply)
+        result = run_checks(config, env=check_env, torch_flags=False, ignore=args.ignore, devices=True)
     except ConfigError as err:  # unknown --ignore id
         raise ConfigError(f"--ignore: {err}") from err
     interpreted = config is None or bool(result.checked_keys)

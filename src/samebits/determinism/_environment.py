@@ -99,7 +99,7 @@ def _pinned_tokens(allowed: tuple[str, ...], rejected: tuple[str, ...], what: st
 
 ENV_SETTINGS: tuple[EnvSetting, ...] = (
     EnvSetting(
-        name="CUBLAS_WORKSPACE_CONFIG", requires=("cuda",), rule_id="env-cublas-workspace", default=":4096:8",
+        name="CUBLAS_WORKSPACE_CONFIG", requires=("cuda", "gpu"), rule_id="env-cublas-workspace", default=":4096:8",
         validate=_one_of(CUBLAS_WORKSPACE_CONFIGS),
         checks="CUBLAS_WORKSPACE_CONFIG is :4096:8 or :16:8",
         why="cuBLAS picks split-K reductions whose order depends on which workspace a stream "
@@ -107,7 +107,7 @@ ENV_SETTINGS: tuple[EnvSetting, ...] = (
             "when its handle is created, so it must be set before the first CUDA call.",
         fix="export CUBLAS_WORKSPACE_CONFIG=:4096:8 before the process starts CUDA"),
     EnvSetting(
-        name="NCCL_ALGO", requires=("nccl",), rule_id="env-nccl-algo", default="Ring",
+        name="NCCL_ALGO", requires=("nccl", "gpu"), rule_id="env-nccl-algo", default="Ring",
         validate=_pinned_tokens(NCCL_ALGOS_DETERMINISTIC, NCCL_ALGOS_REJECTED, "algorithm"),
         checks="NCCL_ALGO pins one algorithm whose reduction order is fixed "
                f"({', '.join(NCCL_ALGOS_DETERMINISTIC)})",
@@ -117,7 +117,7 @@ ENV_SETTINGS: tuple[EnvSetting, ...] = (
             "change the bits (Megatron names the same gap).",
         fix="export NCCL_ALGO=Ring"),
     EnvSetting(
-        name="NCCL_PROTO", requires=("nccl",), rule_id="env-nccl-proto", default="Simple",
+        name="NCCL_PROTO", requires=("nccl", "gpu"), rule_id="env-nccl-proto", default="Simple",
         validate=_pinned_tokens(NCCL_PROTOS, (), "protocol"),
         checks="NCCL_PROTO pins one protocol (Simple, LL or LL128)",
         why="The protocol sets the chunk size, and the chunking decides at which rank each "
@@ -125,14 +125,14 @@ ENV_SETTINGS: tuple[EnvSetting, ...] = (
             "NCCL version and tuner plugins.",
         fix="export NCCL_PROTO=Simple"),
     EnvSetting(
-        name="NVTE_ALLOW_NONDETERMINISTIC_ALGO", requires=("cuda", "transformer_engine"), rule_id="env-nvte-nondeterministic",
+        name="NVTE_ALLOW_NONDETERMINISTIC_ALGO", requires=("cuda", "gpu", "transformer_engine"), rule_id="env-nvte-nondeterministic",
         default="0", validate=_is_0,
         checks="NVTE_ALLOW_NONDETERMINISTIC_ALGO is 0",
         why="Transformer Engine otherwise picks fused-attention backward kernels that "
             "accumulate with atomics.",
         fix="export NVTE_ALLOW_NONDETERMINISTIC_ALGO=0"),
     EnvSetting(
-        name="FLASH_ATTENTION_DETERMINISTIC", requires=("cuda", "flash_attn"), rule_id="env-flash-attention", default="1",
+        name="FLASH_ATTENTION_DETERMINISTIC", requires=("cuda", "gpu", "flash_attn"), rule_id="env-flash-attention", default="1",
         validate=_starts_with_1,
         checks="FLASH_ATTENTION_DETERMINISTIC is 1",
         why="flash-attention's backward accumulates dQ with atomicAdd unless called with "
@@ -140,13 +140,13 @@ ENV_SETTINGS: tuple[EnvSetting, ...] = (
             "pass it.",
         fix="export FLASH_ATTENTION_DETERMINISTIC=1"),
     EnvSetting(
-        name="MAMBA_DETERMINISTIC", requires=("cuda", "mamba_ssm"), rule_id="env-mamba", default="1",
+        name="MAMBA_DETERMINISTIC", requires=("cuda", "gpu", "mamba_ssm"), rule_id="env-mamba", default="1",
         validate=_starts_with_1,
         checks="MAMBA_DETERMINISTIC is 1",
         why="mamba-ssm's backward kernels use atomics unless this is set (Megatron requires it).",
         fix="export MAMBA_DETERMINISTIC=1"),
     EnvSetting(
-        name="CAUSAL_CONV1D_DETERMINISTIC", requires=("cuda", "causal_conv1d"), rule_id="env-causal-conv1d", default="1",
+        name="CAUSAL_CONV1D_DETERMINISTIC", requires=("cuda", "gpu", "causal_conv1d"), rule_id="env-causal-conv1d", default="1",
         validate=_starts_with_1,
         checks="CAUSAL_CONV1D_DETERMINISTIC is 1",
         why="causal-conv1d's weight-gradient kernel uses atomics unless this is set "

@@ -31,6 +31,8 @@ UNSET = "<unset>"
 
 FEATURES = {
     "cuda": "this torch is built without CUDA (torch.version.cuda is None)",
+    "gpu": "no GPU is visible on this machine (torch.cuda.device_count() is 0), so CUDA settings cannot "
+           "change the bits of its runs",
     "nccl": "this torch has no NCCL (torch.distributed.is_nccl_available() is False)",
     "transformer_engine": "Transformer Engine is not installed",
     "flash_attn": "flash-attn is not installed",
@@ -41,13 +43,19 @@ FEATURES = {
 given when it is missing: a rule about a library that is not there is "not applicable"."""
 
 
-def detect_platform() -> dict[str, bool]:
-    """Which `FEATURES` this Python environment has (packages are looked up, not imported)."""
+def detect_platform(*, devices: bool = False) -> dict[str, bool]:
+    """Which `FEATURES` this Python environment has (packages are looked up, not imported).
+
+    ``devices``: count the GPUs for "gpu", so that a CUDA build of torch (the default wheel on
+    Linux) on a machine without a GPU is told apart.  Counting initialises the CUDA driver,
+    which a process that forks later should not do: `samebits check` (a process of its own)
+    counts; `check()` inside a training process does not, and takes a CUDA build to have one."""
     import torch
     import torch.distributed as dist
 
     cuda = torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None
-    found = {"cuda": cuda, "nccl": cuda and dist.is_available() and dist.is_nccl_available()}
+    found = {"cuda": cuda, "gpu": cuda and (not devices or torch.cuda.device_count() > 0),
+             "nccl": cuda and dist.is_available() and dist.is_nccl_available()}
     for package in ("transformer_engine", "flash_attn", "mamba_ssm", "causal_conv1d"):
         found[package] = importlib.util.find_spec(package) is not None
     return found
@@ -255,10 +263,11 @@ def _ensure_builtins() -> None:
 def run_checks(config: Mapping | None = None, *, env: bool = True,
                torch_flags: bool | None = None, ignore: Iterable[str] = (),
                environ: Mapping[str, str] | None = None,
-               platform: Mapping[str, bool] | None = None) -> CheckResult:
+               platform: Mapping[str, bool] | None = None, devices: bool = False) -> CheckResult:
     """Run every applicable rule and collect the full result (see `check`).  A rule whose
-    `Rule.requires` names software this machine lacks (``platform``, default
-    `detect_platform()`) is not run: it is listed in ``not_applicable`` with the reason."""
+    `Rule.requires` names software or hardware this machine lacks (``platform``, default
+    `detect_platform(devices=devices)`) is not run: it is listed in ``not_applicable`` with the
+    reason."""
     _ensure_builtins()
     if config is not None and not isinstance(config, Mapping):
         raise TypeError(f"config must be a dict (or None), got {type(config).__name__}")
@@ -277,7 +286,7 @@ def run_checks(config: Mapping | None = None, *, env: bool = True,
             continue
         if r.requires:
             if platform is None:
-                platform = detect_platform()
+                platform = detect_platform(devices=devices)
             missing = [feature for feature in r.requires if not platform.get(feature, False)]
             if missing:
                 result.not_applicable[r.id] = FEATURES[missing[0]]

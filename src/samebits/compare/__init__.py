@@ -637,6 +637,9 @@ class _Walk:
                 records_a, records_b = block_a.records(), block_b.records()
                 found, shape_only = _compare_step(rank, block_a.step, records_a, records_b)
                 if found is not None:
+                    # every record of the divergent step was compared (the count is never 0 for
+                    # a divergence found in a step both runs hold)
+                    counts["records"] += block_a.num_records - len(shape_only)
                     finish()
                     return RankStep(rank, block_a.step, records_a, records_b, detail=found.detail), found
                 self._note_shape_only(rank, block_a.step, shape_only)

@@ -158,6 +158,47 @@ def _generator_label(name: str) -> tuple[str, str]:
     return f"user:{site}", f"the generator made at {site}"
 
 
+def _index(name: str, prefix: str) -> str | None:
+    """The number of census record ``name``'s component (``optim2.lr`` -> "2" for "optim"),
+    None when it is not one of ``prefix``'s."""
+    head = name.partition(".")[0]
+    number = head[len(prefix):]
+    return number if head.startswith(prefix) and number.isdigit() else None
+
+
+def has_scheduler(names) -> bool:
+    """Does a census with records ``names`` hold an LR scheduler (``sched<i>.*``)?"""
+    return any(_index(name, "sched") is not None for name in names)
+
+
+def describe_census_record(name: str, present=None) -> str:
+    """The sentence for census record ``name`` that differs at a step's start, naming only what
+    the program has: ``present`` is every record name of that census (None: not known), so a
+    learning rate that differs in a program without an LR scheduler is blamed on the loop's own
+    iteration counter, never on a scheduler it does not have; a scheduler's record names the
+    scheduler's field (its position, ``last_epoch``), never the learning rate, which the
+    optimizer's state restores on its own.  Other records: `describe_state_record`."""
+    optimizer, scheduler = _index(name, "optim"), _index(name, "sched")
+    field = name.partition(".")[2]
+    if optimizer is not None and field == "lr":
+        if present is not None and not has_scheduler(present):
+            return (f"optimizer {optimizer}'s learning rate (its param groups' lr) differs at step start, and the "
+                    "program has no LR scheduler: the loop sets the LR itself, from an iteration counter that was "
+                    "not restored from the checkpoint (restore it, e.g. iter_num = checkpoint['iter_num'])")
+        if present is None:
+            return (f"optimizer {optimizer}'s learning rate (its param groups' lr) differs at step start: the LR's "
+                    "position was not restored on resume (an LR scheduler's state, or the iteration counter a loop "
+                    "computes the LR from)")
+        return (f"optimizer {optimizer}'s learning rate (its param groups' lr) differs at step start: the LR "
+                "scheduler's position or the optimizer's param groups were not restored on resume")
+    if scheduler is not None and field:
+        what = {"last_epoch": "position (last_epoch: the steps it has counted)",
+                "step_count": "step count (_step_count)", "lr": "last computed LR (get_last_lr())"}.get(field, field)
+        return (f"LR scheduler {scheduler}'s {what} differs at step start: the scheduler was not restored on resume "
+                "(scheduler.load_state_dict(checkpoint['scheduler']))")
+    return describe_state_record(name)
+
+
 def _read_jsonl(path: Path) -> list[dict]:
     if not path.is_file():
         return []
@@ -357,20 +398,21 @@ def _resume_step(census_a, census_b, census_c, main_a, dir_c, rank, step, resume
     if optimizer_kinds and not any(f.kind == "optimizer_state" for f in findings):
         name = sorted(optimizer_kinds)[0]
         add("optimizer_state", f"{describe_state_record(name)} (step {step})", name)
-    for name in differing:
-        if name.startswith("sched"):
-            add("scheduler", f"{describe_state_record(name)} (LR scheduler position at step {step}: restore it "
-                "with scheduler.load_state_dict)", name)
-            break
+    scheduled = [n for n in differing if _index(n, "sched") is not None]
+    if scheduled:
+        add("scheduler", _scheduler_says(census_a, census_c, rank, step, scheduled, state_c), _scheduler_record(scheduled))
     for name in differing:
         if name.startswith("scaler"):
             add("grad_scaler", f"{describe_state_record(name)} (step {step})", name)
     lr = [n for n in differing if n.startswith("optim") and n.endswith(".lr")]
-    if lr and not any(n.startswith("sched") for n in differing):
+    if lr and not scheduled:
         same_as = _matching_step(census_a, rank, STATE_PHASE, lr[0], state_c[lr[0]], step)
         evidence = f" (C's learning rate at step {step} is A's at step {same_as})" if same_as is not None else ""
+        # a scheduler is named only in a program that has one (its census records sched<i>.*)
+        others = ("the program has no LR scheduler" if not has_scheduler(state_a) and not has_scheduler(state_c)
+                  else "no LR scheduler state differs")
         add("iteration_counter", f"the learning rate of {lr[0].split('.')[0].replace('optim', 'optimizer ')} "
-            f"differs at step {step} and no LR scheduler state differs{evidence}: the script sets the LR "
+            f"differs at step {step} and {others}{evidence}: the script sets the LR "
             "itself, from an iteration counter that was not restored from the checkpoint (restore it, e.g. "
             "iter_num = checkpoint['iter_num'])", lr[0])
     # 5. data: the loader's position, the batch itself
@@ -438,6 +480,55 @@ def _resume_step(census_a, census_b, census_c, main_a, dir_c, rank, step, resume
         add("input_batch", f"the input batch of step {step} differs ({changed_inputs[0]}) while no recorded state "
             "explains it: the data pipeline gives another batch after the resume", f"inputs:{changed_inputs[0]}")
     return findings
+
+
+def _scheduler_record(scheduled: list[str]) -> str:
+    """The scheduler record a finding rests on: its position first (what a restore sets)."""
+    for field in ("last_epoch", "step_count", "lr"):
+        for name in scheduled:
+            if name.partition(".")[2] == field:
+                return name
+    return scheduled[0]
+
+
+def _scheduler_says(census_a: _Census, census_c: _Census, rank: int, step: int, scheduled: list[str],
+                    state_c: dict) -> str:
+    """An LR scheduler in another state as ``step`` begins: its position (``last_epoch``), with
+    A's step whose position C's equals (a scheduler that starts over is at A's step 0), and the
+    learning rate the optimizer uses: equal at this step when the optimizer's state restored its
+    param groups' lr, then the first step where it differs (the scheduler's next step moves it
+    from its own position), as the census shows it."""
+    record = _scheduler_record(scheduled)
+    number = _index(record, "sched")
+    field = record.partition(".")[2]
+    what = {"last_epoch": "position (last_epoch, the steps it has counted)", "step_count": "step count (_step_count)",
+            "lr": "last computed LR (get_last_lr())"}.get(field, field)
+    same_as = _matching_step(census_a, rank, STATE_PHASE, record, state_c[record], step) if record in state_c else None
+    where = ""
+    if same_as is not None:
+        where = f": C's is A's at step {same_as}" + (", the scheduler starts over" if same_as == 0 else "")
+    says = f"LR scheduler {number}'s {what} differs as step {step} begins{where}"
+    lr_names = sorted(n for n in census_a.get(rank, step, STATE_PHASE) if _index(n, "optim") is not None
+                      and n.endswith(".lr"))
+    if lr_names:
+        name = lr_names[0]
+        later = [other for other in sorted({at for (r, at) in census_c.steps if r == rank}) if other >= step]
+        first_lr = None
+        for other in later:
+            lr_a, lr_c = census_a.get(rank, other, STATE_PHASE).get(name), census_c.get(rank, other, STATE_PHASE).get(name)
+            if lr_a is not None and lr_c is not None and not _same(lr_a, lr_c):
+                first_lr = other
+                break
+        if first_lr == step:
+            says += f"; the learning rate the optimizer uses differs at step {step} too"
+        elif first_lr is not None:
+            says += (f"; the learning rate the optimizer uses is still A's at step {step} (the optimizer's state "
+                     f"restored its param groups' lr) and differs from step {first_lr} on, after the scheduler "
+                     "steps from its own position")
+        elif later:
+            says += (f"; the learning rate the optimizer uses is A's at step {step} (the optimizer's state restored "
+                     "its param groups' lr); the scheduler's next step sets it from the scheduler's own position")
+    return says + ": the scheduler was not restored; restore it with scheduler.load_state_dict(checkpoint['scheduler'])"
 
 
 _ORDER = ["off_by_one", "script_said", "initial_params", "model_params", "optimizer_state", "scheduler", "grad_scaler",
@@ -584,17 +675,32 @@ def census_suspects(names: list[str], dir_a: Path, dir_b: Path, rank: int,
     return [name for name in names if name not in unused], unused
 
 
+def census_names(directory: Path, rank: int, step: int) -> set[str] | None:
+    """Every record name of a run's census at ``step``'s start on ``rank`` (what the program
+    has: its generators, optimizers, LR schedulers, loaders), None when the run has no census
+    there (`describe_census_record` then says what it cannot know)."""
+    census = _census(directory, step, step)
+    if census is None:
+        return None
+    names = census.get(rank, step, STATE_PHASE)
+    return set(names) if names else None
+
+
 # --- independent runs --------------------------------------------------------------------
 
 
-def explain_independent(dir_a: Path, dir_b: Path, diverged_at: int, order: str | None = None) -> list[Finding]:
+def explain_independent(dir_a: Path, dir_b: Path, diverged_at: int, order: str | None = None,
+                        order_phase: str | None = None, order_rank: int = 0) -> list[Finding]:
     """Findings for two independent runs that differ from ``diverged_at`` on: generators the
-    step draws from that are in other states, and the input batch."""
+    step draws from that are in other states, and the input batch.  ``order``: the detail of a
+    divergence of equal records in another order, in phase ``order_phase`` on ``order_rank``
+    (said with whose order it is, `order_says`)."""
     census_a = _census(dir_a, 0, diverged_at + 1)
     census_b = _census(dir_b, 0, diverged_at + 1)
     findings: list[Finding] = []
     if order:
-        findings.append(Finding("independent", "order", diverged_at, 0, order))
+        findings.append(Finding("independent", "order", diverged_at, order_rank,
+                                order_says(order, order_phase, dir_a, diverged_at, order_rank)))
     if census_a is None or census_b is None:
         return findings
     for rank in census_a.ranks:
@@ -631,6 +737,38 @@ def explain_independent(dir_a: Path, dir_b: Path, diverged_at: int, order: str |
     return findings
 
 
+def _zero_code(directory: Path) -> bool:
+    """Was the run recorded by zero-code recording (its stream's environment says so)?"""
+    try:
+        run = open_run(directory)
+        try:
+            reader = run.stream(run.ranks[0])
+            env = (reader.header.get("environment") or {}).get("env") or {}
+            reader.close()
+        finally:
+            run.close()
+    except (StreamError, IndexError, OSError, AttributeError):
+        return False
+    return env.get("SAMEBITS_AUTORECORD") == "1"
+
+
+def order_says(detail: str, phase: str | None, dir_a: Path, step: int, rank: int) -> str:
+    """A divergence of the same records in another order, said with whose order it is: zero-code
+    recording writes a step's gradients, parameters and optimizer state (phases ``grads``,
+    ``params``, ``optimizer``; ``optimizer<N>.<phase>`` for another optimizer) in the order the
+    optimizer holds its parameters, so there the order is the optimizer's parameter order."""
+    said = detail.removeprefix(f"step {step}, rank {rank}, ")  # the finding carries its step and rank
+    if (phase or "").rpartition(".")[2] not in ("grads", "params", "optimizer") or not _zero_code(dir_a):
+        return said
+    owner = f"optimizer {phase.partition('.')[0].removeprefix('optimizer')}" if "." in phase else "the optimizer"
+    return (f"{said}. This is {owner}'s parameter order (the gradients, parameters and optimizer state are recorded in the order the "
+            "optimizer holds its parameters): its param groups were built in another order in each run, from "
+            "something iterated in an order that changes between runs (a Python set, whose order changes with "
+            "PYTHONHASHSEED, or a dict keyed by ids); build them from a list in a fixed order, e.g. "
+            "model.named_parameters(). Nothing differs in value yet; a sum over them (a gradient norm, a "
+            "flattened buffer) would")
+
+
 def _initial_params(census_a: _Census, census_b: _Census, rank: int) -> Finding | None:
     """The parameters as step 0 begins (a fresh process's ``restored.params``) that differ
     between two independent runs: the initial weights, before any training op."""
@@ -645,4 +783,5 @@ def _initial_params(census_a: _Census, census_b: _Census, rank: int) -> Finding 
                    "loaded); seed torch with a constant before building the model", f"params:{wrong[0]}")
 
 
-__all__ = ["Finding", "explain_resume", "explain_independent", "ordered", "script_notes", "census_suspects"]
+__all__ = ["Finding", "explain_resume", "explain_independent", "ordered", "script_notes", "census_suspects",
+           "describe_census_record", "has_scheduler", "census_names"]

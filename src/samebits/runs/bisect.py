@@ -49,7 +49,7 @@ from samebits import settings
 from samebits.autorecord import environment_for, recording_variables, with_variables
 from samebits.checkpoint import describe_state_record
 from samebits.errors import ConfigError, SamebitsError
-from samebits.runs._explain import census_suspects
+from samebits.runs._explain import census_names, census_suspects, describe_census_record
 from samebits.runs._launch import failed, run_logged, teardown_note
 from samebits.runs.commands import (CKPT, FROM, OUT, RUN, STEP, SelfRecording, check_out_dir, default_out_dir,
                                     fill_placeholders, holds, write_summary)
@@ -282,6 +282,9 @@ class _Bisector:
         self.same_command = same_command
         self.stages: list[Stage] = []
         self.notes: list[str] = []
+        #: (rank, step) -> every census record name of side a there (None: no census), so that a
+        #: conclusion names only components the program has
+        self.census_present: dict[tuple[int, int], set[str] | None] = {}
         self._sides: dict[str, Command] = {"a": side_a, "b": side_b}
         self.first_a_work: Path | None = None  # the first run of A's work folder: {from} of every resumed B
         self.from_step = side_b.from_step  # a resume bisect: only steps >= this are compared and traced
@@ -344,6 +347,8 @@ class _Bisector:
             # the step is no suspect
             finding.state_differs, finding.state_unused = census_suspects(
                 finding.state_differs, a, b, finding.rank, finding.step)
+            if (finding.rank, finding.step) not in self.census_present:  # what the program has (an LR scheduler?)
+                self.census_present[(finding.rank, finding.step)] = census_names(a, finding.rank, finding.step)
         for note in report.notes:
             if note not in self.notes and self.resume_step is not None and "phase pre" in note:
                 self.notes.append(note)
@@ -504,7 +509,7 @@ class _Bisector:
                 return Origin.of(found, None, "generator",
                                     "; ".join(describe_state_record(name) for name in generators)
                                     + f". So {text[0].lower()}{text[1:]}", state_differs=generators)
-            return Origin.of(found, None, "input_batch", text + _state_sentence(found, ". Also: "))
+            return Origin.of(found, None, "input_batch", text + self._state_sentence(found, ". Also: "))
         if found.category in ("op", "probe") and found.permuted:
             site = f" at {found.call_site}" if found.call_site else ""
             return Origin.of(found, None, "order",
@@ -539,11 +544,19 @@ class _Bisector:
                            f"the resumed run starts step {found.step} in another state than the run it resumes "
                            f"(rank {found.rank}): {listed} differ at the step's start, before any op ran, and each "
                            "side repeats itself: the checkpoint does not save or restore them. "
-                           + describe_state_record(names[0])
-                           + (". An LR the loop computes from its own iteration counter differs the same way when "
-                              "the checkpoint's counter is not restored" if names[0].endswith(".lr") else ""),
+                           + self._describe(names[0], found),
                            state_differs=names)
         return None
+
+    def _describe(self, name: str, finding: OriginFinding) -> str:
+        """The sentence for census record ``name`` that differs at ``finding``'s step start,
+        naming only what the program has (its census there: `describe_census_record`)."""
+        return describe_census_record(name, self.census_present.get((finding.rank, finding.step)))
+
+    def _state_sentence(self, finding: OriginFinding, prefix: str) -> str:
+        if not finding.state_differs:
+            return ""
+        return prefix + "; ".join(self._describe(name, finding) for name in finding.state_differs) + "."
 
     def _reconcile(self, origin: Origin) -> Origin:
         """The conclusion may never contradict an earlier stage's evidence.  A stage that found
@@ -571,7 +584,7 @@ class _Bisector:
                 f"not explain it. Ruled out: every value recorded before phase {evidence.phase} of step "
                 f"{evidence.step} matched; the difference arises in phase {evidence.phase}, from a value its trace "
                 "does not record (state kept across steps, or code outside torch)")
-        return Origin.of(evidence, None, "not_localised", text + _state_sentence(evidence, " Also: "))
+        return Origin.of(evidence, None, "not_localised", text + self._state_sentence(evidence, " Also: "))
 
     def _anchor(self, step: int) -> tuple[int, OriginFinding] | None:
         """The earliest stage's evidence at ``step``: (stage number, finding) of the first stage
@@ -687,6 +700,16 @@ class _Bisector:
                                 f"but {MAX_RERUNS} re-runs at a finer rung did not diverge again (a rare race); "
                                 "run the bisect again, or with more steps")
         if final.classification == "origin" and final.category in ("op", "probe", "collective"):
+            if elements is not None and not elements.differing:
+                # The dumps hold no difference: the origin rests on the trace's digests, and the
+                # dumps' equal outputs are no element detail of it ("0 of N differ, max 0 ulp").
+                origin = self._explain_origin(final, None)
+                origin.conclusion += (f". Its dumps did not reproduce the difference: output {elements.output} of "
+                                      f"{final.op or final.event_id} was equal in the dump runs "
+                                      f"({' vs '.join(elements.pair)}, {elements.total} elements), so the "
+                                      "difference did not recur there (a race that fires only sometimes); no "
+                                      "element detail. Run the bisect again for it")
+                return origin
             return self._explain_origin(final, elements)
         if evidence.module_origin is not None and evidence.ops_finding is not None:
             module = evidence.module_origin
@@ -705,7 +728,7 @@ class _Bisector:
         text = (f"not localised: the first difference is {final.where()} ({final.classification}: {final.detail}). "
                 "Ruled out: " + "; ".join(ruled_out) + ". The value was written by code the trace does not "
                 "cover here (outside the traced module subtree, or outside torch)")
-        return Origin.of(final, None, "not_localised", text + _state_sentence(final, " Also: "))
+        return Origin.of(final, None, "not_localised", text + self._state_sentence(final, " Also: "))
 
     def _explain_origin(self, final: OriginFinding, elements: Elements | None) -> Origin:
         site = f" at {final.call_site}" if final.call_site else ""
@@ -770,6 +793,9 @@ class _Bisector:
             stage.verdict = str(Verdict.DIVERGED if elements and elements.differing else Verdict.IDENTICAL)
             if elements is None:
                 stage.summary = "no dump was written (the event did not run)"
+            elif not elements.differing:
+                stage.summary = (f"the difference did not recur: output {elements.output} equal in "
+                                 f"{' vs '.join(elements.pair)} ({elements.total} elements)")
             else:
                 stage.summary = (f"{elements.differing} of {elements.total} elements differ in output "
                                  f"{elements.output} ({' vs '.join(elements.pair)}), "
@@ -811,12 +837,6 @@ def _torch_generators(finding: OriginFinding) -> list[str]:
     """The torch generators among the census records that differ at the finding's step start
     (ATen ops draw from these; Python's and NumPy's generators never feed them)."""
     return [name for name in finding.state_differs if name.startswith(_TORCH_GENERATORS)]
-
-
-def _state_sentence(finding: OriginFinding, prefix: str) -> str:
-    if not finding.state_differs:
-        return ""
-    return prefix + "; ".join(describe_state_record(name) for name in finding.state_differs) + "."
 
 
 def _subtree_for(found: OriginFinding) -> str:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -161,7 +162,8 @@ def verify_recipe(
             timings[name] = seconds
             # torchrun replaces the recipe's exit code 3 by its own: the marker file tells.
             stop = read_stop(run_dir) if may_stop else None
-            judge_recipe_run(name, argv, code, log, stopped=stop is not None)
+            with _keeping_earlier_verdicts(out, runs):
+                judge_recipe_run(name, argv, code, log, stopped=stop is not None)
             ended = f"stopped at step {stop.get('stopped_at')} (differs from A)" if stop is not None else "finished"
             runs.append(RunInfo(name, shlex.join(argv), code, seconds, ended))
             mark()  # what it had so far, should verify itself be killed next
@@ -173,6 +175,7 @@ def verify_recipe(
         "resume": _with_census(_diff(out / "a", out / "c", start_step=resume_at), out / "a", out / "c",
                                resume_at, "resume", notes),
     }
+    notes += _curves_cut(runs)
     result = VerifyResult(str(out), checks, timings, resume_at, notes, runs)
     _add_gaps(result, {"a": out / "a", "b": out / "b", "c": out / "c"})
     _explain(result, out / "a", out / "b", out / "c")
@@ -296,16 +299,18 @@ def verify_command(
             code, seconds = run_logged(argv, log, env=env, label=name, progress=progress, streams=run_dir, **kwargs)
             timings[name] = seconds
             stop = read_stop(run_dir)
-            if stop is not None:
-                ended = f"stopped at step {stop.get('stopped_at')} (differs from A)"
-            else:
-                ended = judge_recorded_run(name, argv, code, run_dir, log) or "finished"
-            runs.append(RunInfo(name, shlex.join(argv), code, seconds, ended))
-            mark()  # what it had so far, should verify itself be killed next
-            say(f"      done in {seconds:.1f} s: {ended}")
-            _refuse_unrecorded(name, argv, run_dir)
+            with _keeping_earlier_verdicts(out, runs):
+                if stop is not None:
+                    ended = f"stopped at step {stop.get('stopped_at')} (differs from A)"
+                else:
+                    ended = judge_recorded_run(name, argv, code, run_dir, log) or "finished"
+                runs.append(RunInfo(name, shlex.join(argv), code, seconds, ended))
+                mark()  # what it had so far, should verify itself be killed next
+                say(f"      done in {seconds:.1f} s: {ended}")
+                _refuse_unrecorded(name, argv, run_dir)
     checks = {"independent": _diff(out / "a", out / "b"),
               "resume": _diff(out / "a", out / "c", start_step=resume_at) if resume_with else None}
+    notes += _curves_cut(runs)
     result = VerifyResult(str(out), checks, timings, resume_at, notes, runs)
     _add_gaps(result, {"a": out / "a", "b": out / "b", "c": out / "c"})
     _explain(result, out / "a", out / "b", out / "c")
@@ -353,7 +358,72 @@ def _expand(argv: list[str], out: Path, run: str, step: int | None = None) -> li
     return fill_placeholders(argv, values)
 
 
+_STOPPED_AT = re.compile(r"stopped at (step \S+)")
+
+
+def _curves_cut(runs: list[RunInfo]) -> list[str]:
+    """The note for runs the live check stopped at their first divergent step: their curves
+    end there, so a report shows a point or two of them; ``--keep-going`` records them whole."""
+    cut = [run for run in runs if run.ended.startswith("stopped at step")]
+    if not cut:
+        return []
+    which = " and ".join(run.name.split()[0] + " at " + _STOPPED_AT.match(run.ended).group(1) for run in cut)
+    return [f"the live check stopped {which} (the first divergent step{'s' if len(cut) > 1 else ''}), so "
+            f"{'their curves end' if len(cut) > 1 else 'its curve ends'} there: to see the whole divergent curves "
+            "(`samebits report`), run verify again with --keep-going"]
+
+
 _CHECK_RUNS = {"independent": ("a", "b"), "resume": ("a", "c")}
+
+
+@contextmanager
+def _keeping_earlier_verdicts(out: Path, runs: list[RunInfo]):
+    """A run that fails (`RunFailed`, exit 2) after A and B ran: its error keeps the verdict
+    those runs already give (issue 35).  A B that stopped at its first divergent step is
+    often the root cause of what fails after it (a C resuming from a run that differs from
+    its own twin), and an error that shows only the last run's failure hides it."""
+    try:
+        yield
+    except RunFailed as err:
+        earlier = _earlier_verdicts(out, runs, f"run {err.label or '?'} failed (its error below); before it")
+        if not earlier:
+            raise
+        raise RunFailed("\n".join(earlier + [str(err)]), err.reason, err.label) from err
+
+
+def _earlier_verdicts(out: Path, runs: list[RunInfo], before: str = "before it") -> list[str]:
+    """What A and B, both ended, already say: whether they are identical (guarantee 1), and
+    where and why they differ when they do, as lines for an error message; [] when they did not
+    both end.  ``before``: the words each first line starts with."""
+    ended = {run.name: run for run in runs}
+    if "A" not in ended or "B" not in ended:
+        return []
+    stopped = " (B stopped there: its live check found it)" if ended["B"].ended.startswith("stopped") else ""
+    try:
+        check = diff(out / "a", out / "b")
+    except Exception as err:  # noqa: BLE001 - an error message must not fail on its context
+        return [f"{before}, A and B ran ({', '.join(f'{n} {r.ended}' for n, r in ended.items())}) but could not be "
+                f"compared ({str(err).splitlines()[0] if str(err) else type(err).__name__})"]
+    verdict = Verdict(check.verdict)
+    if verdict is Verdict.IDENTICAL:
+        c = check.compared
+        return [f"{before}, the independent runs A and B were identical ({c['ranks']} rank(s) x {c['steps']} step(s), "
+                f"{c['records']:,} records): guarantee 1 held"]
+    if verdict is not Verdict.DIVERGED or check.first_divergence is None:
+        return [f"{before}, the independent runs A and B were {verdict.value.upper()} "
+                f"({'; '.join(check.incomplete[:1] or check.notes[:1]) or 'no verdict'})"]
+    first = check.first_divergence
+    where = f"{first.phase}/{first.name}" if first.name else first.detail
+    lines = [f"{before}, the independent runs A and B diverged at step {first.step}, rank {first.rank} ({where})"
+             f"{stopped}: guarantee 1 fails whatever the later run does, and a run from A's checkpoint inherits what "
+             "made them differ"]
+    try:
+        order = first.detail if first.reason == "order" else None
+        findings = ordered(explain_independent(out / "a", out / "b", first.step, order, first.phase, first.rank))
+    except Exception:  # noqa: BLE001 - the divergence stands without its explanation
+        findings = []
+    lines += [f"  what differs: step {f.step}, rank {f.rank}: {f.says}" for f in findings[:3]]
+    return lines
 
 
 def _refuse_unrecorded(name: str, argv: list[str], run_dir: Path) -> None:
@@ -392,7 +462,7 @@ def _explain(result: VerifyResult, run_a: Path, run_b: Path, run_c: Path) -> Non
     if independent is not None and independent.first_divergence is not None and not independent.identical:
         first = independent.first_divergence
         order = first.detail if first.reason == "order" else None
-        findings += explain_independent(run_a, run_b, first.step, order)
+        findings += explain_independent(run_a, run_b, first.step, order, first.phase, first.rank)
     resume = result.checks.get("resume")
     if resume is not None and resume.first_divergence is not None and not resume.identical:
         findings += explain_resume(run_a, run_b, run_c, result.resume_at or 0, resume.first_divergence.step)

@@ -82,6 +82,9 @@ def test_a_resumed_run_has_one_window_and_one_first_step_in_every_part_of_the_re
     row = next(line for line in out.splitlines() if line.startswith("a vs c"))
     assert "rank 0: step 5" in row and "step 0" not in row.replace(f"step {RESUME_AT}", "")  # was "rank 0: step 0"
     assert f"step {RESUME_AT}" in row  # the table's window column
+    # and the state that explains it, as the page draws it
+    assert f"  a vs c: step {RESUME_AT}: b holds a's LR scheduler 0 position (last_epoch) of step 0 (4 steps " \
+           "behind)" in out.splitlines()
     # the JSON says the same, pair by pair
     assert main(["report", str(a), str(c), "-o", str(page), "--json"]) == EXIT_BAD_VERDICT
     payload = json.loads(capsys.readouterr().out)

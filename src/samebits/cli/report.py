@@ -12,6 +12,7 @@ from samebits.cli._options import check_input_directory, check_input_file
 from samebits.cli._lazy import lazy
 
 write_report = lazy("samebits.runs.report", "write_report")
+MAX_STATE_LINES = 4  # census lines printed under the table
 _STREAM = re.compile(r"^rank-\d{5,}\.sbs$")  # a rank's stream (samebits.stream.reader's name)
 
 
@@ -90,6 +91,14 @@ def run(args) -> int:
         for pair in report.pairs:
             if pair.window and pair.start_step is not None and pair.window != f"compared from step {pair.start_step}":
                 echo(f"{pair.label}: {pair.window}")  # why that window (a resumed run), as the sentence says
+        said = [(pair.label, line) for pair in report.pairs for line in pair.census_summary.get("says", [])]
+        if said:  # the state that differs, as the page draws it (its first lines; all of them on the page)
+            echo("")
+            echo("the training state at step start (the page draws it):")
+            for label, line in said[:MAX_STATE_LINES]:
+                echo(f"  {label}: {line}")
+            if len(said) > MAX_STATE_LINES:
+                echo(f"  ... and {len(said) - MAX_STATE_LINES} more (the page lists them all)")
     echo("")
     echo(f"wrote {report.out} ({len(report.sections)} sections); open it in a browser (works offline)")
     sys.stdout.flush()

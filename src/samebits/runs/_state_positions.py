@@ -173,13 +173,16 @@ def _moved(census: dict, name: str) -> list[int]:
 def state_positions(dir_a: str | Path, dir_b: str | Path, rank: int, start: int,
                     independent: str | Path | None = None) -> StatePicture | None:
     """Run b's census against run a's on ``rank`` from step ``start`` on (`StatePicture`); None
-    when either run has no census stream for the rank.  ``independent``: run B of a verify, a's
-    independent twin; a record that also differs between a and it is left out."""
+    when either run has no census stream for the rank, or b's holds no step from ``start`` on.
+    ``independent``: run B of a verify, a's independent twin; a record that also differs between
+    a and it is left out."""
     census_a, census_b = _read(Path(dir_a), rank), _read(Path(dir_b), rank)
     if not census_a or not census_b:
         return None
     twin = _read(Path(independent), rank) if independent is not None else None
     window = [s for s in sorted(census_b) if s >= start]
+    if not window:  # b's census holds no compared step: nothing is known, nothing is "the same"
+        return None
     names: list[str] = []
     for census in (census_a, census_b):
         for step in sorted(census):

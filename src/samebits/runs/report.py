@@ -1185,10 +1185,10 @@ class _Page:
         picture = state_positions(pair.a, pair.b, rank, pair.start_step or 0, independent=pair.independent)
         if picture is None:  # no census stream (a loop that records none): nothing to draw, nothing to say
             return
-        pair.census_summary = picture.to_dict()
+        label_a, label_b = _short_names(pair)
+        pair.census_summary = {"says": [t.says(label_a, label_b) for t in picture.tracks], **picture.to_dict()}
         if not picture.tracks and not picture.left_out:
             return  # the state was the same throughout: the other sections say where the runs part
-        label_a, label_b = _short_names(pair)
         self.h2(f"{pair.label}: the training state, step by step (rank {rank})", "census")
         self.add(f"<p>At each step start the state census records the bits of every generator, the optimizer's "
                  f"step counts and learning rates, the LR scheduler's position and the step's input batch (the "

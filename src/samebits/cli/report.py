@@ -21,11 +21,13 @@ def register(sub) -> None:
         "report",
         help="write one self-contained HTML page of a verify, bisect, matrix or diff",
         description="Write one HTML file (no network, no scripts: open it anywhere) that leads with the "
-                    "conclusion the command printed, then the verdicts, the growth of the difference in ulps per "
-                    "step (log scale), the metric curves of both runs (loss, grad norm, lr; a solid, b dashed), a "
-                    "heatmap of where the runs differ (record groups or ranks x steps), the records that differ "
-                    "step by step, the origin of a bisection and the difference between the runs' "
-                    "environments. Give the output directory of samebits verify, bisect or "
+                    "conclusion the command printed, then the verdicts, the training state that differs at each step "
+                    "start (the state census: for a resume, which of A's steps each state of C holds), the growth "
+                    "of the difference in ulps per step (log scale), the metric curves of both runs (loss, grad "
+                    "norm, lr; a solid, b dashed), a heatmap of where the runs differ (record groups or ranks x "
+                    "steps), the records that differ grouped by module, step by step, the origin of a bisection "
+                    "and the difference between the runs' environments. A resumed run is compared from its "
+                    "first step, and every part says so. Give the output directory of samebits verify, bisect or "
                     "matrix, or two run directories (compared here). Exit code: that of the verdict shown "
                     "(0 good, 1 bad, 2 could not decide or could not run, 3 the command was stopped before it finished: "
                     "its summary.json says so).",

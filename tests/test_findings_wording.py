@@ -21,7 +21,7 @@ import torch
 
 import samebits
 from samebits.compare import diff
-from samebits.runs._explain import describe_census_record
+from samebits.runs._explain import describe_census_record, explain_resume, ordered
 from samebits.runs._launch import RunFailed
 from samebits.runs.bisect import Command, Elements, _Bisector, _Evidence, bisect
 from samebits.runs.verify import RunInfo, _curves_cut, _keeping_earlier_verdicts
@@ -92,7 +92,36 @@ def test_bisect_resume_state_without_a_scheduler_blames_the_iteration_counter(tm
     assert "the program has no LR scheduler" in result.conclusion and "iteration counter" in result.conclusion
 
 
-# -- dumps that do not reproduce the difference ---------------------------------------------------
+def _census_run(root: Path, name: str, steps: range, scheduler: bool) -> Path:
+    """A run with a main stream and a census (RUN/state) of one optimizer and, with
+    ``scheduler``, one LR scheduler, as zero-code recording names them."""
+    main = samebits.Recorder(root / name, config={"lr": 0.1})
+    census = samebits.Recorder(root / name / "state", config={"lr": 0.1})
+    for step in steps:
+        main.tensors(step, "params", [("w", torch.full((2,), float(step)))])
+        main.end_step(step)
+        records = [("optim0.step", torch.tensor([float(step)])), ("optim0.lr", torch.tensor([0.1], dtype=torch.float64))]
+        if scheduler:
+            records += [("sched0.last_epoch", torch.tensor([step])), ("sched0.step_count", torch.tensor([step + 1])),
+                        ("sched0.lr", torch.tensor([0.1], dtype=torch.float64))]
+        census.tensors(step, "state", records)
+        census.end_step(step)
+    main.close()
+    census.close()
+    return root / name
+
+
+def test_a_scheduler_the_resumed_run_lacks_is_one_finding_about_the_scheduler(tmp_path):
+    """C never made A's LR scheduler: one finding (not one per scheduler record), which says the
+    scheduler is missing and does not claim the learning rate differs (it is equal here)."""
+    a = _census_run(tmp_path, "a", range(3), scheduler=True)
+    c = _census_run(tmp_path, "c", range(1, 3), scheduler=False)
+    findings = ordered(explain_resume(a, None, c, 1, 1))
+    assert [(f.kind, f.step, f.record) for f in findings] == [("scheduler", 1, "sched0.last_epoch")], findings
+    assert "C has no LR scheduler 0" in findings[0].says and "learning rate" not in findings[0].says
+
+
+# -- dumps that do not reproduce the difference# -- dumps that do not reproduce the difference ---------------------------------------------------
 
 
 def test_an_origin_whose_dumps_do_not_differ_says_the_difference_did_not_recur(tmp_path, monkeypatch):

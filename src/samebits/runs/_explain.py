@@ -388,10 +388,10 @@ def _resume_step(census_a, census_b, census_c, main_a, dir_c, rank, step, resume
                 f"{step - 1} ({len(lost)} state tensors missing, {len(wrong)} different; first {first}): the "
                 "optimizer state was restored only in part, or changed after the load", f"optimizer:{first}")
     # 3. records that one run has and the other lacks
-    for name in missing:
+    for name in _one_per_component(missing):
         add(_kind_of(name), f"C has no {_what(name)} at step {step}, A has: was it created and restored on "
-            f"resume? ({describe_state_record(name)})", name)
-    for name in extra:
+            f"resume?{_absent_words(name)}", name)
+    for name in _one_per_component(extra):
         add(_kind_of(name), f"C has a {_what(name)} at step {step} that A does not have", name)
     # 4. state records that differ, by kind
     optimizer_kinds = {n for n in differing if n.startswith("optim") and not n.endswith(".lr")}
@@ -544,6 +544,26 @@ def ordered(findings: list[Finding]) -> list[Finding]:
 def _is_progress(name: str) -> bool:
     return (name.startswith("optim") and (name.endswith(".step") or name.endswith(".lr"))) or \
         name.startswith("sched") or name.startswith("data.")
+
+
+def _one_per_component(names: list[str]) -> list[str]:
+    """The first record of each optimizer, LR scheduler and GradScaler among ``names`` (a
+    scheduler that is absent lacks its three records: one finding), every other record."""
+    seen, out = set(), []
+    for name in names:
+        head = name.partition(".")[0]
+        component = head if any(_index(name, prefix) is not None for prefix in ("optim", "sched", "scaler")) else name
+        if component not in seen:
+            seen.add(component)
+            out.append(name)
+    return out
+
+
+def _absent_words(name: str) -> str:
+    """What an absent record is, where `_what` does not already say it (a generator's record)."""
+    if any(_index(name, prefix) is not None for prefix in ("optim", "sched", "scaler")):
+        return ""
+    return f" ({describe_state_record(name)})"
 
 
 def _kind_of(name: str) -> str:

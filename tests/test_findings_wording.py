@@ -197,6 +197,30 @@ def test_a_failed_first_run_has_no_earlier_verdict(tmp_path):
     assert str(raised.value) == "run B failed: boom"
 
 
+def test_a_bisect_whose_later_run_fails_keeps_what_its_stages_found(tmp_path, monkeypatch):
+    """The steps stage located the first divergence (an op in the forward of step 2); a run of
+    the modules stage then crashes.  The old exit-2 message showed only that run's error."""
+    forward = dict(classification="origin", category="phase", phase="forward", event_id="forward/model:0",
+                   role="out", label="0", detail="all inputs of forward/model:0 matched; its output 0 differs")
+    _scripted_steps_stage(monkeypatch, forward)
+    scripted_run_stage = _Bisector.run_stage
+
+    def run_stage(self, stage, config, sides):
+        if stage.name != "steps":
+            self.stages.append(stage)
+            raise RunFailed("run a failed (python a.py): MemoryError", "MemoryError", "a")
+        return scripted_run_stage(self, stage, config, sides)
+
+    monkeypatch.setattr(_Bisector, "run_stage", run_stage)
+    with pytest.raises(RunFailed) as raised:
+        bisect(["python", "a.py"], ["python", "b.py"], out=tmp_path / "o")
+    message = str(raised.value)
+    assert message.startswith("bisect stopped in stage 2 (modules) (its error below); the stages before it found:")
+    assert "stage 1 (steps" in message and "origin: rank 0, step 2, phase forward" in message
+    assert "all inputs of forward/model:0 matched" in message
+    assert message.endswith("run a failed (python a.py): MemoryError") and raised.value.label == "a"
+
+
 # -- verify says when the live check cut the curves --------------------------------------------
 
 

@@ -999,9 +999,31 @@ def bisect(cmd_a: list[str] | None = None, cmd_b: list[str] | None = None, *, ou
         side_b = Command("b", list(cmd_a if cmd_b is None else cmd_b), step_offset=b_step_offset,
                          from_step=b_step_offset, spec=spec)
     bisector = _Bisector(side_a, side_b, out, progress, stop_after, same, run_timeout)
-    result = bisector.bisect()
+    try:
+        result = bisector.bisect()
+    except SamebitsError as err:
+        _add_earlier_stages(err, bisector.stages)
+        raise
     write_summary(out, result)
     return result
+
+
+def _add_earlier_stages(err: SamebitsError, stages: list[Stage]) -> None:
+    """A bisect that cannot go on (a run failed, exit 2) keeps what its finished stages found
+    (issue 35): the first divergence they located is often the answer the user came for, and
+    an error that shows only the failed run hides it.  Written into ``err``'s message (its
+    type and attributes kept); nothing when no stage finished."""
+    done = [(number, stage) for number, stage in enumerate(stages, 1) if stage.verdict]
+    if not done or not err.args:
+        return
+    stopped = len(stages) if len(stages) > len(done) else None
+    lines = [f"bisect stopped{f' in stage {stopped} ({stages[stopped - 1].name})' if stopped else ''} "
+             "(its error below); the stages before it found:"]
+    for number, stage in done:
+        lines.append(f"  stage {number} ({stage.name}, rung {stage.rung}, {stage.scope}): {stage.summary or stage.verdict}")
+        if stage.finding is not None and stage.finding.detail:
+            lines.append(f"    {stage.finding.detail}")
+    err.args = ("\n".join(lines + [str(err.args[0])]), *err.args[1:])
 
 
 def _save_checkpoint(program: SelfRecording, step: int, out: Path, timeout: float | None,

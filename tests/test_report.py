@@ -343,6 +343,7 @@ def test_a_tiny_gpts_resume_fault_is_shown_as_a_picture_of_the_state_in_a_browse
     charts = re.findall(r'<svg class="chart state-chart" data-record="([^"]+)"', dom.markup)
     assert charts[:1] == ["sched0.last_epoch"] and "optim0.lr" in charts, charts
     assert not any(name.startswith("rng.python") for name in charts)  # differs between A and B too: left out
+    assert "samebits verify --keep-going" in element_text(dom.markup, "census-cut")  # C was cut at step 4
     chart = re.search(r'data-record="sched0.last_epoch".*?</svg>', dom.markup, re.S).group(0)
     assert re.search(r'<circle class="state-differs"[^>]*><title>step 3: C holds A\'s LR scheduler 0 position '
                      r'\(last_epoch\) of step 0</title>', html.unescape(chart)), chart

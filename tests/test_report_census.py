@@ -33,7 +33,10 @@ def _lr(position: int) -> float:
     return 1e-2 * (0.5 ** position)
 
 
-def write_run(path, *, start: int = 0, scheduler_restarts: bool = False):
+HOSTILE = '<img src=x onerror=alert(1)></script>"\'\x1b[31m'  # a generator's name, as a program may give it
+
+
+def write_run(path, *, start: int = 0, scheduler_restarts: bool = False, hostile: bool = False):
     """One run's main and census streams from ``start`` on; ``scheduler_restarts``: the LR
     scheduler was not restored, so its position is the steps since ``start``."""
     main_rec = samebits.Recorder(path, rank=0, world_size=1)
@@ -43,7 +46,7 @@ def write_run(path, *, start: int = 0, scheduler_restarts: bool = False):
     for step in range(STEPS):
         position = step - start if scheduler_restarts and step >= start else step
         if step >= start:
-            record(main_rec, census, step, position, weights, unseeded)
+            record(main_rec, census, step, position, weights, unseeded, hostile)
         for name in PARAMS:  # the step's update uses the LR of the scheduler's position
             weights[name] = weights[name] - _lr(position)
     main_rec.close()
@@ -51,15 +54,19 @@ def write_run(path, *, start: int = 0, scheduler_restarts: bool = False):
     return path
 
 
-def record(main_rec, census, step: int, position: int, weights: dict, unseeded) -> None:
+def record(main_rec, census, step: int, position: int, weights: dict, unseeded, hostile: bool) -> None:
     """One step's records, as zero-code recording writes them (the loss after the tensors here,
-    so the first record to differ is a parameter)."""
+    so the first record to differ is a parameter); ``hostile``: a generator of the program's own,
+    drawn each step, that the other run does not have, named as a program may name it."""
     census.tensors(step, "state", [("rng.python", unseeded), ("rng.torch_cpu", torch.tensor([2 * step])),
                                    ("optim0.step", torch.tensor([float(step)] * 2, dtype=torch.float64)),
                                    ("optim0.lr", torch.tensor([_lr(position)], dtype=torch.float64)),
                                    ("sched0.last_epoch", torch.tensor([position]))])
     census.tensors(step, "inputs", [("Model.0", torch.arange(4) + step)])
     census.tensors(step, "state_end", [("rng.python", unseeded), ("rng.torch_cpu", torch.tensor([2 * step + 1]))])
+    if hostile:
+        census.tensors(step, "state", [(f"rng.user.{HOSTILE}", torch.tensor([step]))])
+        census.tensors(step, "state_end", [(f"rng.user.{HOSTILE}", torch.tensor([step + 100]))])
     census.end_step(step)
     main_rec.tensors(step, "params", list(weights.items()))
     main_rec.tensors(step, "grads", [(name, w * 0 + 1) for name, w in weights.items()])
@@ -172,3 +179,13 @@ def test_a_verify_folder_whose_program_wrote_a_work_folder_is_reported(tmp_path,
     assert re.search(r"resume: a vs c\s+DIVERGED\s+step 4\s+rank 0: step 5", said), said
     assert main(["report", str(out / "nope"), "-o", str(tmp_path / "r.html")]) == 2  # still refused at once
     assert "no such directory" in capsys.readouterr().err
+
+
+def test_a_hostile_generator_name_in_the_census_is_text(tmp_path):
+    a = write_run(tmp_path / "a")
+    c = write_run(tmp_path / "c", start=RESUME_AT, scheduler_restarts=True, hostile=True)
+    report = build_report([a, c])
+    differ = {t["record"]: t for t in report.to_dict()["pairs"][0]["census"]["differ"]}
+    assert differ[f"rng.user.{HOSTILE}"]["only_in"] == {str(s): "b" for s in range(RESUME_AT, STEPS)}
+    assert "<img" not in report.html and "</script>" not in report.html and "\x1b" not in report.html
+    assert "&lt;img src=x onerror=alert(1)&gt;&lt;/script&gt;&quot;&#x27;\\x1b[31m" in report.html

@@ -1198,6 +1198,11 @@ class _Page:
                  f"restored, or restored from another step); a cross in the top band: no step of "
                  f"{_esc(label_a)} holds it. Generators carry ticks for the steps in which each run drew from "
                  "them.</p>")
+        if pair.stopped_b is not None:  # one or two points a chart: say how to see where the state goes on
+            self.add(f'<p class="note" id="census-cut">{_esc(label_b)} was stopped at step {pair.stopped_b} by the '
+                     f"live check (its first step that differs from {_esc(label_a)}), so the charts end there: "
+                     "<code>samebits verify --keep-going</code> runs it to the end and draws where its state goes "
+                     "after.</p>")
         if picture.tracks:
             charts = [_state_chart(track, picture, pair, label_a, label_b)
                       for track in picture.tracks[:MAX_STATE_CHARTS]]

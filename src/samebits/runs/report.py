@@ -1200,7 +1200,7 @@ class _Page:
                  "them.</p>")
         if pair.stopped_b is not None:  # one or two points a chart: say how to see where the state goes on
             self.add(f'<p class="note" id="census-cut">{_esc(label_b)} was stopped at step {pair.stopped_b} by the '
-                     f"live check (its first step that differs from {_esc(label_a)}), so the charts end there: "
+                     f"live check (its first step whose records differ from {_esc(label_a)}'s), so the charts end there: "
                      "<code>samebits verify --keep-going</code> runs it to the end and draws where its state goes "
                      "after.</p>")
         if picture.tracks:

@@ -246,3 +246,14 @@ def _printed(proc: subprocess.CompletedProcess, case: dict) -> list[str]:
     """The lines a program printed; sorted for several ranks, whose lines interleave as they come."""
     lines = proc.stdout.splitlines()
     return sorted(lines) if "torch.distributed.run" in case["run"] else lines
+
+
+def test_the_census_does_not_make_a_stateful_loader_s_iterator(tmp_path):
+    """A forward before the loop first iterates a torchdata StatefulDataLoader: the census's
+    ``state_dict()`` made the loader's iterator there, drawing the shuffle's seed from torch's
+    generator before the program's own draw; the data order and the final parameters changed
+    (found on litgpt, whose FLOP count and sanity check run forwards before its loop)."""
+    pytest.importorskip("torchdata.stateful_dataloader")
+    plain, recorded, out = _plain_and_recorded(tmp_path, SCRIPTS / "loader_before_iteration.py")
+    _same_lines(plain, recorded)
+    assert read_gaps(out) == []

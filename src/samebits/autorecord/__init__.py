@@ -25,11 +25,15 @@ The *state census* goes into its home, the census stream in ``SAMEBITS_DIR/state
 unused, unseeded Python RNG differs between any two runs), but what names the missing state
 when a run differs.  Per step:
 
-* ``state`` at the step's first top-level forward: every RNG state, every optimizer, LR
-  scheduler and GradScaler the program has made (tracked from their construction, see
-  `_tracking`: a resumed process that forgot to restore one still has it in its census),
-  every torch/NumPy generator it made (named by creation site), each DataLoader's position;
-* ``inputs``: the tensor arguments of each top-level forward (the batch);
+* ``state`` at the step's first top-level *training* forward (grad enabled; at the step's end
+  if it has none): every RNG state, every optimizer, LR scheduler and GradScaler the program
+  has made (tracked from their construction, see `_tracking`: a resumed process that forgot
+  to restore one still has it in its census), every torch/NumPy generator it made (named by
+  creation site), each DataLoader's position.  An evaluation forward before it (no grad:
+  litgpt's and Lightning's validation, a resumed process's sanity check) comes before the
+  loop sets the step's learning rate, and is not the step;
+* ``inputs``: the tensor arguments of each top-level forward from the training forward on
+  (the batch);
 * ``state_end`` after the step's optimizer step: the generators again (a generator whose
   state did not move during a step cannot explain that step);
 * in a process's first step only, ``restored.params`` and ``restored.optimizer``:
@@ -267,7 +271,10 @@ class _AutoRecorder:
     def pre_forward(self, module, args):
         if _compiling():  # first, and nothing else: dynamo folds this to True and traces no more of us
             return
-        records = _observable()  # not a recompute in backward, a transform, a trace or an export
+        # not a recompute in backward, a transform, a trace, an export, a model on the meta
+        # device (litgpt's FLOP count runs one under ``torch.device("meta")``), nor a module
+        # called inside a forward that is none of ours (its parameterless norm is top-level then)
+        records = (not self.forwards or self.forwards[-1]) and _observable() and not _on_meta(module)
         self.forwards.append(records)
         if not records:
             return
@@ -275,8 +282,9 @@ class _AutoRecorder:
             with guard("forward_pre", step=self.step, records="the step's census and inputs"):
                 self.tracking.begin()
                 self._name_params(module)
-                self.record_census()
-                if self.census is not None:
+                if torch.is_grad_enabled():
+                    self.record_census()
+                if self.census is not None and self.census_step == self.step:
                     inputs = [(n, t) for n, t in tensor_leaves(args, type(module).__name__) if _recordable(t)]
                     if inputs:
                         with self._ours():
@@ -474,6 +482,15 @@ def _observable(in_backward_too: bool = False) -> bool:
         return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None
     except Exception:  # noqa: BLE001 - an older torch: record as before
         return True
+
+
+def _on_meta(module) -> bool:
+    """A module whose parameters live on the meta device: a shape-only forward, no step."""
+    try:
+        first = next(module.parameters(), None)
+        return first is not None and first.device.type == "meta"
+    except Exception:  # noqa: BLE001 - a module whose parameters cannot be listed: record as before
+        return False
 
 
 def _recordable(tensor) -> bool:

@@ -192,7 +192,9 @@ class Tracking:
             iterator = ref() if ref is not None else None
             yielded = int(getattr(iterator, "_num_yielded", -1)) if iterator is not None else -1
             records.append((name, torch.tensor([yielded], dtype=torch.int64)))
-            if callable(getattr(type(loader), "state_dict", None)):
+            # A stateful loader's state_dict makes its iterator if it has none (torchdata's),
+            # drawing the epoch's shuffle: asked only once the program has iterated it.
+            if callable(getattr(type(loader), "state_dict", None)) and getattr(loader, "_iterator", iterator) is not None:
                 # A stateful loader (torchdata's StatefulDataLoader) saves more than the count:
                 # its dataset's own position (torchtitan's sample_idx, buffers).  Its state_dict
                 # is what a checkpoint saves, read as a checkpoint reads it.

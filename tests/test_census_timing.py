@@ -9,7 +9,7 @@ from pathlib import Path
 from samebits import diff
 from samebits.runs._explain import census_suspects, explain_independent
 
-SCRIPT = Path(__file__).parent / "scripts_transient" / "reshuffle.py"
+SCRIPT = Path(__file__).parent / "scripts_census_timing" / "reshuffle.py"
 RESHUFFLE_LINE = 17  # the line that makes the clock-seeded generator
 
 
@@ -35,3 +35,27 @@ def test_a_generator_made_and_dropped_in_the_data_fetch_is_named(tmp_path):
     # bisect reads the same census: the private generator is its suspect
     suspects, _ = census_suspects([], a, b, 0, step)
     assert suspects == [f"rng.user.reshuffle.py:{RESHUFFLE_LINE}"], suspects
+
+
+EVAL_FIRST = Path(__file__).parent / "scripts_census_timing" / "eval_first.py"
+
+
+def test_the_census_is_taken_at_the_training_forward_not_an_evaluation_before_it(tmp_path):
+    """A loop that evaluates (no grad) before it sets the step's LR and trains (litgpt's): the
+    census of a step was taken at the evaluation, before the LR was set, so a resume that forgot
+    its iteration counter showed the same LR as A and was blamed on something else."""
+    from samebits.runs._explain import explain_resume
+
+    ckpt = tmp_path / "ckpt.pt"
+    a = tmp_path / "a"
+    proc = subprocess.run([sys.executable, "-m", "samebits", "run", "--out", str(a), "--", sys.executable,
+                           str(EVAL_FIRST), "--save-at", "4", "--ckpt", str(ckpt)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    c = tmp_path / "c"
+    proc = subprocess.run([sys.executable, "-m", "samebits", "run", "--out", str(c), "--step-offset", "4", "--",
+                           sys.executable, str(EVAL_FIRST), "--resume-from", str(ckpt)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    findings = explain_resume(a, None, c, 4, 4)
+    assert findings and findings[0].kind == "iteration_counter", [f.says for f in findings]

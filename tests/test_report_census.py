@@ -151,7 +151,7 @@ def test_the_records_that_differ_are_grouped_by_module_not_listed_as_digest_rows
     report = build_report([a, c])
     table = re.search(r'<table id="per-tensor".*?</table>', report.html, re.S).group(0)
     rows = re.findall(r'<th class="mono rec" title="[^"]*">([^<]*)</th>', table)
-    assert rows == ["backward/root", "wte (params: weight; optimizer state: weight.exp_avg)",
+    assert rows == ["loss (backward/root)", "wte (params: weight; optimizer state: weight.exp_avg)",
                     "fc (params: weight, bias; optimizer state: weight.exp_avg, bias.exp_avg)",
                     "head (params: weight; optimizer state: weight.exp_avg)"]
     # a module's cell: how many of its records differ (of its params, their grads and Adam state)

@@ -1734,7 +1734,8 @@ def _module_rows(differing: dict[tuple, dict[int, tuple[str, str]]], present: di
         kind, phase, name, _ = key
         if kind == "metric":
             label = _key_label(key)
-            rows[f"metric {label}"] = _ModuleRow(label, kind, {s: [(label, css, how)] for s, (css, how) in at.items()},
+            title = _metric_title(label)  # what a person calls it (backward/root is the loss), then its record
+            rows[f"metric {label}"] = _ModuleRow(title if title == label else f"{title} ({label})", kind, {s: [(label, css, how)] for s, (css, how) in at.items()},
                                                  {}, metric=True)
             continue
         module = _module_of(key, params)

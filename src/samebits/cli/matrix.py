@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from samebits.cli._format import print_result, table
-from samebits.cli._options import (add_out_option, add_progress_options, add_recipe_options, positive_int,
-                                   progress_for, rank_count, step_number)
+from samebits.cli._options import (add_out_option, add_progress_options, add_recipe_options, check_out_directory,
+                                   positive_int, progress_for, rank_count, step_number)
 from samebits.cli._lazy import lazy
 from samebits.cli._recipe import matrix_program
 from samebits.defaults import DEFAULT_MAX_WORLD_SIZE
+from samebits.errors import ConfigError
+from samebits.recipes.cells import ParallelDims
 from samebits.recipes.commands import (DEFAULT_CELLS, DEFAULT_GLOBAL_BATCH, DEFAULT_PRECISIONS, LAYOUT_INDEPENDENT,
                                        PRECISIONS, check_precisions)
 
@@ -57,10 +59,10 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    check(args)
     progress = progress_for(args)  # stderr, each line after the elapsed time; each run's steps live
 
     precisions = split_list(args.precisions, "precisions")
-    check_precisions(precisions)
     matrix = matrix_program(overrides=args.overrides, nondeterministic=args.nondeterministic,
                             global_batch=args.global_batch or None, layout_independent=not args.keep_randomness)
     result = run_matrix(
@@ -69,6 +71,26 @@ def run(args) -> int:
         baseline=args.baseline, steps=args.steps, resume_at=args.resume_at, max_world_size=args.max_world_size,
         require_agreement=args.require_agreement, bisect_failures=args.bisect_failures, progress=progress)
     return print_result(result, args.json, render)
+
+
+def check(args) -> None:
+    """Refuse, before the library (and torch) is loaded, a cell, baseline or precision the recipe
+    does not have, and an output folder in use: the checks `samebits.runs.matrix` makes again,
+    with the recipe's own parsers (`ParallelDims.parse`, `check_precisions`, torch-free)."""
+    check_precisions(_items(args.precisions))
+    cells = [ParallelDims.parse(name).name for name in _items(args.cells)]
+    if args.baseline and ParallelDims.parse(args.baseline).name not in cells:
+        raise ConfigError(f"--baseline {ParallelDims.parse(args.baseline).name!r} is not one of the cells "
+                          f"({', '.join(cells)})")
+    for item in _items(args.required):
+        ParallelDims.parse(item.partition(":")[0])
+    check_out_directory(args.out)
+
+
+def _items(text: str | None) -> list[str]:
+    """The items of a comma-separated option (`samebits.runs.matrix.split_list` says what is wrong
+    with an empty one)."""
+    return [part.strip() for part in (text or "").split(",") if part.strip()]
 
 
 def render(result: MatrixResult) -> str:

@@ -11,6 +11,7 @@ from samebits.cli._options import (MAX_NPROC, add_out_option, add_progress_optio
                                    recording_options, step_number)
 from samebits.cli._recipe import across_layouts, across_reductions, recipe_program
 from samebits.errors import ConfigError
+from samebits.recipes.cells import parse_layouts
 from samebits.verdicts import Verdict
 
 parse_across, verify_across = lazy("samebits.runs.across", "parse_across", "verify_across")
@@ -116,6 +117,12 @@ def check(args) -> None:
             if any(placeholder in part for part in args.cmd):
                 raise ConfigError(f"the command holds {placeholder}, which only --resume-with can use; use {{out}} "
                                   "for the run's own work folder.")
+    elif args.across is not None and not args.cmd:  # the recipe at several layouts, parsed as run_across will
+        spec = " ".join(args.across)
+        largest = max(parse_layouts(spec), key=lambda dims: dims.world_size)
+        if largest.world_size > MAX_NPROC:
+            raise ConfigError(f"--across {spec}: {largest.name} needs {largest.world_size} ranks; a run is at most "
+                              f"{MAX_NPROC} ranks on this machine")
     elif args.across is None:  # the recipe
         if args.resume_with is not None:
             raise ConfigError("--resume-with needs a command of yours (after --): the reference recipe resumes "

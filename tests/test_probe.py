@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import random
+import re
 import sys
 import textwrap
 
@@ -13,7 +15,8 @@ import torch.nn.functional as F
 import samebits
 import samebits.determinism as det
 from samebits.cli import main
-from samebits.determinism._probe import _count_differences
+from samebits.determinism._probe import (DEFAULT_COMPARISONS, MIN_COMPARISONS, NOT_COMPARED_UNINITIALISED,
+                                         NOT_COMPARED_VIEW, _count_differences, miss_bound)
 
 ROWS, N = 1000, 200_000
 
@@ -23,13 +26,37 @@ def _racy_inputs(seed=0):
     return torch.randint(0, ROWS, (N,), generator=g), torch.randn(N, 64, generator=g)
 
 
+def _probe(fn, comparisons=MIN_COMPARISONS):
+    """A probe with few comparisons: these races show in nearly every execution."""
+    with det.Probe(comparisons=comparisons) as active:
+        result = fn()
+    return active.report(result)
+
+
 def _probe_until_found(fn, attempts=3):
     """The race needs both cores at once; retry so a busy machine cannot hide it."""
     for _ in range(attempts):
-        report = det.probe(fn)
+        report = _probe(fn)
         if report.findings:
             return report
     return report
+
+
+# A stand-in for a race that shows in some executions only, without threads, so the tests
+# are exact: every 4th execution gives other bits, or (RANDOM) each execution with chance
+# `rate`.  Its namespace is not probed by default; the tests name it.
+RACE_NS = "samebits_test_probe"
+_race = {"executions": 0, "rate": None, "rng": random.Random(0)}
+
+
+@torch.library.custom_op(f"{RACE_NS}::sometimes", mutates_args=())
+def sometimes(x: torch.Tensor) -> torch.Tensor:
+    _race["executions"] += 1
+    if _race["rate"] is None:
+        differs = _race["executions"] % 4 == 0
+    else:
+        differs = _race["rng"].random() < _race["rate"]
+    return x + (1.0 if differs else 0.0)
 
 
 @pytest.fixture(autouse=True)
@@ -154,6 +181,7 @@ def test_probe_reports_a_deterministic_step_clean_and_changes_nothing():
     reports = [det.probe(step, model, optimizer) for _ in range(2)]
     assert all(r.clean for r in reports), [r.findings for r in reports]
     assert reports[0].num_ops_compared > 20
+    assert reports[0].min_comparisons == DEFAULT_COMPARISONS and reports[0].num_signatures > 10
     # The program saw one execution: same losses, parameters and RNG stream as unprobed.
     assert all(torch.equal(r.result, e) for r, e in zip(reports, expected_losses))
     assert all(torch.equal(p, e) for p, e in zip(model.parameters(), expected_params))
@@ -168,7 +196,7 @@ def test_racy_step_is_clean_under_deterministic_mode(monkeypatch):
     model = Model()
     idx, noise = _racy_inputs()
     with det.deterministic_mode(num_threads=2):
-        report = det.probe(lambda: model(idx, noise).backward())
+        report = _probe(lambda: model(idx, noise).backward(), comparisons=4)
     assert report.clean, report.findings
 
 
@@ -205,6 +233,80 @@ def test_probe_as_context_manager_with_namespaces():
     assert report.clean and report.num_ops_compared == 0 and report.num_ops > 0
 
 
+def test_a_race_that_shows_in_a_quarter_of_executions_is_found_in_one_call():
+    """The old probe ran each op twice: a race in every 4th execution passed as clean."""
+    x = torch.ones(3)
+    _race.update(executions=0, rate=None)
+    with det.Probe(namespaces=("aten", RACE_NS)) as active:
+        sometimes(x)  # one call, as in a probe of one step
+    report = active.report()
+    (finding,) = report.findings
+    assert finding.op == f"{RACE_NS}::sometimes" and finding.calls == finding.calls_differing == 1
+    # 11 executions, each compared with the first: the 4th and 8th differ.
+    assert (finding.comparisons, finding.comparisons_differing) == (DEFAULT_COMPARISONS, 2)
+    assert _race["executions"] == DEFAULT_COMPARISONS + 1
+    assert report.to_dict()["findings"][0]["comparisons_differing"] == 2
+    # Later calls of the same signature get one trial each (the target is met).
+    _race.update(executions=0)
+    with det.Probe(namespaces=("aten", RACE_NS), comparisons=3) as active:
+        for _ in range(3):
+            sometimes(x)
+    assert _race["executions"] == 4 + 2 + 2
+
+
+def test_the_bound_is_sound_and_stated():
+    """(1-p)^C bounds the chance that C comparisons of a race in p of executions all agree."""
+    bound = miss_bound(10)
+    assert bound["missed_at_most"] == {"0.5": 0.5 ** 10, "0.25": 0.75 ** 10, "0.1": 0.9 ** 10}
+    assert abs((1 - bound["found_95_at_rate"]) ** 10 - 0.05) < 1e-12
+    assert "(1-p)^10" in bound["summary"] and "6% at p = 25%" in bound["summary"]
+    assert "35% at p = 10%" in bound["summary"] and "0.098% at p = 50%" in bound["summary"]
+    assert "at least 26% of executions is found with probability >= 95%" in bound["summary"]
+    # The inequality it rests on: all n executions agree with probability sum P(x)^n
+    # <= (1 - p)^(n-1), p = 1 - max P(x), for any distribution of results.
+    rng = random.Random(1)
+    for _ in range(200):
+        weights = [rng.random() ** 3 for _ in range(rng.randint(2, 6))]
+        probs = [w / sum(weights) for w in weights]
+        p = 1 - max(probs)
+        for n in (2, 3, 5, 11):
+            assert sum(q ** n for q in probs) <= (1 - p) ** (n - 1) + 1e-12
+    # And measured: a race in 30% of executions, probed 400 times with 4 comparisons each,
+    # is missed at most (0.7)^4 = 24% of the time (exactly 0.7^5 + 0.3^5 = 17% expected).
+    _race.update(rate=0.3, rng=random.Random(2))
+    missed = 0
+    try:
+        for _ in range(400):
+            with det.Probe(namespaces=(RACE_NS,), comparisons=4) as active:
+                sometimes(torch.ones(1))
+            report = active.report()
+            missed += report.clean
+            assert report.min_comparisons == 4 if report.clean else report.findings[0].comparisons == 4
+    finally:
+        _race.update(rate=None)
+    assert 0.10 < missed / 400 <= (1 - 0.3) ** 4, missed
+
+
+def test_the_ops_not_compared_are_listed_with_the_reason():
+    x = torch.ones(4, 4)
+    with det.Probe() as active:
+        x.t()
+        torch.empty(3)
+        sometimes(x)  # a namespace not probed: runs once
+        (x + 1).sum()
+    report = active.report()
+    reasons = {(entry.op, entry.reason) for entry in report.not_compared}
+    assert ("aten::t", NOT_COMPARED_VIEW) in reasons
+    assert ("aten::empty", NOT_COMPARED_UNINITIALISED) in reasons
+    assert (f"{RACE_NS}::sometimes", f"namespace {RACE_NS} not probed (collectives, custom ops)") in reasons
+    assert all(entry.op not in ("aten::add.Tensor", "aten::sum") for entry in report.not_compared)
+    listed = report.to_dict()["not_compared"]
+    assert {"op": f"{RACE_NS}::sometimes", "reason": f"namespace {RACE_NS} not probed (collectives, custom ops)",
+            "calls": 1, "calls_compared": 0, "computes_nothing": False} in listed
+    with pytest.raises(ValueError, match=r"comparisons=1.*at least 2"):
+        det.Probe(comparisons=1)
+
+
 def test_public_api():
     assert samebits.determinism.probe is det.probe
     assert det.check_determinism is det.check
@@ -230,10 +332,31 @@ RACY_SCRIPT = textwrap.dedent("""
     noise = torch.randn(200000, 64, generator=g)
     for step in range(50):
         optimizer.zero_grad()
-        for _ in range(3):  # three chances for the race, should the machine be busy
-            (table[idx] * noise).sum().backward()
+        (table[idx] * noise).sum().backward()  # one call: the probe repeats it
         optimizer.step()
         print("finished step", step)
+""")
+
+# A race in every 4th execution (a custom op standing in for one), called once per step:
+# one probe of one step must find it.
+SOMETIMES_SCRIPT = textwrap.dedent(f"""
+    import torch
+    executions = 0
+
+    @torch.library.custom_op("{RACE_NS}::sometimes", mutates_args=())
+    def sometimes(x: torch.Tensor) -> torch.Tensor:
+        global executions
+        executions += 1
+        return x + (1.0 if executions % 4 == 0 else 0.0)
+
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        optimizer.zero_grad()
+        out = model(torch.ones(2, 8))
+        sometimes(out.detach())
+        out.sum().backward()
+        optimizer.step()
 """)
 
 CLEAN_SCRIPT = textwrap.dedent("""
@@ -252,14 +375,14 @@ CLEAN_SCRIPT = textwrap.dedent("""
 def test_cli_probe_finds_ops_and_stops_after_steps(tmp_path, capsys):
     script = tmp_path / "racy.py"
     script.write_text(RACY_SCRIPT)
-    code = main(["probe", "--json", "--steps", "1", "--", sys.executable, str(script)])
+    code = main(["probe", "--json", "--steps", "1", "--comparisons", "2", "--", sys.executable, str(script)])
     captured = capsys.readouterr()
     assert code == 1, captured
     result = json.loads(captured.out)
     (process,) = result["processes"]
     assert process["steps"] == 1 and process["step_limit_reached"] and process["complete"]
     assert result["findings"] and result["findings"][0]["op"] == "aten::index_put"
-    assert result["findings"][0]["call_site"].endswith("racy.py:12")
+    assert result["findings"][0]["call_site"].endswith("racy.py:11")
     assert {"op", "module", "call_site", "elements_differing"} <= set(result["findings"][0])
 
 
@@ -269,8 +392,47 @@ def test_cli_probe_clean_and_cannot_run(tmp_path, capfd):
     assert main(["probe", "--", sys.executable, str(script)]) == 0
     out = capfd.readouterr().out  # fd-level: the command's own output too
     assert "done" in out and "clean" in out
+    # The verdict states its bound, with figures that are (1-p)^10.
+    assert "each op compared at least 10 times" in out and "<= (1-p)^10" in out
+    for p in (0.5, 0.25, 0.1):
+        stated = re.search(rf"([0-9.e-]+)% at p = {p:.0%}", out)
+        assert stated and abs(float(stated.group(1)) / 100 - (1 - p) ** 10) < 0.006 * (1 - p) ** 10 + 0.005
+    # The ops that ran once are listed: views and uninitialised outputs at least.
+    assert "Not compared:" in out and "view: computes nothing" in out and "aten::t" in out
     # -I skips sitecustomize: the probe cannot start, which must not pass as clean.
     assert main(["probe", "--", sys.executable, "-I", "-c", "pass"]) == 2
     assert "did not start" in capfd.readouterr().err
     assert main(["probe", "--", "no-such-program-xyz"]) == 2
     assert main(["probe"]) == 2
+
+
+def test_cli_probe_repeats_until_a_race_in_some_executions_shows(tmp_path, capsys):
+    """The old probe compared each call once: this race (every 4th execution) passed as clean."""
+    script = tmp_path / "sometimes.py"
+    script.write_text(SOMETIMES_SCRIPT)
+    command = ["--steps", "1", "--namespace", "aten", "--namespace", RACE_NS, "--", sys.executable, str(script)]
+    code = main(["probe", "--json"] + command)
+    captured = capsys.readouterr()
+    assert code == 1, captured
+    result = json.loads(captured.out)
+    (finding,) = result["findings"]
+    assert finding["op"] == f"{RACE_NS}::sometimes" and finding["call_site"].endswith("sometimes.py:16")
+    assert (finding["comparisons"], finding["comparisons_differing"]) == (10, 2)
+    # The bound covers the ops that never differed; the ops run once are listed.
+    assert result["comparisons"] == 10 and result["bound"]["missed_at_most"]["0.25"] == 0.75 ** 10
+    listed = {entry["op"]: entry for entry in result["not_compared"]}
+    assert listed["aten::t"]["reason"] == "view: computes nothing" and listed["aten::t"]["computes_nothing"]
+    assert listed["aten::t"]["calls"] >= 1 and listed["aten::t"]["calls_compared"] == 0
+    # --comparisons sets the target; a run of an op compared once would not be a verdict.
+    assert main(["probe", "--comparisons", "3"] + command) == 1
+    out = capsys.readouterr().out
+    assert "1/3" in out and "each op compared at least 3 times" in out and "(1-p)^3" in out
+    with pytest.raises(SystemExit):
+        main(["probe", "--comparisons", "1", "--", sys.executable, "-c", "pass"])
+    assert "give an integer from 2" in capsys.readouterr().err
+
+
+def test_cli_defaults_are_the_library_defaults():
+    from samebits.cli import probe as cli_probe
+
+    assert (cli_probe.DEFAULT_COMPARISONS, cli_probe.MIN_COMPARISONS) == (DEFAULT_COMPARISONS, MIN_COMPARISONS)

@@ -1,7 +1,9 @@
-"""`samebits probe -- CMD`: run a training command with every op executed twice and list
-the ops that gave different bits on this machine.
+"""`samebits probe -- CMD`: run a training command with every op executed several times and
+list the ops that gave different bits on this machine, with the bound a clean verdict rests
+on and the ops that ran once, uncompared.
 
-Exit 0 clean, 1 findings, 2 could not run (command failed, probe did not start).
+Exit 0 clean, 1 findings, 2 could not run (command failed, probe did not start, nothing
+compared).
 """
 
 from __future__ import annotations
@@ -11,21 +13,34 @@ import sys
 
 from samebits.cli._format import echo, print_json, table
 from samebits.cli._lazy import lazy
-from samebits.cli._options import positive_int
+from samebits.cli._options import int_range, positive_int
 from samebits.verdicts import EXIT_BAD_VERDICT, EXIT_CANNOT_RUN, EXIT_OK
 
 probe_command, lookup_op = lazy("samebits.determinism", "probe_command", "lookup_op")
 
+# Kept here, not imported, so `samebits probe --help` and argument errors load no torch;
+# tests/test_probe.py checks they equal samebits.determinism._probe's.
+DEFAULT_COMPARISONS = 10
+MIN_COMPARISONS = 2
+_NAMES_SHOWN = 8  # op names listed per line of ops that compute nothing
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "probe", help="run a command with every op executed twice; list nondeterministic ops",
+        "probe", help="run a command with every op executed several times; list nondeterministic ops",
         description="Run CMD (a Python program, or a launcher such as torchrun) with every "
-                    "ATen op executed twice on identical inputs, and list the ops whose two "
-                    "results differ bit for bit.  Example: "
+                    "ATen op executed several times on identical inputs, and list the ops whose "
+                    "results differ bit for bit, and the ops that ran once, uncompared.  Each op "
+                    "signature (op, shapes, dtypes) is compared --comparisons times on its first "
+                    "call, once on later calls.  Example: "
                     "samebits probe --steps 1 -- python train.py")
     parser.add_argument("--steps", type=positive_int, metavar="N",
                         help="stop the program after N optimizer steps (default: run it all)")
+    parser.add_argument("--comparisons", type=int_range(MIN_COMPARISONS, 10_000, 20),
+                        default=DEFAULT_COMPARISONS, metavar="N",
+                        help="compare each op signature at least N times (default "
+                             f"{DEFAULT_COMPARISONS}): a race that gives an op other bits in a "
+                             "fraction p of its executions is missed with probability <= (1-p)^N")
     parser.add_argument("--namespace", action="append", metavar="NS", default=None,
                         help="op namespace to probe (repeatable; default aten, prims, samebits)")
     parser.add_argument("--json", action="store_true",
@@ -41,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         command = command[1:]
     namespaces = tuple(args.namespace) if args.namespace else None
     result = probe_command(command, steps=args.steps, namespaces=namespaces,
-                           stdout=sys.stderr if args.json else None)
+                           comparisons=args.comparisons, stdout=sys.stderr if args.json else None)
     code = EXIT_CANNOT_RUN if not result.ran else EXIT_BAD_VERDICT if result.findings else EXIT_OK
     if args.json:
         print_json(result.to_dict())
@@ -51,22 +66,55 @@ def run(args: argparse.Namespace) -> int:
     multi = len(working) > 1
     num_ops = sum(p["num_ops"] for p in working)
     compared = sum(p["num_ops_compared"] for p in working)
-    echo(f"\nsamebits probe: {compared} of {num_ops} ops executed twice and compared "
-          f"in {len(working)} process(es)")
+    signatures = sum(p.get("num_signatures") or 0 for p in working)
+    echo(f"\nsamebits probe: {compared} of {num_ops} op calls compared ({signatures} op "
+         f"signatures, each at least {result.comparisons} times) in {len(working)} process(es)")
     if result.findings:
-        headers = ["OP", "MODULE", "CALL SITE", "DIFFERING", "CALLS"] + (["RANK"] if multi else [])
+        headers = (["OP", "MODULE", "CALL SITE", "DIFFERING", "CALLS", "EXECUTIONS"]
+                   + (["RANK"] if multi else []))
         rows = [[f["op"], f["module"] or "-", f["call_site"] or "-",
-                 f"{f['elements_differing']}/{f['numel']}", f"{f['calls_differing']}/{f['calls']}"]
+                 f"{f['elements_differing']}/{f['numel']}", f"{f['calls_differing']}/{f['calls']}",
+                 f"{f.get('comparisons_differing', '?')}/{f.get('comparisons', '?')}"]
                 + ([f["rank"] if f["rank"] is not None else f"pid {f['pid']}"] if multi else [])
                 for f in result.findings]
         echo(table(headers, rows))
-        echo(f"\n{len(result.findings)} nondeterministic op call site(s).")
+        echo(f"\n{len(result.findings)} nondeterministic op call site(s) (EXECUTIONS: compared "
+             "executions that differed from the call's first).")
         for op in dict.fromkeys(f["op"] for f in result.findings):
             entries = lookup_op(op)
             if entries:
                 echo(f"  {op}: deterministic alternative: {entries[0].alternative}")
-    elif result.ran:
-        echo("clean: every compared op gave the same bits twice")
+    _print_not_compared(result.not_compared)
+    if result.clean:
+        echo(f"\nclean: no compared op gave different bits; {result.bound['summary']}."
+             f"  Rarer races can pass: raise --comparisons, and prove a fix with paired runs.")
+    elif result.findings and result.bound is not None:
+        echo(f"\nThe other ops: {result.bound['summary']}.")
     for problem in result.problems:
         echo(f"samebits probe: {problem}", file=sys.stderr)
     return code
+
+
+def _print_not_compared(entries: list[dict]) -> None:
+    """The ops that ran once: those that may compute something as a table, the others
+    (views, uninitialised outputs) one line per reason."""
+    never = [e for e in entries if not e["calls_compared"]]
+    if not never:
+        return
+    may_compute = [e for e in never if not e["computes_nothing"]]
+    echo(f"\nNot compared: {len(never)} op(s) ran once in every call, so a race in them cannot show here:")
+    if may_compute:
+        echo(table(["OP", "CALLS", "WHY NOT COMPARED"], [[e["op"], e["calls"], e["reason"]]
+                                                          for e in may_compute]))
+    by_reason: dict[str, list[dict]] = {}
+    for entry in never:
+        if entry["computes_nothing"]:
+            by_reason.setdefault(entry["reason"], []).append(entry)
+    for reason, group in by_reason.items():
+        names = [e["op"] for e in group]
+        shown = ", ".join(names[:_NAMES_SHOWN]) + (f" and {len(names) - _NAMES_SHOWN} more"
+                                                   if len(names) > _NAMES_SHOWN else "")
+        echo(f"  {reason} ({sum(e['calls'] for e in group)} calls): {shown}")
+    partly = len(entries) - len(never)
+    if partly:
+        echo(f"  and {partly} op(s) compared in some calls, not in others (--json: not_compared)")

@@ -1,14 +1,25 @@
-"""The empirical probe: run every op twice and report the ops whose outputs differ.
+"""The empirical probe: run every op several times and report the ops whose outputs differ.
 
-Under `Probe`, a `TorchDispatchMode` executes each op once as a trial and once for real,
-then compares the two results bit for bit (integer views of the bits, so NaNs compare
-equal to themselves and -0.0 differs from 0.0).  Inputs the op writes (in-place and
-``out=`` ops) are cloned for the trial, keeping their strides (and storage sharing
-between them); read-only inputs are shared, since neither execution changes them.  The
-real execution runs last on the program's own tensors, so the program sees exactly one
-execution.  Random ops (tagged ``nondeterministic_seeded``) run with the generator
-states saved before the trial and put back before the real execution: both consume the
-same randomness and the program's RNG advances exactly as without the probe.
+Under `Probe`, a `TorchDispatchMode` executes each op as one or more trials and once for
+real, then compares every execution with the first trial bit for bit (integer views of
+the bits, so NaNs compare equal to themselves and -0.0 differs from 0.0).  One comparison
+says little about a race, so each op is repeated until it has been compared `comparisons`
+times (default 10) per input signature (op name, dtypes, shapes, strides, devices and
+non-float arguments: what picks the kernel and its parallel split): the first call of a
+signature runs that many trials, later calls one.  If a race gives other bits than the
+op's most common result in a fraction p of its executions, independently, all n
+executions of a call agree with probability sum_x P(x)^n <= max_x P(x)^(n-1) <= (1-p)^(n-1),
+so an op compared C times in all is missed with probability <= (1-p)^C (`miss_bound`).
+Ops run once, never compared (views, uninitialised outputs, other namespaces, tensor
+subclasses), are listed with the reason (`ProbeReport.not_compared`).
+
+Inputs the op writes (in-place and ``out=`` ops) are cloned for each trial, keeping their
+strides (and storage sharing between them); read-only inputs are shared, since no
+execution changes them.  The real execution runs last on the program's own tensors, so
+the program sees exactly one execution.  Random ops (tagged ``nondeterministic_seeded``)
+run with the generator states saved before the first trial and put back before each later
+execution: all consume the same randomness and the program's RNG advances exactly as
+without the probe.
 
 Each finding names the op, the module scope (forward: global module hooks; backward:
 the module whose forward created the autograd node now running, `samebits._torchutil.AutogradScopes`), the call site (first
@@ -18,6 +29,7 @@ counted on the device and read back in batches, not once per op.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -33,6 +45,11 @@ from samebits.determinism._ops import lookup_op
 from samebits.verdicts import ToDict, serialised
 
 DEFAULT_NAMESPACES = ("aten", "prims", "samebits")
+# Comparisons per op signature: a race in >= 26% of executions is found with >= 95%
+# probability, at about (1 + 10 x the share of calls that are a signature's first) times
+# the step's cost; `samebits probe --comparisons N` sets it.
+DEFAULT_COMPARISONS = 10
+MIN_COMPARISONS = 2  # one comparison is one coin toss, not a verdict
 _FLUSH_EVERY = 512  # pending comparisons read back per host sync
 
 _SKIPPED_FRAMES = (SAMEBITS_DIR + os.sep, "<frozen")  # call sites: the user's code, not samebits'
@@ -50,47 +67,134 @@ class ProbeFinding(ToDict):
     calls: int = 0  # calls of this op at this scope and site that were compared
     calls_differing: int = 0
     known: str | None = None  # the op catalog's summary, when the op is listed
+    # Executions compared with a call's first trial, over all calls, and how many differed
+    # (their ratio estimates how often the race shows).  None on findings made by hand.
+    comparisons: int | None = field(default=None, metadata=serialised(omit_none=True))
+    comparisons_differing: int | None = field(default=None, metadata=serialised(omit_none=True))
+
+
+# Why an op ran once, uncompared.  COMPUTES_NOTHING: reasons that cannot hide a race.
+NOT_COMPARED_VIEW = "view: computes nothing"
+NOT_COMPARED_UNINITIALISED = "output is uninitialised memory by design"
+NOT_COMPARED_NO_TENSORS = "no tensor inputs or outputs"
+NOT_COMPARED_NO_ELEMENTS = "outputs hold no elements"
+NOT_COMPARED_PROFILER = "profiler range marker: computes nothing"
+COMPUTES_NOTHING = (NOT_COMPARED_VIEW, NOT_COMPARED_UNINITIALISED, NOT_COMPARED_NO_TENSORS,
+                    NOT_COMPARED_NO_ELEMENTS, NOT_COMPARED_PROFILER)
+
+
+@dataclass
+class NotCompared(ToDict):
+    """An op that ran once, unprobed, in some calls, and why."""
+
+    op: str
+    reason: str
+    calls: int  # calls not compared for this reason
+    calls_compared: int = 0  # calls of the same op that were compared (other inputs)
+
+    @property
+    def computes_nothing(self) -> bool:
+        return self.reason in COMPUTES_NOTHING
+
+    def dict_extras(self) -> dict:
+        return {"computes_nothing": self.computes_nothing}
+
+
+def miss_bound(comparisons: int) -> dict:
+    """What `comparisons` identical comparisons of an op say about a race in it.
+
+    Sound under one assumption, that an op's executions are independent draws: a race that
+    gives other bits than the op's most common result in at least a fraction p of its
+    executions passes all of them with probability <= (1-p)^comparisons.  ``summary`` says
+    it in words with figures, for a verdict line.
+    """
+    c = comparisons
+    missed = {p: (1 - p) ** c for p in (0.5, 0.25, 0.1)}
+    found_95 = 1 - 0.05 ** (1 / c)  # the p at which (1-p)^c = 5%
+    statement = (f"each op compared at least {c} times: a race that gives an op other bits in at "
+                 f"least a fraction p of its executions is missed with probability <= (1-p)^{c}")
+    figures = ", ".join(f"{_percent(x)} at p = {p:.0%}" for p, x in missed.items())
+    return {
+        "comparisons": c,
+        "missed_at_most": {f"{p:g}": x for p, x in missed.items()},
+        "found_95_at_rate": found_95,
+        "statement": statement,
+        "summary": (f"{statement} ({figures}); a race in at least {math.ceil(found_95 * 100)}% of "
+                    "executions is found with probability >= 95% (assuming independent executions)"),
+    }
+
+
+def _percent(x: float) -> str:
+    return f"{x:.0%}" if x >= 0.01 else f"{x * 100:.2g}%"
 
 
 @dataclass
 class ProbeReport(ToDict):
     """What a probe saw.  `clean` is True when no op behaved nondeterministically."""
 
-    dict_keys = ("clean", "num_ops", "num_ops_compared", "seconds", "findings")
+    dict_keys = ("clean", "num_ops", "num_ops_compared", "num_signatures", "min_comparisons",
+                 "bound", "seconds", "findings", "not_compared")
 
     findings: list[ProbeFinding]
     num_ops: int  # ops dispatched while probing
-    num_ops_compared: int  # ops executed twice and compared
+    num_ops_compared: int  # op calls executed more than once and compared
     seconds: float = field(metadata=serialised(convert=lambda seconds: round(seconds, 3)))
     result: Any = field(default=None, repr=False, metadata=serialised(skip=True))  # the probed function's return value
+    # Op signatures compared, and the fewest comparisons of any of them that never
+    # differed (what the bound rests on); None on reports made by hand.
+    num_signatures: int | None = field(default=None, metadata=serialised(omit_none=True))
+    min_comparisons: int | None = field(default=None, metadata=serialised(omit_none=True))
+    not_compared: list[NotCompared] | None = field(default=None, metadata=serialised(omit_none=True))
 
     @property
     def clean(self) -> bool:
+        """No op gave different bits (see `bound` for what that rests on)."""
         return not self.findings
 
+    @property
+    def bound(self) -> dict | None:
+        """`miss_bound` of the least-compared signature, None when nothing was compared."""
+        return miss_bound(self.min_comparisons) if self.min_comparisons else None
+
     def dict_extras(self) -> dict:
-        return {"clean": self.clean}
+        extras = {"clean": self.clean}
+        if self.bound is not None:
+            extras["bound"] = self.bound
+        return extras
 
 
 class Probe:
     """Context manager that probes every op run inside it (in this thread).
 
-    namespaces: op namespaces executed twice; ops of other namespaces (collectives in
-        ``c10d``/``_c10d_functional``, custom ops with side effects) run once, unprobed.
+    namespaces: op namespaces executed more than once; ops of other namespaces (collectives
+        in ``c10d``/``_c10d_functional``, custom ops with side effects) run once, unprobed.
+    comparisons: comparisons per op signature before its calls get one trial each; the
+        first call of a signature runs that many trials (at least 2: see `miss_bound`).
     on_finding: called with each new `ProbeFinding` (used to save findings early).
     """
 
     def __init__(self, *, namespaces: tuple[str, ...] = DEFAULT_NAMESPACES,
+                 comparisons: int = DEFAULT_COMPARISONS,
                  on_finding: Callable[[ProbeFinding], None] | None = None):
+        if not isinstance(comparisons, int) or isinstance(comparisons, bool) \
+                or comparisons < MIN_COMPARISONS:
+            raise ValueError(f"Probe(comparisons={comparisons!r}): give an integer of at least "
+                             f"{MIN_COMPARISONS} (default {DEFAULT_COMPARISONS}); one comparison "
+                             "cannot tell a rare race from none")
         self.namespaces = frozenset(namespaces)
+        self.comparisons = comparisons
         self.on_finding = on_finding
         self._findings: dict[tuple, ProbeFinding] = {}
-        self._pending: list[tuple[tuple, torch.Tensor | int, int]] = []
+        self._pending: list[tuple[tuple, tuple, list[tuple[torch.Tensor | int, int]]]] = []
         self._module_stack: list[str] = []
         self._autograd = AutogradScopes()  # backward: the module whose forward created the running node
         self._root_names: dict[int, tuple[Any, dict[int, str]]] = {}
         self._root: torch.nn.Module | None = None
-        self._calls: dict[tuple, int] = {}
+        self._calls: dict[tuple, list[int]] = {}  # finding key -> [calls, comparisons]
+        self._signatures: dict[tuple, int] = {}  # op signature -> comparisons started
+        self._differing_signatures: set[tuple] = set()
+        self._not_compared: dict[tuple[str, str], int] = {}  # (op, reason) -> calls
+        self._compared_ops: dict[str, int] = {}  # op -> calls compared
         self._hooks: list[Any] = []
         self._mode: _ProbeMode | None = None
         self.num_ops = 0
@@ -128,8 +232,15 @@ class Probe:
         seconds = self._seconds
         if self._mode is not None:
             seconds += time.perf_counter() - self._started
+        clean_counts = [count for signature, count in self._signatures.items()
+                        if signature not in self._differing_signatures]
+        not_compared = [NotCompared(op, reason, calls, self._compared_ops.get(op, 0))
+                        for (op, reason), calls in self._not_compared.items()]
         return ProbeReport(findings=list(self._findings.values()), num_ops=self.num_ops,
-                           num_ops_compared=self.num_ops_compared, seconds=seconds, result=result)
+                           num_ops_compared=self.num_ops_compared, seconds=seconds, result=result,
+                           num_signatures=len(self._signatures),
+                           min_comparisons=min(clean_counts) if clean_counts else None,
+                           not_compared=not_compared)
 
     # -- module scope ---------------------------------------------------------------
     def _module_name(self, module: torch.nn.Module) -> str:
@@ -167,33 +278,63 @@ class Probe:
         return None
 
     # -- comparisons ------------------------------------------------------------------
-    def _record(self, op_name: str, differing: torch.Tensor | int, numel: int) -> None:
+    def _trials_for(self, signature: tuple) -> int:
+        """Trials for this call: up to the target on a signature's first call, then one."""
+        done = self._signatures.get(signature, 0)
+        trials = max(1, self.comparisons - done)
+        self._signatures[signature] = done + trials
+        return trials
+
+    def _untrial(self, signature: tuple, trials: int) -> None:
+        """A call whose outputs held nothing to compare: its trials are no evidence."""
+        left = self._signatures[signature] - trials
+        if left:
+            self._signatures[signature] = left
+        else:
+            del self._signatures[signature]
+
+    def _skip(self, op_name: str, reason: str) -> None:
+        self._not_compared[op_name, reason] = self._not_compared.get((op_name, reason), 0) + 1
+
+    def _record(self, op_name: str, signature: tuple,
+                results: list[tuple[torch.Tensor | int, int]]) -> None:
+        """One compared call: (elements differing, elements compared) per comparison."""
+        self.num_ops_compared += 1
+        self._compared_ops[op_name] = self._compared_ops.get(op_name, 0) + 1
         key = (op_name, self._scope(), call_site(1, skip=_SKIPPED_FRAMES, with_function=False))
-        self._pending.append((key, differing, numel))
-        if len(self._pending) >= _FLUSH_EVERY or not isinstance(differing, torch.Tensor) \
-                or differing.device.type == "cpu":
+        self._pending.append((key, signature, results))
+        on_device = any(isinstance(d, torch.Tensor) and d.device.type != "cpu" for d, _ in results)
+        if len(self._pending) >= _FLUSH_EVERY or not on_device:
             self.flush()
 
     def flush(self) -> None:
         """Read back pending difference counts and fold them into the findings."""
         pending, self._pending = self._pending, []
         new_findings = []
-        for key, differing, numel in pending:
-            count = int(differing.item()) if isinstance(differing, torch.Tensor) else int(differing)
-            self._calls[key] = self._calls.get(key, 0) + 1
+        for key, signature, results in pending:
+            counts = [int(d.item()) if isinstance(d, torch.Tensor) else int(d) for d, _ in results]
+            stats = self._calls.setdefault(key, [0, 0])
+            stats[0] += 1
+            stats[1] += len(counts)
+            differing = [(count, numel) for count, (_, numel) in zip(counts, results) if count]
             finding = self._findings.get(key)
-            if finding is None and count:
+            if finding is None and differing:
                 entries = lookup_op(key[0])
                 finding = ProbeFinding(op=key[0], module=key[1], call_site=key[2],
-                                       elements_differing=0, numel=numel,
-                                       known=entries[0].summary() if entries else None)
+                                       elements_differing=0, numel=results[0][1],
+                                       known=entries[0].summary() if entries else None,
+                                       comparisons=0, comparisons_differing=0)
                 self._findings[key] = finding
                 new_findings.append(finding)
+            if differing:
+                self._differing_signatures.add(signature)
             if finding is None:
                 continue
-            finding.calls = self._calls[key]
-            if count:
+            finding.calls, finding.comparisons = stats
+            if differing:
                 finding.calls_differing += 1
+                finding.comparisons_differing += len(differing)
+                count, numel = max(differing)
                 if count > finding.elements_differing:
                     finding.elements_differing, finding.numel = count, numel
         if self.on_finding is not None:
@@ -214,36 +355,58 @@ class _ProbeMode(TorchDispatchMode):
             probe._autograd.created(probe._module_stack[-1])
         schema = func._schema
         name = schema.name
+        namespace = name.split("::", 1)[0]
         # Uninitialised outputs (empty*, resize_, ...) differ by design: nothing to compare.
-        if (name.split("::", 1)[0] not in probe.namespaces or is_uninitialized_op(name)
-                or _returns_alias(schema)):
-            return func(*args, **kwargs)
-        flat_args, _ = tree_flatten((args, kwargs))
-        has_tensors = any(isinstance(a, torch.Tensor) for a in flat_args)
-        if not has_tensors and not _has_tensor_returns(schema):
-            return func(*args, **kwargs)
-        if not all(_comparable(a) for a in flat_args if isinstance(a, torch.Tensor)):
+        reason = (NOT_COMPARED_PROFILER if namespace == "profiler" and namespace not in probe.namespaces
+                  else f"namespace {namespace} not probed (collectives, custom ops)"
+                  if namespace not in probe.namespaces
+                  else NOT_COMPARED_UNINITIALISED if is_uninitialized_op(name)
+                  else NOT_COMPARED_VIEW if _returns_alias(schema) else None)
+        flat_args: list = []
+        if reason is None:
+            flat_args, _ = tree_flatten((args, kwargs))
+            tensors = [a for a in flat_args if isinstance(a, torch.Tensor)]
+            if not tensors and not _has_tensor_returns(schema):
+                reason = NOT_COMPARED_NO_TENSORS
+            else:
+                reason = next((_why_not_comparable(t) for t in tensors if not _comparable(t)), None)
+        if reason is not None:
+            probe._skip(name, reason)
             return func(*args, **kwargs)
 
         mutated = _mutated_arg_positions(schema, args, kwargs)
-        trial_args, trial_kwargs, trial_mutated = _clone_mutated(args, kwargs, mutated)
+        only_writes = all(r.alias_info is not None and r.alias_info.is_write for r in schema.returns)
+
+        def outputs(out, written):
+            # In-place and out= ops return the argument they wrote: compare it once.
+            return written if only_writes else (out, written)
+
+        signature = (name, *map(_signature_part, flat_args))
         seeded = torch.Tag.nondeterministic_seeded in func.tags
         rng = _save_rng(kwargs) if seeded else None
-        trial_out = func(*trial_args, **trial_kwargs)
+        trials = probe._trials_for(signature)
+        results = []
+        reference = None
+        for trial in range(trials):
+            if rng is not None and trial:
+                _restore_rng(rng)
+            trial_args, trial_kwargs, trial_mutated = _clone_mutated(args, kwargs, mutated)
+            trial_out = outputs(func(*trial_args, **trial_kwargs), trial_mutated)
+            if reference is None:
+                reference = trial_out  # every later execution is compared with the first
+            else:
+                results.append(_count_differences(reference, trial_out))
+            del trial_args, trial_kwargs, trial_mutated, trial_out
         if rng is not None:
             _restore_rng(rng)
         real_out = func(*args, **kwargs)
-
-        # In-place and out= ops return the argument they wrote: compare it once.
         real_mutated = [_get_arg(args, kwargs, pos) for pos in mutated]
-        if all(r.alias_info is not None and r.alias_info.is_write for r in schema.returns):
-            differing, numel = _count_differences(trial_mutated, real_mutated)
+        results.append(_count_differences(reference, outputs(real_out, real_mutated)))
+        if any(numel or differing for differing, numel in results):
+            probe._record(name, signature, results)
         else:
-            differing, numel = _count_differences((trial_out, trial_mutated),
-                                                  (real_out, real_mutated))
-        if numel or differing:
-            probe.num_ops_compared += 1
-            probe._record(name, differing, numel)
+            probe._untrial(signature, trials)
+            probe._skip(name, NOT_COMPARED_NO_ELEMENTS)
         return real_out
 
 
@@ -261,6 +424,35 @@ def _has_tensor_returns(schema) -> bool:
 def _comparable(t: torch.Tensor) -> bool:
     return (t.layout == torch.strided and not t.is_quantized and not t.is_nested
             and t.device.type != "meta" and type(t) in (torch.Tensor, torch.nn.Parameter))
+
+
+def _why_not_comparable(t: torch.Tensor) -> str:
+    """The reason `_comparable` refuses ``t``, for the not-compared list."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        return f"tensor subclass input ({type(t).__name__}): its inner ops are not seen"
+    if t.layout != torch.strided:
+        return f"{str(t.layout).replace('torch.', '')} input"
+    if t.is_quantized:
+        return "quantized input"
+    if t.is_nested:
+        return "nested tensor input"
+    return "meta tensor input: holds no values"
+
+
+def _signature_part(arg: Any) -> Any:
+    """What of an argument may pick an op's kernel and its parallel split: a tensor's dtype,
+    shape, strides and device, a non-float scalar's value (dims, flags such as
+    ``accumulate``); a float's type only, so a learning rate that changes every step does
+    not make a new signature every step."""
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, tuple(arg.shape), tuple(arg.stride()) if _comparable(arg) else (),
+                str(arg.device))
+    if isinstance(arg, float):
+        return float
+    if arg is None or isinstance(arg, (bool, int, str, torch.dtype, torch.device, torch.layout,
+                                       torch.memory_format)):
+        return arg
+    return type(arg)
 
 
 def _mutated_arg_positions(schema, args, kwargs) -> list[int | str]:

@@ -6,12 +6,14 @@ launchers such as torchrun, its exit code), every Python process it starts (each
 is probed and writes its own findings, and the CLI never imports the user's code.
 
 Parent side (`probe_command`): run the command with `samebits._inject` first on
-PYTHONPATH and a temporary findings directory in ``SAMEBITS_PROBE_DIR``, then read one
-``process-PID.json`` per probed process.  Child side (`start`, called from the injected
-sitecustomize): enter a `Probe`
-for the rest of the process, save findings as they appear (so a crash keeps them) and
-at exit, and with a step limit stop the program after N optimizer steps.  Forked
-children (DataLoader workers) run unprobed; spawned ones are probed like any process.
+PYTHONPATH and a temporary findings directory in ``SAMEBITS_PROBE_DIR`` (holding
+``options.json``: the comparisons per op signature), then read one ``process-PID.json``
+per probed process and merge them: findings, the ops not compared, and the fewest
+comparisons of any clean op signature, on which the verdict's bound rests.  Child side
+(`start`, called from the injected sitecustomize): enter a `Probe` for the rest of the
+process, save findings as they appear (so a crash keeps them) and at exit, and with a
+step limit stop the program after N optimizer steps.  Forked children (DataLoader
+workers) run unprobed; spawned ones are probed like any process.
 """
 
 from __future__ import annotations
@@ -28,14 +30,15 @@ from typing import Any
 
 from samebits._inject import with_injection
 from samebits._torchutil import process_rank
-from samebits.determinism._probe import DEFAULT_NAMESPACES, Probe
+from samebits.determinism._probe import (DEFAULT_COMPARISONS, DEFAULT_NAMESPACES, MIN_COMPARISONS,
+                                         Probe, miss_bound)
 from samebits.errors import SamebitsError
 from samebits.verdicts import ToDict
 
 ENV_DIR = "SAMEBITS_PROBE_DIR"
 ENV_STEPS = "SAMEBITS_PROBE_STEPS"
 ENV_NAMESPACES = "SAMEBITS_PROBE_NAMESPACES"
-
+OPTIONS_FILE = "options.json"  # in ENV_DIR: options that have no variable of their own
 
 
 class _StepLimitReached(SystemExit):
@@ -54,7 +57,13 @@ def start() -> None:
     namespaces = tuple(filter(None, os.environ.get(ENV_NAMESPACES, "").split(","))) \
         or DEFAULT_NAMESPACES
     steps = int(os.environ.get(ENV_STEPS) or 0) or None
-    probe = Probe(namespaces=namespaces, on_finding=lambda finding: _save(complete=False))
+    options = {}
+    options_path = os.path.join(os.environ[ENV_DIR], OPTIONS_FILE)
+    if os.path.exists(options_path):
+        with open(options_path) as f:
+            options = json.load(f)
+    probe = Probe(namespaces=namespaces, comparisons=options.get("comparisons", DEFAULT_COMPARISONS),
+                  on_finding=lambda finding: _save(complete=False))
     _child.update(probe=probe, dir=os.environ[ENV_DIR], steps_limit=steps, steps=0,
                   limit_reached=False, pid=os.getpid(), saved_final=False)
     _save(complete=False)
@@ -115,35 +124,59 @@ def _save(*, complete: bool) -> None:
 class CommandProbeResult(ToDict):
     """What `samebits probe -- CMD` found across every probed process of the command."""
 
-    dict_keys = ("command", "returncode", "clean", "problems", "processes", "findings")
+    dict_keys = ("command", "returncode", "clean", "problems", "comparisons", "bound", "processes",
+                 "findings", "not_compared")
 
     command: list[str]
     returncode: int
     processes: list[dict]
     findings: list[dict]
     problems: list[str] = field(default_factory=list)  # reasons the verdict is incomplete
+    comparisons: int = DEFAULT_COMPARISONS  # the target per op signature
+    # The fewest comparisons of any op signature that never differed, over all processes
+    # (None: no op was compared); the bound of a clean verdict rests on it.
+    min_comparisons: int | None = None
+    # {"op", "reason", "calls", "calls_compared", "computes_nothing"}, merged over processes:
+    # the ops that ran once, uncompared, in some of their calls.
+    not_compared: list[dict] = field(default_factory=list)
 
     @property
     def ran(self) -> bool:
         return not self.problems
 
+    @property
+    def clean(self) -> bool:
+        """Ran, compared something, found nothing: the verdict that states `bound`."""
+        return self.ran and not self.findings and self.min_comparisons is not None
+
+    @property
+    def bound(self) -> dict | None:
+        return miss_bound(self.min_comparisons) if self.min_comparisons else None
+
     def dict_extras(self) -> dict:
-        return {"clean": self.ran and not self.findings}
+        return {"clean": self.clean, "bound": self.bound}
 
 
 def probe_command(command: list[str], *, steps: int | None = None,
                   namespaces: tuple[str, ...] | None = None,
+                  comparisons: int = DEFAULT_COMPARISONS,
                   stdout: Any = None) -> CommandProbeResult:
     """Run `command` with the probe in each of its Python processes and collect the findings.
 
-    stdout: where the command's standard output goes (None: inherited).  Raises
-    SamebitsError when the command cannot be started at all.
+    comparisons: comparisons per op signature (`Probe`).  stdout: where the command's
+    standard output goes (None: inherited).  Raises SamebitsError when the command cannot
+    be started at all, ValueError for comparisons below 2.
     """
     if not command:
         raise SamebitsError("no command to probe: write it after '--', e.g. "
                             "samebits probe -- python train.py --steps 1")
+    if not isinstance(comparisons, int) or comparisons < MIN_COMPARISONS:
+        raise ValueError(f"probe_command(comparisons={comparisons!r}): give an integer of at least "
+                         f"{MIN_COMPARISONS}; one comparison cannot tell a rare race from none")
     workdir = tempfile.mkdtemp(prefix="samebits-probe-")
     try:
+        with open(os.path.join(workdir, OPTIONS_FILE), "w") as f:
+            json.dump({"comparisons": comparisons}, f)
         env = with_injection(os.environ)
         env[ENV_DIR] = workdir
         env[ENV_STEPS] = str(steps or "")
@@ -158,7 +191,9 @@ def probe_command(command: list[str], *, steps: int | None = None,
                                 "command after '--'") from err
         if forward:
             stdout.write(completed.stdout)
-        return _collect(command, completed.returncode, workdir)
+        result = _collect(command, completed.returncode, workdir)
+        result.comparisons = comparisons
+        return result
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -173,6 +208,8 @@ def _has_fileno(stream: Any) -> bool:
 
 def _collect(command: list[str], returncode: int, workdir: str) -> CommandProbeResult:
     processes, findings, problems = [], [], []
+    min_comparisons: list[int] = []
+    not_compared: dict[tuple[str, str], dict] = {}
     names = sorted(os.listdir(workdir))
     for name in names:
         path = os.path.join(workdir, name)
@@ -185,8 +222,16 @@ def _collect(command: list[str], returncode: int, workdir: str) -> CommandProbeR
             data = json.load(f)
         report = data.pop("report")
         data.update(num_ops=report["num_ops"], num_ops_compared=report["num_ops_compared"],
-                    seconds=report["seconds"])
+                    num_signatures=report.get("num_signatures", 0),
+                    min_comparisons=report.get("min_comparisons"), seconds=report["seconds"])
         processes.append(data)
+        if data["min_comparisons"] is not None:
+            min_comparisons.append(data["min_comparisons"])
+        for entry in report.get("not_compared", []):
+            merged = not_compared.setdefault((entry["op"], entry["reason"]), {**entry, "calls": 0,
+                                                                              "calls_compared": 0})
+            merged["calls"] += entry["calls"]
+            merged["calls_compared"] += entry["calls_compared"]
         for finding in report["findings"]:
             findings.append({**finding, "pid": data["pid"], "rank": data["rank"]})
         if not data["complete"]:
@@ -198,5 +243,12 @@ def _collect(command: list[str], returncode: int, workdir: str) -> CommandProbeR
                         "without -I or -S (they skip sitecustomize), with torch importable")
     if returncode != 0 and not limit_reached:
         problems.append(f"the command exited with code {returncode}")
+    if processes and not problems and not any(p["num_ops_compared"] for p in processes):
+        problems.append("no op was compared: the command ran no torch op in a probed namespace, so "
+                        "there is nothing to conclude (see the ops not compared)")
+    # Ops that may compute something first, the busiest first.
+    ordered = sorted(not_compared.values(), key=lambda e: (e["computes_nothing"], -e["calls"], e["op"]))
     return CommandProbeResult(command=command, returncode=returncode, processes=processes,
-                              findings=findings, problems=problems)
+                              findings=findings, problems=problems,
+                              min_comparisons=min(min_comparisons) if min_comparisons else None,
+                              not_compared=ordered)

@@ -59,3 +59,20 @@ def test_the_census_is_taken_at_the_training_forward_not_an_evaluation_before_it
     assert proc.returncode == 0, proc.stderr[-3000:]
     findings = explain_resume(a, None, c, 4, 4)
     assert findings and findings[0].kind == "iteration_counter", [f.says for f in findings]
+
+
+def test_a_batch_given_by_keyword_is_a_recorded_input(tmp_path):
+    """HF's ``model(**inputs)``: a global forward pre-hook sees no keyword arguments, so the
+    batch was no recorded input, and two runs fed different batches got no finding at all."""
+    script = Path(__file__).parent / "scripts_census_timing" / "keyword_batch.py"
+    runs = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        argv = [sys.executable, "-m", "samebits", "run", "--out", str(out), "--", sys.executable, str(script)]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(out)
+    result = diff(*runs)
+    assert result.first_divergence.step == 0
+    kinds = {(f.kind, f.generator) for f in explain_independent(*runs, 0)}
+    assert ("generator", "user:keyword_batch.py:8") in kinds, kinds

@@ -301,7 +301,7 @@ class _AutoRecorder:
             for name, param in module.named_parameters():
                 self.param_names.setdefault(id(param), prefix + name)
 
-    def post_forward(self, module, args, output):
+    def post_forward(self, module, args, kwargs, output):
         if _compiling():
             return
         if not (self.forwards.pop() if self.forwards else False):
@@ -309,6 +309,14 @@ class _AutoRecorder:
         self.depth -= 1
         if self.depth != 0:
             return
+        if kwargs and self.census is not None and self.census_step == self.step:
+            # The batch given by keyword (HF's ``model(**inputs)``): a global pre-hook sees only
+            # the positional arguments, so the keywords are read here, as the forward returns.
+            with guard("forward", step=self.step, records=f"the keyword inputs of {type(module).__name__}.forward"):
+                inputs = [(n, t) for n, t in tensor_leaves(kwargs, type(module).__name__) if _recordable(t)]
+                if inputs:
+                    with self._ours():
+                        self.census.tensors(self.step, "inputs", [(n, _local(t.detach())) for n, t in inputs])
         with guard("forward", step=self.step, records=f"the outputs of {type(module).__name__}.forward"):
             leaves = [(n, t) for n, t in tensor_leaves(output, type(module).__name__) if _recordable(t)]
             if leaves:
@@ -437,7 +445,7 @@ def install() -> bool:
     with guard("tracking", records="the training state's construction (census context)"):
         install_tracking(state.tracking)
     register_module_forward_pre_hook(_state.pre_forward)
-    register_module_forward_hook(_state.post_forward, always_call=True)
+    register_module_forward_hook(_state.post_forward, with_kwargs=True, always_call=True)
     register_optimizer_step_pre_hook(_state.before_optimizer_step)
     register_optimizer_step_post_hook(_state.after_optimizer_step)
     _wrap_backward(_state)

@@ -25,7 +25,8 @@ train.py:70".
 The program must not be able to tell (issue 33): ``torch.Generator`` stays torch's own class
 (its metaclass's ``__call__`` notes each one made), nothing is stored on the program's
 objects (what tracking knows lives here, keyed by ``id`` and held weakly: tracking keeps
-nothing alive), and every wrapper calls the original outside `guard`, so that samebits'
+nothing alive beyond the end of the step it was made in; a generator made in a step and a NumPy
+generator, which cannot be held weakly, live to the step's census), and every wrapper calls the original outside `guard`, so that samebits'
 own failures become gaps and the program's exceptions and results pass through unchanged.
 """
 
@@ -58,14 +59,40 @@ MAX_HELD = 64  # generators made in one step and held to its census: a per-sampl
 _TRACKED = "_samebits_tracking"  # marks samebits' own wrappers (on the wrapper, never on the program's objects)
 
 
+class _Held:
+    """A strong stand-in for ``weakref.ref`` (called, it gives the object), for an object that
+    cannot be held weakly but must be tracked: NumPy's ``Generator``.  `_Live.prune` lets it go
+    once the program holds it no more, at the end of a step."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __call__(self) -> Any:
+        return self.obj
+
+
 class _Live:
     """Objects in creation order, held weakly, each with its site and what tracking notes
     about it (a dict), kept here rather than on the object: ``vars(obj)``, pickling and
     ``deepcopy`` see nothing.  Keyed by ``id`` (a user's class may define ``__hash__`` or
-    ``__eq__``); an entry goes when its object dies."""
+    ``__eq__``); an entry goes when its object dies.  With ``strong=True`` an object that
+    cannot be held weakly (NumPy's Generator) is held until `prune` finds only tracking holds it."""
 
-    def __init__(self):
-        self._entries: dict[int, tuple[weakref.ref, str | None, dict]] = {}
+    def __init__(self, strong: bool = False):
+        self._entries: dict[int, tuple[weakref.ref | _Held, str | None, dict]] = {}
+        self._strong = strong
+
+    def prune(self) -> None:
+        """Let go of each strongly held object the program no longer holds (the newest
+        `MAX_HELD` at most are kept: a program may make one per sample)."""
+        held = [key for key, (ref, _, _) in self._entries.items() if isinstance(ref, _Held)]
+        for number, key in enumerate(held):
+            ref = self._entries[key][0]
+            # two references when only tracking holds it: ``ref.obj`` and getrefcount's argument
+            if number < len(held) - MAX_HELD or sys.getrefcount(ref.obj) <= 2:
+                del self._entries[key]
 
     def add(self, obj: Any, site: str | None = None) -> dict | None:
         """Track ``obj`` (once); its notes, or None if it cannot be held weakly."""
@@ -82,8 +109,12 @@ class _Live:
 
         try:
             ref = weakref.ref(obj, gone)
-        except TypeError:  # not weak-referenceable: not tracked
-            return None
+        except TypeError:  # not weak-referenceable: held until the program lets it go, or not tracked
+            if not self._strong:
+                return None
+            ref = _Held(obj)
+            if sum(isinstance(entry[0], _Held) for entry in self._entries.values()) >= MAX_HELD:
+                self.prune()  # a process that never ends a step (a data worker) keeps few
         notes = {}
         entries.pop(key, None)  # a dead one's id, reused: the new object goes last, in creation order
         entries[key] = (ref, site, notes)
@@ -149,7 +180,7 @@ class Tracking:
         self.optimizers = _Live()
         self.schedulers = _Live()
         self.scalers = _Live()
-        self.generators = _Live()
+        self.generators = _Live(strong=True)  # NumPy's generators cannot be held weakly
         self.loaders = _Live()  # notes: "iterator", a weakref to its newest iterator
         self.iterators = _Live()  # data-loader iterators; notes: "first_done"
         self.events: list[dict] = []
@@ -230,6 +261,7 @@ class Tracking:
     def release(self) -> None:
         """The step's census read the generators: the program's own references decide again."""
         self.held.clear()
+        self.generators.prune()
 
     def new_events(self) -> list[dict]:
         events = self.events[self.written:]

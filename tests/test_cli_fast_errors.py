@@ -121,6 +121,8 @@ def test_a_mistake_is_refused_before_torch_is_imported(number, outcomes, paths):
     (["bisect", "--stop-after", "3", "torchrun", "--nproc-per-node", "2", "t.py"],
      ["torchrun", "--nproc-per-node", "2", "t.py"], None),
     (["verify", "--out", "o", "--json", "python", "t.py"], ["python", "t.py"], None),
+    (["verify", "--across", "dp=1,2", "python", "t.py", "{nproc}", "{out}"], ["python", "t.py", "{nproc}", "{out}"],
+     None),  # argparse would read the program as more layouts
 ])
 def test_a_command_without_double_dash_gets_the_command_line_that_has_it(argv, program, options):
     parser = build_parser()
@@ -142,6 +144,8 @@ def test_a_command_without_double_dash_gets_the_command_line_that_has_it(argv, p
      "t.py"],
     ["verify"],
     ["verify", "--across", "dp=1,2", "--", "python", "t.py", "{nproc}", "{out}"],
+    ["verify", "--across", "dp=1,2", "tp=1,2"],
+    ["verify", "--across", "single,dp2,tp2"],
     ["run", "--out=o", "--", "python", "t.py"],
     ["diff", "runs/a", "runs/b"],  # positionals that are runs, not a program
     ["show", "runs/a", "--records"],

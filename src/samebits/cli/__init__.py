@@ -16,6 +16,7 @@ import importlib
 import os
 import pkgutil
 import shlex
+import shutil
 import signal
 import sys
 
@@ -165,10 +166,19 @@ def _first_positional(parser: argparse.ArgumentParser, words: list[str]) -> int 
             i += 1
         elif action.nargs == "?":
             i += 1 if i < len(words) and not words[i].startswith("-") else 0
-        else:  # "*", "+": argparse takes every word up to the next option
+        else:  # "*", "+": argparse takes every word up to the next option, a program's too
+            first = i
             while i < len(words) and not words[i].startswith("-"):
+                if i > first and _looks_like_a_program(words[i]):  # `--across dp=1,2 python train.py`
+                    return i
                 i += 1
     return None
+
+
+def _looks_like_a_program(word: str) -> bool:
+    """Whether ``word`` names a program or script (``python``, ``torchrun``, ``train.py``,
+    ``./run.sh``), not a value such as a layout (``dp=1,2``, ``single,tp2``)."""
+    return word.endswith((".py", ".sh")) or "/" in word or shutil.which(word) is not None
 
 
 def _closest_options(parser: argparse.ArgumentParser, args: argparse.Namespace, extras: list[str]) -> str:

@@ -205,24 +205,6 @@ def test_runnable_commands_parse(block):
         assert forgotten is None, f"{block.where}: `samebits {shlex.join(argv)}`: {forgotten}"
 
 
-def test_runnable_blocks_use_only_the_files_their_page_gives():
-    """A script a runnable block runs (`python train.py`) is a file block of its page: the reader
-    can make it from the page alone."""
-    missing = []
-    for page in RUNNABLE_PAGES:
-        page_blocks = blocks(page)
-        given = {b.file_name for b in page_blocks if b.marker == "file"}
-        for block in page_blocks:
-            if block.marker != "runnable" or block.language not in SHELLS:
-                continue
-            for line in _logical_lines(block.body):
-                for word in shlex.split(line, comments=True):
-                    script = word.split("/")[-1]
-                    if word.endswith(".py") and "{" not in word and script not in given:
-                        missing.append(f"{block.where}: {word} is no file block of the page")
-    assert missing == []
-
-
 # What a command line reads that the reader must have: scripts and configs.  A value of an
 # option that names what the command writes (``--out gpu_check.json``) is an output.
 INPUT_SUFFIXES = (".py", ".toml", ".yaml", ".yml", ".json", ".cfg", ".sh")

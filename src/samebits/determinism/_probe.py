@@ -381,7 +381,7 @@ class _ProbeMode(TorchDispatchMode):
             # In-place and out= ops return the argument they wrote: compare it once.
             return written if only_writes else (out, written)
 
-        signature = (name, *map(_signature_part, flat_args))
+        signature = _signature(name, flat_args)
         seeded = torch.Tag.nondeterministic_seeded in func.tags
         rng = _save_rng(kwargs) if seeded else None
         trials = probe._trials_for(signature)
@@ -437,6 +437,16 @@ def _why_not_comparable(t: torch.Tensor) -> str:
     if t.is_nested:
         return "nested tensor input"
     return "meta tensor input: holds no values"
+
+
+def _signature(name: str, flat_args: list) -> tuple:
+    """The op and what of its arguments picks its kernel (`_signature_part`), hashable."""
+    signature = (name, *map(_signature_part, flat_args))
+    try:
+        hash(signature)
+    except TypeError:  # an argument type we do not know: its type stands in for it
+        signature = (name, *(type(a) for a in flat_args))
+    return signature
 
 
 def _signature_part(arg: Any) -> Any:

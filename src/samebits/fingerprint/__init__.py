@@ -34,28 +34,46 @@ stable: other samebits packages use these names, never the `_private` modules.  
 every backend (the C library here, the CUDA kernel in samebits.kernels) must match bit for bit.
 """
 
-from samebits.fingerprint._digest import digest, digest_many
-from samebits.fingerprint._global import global_digests
+import importlib
 
-# Internal but stable: the Recorder records global digests through these.
-from samebits.fingerprint._global import GlobalSums, GlobalTensor, global_body_sums, global_tensors  # noqa: F401
+# Internal but stable, not in __all__: the digest's version and the dtype codes and sizes, plain
+# data that the stream reader uses without torch.
+from samebits.fingerprint._codes import DIGEST_VERSION, DTYPE_CODE_BY_NAME, ITEMSIZE_BY_NAME  # noqa: F401
 
-# Internal but stable, not in __all__: the Recorder and the tracer build on them.
-from samebits.fingerprint._digest import body_sums  # noqa: F401
-from samebits.fingerprint._spec import DIGEST_VERSION, DTYPE_CODES, finalize, finalize_packed, header  # noqa: F401
+# Every other name is imported from its module on first use (PEP 562), so that a reader of
+# streams, which needs only the codes above, loads no torch (`samebits show`, `dump`).
+_LAZY = {
+    "digest": "_digest", "digest_many": "_digest", "global_digests": "_global",
+    # Internal but stable: the Recorder records global digests through these.
+    "GlobalSums": "_global", "GlobalTensor": "_global", "global_body_sums": "_global", "global_tensors": "_global",
+    # Internal but stable, not in __all__: the Recorder and the tracer build on them.
+    "body_sums": "_digest", "DTYPE_CODES": "_spec", "finalize": "_spec", "finalize_packed": "_spec", "header": "_spec",
+    # Internal but stable, not in __all__: the stream encoder's fast paths (samebits.stream._encoder).
+    # `body_sums_of_checked(ts, device)`: `body_sums` of tensors already checked, all on ``device``;
+    # `dtype_code(dtype)`: the stream's one-byte dtype code; `all_unsharded(ts)`, `local_part(t)`: whether
+    # no tensor is sharded, and a tensor's local part; `native_available()`: whether the compiled
+    # library is loaded, and with it `body_sums_into` (sums of buffers by address), `StepFinalizer`
+    # (a step's digests into its encoded body) and `StepFramer` (a STEP frame: root, varints, crc).
+    "body_sums_of_checked": "_digest", "register_body_sum_backend": "_digest", "all_unsharded": "_global",
+    "local_part": "_global", "StepFinalizer": "_native", "StepFramer": "_native", "body_sums_into": "_native",
+    "native_available": ("_native", "available"), "dtype_code": "_spec",
+    # The torch-ops oracle of the body sum (`_reference.body_sum`), which every backend must match.
+    "reference_body_sum": ("_reference", "body_sum"),
+}
 
-# Internal but stable, not in __all__: the stream encoder's fast paths (samebits.stream._encoder).
-# `body_sums_of_checked(ts, device)`: `body_sums` of tensors already checked, all on ``device``;
-# `dtype_code(dtype)`: the stream's one-byte dtype code; `all_unsharded(ts)`, `local_part(t)`: whether
-# no tensor is sharded, and a tensor's local part; `native_available()`: whether the compiled
-# library is loaded, and with it `body_sums_into` (sums of buffers by address), `StepFinalizer`
-# (a step's digests into its encoded body) and `StepFramer` (a STEP frame: root, varints, crc).
-from samebits.fingerprint._digest import body_sums_of_checked, register_body_sum_backend  # noqa: F401
-from samebits.fingerprint._global import all_unsharded, local_part  # noqa: F401
-from samebits.fingerprint._native import StepFinalizer, StepFramer, body_sums_into  # noqa: F401
-from samebits.fingerprint._native import available as native_available  # noqa: F401
-from samebits.fingerprint._spec import dtype_code  # noqa: F401
-# The torch-ops oracle of the body sum (`_reference.body_sum`), which every backend must match.
-from samebits.fingerprint._reference import body_sum as reference_body_sum  # noqa: F401
+
+def __getattr__(name: str):
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attribute = (where, name) if isinstance(where, str) else where
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), attribute)
+    globals()[name] = value  # later uses cost a dict lookup
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = ["digest", "digest_many", "global_digests"]

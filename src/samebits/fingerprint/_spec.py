@@ -15,6 +15,8 @@ import numpy as np
 import torch
 
 from samebits.errors import ConfigError
+from samebits.fingerprint._codes import DIGEST_VERSION  # noqa: F401  (re-exported)
+from samebits.fingerprint._codes import DTYPE_CODE_BY_NAME as _DTYPE_CODE_BY_NAME
 
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15  # G: word j is offset by (j+1)*G before mixing
@@ -22,61 +24,10 @@ HEADER_SEED = 0x243F6A8885A308D3  # H starts here (the hex digits of pi)
 FMIX_MUL1 = 0xFF51AFD7ED558CCD
 FMIX_MUL2 = 0xC4CEB9FE1A85EC53
 
-# The version of the digest's definition.  Every persisted digest (stream headers, golden
-# files) carries it; digests of different versions are never compared.  1: the body term was
-# fmix64(w_j + (j+1)*G).  2: it is mix2(w_j + (j+1)*G), which vectorizes with 32x32->64
-# multiplies only (docs/digest.md, "Why this construction").
-DIGEST_VERSION = 2
 # mix2's round keys, in order: even 32-bit constants (evenness makes each round a bijection).
 MIX_KEYS = (0x9E3779B8, 0x85EBCA6A, 0xC2B2AE34, 0x27D4EB2E, 0x165667B0)
 MASK32 = (1 << 32) - 1
 
-# Codes are part of every published digest: never change or reuse one, only append.
-# Names are resolved with getattr so that an older torch simply lacks the newer dtypes.
-_DTYPE_CODE_BY_NAME = {
-    "bool": 1,
-    "uint8": 2,
-    "int8": 3,
-    "int16": 4,
-    "int32": 5,
-    "int64": 6,
-    "float16": 7,
-    "bfloat16": 8,
-    "float32": 9,
-    "float64": 10,
-    "complex64": 11,
-    "complex128": 12,
-    "float8_e4m3fn": 13,
-    "float8_e5m2": 14,
-    "float8_e4m3fnuz": 15,
-    "float8_e5m2fnuz": 16,
-    "uint16": 17,
-    "uint32": 18,
-    "uint64": 19,
-    "complex32": 20,
-    "float8_e8m0fnu": 21,
-    "float4_e2m1fn_x2": 22,
-    "bits8": 23,
-    "bits16": 24,
-    "bits1x8": 25,
-    "bits2x4": 26,
-    "bits4x2": 27,
-    # Sub-byte "shell" dtypes: one element per byte in memory, so their bytes are well defined.
-    "uint1": 28,
-    "uint2": 29,
-    "uint3": 30,
-    "uint4": 31,
-    "uint5": 32,
-    "uint6": 33,
-    "uint7": 34,
-    "int1": 35,
-    "int2": 36,
-    "int3": 37,
-    "int4": 38,
-    "int5": 39,
-    "int6": 40,
-    "int7": 41,
-}
 
 DTYPE_CODES: types.MappingProxyType[torch.dtype, int] = types.MappingProxyType(
     {

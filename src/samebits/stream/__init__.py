@@ -4,12 +4,31 @@
 The byte layout is in `_format` and docs/stream.md.
 """
 
-from samebits.stream.reader import Record, Run, StepBlock, StreamReader, open_run
-from samebits.stream.recorder import GLOBAL_PHASE_PREFIX, STEP_TIMES_SUFFIX, Recorder, RecordingSpec
-from samebits.stream.summary import CatalogueEntry, catalogue, summarise
+import importlib
 
-# Internal but stable, not in __all__: the comparator recomputes step roots (docs/stream.md).
-from samebits.stream._format import step_root  # noqa: F401
+# Imported from their modules on first use (PEP 562): reading a stream (`open_run`, `summarise`)
+# loads no torch, writing one (`Recorder`) does.
+_LAZY = {
+    "Record": "reader", "Run": "reader", "StepBlock": "reader", "StreamReader": "reader", "open_run": "reader",
+    "GLOBAL_PHASE_PREFIX": "recorder", "STEP_TIMES_SUFFIX": "recorder", "Recorder": "recorder",
+    "RecordingSpec": "recorder", "CatalogueEntry": "summary", "catalogue": "summary", "summarise": "summary",
+    # Internal but stable, not in __all__: the comparator recomputes step roots (docs/stream.md).
+    "step_root": "_format",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = ["Recorder", "RecordingSpec", "Record", "Run", "StepBlock", "StreamReader", "open_run", "summarise",
            "catalogue", "CatalogueEntry", "GLOBAL_PHASE_PREFIX", "STEP_TIMES_SUFFIX"]

@@ -16,6 +16,7 @@ import mmap
 import os
 import re
 import stat
+import struct
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,17 +24,20 @@ from struct import error as struct_error
 from typing import Iterator
 
 import numpy as np
-import torch
 
-from samebits import fingerprint
+from samebits.fingerprint import DIGEST_VERSION, DTYPE_CODE_BY_NAME, ITEMSIZE_BY_NAME
 from samebits.errors import IncomparableRunsError, StreamError
 from samebits.stream import _format as fmt
 from samebits.verdicts import ToDict
 
 _STREAM_RE = re.compile(r"^rank-(\d{5,})\.sbs$")
-_DTYPE_NAMES = {code: str(dtype).removeprefix("torch.") for dtype, code in fingerprint.DTYPE_CODES.items()}
+_DTYPE_NAMES = {code: name for name, code in DTYPE_CODE_BY_NAME.items()}
 _DTYPE_NAMES[0] = "none"  # an absent tensor (None)
-_ITEMSIZES = {code: dtype.itemsize for dtype, code in fingerprint.DTYPE_CODES.items()}
+_ITEMSIZES = {code: ITEMSIZE_BY_NAME[name] for name, code in DTYPE_CODE_BY_NAME.items()}
+# A metric's bits as a Python number, without torch: struct's formats (little-endian, as written);
+# bfloat16 is the top half of a float32.  Other dtypes (float8, complex) are decoded by torch.
+_STRUCT_FORMATS = {"float64": "<d", "float32": "<f", "float16": "<e", "int64": "<q", "int32": "<i", "int16": "<h",
+                   "int8": "<b", "uint8": "<B", "uint16": "<H", "uint32": "<I", "uint64": "<Q", "bool": "<?"}
 _CORRUPT_HINT = ("Every frame before that byte is intact: compare up to the step before it "
                  "(--to-step), or re-record the run.")
 
@@ -101,9 +105,15 @@ class Record(ToDict):
         if self.raw is None:
             return None
         try:
+            if self.dtype in _STRUCT_FORMATS:
+                return struct.unpack(_STRUCT_FORMATS[self.dtype], self.raw)[0]
+            if self.dtype == "bfloat16":
+                return struct.unpack("<f", b"\x00\x00" + bytes(self.raw))[0]
+            import torch  # the rarer dtypes (float8, complex): torch decodes them, as it encoded them
+
             data = torch.frombuffer(bytearray(self.raw), dtype=torch.uint8)
             return data.view(getattr(torch, self.dtype)).item()
-        except (AttributeError, RuntimeError, TypeError, ValueError):
+        except (AttributeError, RuntimeError, TypeError, ValueError, struct_error):
             return None  # a dtype without a Python scalar (e.g. packed 4-bit): `bits` is exact
 
     def same_content(self, other: "Record") -> bool:
@@ -946,7 +956,7 @@ def require_same_digest_version(run_a: Run, run_b: Run) -> None:
     version_a, version_b = run_a.digest_version, run_b.digest_version
     if version_a == version_b:
         return
-    current = fingerprint.DIGEST_VERSION
+    current = DIGEST_VERSION
     old = [f"{run.path} (digest version {v})" for run, v in ((run_a, version_a), (run_b, version_b)) if v != current]
     fix = (f"re-record {' and '.join(old)} with this samebits (digest version {current})" if old else
            "compare them with the samebits versions that recorded them")

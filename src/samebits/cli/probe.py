@@ -9,6 +9,7 @@ compared).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from samebits.cli._format import echo, print_json, table
@@ -87,12 +88,26 @@ def run(args: argparse.Namespace) -> int:
     _print_not_compared(result.not_compared)
     if result.clean:
         echo(f"\nclean: no compared op gave different bits; {result.bound['summary']}."
-             f"  Rarer races can pass: raise --comparisons, and prove a fix with paired runs.")
+             "  Rarer races can pass, and so can races that come in bursts (threads of a busy "
+             "machine): raise --comparisons, probe more steps, prove a fix with paired runs.")
     elif result.findings and result.bound is not None:
         echo(f"\nThe other ops: {result.bound['summary']}.")
+    busy = _busy()
+    if busy and not result.findings:
+        echo(f"note: the machine was busy ({busy}): a race between threads shows only when they "
+             "run at once, so it shows less often here than on an idle machine")
     for problem in result.problems:
         echo(f"samebits probe: {problem}", file=sys.stderr)
     return code
+
+
+def _busy() -> str | None:
+    """'load 8.0 on 2 CPUs' when the load average is above the CPU count, else None."""
+    try:
+        load, cpus = os.getloadavg()[0], os.cpu_count() or 1
+    except (AttributeError, OSError):  # no load average on this platform
+        return None
+    return f"load {load:.1f} on {cpus} CPUs" if load > cpus else None
 
 
 def _print_not_compared(entries: list[dict]) -> None:

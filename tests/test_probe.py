@@ -405,6 +405,9 @@ def test_cli_probe_clean_and_cannot_run(tmp_path, capfd):
     assert main(["probe", "--", sys.executable, "-I", "-c", "pass"]) == 2
     assert "did not start" in capfd.readouterr().err
     assert main(["probe", "--", "no-such-program-xyz"]) == 2
+    # A program that runs no torch op gives no evidence: not clean (the old probe said clean).
+    assert main(["probe", "--", sys.executable, "-c", "import torch"]) == 2
+    assert "no op was compared" in capfd.readouterr().err
     assert main(["probe"]) == 2
 
 

@@ -60,7 +60,11 @@ def test_an_op_in_the_models_own_forward_and_its_backward(tmp_path, capsys):
     assert origin["op"] in INDEX_PUT and origin["phase"] == "backward"
     assert origin["module"] == ""  # the root module's own forward, not a submodule
     assert origin["call_site"].endswith(planted_line("toplevel_index.py") + " in forward")
-    assert origin["elements"]["differing"] > 0
+    # the race need not recur in the dumps: then the conclusion says so, and no element count
+    if origin["elements"] is None:
+        assert "did not reproduce the difference" in result["conclusion"], result["conclusion"]
+    else:
+        assert origin["elements"]["differing"] > 0
     assert_no_false_claims(result)
 
 

@@ -222,12 +222,12 @@ def test_one_optimizer_not_in_a_list_is_a_config_error():
     ("rng.user.router_jitter", "generator 'router_jitter' state differs at step start"),
     ("optim1.step", "optimizer 1 step counts differ at step start: optimizer state not restored "
                     "on resume, or a step skipped"),
-    ("optim0.lr", "learning rate differs at step start: LR scheduler not restored on resume"),
-    ("sched0.last_epoch", "learning rate differs at step start: LR scheduler not restored on "
-                          "resume"),
-    ("sched2.lr", "learning rate differs at step start: LR scheduler not restored on resume"),
+    ("optim0.lr", "optimizer 0's learning rate (its param groups' lr) differs at step start: the LR's position"),
+    ("sched0.last_epoch", "LR scheduler 0's position (last_epoch: the steps it has counted) differs at step "
+                          "start: the scheduler was not restored"),
+    ("sched2.lr", "LR scheduler 2's last computed LR (get_last_lr()) differs"),
     ("optim0.hparams", "optimizer 0's group settings (betas, weight decay, eps, ...) differ"),
-    ("sched0.step_count", "learning rate differs at step start: LR scheduler not restored on resume"),
+    ("sched0.step_count", "LR scheduler 0's step count (_step_count) differs at step start"),
     ("scaler1", "GradScaler 1's scale or growth tracker differs at step start"),
     ("data.train.py:40", "data loader train.py:40 is at another position in its epoch at step start"),
     ("params/w1", "training state 'params/w1' differs at step start"),

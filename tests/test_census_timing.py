@@ -32,6 +32,7 @@ def test_a_generator_made_and_dropped_in_the_data_fetch_is_named(tmp_path):
     findings = explain_independent(a, b, step)
     assert findings and findings[0].kind == "generator", [f.says for f in findings]
     assert findings[0].generator == f"user:reshuffle.py:{RESHUFFLE_LINE}"
+    assert "made after step 1 ended and before step 2's first forward" in findings[0].says, findings[0].says
     # bisect reads the same census: the private generator is its suspect
     suspects, _ = census_suspects([], a, b, 0, step)
     assert suspects == [f"rng.user.reshuffle.py:{RESHUFFLE_LINE}"], suspects

@@ -15,7 +15,7 @@ from samebits.runs._launch import DEFAULT_TIMEOUT_S
 from samebits.verdicts import Verdict
 
 # The commands that take each shared option (cli/matrix.py adds the recipe group too).
-RECIPE = {"bisect": (4, 2), "tax": (12, 1), "verify": (8, 2), "matrix": (6, None)}
+RECIPE = {"bisect": (4, 2), "tax": (30, 1), "verify": (8, 2), "matrix": (6, None)}
 RUN_TIMEOUT = ("bisect", "replay", "tax", "verify")
 OUT = ("bisect", "matrix", "replay", "tax", "verify")
 

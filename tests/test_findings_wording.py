@@ -21,7 +21,8 @@ import torch
 
 import samebits
 from samebits.compare import diff
-from samebits.runs._explain import describe_census_record, explain_resume, ordered
+from samebits.checkpoint import describe_state_record
+from samebits.runs._explain import explain_resume, ordered
 from samebits.runs._launch import RunFailed
 from samebits.runs.bisect import Command, Elements, _Bisector, _Evidence, bisect
 from samebits.runs.verify import RunInfo, _curves_cut, _keeping_earlier_verdicts
@@ -43,14 +44,14 @@ def _verify(out: Path, *args: str, timeout: int = 600) -> subprocess.CompletedPr
 
 
 def test_a_scheduler_record_names_the_scheduler_field_never_the_learning_rate():
-    said = describe_census_record("sched0.last_epoch", {"optim0.lr", "sched0.last_epoch"})
+    said = describe_state_record("sched0.last_epoch", {"optim0.lr", "sched0.last_epoch"})
     assert "LR scheduler 0's position (last_epoch" in said and "scheduler.load_state_dict" in said
     assert "learning rate" not in said
 
 
 @pytest.mark.parametrize("present", [{"rng.python", "optim0.step", "optim0.lr"}, None])
 def test_a_learning_rate_is_never_blamed_on_a_scheduler_the_program_lacks(present):
-    said = describe_census_record("optim0.lr", present)
+    said = describe_state_record("optim0.lr", present)
     assert "LR scheduler not restored" not in said
     assert "iteration counter" in said
     if present is not None:

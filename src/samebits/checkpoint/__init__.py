@@ -24,7 +24,8 @@ resume that lost one shows which (`describe_state_record`).
 
 from samebits.checkpoint._bundle import StateBundle, TensorShard
 from samebits.checkpoint._content import STATE_PARTS, content_sha256
-from samebits.checkpoint._census import (CENSUS_DIR, STATE_PHASE, census_recorder, census_run, describe_state_record,
+from samebits.checkpoint._census import (CENSUS_DIR, STATE_PHASE, census_index, census_recorder, census_run,
+                                         describe_state_record, has_scheduler,
                                          global_rng_record, state_census)
 from samebits.checkpoint._errors import CheckpointError, CheckpointLayoutError
 from samebits.checkpoint._rng import GLOBAL_RNG_NAMES, capture_rng_state, restore_rng_state
@@ -48,6 +49,8 @@ __all__ = [
     "SAVE_PAUSE_ENV",
     "state_census",
     "describe_state_record",
+    "census_index",
+    "has_scheduler",
     "global_rng_record",
     "STATE_PHASE",
     "CENSUS_DIR",

@@ -66,7 +66,6 @@ CENSUS_DIR = "state"
 
 _NOT_RESTORED = "seeded from something that changes, or not restored on resume"
 _SITE = re.compile(r"\.py:\d+(#\d+)?$")
-_LR_NOT_RESTORED = "learning rate differs at step start: LR scheduler not restored on resume"
 
 
 def state_census(*, optimizers: Sequence[Any] = (), schedulers: Sequence[Any] = (),
@@ -156,8 +155,44 @@ def global_rng_record(generator: str) -> torch.Tensor:
                       "or 'torch_cpu'")
 
 
-def describe_state_record(name: str) -> str:
-    """The sentence a user needs when census record `name` differs between two runs."""
+def census_index(name: str, prefix: str) -> str | None:
+    """The number of census record ``name``'s component (``optim2.lr`` -> "2" for "optim"),
+    None when it is not one of ``prefix``'s."""
+    head = name.partition(".")[0]
+    number = head[len(prefix):]
+    return number if head.startswith(prefix) and number.isdigit() else None
+
+
+def has_scheduler(names) -> bool:
+    """Does a census with records ``names`` hold an LR scheduler (``sched<i>.*``)?"""
+    return any(census_index(name, "sched") is not None for name in names)
+
+
+def describe_state_record(name: str, present=None) -> str:
+    """The sentence a user needs when census record ``name`` differs between two runs at a
+    step's start, naming only what the program has: ``present`` is every record name of that
+    census (None: not known), so a learning rate that differs in a program without an LR
+    scheduler is blamed on the loop's own iteration counter, never on a scheduler it does not
+    have; a scheduler's record names the scheduler's field (its position, ``last_epoch``),
+    never the learning rate, which the optimizer's state restores on its own."""
+    optimizer, scheduler = census_index(name, "optim"), census_index(name, "sched")
+    field = name.partition(".")[2]
+    if optimizer is not None and field == "lr":
+        if present is not None and not has_scheduler(present):
+            return (f"optimizer {optimizer}'s learning rate (its param groups' lr) differs at step start, and the "
+                    "program has no LR scheduler: the loop sets the LR itself, from an iteration counter that was "
+                    "not restored from the checkpoint (restore it, e.g. iter_num = checkpoint['iter_num'])")
+        if present is None:
+            return (f"optimizer {optimizer}'s learning rate (its param groups' lr) differs at step start: the LR's "
+                    "position was not restored on resume (an LR scheduler's state, or the iteration counter a loop "
+                    "computes the LR from)")
+        return (f"optimizer {optimizer}'s learning rate (its param groups' lr) differs at step start: the LR "
+                "scheduler's position or the optimizer's param groups were not restored on resume")
+    if scheduler is not None and field:
+        what = {"last_epoch": "position (last_epoch: the steps it has counted)",
+                "step_count": "step count (_step_count)", "lr": "last computed LR (get_last_lr())"}.get(field, field)
+        return (f"LR scheduler {scheduler}'s {what} differs at step start: the scheduler was not restored on resume "
+                "(scheduler.load_state_dict(checkpoint['scheduler']))")
     if name == "rng.python":
         return f"Python `random` state differs at step start: {_NOT_RESTORED}"
     if name == "rng.numpy":
@@ -172,19 +207,15 @@ def describe_state_record(name: str) -> str:
         if _SITE.search(user):  # zero-code recording names the generators a program makes by site
             return f"the private generator made at {user} is in another state at step start: {_NOT_RESTORED}"
         return f"generator '{user}' state differs at step start: {_NOT_RESTORED}"
-    index, _, field = name.partition(".")
+    index = name.partition(".")[0]
     if index.startswith("optim") and index[len("optim"):].isdigit():
         number = index[len("optim"):]
         if field == "step":
             return (f"optimizer {number} step counts differ at step start: optimizer state not "
                     "restored on resume, or a step skipped")
-        if field == "lr":
-            return f"{_LR_NOT_RESTORED} (optimizer {number}'s param-group lr)"
         if field == "hparams":
             return (f"optimizer {number}'s group settings (betas, weight decay, eps, ...) differ at step "
                     "start: optimizer state not restored on resume, or the groups were built differently")
-    if index.startswith("sched") and index[len("sched"):].isdigit() and field:
-        return f"{_LR_NOT_RESTORED} (scheduler {index[len('sched'):]}'s {field})"
     if index.startswith("scaler") and index[len("scaler"):].isdigit():
         return (f"GradScaler {index[len('scaler'):]}'s scale or growth tracker differs at step start: "
                 "scaler.load_state_dict not called on resume")

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from samebits.autorecord import EVENTS_FILE, NOTES_FILE
-from samebits.checkpoint import CENSUS_DIR, STATE_PHASE, census_run, describe_state_record
+from samebits.checkpoint import CENSUS_DIR, STATE_PHASE, census_index, census_run, describe_state_record, has_scheduler
 from samebits.errors import StreamError
 from samebits.stream import open_run
 from samebits.verdicts import ToDict
@@ -137,6 +137,14 @@ def _moved_before(census: _Census, rank: int, step: int, name: str) -> bool | No
     return not _same(previous[name], start[name])
 
 
+def _made_before(census: _Census, rank: int, step: int, name: str) -> bool:
+    """Was generator ``name`` made between the end of the step before (in the same process:
+    its census has that step, without the generator) and this step's first forward (a
+    dataset's reshuffle makes one there, draws the epoch's order and drops it)?"""
+    previous = census.get(rank, step - 1, "state_end")
+    return bool(previous) and name not in previous and name in census.get(rank, step, STATE_PHASE)
+
+
 def _batch_source(census: _Census, rank: int, step: int, name: str) -> bool:
     """Could generator ``name`` have drawn the step's batch: it moved before the step's first
     forward, or, in the process's first step, it is one the program made (a sampler's: the
@@ -156,47 +164,6 @@ def _generator_label(name: str) -> tuple[str, str]:
         return name.removeprefix("rng."), f"the torch CUDA generator of device {name.removeprefix('rng.cuda:')}"
     site = name.removeprefix("rng.user.")
     return f"user:{site}", f"the generator made at {site}"
-
-
-def _index(name: str, prefix: str) -> str | None:
-    """The number of census record ``name``'s component (``optim2.lr`` -> "2" for "optim"),
-    None when it is not one of ``prefix``'s."""
-    head = name.partition(".")[0]
-    number = head[len(prefix):]
-    return number if head.startswith(prefix) and number.isdigit() else None
-
-
-def has_scheduler(names) -> bool:
-    """Does a census with records ``names`` hold an LR scheduler (``sched<i>.*``)?"""
-    return any(_index(name, "sched") is not None for name in names)
-
-
-def describe_census_record(name: str, present=None) -> str:
-    """The sentence for census record ``name`` that differs at a step's start, naming only what
-    the program has: ``present`` is every record name of that census (None: not known), so a
-    learning rate that differs in a program without an LR scheduler is blamed on the loop's own
-    iteration counter, never on a scheduler it does not have; a scheduler's record names the
-    scheduler's field (its position, ``last_epoch``), never the learning rate, which the
-    optimizer's state restores on its own.  Other records: `describe_state_record`."""
-    optimizer, scheduler = _index(name, "optim"), _index(name, "sched")
-    field = name.partition(".")[2]
-    if optimizer is not None and field == "lr":
-        if present is not None and not has_scheduler(present):
-            return (f"optimizer {optimizer}'s learning rate (its param groups' lr) differs at step start, and the "
-                    "program has no LR scheduler: the loop sets the LR itself, from an iteration counter that was "
-                    "not restored from the checkpoint (restore it, e.g. iter_num = checkpoint['iter_num'])")
-        if present is None:
-            return (f"optimizer {optimizer}'s learning rate (its param groups' lr) differs at step start: the LR's "
-                    "position was not restored on resume (an LR scheduler's state, or the iteration counter a loop "
-                    "computes the LR from)")
-        return (f"optimizer {optimizer}'s learning rate (its param groups' lr) differs at step start: the LR "
-                "scheduler's position or the optimizer's param groups were not restored on resume")
-    if scheduler is not None and field:
-        what = {"last_epoch": "position (last_epoch: the steps it has counted)",
-                "step_count": "step count (_step_count)", "lr": "last computed LR (get_last_lr())"}.get(field, field)
-        return (f"LR scheduler {scheduler}'s {what} differs at step start: the scheduler was not restored on resume "
-                "(scheduler.load_state_dict(checkpoint['scheduler']))")
-    return describe_state_record(name)
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -398,7 +365,7 @@ def _resume_step(census_a, census_b, census_c, main_a, dir_c, rank, step, resume
     if optimizer_kinds and not any(f.kind == "optimizer_state" for f in findings):
         name = sorted(optimizer_kinds)[0]
         add("optimizer_state", f"{describe_state_record(name)} (step {step})", name)
-    scheduled = [n for n in differing if _index(n, "sched") is not None]
+    scheduled = [n for n in differing if census_index(n, "sched") is not None]
     if scheduled:
         add("scheduler", _scheduler_says(census_a, census_c, rank, step, scheduled, state_c), _scheduler_record(scheduled))
     for name in differing:
@@ -499,7 +466,7 @@ def _scheduler_says(census_a: _Census, census_c: _Census, rank: int, step: int, 
     param groups' lr, then the first step where it differs (the scheduler's next step moves it
     from its own position), as the census shows it."""
     record = _scheduler_record(scheduled)
-    number = _index(record, "sched")
+    number = census_index(record, "sched")
     field = record.partition(".")[2]
     what = {"last_epoch": "position (last_epoch, the steps it has counted)", "step_count": "step count (_step_count)",
             "lr": "last computed LR (get_last_lr())"}.get(field, field)
@@ -508,7 +475,7 @@ def _scheduler_says(census_a: _Census, census_c: _Census, rank: int, step: int, 
     if same_as is not None:
         where = f": C's is A's at step {same_as}" + (", the scheduler starts over" if same_as == 0 else "")
     says = f"LR scheduler {number}'s {what} differs as step {step} begins{where}"
-    lr_names = sorted(n for n in census_a.get(rank, step, STATE_PHASE) if _index(n, "optim") is not None
+    lr_names = sorted(n for n in census_a.get(rank, step, STATE_PHASE) if census_index(n, "optim") is not None
                       and n.endswith(".lr"))
     if lr_names:
         name = lr_names[0]
@@ -552,7 +519,7 @@ def _one_per_component(names: list[str]) -> list[str]:
     seen, out = set(), []
     for name in names:
         head = name.partition(".")[0]
-        component = head if any(_index(name, prefix) is not None for prefix in ("optim", "sched", "scaler")) else name
+        component = head if any(census_index(name, prefix) is not None for prefix in ("optim", "sched", "scaler")) else name
         if component not in seen:
             seen.add(component)
             out.append(name)
@@ -561,7 +528,7 @@ def _one_per_component(names: list[str]) -> list[str]:
 
 def _absent_words(name: str) -> str:
     """What an absent record is, where `_what` does not already say it (a generator's record)."""
-    if any(_index(name, prefix) is not None for prefix in ("optim", "sched", "scaler")):
+    if any(census_index(name, prefix) is not None for prefix in ("optim", "sched", "scaler")):
         return ""
     return f" ({describe_state_record(name)})"
 
@@ -622,6 +589,9 @@ def _why_drawn(used: tuple[bool | None, ...], step: int, census_a: _Census, cens
     if batch_differs and any(_moved_before(census, rank, step, name) for census in (census_a, census_other)):
         return (f"it was drawn from before step {step}'s first forward, where the step's batch comes from, "
                 "and the batch differs")
+    if batch_differs and any(_made_before(census, rank, step, name) for census in (census_a, census_other)):
+        return (f"made after step {step - 1} ended and before step {step}'s first forward, where the step's batch "
+                "comes from, and the batch differs")
     if batch_differs and any(_batch_source(census, rank, step, name) for census in (census_a, census_other)):
         return (f"the program's own generator, not drawn from during step {step}; the step's batch differs, and "
                 "whether the batch was drawn from it before the step's first forward is not recorded (a process's "
@@ -698,7 +668,7 @@ def census_suspects(names: list[str], dir_a: Path, dir_b: Path, rank: int,
 def census_names(directory: Path, rank: int, step: int) -> set[str] | None:
     """Every record name of a run's census at ``step``'s start on ``rank`` (what the program
     has: its generators, optimizers, LR schedulers, loaders), None when the run has no census
-    there (`describe_census_record` then says what it cannot know)."""
+    there (`describe_state_record` then says what it cannot know)."""
     census = _census(directory, step, step)
     if census is None:
         return None
@@ -804,4 +774,4 @@ def _initial_params(census_a: _Census, census_b: _Census, rank: int) -> Finding 
 
 
 __all__ = ["Finding", "explain_resume", "explain_independent", "ordered", "script_notes", "census_suspects",
-           "describe_census_record", "has_scheduler", "census_names"]
+           "census_names"]

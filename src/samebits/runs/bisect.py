@@ -49,7 +49,7 @@ from samebits import settings
 from samebits.autorecord import environment_for, recording_variables, with_variables
 from samebits.checkpoint import describe_state_record
 from samebits.errors import ConfigError, SamebitsError
-from samebits.runs._explain import census_names, census_suspects, describe_census_record
+from samebits.runs._explain import census_names, census_suspects
 from samebits.runs._launch import failed, run_logged, teardown_note
 from samebits.runs.commands import (CKPT, FROM, OUT, RUN, STEP, SelfRecording, check_out_dir, default_out_dir,
                                     fill_placeholders, holds, write_summary)
@@ -550,8 +550,8 @@ class _Bisector:
 
     def _describe(self, name: str, finding: OriginFinding) -> str:
         """The sentence for census record ``name`` that differs at ``finding``'s step start,
-        naming only what the program has (its census there: `describe_census_record`)."""
-        return describe_census_record(name, self.census_present.get((finding.rank, finding.step)))
+        naming only what the program has (its census there: `describe_state_record`)."""
+        return describe_state_record(name, self.census_present.get((finding.rank, finding.step)))
 
     def _state_sentence(self, finding: OriginFinding, prefix: str) -> str:
         if not finding.state_differs:

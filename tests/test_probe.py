@@ -375,7 +375,7 @@ CLEAN_SCRIPT = textwrap.dedent("""
 def test_cli_probe_finds_ops_and_stops_after_steps(tmp_path, capsys):
     script = tmp_path / "racy.py"
     script.write_text(RACY_SCRIPT)
-    code = main(["probe", "--json", "--steps", "1", "--comparisons", "2", "--", sys.executable, str(script)])
+    code = main(["probe", "--json", "--stop-after", "0", "--comparisons", "2", "--", sys.executable, str(script)])
     captured = capsys.readouterr()
     assert code == 1, captured
     result = json.loads(captured.out)
@@ -415,7 +415,7 @@ def test_cli_probe_repeats_until_a_race_in_some_executions_shows(tmp_path, capsy
     """The old probe compared each call once: this race (every 4th execution) passed as clean."""
     script = tmp_path / "sometimes.py"
     script.write_text(SOMETIMES_SCRIPT)
-    command = ["--steps", "1", "--namespace", "aten", "--namespace", RACE_NS, "--", sys.executable, str(script)]
+    command = ["--stop-after", "0", "--namespace", "aten", "--namespace", RACE_NS, "--", sys.executable, str(script)]
     code = main(["probe", "--json"] + command)
     captured = capsys.readouterr()
     assert code == 1, captured

@@ -349,7 +349,7 @@ REGISTRY: dict[str, Setting] = _declare(
     Setting("SAMEBITS_PROBE_DIR", "path", "set by `samebits probe -- CMD`: where each process writes its "
             "findings", area="probe"),
     Setting("SAMEBITS_PROBE_STEPS", "int", "how many optimizer steps `samebits probe -- CMD` probes", area="probe"),
-    Setting("SAMEBITS_PROBE_NAMESPACES", "list", "operator namespaces the probe runs twice (default: aten)",
+    Setting("SAMEBITS_PROBE_NAMESPACES", "list", "operator namespaces the probe runs several times (default: aten, prims, samebits)",
             area="probe"),
     # test hooks
     Setting("SAMEBITS_TEST_PERTURB", "text", "`step=S,rank=R,op=ID[,phase=P]` nudges the first output of that "

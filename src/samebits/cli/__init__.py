@@ -41,7 +41,7 @@ EXAMPLES = {
              "samebits diff runs/a runs/c                    # c resumed at step K: compared from step K"],
     "dump": ["samebits dump runs/a --rank 0 --step 3 --phase grads"],
     "matrix": ["samebits matrix --cells single,dp2 --precisions fp32 --steps 4"],
-    "probe": ["samebits probe --steps 1 -- python train.py"],
+    "probe": ["samebits probe --stop-after 0 -- python train.py   # end it after its first step"],
     "replay": ["samebits replay runs/dp4 --step 5 --nproc 1    # a grad_reduce=invariant run, on 1 rank"],
     "report": ["samebits report samebits-out/verify-TIME       # the output folder of verify, bisect, matrix",
                "samebits report runs/a runs/b -o report.html"],

@@ -14,7 +14,7 @@ import sys
 
 from samebits.cli._format import echo, print_json, table
 from samebits.cli._lazy import lazy
-from samebits.cli._options import int_range, positive_int
+from samebits.cli._options import add_stop_after_option, int_range
 from samebits.verdicts import EXIT_BAD_VERDICT, EXIT_CANNOT_RUN, EXIT_OK
 
 probe_command, lookup_op = lazy("samebits.determinism", "probe_command", "lookup_op")
@@ -34,9 +34,9 @@ def register(subparsers) -> None:
                     "results differ bit for bit, and the ops that ran once, uncompared.  Each op "
                     "signature (op, shapes, dtypes) is compared --comparisons times on its first "
                     "call, once on later calls.  Example: "
-                    "samebits probe --steps 1 -- python train.py")
-    parser.add_argument("--steps", type=positive_int, metavar="N",
-                        help="stop the program after N optimizer steps (default: run it all)")
+                    "samebits probe --stop-after 0 -- python train.py")
+    add_stop_after_option(parser, "end the program after this optimizer step (0: after one step; default: run "
+                                  "it all)", old_steps_count=True)
     parser.add_argument("--comparisons", type=int_range(MIN_COMPARISONS, 10_000, 20),
                         default=DEFAULT_COMPARISONS, metavar="N",
                         help="compare each op signature at least N times (default "
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     if command and command[0] == "--":
         command = command[1:]
     namespaces = tuple(args.namespace) if args.namespace else None
-    result = probe_command(command, steps=args.steps, namespaces=namespaces,
+    result = probe_command(command, steps=None if args.stop_after is None else args.stop_after + 1, namespaces=namespaces,
                            comparisons=args.comparisons, stdout=sys.stderr if args.json else None)
     code = EXIT_CANNOT_RUN if not result.ran else EXIT_BAD_VERDICT if result.findings else EXIT_OK
     if args.json:

@@ -15,7 +15,7 @@ import warnings
 
 from samebits.determinism._mode import DeterministicMode, active_record, deterministic_mode
 from samebits.determinism._ops import OpEntry, lookup_op, op_catalog
-from samebits.determinism._probe import Probe, ProbeFinding, ProbeReport, probe
+from samebits.determinism._probe import DEFAULT_COMPARISONS, NotCompared, Probe, ProbeFinding, ProbeReport, miss_bound, probe
 from samebits.determinism._probe_command import CommandProbeResult, probe_command
 from samebits.determinism._probe_command import start as start_command_probe
 from samebits.determinism._rules import (
@@ -72,6 +72,9 @@ __all__ = [
     "start_command_probe",
     "Probe",
     "ProbeReport",
+    "NotCompared",
+    "miss_bound",
+    "DEFAULT_COMPARISONS",
     "ProbeFinding",
     "probe_command",
     "CommandProbeResult",

@@ -77,3 +77,25 @@ def test_a_batch_given_by_keyword_is_a_recorded_input(tmp_path):
     assert result.first_divergence.step == 0
     kinds = {(f.kind, f.generator) for f in explain_independent(*runs, 0)}
     assert ("generator", "user:keyword_batch.py:8") in kinds, kinds
+
+
+def test_a_loader_s_state_digest_leaves_its_generator_to_the_generator_s_record():
+    """torchdata's state_dict holds its sampler's generator state: a loader at the right
+    position whose generator is not (litgpt's next epoch after a torchdata restore) was named a
+    data position; the generator has its own census record, which names it."""
+    import pytest
+    import torch
+
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    from samebits.autorecord._tracking import _state_digest
+
+    def loader_state(seed: int, batches: int) -> bytes:
+        loader = stateful.StatefulDataLoader(list(range(12)), batch_size=2, shuffle=True,
+                                             generator=torch.Generator().manual_seed(seed))
+        iterator = iter(loader)
+        for _ in range(batches):
+            next(iterator)
+        return _state_digest(loader.state_dict())
+
+    assert loader_state(0, 2) == loader_state(1, 2)  # same position, other generator
+    assert loader_state(0, 2) != loader_state(0, 3)  # another position

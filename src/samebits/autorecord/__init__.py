@@ -271,10 +271,9 @@ class _AutoRecorder:
     def pre_forward(self, module, args):
         if _compiling():  # first, and nothing else: dynamo folds this to True and traces no more of us
             return
-        # not a recompute in backward, a transform, a trace, an export, a model on the meta
-        # device (litgpt's FLOP count runs one under ``torch.device("meta")``), nor a module
-        # called inside a forward that is none of ours (its parameterless norm is top-level then)
-        records = (not self.forwards or self.forwards[-1]) and _observable() and not _on_meta(module)
+        # not a recompute in backward, a transform, a trace, an export, nor a shape-only forward
+        # on the meta device (litgpt's FLOP count runs its model under ``torch.device("meta")``)
+        records = _observable() and not _on_meta(module, args)
         self.forwards.append(records)
         if not records:
             return
@@ -492,10 +491,13 @@ def _observable(in_backward_too: bool = False) -> bool:
         return True
 
 
-def _on_meta(module) -> bool:
-    """A module whose parameters live on the meta device: a shape-only forward, no step."""
+def _on_meta(module, args) -> bool:
+    """A module whose parameters, or whose first tensor argument, live on the meta device (a
+    parameterless submodule of a meta model is given meta tensors): a shape-only forward."""
     try:
         first = next(module.parameters(), None)
+        if first is None:
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
         return first is not None and first.device.type == "meta"
     except Exception:  # noqa: BLE001 - a module whose parameters cannot be listed: record as before
         return False

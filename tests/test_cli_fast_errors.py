@@ -59,6 +59,10 @@ CASES = [
     (["bisect", "python", "train.py"], "did you forget `--`?"),
     (["tax", "python", "train.py", "{deterministic}"], "did you forget `--`?"),
     (["probe", "python", "train.py"], "did you forget `--`?"),
+    (["probe"], "no command to probe"),
+    (["tax", "--a", "python a.py"], "--a and --b go together"),
+    (["tax", "--a", "python a.py", "--b", "python b.py", "--", "python", "t.py"], "not both"),
+    (["tax", "--", "python", "train.py"], "the command has no {deterministic}"),
 ]
 
 

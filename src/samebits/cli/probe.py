@@ -14,6 +14,7 @@ import sys
 
 from samebits.cli._format import echo, print_json, table
 from samebits.cli._lazy import lazy
+from samebits.errors import ConfigError
 from samebits.cli._options import add_stop_after_option, int_range
 from samebits.verdicts import EXIT_BAD_VERDICT, EXIT_CANNOT_RUN, EXIT_OK
 
@@ -55,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
     command = list(args.cmd)
     if command and command[0] == "--":
         command = command[1:]
+    if not command:  # refused here, before torch is loaded (probe_command refuses it too)
+        raise ConfigError("no command to probe: write it after '--', e.g. samebits probe -- python train.py")
     namespaces = tuple(args.namespace) if args.namespace else None
     result = probe_command(command, steps=None if args.stop_after is None else args.stop_after + 1, namespaces=namespaces,
                            comparisons=args.comparisons, stdout=sys.stderr if args.json else None)

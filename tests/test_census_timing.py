@@ -1,10 +1,16 @@
-"""A private generator made, drawn from and dropped between two steps' first forwards (a
-dataset's clock-seeded reshuffle: torchtitan's ``reloop``) is named by its site, not blamed on
-"the input batch" (issue 33: it was never alive at a census)."""
+"""When and what the state census reads, as real trainers need it (issue 33): a private
+generator made, drawn from and dropped between two steps' first forwards (torchtitan's
+clock-seeded ``reloop``) is held to the step's census and named by its site; the census is taken
+at a step's training forward, not an evaluation before the loop sets the LR (litgpt); a batch
+given by keyword is an input and NumPy generators are tracked (HF); a stateful loader's state
+digest leaves its generator to the generator's record.  The end-to-end tests run two or three
+recorded programs each (about 20 s idle): slow."""
 
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from samebits import diff
 from samebits.runs._explain import census_suspects, explain_independent
@@ -22,6 +28,7 @@ def _record(out: Path, reference: Path | None = None) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_a_generator_made_and_dropped_in_the_data_fetch_is_named(tmp_path):
     assert f"PLANTED" in SCRIPT.read_text().splitlines()[RESHUFFLE_LINE - 1]
     a = _record(tmp_path / "a")
@@ -41,6 +48,7 @@ def test_a_generator_made_and_dropped_in_the_data_fetch_is_named(tmp_path):
 EVAL_FIRST = Path(__file__).parent / "scripts_census_timing" / "eval_first.py"
 
 
+@pytest.mark.slow
 def test_the_census_is_taken_at_the_training_forward_not_an_evaluation_before_it(tmp_path):
     """A loop that evaluates (no grad) before it sets the step's LR and trains (litgpt's): the
     census of a step was taken at the evaluation, before the LR was set, so a resume that forgot
@@ -62,6 +70,7 @@ def test_the_census_is_taken_at_the_training_forward_not_an_evaluation_before_it
     assert findings and findings[0].kind == "iteration_counter", [f.says for f in findings]
 
 
+@pytest.mark.slow
 def test_a_batch_given_by_keyword_is_a_recorded_input(tmp_path):
     """HF's ``model(**inputs)``: a global forward pre-hook sees no keyword arguments, so the
     batch was no recorded input, and two runs fed different batches got no finding at all."""
@@ -83,7 +92,6 @@ def test_a_loader_s_state_digest_leaves_its_generator_to_the_generator_s_record(
     """torchdata's state_dict holds its sampler's generator state: a loader at the right
     position whose generator is not (litgpt's next epoch after a torchdata restore) was named a
     data position; the generator has its own census record, which names it."""
-    import pytest
     import torch
 
     stateful = pytest.importorskip("torchdata.stateful_dataloader")

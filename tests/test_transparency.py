@@ -248,6 +248,7 @@ def _printed(proc: subprocess.CompletedProcess, case: dict) -> list[str]:
     return sorted(lines) if "torch.distributed.run" in case["run"] else lines
 
 
+@pytest.mark.slow
 def test_the_census_does_not_make_a_stateful_loader_s_iterator(tmp_path):
     """A forward before the loop first iterates a torchdata StatefulDataLoader: the census's
     ``state_dict()`` made the loader's iterator there, drawing the shuffle's seed from torch's

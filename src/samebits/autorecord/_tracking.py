@@ -24,10 +24,11 @@ train.py:70".
 
 The program must not be able to tell (issue 33): ``torch.Generator`` stays torch's own class
 (its metaclass's ``__call__`` notes each one made), nothing is stored on the program's
-objects (what tracking knows lives here, keyed by ``id`` and held weakly: tracking keeps
-nothing alive beyond the end of the step it was made in; a generator made in a step and a NumPy
-generator, which cannot be held weakly, live to the step's census), and every wrapper calls the original outside `guard`, so that samebits'
-own failures become gaps and the program's exceptions and results pass through unchanged.
+objects (what tracking knows lives here, keyed by ``id`` and held weakly: a generator made in
+a step, and a NumPy generator, which cannot be held weakly, live at most to the step's census,
+nothing else is kept alive), and every wrapper calls the original outside `guard`, so that
+samebits' own failures become gaps and the program's exceptions and results pass through
+unchanged.
 """
 
 from __future__ import annotations
@@ -225,7 +226,8 @@ class Tracking:
             records.append((name, torch.tensor([yielded], dtype=torch.int64)))
             # A stateful loader's state_dict makes its iterator if it has none (torchdata's),
             # drawing the epoch's shuffle: asked only once the program has iterated it.
-            if callable(getattr(type(loader), "state_dict", None)) and getattr(loader, "_iterator", iterator) is not None:
+            made = getattr(loader, "_iterator", iterator)
+            if callable(getattr(type(loader), "state_dict", None)) and made is not None:
                 # A stateful loader (torchdata's StatefulDataLoader) saves more than the count:
                 # its dataset's own position (torchtitan's sample_idx, buffers).  Its state_dict
                 # is what a checkpoint saves, read as a checkpoint reads it.

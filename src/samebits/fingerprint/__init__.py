@@ -34,7 +34,7 @@ stable: other samebits packages use these names, never the `_private` modules.  
 every backend (the C library here, the CUDA kernel in samebits.kernels) must match bit for bit.
 """
 
-import importlib
+from samebits._lazy_exports import lazy_exports
 
 # Internal but stable, not in __all__: the digest's version and the dtype codes and sizes, plain
 # data that the stream reader uses without torch.
@@ -62,18 +62,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    where = _LAZY.get(name)
-    if where is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module, attribute = (where, name) if isinstance(where, str) else where
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), attribute)
-    globals()[name] = value  # later uses cost a dict lookup
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
 
 
 __all__ = ["digest", "digest_many", "global_digests"]

@@ -4,7 +4,7 @@
 The byte layout is in `_format` and docs/stream.md.
 """
 
-import importlib
+from samebits._lazy_exports import lazy_exports
 
 # Imported from their modules on first use (PEP 562): reading a stream (`open_run`, `summarise`)
 # loads no torch, writing one (`Recorder`) does.
@@ -17,17 +17,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
 
 
 __all__ = ["Recorder", "RecordingSpec", "Record", "Run", "StepBlock", "StreamReader", "open_run", "summarise",

@@ -272,8 +272,9 @@ class _AutoRecorder:
         if _compiling():  # first, and nothing else: dynamo folds this to True and traces no more of us
             return
         # not a recompute in backward, a transform, a trace, an export, nor a shape-only forward
-        # on the meta device (litgpt's FLOP count runs its model under ``torch.device("meta")``)
-        records = _observable() and not _on_meta(module, args)
+        # on the meta device (litgpt's FLOP count runs its model under ``torch.device("meta")``;
+        # asked of top-level calls only: a submodule of a recorded forward is on its device)
+        records = _observable() and not (self.depth == 0 and _on_meta(module, args))
         self.forwards.append(records)
         if not records:
             return

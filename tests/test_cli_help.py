@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import samebits
-from samebits.cli import build_parser, main
+from samebits.cli import build_parser, command_modules, main
 
 COMMANDS = sorted(build_parser()._subparsers._group_actions[0].choices)
 
@@ -127,16 +127,42 @@ def _help(command: list[str]) -> str:
 def test_every_command_has_help_for_every_option_and_an_example_that_parses(name):
     import shlex
 
-    from samebits.cli import EXAMPLES
-
     sub = build_parser()._subparsers._group_actions[0].choices[name]
     undocumented = [a.option_strings or a.dest for a in sub._actions if not a.help]
     assert undocumented == [], f"samebits {name}: options without help"
-    assert "example(s):\n  samebits " + name in sub.format_help()
-    for line in EXAMPLES[name]:
+    help_text = sub.format_help()
+    assert "example(s):\n  samebits " + name in help_text
+    for line in help_text.split("example(s):\n", 1)[1].splitlines():
         words = shlex.split(line, comments=True)
         assert words[:2] == ["samebits", name]
         build_parser().parse_args(words[1:])  # SystemExit(2) if the example does not parse
+
+
+# Issue 36: these commands' examples still sit in cli/__init__.py until the lead moves them.
+_EXAMPLES_TO_MOVE = {"bisect", "matrix", "replay", "report", "run", "tax", "verify"}
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason="lead moves P/R examples"))
+    if name in _EXAMPLES_TO_MOVE else name for name in command_modules()])
+def test_every_command_module_holds_its_own_examples(name):
+    """A command's examples live in its module (`EXAMPLES`), so adding a command is adding a file;
+    a module without them is named here, and its command still runs (issue 36)."""
+    import importlib
+
+    examples = getattr(importlib.import_module(f"samebits.cli.{name}"), "EXAMPLES", None)
+    assert isinstance(examples, str) and examples.strip(), \
+        f"src/samebits/cli/{name}.py has no EXAMPLES: give it a module-level string, one `samebits {name} ...` a line"
+    assert all(line.startswith(f"samebits {name}") for line in examples.splitlines()), examples
+
+
+def test_a_command_module_without_examples_still_builds_the_parser(monkeypatch):
+    from samebits.cli import dump
+
+    monkeypatch.delattr(dump, "EXAMPLES")
+    sub = build_parser()._subparsers._group_actions[0].choices["dump"]
+    assert "example(s)" not in sub.format_help()
+    assert "example(s):\n  samebits show" in build_parser()._subparsers._group_actions[0].choices["show"].format_help()
 
 
 def test_two_runs_have_one_metavar_convention():

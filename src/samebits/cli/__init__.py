@@ -2,8 +2,8 @@
 
 Each subcommand lives in its own module in this package and exposes
 ``register(subparsers)``, which adds its parser and sets ``func`` (taking the parsed
-arguments, returning the exit code).  Modules are discovered, so adding a command is
-adding a file.  Building the parser loads no part of the library (torch among it): a command
+arguments, returning the exit code), and ``EXAMPLES``, one command line to paste a line,
+shown at the end of its --help.  Modules are discovered, so adding a command is adding a file.  Building the parser loads no part of the library (torch among it): a command
 module reaches the library through `samebits.cli._lazy` names, loaded when the command runs.
 The exit codes, one meaning each, are the table of docs/cli.md (`samebits.verdicts`).
 """
@@ -29,28 +29,20 @@ from samebits.verdicts import EXIT_BAD_VERDICT, EXIT_CANNOT_RUN, EXIT_OK
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # what a shell reports for Ctrl-C
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # the reader of our output went away (`| head`)
 
-# One or two commands to paste, shown at the end of each command's --help.
-EXAMPLES = {
+# TEMPORARY (issue 36): the examples of the commands whose modules have no `EXAMPLES` yet.  The
+# lead moves each entry into its module's `EXAMPLES` and deletes this dict (and its use in
+# `build_parser`); tests/test_cli_help.py marks each of these commands xfail until then.
+_EXAMPLES_NOT_YET_IN_THEIR_MODULES = {
     "bisect": ["samebits bisect --nondeterministic            # the recipe's planted fault, found to its op",
                "samebits bisect --a 'python train.py' --b 'python train.py --threads 2'"],
-    "check": ["samebits check                                 # the environment",
-              "samebits check --config config.json --ignore threads.pinned"],
-    "coverage": ["samebits coverage                              # samebits' own kernels",
-                 "samebits coverage mypackage.kernels --manifest kernel-coverage.toml"],
-    "diff": ["samebits diff runs/a runs/b",
-             "samebits diff runs/a runs/c                    # c resumed at step K: compared from step K"],
-    "dump": ["samebits dump runs/a --rank 0 --step 3 --phase grads"],
     "matrix": ["samebits matrix --cells single,dp2 --precisions fp32 --steps 4"],
-    "probe": ["samebits probe --stop-after 0 -- python train.py   # end it after its first step"],
     "replay": ["samebits replay runs/dp4 --step 5 --nproc 1    # a grad_reduce=invariant run, on 1 rank"],
     "report": ["samebits report samebits-out/verify-TIME       # the output folder of verify, bisect, matrix",
                "samebits report runs/a runs/b -o report.html"],
     "run": ["samebits run --out runs/a -- python train.py",
             "samebits run --out runs/b --reference runs/a -- python train.py   # stop at the first step that differs"],
-    "show": ["samebits show runs/a", "samebits show runs/a --records --step 0"],
     "tax": ["samebits tax --pairs 5                         # the reference recipe",
             "samebits tax -- python train.py --deterministic {deterministic}"],
-    "trace": ["samebits trace runs/a runs/b                   # runs recorded with SAMEBITS_TRACE=ops"],
     "verify": ["samebits verify                                # the reference recipe, both guarantees",
                "samebits verify --resume-at 4 --resume-with 'python train.py --out {out} --resume {from}' "
                "-- python train.py --out {out}"],
@@ -82,10 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"samebits {samebits.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in command_modules():
-        importlib.import_module(f"{__name__}.{name}").register(sub)
-    for name, command in sub.choices.items():
+        module = importlib.import_module(f"{__name__}.{name}")
+        module.register(sub)
+        # A command without examples still runs; tests/test_cli_help.py fails on it.
+        examples = _EXAMPLES_NOT_YET_IN_THEIR_MODULES.get(name) or getattr(module, "EXAMPLES", "").splitlines()
+        command = sub.choices[name]
         command.formatter_class = _HelpFormatter
-        command.epilog = _EXAMPLES_HEAD + "\n".join(f"  {line}" for line in EXAMPLES[name])
+        command.epilog = _EXAMPLES_HEAD + "\n".join(f"  {line}" for line in examples) if examples else None
     return parser
 
 
@@ -260,7 +255,7 @@ def _silence_stdout() -> None:
         pass
 
 
-__all__ = ["main", "build_parser", "EXAMPLES", "EXIT_OK", "EXIT_BAD_VERDICT", "EXIT_CANNOT_RUN",
+__all__ = ["main", "build_parser", "EXIT_OK", "EXIT_BAD_VERDICT", "EXIT_CANNOT_RUN",
            "EXIT_INTERRUPTED", "EXIT_BROKEN_PIPE"]
 
 

@@ -36,6 +36,12 @@ run_checks, rules = lazy("samebits.determinism", "run_checks", "rules")
 _MAX_KEYS_SHOWN = 10
 
 
+EXAMPLES = """\
+samebits check                                 # the environment
+samebits check --config config.json --ignore threads.pinned
+"""
+
+
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "check", help="check the environment and a config for settings that break determinism",

@@ -7,6 +7,12 @@ from samebits.testing import add_to_argparse
 from samebits.testing.coverage import check_coverage, render_coverage
 
 
+EXAMPLES = """\
+samebits coverage                              # samebits' own kernels
+samebits coverage mypackage.kernels --manifest kernel-coverage.toml
+"""
+
+
 def register(sub) -> None:
     parser = sub.add_parser(
         "coverage",

@@ -14,6 +14,12 @@ differing_records = lazy("samebits.runs.report", "differing_records")
 compared_counts, diff_conclusion = lazy("samebits.runs.conclusion", "compared_counts", "diff_conclusion")
 
 
+EXAMPLES = """\
+samebits diff runs/a runs/b
+samebits diff runs/a runs/c                    # c resumed at step K: compared from step K
+"""
+
+
 def register(sub) -> None:
     parser = sub.add_parser(
         "diff",

@@ -11,6 +11,11 @@ from samebits.verdicts import EXIT_OK
 open_run = lazy("samebits.stream", "open_run")
 
 
+EXAMPLES = """\
+samebits dump runs/a --rank 0 --step 3 --phase grads
+"""
+
+
 def register(sub) -> None:
     parser = sub.add_parser("dump", help="print the records of one rank and step",
                             description="Print the records of one rank at one step (or all steps).")

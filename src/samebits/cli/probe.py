@@ -27,6 +27,11 @@ MIN_COMPARISONS = 2
 _NAMES_SHOWN = 8  # op names listed per line of ops that compute nothing
 
 
+EXAMPLES = """\
+samebits probe --stop-after 0 -- python train.py   # end it after its first step
+"""
+
+
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "probe", help="run a command with every op executed several times; list nondeterministic ops",

@@ -11,6 +11,12 @@ from samebits.verdicts import EXIT_OK
 catalogue, summarise = lazy("samebits.stream", "catalogue", "summarise")
 
 
+EXAMPLES = """\
+samebits show runs/a
+samebits show runs/a --records --step 0
+"""
+
+
 def register(sub) -> None:
     parser = sub.add_parser("show", help="summarise a recorded run, or list what it recorded",
                             description="Summarise a run directory: ranks, steps, records, environment. "

@@ -10,6 +10,11 @@ from samebits.verdicts import Verdict
 find_origins = lazy("samebits.trace", "find_origins")
 
 
+EXAMPLES = """\
+samebits trace runs/a runs/b                   # runs recorded with SAMEBITS_TRACE=ops
+"""
+
+
 def register(sub) -> None:
     parser = sub.add_parser(
         "trace",

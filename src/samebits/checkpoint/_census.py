@@ -52,6 +52,7 @@ import torch
 from samebits._torchutil import outside_dispatch_modes
 from samebits.errors import ConfigError
 from samebits.stream import Recorder
+from samebits.stream.phases import STATE
 
 try:  # a dependency of samebits, but the census works without it (no rng.numpy record)
     import numpy as _np
@@ -59,7 +60,7 @@ except ImportError:  # pragma: no cover - exercised by loading this file with nu
     _np = None
 
 #: The phase name under which the census is recorded at each step start.
-STATE_PHASE = "state"
+STATE_PHASE = STATE  # the census phase (samebits.stream.phases), under the name checkpoint exports
 #: The census stream's folder inside a run directory: every recorder writes the census there,
 #: beside the run's main stream and never into it (context, not part of the verdict).
 CENSUS_DIR = "state"

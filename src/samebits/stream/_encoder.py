@@ -33,11 +33,10 @@ from samebits.errors import ConfigError
 from samebits.fingerprint import (StepFinalizer, StepFramer, body_sums_into, body_sums_of_checked, dtype_code,
                                   native_available)
 from samebits.stream import _format as fmt
+from samebits.stream.phases import GLOBAL_PHASE_PREFIX
 
 _ABSENT_HEAD = bytes((0, fmt.FLAG_ABSENT, 0))  # dtype code 0 ("none"), flags, ndim 0
 _MAX_CALL_PLANS = 64  # phases remembered (a program that makes up new phase names forgets them)
-# Phases of records made by `Recorder.global_tensors`: digests of full (global) tensors.
-GLOBAL_PHASE_PREFIX = "global:"
 _FLOAT64_CODE, _INT64_CODE = dtype_code(torch.float64), dtype_code(torch.int64)
 _F64, _I64 = struct.Struct("<d"), struct.Struct("<q")
 

@@ -25,9 +25,10 @@ from samebits.errors import ConfigError, StreamError
 from samebits.fingerprint import all_unsharded, local_part
 from samebits.settings import RecordingSpec
 from samebits.stream import _format as fmt
-from samebits.stream._encoder import GLOBAL_PHASE_PREFIX, PendingStep, StepEncoder, index_frames
+from samebits.stream._encoder import PendingStep, StepEncoder, index_frames
 from samebits.stream._files import (RUN_ID_FILE, STEP_TIMES_SUFFIX, StepTimes, StreamFile, choose_run_id,
                                     sibling_run_id, stream_header)
+from samebits.stream.phases import GLOBAL_PHASE_PREFIX
 from samebits.stream.reader import open_run
 from samebits.stream.settings import RecorderSettings
 

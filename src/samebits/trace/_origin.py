@@ -43,16 +43,11 @@ from pathlib import Path
 from samebits.compare import RankStep, divergent_steps
 from samebits.determinism import lookup_op
 from samebits.errors import IncomparableRunsError
+from samebits.stream.phases import STATE, TRACE_PHASE_PREFIX, TRAINING_PHASES, training_rank
 from samebits.stream.reader import Record, Run, open_run
-from samebits.trace._config import (CONTEXT_CATEGORIES, ORDER_LABEL, PHASE_PREFIX, PRE_PHASE, SET_LABEL,
-                                    STATE_RECORD_PHASE, TRAINING_PHASES, parse_record, split_op_id)
+from samebits.trace._config import CONTEXT_CATEGORIES, ORDER_LABEL, PRE_PHASE, SET_LABEL, parse_record, split_op_id
 from samebits.trace._tracer import call_sites_filename
 from samebits.verdicts import ToDict, Verdict, serialised
-
-# Where an ordinary record's phase sits among the training phases (for ordering findings).
-_PLAIN_PHASE_ORDER = {plain: TRAINING_PHASES.index(training) for plain, training in (
-    ("data", "forward"), ("forward", "forward"), ("metrics", "reduce"), ("grads", "reduce"), ("params", "optimizer"),
-    ("optimizer", "optimizer"))}
 
 
 @dataclass
@@ -85,7 +80,7 @@ class OriginFinding(ToDict):
 
     def sort_key(self) -> tuple:
         if self.category in (None, "record"):
-            phase_rank = _PLAIN_PHASE_ORDER.get(self.phase or "", len(TRAINING_PHASES))
+            phase_rank = training_rank(self.phase or "")
         else:
             phase_rank = TRAINING_PHASES.index(self.phase) if self.phase in TRAINING_PHASES else len(TRAINING_PHASES)
         return (self.step, phase_rank, self.position, self.rank)
@@ -283,7 +278,7 @@ def _find_origins(runs: _Runs, a, b, step: int | None, ranks, resume_step: int |
 
 def _drop_pre(records: list[Record]) -> list[Record]:
     """The records of a step without those of training phase ``pre``."""
-    return [r for r in records if not (r.phase.startswith(PHASE_PREFIX) and r.phase.endswith(":" + PRE_PHASE))]
+    return [r for r in records if not (r.phase.startswith(TRACE_PHASE_PREFIX) and r.phase.endswith(":" + PRE_PHASE))]
 
 
 def _missing_detail(found: RankStep) -> str:
@@ -306,7 +301,7 @@ def _has_step(run: Run, rank: int, step: int | None) -> bool:
 
 def is_context(record: Record) -> bool:
     """A record observed at a step's start (the state census), not an event of the step."""
-    if record.phase == STATE_RECORD_PHASE:
+    if record.phase == STATE:
         return True
     ref = parse_record(record.phase, record.name)
     return ref is not None and ref.category in CONTEXT_CATEGORIES
@@ -345,7 +340,7 @@ def _classify_events(rank: int, step: int, records_a: list[Record], records_b: l
         parting = _control_flow(rank, step, parted, records_a, records_b)
         for position in range(parted):  # a value that differs first may be what changed the flow
             ra, rb = records_a[position], records_b[position]
-            if not ra.same_content(rb) and ra.phase.startswith(PHASE_PREFIX):
+            if not ra.same_content(rb) and ra.phase.startswith(TRACE_PHASE_PREFIX):
                 finding = _traced_content(rank, step, position, ra, rb, records_a, records_b)
                 finding.parted = parting.detail
                 return finding
@@ -356,7 +351,7 @@ def _classify_events(rank: int, step: int, records_a: list[Record], records_b: l
     for position, ra in enumerate(records_a):
         rb = by_key_b[ra.key]
         if not ra.same_content(rb):
-            if ra.phase.startswith(PHASE_PREFIX):
+            if ra.phase.startswith(TRACE_PHASE_PREFIX):
                 return _traced_content(rank, step, position, ra, rb, records_a, records_b)
             if first_plain is None:
                 first_plain = (position, ra, rb)

@@ -41,7 +41,7 @@ UNSAFE = ["\u061c", "\u200e", "\u200f", "\u202a", "\u202e", "\u2066", "\u2067", 
 @pytest.mark.parametrize("char", UNSAFE)
 def test_format_and_bidi_characters_are_escaped_for_the_terminal_and_the_page(char):
     from samebits.cli._format import escape
-    from samebits.runs.report import _esc
+    from samebits.runs.report.page import _esc
 
     code = ord(char)
     shown = f"\\x{code:02x}" if code < 0xa0 else f"\\u{code:04x}" if code <= 0xffff else f"\\U{code:08x}"
@@ -52,7 +52,7 @@ def test_format_and_bidi_characters_are_escaped_for_the_terminal_and_the_page(ch
 
 def test_printable_text_is_left_alone():
     from samebits.cli._format import escape
-    from samebits.runs.report import _esc
+    from samebits.runs.report.page import _esc
 
     text = "layer0.weight → grads/é ü 漢字 \u00a0 ok"
     assert escape(text) == text and _esc(text) == text

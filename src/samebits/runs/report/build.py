@@ -1,0 +1,237 @@
+"""`build_report`: which page an input directory gets (verify, verify --across, bisect, matrix, a
+stopped command, or two runs), each built from its summary and its runs' streams.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from samebits.errors import ConfigError
+from samebits.runs._launch import STOPPED
+from samebits.runs.conclusion import across_conclusion, bisect_conclusion, diff_conclusion, matrix_conclusion, verify_conclusion
+from samebits.verdicts import Verdict
+from samebits.runs.report.summaries import _Required, _certificate, _check_fields, _summary, _verdict
+from samebits.runs.report.evidence import _across_verdict, _compare, _contradiction, _first_stage_pair, _later_start, _matrix_verdict, _settle, _verify_verdict
+from samebits.runs.report.page import Page, Report, _table
+from samebits.runs.report.pairs import pair_sections
+from samebits.runs.report.commands import across_certificate, across_summary, bisect_summary, matrix_summary, verify_summary
+
+MAX_PAIRS = 6  # compared pairs on one page (a matrix may hold many failing cells)
+
+
+def write_report(inputs: list[str | Path], out: str | Path, *, start_step: int | None = None,
+                 allow_config_diff: bool = False, progress: Callable[[str], None] | None = None) -> Report:
+    """Build the page for ``inputs`` (see `build_report`) and write it to ``out``."""
+    out = Path(out)
+    if out.exists() and out.is_dir():
+        raise ConfigError(f"-o {out} is a directory: give the path of the HTML file to write, e.g. -o report.html.")
+    report = build_report(inputs, start_step=start_step, allow_config_diff=allow_config_diff, progress=progress)
+    out.write_text(report.html, encoding="utf-8")
+    report.out = str(out)
+    return report
+
+
+def build_report(inputs: list[str | Path], *, start_step: int | None = None, allow_config_diff: bool = False,
+                 progress: Callable[[str], None] | None = None) -> Report:
+    """The page for one output directory of `samebits verify`, `bisect` or `matrix` (it holds
+    ``summary.json``), or for two run directories (compared here).  ``start_step`` and
+    ``allow_config_diff`` apply to two run directories, as in `samebits diff`."""
+    say = progress or (lambda message: None)
+    paths = [Path(p) for p in inputs]
+    if not paths or len(paths) > 2:
+        raise ConfigError(f"give one output directory (of samebits verify, bisect or matrix) or two run "
+                          f"directories to compare; got {len(paths)} path(s).")
+    for path in paths:
+        if not path.is_dir():
+            raise ConfigError(f"{path}: no such directory; give a verify/bisect/matrix output directory or "
+                              "two run directories.")
+    if len(paths) == 2:
+        pair = _compare(f"{paths[0].name or paths[0]} vs {paths[1].name or paths[1]}", paths[0], paths[1],
+                        start_step, allow_config_diff, say, "[1/1]")
+        page = Page("diff", f"samebits diff {paths[0]} {paths[1]}", pair.verdict)
+        page.conclusion = (diff_conclusion(pair.result.to_dict()) if pair.result is not None else
+                           f"INCOMPLETE: could not compare: {pair.error.splitlines()[0] if pair.error else ''}")
+        pair_sections(page, pair)
+        return page.finish([str(p) for p in paths], [pair])
+    path = paths[0]
+    if start_step is not None or allow_config_diff:
+        raise ConfigError("--from-step and --allow-config-diff apply to two run directories; an output directory "
+                          "is reported with the windows its command compared.")
+    summary = _summary(path)
+    if summary is None:
+        raise ConfigError(f"{path}: neither an output directory (no summary.json) nor one of two runs. Give the "
+                          "directory `samebits verify`, `bisect` or `matrix` wrote (--out), or two run directories "
+                          "to compare.")
+    if summary.get("verdict") == STOPPED:
+        return _stopped_report(path, summary)
+    if "cells" in summary:
+        return _matrix_report(path, summary, say)
+    if "stages" in summary:
+        return _bisect_report(path, summary, say)
+    if "checks" in summary and ("sizes" in summary or "layouts" in summary):
+        return _across_report(path, summary)
+    if "checks" in summary:
+        return _verify_report(path, summary, say)
+    raise ConfigError(f"{path / 'summary.json'}: not a summary of samebits verify, bisect or matrix (no 'checks', "
+                      "'stages' or 'cells'); give the output directory of one of those commands.")
+
+
+def _verify_report(path: Path, summary: dict, say) -> Report:
+    file = path / "summary.json"
+    notes: list[str] = []
+    derived, why = _verify_verdict(summary, file)
+    verdict = _settle(_verdict(summary.get("verdict"), file), derived, file, why, notes)
+    page = Page("verify", f"samebits verify: {path}", verdict)
+    page.notes.extend(notes)
+    page.conclusion = verify_conclusion(summary)
+    checks = summary.get("checks") or {}
+    resume_at = summary.get("resume_at")
+    pairs = []
+    todo = [(name, check) for name, check in checks.items() if check is not None]
+    for index, (name, check) in enumerate(todo, 1):
+        other = {"independent": "b", "resume": "c"}.get(name)
+        if other is None:
+            continue
+        start = resume_at if name == "resume" else None
+        pair = _compare(f"{name}: a vs {other}", path / "a", path / other, start, False, say,
+                        f"[{index}/{len(todo)}]", names=_verify_names(other, resume_at))
+        if name == "resume" and (path / "b").is_dir():
+            pair.independent = str(path / "b")
+        recorded = check.get("verdict")
+        if pair.result is not None and recorded != pair.verdict.value:
+            pair.notes.append(f"summary.json says {recorded!r} for this check, but comparing the streams now gives "
+                              f"{pair.verdict.value!r}: the streams changed after verify ran (or are damaged).")
+            if page.verdict is Verdict.PASS:  # a PASS the streams no longer show is not shown
+                page.verdict = Verdict.INCOMPLETE
+        pairs.append(pair)
+    verify_summary(page, summary, pairs)
+    for pair in sorted(pairs, key=lambda p: p.verdict is Verdict.IDENTICAL):  # what failed comes first
+        pair_sections(page, pair)
+    return page.finish([str(path)], pairs, notes=list(summary.get("notes") or []))
+
+
+def _across_report(path: Path, summary: dict) -> Report:
+    """`verify --across`: layouts of different world sizes, compared with the first by global
+    digest (or, for runs without global records, rank 0's replicated records), not rank by
+    rank, so the verdicts are shown as verify found them; then its certificate.json (the
+    environment, each step's global root per layout, the checkpoints, the invariant reductions,
+    the negative controls)."""
+    file = path / "summary.json"
+    notes: list[str] = []
+    claimed = _verdict(summary.get("verdict"), file)
+    derived, why = _across_verdict(summary, file)
+    verdict = _settle(claimed, derived, file, why, notes)
+    certificate = _certificate(path) if "layouts" in summary else None
+    if certificate is not None:
+        cert_file = path / "certificate.json"
+        cert_derived, cert_why = _across_verdict(certificate, cert_file)
+        cert_verdict = _settle(_verdict(certificate.get("verdict"), cert_file), cert_derived, cert_file, cert_why,
+                               notes)
+        if cert_verdict is not verdict:
+            raise _contradiction(cert_file, f"its verdict {cert_verdict.value!r} is not summary.json's "
+                                            f"{verdict.value!r}")
+        for name, check in (certificate.get("checks") or {}).items():
+            recorded = ((summary.get("checks") or {}).get(name) or {}).get("verdict")
+            if check.get("verdict") != recorded:
+                raise _contradiction(cert_file, f"layout {name!r} is {check.get('verdict')!r} here but "
+                                                f"{recorded!r} in summary.json")
+    page = Page("verify --across", f"samebits verify --across: {path}", verdict)
+    page.notes.extend(notes)
+    if "layouts" not in summary:  # written before 2026-12: dp sizes, rank 0's replicated records
+        verify_summary(page, summary, [])
+        page.notes.append(f"runs of different data-parallel sizes ({', '.join(map(str, summary.get('sizes') or []))}) "
+                          f"are compared by the replicated records of rank 0 against {summary.get('reference')}, not "
+                          "rank by rank: no heatmap or environment comparison is drawn for them")
+        return page.finish([str(path)], [], notes=list(summary.get("notes") or []))
+    page.conclusion = across_conclusion(summary)
+    across_summary(page, summary)
+    if certificate is None:
+        page.notes.append(f"no certificate.json in {path}: the roots, checkpoints and reductions are not shown")
+    else:
+        across_certificate(page, certificate)
+    page.notes.append("layouts of different world sizes are compared by global tensor, not rank by rank: no heatmap "
+                      "or environment comparison is drawn for them")
+    return page.finish([str(path)], [], notes=list(summary.get("notes") or []))
+
+
+def _stopped_report(path: Path, summary: dict) -> Report:
+    """A command that did not finish (`samebits.runs._launch.write_stopped`): what stopped it and
+    the runs that had ended; no verdict on the runs (exit 3)."""
+    file = path / "summary.json"
+    _check_fields(summary, {"stopped": _Required(str), "runs": [{"name": str, "command": str, "ended": str}]},
+                  file, "")
+    page = Page("stopped", f"samebits: {path} (stopped)", Verdict.INCOMPLETE)
+    page.stopped = summary["stopped"]
+    page.conclusion = f"STOPPED: {summary['stopped']}; nothing was compared."
+    page.h2("Runs that had ended", "runs")
+    runs = summary.get("runs") or []
+    page.add(_table(["run", "exit", "ended", "seconds", "command"],
+                    [[r.get("name"), r.get("exit_code"), r.get("ended"), r.get("seconds"), r.get("command")]
+                     for r in runs]) if runs else "<p>none</p>")
+    return page.finish([str(path)], [])
+
+
+def _bisect_report(path: Path, summary: dict, say) -> Report:
+    verdict = _verdict(summary.get("verdict"), path / "summary.json")
+    page = Page("bisect", f"samebits bisect: {path}", verdict)
+    page.conclusion = bisect_conclusion(summary)
+    bisect_summary(page, summary)
+    pairs = []
+    first_stage = _first_stage_pair(path)
+    if first_stage is not None:
+        a, b = first_stage
+        start = _later_start(a, b)
+        pair = _compare(f"{a.parent.name}: a vs b", a, b, start, True, say, "[1/1]",
+                        names=("run a", "run b (resumed)" if start else "run b"))
+        pair.context = ("the first record that differs in this stage's streams: what the bisection explains, "
+                        "not its conclusion (above)")
+        if start:
+            pair.notes.append(f"b starts at step {start} (a resumed run): compared from step {start}")
+        pairs.append(pair)
+        pair_sections(page, pair)
+    else:
+        page.notes.append("no stage run directories (NN-stage/a, NN-stage/b) were found beside summary.json: "
+                          "the heatmap and curves need the streams")
+    return page.finish([str(path)], pairs, notes=list(summary.get("notes") or []))
+
+
+def _matrix_report(path: Path, summary: dict, say) -> Report:
+    file = path / "summary.json"
+    notes: list[str] = []
+    derived, why = _matrix_verdict(summary, file)
+    verdict = _settle(_verdict(summary.get("verdict"), file), derived, file, why, notes)
+    page = Page("matrix", f"samebits matrix: {path}", verdict)
+    page.notes.extend(notes)
+    page.conclusion = matrix_conclusion(summary)
+    matrix_summary(page, summary)
+    pairs = []
+    failing = [c for c in summary.get("cells") or [] if c.get("verdict") == Verdict.FAIL.value]
+    for cell in failing[:MAX_PAIRS]:
+        cell_out = Path(str(cell.get("out", "")))
+        cell_summary = _summary(cell_out) if cell_out.is_dir() else None
+        if cell_summary is None:
+            page.notes.append(f"cell {cell.get('cell')} {cell.get('precision')}: no verify output at {cell_out}")
+            continue
+        for name, other in (("independent", "b"), ("resume", "c")):
+            check = (cell_summary.get("checks") or {}).get(name)
+            if check is None or check.get("verdict") != Verdict.DIVERGED.value:
+                continue
+            start = cell_summary.get("resume_at") if name == "resume" else None
+            pair = _compare(f"{cell.get('cell')} {cell.get('precision')} {name}: a vs {other}", cell_out / "a",
+                            cell_out / other, start, False, say, f"[{len(pairs) + 1}]",
+                            names=_verify_names(other, start))
+            if name == "resume" and (cell_out / "b").is_dir():
+                pair.independent = str(cell_out / "b")  # census records that differ A to B too are left out
+            pairs.append(pair)
+            pair_sections(page, pair)
+    if len(failing) > MAX_PAIRS:
+        page.notes.append(f"{len(failing) - MAX_PAIRS} more failing cell(s) not drawn (see the cells table)")
+    return page.finish([str(path)], pairs, notes=list(summary.get("notes") or []))
+
+
+def _verify_names(other: str, resume_at: int | None) -> tuple[str, str]:
+    """What the legends call verify's runs: A against B (independent) or C (resumed)."""
+    if other == "c":
+        return "run A", f"run C (resumed at step {resume_at})" if resume_at is not None else "run C (resumed)"
+    return "run A", "run B"

@@ -84,20 +84,7 @@ def _ulp_plot(pair: Pair, rank: int, evidence: dict[int, dict[tuple[str, str], _
         for s, u in points:
             parts.append(f'<circle cx="{x(s):.1f}" cy="{y(u):.1f}" r="3" fill="{colour}"><title>'
                          f'{_esc(group[0])}, step {s}: {u:,} ulp</title></circle>')
-    for row, group in enumerate(bands):
-        y0 = bottom_axis + 28 + row * band_h
-        parts.append(f'<text x="{left - 6}" y="{y0 + 12}" text-anchor="end" font-size="12">{_esc(group[0])}</text>'
-                     f'<rect x="{left}" y="{y0}" width="{width - left - right}" height="{band_h - 4}" fill="#f1f4f7"/>')
-        cell_w = max((width - left - right) / span, 2)
-        for s in sorted(evidence):
-            cell = evidence[s].get(group)
-            if cell is None or not (cell.differ or cell.missing):
-                continue
-            colour, what = ("#cf222e", f"{cell.differ} of {cell.records} record(s) differ (digests: no magnitude)") \
-                if cell.differ else ("#d4a72c", f"{cell.missing} record(s) in one run only")
-            parts.append(f'<rect class="band-diff" x="{x(s) - cell_w / 2:.1f}" y="{y0}" width="{cell_w:.1f}" '
-                         f'height="{band_h - 4}" fill="{colour}"><title>{_esc(group[0])}, step {s}: {_esc(what)}'
-                         "</title></rect>")
+    parts += _ulp_bands(evidence, bands, x, left, width - right, bottom_axis + 28, band_h, span)
     every = max(1, math.ceil(span / 12))
     for s in range(low, high + 1):
         if (s - low) % every == 0 or s == high:
@@ -119,6 +106,28 @@ def _ulp_plot(pair: Pair, rank: int, evidence: dict[int, dict[tuple[str, str], _
     return (f'<svg class="ulp-plot" id="ulp-plot" data-scale="log" width="100%" viewBox="0 0 {width} {height}" '
             f'role="img"><title>ulp distance between a and b per step (log scale)</title>{"".join(parts)}</svg>'
             f'<p class="legend" id="ulp-legend">{legend or "no metric recorded on this rank"}</p>')
+
+
+def _ulp_bands(evidence: dict[int, dict[tuple[str, str], _GroupStep]], bands: list[tuple[str, str]], x,
+               left: float, right_x: float, first_y: float, band_h: int, span: int) -> list[str]:
+    """The digest-only record groups under the ulp plot: one band each, the steps where they
+    differ (or are in one run only) marked, with no magnitude."""
+    parts = []
+    for row, group in enumerate(bands):
+        y0 = first_y + row * band_h
+        parts.append(f'<text x="{left - 6}" y="{y0 + 12}" text-anchor="end" font-size="12">{_esc(group[0])}</text>'
+                     f'<rect x="{left}" y="{y0}" width="{right_x - left}" height="{band_h - 4}" fill="#f1f4f7"/>')
+        cell_w = max((right_x - left) / span, 2)
+        for s in sorted(evidence):
+            cell = evidence[s].get(group)
+            if cell is None or not (cell.differ or cell.missing):
+                continue
+            colour, what = ("#cf222e", f"{cell.differ} of {cell.records} record(s) differ (digests: no magnitude)") \
+                if cell.differ else ("#d4a72c", f"{cell.missing} record(s) in one run only")
+            parts.append(f'<rect class="band-diff" x="{x(s) - cell_w / 2:.1f}" y="{y0}" width="{cell_w:.1f}" '
+                         f'height="{band_h - 4}" fill="{colour}"><title>{_esc(group[0])}, step {s}: {_esc(what)}'
+                         "</title></rect>")
+    return parts
 
 
 def _short_names(pair: Pair) -> tuple[str, str]:
@@ -181,6 +190,28 @@ def _state_chart(track: StateTrack, picture: StatePicture, pair: Pair, label_a: 
     if held:
         parts.append(f'<polyline class="state-b" fill="none" stroke="{COLOUR_B}" stroke-width="2.4" {_DASHED} '
                      'points="' + " ".join(f"{x(s):.1f},{y(t):.1f}" for s, t in held) + '"/>')
+    parts += _state_marks(track, x, y, top, label_a, label_b)
+    for row, (who, colour, steps) in enumerate(((label_a, COLOUR_A, track.drawn_a),
+                                                (label_b, COLOUR_B, track.drawn_b))[:draws]):
+        y0 = axis_y + 22 + row * 14
+        parts.append(f'<text x="{left - 5}" y="{y0 + 8}" text-anchor="end" font-size="10" fill="#57606a">'
+                     f"{_esc(who)} drew</text>")
+        for s in steps:
+            parts.append(f'<rect class="draw-{"a" if row == 0 else "b"}" x="{x(s) - 3:.1f}" y="{y0}" width="6" '
+                         f'height="10" fill="{colour}"><title>{_esc(f"step {s}: {who} drew from the {track.title}")}'
+                         "</title></rect>")
+    legend = _legend(left, f"{_esc(label_a)}: {_esc(pair.names[0])}", f"{_esc(label_b)}: {_esc(pair.names[1])}")
+    svg = (f'<svg class="chart state-chart" data-record="{_esc(track.name)}" width="100%" '
+           f'viewBox="0 0 {width} {height}" role="img"><title>{_esc(track.title)}: the step of {_esc(label_a)} '
+           f"whose state each run holds</title>{legend}{''.join(parts)}</svg>")
+    return (f'<div class="chart-box"><h3>{_esc(track.title)}<span class="note mono">{_esc(track.name)}</span></h3>'
+            f'{svg}<p class="mono wrap small">{_esc(track.says(label_a, label_b))}</p></div>')
+
+
+def _state_marks(track: StateTrack, x, y, top: float, label_a: str, label_b: str) -> list[str]:
+    """Each step of b on a census chart: a cross in the top band (no step of a holds its state),
+    a red mark off the diagonal, a dot on it, and a square where one run only records it."""
+    parts = []
     for s, t in sorted(track.positions.items()):
         if t is None:
             tip = f"step {s}: {label_b}'s {track.title} matches no step of {label_a}"
@@ -198,30 +229,36 @@ def _state_chart(track: StateTrack, picture: StatePicture, pair: Pair, label_a: 
         tip = f"step {s}: only {label_a if where == 'a' else label_b} records its {track.title}"
         parts.append(f'<rect class="state-only" x="{x(s) - 4:.1f}" y="{top + 5}" width="8" height="8" fill="#d4a72c">'
                      f"<title>{_esc(tip)}</title></rect>")
-    for row, (who, colour, steps) in enumerate(((label_a, COLOUR_A, track.drawn_a),
-                                                (label_b, COLOUR_B, track.drawn_b))[:draws]):
-        y0 = axis_y + 22 + row * 14
-        parts.append(f'<text x="{left - 5}" y="{y0 + 8}" text-anchor="end" font-size="10" fill="#57606a">'
-                     f"{_esc(who)} drew</text>")
-        for s in steps:
-            parts.append(f'<rect class="draw-{"a" if row == 0 else "b"}" x="{x(s) - 3:.1f}" y="{y0}" width="6" '
-                         f'height="10" fill="{colour}"><title>{_esc(f"step {s}: {who} drew from the {track.title}")}'
-                         "</title></rect>")
-    legend = (f'<g font-size="12"><line x1="{left}" y1="14" x2="{left + 30}" y2="14" stroke="{COLOUR_A}" '
-              f'stroke-width="2.4"/><text x="{left + 36}" y="18">{_esc(label_a)}: {_esc(pair.names[0])}</text>'
-              f'<line x1="{left + 230}" y1="14" x2="{left + 260}" y2="14" stroke="{COLOUR_B}" stroke-width="2.4" '
-              f'{_DASHED}/><text x="{left + 266}" y="18">{_esc(label_b)}: {_esc(pair.names[1])}</text></g>')
-    svg = (f'<svg class="chart state-chart" data-record="{_esc(track.name)}" width="100%" '
-           f'viewBox="0 0 {width} {height}" role="img"><title>{_esc(track.title)}: the step of {_esc(label_a)} '
-           f"whose state each run holds</title>{legend}{''.join(parts)}</svg>")
-    return (f'<div class="chart-box"><h3>{_esc(track.title)}<span class="note mono">{_esc(track.name)}</span></h3>'
-            f'{svg}<p class="mono wrap small">{_esc(track.says(label_a, label_b))}</p></div>')
+    return parts
+
+
+def _legend(left: float, text_a: str, text_b: str, attributes: str = "") -> str:
+    """A chart's legend in its top margin: a solid line for a, dashed for b (texts already escaped)."""
+    return (f'<g{attributes} font-size="12"><line x1="{left}" y1="14" x2="{left + 30}" y2="14" stroke="{COLOUR_A}" '
+            f'stroke-width="2.4"/><text x="{left + 36}" y="18">{text_a}</text>'
+            f'<line x1="{left + 230}" y1="14" x2="{left + 260}" y2="14" stroke="{COLOUR_B}" stroke-width="2.4" '
+            f'{_DASHED}/><text x="{left + 266}" y="18">{text_b}</text></g>')
 
 
 def _ticks(low: int, high: int) -> list[int]:
     """At most about 6 whole-step ticks from ``low`` to ``high``."""
     every = max(1, math.ceil((high - low) / 6))
     return list(range(low, high + 1, every))
+
+
+def _chart_caption(series_a: dict[int, Record], series_b: dict[int, Record], steps: list[int]) -> str:
+    """What a metric chart says under it: how many common steps are bit-identical, and the first
+    that differs (both values, ulps and relative difference)."""
+    equal = sum(1 for s in steps if s in series_a and s in series_b and series_a[s].raw == series_b[s].raw)
+    both = sum(1 for s in steps if s in series_a and s in series_b)
+    first_diff = next((s for s in steps if s in series_a and s in series_b and series_a[s].raw != series_b[s].raw), None)
+    caption = f"{equal} of {both} common step(s) bit-identical"
+    if first_diff is not None:
+        ulp, relative = metric_distance(series_a[first_diff], series_b[first_diff])
+        caption += (f"; first differing step {first_diff}: a = {series_a[first_diff].summary()}, "
+                    f"b = {series_b[first_diff].summary()}" + (f", {ulp} ulp" if ulp is not None else "")
+                    + (f", relative {relative:.3e}" if relative is not None else ""))
+    return caption
 
 
 def _chart(name: str, series_a: dict[int, Record], series_b: dict[int, Record], pair: Pair,
@@ -235,15 +272,7 @@ def _chart(name: str, series_a: dict[int, Record], series_b: dict[int, Record], 
     values = [v for s in steps for v in (float_value(series_a[s]) if s in series_a else None,
                                         float_value(series_b[s]) if s in series_b else None)
               if v is not None and math.isfinite(v)]
-    equal = sum(1 for s in steps if s in series_a and s in series_b and series_a[s].raw == series_b[s].raw)
-    both = sum(1 for s in steps if s in series_a and s in series_b)
-    first_diff = next((s for s in steps if s in series_a and s in series_b and series_a[s].raw != series_b[s].raw), None)
-    caption = f"{equal} of {both} common step(s) bit-identical"
-    if first_diff is not None:
-        ulp, relative = metric_distance(series_a[first_diff], series_b[first_diff])
-        caption += (f"; first differing step {first_diff}: a = {series_a[first_diff].summary()}, "
-                    f"b = {series_b[first_diff].summary()}" + (f", {ulp} ulp" if ulp is not None else "")
-                    + (f", relative {relative:.3e}" if relative is not None else ""))
+    caption = _chart_caption(series_a, series_b, steps)
     recorded = f" (recorded as {name})" if title != name else ""
     head = f'<div class="chart-box"><h3>{_esc(title)}<span class="note mono">{_esc(recorded)}</span></h3>'
     if not steps or not values:
@@ -308,10 +337,7 @@ def _chart(name: str, series_a: dict[int, Record], series_b: dict[int, Record], 
                + (f", {ulp} ulp" if ulp is not None else ""))
         parts.append(f'<circle class="mark-ne" cx="{x(s):.1f}" cy="{y(value):.1f}" r="2.6" fill="#cf222e">'
                      f"<title>{_esc(tip)}</title></circle>")
-    legend = (f'<g class="chart-legend" font-size="12"><line x1="{left}" y1="14" x2="{left + 30}" y2="14" '
-              f'stroke="{COLOUR_A}" stroke-width="2.4"/><text x="{left + 36}" y="18">a: {_esc(pair.names[0])}</text>'
-              f'<line x1="{left + 230}" y1="14" x2="{left + 260}" y2="14" stroke="{COLOUR_B}" stroke-width="2.4" '
-              f'{_DASHED}/><text x="{left + 266}" y="18">b: {_esc(pair.names[1])}</text></g>')
+    legend = _legend(left, f"a: {_esc(pair.names[0])}", f"b: {_esc(pair.names[1])}", ' class="chart-legend"')
     svg = (f'<svg class="chart" width="100%" viewBox="0 0 {width} {height}" role="img">'
            f'<title>{_esc(title)}</title>{legend}{"".join(parts)}</svg>')
     return f"{head}{svg}<p class=\"mono wrap small\">{_esc(caption)}</p></div>"

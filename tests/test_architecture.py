@@ -100,6 +100,10 @@ def _imports():
                 targets = [alias.name for alias in node.names]
             elif _is_lazy_declaration(node):  # `x = lazy("samebits.compare", "x")` (cli/_lazy.py)
                 targets = [node.args[0].value]
+            elif _is_lazy_exports(node):  # `lazy_exports(__name__, _TABLE, globals(), load_first=...)`
+                for target in _lazy_exports_targets(node, module, tree):
+                    yield (module, where), target, node.lineno, False
+                continue
             elif _dynamic_import(node, module) is not None:  # importlib.import_module("samebits.kernels")
                 # Loading by name (a PEP 562 facade, plugins, registrations) is an edge of the
                 # graph; being dynamic, it is allowed inside a function.
@@ -144,6 +148,22 @@ def _is_lazy_declaration(node: ast.AST) -> bool:
     """A call ``lazy("samebits.module", "name", ...)``: an import of that module, made on first use."""
     return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "lazy"
             and bool(node.args) and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str))
+
+
+def _is_lazy_exports(node: ast.AST) -> bool:
+    """A call ``lazy_exports(...)`` (samebits._lazy_exports): a package facade's imports on first use."""
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "lazy_exports"
+
+
+def _lazy_exports_targets(node: ast.Call, package: str, tree: ast.Module) -> list[str]:
+    """The modules a ``lazy_exports(__name__, TABLE, globals(), load_first=...)`` call loads: each
+    submodule its module-level ``TABLE`` names (``"_digest"`` or ``("_native", "available")``), and
+    ``load_first``."""
+    table = next(statement.value for statement in tree.body if isinstance(statement, ast.Assign)
+                 and any(isinstance(name, ast.Name) and name.id == node.args[1].id for name in statement.targets))
+    submodules = {(value.elts[0] if isinstance(value, ast.Tuple) else value).value for value in table.values}
+    first = [keyword.value.value for keyword in node.keywords if keyword.arg == "load_first"]
+    return sorted(f"{package}.{submodule}" for submodule in submodules) + first
 
 
 def _where(source: tuple[str, str], line: int) -> str:
@@ -243,6 +263,8 @@ def test_dynamic_imports_count_as_imports():
     (f"{__name__}.{name}") are edges of the graph."""
     edges = {(module[0], target) for module, target, _, _ in _imports()}
     assert ("samebits", "samebits.kernels") in edges
+    assert {("samebits", "samebits.compare"), ("samebits.fingerprint", "samebits.fingerprint._native"),
+            ("samebits.testing", "samebits.testing._harness")} <= edges  # tables of lazy_exports
     assert ("samebits.cli", "samebits.cli") in edges
     assert _dynamic_import(ast.parse('importlib.import_module(f"samebits.testing.{m}")').body[0].value, "x") == \
         "samebits.testing"

@@ -14,22 +14,23 @@ The public API is what ``__all__`` lists; every other module is private.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
-# The public names and the module each lives in.  They load on first use (PEP 562), so that
+from samebits._lazy_exports import lazy_exports
+
+# The public names and the submodule each lives in.  They load on first use (PEP 562), so that
 # `import samebits` (and the pytest plugin, which loads in every test run of an environment
 # where samebits is installed) costs nothing until a name is used.
 _HOME = {
-    "digest": "samebits.fingerprint", "digest_many": "samebits.fingerprint", "global_digests": "samebits.fingerprint",
-    "Recorder": "samebits.stream", "RecordingSpec": "samebits.stream", "open_run": "samebits.stream",
-    "diff": "samebits.compare", "DiffResult": "samebits.compare",
-    "check_replicas": "samebits.replicas", "ReplicaCheck": "samebits.replicas",
-    "Verdict": "samebits.verdicts",
-    "GradientAccumulator": "samebits.invariant",
-    "deterministic_mode": "samebits.determinism", "check": "samebits.determinism", "probe": "samebits.determinism",
-    "SamebitsError": "samebits.errors", "ConfigError": "samebits.errors", "StreamError": "samebits.errors",
-    "IncomparableRunsError": "samebits.errors", "DeterminismError": "samebits.errors",
+    "digest": "fingerprint", "digest_many": "fingerprint", "global_digests": "fingerprint",
+    "Recorder": "stream", "RecordingSpec": "stream", "open_run": "stream",
+    "diff": "compare", "DiffResult": "compare",
+    "check_replicas": "replicas", "ReplicaCheck": "replicas",
+    "Verdict": "verdicts",
+    "GradientAccumulator": "invariant",
+    "deterministic_mode": "determinism", "check": "determinism", "probe": "determinism",
+    "SamebitsError": "errors", "ConfigError": "errors", "StreamError": "errors",
+    "IncomparableRunsError": "errors", "DeterminismError": "errors",
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
@@ -43,19 +44,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from samebits.verdicts import Verdict
 
 
-def __getattr__(name: str):
-    home = _HOME.get(name)
-    if home is None:
-        raise AttributeError(f"module 'samebits' has no attribute {name!r}")
-    # Registers the fused CUDA digest kernel with the fingerprint package (Triton loads on first use).
-    importlib.import_module("samebits.kernels")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+# samebits.kernels, imported first, registers its fused CUDA digest kernel with the fingerprint
+# package (Triton loads on first use).
+__getattr__, __dir__ = lazy_exports(__name__, _HOME, globals(), load_first="samebits.kernels")
 
 
 __version__ = "0.1.0"

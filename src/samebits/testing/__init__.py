@@ -14,7 +14,7 @@ kernel of a package has a byte test.  See docs/testing.md.
 
 from __future__ import annotations
 
-import importlib
+from samebits._lazy_exports import lazy_exports
 
 # Public name -> the module defining it.  Loaded on first access (PEP 562): the pytest plugin
 # imports this package in every pytest run, and the harness imports torch.
@@ -38,14 +38,4 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'samebits.testing' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"samebits.testing.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -93,10 +93,12 @@ from samebits.autorecord._outcome import (
     write_outcome,
     write_stop,
 )
-from samebits.checkpoint import CENSUS_DIR, STATE_PHASE, census_recorder, state_census
+from samebits.checkpoint import CENSUS_DIR, census_recorder, state_census
 from samebits.errors import ConfigError
 from samebits.settings import RecordingSpec
 from samebits.stream import Recorder
+from samebits.stream.phases import (AFTER_OPTIMIZER_STEP, BACKWARD, FORWARD, INPUTS, RESTORED_OPTIMIZER,
+                                    RESTORED_PARAMS, STATE, STATE_END)
 from samebits.trace import install_zero_code
 from samebits.verdicts import EXIT_STOPPED  # the live check stopped the run at a step that differs
 
@@ -164,7 +166,7 @@ class _AutoRecorder:
             optimizers = [o for o in optimizers if not _inner_optimizers(o)]
             with self._ours():
                 self._close_census_step()
-                self.census.tensors(self.step, STATE_PHASE,
+                self.census.tensors(self.step, STATE,
                                     state_census(optimizers=optimizers,
                                                  schedulers=self._tracked(tracking.schedulers),
                                                  scalers=self._tracked(tracking.scalers),
@@ -190,15 +192,15 @@ class _AutoRecorder:
         if not params:
             for module in self.top_level_seen.values():
                 params += [(self.param_names.get(id(p), n), _local(p.detach())) for n, p in module.named_parameters()]
-        self.census.tensors(self.step, "restored.params", params)
-        self.census.tensors(self.step, "restored.optimizer", state)
+        self.census.tensors(self.step, RESTORED_PARAMS, params)
+        self.census.tensors(self.step, RESTORED_OPTIMIZER, state)
 
     def _close_census_step(self) -> None:
         """Write the open census step: its ``state_end`` (the generators now), then the events."""
         step, self.census_open = self.census_open, None
         if step is None or self.census is None:
             return
-        self.census.tensors(step, "state_end",
+        self.census.tensors(step, STATE_END,
                             state_census(generators=self.tracking.named_generators()))
         self.tracking.release()
         self.census.end_step(step)
@@ -288,7 +290,7 @@ class _AutoRecorder:
                     inputs = [(n, t) for n, t in tensor_leaves(args, type(module).__name__) if _recordable(t)]
                     if inputs:
                         with self._ours():
-                            self.census.tensors(self.step, "inputs", [(n, _local(t.detach())) for n, t in inputs])
+                            self.census.tensors(self.step, INPUTS, [(n, _local(t.detach())) for n, t in inputs])
         self.depth += 1
 
     def _name_params(self, module) -> None:
@@ -316,12 +318,12 @@ class _AutoRecorder:
                 inputs = [(n, t) for n, t in tensor_leaves(kwargs, type(module).__name__) if _recordable(t)]
                 if inputs:
                     with self._ours():
-                        self.census.tensors(self.step, "inputs", [(n, _local(t.detach())) for n, t in inputs])
+                        self.census.tensors(self.step, INPUTS, [(n, _local(t.detach())) for n, t in inputs])
         with guard("forward", step=self.step, records=f"the outputs of {type(module).__name__}.forward"):
             leaves = [(n, t) for n, t in tensor_leaves(output, type(module).__name__) if _recordable(t)]
             if leaves:
                 with self._ours():
-                    self._rec().tensors(self.step, "forward", [(n, _local(t.detach())) for n, t in leaves])
+                    self._rec().tensors(self.step, FORWARD, [(n, _local(t.detach())) for n, t in leaves])
 
     def backward_root(self, tensors) -> None:
         """Record the root(s) of a ``backward()`` call at the current step."""
@@ -338,9 +340,9 @@ class _AutoRecorder:
                 for name, root in named:
                     root = _local(root.detach())
                     if root.numel() == 1 and root.layout == torch.strided and not root.is_nested:
-                        rec.metrics(self.step, phase="backward", **{name: root.reshape(())})
+                        rec.metrics(self.step, phase=BACKWARD, **{name: root.reshape(())})
                     else:
-                        rec.tensors(self.step, "backward", [(name, root)])
+                        rec.tensors(self.step, BACKWARD, [(name, root)])
 
     def before_optimizer_step(self, optimizer, args, kwargs) -> None:
         with guard("optimizer_step", step=self.step, records="the optimizer step's state check"):
@@ -366,7 +368,7 @@ class _AutoRecorder:
         if not any(seen is optimizer for seen in self.optimizers):
             self.optimizers.append(optimizer)
         rec = self._rec()
-        phase_prefix = "" if optimizer is self.first_optimizer else f"optimizer{self._optimizer_number(optimizer)}."
+        number = None if optimizer is self.first_optimizer else self._optimizer_number(optimizer)
         inner = _effective(optimizer)
         names, seen = [], set()
         for opt in inner:
@@ -380,13 +382,11 @@ class _AutoRecorder:
                 if isinstance(value, torch.Tensor):
                     state.append((f"{name}.{key}", value))
         with self._ours():
-            for phase, named in ((phase_prefix + "grads", [(n, p.grad) for n, p, _ in names]),
-                                 (phase_prefix + "params", [(n, p.detach()) for n, p, _ in names]),
-                                 (phase_prefix + "optimizer", state)):
-                if any(_is_dtensor(t) for _, t in named):
-                    rec.tensors_and_global(self.step, phase, named)  # local shards, and whole tensors
-                else:
-                    rec.tensors(self.step, phase, named)
+            grads, params = [(n, p.grad) for n, p, _ in names], [(n, p.detach()) for n, p, _ in names]
+            # A phase holding shards records the local shards and the whole tensors.
+            whole = [phase for phase, named in zip(AFTER_OPTIMIZER_STEP, (grads, params, state))
+                     if any(_is_dtensor(t) for _, t in named)]
+            rec.optimizer_step(self.step, grads=grads, params=params, optimizer=state, number=number, whole=whole)
         if self.tracer is not None:
             self.tracer.optimizer_post(optimizer)
         return optimizer is self.first_optimizer

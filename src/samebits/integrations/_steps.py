@@ -17,6 +17,7 @@ import torch
 
 from samebits import ConfigError, Recorder, settings
 from samebits.autorecord import note
+from samebits.stream.phases import LOSS
 
 
 def zero_code_active() -> bool:
@@ -63,7 +64,7 @@ class StepRecorder:
                 named.append((self.names.get(id(param), f"group{g}.param{i}"), param))
         metrics: dict[str, float] = {}
         if self.losses:
-            rec.tensors(step, "loss", [(f"microbatch{i}", t) for i, t in enumerate(self.losses)])
+            rec.tensors(step, LOSS, [(f"microbatch{i}", t) for i, t in enumerate(self.losses)])
             metrics["loss"] = math.fsum(float(t) for t in self.losses) / len(self.losses)
         grads = [p.grad for _, p in named if p.grad is not None]
         if grads:
@@ -76,15 +77,10 @@ class StepRecorder:
             if isinstance(lr, (int, float)):
                 metrics["lr" if g == 0 else f"lr.group{g}"] = float(lr)
         rec.metrics(step, **metrics)
-        if self.grads:
-            rec.tensors(step, "grads", [(n, p.grad) for n, p in named])
-        if self.params:
-            rec.tensors(step, "params", [(n, p.detach()) for n, p in named])
-        if self.optimizer_state:
-            state = [(f"{n}.{key}", value) for n, p in named
-                     for key, value in sorted(optimizer.state.get(p, {}).items())
-                     if isinstance(value, torch.Tensor)]
-            rec.tensors(step, "optimizer", state)
+        state = [(f"{n}.{key}", value) for n, p in named for key, value in sorted(optimizer.state.get(p, {}).items())
+                 if isinstance(value, torch.Tensor)] if self.optimizer_state else None
+        rec.optimizer_step(step, grads=[(n, p.grad) for n, p in named] if self.grads else None,
+                           params=[(n, p.detach()) for n, p in named] if self.params else None, optimizer=state)
         rec.end_step(step)
         self.losses = []
         self.step += 1

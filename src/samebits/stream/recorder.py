@@ -17,7 +17,7 @@ import json
 import operator
 import os
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 from samebits import fingerprint
@@ -28,7 +28,7 @@ from samebits.stream import _format as fmt
 from samebits.stream._encoder import PendingStep, StepEncoder, index_frames
 from samebits.stream._files import (RUN_ID_FILE, STEP_TIMES_SUFFIX, StepTimes, StreamFile, choose_run_id,
                                     sibling_run_id, stream_header)
-from samebits.stream.phases import GLOBAL_PHASE_PREFIX
+from samebits.stream.phases import AFTER_OPTIMIZER_STEP, GLOBAL_PHASE_PREFIX, METRICS, optimizer_phase
 from samebits.stream.reader import open_run
 from samebits.stream.settings import RecorderSettings
 
@@ -253,7 +253,24 @@ class Recorder:
             return None
         return self._encoder.add_global(self._step(step), step, phase, named, result, present_slots)
 
-    def metrics(self, step: int, phase: str = "metrics", **values) -> None:
+    def optimizer_step(self, step: int, *, grads=None, params=None, optimizer=None, number: int | None = None,
+                       whole: Collection[str] = (), group=None) -> None:
+        """The records after an optimizer step, in the one order every writer gives them: the
+        gradients the step used (phase ``grads``), the updated parameters (``params``) and the
+        optimizer's state tensors (``optimizer``), each ``(name, tensor)`` pairs or None for no
+        records.  ``number``: an optimizer that does not end the training step records under
+        ``optimizer<number>.<phase>`` (`samebits.stream.phases.optimizer_phase`).  The phases
+        named in ``whole`` get their whole-tensor records too (`tensors_and_global` over
+        ``group``: collective, so every rank calls it); the others are plain `tensors`."""
+        for phase, named in zip(AFTER_OPTIMIZER_STEP, (grads, params, optimizer)):
+            if named is None:
+                continue
+            if phase in whole:
+                self.tensors_and_global(step, optimizer_phase(phase, number), named, group)
+            else:
+                self.tensors(step, optimizer_phase(phase, number), named)
+
+    def metrics(self, step: int, phase: str = METRICS, **values) -> None:
         """Record scalars with their exact bits: Python floats as float64, ints as int64,
         0-dim tensors in their own dtype (kept on the device until the step ends)."""
         if not self.active:

@@ -22,7 +22,7 @@ import samebits
 from conftest import write_run
 from samebits.fingerprint import DTYPE_CODES
 from samebits.fingerprint._codes import DTYPE_CODE_BY_NAME, ITEMSIZE_BY_NAME
-from samebits.stream.reader import _STRUCT_FORMATS, Record
+from samebits.stream._records import _STRUCT_FORMATS, Record
 
 
 def test_show_and_dump_import_no_torch(tmp_path):

@@ -26,9 +26,9 @@ def test_round_trip_records_and_header(tmp_path):
         rec.tensors(0, "params", [("w", t), ("w", t + 1), ("g", None)])
     reader = open_run(tmp_path).stream(0)
     header = reader.header
-    assert header["schema"] == 2 and header["rank"] == 0 and header["world_size"] == 1
-    assert header["coords"] == {"dp": 0, "tp": 0} and header["config"] == {"lr": 0.5}
-    assert header["environment"]["torch"] == torch.__version__
+    assert header.schema == 2 and header.rank == 0 and header.world_size == 1
+    assert header.coords == {"dp": 0, "tp": 0} and header.config == {"lr": 0.5}
+    assert header.environment["torch"] == torch.__version__
     (block,) = list(reader.steps())
     records = block.records()
     assert [(r.kind, r.phase, r.name, r.occurrence) for r in records] == [
@@ -123,7 +123,7 @@ def test_every_truncation_point_reads_back_complete_steps(tmp_path):
     for size in range(header_end, len(full)):
         path.write_bytes(full[:size])
         reader = StreamReader(path)
-        steps = [b.step for b in reader.steps(verify=True)]
+        steps = [b.step for b in reader.steps()]
         assert steps == full_steps[: len(steps)]
         assert reader.stop_reason is not None, size
         for block in list(StreamReader(path).steps()):
@@ -148,7 +148,7 @@ def test_sigkill_mid_write_leaves_readable_stream(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     reader = open_run(tmp_path).stream(0)
-    blocks = list(reader.steps(verify=True))
+    blocks = list(reader.steps())
     assert len(blocks) >= 4 and [b.step for b in blocks] == list(range(len(blocks)))
     assert all(len(b.records()) == 50 for b in blocks)
     assert reader.stop_reason is not None and not reader.closed_cleanly
@@ -161,7 +161,7 @@ def test_corrupt_stream_names_file_and_offset(tmp_path):
     data[-30] ^= 0xFF
     path.write_bytes(bytes(data))
     with pytest.raises(StreamError, match=r"rank-00000.sbs: checksum mismatch .* at byte \d+"):
-        list(StreamReader(path).steps(verify=True))
+        list(StreamReader(path).steps())
 
 
 def test_other_schema_version_is_refused(tmp_path, monkeypatch):
@@ -171,6 +171,44 @@ def test_other_schema_version_is_refused(tmp_path, monkeypatch):
     samebits.Recorder(tmp_path, rank=0, world_size=1).close()
     monkeypatch.undo()
     with pytest.raises(StreamError, match="schema version 99"):
+        open_run(tmp_path)
+
+
+def test_the_header_formats_back_to_the_bytes_written(tmp_path):
+    """`StreamHeader` parses a header once and writes it back key for key (the name filters
+    included, a newer writer's unknown key kept)."""
+    from samebits.stream import StreamHeader
+    from samebits.stream import _format
+
+    with samebits.Recorder(tmp_path, rank=0, world_size=1, config={"lr": 0.5}, include=["metrics/*"]) as rec:
+        rec.metrics(0, loss=1.0)
+    data = (tmp_path / "rank-00000.sbs").read_bytes()
+    length, start = _format.decode_varint(data, 1)
+    payload = data[start : start + length]
+    header = StreamHeader.from_payload(payload, "the header")
+    assert header.payload() == payload and header == open_run(tmp_path).header
+    assert header.include == ["metrics/*"] and header.exclude == [] and header.segment == 0
+    newer = StreamHeader.read({**header.to_dict(), "from_the_future": [1]}, "a header")
+    assert newer.extra == {"from_the_future": [1]} and newer.to_dict()["from_the_future"] == [1]
+
+
+@pytest.mark.parametrize("field, value, problem", [
+    ("run_id", 5, r"run_id = 5 is not str or None"),
+    ("segment", -1, r"segment = -1 is below 0"),
+    ("max_tensor_bytes", "64", r"max_tensor_bytes = '64' is not int or None"),
+    ("rank", None, r"rank is missing"),
+])
+def test_a_header_field_missing_or_of_a_wrong_type_is_refused_by_name(tmp_path, field, value, problem):
+    import json
+
+    from samebits.stream import _format
+
+    header = {"schema": 2, "rank": 0, "world_size": 1, field: value}
+    if value is None:
+        del header[field]
+    (tmp_path / "rank-00000.sbs").write_bytes(
+        _format.frame(_format.FRAME_HEADER, _format.MAGIC + json.dumps(header).encode()))
+    with pytest.raises(StreamError, match=rf"rank-00000\.sbs: header at byte 0 is invalid \({problem}"):
         open_run(tmp_path)
 
 

@@ -230,7 +230,7 @@ def test_the_ranks_of_one_run_agree_on_its_id(tmp_path, monkeypatch):
 
     def ids(directory):
         run = samebits.open_run(directory)
-        return {(h["run_id"], h["run_id_source"]) for h in run.headers.values()}
+        return {(h.run_id, h.run_id_source) for h in run.headers.values()}
 
     _record(tmp_path / "d", world_size=3)  # ranks in one directory: its id file
     (found,) = ids(tmp_path / "d")
@@ -258,7 +258,7 @@ def test_the_ranks_of_one_run_agree_on_its_id(tmp_path, monkeypatch):
         with samebits.Recorder(tmp_path / "r", rank=rank, world_size=2, append=True, config={"lr": 0.1}) as rec:
             rec.metrics(10, loss=1.0)
     run = samebits.open_run(tmp_path / "r")
-    assert {h["run_id"] for h in run.headers.values()} == {"first"}
+    assert {h.run_id for h in run.headers.values()} == {"first"}
     reader = run.stream(0)
     list(reader.steps())
     assert [s["run_id"] for s in reader.segments] == ["first", "first"]
@@ -271,8 +271,8 @@ def test_ids_that_prove_nothing_are_not_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(stream_files, "_directory_run_id", lambda directory, fresh: None)
     _record(tmp_path / "a", world_size=2)
     run = samebits.open_run(tmp_path / "a")
-    assert len({h["run_id"] for h in run.headers.values()}) == 2
-    assert {h["run_id_source"] for h in run.headers.values()} == {"random"}
+    assert len({h.run_id for h in run.headers.values()}) == 2
+    assert {h.run_id_source for h in run.headers.values()} == {"random"}
     for rank in (0, 1):  # as written before `run_id_source` existed
         _rewrite(tmp_path / "a" / fmt.stream_filename(rank), lambda s, r: r,
                  header=lambda h: {k: v for k, v in h.items() if k != "run_id_source"})

@@ -169,7 +169,7 @@ def test_diff_probe_and_rule_json_is_unchanged():
 
 # The result classes that still write their dict by hand, each with its reason.
 BY_HAND = {
-    "stream/reader.py::Record": "its keys depend on its kind (a metric: value and bits; a tensor: shape, "
+    "stream/_records.py::Record": "its keys depend on its kind (a metric: value and bits; a tensor: shape, "
                                 "numel, digest, absent, capped), as docs/stream.md shows a record",
     "recipes/config.py::RecipeConfig": "the recipe is a client: its config is dataclasses.asdict",
 }

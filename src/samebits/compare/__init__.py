@@ -295,7 +295,7 @@ def _missing_ranks(run_a: Run, run_b: Run) -> list[str]:
                            f"{run.world_size} that the other run recorded: that data is missing")
     world = max(run_a.world_size, run_b.world_size)
     recorded = set(run_a.files) | set(run_b.files)
-    selections = [run.header.get("ranks") for run in (run_a, run_b)]
+    selections = [run.header.ranks for run in (run_a, run_b)]
     if all(isinstance(selected, list) for selected in selections):  # both recorded a rank selection
         expected = {r for selected in selections for r in selected if isinstance(r, int) and 0 <= r < world}
         neither = sorted(expected - recorded)
@@ -429,7 +429,7 @@ def _check_comparable(run_a: Run, run_b: Run, allow: bool, ignore_keys, notes: l
         if not set(run_a.ranks) & set(run_b.ranks):
             raise IncomparableRunsError(f"cannot compare: {line}; the runs share no rank.", [line])
         notes.append(line + " (compared the ranks both have)")
-    config_a, config_b = run_a.header.get("config", {}), run_b.header.get("config", {})
+    config_a, config_b = run_a.header.config, run_b.header.config
     for key in sorted(set(config_a) | set(config_b)):
         if key in ignore_keys:
             continue
@@ -459,8 +459,7 @@ def _check_comparable(run_a: Run, run_b: Run, allow: bool, ignore_keys, notes: l
 
 
 def _environment_notes(run_a: Run, run_b: Run) -> list[str]:
-    env_a = run_a.header.get("environment", {})
-    env_b = run_b.header.get("environment", {})
+    env_a, env_b = run_a.header.environment, run_b.header.environment
     notes = []
     for key in sorted(set(env_a) | set(env_b)):
         if key == "env":
@@ -809,7 +808,7 @@ _SHAPE_ONLY_SHOWN = 5  # records compared by shape only, named in the verdict
 
 def _declares_cap(reader: StreamReader) -> bool:
     """Whether the stream's (first) header declares a size cap: it may hold capped records."""
-    return reader.header.get("max_tensor_bytes") is not None
+    return reader.header.caps_tensors
 
 
 def _windows_excluding(reader: StreamReader, step: int) -> str | None:
@@ -844,7 +843,7 @@ def _stopped_reason(missing: str, other: str, rank: int, step: int, reader: Stre
 
 
 def _shape_only_reason(run_a: Run, run_b: Run, count: int, examples: list[str]) -> str:
-    caps = [run.header.get("max_tensor_bytes") for run in (run_a, run_b)]
+    caps = [run.header.max_tensor_bytes for run in (run_a, run_b)]
     cap = f"{caps[0]}" if caps[0] == caps[1] else f"a: {caps[0]}, b: {caps[1]}"
     return (f"{count} record(s) were compared by shape and dtype only, never by value: they were larger than the "
             f"size cap when recorded (max_tensor_bytes {cap}), so they hold no digest (e.g. {', '.join(examples)}). "

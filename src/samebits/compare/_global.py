@@ -288,7 +288,7 @@ def _layout_notes(run_a: Run, run_b: Run) -> list[str]:
     notes = []
     if run_a.world_size != run_b.world_size:
         notes.append(f"world size: a = {run_a.world_size}, b = {run_b.world_size} (compared by global tensor)")
-    config_a, config_b = run_a.header.get("config", {}), run_b.header.get("config", {})
+    config_a, config_b = run_a.header.config, run_b.header.config
     for key in sorted(set(config_a) | set(config_b)):
         if config_a.get(key) != config_b.get(key):
             notes.append(f"config {key!r}: a = {config_a.get(key)!r}, b = {config_b.get(key)!r}")

@@ -10,7 +10,7 @@ from samebits._lazy_exports import lazy_exports
 # loads no torch, writing one (`Recorder`) does.
 _LAZY = {
     "Record": "reader", "Run": "reader", "StepBlock": "reader", "StreamReader": "reader", "open_run": "reader",
-    "GLOBAL_PHASE_PREFIX": "recorder", "STEP_TIMES_SUFFIX": "recorder", "Recorder": "recorder",
+    "StreamHeader": "header", "GLOBAL_PHASE_PREFIX": "recorder", "STEP_TIMES_SUFFIX": "recorder", "Recorder": "recorder",
     "RecordingSpec": "recorder", "CatalogueEntry": "summary", "catalogue": "summary", "summarise": "summary",
     # Internal but stable, not in __all__: the comparator recomputes step roots (docs/stream.md).
     "step_root": "_format",
@@ -20,5 +20,5 @@ _LAZY = {
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
 
 
-__all__ = ["Recorder", "RecordingSpec", "Record", "Run", "StepBlock", "StreamReader", "open_run", "summarise",
+__all__ = ["Recorder", "RecordingSpec", "Record", "Run", "StepBlock", "StreamHeader", "StreamReader", "open_run", "summarise",
            "catalogue", "CatalogueEntry", "GLOBAL_PHASE_PREFIX", "STEP_TIMES_SUFFIX"]

@@ -164,7 +164,7 @@ class _Existing:
 def _read_existing(path: Path, rank: int, world_size: int) -> _Existing:
     existing = StreamReader(path)
     try:
-        theirs = (existing.header["rank"], existing.header["world_size"])
+        theirs = (existing.header.rank, existing.header.world_size)
         if (rank, world_size) != theirs:
             raise StreamError(
                 f"{path}: cannot append: the stream was recorded by rank {theirs[0]} of world size "
@@ -186,7 +186,7 @@ def _read_existing(path: Path, rank: int, world_size: int) -> _Existing:
             warnings.warn(f"samebits: appending to {path}, which was {existing.stop_reason}; "
                           "the torn frame is dropped.", stacklevel=4)  # the Recorder(...) call
         held.names, held.segment = list(existing.names), existing.num_segments
-        held.run_id, held.run_id_source = existing.header.get("run_id"), existing.header.get("run_id_source")
+        held.run_id, held.run_id_source = existing.header.run_id, existing.header.run_id_source
         return _Existing(held, existing.end_offset)
     finally:
         existing.close()
@@ -325,8 +325,8 @@ def sibling_run_id(directory: Path, rank: int) -> tuple[str, str] | None:
             continue
         header = reader.header
         reader.close()
-        if isinstance(header.get("run_id"), str):
-            return header["run_id"], header.get("run_id_source")
+        if header.run_id is not None:
+            return header.run_id, header.run_id_source
     return None
 
 

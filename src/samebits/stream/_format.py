@@ -76,11 +76,6 @@ _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
 
 
-def digest_version_of(header: dict) -> int:
-    """The digest version of a stream header (1 when the header predates the field)."""
-    return header.get(DIGEST_VERSION_KEY, 1)
-
-
 def stream_filename(rank: int) -> str:
     return f"rank-{rank:05d}{STREAM_SUFFIX}"
 

@@ -10,13 +10,14 @@ damaged file, a newer writer) ends the following quietly: `StreamTail.broken` sa
 
 from __future__ import annotations
 
-import json
 import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from samebits.errors import StreamError
 from samebits.stream import _format as fmt
+from samebits.stream.header import StreamHeader
 
 _MAX_WALKED_RECORDS = 1 << 20  # a step with more records is shown without its last record's name
 # The largest frame followed (its bytes are read once it is complete): far above what a step of
@@ -74,7 +75,7 @@ class StreamTail:
                     kind, payload, end = frame
                     try:
                         self._take(kind, payload, seen)
-                    except (ValueError, IndexError, UnicodeDecodeError, KeyError, TypeError) as err:
+                    except (StreamError, ValueError, IndexError, UnicodeDecodeError, KeyError, TypeError) as err:
                         self.broken = f"a {fmt.FRAME_KINDS.get(kind, kind)} frame that does not decode ({err})"
                         break
                     self._offset, self._waiting_for = end, 0
@@ -120,8 +121,7 @@ class StreamTail:
 
     def _take(self, kind: int, payload: bytes, seen: list[StepSeen]) -> None:
         if kind == fmt.FRAME_HEADER:
-            header = json.loads(payload[len(fmt.MAGIC):])
-            self.rank = int(header.get("rank", 0))
+            self.rank = StreamHeader.from_payload(payload, f"{self.path}: a header").rank
             self.names = []  # a new segment interns its names afresh
         elif kind == fmt.FRAME_NAMES:
             first, pos = fmt.decode_varint(payload, 0)

@@ -6,157 +6,27 @@ malformed byte is a `StreamError` naming the file, the byte offset and the frame
 is streaming (the file is memory-mapped, a step's records are decoded only when asked for),
 so memory stays flat however long the run.  A stream cut short by a killed writer reads
 back every complete frame, and `StreamReader.stop_reason` says where and why reading
-stopped.
+stopped.  The frame walk is `_frames`, the records' decoding `_records`, the header `header`.
 """
 
 from __future__ import annotations
-
 import json
-import mmap
 import os
 import re
-import stat
-import struct
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from struct import error as struct_error
 from typing import Iterator
 
-import numpy as np
-
-from samebits.fingerprint import DIGEST_VERSION, DTYPE_CODE_BY_NAME, ITEMSIZE_BY_NAME
 from samebits.errors import IncomparableRunsError, StreamError
+from samebits.fingerprint import DIGEST_VERSION
 from samebits.stream import _format as fmt
-from samebits.verdicts import ToDict
+from samebits.stream._frames import _CORRUPT_HINT, FrameFile
+from samebits.stream._records import Record, _fast_varint, _Malformed, _NewerWriter, _varint, parse_records
+from samebits.stream.header import StreamHeader
 
 _STREAM_RE = re.compile(r"^rank-(\d{5,})\.sbs$")
-_DTYPE_NAMES = {code: name for name, code in DTYPE_CODE_BY_NAME.items()}
-_DTYPE_NAMES[0] = "none"  # an absent tensor (None)
-_ITEMSIZES = {code: ITEMSIZE_BY_NAME[name] for name, code in DTYPE_CODE_BY_NAME.items()}
-# A metric's bits as a Python number, without torch: struct's formats (little-endian, as written);
-# bfloat16 is the top half of a float32.  Other dtypes (float8, complex) are decoded by torch.
-_STRUCT_FORMATS = {"float64": "<d", "float32": "<f", "float16": "<e", "int64": "<q", "int32": "<i", "int16": "<h",
-                   "int8": "<b", "uint8": "<B", "uint16": "<H", "uint32": "<I", "uint64": "<Q", "bool": "<?"}
-_CORRUPT_HINT = ("Every frame before that byte is intact: compare up to the step before it "
-                 "(--to-step), or re-record the run.")
-
-
-class _Malformed(Exception):
-    """Internal: a frame's bytes do not parse; turned into a StreamError naming the frame."""
-
-
-class _NewerWriter(Exception):
-    """Internal: a record of a kind this samebits does not know (a newer writer's)."""
-
-
-def _dtype_name(code: int) -> str:
-    name = _DTYPE_NAMES.get(code)
-    if name is None:
-        raise _Malformed(f"unknown dtype code {code} (written by a newer samebits?)")
-    return name
-
-
-def _fast_varint(buf, pos: int) -> tuple[int, int]:
-    """`decode_varint` with a one-byte fast path; IndexError/ValueError on bad input (the
-    frame walk turns them into a StreamError naming the frame)."""
-    byte = buf[pos]
-    if byte < 0x80:
-        return byte, pos + 1
-    return fmt.decode_varint(buf, pos)
-
-
-def _varint(buf, pos: int, end: int) -> tuple[int, int]:
-    try:
-        return fmt.decode_varint(buf, pos, end)
-    except (IndexError, ValueError) as err:
-        raise _Malformed(f"bad varint at payload byte {pos}: {err}") from None
-
-
-@dataclass(frozen=True)
-class Record(ToDict):
-    """One decoded record.  Identity is (phase, name, occurrence, kind), never position."""
-
-    kind: str  # "tensor" | "metric"
-    phase: str
-    name: str
-    occurrence: int
-    dtype: str
-    shape: tuple[int, ...] | None  # None for metrics
-    flags: int
-    digest: int | None  # tensors: the 64-bit digest (None if absent or capped)
-    raw: bytes | None  # metrics: the exact bits of the value
-
-    @property
-    def key(self) -> tuple:
-        return (self.kind, self.phase, self.name, self.occurrence)
-
-    @property
-    def absent(self) -> bool:
-        return bool(self.flags & fmt.FLAG_ABSENT)
-
-    @property
-    def capped(self) -> bool:
-        return bool(self.flags & fmt.FLAG_CAPPED)
-
-    @property
-    def value(self):
-        """A metric's value as a Python number (exact: decoded from the stored bits)."""
-        if self.raw is None:
-            return None
-        try:
-            if self.dtype in _STRUCT_FORMATS:
-                return struct.unpack(_STRUCT_FORMATS[self.dtype], self.raw)[0]
-            if self.dtype == "bfloat16":
-                return struct.unpack("<f", b"\x00\x00" + bytes(self.raw))[0]
-            import torch  # the rarer dtypes (float8, complex): torch decodes them, as it encoded them
-
-            data = torch.frombuffer(bytearray(self.raw), dtype=torch.uint8)
-            return data.view(getattr(torch, self.dtype)).item()
-        except (AttributeError, RuntimeError, TypeError, ValueError, struct_error):
-            return None  # a dtype without a Python scalar (e.g. packed 4-bit): `bits` is exact
-
-    def same_content(self, other: "Record") -> bool:
-        return (
-            self.dtype == other.dtype
-            and self.shape == other.shape
-            and self.flags == other.flags
-            and self.digest == other.digest
-            and self.raw == other.raw
-        )
-
-    def summary(self) -> str:
-        """A short text of what the record holds: shape/dtype/digest or the metric value."""
-        if self.kind == "metric":
-            return f"{self.value!r} ({self.dtype} 0x{bytes(self.raw)[::-1].hex()})"
-        shape = "x".join(map(str, self.shape)) if self.shape else "scalar"
-        if self.absent:
-            return "None"
-        digest = "capped (no digest)" if self.capped else f"{self.digest:016x}"
-        return f"{shape} {self.dtype} {digest}"
-
-    def to_dict(self) -> dict:
-        out = {"kind": self.kind, "phase": self.phase, "name": self.name, "occurrence": self.occurrence,
-               "dtype": self.dtype}
-        if self.kind == "metric":
-            out["value"] = self.value
-            out["bits"] = "0x" + self.raw[::-1].hex()
-        else:
-            out["shape"] = list(self.shape)
-            out["numel"] = _numel(self.shape)
-            out["digest"] = None if self.digest is None else f"{self.digest:016x}"
-            if self.absent:
-                out["absent"] = True
-            if self.capped:
-                out["capped"] = True
-        return out
-
-
-def _numel(shape) -> int:
-    n = 1
-    for size in shape:
-        n *= size
-    return n
 
 
 @dataclass(slots=True)
@@ -179,51 +49,16 @@ class StepBlock:
         return self.reader.decode(self)
 
 
-def _file_type(mode: int) -> str:
-    for check, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                        (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
-        if check(mode):
-            return name
-    return "not a regular file"
 
-
-class StreamReader:
-    """Sequential, verifying reader of one rank's stream file."""
+class StreamReader(FrameFile):
+    """Sequential, verifying reader of one rank's stream file: its segments' headers, its
+    name table, its steps (each root recomputed) and its step-index footer."""
 
     def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
+        super().__init__(path)  # maps the file
         self.names: list[str] = []
-        self.segments: list[dict] = []
-        self.stop_reason: str | None = None
-        self.closed_cleanly = False
-        self.end_offset = 0  # the end of the last complete frame
-        self._data = b""
-        try:
-            # O_NONBLOCK: a FIFO in place of a stream must not block the open; the opened file
-            # itself is then checked (no window between a check and the open)
-            descriptor = os.open(self.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-            with open(descriptor, "rb") as file:
-                status = os.fstat(file.fileno())
-                if not stat.S_ISREG(status.st_mode):
-                    raise StreamError(f"{self.path}: not a regular file ({_file_type(status.st_mode)}); a "
-                                      "fingerprint stream is a regular rank-NNNNN.sbs file written by samebits.")
-                self.size = status.st_size
-                if self.size:
-                    self._data = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
-        except FileNotFoundError:
-            raise StreamError(f"{self.path}: no such stream file.") from None
-        except PermissionError:
-            raise StreamError(f"{self.path}: permission denied; make the stream readable "
-                              f"(e.g. chmod a+r {self.path}) and retry.") from None
-        except IsADirectoryError:
-            raise StreamError(f"{self.path}: a directory, not a stream file; pass the run directory that holds "
-                              "it, or the rank-NNNNN.sbs file itself.") from None
-        except (OSError, ValueError) as err:
-            raise StreamError(f"{self.path}: cannot read the stream ({err}).") from None
-        self.size = len(self._data)
-        self._pos = 0
-        self._torn_scans: dict[int, int | None] = {}  # offset -> `_valid_frame_after` (computed once)
-        self._tail_closed = self._ends_with_close_frame()
+        self.segments: list[StreamHeader] = []
+        self._reset_state()
         self._reset_state()
         try:
             first = self._next_frame()
@@ -252,7 +87,7 @@ class StreamReader:
     @property
     def digest_version(self) -> int:
         """The version of the digest this stream's digests were computed with (docs/digest.md)."""
-        return fmt.digest_version_of(self.header)
+        return self.header.digest_version
 
     @property
     def num_segments(self) -> int:
@@ -260,194 +95,29 @@ class StreamReader:
 
     @property
     def rank(self) -> int:
-        return self.header["rank"]
+        return self.header.rank
 
-    # -- errors -------------------------------------------------------------------------
-
-    def _where(self, kind: int | None, offset: int) -> str:
-        what = f"the {fmt.FRAME_KINDS.get(kind, 'unknown')} frame at byte {offset} (of {self.size})"
-        if self._last_step is not None:
-            what += f", after step {self._last_step}"
-        return what
-
-    def _corrupt(self, kind: int | None, offset: int, problem: str) -> StreamError:
-        return StreamError(f"{self.path}: {problem} in {self._where(kind, offset)}: the file is corrupt. "
-                           + _CORRUPT_HINT)
-
-    # -- frames -------------------------------------------------------------------------
-
-    def _ends_with_close_frame(self) -> bool:
-        """Whether the file's last bytes are a valid CLOSE frame: then its writer finished,
-        and a frame that runs past the end is damage, not a killed writer's torn write."""
-        size = fmt.CLOSE_FRAME_SIZE
-        if self.size < size:
-            return False
-        tail = self._data[self.size - size:]
-        return (tail[0] == fmt.FRAME_CLOSE and tail[1] == 16 and tail[10:18] == fmt.CLOSE_MAGIC
-                and zlib.crc32(tail[:18]) == fmt.unpack_u32(tail, 18))
-
-    def _next_frame(self):
-        """(kind, offset, payload bytes) of the next frame, checksum verified; None at the
-        end of the file (with `stop_reason` set when the end is not a clean close)."""
-        data, offset, size = self._data, self._pos, self.size
-        if offset >= size:
-            if not self.closed_cleanly and self.stop_reason is None:
-                self.stop_reason = f"ended without a close frame at byte {offset} (writer killed, or still running)"
-            return None
-        kind = data[offset]
-        if kind not in fmt.FRAME_KINDS:
-            raise StreamError(
-                f"{self.path}: unknown frame kind {kind} at byte {offset} (of {size})"
-                + (f", after step {self._last_step}" if self._last_step is not None else "")
-                + ": the file is corrupt or was written by a newer samebits. " + _CORRUPT_HINT
-            )
-        try:
-            if offset + 1 < size and data[offset + 1] < 0x80:
-                length, start = data[offset + 1], offset + 2
-            else:
-                length, start = fmt.decode_varint(data, offset + 1, min(size, offset + 11))
-        except IndexError:
-            return self._torn(kind, offset, "an incomplete frame header")
-        except ValueError:
-            raise self._corrupt(kind, offset, "an invalid length field") from None
-        end = start + length + 4
-        if end > size:
-            return self._torn(kind, offset, f"a {fmt.FRAME_KINDS[kind]} frame of {length} bytes")
-        payload = data[start : start + length]
-        if zlib.crc32(payload, zlib.crc32(data[offset:start])) != fmt.unpack_u32(data, start + length):
-            raise self._corrupt(kind, offset, "checksum mismatch")
-        self._pos = self.end_offset = end
-        self.closed_cleanly = False
-        return kind, offset, payload
-
-    def _torn(self, kind: int, offset: int, what: str):
-        """The frame at ``offset`` runs past the end of the file: a killed writer's torn last
-        write, unless the file shows that more data follows (then it is damage)."""
-        if self._tail_closed:
-            raise self._corrupt(kind, offset, f"{what} runs past the end of the file although the stream "
-                                "ends in a valid close frame (its length field is damaged)")
-        following = self._valid_frame_after(offset)
-        if following is not None:
-            raise self._corrupt(kind, offset, f"{what} runs past the end of the file although a valid "
-                                f"frame follows at byte {following} (its length field is damaged)")
-        self.stop_reason = (
-            f"truncated at byte {offset} of {self.size}: {what} was cut short (writer killed "
-            "mid-write); every complete record before it was read"
-        )
-        unchecked = self._torn_scans.get(offset, (None, 0))[1]
-        if unchecked:
-            self.stop_reason += (f" (the bounded scan after it left {unchecked} possible frame(s) unchecked, so "
-                                 "a damaged length field cannot be ruled out)")
-        self._pos = self.size
-        return None
-
-    # The torn-frame scan (`_valid_frame_after`): how far after a frame that runs past the end
-    # it looks for a complete frame, and how much checksumming it may spend there.  Both are
-    # linear in the bytes scanned, so a crafted tail cannot make a read quadratic.
-    TORN_SCAN_BYTES = 1 << 20
-    TORN_SCAN_CHECKSUM_FACTOR = 32  # checksummed bytes <= this x the bytes scanned, + TORN_SCAN_BYTES
-    TORN_SCAN_CANDIDATES = 1 << 16  # frames checksummed at most
-
-    def _valid_frame_after(self, offset: int) -> int | None:
-        """A byte after ``offset`` (within `TORN_SCAN_BYTES`) where a complete frame with a valid
-        checksum starts, or None.  A torn write leaves nothing complete after it.  Candidates
-        (a frame kind, a length that ends inside the file) are found in one vectorised pass and
-        checksummed cheapest first within a budget linear in the bytes scanned; what the
-        budget leaves unchecked is counted (`_torn` says so).  Memoised per offset."""
-        if offset not in self._torn_scans:
-            self._torn_scans[offset] = self._scan_for_frame(offset)
-        return self._torn_scans[offset][0]
-
-    def _scan_for_frame(self, offset: int) -> tuple[int | None, int]:
-        """(`_valid_frame_after`, how many candidates the budget left unchecked)."""
-        data, size = self._data, self.size
-        first, stop = offset + 1, min(size, offset + self.TORN_SCAN_BYTES)
-        if stop <= first:
-            return None, 0
-        window = np.frombuffer(data, dtype=np.uint8, count=min(size, stop + 11) - first, offset=first).copy()
-        kinds = window[: stop - first]
-        candidates = np.flatnonzero(np.isin(kinds, np.array(sorted(fmt.FRAME_KINDS), dtype=np.uint8)))
-        if not len(candidates):
-            return None, 0
-        bytes_ = window.astype(np.int64)
-        last = len(bytes_) - 1
-        length = np.zeros(len(candidates), dtype=np.int64)
-        payload_at = np.full(len(candidates), -1, dtype=np.int64)  # window-relative; -1: not decoded
-        for i in range(5):  # varints of up to 5 bytes: lengths below 2**35
-            at = candidates + 1 + i
-            inside = at <= last
-            byte = np.where(inside, bytes_[np.minimum(at, last)], 0x80)
-            open_ = payload_at < 0
-            length = np.where(open_, length | ((byte & 0x7F) << (7 * i)), length)
-            ends = open_ & inside & (byte < 0x80)
-            payload_at[ends] = at[ends] + 1
-        frame_end = first + payload_at + length  # absolute: where the crc starts
-        keep = (payload_at >= 0) & (frame_end + 4 <= size)
-        candidates, frame_end = candidates[keep] + first, frame_end[keep]
-        cost = frame_end - candidates
-        order = np.argsort(cost, kind="stable")
-        budget = self.TORN_SCAN_CHECKSUM_FACTOR * (stop - first) + self.TORN_SCAN_BYTES
-        spent = checked = 0
-        for index in order.tolist():
-            spent += int(cost[index])
-            if spent > budget or checked >= self.TORN_SCAN_CANDIDATES:
-                return None, len(order) - checked
-            checked += 1
-            pos, end = int(candidates[index]), int(frame_end[index])
-            if zlib.crc32(data[pos:end]) == fmt.unpack_u32(data, end):
-                return pos, 0
-        return None, 0
-
-    def _header(self, frame) -> dict:
+    def _header(self, frame) -> StreamHeader:
         _, offset, payload = frame
-        if not payload.startswith(fmt.MAGIC):
-            raise StreamError(f"{self.path}: header frame at byte {offset} lacks the samebits magic.")
-        try:
-            header = json.loads(payload[len(fmt.MAGIC):])
-        except (ValueError, RecursionError) as err:
-            raise StreamError(f"{self.path}: header at byte {offset} is not valid JSON ({err}).") from None
-        if not isinstance(header, dict):
-            raise StreamError(f"{self.path}: header at byte {offset} is not a JSON object: the file is corrupt.")
-        if header.get("schema") not in fmt.READABLE_SCHEMAS:
-            raise StreamError(
-                f"{self.path}: stream schema version {header.get('schema')!r}, this samebits reads "
-                f"versions {', '.join(map(str, fmt.READABLE_SCHEMAS))}. Read it with the samebits version that "
-                f"wrote it ({header.get('samebits', 'unknown')!s:.40})."
-            )
-        problems = []
-        for key, minimum in (("rank", 0), ("world_size", 1)):
-            value = header.get(key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-                problems.append(f"{key} = {value!r:.40}")
-        if not problems and header["rank"] >= header["world_size"]:
-            problems.append(f"rank {header['rank']} outside world size {header['world_size']}")
-        for key in ("config", "environment", "coords"):
-            if not isinstance(header.get(key, {}), dict):
-                problems.append(f"{key} is not an object")
-        version = fmt.digest_version_of(header)
-        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-            problems.append(f"{fmt.DIGEST_VERSION_KEY} = {version!r:.40}")
-        if self.segments and not problems:
+        where = f"{self.path}: header at byte {offset}"
+        header = StreamHeader.from_payload(payload, where)
+        if self.segments:
             first = self.segments[0]
-            if (header["rank"], header["world_size"]) != (first["rank"], first["world_size"]):
-                problems.append(f"segment of rank {header['rank']}/{header['world_size']} appended to a stream "
-                                f"of rank {first['rank']}/{first['world_size']}")
-            elif version != fmt.digest_version_of(first):
-                raise StreamError(f"{self.path}: the segment at byte {offset} has digest version {version}, appended "
-                                  f"to a stream of digest version {fmt.digest_version_of(first)} (by an older "
-                                  "samebits resuming it?): their digests cannot be compared with each other. "
-                                  "Re-record the run with one samebits version.")
-        if problems:
-            raise StreamError(f"{self.path}: header at byte {offset} is invalid ({'; '.join(problems)}): the file "
-                              "is corrupt or was not written by samebits.Recorder.")
+            if (header.rank, header.world_size) != (first.rank, first.world_size):
+                raise StreamError(f"{where} is invalid (segment of rank {header.rank}/{header.world_size} appended "
+                                  f"to a stream of rank {first.rank}/{first.world_size}): the file is corrupt or "
+                                  "was not written by samebits.Recorder.")
+            if header.digest_version != first.digest_version:
+                raise StreamError(f"{self.path}: the segment at byte {offset} has digest version "
+                                  f"{header.digest_version}, appended to a stream of digest version "
+                                  f"{first.digest_version} (by an older samebits resuming it?): their digests "
+                                  "cannot be compared with each other. Re-record the run with one samebits version.")
         self.segments.append(header)
-        self._schema = header["schema"]
-        self._may_cap = header.get("max_tensor_bytes") is not None
+        self._schema, self._may_cap = header.schema, header.caps_tensors
         return header
 
-    def steps(self, verify: bool = False) -> Iterator[StepBlock]:
-        """Yield the steps in order, each frame's checksum and each step's root verified.
-        (``verify`` is kept for compatibility: every read is verified now.)"""
+    def steps(self) -> Iterator[StepBlock]:
+        """Yield the steps in order, each frame's checksum and each step's root verified."""
         for frame in self.step_frames():
             self.check_root(*frame)
             yield frame[0]
@@ -461,13 +131,11 @@ class StreamReader:
         None): a comparer that finds two frames byte-equal checks and hashes them once."""
         self._pos = self._first_end
         self.segments = self.segments[:1]
-        self._schema = self.header["schema"]
         self.names = []
         self.stop_reason = None
         self.closed_cleanly = False
         self._reset_state()
-        self._schema = self.header["schema"]
-        self._may_cap = self.header.get("max_tensor_bytes") is not None
+        self._schema, self._may_cap = self.header.schema, self.header.caps_tensors
         self._last_kind = fmt.FRAME_HEADER
         data, size, crc32 = self._data, self.size, zlib.crc32
         unpack_u32, unpack_u64 = fmt._U32.unpack_from, fmt._U64.unpack_from
@@ -568,8 +236,9 @@ class StreamReader:
         if block.schema >= 2:
             return fmt.step_root(block.names_key, memoryview(payload)[records_at:])  # no copy
         try:
-            return fmt.step_root_v1(self._parse_records(payload, records_at, block.num_records, block.names_count,
-                                                        canonical=True, may_cap=block.may_cap))
+            return fmt.step_root_v1(parse_records(payload, records_at, block.num_records, self.names, block.names_count,
+                                                  writer=self.header.samebits, canonical=True,
+                                                  may_cap=block.may_cap))
         except _NewerWriter as err:
             raise StreamError(f"{self.path}: step {block.step} (the step frame at byte {block.offset}): {err}") from None
         except _Malformed as err:
@@ -631,7 +300,7 @@ class StreamReader:
         see `adopt_verified_twin`)."""
         if not (self._tail_closed and other._tail_closed):
             return False
-        if (self.header.get("schema"), self.digest_version) != (other.header.get("schema"), other.digest_version):
+        if (self.header.schema, self.digest_version) != (other.header.schema, other.digest_version):
             return False  # the same bytes read another way (root encoding, digest): no twins
         mine, theirs = self._final_index_offset(), other._final_index_offset()
         if not (self._first_end <= mine <= self.size and other._first_end <= theirs <= other.size):
@@ -686,46 +355,6 @@ class StreamReader:
         self._num_steps = other._num_steps
         self._last_kind, self.closed_cleanly, self.stop_reason = fmt.FRAME_CLOSE, True, None
 
-    def _final_index_offset(self) -> int:
-        return fmt.unpack_u64(self._data, self.size - fmt.CLOSE_FRAME_SIZE + 2)
-
-    @staticmethod
-    def _index_entries(payload: bytes) -> list[tuple[int, int, int, int]]:
-        count, pos = fmt.decode_varint(payload, 0)
-        entries = []
-        for _ in range(count):
-            step, pos = fmt.decode_varint(payload, pos)
-            num_records, pos = fmt.decode_varint(payload, pos)
-            root = fmt.unpack_u64(payload, pos)
-            offset, pos = fmt.decode_varint(payload, pos + 8)
-            entries.append((step, num_records, root, offset))
-        if pos != len(payload):
-            raise fmt.MalformedBytes("stray bytes after the entries")
-        return entries
-
-    def step_index(self) -> list[tuple[int, int, int, int]] | None:
-        """Every step's (step, record count, root, frame offset) from the footer of a cleanly
-        closed stream, reading only the file's tail; None when there is no valid footer.
-        Not verified against the steps: comparisons read the steps themselves."""
-        if not self._tail_closed:
-            return None
-        data, size = self._data, self.size
-        index_offset = self._final_index_offset()
-        try:
-            if data[index_offset] != fmt.FRAME_INDEX:
-                return None
-            length, start = fmt.decode_varint(data, index_offset + 1, size)
-            if start + length + 4 > size or zlib.crc32(data[index_offset : start + length]) != fmt.unpack_u32(
-                    data, start + length):
-                return None
-            return self._index_entries(data[start : start + length])
-        except (IndexError, ValueError, struct_error):
-            return None  # a damaged footer: sequential reading will say where and why
-
-    def _frame_payload(self, offset: int) -> bytes:
-        """The payload of the (already verified) frame at ``offset``."""
-        length, start = fmt.decode_varint(self._data, offset + 1, self.size)
-        return self._data[start : start + length]
 
     def decode(self, block: StepBlock) -> list[Record]:
         """Decode one step's records (the frame was checksummed when the step was read)."""
@@ -733,7 +362,8 @@ class StreamReader:
         try:
             _, pos = _varint(payload, 0, len(payload))
             _, pos = _varint(payload, pos, len(payload))
-            return self._parse_records(payload, pos + 8, block.num_records, block.names_count, may_cap=block.may_cap)
+            return parse_records(payload, pos + 8, block.num_records, self.names, block.names_count,
+                                 writer=self.header.samebits, may_cap=block.may_cap)
         except _NewerWriter as err:
             raise StreamError(f"{self.path}: step {block.step} (the step frame at byte {block.offset}): {err}") from None
         except _Malformed as err:
@@ -742,96 +372,6 @@ class StreamReader:
                 "the file is corrupt. " + _CORRUPT_HINT
             ) from None
 
-    def _parse_records(self, payload: bytes, pos: int, count: int, names_count: int, canonical: bool = False,
-                       may_cap: bool = True):
-        """Decode ``count`` records from ``payload[pos:]``, checking every field; with
-        ``canonical`` return the schema-1 root input instead.  A record identity (kind, phase,
-        name, occurrence) appears at most once in a step; a record of a kind this samebits does
-        not know is refused (it cannot be compared, and skipping it would call the step equal);
-        a capped record needs a segment whose header declares a size cap (``may_cap``)."""
-        names, size = self.names, len(payload)
-        records: list[Record] = []
-        out = bytearray()
-        seen: set = set()
-
-        def name(ident: int) -> str:
-            if ident >= names_count:
-                raise _Malformed(f"name id {ident} was never interned ({names_count} names)")
-            return names[ident]
-
-        for index in range(count):
-            if pos >= size:
-                raise _Malformed(f"record {index} of {count} starts past the end of the frame")
-            kind = payload[pos]
-            length, pos = _varint(payload, pos + 1, size)
-            end = pos + length
-            if end > size:
-                raise _Malformed(f"record {index} of {count} runs past the end of the frame")
-            if kind not in (fmt.RECORD_TENSOR, fmt.RECORD_METRIC):
-                raise _NewerWriter(
-                    f"record {index} of {count} is of kind {kind}, which this samebits does not know: the stream "
-                    f"was written by a newer samebits (its header says samebits {str(self.header.get('samebits')):.40}) "
-                    "or is corrupt. Compare it with the samebits version that wrote it.")
-            phase_id, pos = _varint(payload, pos, end)
-            name_id, pos = _varint(payload, pos, end)
-            phase, label = name(phase_id), name(name_id)
-            if canonical:
-                out += bytes((kind,)) + phase.encode() + b"\0" + label.encode() + b"\0" + payload[pos:end]
-            occurrence, pos = _varint(payload, pos, end)
-            identity = (kind, phase, label, occurrence)  # by text: a name table may hold a name twice
-            if identity in seen:
-                raise _Malformed(f"record {index} ({phase}/{label}, occurrence {occurrence}) repeats an identity "
-                                 "already in the step (a writer gives each one its own occurrence)")
-            seen.add(identity)
-            if pos >= end:
-                raise _Malformed(f"record {index} ({phase}/{label}) ends before its dtype")
-            code = payload[pos]
-            dtype = _dtype_name(code)
-            pos += 1
-            if kind == fmt.RECORD_TENSOR:
-                if pos + 2 > end:
-                    raise _Malformed(f"record {index} ({phase}/{label}) ends before its shape")
-                flags, ndim = payload[pos], payload[pos + 1]
-                pos += 2
-                if flags & ~(fmt.FLAG_ABSENT | fmt.FLAG_CAPPED) or (code == 0) != bool(flags & fmt.FLAG_ABSENT) \
-                        or flags == fmt.FLAG_ABSENT | fmt.FLAG_CAPPED:
-                    raise _Malformed(f"record {index} ({phase}/{label}) has flags {flags} with dtype {dtype}")
-                if flags & fmt.FLAG_CAPPED and not may_cap:
-                    raise _Malformed(f"record {index} ({phase}/{label}) is flagged over the size cap, but its "
-                                     "segment's header declares no cap")
-                shape = []
-                for _ in range(ndim):
-                    dim, pos = _varint(payload, pos, end)
-                    shape.append(dim)
-                digest = None
-                if not flags & (fmt.FLAG_ABSENT | fmt.FLAG_CAPPED):
-                    if pos + 8 > end:
-                        raise _Malformed(f"record {index} ({phase}/{label}) ends before its digest")
-                    digest = fmt.unpack_u64(payload, pos)
-                    pos += 8
-                if pos != end:
-                    raise _Malformed(f"record {index} ({phase}/{label}) has {end - pos} stray bytes")
-                records.append(Record("tensor", phase, label, occurrence, dtype, tuple(shape), flags, digest, None))
-            else:
-                raw = bytes(payload[pos:end])
-                if code == 0 or len(raw) != _ITEMSIZES.get(code):
-                    raise _Malformed(f"metric {index} ({phase}/{label}) holds {len(raw)} bytes for dtype {dtype}")
-                records.append(Record("metric", phase, label, occurrence, dtype, None, 0, None, raw))
-            pos = end
-        if pos != size:
-            raise _Malformed(f"{size - pos} bytes after the last of {count} records")
-        return out if canonical else records
-
-    def close(self) -> None:
-        if isinstance(self._data, mmap.mmap):
-            self._data.close()
-        self._data = b""
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 class Run:
@@ -867,21 +407,21 @@ class Run:
         self.ranks = list(self.files)
         # Read every header, keeping no stream open: at thousands of ranks a Run must not hold
         # thousands of mappings; `stream(rank)` opens a rank's stream when it is read.
-        self.headers = {}
+        self.headers: dict[int, StreamHeader] = {}
         for rank, path in self.files.items():
             reader = StreamReader(path)
             self.headers[rank] = reader.header
             reader.close()
         for rank, header in self.headers.items():
-            if header["rank"] != rank:
+            if header.rank != rank:
                 raise StreamError(
-                    f"{self.files[rank]}: the file name says rank {rank} but its header says rank {header['rank']}."
+                    f"{self.files[rank]}: the file name says rank {rank} but its header says rank {header.rank}."
                 )
-        sizes = {h["world_size"] for h in self.headers.values()}
+        sizes = {h.world_size for h in self.headers.values()}
         if len(sizes) != 1:
             raise StreamError(f"{self.path}: ranks disagree on the world size ({sorted(sizes)}): streams of different runs mixed?")
         self.world_size = sizes.pop()
-        versions = {rank: fmt.digest_version_of(h) for rank, h in self.headers.items()}
+        versions = {rank: h.digest_version for rank, h in self.headers.items()}
         if len(set(versions.values())) != 1:
             shown = ", ".join(f"rank {rank}: {version}" for rank, version in versions.items())
             raise StreamError(f"{self.path}: ranks were recorded with different digest versions ({shown}): "
@@ -890,7 +430,7 @@ class Run:
         _check_one_run(self.path, self.files, self.headers)
 
     @property
-    def header(self) -> dict:
+    def header(self) -> StreamHeader:
         return self.headers[self.ranks[0]]
 
     def stream(self, rank: int) -> StreamReader:
@@ -922,14 +462,13 @@ def _check_one_run(path: Path, files: dict, headers: dict) -> None:
     must agree (shared sources; directory ids of one host) but do not."""
     groups: dict[tuple, dict[str, list[int]]] = {}
     for rank, header in headers.items():
-        run_id, source = header.get("run_id"), header.get("run_id_source")
+        run_id, source = header.run_id, header.run_id_source
         if not isinstance(run_id, str):
             continue
         if source in SHARED_RUN_ID_SOURCES:
             scope = ("shared",)
         elif source == DIRECTORY_RUN_ID_SOURCE:
-            environment = header.get("environment")
-            host = environment.get("hostname") if isinstance(environment, dict) else None
+            host = header.environment.get("hostname")
             if not isinstance(host, str):
                 continue
             scope = ("directory", host)

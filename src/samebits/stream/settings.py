@@ -15,7 +15,7 @@ from pathlib import Path
 from samebits import settings
 from samebits._torchutil import rank_and_world_size
 from samebits.errors import ConfigError
-from samebits.settings import RecordingSpec, parse_ranks, parse_steps  # noqa: F401  (re-exported: tracing reads windows too)
+from samebits.settings import RecordingSpec
 
 
 @dataclass(frozen=True)

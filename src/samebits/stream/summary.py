@@ -31,13 +31,14 @@ def summarise(path: str | os.PathLike) -> dict:
             "rank": rank, "steps": num_steps, "first_step": first, "last_step": last,
             "records": num_records, "bytes": reader.size, "segments": reader.num_segments,
             "status": "closed" if reader.closed_cleanly else (reader.stop_reason or "open"),
-            "coords": reader.header.get("coords", {}),
+            "coords": reader.header.coords,
         })
     header = run_dir.header
-    return {"run": str(path), "run_id": header.get("run_id"), "world_size": run_dir.world_size,
-            "ranks": ranks, "config": header.get("config", {}), "environment": header.get("environment", {}),
-            "determinism": header.get("determinism"), "window": header.get("window"),
-            "selection": {key: header.get(key) for key in ("phases", "ranks", "include", "exclude", "max_tensor_bytes")}}
+    return {"run": str(path), "run_id": header.run_id, "world_size": run_dir.world_size,
+            "ranks": ranks, "config": header.config, "environment": header.environment,
+            "determinism": header.determinism, "window": header.window,
+            "selection": {"phases": header.phases, "ranks": header.ranks, "include": header.include,
+                          "exclude": header.exclude, "max_tensor_bytes": header.max_tensor_bytes}}
 
 
 @dataclass(frozen=True)

@@ -120,8 +120,8 @@ def test_a_mistake_is_refused_before_torch_is_imported(number, outcomes, paths):
 
 @pytest.mark.parametrize("argv, program, options", [
     (["verify", "python", "mygpt.py", "--out", "x"], ["python", "mygpt.py", "--out", "x"], "--out"),
-    (["run", "--out", "r", "python", "t.py", "--steps", "3", "-q"], ["python", "t.py", "--steps", "3", "-q"],
-     "--steps, -q"),
+    (["run", "--out", "r", "python", "t.py", "--record-steps", "3", "-q"],
+     ["python", "t.py", "--record-steps", "3", "-q"], "--record-steps, -q"),
     (["bisect", "--stop-after", "3", "torchrun", "--nproc-per-node", "2", "t.py"],
      ["torchrun", "--nproc-per-node", "2", "t.py"], None),
     (["verify", "--out", "o", "--json", "python", "t.py"], ["python", "t.py"], None),

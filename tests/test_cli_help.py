@@ -84,37 +84,31 @@ def test_recipe_options_without_a_command_are_kept():
     assert args.recipe_options_given == ["--steps", "--set", "--nondeterministic"]
 
 
-def test_the_step_window_has_one_name_and_the_old_spelling_warns(capsys):
+def test_the_step_window_has_one_name(capsys):
     parser = build_parser()
     for command in (["run", "--out", "x"], ["verify"]):
         args = parser.parse_args([*command, "--record-steps", "2:5", "--", "python", "t.py"])
         assert args.record_steps == "2:5"
     assert capsys.readouterr().err == ""
-    args = parser.parse_args(["run", "--out", "x", "--steps", "2:5", "--", "python", "t.py"])
-    assert args.record_steps == "2:5"
-    assert "warning: --steps 2:5 is deprecated: write --record-steps 2:5" in capsys.readouterr().err
-    assert "--steps" not in _help(["run"])  # the old spelling is not offered
+    with pytest.raises(SystemExit) as done:  # the old spelling is gone (issue 36)
+        main(["run", "--out", "x", "--steps", "2:5", "--", "python", "t.py"])
+    assert done.value.code == 2 and "unrecognized arguments: --steps" in capsys.readouterr().err
+    assert "--steps" not in _help(["run"])
 
 
 def test_one_name_one_meaning_steps_counts_the_recipe_s_steps_and_stop_after_ends_a_program(capsys):
     """`--steps N` is the reference recipe's training steps wherever it is offered; a program of
-    the user's is ended by `--stop-after STEP` (bisect, probe). probe's old `--steps N` (stop
-    after N steps) still works as `--stop-after N-1`, with a one-line warning (issue 35 item 11)."""
+    the user's is ended by `--stop-after STEP` (bisect, probe)."""
     commands = build_parser()._subparsers._group_actions[0].choices
     for name, sub in commands.items():
         for action in sub._actions:
-            if "--steps" in action.option_strings and action.help != argparse.SUPPRESS:
+            if "--steps" in action.option_strings:
                 assert action.help.startswith("recipe: training steps"), f"samebits {name} --steps: {action.help}"
             if "--stop-after" in action.option_strings:
                 assert action.dest == "stop_after" and action.metavar == "STEP", name
     assert {name for name, sub in commands.items() if "--stop-after" in sub._option_string_actions} >= {"bisect", "probe"}
-    parser = build_parser()
-    assert parser.parse_args(["probe", "--stop-after", "0", "--", "python", "t.py"]).stop_after == 0
-    assert capsys.readouterr().err == ""
-    assert parser.parse_args(["probe", "--steps", "3", "--", "python", "t.py"]).stop_after == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "warning: --steps 3 is deprecated: write --stop-after 2" in err
-    assert "--steps" not in _help(["probe"])  # the old spelling is not offered
+    assert build_parser().parse_args(["probe", "--stop-after", "0", "--", "python", "t.py"]).stop_after == 0
+    assert "--steps" not in commands["probe"]._option_string_actions  # its old spelling is gone (issue 36)
 
 
 def _help(command: list[str]) -> str:

@@ -46,7 +46,7 @@ def test_shared_options_are_spelled_defaulted_and_documented_once():
     ["bisect", "--steps", "0"], ["verify", "--nproc", "-1"], ["tax", "--steps", "x"],
     ["bisect", "--run-timeout", "0"], ["replay", "RUN", "--step", "1", "--run-timeout", "nan"],
     ["replay", "RUN", "--step", "1", "--nproc", "0"],
-    ["probe", "--steps", "0", "--", "true"], ["matrix", "--steps", "0"], ["matrix", "--resume-at", "-2"],
+    ["matrix", "--steps", "0"], ["matrix", "--resume-at", "-2"],
 ])
 def test_counts_and_timeouts_must_be_positive(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -2,7 +2,6 @@
 
 The library uses them (`samebits.runs`), and the command line shows them in ``--help``: from
 here it can, without importing the library (and torch), so that printing help takes a blink.
-One definition each; the library modules re-export them under their old names.
 """
 
 from __future__ import annotations

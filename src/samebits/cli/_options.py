@@ -23,7 +23,6 @@ import math
 import os
 import re
 import stat
-import sys
 from pathlib import Path
 from typing import Callable
 
@@ -233,36 +232,12 @@ def refuse_recipe_options(args: argparse.Namespace) -> None:
                       "--steps 10), and drop " + ("them" if len(given) > 1 else "it") + ".")
 
 
-class _DeprecatedSpelling(argparse.Action):
-    """An old spelling of an option: stores the value as the new one does, and says to use that."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        new = "--" + self.dest.replace("_", "-")
-        print(f"{parser.prog}: warning: {option_string} {values} is deprecated: write {new} {values} (the same "
-              f"name in every command)", file=sys.stderr)
-        setattr(namespace, self.dest, values)
-
-
 def add_stop_after_option(parser: argparse.ArgumentParser, what: str = "end every run after this step (long "
-                          "commands)", *, old_steps_count: bool = False) -> None:
+                          "commands)") -> None:
     """``--stop-after STEP``: end the program after that step (its steps numbered from 0; 0 ends
     it after one step).  One name, one meaning in every command: ``--steps`` counts the
-    reference recipe's training steps, never where a program of the user's stops.
-    ``old_steps_count``: the command also accepts its old spelling, ``--steps N`` (stop after N
-    steps, i.e. ``--stop-after N-1``), with a one-line warning (`samebits probe` until 2026-12)."""
+    reference recipe's training steps, never where a program of the user's stops."""
     parser.add_argument("--stop-after", type=step_number, default=None, metavar="STEP", help=what)
-    if old_steps_count:
-        parser.add_argument("--steps", dest="stop_after", type=positive_int, default=None, metavar="N",
-                            action=_StepsCount, help=argparse.SUPPRESS)
-
-
-class _StepsCount(argparse.Action):
-    """``--steps N``, the old spelling of ``--stop-after N-1``: stores that, and says to use it."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        print(f"{parser.prog}: warning: {option_string} {values} is deprecated: write --stop-after {values - 1} (end "
-              f"after step {values - 1}; --steps counts the reference recipe's steps)", file=sys.stderr)
-        setattr(namespace, self.dest, values - 1)
 
 
 def add_out_option(parser: argparse.ArgumentParser, command: str) -> None:
@@ -279,17 +254,13 @@ def add_run_timeout_option(parser: argparse.ArgumentParser,
                         help=f"{what} (default {DEFAULT_TIMEOUT_S:g})")
 
 
-def add_recording_options(parser: argparse.ArgumentParser, *, steps_flag: str = "--steps") -> None:
+def add_recording_options(parser: argparse.ArgumentParser, *, steps_flag: str = "--record-steps") -> None:
     """What to record: one option per field of `samebits.settings.RecordingSpec`, which declares
-    each with its SAMEBITS_* variable, default, check and help (docs/settings.md).
-
-    The step window is ``--record-steps`` in every command (``--steps`` counts the recipe's training
-    steps); ``steps_flag``, when another spelling, is an old one this command still accepts with a
-    warning (`samebits run --steps START:STOP` until 2026-12)."""
+    each with its SAMEBITS_* variable, default, check and help (docs/settings.md).  The step
+    window is ``--record-steps`` in every command (``--steps`` counts the recipe's training steps).
+    TEMPORARY (issue 36): ``steps_flag`` is unused; cli/verify.py still passes it, and the lead
+    deletes it there and here."""
     RecordingSpec.add_to_argparse(parser, flags={"steps": "--record-steps"})
-    if steps_flag != "--record-steps":
-        parser.add_argument(steps_flag, dest="record_steps", default=None, metavar="START:STOP",
-                            action=_DeprecatedSpelling, help=argparse.SUPPRESS)
 
 
 def recording_options(args: argparse.Namespace) -> dict:

@@ -42,7 +42,7 @@ def register(subparsers) -> None:
                     "call, once on later calls.  Example: "
                     "samebits probe --stop-after 0 -- python train.py")
     add_stop_after_option(parser, "end the program after this optimizer step (0: after one step; default: run "
-                                  "it all)", old_steps_count=True)
+                                  "it all)")
     parser.add_argument("--comparisons", type=int_range(MIN_COMPARISONS, 10_000, 20),
                         default=DEFAULT_COMPARISONS, metavar="N",
                         help="compare each op signature at least N times (default "

@@ -159,6 +159,41 @@ def test_a_command_module_without_examples_still_builds_the_parser(monkeypatch):
     assert "example(s):\n  samebits show" in build_parser()._subparsers._group_actions[0].choices["show"].format_help()
 
 
+_PLANTED = '''"""`samebits planted`: a command planted by a test."""
+
+EXAMPLES = """\\
+samebits planted --twice
+"""
+
+
+def register(sub) -> None:
+    parser = sub.add_parser("planted", help="a planted command")
+    parser.add_argument("--twice", action="store_true", help="say it twice")
+    parser.set_defaults(func=lambda args: print("planted " * (2 if args.twice else 1)) or 0)
+'''
+
+
+def test_a_new_command_is_one_file(tmp_path, monkeypatch, capsys):
+    """Issue 36: a module in samebits/cli with `register` and `EXAMPLES` is a command, its help and
+    its examples included, with no other file touched; without EXAMPLES the other commands still
+    run (the test above names it)."""
+    import samebits.cli as cli
+
+    monkeypatch.setattr(cli, "__path__", [*cli.__path__, str(tmp_path)])
+    try:
+        (tmp_path / "planted.py").write_text(_PLANTED)
+        assert main(["planted", "--twice"]) == 0 and capsys.readouterr().out == "planted planted \n"
+        sub = build_parser()._subparsers._group_actions[0].choices["planted"]
+        assert sub.format_help().endswith("example(s):\n  samebits planted --twice\n")
+
+        (tmp_path / "planted.py").write_text(_PLANTED.replace("EXAMPLES", "NOT_EXAMPLES"))
+        del sys.modules["samebits.cli.planted"]
+        assert main(["planted"]) == 0 and main(["show", "--json", str(tmp_path / "none")]) == 2
+        assert "example(s)" not in build_parser()._subparsers._group_actions[0].choices["planted"].format_help()
+    finally:
+        sys.modules.pop("samebits.cli.planted", None)
+
+
 def test_two_runs_have_one_metavar_convention():
     for name in ("diff", "trace"):
         assert f"samebits {name} [-h]" in _help([name]) and "RUN_A RUN_B" in _help([name])

@@ -18,6 +18,7 @@ batched digest of the same tensors.  Target: >= 0.8x (writing is never the bottl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import statistics
@@ -65,8 +66,7 @@ def _clone_for_ranks(rank0: Path, directory: Path, ranks: range) -> None:
     data = rank0.read_bytes()
     body = data[header_end : index[-1][3] + _frame_length(data, index[-1][3])]
     for rank in ranks:
-        header = dict(reader.header, rank=rank)
-        frame = fmt.frame(fmt.FRAME_HEADER, fmt.MAGIC + json.dumps(header, sort_keys=True).encode())
+        frame = fmt.frame(fmt.FRAME_HEADER, dataclasses.replace(reader.header, rank=rank).payload())
         shift = len(frame) - header_end
         footer = bytearray()
         fmt.encode_varint(len(index), footer)

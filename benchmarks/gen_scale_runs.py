@@ -24,6 +24,7 @@ Size: about 21 bytes per tensor record, so 64 records per step make one run abou
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -84,8 +85,7 @@ class _Seed:
     def write_rank(self, path: Path, rank: int) -> int:
         """This seed's frames as rank ``rank``'s stream: its header frame, the same body, the
         footer's offsets shifted by the header's new length."""
-        header = dict(self.header, rank=rank)
-        head = fmt.frame(fmt.FRAME_HEADER, fmt.MAGIC + json.dumps(header, sort_keys=True).encode())
+        head = fmt.frame(fmt.FRAME_HEADER, dataclasses.replace(self.header, rank=rank).payload())
         shift = len(head) - self.header_end
         footer = bytearray()
         fmt.encode_varint(len(self.index), footer)

@@ -1,0 +1,74 @@
+"""What the comparator finds: a rank's first `Divergence`, the decoded `RankStep` around it,
+and the whole comparison's `DiffResult` (what `samebits diff --json` prints)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from samebits.stream import Record
+from samebits.verdicts import ToDict, Verdict, serialised
+
+
+@dataclass
+class Divergence(ToDict):
+    """The first difference on one rank: a step, and the first differing record in it."""
+
+    step: int
+    rank: int
+    reason: str  # "content" | "order" | "only_in_a" | "only_in_b" | "ended_a" | "ended_b"
+    phase: str | None = None
+    name: str | None = None
+    occurrence: int | None = None
+    kind: str | None = None
+    a: dict | None = None
+    b: dict | None = None
+    records_differing: int = 0
+    # index of the first differing record in the step (orders ranks; not part of the JSON)
+    position: int = field(default=0, metadata=serialised(skip=True))
+    detail: str = ""
+
+
+@dataclass
+class RankStep:
+    """One rank's first divergent step: the decoded records of both runs there.  A side
+    whose stream has no such step (ended, or skipped it) has an empty list and is named in
+    ``missing``."""
+
+    rank: int
+    step: int
+    records_a: list[Record]
+    records_b: list[Record]
+    missing: str | None = None  # "a" or "b": that run has no such step
+    detail: str = ""
+
+
+@dataclass
+class DiffResult(ToDict):
+    """What `diff` found.  ``verdict`` is a `Verdict`: IDENTICAL, DIVERGED or INCOMPLETE
+    (could not decide: a stream missing or cut short, or a window holding no step)."""
+
+    dict_keys = ("verdict", "exit_code", "a", "b", "first_divergence", "divergences_by_rank", "compared",
+                 "incomplete", "notes")
+
+    a: str
+    b: str
+    verdict: Verdict
+    first_divergence: Divergence | None  # written with the ranks that diverge first (`dict_extras`)
+    ranks_diverged_first: list[int]
+    divergences: dict[int, Divergence] = field(  # per rank, its first divergence (if any)
+        metadata=serialised(key="divergences_by_rank", convert=lambda by_rank: {
+            str(rank): divergence.to_dict() for rank, divergence in sorted(by_rank.items())}))
+    compared: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+    incomplete: list[str] = field(default_factory=list)  # why the verdict could not be IDENTICAL
+
+    @property
+    def identical(self) -> bool:
+        return self.verdict is Verdict.IDENTICAL
+
+    def dict_extras(self) -> dict:
+        first = None
+        if self.first_divergence is not None:
+            first = {**self.first_divergence.to_dict(), "ranks": self.ranks_diverged_first}
+        return {"exit_code": self.verdict.exit_code, "first_divergence": first}

@@ -20,22 +20,38 @@ sentence, the report's tables and its JSON all name the same window.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 MAX_FAILURES = 3  # a matrix names this many failing cells in its sentence, then counts the rest
 
 
-def conclusion(summary: dict) -> str:
-    """The sentence for any of the four, told apart by the fields their dictionaries hold."""
+def command_of(summary: Mapping) -> str | None:
+    """The command whose result ``summary`` is: the ``command`` it names (every summary writes
+    it, `samebits.verdicts.ToDict.summary_of`), or, for a file written before that field (until
+    2026-12), the one whose fields it holds: ``cells`` matrix, ``stages`` bisect, ``checks``
+    with ``layouts`` or ``sizes`` verify --across, ``checks`` verify; None for none of them (a
+    diff's result, which names no command)."""
+    if summary.get("command") is not None:
+        return str(summary["command"])
     if "cells" in summary:
-        return matrix_conclusion(summary)
+        return "matrix"
     if "stages" in summary:
-        return bisect_conclusion(summary)
-    if "layouts" in summary:
-        return across_conclusion(summary)
+        return "bisect"
     if "checks" in summary:
-        return verify_conclusion(summary)
-    return diff_conclusion(summary)
+        return "verify --across" if "layouts" in summary or "sizes" in summary else "verify"
+    return None
+
+
+def conclusion(summary: dict) -> str:
+    """The sentence for any of the four, by the command the summary names (`command_of`); a
+    `verify --across` summary written before its layouts (dp sizes only) reads as verify's."""
+    command = command_of(summary)
+    if command == "verify --across" and "layouts" not in summary:
+        command = "verify"
+    said = {"matrix": matrix_conclusion, "bisect": bisect_conclusion, "verify --across": across_conclusion,
+            "verify": verify_conclusion}.get(command or "", diff_conclusion)
+    return said(summary)
 
 
 def _verdict(summary: dict) -> str:
@@ -255,5 +271,5 @@ def compared_counts(compared: dict[str, Any]) -> str:
             f"records compared ({compared.get('steps_identical_by_root')} step(s) equal by root)")
 
 
-__all__ = ["conclusion", "verify_conclusion", "bisect_conclusion", "matrix_conclusion", "diff_conclusion",
+__all__ = ["command_of", "conclusion", "verify_conclusion", "bisect_conclusion", "matrix_conclusion", "diff_conclusion",
            "diff_window", "window_words", "compared_counts"]

@@ -30,4 +30,5 @@ from samebits.runs.report.build import build_report, write_report
 from samebits.runs.report.evidence import Pair, differing_records
 from samebits.runs.report.page import Report
 
+
 __all__ = ["build_report", "write_report", "differing_records", "Report", "Pair"]

@@ -8,14 +8,18 @@ from pathlib import Path
 from typing import Callable
 
 from samebits.errors import ConfigError
-from samebits.runs._launch import STOPPED
-from samebits.runs.conclusion import across_conclusion, bisect_conclusion, diff_conclusion, matrix_conclusion, verify_conclusion
-from samebits.verdicts import Verdict
-from samebits.runs.report.summaries import _Required, _certificate, _check_fields, _summary, _verdict
-from samebits.runs.report.evidence import _across_verdict, _compare, _contradiction, _first_stage_pair, _later_start, _matrix_verdict, _settle, _verify_verdict
+from samebits.runs.bisect import BisectResult
+from samebits.runs.conclusion import (across_conclusion, bisect_conclusion, diff_conclusion, matrix_conclusion,
+                                      verify_conclusion)
+from samebits.runs.report.commands import (across_certificate, across_summary, bisect_summary, matrix_summary,
+                                           verify_summary)
+from samebits.runs.report.evidence import (_across_verdict, _compare, _contradiction, _first_stage_pair,
+                                           _later_start, _matrix_verdict, _settle, _verify_verdict)
 from samebits.runs.report.page import Page, Report, _table
 from samebits.runs.report.pairs import pair_sections
-from samebits.runs.report.commands import across_certificate, across_summary, bisect_summary, matrix_summary, verify_summary
+from samebits.runs.report.summaries import Summary, _Required, _certificate, _check_fields, _summary, _verdict
+from samebits.verdicts import Verdict
+
 
 MAX_PAIRS = 6  # compared pairs on one page (a matrix may hold many failing cells)
 
@@ -63,21 +67,16 @@ def build_report(inputs: list[str | Path], *, start_step: int | None = None, all
         raise ConfigError(f"{path}: neither an output directory (no summary.json) nor one of two runs. Give the "
                           "directory `samebits verify`, `bisect` or `matrix` wrote (--out), or two run directories "
                           "to compare.")
-    if summary.get("verdict") == STOPPED:
-        return _stopped_report(path, summary)
-    if "cells" in summary:
-        return _matrix_report(path, summary, say)
-    if "stages" in summary:
-        return _bisect_report(path, summary, say)
-    if "checks" in summary and ("sizes" in summary or "layouts" in summary):
-        return _across_report(path, summary)
-    if "checks" in summary:
-        return _verify_report(path, summary, say)
+    page = {"stopped": _stopped_report, "matrix": _matrix_report, "bisect": _bisect_report,
+            "verify --across": _across_report, "verify": _verify_report}.get(summary.command)
+    if page is not None:
+        return page(path, summary, say)
     raise ConfigError(f"{path / 'summary.json'}: not a summary of samebits verify, bisect or matrix (no 'checks', "
                       "'stages' or 'cells'); give the output directory of one of those commands.")
 
 
-def _verify_report(path: Path, summary: dict, say) -> Report:
+def _verify_report(path: Path, found: Summary, say) -> Report:
+    summary = found.data
     file = path / "summary.json"
     notes: list[str] = []
     derived, why = _verify_verdict(summary, file)
@@ -111,13 +110,13 @@ def _verify_report(path: Path, summary: dict, say) -> Report:
     return page.finish([str(path)], pairs, notes=list(summary.get("notes") or []))
 
 
-def _across_report(path: Path, summary: dict) -> Report:
+def _across_report(path: Path, found: Summary, say) -> Report:
     """`verify --across`: layouts of different world sizes, compared with the first by global
     digest (or, for runs without global records, rank 0's replicated records), not rank by
     rank, so the verdicts are shown as verify found them; then its certificate.json (the
     environment, each step's global root per layout, the checkpoints, the invariant reductions,
     the negative controls)."""
-    file = path / "summary.json"
+    summary, file = found.data, path / "summary.json"
     notes: list[str] = []
     claimed = _verdict(summary.get("verdict"), file)
     derived, why = _across_verdict(summary, file)
@@ -155,10 +154,10 @@ def _across_report(path: Path, summary: dict) -> Report:
     return page.finish([str(path)], [], notes=list(summary.get("notes") or []))
 
 
-def _stopped_report(path: Path, summary: dict) -> Report:
+def _stopped_report(path: Path, found: Summary, say) -> Report:
     """A command that did not finish (`samebits.runs._launch.write_stopped`): what stopped it and
     the runs that had ended; no verdict on the runs (exit 3)."""
-    file = path / "summary.json"
+    summary, file = found.data, path / "summary.json"
     _check_fields(summary, {"stopped": _Required(str), "runs": [{"name": str, "command": str, "ended": str}]},
                   file, "")
     page = Page("stopped", f"samebits: {path} (stopped)", Verdict.INCOMPLETE)
@@ -172,11 +171,11 @@ def _stopped_report(path: Path, summary: dict) -> Report:
     return page.finish([str(path)], [])
 
 
-def _bisect_report(path: Path, summary: dict, say) -> Report:
-    verdict = _verdict(summary.get("verdict"), path / "summary.json")
-    page = Page("bisect", f"samebits bisect: {path}", verdict)
-    page.conclusion = bisect_conclusion(summary)
-    bisect_summary(page, summary)
+def _bisect_report(path: Path, found: Summary, say) -> Report:
+    result: BisectResult = found.result
+    page = Page("bisect", f"samebits bisect: {path}", result.verdict)
+    page.conclusion = bisect_conclusion(result.to_dict())
+    bisect_summary(page, result)
     pairs = []
     first_stage = _first_stage_pair(path)
     if first_stage is not None:
@@ -193,11 +192,11 @@ def _bisect_report(path: Path, summary: dict, say) -> Report:
     else:
         page.notes.append("no stage run directories (NN-stage/a, NN-stage/b) were found beside summary.json: "
                           "the heatmap and curves need the streams")
-    return page.finish([str(path)], pairs, notes=list(summary.get("notes") or []))
+    return page.finish([str(path)], pairs, notes=list(result.notes))
 
 
-def _matrix_report(path: Path, summary: dict, say) -> Report:
-    file = path / "summary.json"
+def _matrix_report(path: Path, found: Summary, say) -> Report:
+    summary, file = found.data, path / "summary.json"
     notes: list[str] = []
     derived, why = _matrix_verdict(summary, file)
     verdict = _settle(_verdict(summary.get("verdict"), file), derived, file, why, notes)
@@ -209,7 +208,8 @@ def _matrix_report(path: Path, summary: dict, say) -> Report:
     failing = [c for c in summary.get("cells") or [] if c.get("verdict") == Verdict.FAIL.value]
     for cell in failing[:MAX_PAIRS]:
         cell_out = Path(str(cell.get("out", "")))
-        cell_summary = _summary(cell_out) if cell_out.is_dir() else None
+        read = _summary(cell_out) if cell_out.is_dir() else None
+        cell_summary = None if read is None else read.data
         if cell_summary is None:
             page.notes.append(f"cell {cell.get('cell')} {cell.get('precision')}: no verify output at {cell_out}")
             continue

@@ -4,10 +4,11 @@ layouts and certificate, bisect's stages and origin, matrix's cells.
 
 from __future__ import annotations
 
-
-from samebits.verdicts import Verdict
+from samebits.runs.bisect import BisectResult, Origin
 from samebits.runs.report.evidence import Pair
 from samebits.runs.report.page import Page, _esc, _table
+from samebits.verdicts import Verdict
+
 
 def _layout_check_where(check: dict) -> str:
     """Where a `verify --across` check (a layout's, or a resume's) first differs, or why it
@@ -123,26 +124,31 @@ def across_certificate(page: Page, cert: dict) -> None:
         if reductions else "<p>none listed (one rank only, or a command: its own)</p>"))
 
 
-def bisect_summary(page: Page, summary: dict) -> None:
+def bisect_summary(page: Page, result: BisectResult) -> None:
+    """What the bisection found (its stages, as their own sentences), then its origin."""
     page.h2("Verdicts", "verdicts")
-    page.add(f"<p>compared: {_esc(summary.get('compared', ''))}; wall time {_esc(summary.get('seconds', '?'))} s</p>")
-    if summary.get("conclusion"):
-        page.add(f"<p><b>{_esc(summary['conclusion'])}</b></p>")
-    stages = summary.get("stages") or []
+    page.add(f"<p>compared: {_esc(result.compared)}; wall time {_esc(result.seconds)} s</p>")
+    if result.conclusion:
+        page.add(f"<p><b>{_esc(result.conclusion)}</b></p>")
     page.add(_table(["stage", "rung", "traced", "runs (s)", "verdict", "finding"],
-                    [[f"{i}. {s.get('name')}", s.get("rung"), s.get("scope"),
-                      " ".join(f"{k} {v}" for k, v in (s.get("runs_s") or {}).items()), s.get("verdict"),
-                      s.get("summary")] for i, s in enumerate(stages, 1)]))
+                    [[f"{i}. {s.name}", s.rung, s.scope, " ".join(f"{k} {v}" for k, v in s.runs.items()), s.verdict,
+                      s.summary] for i, s in enumerate(result.stages, 1)]))
     page.h2("Origin", "origin")
-    control = summary.get("control_flow")
+    control = result.control_flow
     if control:
-        page.add(f"<p>control flow differs: rank {_esc(control.get('rank'))}, step {_esc(control.get('step'))}: "
-                 f"{_esc(control.get('detail'))}</p>")
-    origin = summary.get("origin")
-    if not origin:
-        page.add("<p>no origin: " + ("the runs are identical" if summary.get("verdict") == "identical"
+        page.add(f"<p>control flow differs: rank {_esc(control.rank)}, step {_esc(control.step)}: "
+                 f"{_esc(control.detail)}</p>")
+    if result.origin is None:
+        page.add("<p>no origin: " + ("the runs are identical" if result.verdict is Verdict.IDENTICAL
                                      else "the bisection did not localise one (see the stages)") + "</p>")
         return
+    _origin(page, result.origin)
+
+
+def _origin(page: Page, found: Origin) -> None:
+    """The origin as bisect writes it (its public fields, in its order), and the elements of its
+    output that differ, from the element dumps."""
+    origin = found.to_dict()
     rows = [[key, origin.get(key)] for key in ("conclusion", "kind", "classification", "step", "rank", "phase",
                                                "module", "op", "id", "category", "call_site", "detail",
                                                "catalog") if origin.get(key) not in (None, "")]
@@ -152,21 +158,22 @@ def bisect_summary(page: Page, summary: dict) -> None:
     page.add('<table id="origin">' + "".join(f"<tr><th>{_esc(k)}</th><td>{_esc(v)}</td></tr>" for k, v in rows)
              + "</table>")
     elements = origin.get("elements")
-    if elements:
-        page.add("<h3>Elements of the origin's output (from the element dumps)</h3>"
-                 f"<p>{_esc(elements.get('differing'))} of {_esc(elements.get('total'))} elements differ in output "
-                 f"{_esc(elements.get('output'))} ({_esc(elements.get('dtype'))} {_esc(elements.get('shape'))}); "
-                 f"max {_esc(elements.get('max_ulp'))} ulp"
-                 + ("; the same values in another order" if elements.get("same_values") else "")
-                 + (f"; inputs identical: {_esc(elements.get('inputs_identical'))}" if "inputs_identical" in elements
-                    else "") + "</p>")
-        values = elements.get("values") or []
-        if values:
-            page.add(_table(["index", "a", "b", "ulp"], [[v.get("index"), repr(v.get("a")), repr(v.get("b")),
-                                                          v.get("ulp")] for v in values]))
-        if elements.get("dumps"):
-            page.add("<p class=\"note\">dumps: " + ", ".join(f"<code>{_esc(d)}</code>" for d in elements["dumps"])
-                     + "</p>")
+    if not elements:
+        return
+    page.add("<h3>Elements of the origin's output (from the element dumps)</h3>"
+             f"<p>{_esc(elements.get('differing'))} of {_esc(elements.get('total'))} elements differ in output "
+             f"{_esc(elements.get('output'))} ({_esc(elements.get('dtype'))} {_esc(elements.get('shape'))}); "
+             f"max {_esc(elements.get('max_ulp'))} ulp"
+             + ("; the same values in another order" if elements.get("same_values") else "")
+             + (f"; inputs identical: {_esc(elements.get('inputs_identical'))}" if "inputs_identical" in elements
+                else "") + "</p>")
+    values = elements.get("values") or []
+    if values:
+        page.add(_table(["index", "a", "b", "ulp"], [[v.get("index"), repr(v.get("a")), repr(v.get("b")),
+                                                      v.get("ulp")] for v in values]))
+    if elements.get("dumps"):
+        page.add("<p class=\"note\">dumps: " + ", ".join(f"<code>{_esc(d)}</code>" for d in elements["dumps"])
+                 + "</p>")
 
 
 def matrix_summary(page: Page, summary: dict) -> None:

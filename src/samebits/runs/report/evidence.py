@@ -21,9 +21,10 @@ from samebits.errors import ConfigError, IncomparableRunsError, StreamError
 from samebits.runs.across import CONTROL_STEPS
 from samebits.runs.conclusion import diff_conclusion, diff_window, window_words
 from samebits.runs.distance import metric_distance
+from samebits.runs.report.summaries import _verdict
 from samebits.stream import Record, open_run
 from samebits.verdicts import Verdict
-from samebits.runs.report.summaries import _verdict
+
 
 MAX_READ_RANKS = 16384  # ranks whose steps are read for the heatmap (the rest are counted, not drawn)
 

@@ -14,8 +14,9 @@ import unicodedata
 from dataclasses import dataclass, field
 from typing import Any
 
-from samebits.verdicts import EXIT_STOPPED, ToDict, Verdict, serialised
 from samebits.runs.report.evidence import Pair, _pair_summary
+from samebits.verdicts import EXIT_STOPPED, ToDict, Verdict, serialised
+
 
 # What `_esc` writes visibly (as the terminal output does, `samebits.cli._format.escape`): C0 and
 # C1 controls (Cc), format characters (Cf: bidi marks, embeddings, overrides and isolates such

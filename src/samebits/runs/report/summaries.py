@@ -10,11 +10,16 @@ from __future__ import annotations
 import json
 import os
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from samebits.errors import ConfigError
-from samebits.verdicts import Verdict
+from samebits.runs._launch import STOPPED
+from samebits.runs.bisect import BisectResult
+from samebits.runs.conclusion import command_of
+from samebits.verdicts import ToDict, Verdict
+
 
 MAX_JSON_BYTES = 64 << 20  # a summary or certificate larger than this is refused (they are kilobytes)
 
@@ -22,18 +27,37 @@ MAX_JSON_BYTES = 64 << 20  # a summary or certificate larger than this is refuse
 MAX_JSON_DEPTH = 64  # nesting deeper than this is refused (the files nest a few levels)
 
 
-def _summary(path: Path) -> dict | None:
-    """The ``summary.json`` in ``path``, checked field by field (`_SUMMARY`): None when there is
-    none; `ConfigError` naming the file and the field when it is not a regular file, not JSON,
-    or a field has the wrong type (a page is never built from a summary it would misread)."""
-    data = _json_file(path / "summary.json", "the summary.json a samebits command wrote")
+# The result type of each command whose summary reads back by the marks that write it
+# (`ToDict.from_dict`): its names and types are the writer's, never restated here.
+RESULTS: dict[str, type[ToDict]] = {"bisect": BisectResult}
+
+
+@dataclass(frozen=True)
+class Summary:
+    """A ``summary.json`` as read: the command that wrote it (`command_of`), its typed result
+    where that command's result type reads back (`RESULTS`; None otherwise), and its dictionary."""
+
+    command: str | None
+    data: dict
+    result: ToDict | None = None
+
+
+def _summary(path: Path) -> Summary | None:
+    """The ``summary.json`` in ``path``, read into its command's result (`RESULTS`) or checked
+    field by field (`_SUMMARY`): None when there is none; `ConfigError` naming the file and the
+    field when it is not a regular file, not JSON, or a field is unknown, missing or of the wrong
+    type (a page is never built from a summary it would misread)."""
+    file = path / "summary.json"
+    data = _json_file(file, "the summary.json a samebits command wrote")
     if data is None:
         return None
-    file = path / "summary.json"
-    kind = "matrix" if "cells" in data else "bisect" if "stages" in data else "verify" if "checks" in data else None
-    if kind is not None:  # (an object of none of them is refused by `build_report`, with what it expected)
-        _check_fields(data, _SUMMARY[kind], file, "")
-    return data
+    command = "stopped" if data.get("verdict") == STOPPED else command_of(data)  # (`write_stopped`)
+    if command in RESULTS:
+        return Summary(command, data, RESULTS[command].from_dict(data, source=file))
+    spec = {"verify --across": "verify"}.get(command or "", command)
+    if spec in _SUMMARY:  # (an object of none of them is refused by `build_report`, with what it expected)
+        _check_fields(data, _SUMMARY[spec], file, "")
+    return Summary(command, data)
 
 
 def _json_file(file: Path, expected: str) -> dict | None:
@@ -112,10 +136,6 @@ _SUMMARY = {
                "explanations": _Each(list), "notes": list, "sizes": list, "layouts": list, "reference": str,
                "controls": [_CONTROL], "controls_note": str, "checkpoints_equal": bool,
                "resume_across": {"step": int, "from": str, "checks": _Each(_CHECK)}},
-    "bisect": {"verdict": _Required(str), "stages": [{"runs_s": dict}], "control_flow": dict,
-               "origin": {"elements": {"values": [dict], "dumps": list}, "state_differs": list, "params": list,
-                          "ranks": list},
-               "notes": list},
     "matrix": {"verdict": _Required(str), "cells": [{"agreement": dict, "out": str, "explanations": _Each(list),
                                                      "bisect": dict, "verdict": str, "repeatable": str,
                                                      "resume": str}], "failures": list, "notes": list},

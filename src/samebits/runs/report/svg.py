@@ -8,9 +8,10 @@ import math
 
 from samebits.runs._state_positions import StatePicture, StateTrack
 from samebits.runs.distance import float_value, metric_distance
-from samebits.stream import Record
 from samebits.runs.report.evidence import Pair, _GroupStep, _group_sort, _metric_title
 from samebits.runs.report.page import _esc
+from samebits.stream import Record
+
 
 _COLOURS = ("#0969da", "#8250df", "#1a7f37", "#bc4c00", "#1b7c83", "#bf3989", "#6e7781", "#953800")
 

@@ -242,6 +242,33 @@ def test_every_census_name_has_a_specific_sentence():
         assert describe_state_record(name) != generic, name
 
 
+@pytest.mark.parametrize("name, kind, key, field, title", [
+    ("rng.python", "rng", "python", "", "Python random generator"),
+    ("rng.cuda:1", "cuda_rng", "1", "", "CUDA generator 1"),
+    ("rng.user.train.py:12#2", "user_rng", "train.py:12#2", "", "generator train.py:12#2"),
+    ("optim2.lr", "optimizer", "2", "lr", "optimizer 2 learning rates"),
+    ("sched0.last_epoch", "scheduler", "0", "last_epoch", "LR scheduler 0 position (last_epoch)"),
+    ("scaler1", "scaler", "1", "", "GradScaler 1 scale"),
+    ("data.state.train.py:40", "data_state", "train.py:40", "", "data loader train.py:40 state"),
+    ("data.train.py:40#2", "data_position", "train.py:40#2", "", "data loader train.py:40#2 position"),
+    ("fp8.blocks.0.attn.amax_history_input", "other", "fp8.blocks.0.attn.amax_history_input", "",
+     "fp8.blocks.0.attn.amax_history_input"),
+    ("optimizer.step", "other", "optimizer.step", "", "optimizer.step"),  # not optim<i>: no optimizer's record
+])
+def test_a_census_name_parses_and_formats_back(name, kind, key, field, title):
+    """`CensusName` is the one reader of the names the census writes (issue 36: verify's findings,
+    the state pictures and the sentences parsed them by string prefix, each its own way)."""
+    parsed = checkpoint.CensusName.parse(name)
+    assert (parsed.kind, parsed.key, parsed.field, parsed.title()) == (kind, key, field, title)
+    assert str(parsed) == name
+
+
+def test_every_name_the_census_writes_is_one_it_parses():
+    for name, _ in Training().census():
+        parsed = checkpoint.CensusName.parse(name)
+        assert parsed.kind != checkpoint.CensusName.OTHER and str(parsed) == name, name
+
+
 # --- the census's one home: the census stream RUN/state, beside the main stream ---------------
 
 

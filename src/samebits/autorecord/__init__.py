@@ -70,7 +70,6 @@ too; its steps are the same optimizer-step counts.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import json
 import os
 import sys

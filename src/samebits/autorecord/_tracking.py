@@ -47,7 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from samebits._torchutil import SAMEBITS_DIR, call_site, outside_dispatch_modes
 from samebits.stream.gaps import guard
-from samebits.checkpoint import global_rng_record
+from samebits.checkpoint import CensusName, global_rng_record
 from samebits.fingerprint import digest
 
 try:
@@ -214,11 +214,10 @@ class Tracking:
         starts from the position its ``load_state_dict`` restored."""
         records, seen = [], set()
         for loader, site in self.loaders.alive():
-            name = f"data.{site or 'unknown'}"
-            number = 1
+            name, number = str(CensusName.loader(site or "unknown")), 1
             while name in seen:
                 number += 1
-                name = f"data.{site or 'unknown'}#{number}"
+                name = str(CensusName.loader(f"{site or 'unknown'}#{number}"))
             seen.add(name)
             ref = (self.loaders.notes(loader) or {}).get("iterator")
             iterator = ref() if ref is not None else None
@@ -232,7 +231,7 @@ class Tracking:
                 # its dataset's own position (torchtitan's sample_idx, buffers).  Its state_dict
                 # is what a checkpoint saves, read as a checkpoint reads it.
                 with guard("tracking.dataloader_state", step=self.step(), records=f"{name}'s state_dict"):
-                    records.append(("data.state." + name.removeprefix("data."),
+                    records.append((str(CensusName.parse(name).loader_state()),
                                     torch.tensor(list(_state_digest(loader.state_dict())), dtype=torch.uint8)))
         return records
 

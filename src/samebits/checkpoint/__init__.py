@@ -19,14 +19,15 @@ random states), each the same for the same state saved at any layout.
 
 `state_census(...)` lists the same states as named tensors, recorded at each step start in
 the `STATE_PHASE` phase of the run's census stream (`census_recorder`, `CENSUS_DIR`), so a
-resume that lost one shows which (`describe_state_record`).
+resume that lost one shows which (`describe_state_record`); `CensusName` parses and formats
+the records' names.
 """
 
 from samebits.checkpoint._bundle import StateBundle, TensorShard
 from samebits.checkpoint._content import STATE_PARTS, content_sha256
-from samebits.checkpoint._census import (CENSUS_DIR, STATE_PHASE, census_index, census_recorder, census_run,
-                                         describe_state_record, has_scheduler,
-                                         global_rng_record, state_census)
+from samebits.checkpoint._census import (CENSUS_DIR, STATE_PHASE, census_recorder, census_run, global_rng_record,
+                                         state_census)
+from samebits.checkpoint._names import CensusName, describe_state_record, has_scheduler
 from samebits.checkpoint._errors import CheckpointError, CheckpointLayoutError
 from samebits.checkpoint._rng import GLOBAL_RNG_NAMES, capture_rng_state, restore_rng_state
 from samebits.checkpoint._storage import DROP_RNG_ENV, SAVE_PAUSE_ENV, load, resolve, save, saved_layout
@@ -49,7 +50,7 @@ __all__ = [
     "SAVE_PAUSE_ENV",
     "state_census",
     "describe_state_record",
-    "census_index",
+    "CensusName",
     "has_scheduler",
     "global_rng_record",
     "STATE_PHASE",

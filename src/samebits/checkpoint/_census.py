@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import numbers
 import random
-import re
 import struct
 import os
 from collections.abc import Mapping, Sequence
@@ -51,6 +50,7 @@ import torch
 
 from samebits._torchutil import outside_dispatch_modes
 from samebits.errors import ConfigError
+from samebits.checkpoint._names import OPTIMIZER, SCALER, SCHEDULER, CensusName
 from samebits.stream import Recorder
 from samebits.stream.phases import STATE
 
@@ -65,8 +65,6 @@ STATE_PHASE = STATE  # the census phase (samebits.stream.phases), under the name
 #: beside the run's main stream and never into it (context, not part of the verdict).
 CENSUS_DIR = "state"
 
-_NOT_RESTORED = "seeded from something that changes, or not restored on resume"
-_SITE = re.compile(r"\.py:\d+(#\d+)?$")
 
 
 def state_census(*, optimizers: Sequence[Any] = (), schedulers: Sequence[Any] = (),
@@ -91,28 +89,31 @@ def state_census(*, optimizers: Sequence[Any] = (), schedulers: Sequence[Any] = 
 
 
 def _census(optimizers, schedulers, user, scalers, include_cuda: bool) -> list[tuple[str, torch.Tensor]]:
-    records: list[tuple[str, torch.Tensor]] = [("rng.python", _python_state())]
+    def named(kind: str, index: int, field: str = "") -> str:
+        return str(CensusName.component(kind, index, field))
+
+    records: list[tuple[str, torch.Tensor]] = [(str(CensusName.rng("python")), _python_state())]
     if _np is not None:
-        records.append(("rng.numpy", _numpy_global_state()))
-    records.append(("rng.torch_cpu", torch.get_rng_state()))
+        records.append((str(CensusName.rng("numpy")), _numpy_global_state()))
+    records.append((str(CensusName.rng("torch_cpu")), torch.get_rng_state()))
     if include_cuda and torch.cuda.is_initialized():  # is_available() alone would not do:
         for index in range(torch.cuda.device_count()):  # reading a state must not init CUDA
-            records.append((f"rng.cuda:{index}", torch.cuda.get_rng_state(index)))
+            records.append((str(CensusName.cuda_rng(index)), torch.cuda.get_rng_state(index)))
     for name, generator in user:
-        records.append((f"rng.user.{name}", _generator_state(generator)))
+        records.append((str(CensusName.user_rng(name)), _generator_state(generator)))
     for index, optimizer in enumerate(optimizers):
-        records.append((f"optim{index}.step", _optimizer_steps(optimizer)))
-        records.append((f"optim{index}.lr", _float64([_number(group.get("lr", float("nan")))
-                                                      for group in optimizer.param_groups])))
-        records.append((f"optim{index}.hparams", _hyperparameters(optimizer)))
+        records.append((named(OPTIMIZER, index, "step"), _optimizer_steps(optimizer)))
+        records.append((named(OPTIMIZER, index, "lr"), _float64([_number(group.get("lr", float("nan")))
+                                                               for group in optimizer.param_groups])))
+        records.append((named(OPTIMIZER, index, "hparams"), _hyperparameters(optimizer)))
     for index, scheduler in enumerate(schedulers):
-        records.append((f"sched{index}.last_epoch",
+        records.append((named(SCHEDULER, index, "last_epoch"),
                         torch.tensor([int(scheduler.last_epoch)], dtype=torch.int64)))
-        records.append((f"sched{index}.step_count",
+        records.append((named(SCHEDULER, index, "step_count"),
                         torch.tensor([int(getattr(scheduler, "_step_count", -1))], dtype=torch.int64)))
-        records.append((f"sched{index}.lr", _float64(scheduler.get_last_lr())))
+        records.append((named(SCHEDULER, index, "lr"), _float64(scheduler.get_last_lr())))
     for index, scaler in enumerate(scalers):
-        records.append((f"scaler{index}", _scaler_state(scaler)))
+        records.append((named(SCALER, index), _scaler_state(scaler)))
     return records
 
 
@@ -154,80 +155,6 @@ def global_rng_record(generator: str) -> torch.Tensor:
             return torch.get_rng_state()
     raise ConfigError(f"global_rng_record({generator!r}): not a global generator; use 'python', 'numpy' "
                       "or 'torch_cpu'")
-
-
-def census_index(name: str, prefix: str) -> str | None:
-    """The number of census record ``name``'s component (``optim2.lr`` -> "2" for "optim"),
-    None when it is not one of ``prefix``'s."""
-    head = name.partition(".")[0]
-    number = head[len(prefix):]
-    return number if head.startswith(prefix) and number.isdigit() else None
-
-
-def has_scheduler(names) -> bool:
-    """Does a census with records ``names`` hold an LR scheduler (``sched<i>.*``)?"""
-    return any(census_index(name, "sched") is not None for name in names)
-
-
-def describe_state_record(name: str, present=None) -> str:
-    """The sentence a user needs when census record ``name`` differs between two runs at a
-    step's start, naming only what the program has: ``present`` is every record name of that
-    census (None: not known), so a learning rate that differs in a program without an LR
-    scheduler is blamed on the loop's own iteration counter, never on a scheduler it does not
-    have; a scheduler's record names the scheduler's field (its position, ``last_epoch``),
-    never the learning rate, which the optimizer's state restores on its own."""
-    optimizer, scheduler = census_index(name, "optim"), census_index(name, "sched")
-    field = name.partition(".")[2]
-    if optimizer is not None and field == "lr":
-        if present is not None and not has_scheduler(present):
-            return (f"optimizer {optimizer}'s learning rate (its param groups' lr) differs at step start, and the "
-                    "program has no LR scheduler: the loop sets the LR itself, from an iteration counter that was "
-                    "not restored from the checkpoint (restore it, e.g. iter_num = checkpoint['iter_num'])")
-        if present is None:
-            return (f"optimizer {optimizer}'s learning rate (its param groups' lr) differs at step start: the LR's "
-                    "position was not restored on resume (an LR scheduler's state, or the iteration counter a loop "
-                    "computes the LR from)")
-        return (f"optimizer {optimizer}'s learning rate (its param groups' lr) differs at step start: the LR "
-                "scheduler's position or the optimizer's param groups were not restored on resume")
-    if scheduler is not None and field:
-        what = {"last_epoch": "position (last_epoch: the steps it has counted)",
-                "step_count": "step count (_step_count)", "lr": "last computed LR (get_last_lr())"}.get(field, field)
-        return (f"LR scheduler {scheduler}'s {what} differs at step start: the scheduler was not restored on resume "
-                "(scheduler.load_state_dict(checkpoint['scheduler']))")
-    if name == "rng.python":
-        return f"Python `random` state differs at step start: {_NOT_RESTORED}"
-    if name == "rng.numpy":
-        return f"NumPy global random state (np.random) differs at step start: {_NOT_RESTORED}"
-    if name == "rng.torch_cpu":
-        return f"torch CPU RNG state differs at step start: {_NOT_RESTORED}"
-    if name.startswith("rng.cuda:"):
-        return (f"torch CUDA RNG state of device {name.removeprefix('rng.cuda:')} differs at "
-                f"step start: {_NOT_RESTORED}")
-    if name.startswith("rng.user."):
-        user = name.removeprefix("rng.user.")
-        if _SITE.search(user):  # zero-code recording names the generators a program makes by site
-            return f"the private generator made at {user} is in another state at step start: {_NOT_RESTORED}"
-        return f"generator '{user}' state differs at step start: {_NOT_RESTORED}"
-    index = name.partition(".")[0]
-    if index.startswith("optim") and index[len("optim"):].isdigit():
-        number = index[len("optim"):]
-        if field == "step":
-            return (f"optimizer {number} step counts differ at step start: optimizer state not "
-                    "restored on resume, or a step skipped")
-        if field == "hparams":
-            return (f"optimizer {number}'s group settings (betas, weight decay, eps, ...) differ at step "
-                    "start: optimizer state not restored on resume, or the groups were built differently")
-    if index.startswith("scaler") and index[len("scaler"):].isdigit():
-        return (f"GradScaler {index[len('scaler'):]}'s scale or growth tracker differs at step start: "
-                "scaler.load_state_dict not called on resume")
-    if name.startswith("data.state."):
-        return (f"data loader {name.removeprefix('data.state.')}'s own state (its state_dict: where its dataset "
-                "is in the data) differs at step start: the data position was not restored on resume")
-    if name.startswith("data."):
-        return (f"data loader {name.removeprefix('data.')} is at another position in its epoch at step "
-                "start (batches its iterator yielded): the data position was not restored on resume")
-    return (f"training state {name!r} differs at step start: some state was not restored on "
-            "resume, or was seeded from something that changes")
 
 
 # --- the records ---------------------------------------------------------------------------

@@ -35,17 +35,20 @@ Rules that keep a finding honest:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import NamedTuple
 from pathlib import Path
 
 from samebits.autorecord import EVENTS_FILE, NOTES_FILE
-from samebits.checkpoint import CENSUS_DIR, STATE_PHASE, census_index, census_run, describe_state_record, has_scheduler
+from samebits.checkpoint import CENSUS_DIR, CensusName, census_run, describe_state_record, has_scheduler
 from samebits.errors import StreamError
 from samebits.stream import open_run
+from samebits.stream.phases import (AFTER_OPTIMIZER_STEP, INPUTS, PARAMS, RESTORED_OPTIMIZER, RESTORED_PARAMS, STATE,
+                                    STATE_END, split_optimizer_phase)
+from samebits.stream.phases import OPTIMIZER as OPTIMIZER_PHASE
 from samebits.verdicts import ToDict
-
-_RNG_GLOBAL = {"rng.python": "python", "rng.numpy": "numpy", "rng.torch_cpu": "torch_cpu"}
-
 
 @dataclass
 class Finding(ToDict):
@@ -102,7 +105,7 @@ def _census(directory: Path, first: int, last: int) -> _Census | None:
     where = census_run(directory)
     try:
         if where is not None:
-            return _Census(where, None if where != Path(directory) else (STATE_PHASE,), first, last)
+            return _Census(where, None if where != Path(directory) else (STATE,), first, last)
     except StreamError:
         return None
     return None
@@ -121,7 +124,7 @@ def _used(census: _Census, rank: int, step: int, name: str) -> bool | None:
     (its census ``state``) and the end of its optimizer step (``state_end``)?  None: not known
     (a census without ``state_end``, e.g. the recipe's).  Nothing before the first forward
     counts: a process's model built from it, another run's checkpoint save between steps."""
-    start, end = census.get(rank, step, STATE_PHASE), census.get(rank, step, "state_end")
+    start, end = census.get(rank, step, STATE), census.get(rank, step, STATE_END)
     if name not in start or name not in end:
         return None
     return not _same(start[name], end[name])
@@ -131,7 +134,7 @@ def _moved_before(census: _Census, rank: int, step: int, name: str) -> bool | No
     """Did generator record ``name`` move between the end of the step before (in the same
     process) and this step's first forward, where a loop draws the step's batch?  None: not
     known (the process's first step: nothing recorded before it)."""
-    previous, start = census.get(rank, step - 1, "state_end"), census.get(rank, step, STATE_PHASE)
+    previous, start = census.get(rank, step - 1, STATE_END), census.get(rank, step, STATE)
     if name not in previous or name not in start:
         return None
     return not _same(previous[name], start[name])
@@ -141,8 +144,8 @@ def _made_before(census: _Census, rank: int, step: int, name: str) -> bool:
     """Was generator ``name`` made between the end of the step before (in the same process:
     its census has that step, without the generator) and this step's first forward (a
     dataset's reshuffle makes one there, draws the epoch's order and drops it)?"""
-    previous = census.get(rank, step - 1, "state_end")
-    return bool(previous) and name not in previous and name in census.get(rank, step, STATE_PHASE)
+    previous = census.get(rank, step - 1, STATE_END)
+    return bool(previous) and name not in previous and name in census.get(rank, step, STATE)
 
 
 def _batch_source(census: _Census, rank: int, step: int, name: str) -> bool:
@@ -151,19 +154,7 @@ def _batch_source(census: _Census, rank: int, step: int, name: str) -> bool:
     global generators move before any step for the model's initialisation and imports, the
     program's own only when the program draws from them)."""
     before = _moved_before(census, rank, step, name)
-    return before is True or (before is None and name.startswith("rng.user."))
-
-
-def _generator_label(name: str) -> tuple[str, str]:
-    """(the generator's id for a finding, how a person calls it)."""
-    if name in _RNG_GLOBAL:
-        label = {"python": "Python `random`", "numpy": "NumPy's global generator (np.random)",
-                 "torch_cpu": "the torch CPU generator"}[_RNG_GLOBAL[name]]
-        return _RNG_GLOBAL[name], label
-    if name.startswith("rng.cuda:"):
-        return name.removeprefix("rng."), f"the torch CUDA generator of device {name.removeprefix('rng.cuda:')}"
-    site = name.removeprefix("rng.user.")
-    return f"user:{site}", f"the generator made at {site}"
+    return before is True or (before is None and CensusName.parse(name).kind == CensusName.USER_RNG)
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -212,7 +203,7 @@ def explain_resume(dir_a: Path, dir_b: Path | None, dir_c: Path, resume_at: int,
     main_a = _main_records(dir_a, resume_at - 1) if (dir_c / CENSUS_DIR).is_dir() else {}
     for rank in census_a.ranks:
         for step in range(resume_at, diverged_at + 1):
-            found = _resume_step(census_a, census_b, census_c, main_a, dir_c, rank, step, resume_at)
+            found = _resume_step(census_a, census_b, census_c, main_a, rank, step, resume_at)
             if found:
                 findings += found
                 break
@@ -272,7 +263,7 @@ def _main_records(directory: Path, step: int) -> dict[int, dict[str, dict]]:
                 if block.step == step:
                     phases: dict[str, dict] = {}
                     for record in block.records():
-                        if record.phase in ("params", "optimizer") and record.occurrence == 0:
+                        if record.phase in (PARAMS, OPTIMIZER_PHASE) and record.occurrence == 0:
                             phases.setdefault(record.phase, {})[record.name] = record
                     out[rank] = phases
         except StreamError:
@@ -280,173 +271,324 @@ def _main_records(directory: Path, step: int) -> dict[int, dict[str, dict]]:
     return out
 
 
-def _resume_step(census_a, census_b, census_c, main_a, dir_c, rank, step, resume_at) -> list[Finding]:
-    state_a, state_c = census_a.get(rank, step, STATE_PHASE), census_c.get(rank, step, STATE_PHASE)
+@dataclass
+class _ResumeStep:
+    """What the rules read about one rank's step of a resumed run C against A: the census
+    records that differ (less those that also differ between A and B, and loader positions
+    that are no evidence), those one run lacks, and the facts several rules share, each
+    worked out once (cached)."""
+
+    census_a: _Census
+    census_c: _Census
+    main_a: dict
+    rank: int
+    step: int
+    resume_at: int
+    state_a: dict
+    state_c: dict
+    differing: list[str]
+    findings: list[Finding] = field(default_factory=list)  # the step's findings so far, in table order
+
+    def finding(self, kind: str, says: str, record: str | None = None, **extra) -> Finding:
+        return Finding("resume", kind, self.step, self.rank, says, record, **extra)
+
+    def named(self, names, *kinds: str) -> list[str]:
+        return [n for n in names if CensusName.parse(n).kind in kinds]
+
+    @cached_property
+    def missing(self) -> list[str]:
+        return [n for n in self.state_a if n not in self.state_c and not _comes_and_goes(n)]
+
+    @cached_property
+    def extra(self) -> list[str]:
+        return [n for n in self.state_c if n not in self.state_a and not _comes_and_goes(n)]
+
+    @cached_property
+    def scheduled(self) -> list[str]:
+        return self.named(self.differing, CensusName.SCHEDULER)
+
+    @cached_property
+    def loader(self) -> str | None:
+        """The first loader record that differs: its position (or state) was not restored."""
+        return next(iter(self.named(self.differing, CensusName.DATA_POSITION, CensusName.DATA_STATE)), None)
+
+    @cached_property
+    def changed_inputs(self) -> list[str]:
+        at = (self.rank, self.step, INPUTS)
+        return _differing(self.census_a.get(*at), self.census_c.get(*at))
+
+    @cached_property
+    def generators(self) -> list[tuple[str, tuple | None, str]]:
+        """(name, restored then drawn, why it explains the step) of each generator that differs
+        and explains the step: one nobody drew from explains nothing."""
+        census_a, census_c, rank, step = self.census_a, self.census_c, self.rank, self.step
+        events = census_c.events_of(rank)
+        out = []
+        for name in (n for n in self.differing if CensusName.parse(n).is_generator):
+            consumed = (_restored_then_drawn(events, CensusName.parse(name).generator()[0], self.state_a[name],
+                                             self.state_c[name], self.resume_at) if step == self.resume_at else None)
+            used = (_used(census_a, rank, step, name), _used(census_c, rank, step, name))
+            why = _why_drawn(used, step, census_a, census_c, rank, name, bool(self.changed_inputs))
+            if consumed is not None or why:
+                out.append((name, consumed, why))
+        return out
+
+    @cached_property
+    def batch_from(self) -> int | None:
+        """The step of A whose batch C's batch of this step is (None: not A's, or not changed)."""
+        return _batch_replayed(self.census_a, self.rank, self.census_c.get(self.rank, self.step, INPUTS),
+                               self.changed_inputs, self.step)
+
+    @property
+    def batch_from_old_order(self) -> bool:
+        """C's batch is an earlier batch of A at the same data position: the data order was
+        drawn from a generator in an earlier state (the generator's finding says so)."""
+        return (self.batch_from is not None and self.batch_from != self.step + 1 and self.loader is None
+                and bool(self.generators))
+
+
+def _comes_and_goes(name: str) -> bool:
+    """A record one run may hold and the other not without a finding: the program's own
+    generators (made by site) and the loaders (a library may wrap the loader it resumes)."""
+    parsed = CensusName.parse(name)
+    return parsed.kind == CensusName.USER_RNG or parsed.is_loader
+
+
+def _resume_step(census_a, census_b, census_c, main_a, rank, step, resume_at) -> list[Finding]:
+    state_a, state_c = census_a.get(rank, step, STATE), census_c.get(rank, step, STATE)
     if not state_a or not state_c:
         return []
-    ambient = set(_differing(state_a, census_b.get(rank, step, STATE_PHASE))) if census_b is not None else set()
-    findings: list[Finding] = []
-
-    def add(kind, says, record=None, **extra):
-        findings.append(Finding("resume", kind, step, rank, says, record, **extra))
-
+    ambient = set(_differing(state_a, census_b.get(rank, step, STATE))) if census_b is not None else set()
     differing = [n for n in _differing(state_a, state_c) if n not in ambient]
     # Loaders come and go (a library may wrap the loader it resumes, e.g. to skip batches): a
     # position is compared only when both runs hold the same loaders, and one run holding more
     # loaders than the other is no finding by itself.
-    loaders_a = {n for n in state_a if n.startswith("data.")}
-    if loaders_a != {n for n in state_c if n.startswith("data.")}:
-        differing = [n for n in differing if not n.startswith("data.")]
-
-    def consumed_by_training(name: str) -> bool:
-        # A loader whose position A's steps do not move (an evaluation loader, drawn before
-        # training or between evaluations) feeds no training step: its position is no data
-        # position of the step (litgpt's validation loader, made at the training loader's line).
-        values = [census_a.get(rank, other, STATE_PHASE).get(name) for other in (step - 1, step, step + 1)]
-        values = [v for v in values if v is not None]
-        return len(values) < 2 or not all(_same(v, values[0]) for v in values[1:])
-
-    differing = [n for n in differing if not n.startswith("data.") or consumed_by_training(n)]
-
-    def restored_by_its_state(name: str) -> bool:
-        # A stateful loader's state_dict (data.state.<site>) is where it is; the batches its
-        # newest iterator yielded count from wherever that iterator was made (litgpt makes a
-        # new one after torchdata's restore), so the count alone is no finding.
-        state = "data.state." + name.removeprefix("data.")
-        return state in state_a and state in state_c and _same(state_a[state], state_c[state])
-
-    differing = [n for n in differing if not n.startswith("data.") or n.startswith("data.state.")
-                 or not restored_by_its_state(n)]
-    missing = [n for n in state_a if n not in state_c and not n.startswith(("rng.user.", "data."))]
-    extra = [n for n in state_c if n not in state_a and not n.startswith(("rng.user.", "data."))]
-    progress = [n for n in differing if _is_progress(n)]
-    # 1. off by one: C's progress at this step is A's of the step before or after
-    if step == resume_at and progress:
-        for other in (step - 1, step + 1):
-            state_other = census_a.get(rank, other, STATE_PHASE)
-            if state_other and all(n in state_other and _same(state_other[n], state_c[n]) for n in progress):
-                add("off_by_one", f"C's training progress at its step {step} (census records "
-                    f"{', '.join(progress)}) equals A's at step {other}, not at step {step}: the resume is off by one (C resumed the checkpoint of step {other} but is numbered "
-                    f"from {step}; pass --resume-at {other}, or save at step {step})", progress[0])
-                return findings
-    # 2. what a resumed process restored: parameters and optimizer state as it begins
-    restored_params = census_c.get(rank, step, "restored.params")
-    restored_state = census_c.get(rank, step, "restored.optimizer")
-    main = main_a.get(rank, {})
-    if step == resume_at and main.get("params") and restored_params:
-        wrong = [n for n, r in main["params"].items() if n in restored_params and not _same(r, restored_params[n])]
-        if wrong:
-            add("model_params", f"the model's parameters as C's step {step} begins differ from A's after step "
-                f"{step - 1} ({len(wrong)} of {len(main['params'])}, first {wrong[0]}): the weights were not "
-                "loaded from the checkpoint, or were changed after the load (a stray re-initialisation, "
-                "e.g. model.apply(init) or reset_parameters() after load_state_dict)", f"params:{wrong[0]}")
-    if step == resume_at and main.get("optimizer") is not None and restored_params:
-        saved = main.get("optimizer", {})
-        lost = [n for n in saved if n not in restored_state]
-        wrong = [n for n in saved if n in restored_state and not _same(saved[n], restored_state[n])]
-        if saved and len(lost) == len(saved):
-            add("optimizer_state", f"C's optimizer holds no state as step {step} begins (A's holds "
-                f"{len(saved)} state tensors after step {step - 1}, e.g. {next(iter(saved))}): the optimizer "
-                "state was not restored (optimizer.load_state_dict(checkpoint['optimizer']) missing, or called "
-                "on another optimizer)", f"optimizer:{next(iter(saved))}")
-        elif lost or wrong:
-            first = (lost or wrong)[0]
-            add("optimizer_state", f"C's optimizer state as step {step} begins differs from A's after step "
-                f"{step - 1} ({len(lost)} state tensors missing, {len(wrong)} different; first {first}): the "
-                "optimizer state was restored only in part, or changed after the load", f"optimizer:{first}")
-    # 3. records that one run has and the other lacks
-    for name in _one_per_component(missing):
-        add(_kind_of(name), f"C has no {_what(name)} at step {step}, A has: was it created and restored on "
-            f"resume?{_absent_words(name)}", name)
-    for name in _one_per_component(extra):
-        add(_kind_of(name), f"C has a {_what(name)} at step {step} that A does not have", name)
-    # 4. state records that differ, by kind
-    optimizer_kinds = {n for n in differing if n.startswith("optim") and not n.endswith(".lr")}
-    if optimizer_kinds and not any(f.kind == "optimizer_state" for f in findings):
-        name = sorted(optimizer_kinds)[0]
-        add("optimizer_state", f"{describe_state_record(name)} (step {step})", name)
-    scheduled = [n for n in differing if census_index(n, "sched") is not None]
-    if scheduled:
-        add("scheduler", _scheduler_says(census_a, census_c, rank, step, scheduled, state_c), _scheduler_record(scheduled))
-    for name in differing:
-        if name.startswith("scaler"):
-            add("grad_scaler", f"{describe_state_record(name)} (step {step})", name)
-    lr = [n for n in differing if n.startswith("optim") and n.endswith(".lr")]
-    if lr and not scheduled:
-        same_as = _matching_step(census_a, rank, STATE_PHASE, lr[0], state_c[lr[0]], step)
-        evidence = f" (C's learning rate at step {step} is A's at step {same_as})" if same_as is not None else ""
-        # a scheduler is named only in a program that has one (its census records sched<i>.*)
-        others = ("the program has no LR scheduler" if not has_scheduler(state_a) and not has_scheduler(state_c)
-                  else "no LR scheduler state differs")
-        add("iteration_counter", f"the learning rate of {lr[0].split('.')[0].replace('optim', 'optimizer ')} "
-            f"differs at step {step} and {others}{evidence}: the script sets the LR "
-            "itself, from an iteration counter that was not restored from the checkpoint (restore it, e.g. "
-            "iter_num = checkpoint['iter_num'])", lr[0])
-    # 5. data: the loader's position, the batch itself
-    position_differs = False
-    for name in differing:
-        if name.startswith("data."):
-            position_differs = True
-            add("data_position", f"{describe_state_record(name)} (step {step}: skip the batches already seen, "
-                "or save and load the loader's state)", name,
-                site=name.removeprefix("data.").removeprefix("state.").split("#")[0])
-            break
-    events = census_c.events_of(rank)
-    inputs_a, inputs_c = census_a.get(rank, step, "inputs"), census_c.get(rank, step, "inputs")
-    changed_inputs = _differing(inputs_a, inputs_c)
-    generators = []  # (name, restored then drawn, why it explains the step)
-    for name in (n for n in differing if n.startswith("rng.")):
-        consumed = (_restored_then_drawn(events, _generator_label(name)[0], state_a[name], state_c[name], resume_at)
-                    if step == resume_at else None)
-        used = (_used(census_a, rank, step, name), _used(census_c, rank, step, name))
-        why = _why_drawn(used, step, census_a, census_c, rank, name, bool(changed_inputs))
-        if consumed is not None or why:  # a generator nobody drew from explains nothing
-            generators.append((name, consumed, why))
-    batch_from = _batch_replayed(census_a, rank, inputs_c, changed_inputs, step)
-    order_evidence = ""
-    if batch_from is not None:
-        if batch_from == step + 1:
-            how = ("the resumed run drew again a batch that A had drawn before the checkpoint (a prefetched "
-                   "batch not saved with the checkpoint, or the RNG saved after the prefetch)")
-        elif position_differs or not generators:
-            how = (f"the data position was not restored (C replays A's step {batch_from}: the loader did not "
-                   "skip the batches already seen, or its state was not loaded)" if batch_from < step
-                   else "C's data is ahead")
-        else:
-            how = None  # the same position, an earlier batch: the order was drawn from an old generator state
-            order_evidence = (f"; C's batch of step {step} is A's batch of step {batch_from}: the data order "
-                              "was drawn from it in an earlier state")
-        if how is not None:
-            add("data_position", f"the input batch of step {step} differs: C's batch is A's batch of step "
-                f"{batch_from}: {how}", f"inputs:{changed_inputs[0]}")
-    # 6. generators: restored then drawn from, or just in another state (if used in the step)
-    for name, consumed, why in generators:
-        ident, label = _generator_label(name)
-        if consumed is not None:
-            restore, draws, exact = consumed
-            by = "; ".join(f"{d.get('by', 'code')} at {d.get('site')}" for d in draws) or \
-                "code that ran between the restore and the step's first forward"
-            if exact:
-                says = (f"{label} was restored to A's state of step {step} at {restore.get('site')} "
-                        f"({restore.get('call')}), then drawn from before the step began, by {by}: restore it "
-                        "after that, or give that code its own generator")
-            else:
-                says = (f"{label} was restored at {restore.get('site')} ({restore.get('call')}), then drawn from "
-                        f"before step {step} began, by {by}, and is not in A's state there: the checkpoint holds "
-                        "its state from another point than where the resumed run restores it (e.g. saved after a "
-                        "prefetched batch that the resumed run draws again: save the batch, or the state before "
-                        "the prefetch)")
-            # the place is where it was drawn from, when known (not the restore: it is not the cause)
-            add("generator_consumed", says, name, site=draws[0].get("site") if draws else None, generator=ident)
+    loaders = lambda state: {n for n in state if CensusName.parse(n).is_loader}  # noqa: E731
+    if loaders(state_a) != loaders(state_c):
+        differing = [n for n in differing if not CensusName.parse(n).is_loader]
+    differing = [n for n in differing if not CensusName.parse(n).is_loader
+                 or _position_of_training(census_a, rank, step, n, state_a, state_c)]
+    facts = _ResumeStep(census_a, census_c, main_a, rank, step, resume_at, state_a, state_c, differing)
+    for rule in _RULES:
+        if rule.find is None:
             continue
-        add("generator", f"{describe_state_record(name)} ({why}{order_evidence})", name,
-            generator=ident,
-            site=ident.removeprefix("user:") if ident.startswith("user:") else None)
-    if changed_inputs and batch_from is None and not any(f.kind in ("data_position", "generator",
-                                                                     "generator_consumed") for f in findings):
-        add("input_batch", f"the input batch of step {step} differs ({changed_inputs[0]}) while no recorded state "
-            "explains it: the data pipeline gives another batch after the resume", f"inputs:{changed_inputs[0]}")
-    return findings
+        found = list(rule.find(facts))
+        if found and rule.alone:
+            return found
+        facts.findings += found
+    return facts.findings
+
+
+def _position_of_training(census_a: _Census, rank: int, step: int, name: str, state_a: dict, state_c: dict) -> bool:
+    """Is loader record ``name`` a training data position that C did not restore?  A loader
+    whose position A's steps do not move (an evaluation loader, drawn before training or
+    between evaluations) feeds no training step (litgpt's validation loader, made at the
+    training loader's line).  A stateful loader's state_dict (data.state.<site>) is where it
+    is; the batches its newest iterator yielded count from wherever that iterator was made
+    (litgpt makes a new one after torchdata's restore), so the count alone is no finding."""
+    values = [census_a.get(rank, other, STATE).get(name) for other in (step - 1, step, step + 1)]
+    values = [v for v in values if v is not None]
+    if len(values) >= 2 and all(_same(v, values[0]) for v in values[1:]):
+        return False
+    parsed = CensusName.parse(name)
+    if parsed.kind == CensusName.DATA_STATE:
+        return True
+    state = str(parsed.loader_state())
+    return not (state in state_a and state in state_c and _same(state_a[state], state_c[state]))
+
+
+# --- the rules, one per kind of finding ----------------------------------------------------
+
+
+def _off_by_one(s: _ResumeStep):
+    """C's progress at its first step is A's of the step before or after."""
+    progress = [n for n in s.differing if _is_progress(n)]
+    if s.step != s.resume_at or not progress:
+        return
+    for other in (s.step - 1, s.step + 1):
+        state_other = s.census_a.get(s.rank, other, STATE)
+        if state_other and all(n in state_other and _same(state_other[n], s.state_c[n]) for n in progress):
+            yield s.finding("off_by_one", f"C's training progress at its step {s.step} (census records "
+                            f"{', '.join(progress)}) equals A's at step {other}, not at step {s.step}: the resume is "
+                            f"off by one (C resumed the checkpoint of step {other} but is numbered from {s.step}; pass "
+                            f"--resume-at {other}, or save at step {s.step})", progress[0])
+            return
+
+
+def _model_params(s: _ResumeStep):
+    """The parameters a resumed process begins with are not A's after the step before."""
+    main, restored = s.main_a.get(s.rank, {}), s.census_c.get(s.rank, s.step, RESTORED_PARAMS)
+    if s.step != s.resume_at or not main.get(PARAMS) or not restored:
+        return
+    wrong = [n for n, r in main[PARAMS].items() if n in restored and not _same(r, restored[n])]
+    if wrong:
+        yield s.finding("model_params", f"the model's parameters as C's step {s.step} begins differ from A's after "
+                        f"step {s.step - 1} ({len(wrong)} of {len(main[PARAMS])}, first {wrong[0]}): the weights were "
+                        "not loaded from the checkpoint, or were changed after the load (a stray re-initialisation, "
+                        "e.g. model.apply(init) or reset_parameters() after load_state_dict)", f"params:{wrong[0]}")
+
+
+def _optimizer_state(s: _ResumeStep):
+    """The optimizer state a resumed process begins with, its records C lacks or has, its step
+    counts or group settings that differ."""
+    found = list(_restored_optimizer(s)) + list(_absent(s, "optimizer_state"))
+    yield from found
+    records = [n for n in s.named(s.differing, CensusName.OPTIMIZER) if CensusName.parse(n).field != "lr"]
+    if records and not found:
+        name = sorted(records)[0]
+        yield s.finding("optimizer_state", f"{describe_state_record(name)} (step {s.step})", name)
+
+
+def _restored_optimizer(s: _ResumeStep):
+    saved = s.main_a.get(s.rank, {}).get(OPTIMIZER_PHASE)
+    if s.step != s.resume_at or saved is None or not s.census_c.get(s.rank, s.step, RESTORED_PARAMS):
+        return
+    restored = s.census_c.get(s.rank, s.step, RESTORED_OPTIMIZER)
+    lost = [n for n in saved if n not in restored]
+    wrong = [n for n in saved if n in restored and not _same(saved[n], restored[n])]
+    if saved and len(lost) == len(saved):
+        yield s.finding("optimizer_state", f"C's optimizer holds no state as step {s.step} begins (A's holds "
+                        f"{len(saved)} state tensors after step {s.step - 1}, e.g. {next(iter(saved))}): the "
+                        "optimizer state was not restored (optimizer.load_state_dict(checkpoint['optimizer']) "
+                        "missing, or called on another optimizer)", f"optimizer:{next(iter(saved))}")
+    elif lost or wrong:
+        first = (lost or wrong)[0]
+        yield s.finding("optimizer_state", f"C's optimizer state as step {s.step} begins differs from A's after step "
+                        f"{s.step - 1} ({len(lost)} state tensors missing, {len(wrong)} different; first {first}): "
+                        "the optimizer state was restored only in part, or changed after the load",
+                        f"optimizer:{first}")
+
+
+def _scheduler(s: _ResumeStep):
+    yield from _absent(s, "scheduler")
+    if s.scheduled:
+        yield s.finding("scheduler", _scheduler_says(s.census_a, s.census_c, s.rank, s.step, s.scheduled, s.state_c),
+                        _scheduler_record(s.scheduled))
+
+
+def _grad_scaler(s: _ResumeStep):
+    yield from _absent(s, "grad_scaler")
+    for name in s.named(s.differing, CensusName.SCALER):
+        yield s.finding("grad_scaler", f"{describe_state_record(name)} (step {s.step})", name)
+
+
+def _iteration_counter(s: _ResumeStep):
+    """A learning rate that differs with no LR scheduler state differing: the loop sets it."""
+    lr = [n for n in s.named(s.differing, CensusName.OPTIMIZER) if CensusName.parse(n).field == "lr"]
+    if not lr or s.scheduled:
+        return
+    same_as = _matching_step(s.census_a, s.rank, STATE, lr[0], s.state_c[lr[0]], s.step)
+    evidence = f" (C's learning rate at step {s.step} is A's at step {same_as})" if same_as is not None else ""
+    # a scheduler is named only in a program that has one (its census records sched<i>.*)
+    others = ("the program has no LR scheduler" if not has_scheduler(s.state_a) and not has_scheduler(s.state_c)
+              else "no LR scheduler state differs")
+    yield s.finding("iteration_counter", f"the learning rate of optimizer {CensusName.parse(lr[0]).key} differs at "
+                    f"step {s.step} and {others}{evidence}: the script sets the LR itself, from an iteration counter "
+                    "that was not restored from the checkpoint (restore it, e.g. iter_num = checkpoint['iter_num'])",
+                    lr[0])
+
+
+def _data_position(s: _ResumeStep):
+    """A loader at another position; a batch that is one of A's other batches."""
+    yield from _absent(s, "data_position")
+    if s.loader is not None:
+        yield s.finding("data_position", f"{describe_state_record(s.loader)} (step {s.step}: skip the batches "
+                        "already seen, or save and load the loader's state)", s.loader,
+                        site=CensusName.parse(s.loader).site)
+    batch_from, step = s.batch_from, s.step
+    if batch_from is None or s.batch_from_old_order:
+        return  # the same position, an earlier batch: the generator's finding says it
+    if batch_from == step + 1:
+        how = ("the resumed run drew again a batch that A had drawn before the checkpoint (a prefetched "
+               "batch not saved with the checkpoint, or the RNG saved after the prefetch)")
+    else:
+        how = (f"the data position was not restored (C replays A's step {batch_from}: the loader did not "
+               "skip the batches already seen, or its state was not loaded)" if batch_from < step
+               else "C's data is ahead")
+    yield s.finding("data_position", f"the input batch of step {step} differs: C's batch is A's batch of step "
+                    f"{batch_from}: {how}", f"inputs:{s.changed_inputs[0]}")
+
+
+def _generator_consumed(s: _ResumeStep):
+    """A generator restored, then drawn from before the step began."""
+    for name, consumed, _ in s.generators:
+        if consumed is None:
+            continue
+        restore, draws, exact = consumed
+        label = CensusName.parse(name).generator()[1]
+        by = "; ".join(f"{d.get('by', 'code')} at {d.get('site')}" for d in draws) or \
+            "code that ran between the restore and the step's first forward"
+        if exact:
+            says = (f"{label} was restored to A's state of step {s.step} at {restore.get('site')} "
+                    f"({restore.get('call')}), then drawn from before the step began, by {by}: restore it "
+                    "after that, or give that code its own generator")
+        else:
+            says = (f"{label} was restored at {restore.get('site')} ({restore.get('call')}), then drawn from "
+                    f"before step {s.step} began, by {by}, and is not in A's state there: the checkpoint holds "
+                    "its state from another point than where the resumed run restores it (e.g. saved after a "
+                    "prefetched batch that the resumed run draws again: save the batch, or the state before "
+                    "the prefetch)")
+        # the place is where it was drawn from, when known (not the restore: it is not the cause)
+        yield s.finding("generator_consumed", says, name, site=draws[0].get("site") if draws else None,
+                        generator=CensusName.parse(name).generator()[0])
+
+
+def _generator(s: _ResumeStep):
+    """A generator in another state that the step draws from (or C lacks or has)."""
+    yield from _absent(s, "generator")
+    order_evidence = (f"; C's batch of step {s.step} is A's batch of step {s.batch_from}: the data order was drawn "
+                      "from it in an earlier state") if s.batch_from_old_order else ""
+    for name, consumed, why in s.generators:
+        if consumed is None:
+            ident = CensusName.parse(name).generator()[0]
+            yield s.finding("generator", f"{describe_state_record(name)} ({why}{order_evidence})", name,
+                            generator=ident, site=ident.removeprefix("user:") if ident.startswith("user:") else None)
+
+
+def _input_batch(s: _ResumeStep):
+    """A batch that differs while no recorded state explains it."""
+    if s.changed_inputs and s.batch_from is None and not any(
+            f.kind in ("data_position", "generator", "generator_consumed") for f in s.findings):
+        yield s.finding("input_batch", f"the input batch of step {s.step} differs ({s.changed_inputs[0]}) while no "
+                        "recorded state explains it: the data pipeline gives another batch after the resume",
+                        f"inputs:{s.changed_inputs[0]}")
+
+
+def _absent(s: _ResumeStep, kind: str):
+    """Records of ``kind`` one run has and the other lacks (one per optimizer, scheduler, scaler)."""
+    for name in _one_per_component(s.missing):
+        if _kind_of(name) == kind:
+            yield s.finding(kind, f"C has no {CensusName.parse(name).subject()} at step {s.step}, A has: was it "
+                            f"created and restored on resume?{_absent_words(name)}", name)
+    for name in _one_per_component(s.extra):
+        if _kind_of(name) == kind:
+            yield s.finding(kind, f"C has a {CensusName.parse(name).subject()} at step {s.step} that A does not have",
+                            name)
+
+
+class _Rule(NamedTuple):
+    kind: str
+    find: Callable[[_ResumeStep], Iterable[Finding]] | None  # None: a kind found elsewhere
+    alone: bool = False  # a finding of this kind is the step's whole explanation
+
+
+# Every kind of finding, most specific first: the order `ordered` sorts them in and, for a
+# resumed step, the order the rules run in (a rule may read the findings of those before it).
+_RULES = (
+    _Rule("off_by_one", _off_by_one, alone=True),
+    _Rule("script_said", None),  # what samebits' callbacks said in C (explain_resume)
+    _Rule("initial_params", None),  # independent runs (explain_independent)
+    _Rule("model_params", _model_params),
+    _Rule("optimizer_state", _optimizer_state),
+    _Rule("scheduler", _scheduler),
+    _Rule("grad_scaler", _grad_scaler),
+    _Rule("iteration_counter", _iteration_counter),
+    _Rule("data_position", _data_position),
+    _Rule("generator_consumed", _generator_consumed),
+    _Rule("generator", _generator),
+    _Rule("input_batch", _input_batch),
+    _Rule("order", None),  # independent runs (explain_independent)
+)
 
 
 def _scheduler_record(scheduled: list[str]) -> str:
@@ -466,23 +608,20 @@ def _scheduler_says(census_a: _Census, census_c: _Census, rank: int, step: int, 
     param groups' lr, then the first step where it differs (the scheduler's next step moves it
     from its own position), as the census shows it."""
     record = _scheduler_record(scheduled)
-    number = census_index(record, "sched")
-    field = record.partition(".")[2]
-    what = {"last_epoch": "position (last_epoch, the steps it has counted)", "step_count": "step count (_step_count)",
-            "lr": "last computed LR (get_last_lr())"}.get(field, field)
-    same_as = _matching_step(census_a, rank, STATE_PHASE, record, state_c[record], step) if record in state_c else None
+    number, what = CensusName.parse(record).key, CensusName.parse(record).field_words()
+    same_as = _matching_step(census_a, rank, STATE, record, state_c[record], step) if record in state_c else None
     where = ""
     if same_as is not None:
         where = f": C's is A's at step {same_as}" + (", the scheduler starts over" if same_as == 0 else "")
     says = f"LR scheduler {number}'s {what} differs as step {step} begins{where}"
-    lr_names = sorted(n for n in census_a.get(rank, step, STATE_PHASE) if census_index(n, "optim") is not None
+    lr_names = sorted(n for n in census_a.get(rank, step, STATE) if CensusName.parse(n).kind == CensusName.OPTIMIZER
                       and n.endswith(".lr"))
     if lr_names:
         name = lr_names[0]
         later = [other for other in sorted({at for (r, at) in census_c.steps if r == rank}) if other >= step]
         first_lr = None
         for other in later:
-            lr_a, lr_c = census_a.get(rank, other, STATE_PHASE).get(name), census_c.get(rank, other, STATE_PHASE).get(name)
+            lr_a, lr_c = census_a.get(rank, other, STATE).get(name), census_c.get(rank, other, STATE).get(name)
             if lr_a is not None and lr_c is not None and not _same(lr_a, lr_c):
                 first_lr = other
                 break
@@ -498,19 +637,16 @@ def _scheduler_says(census_a: _Census, census_c: _Census, rank: int, step: int, 
     return says + ": the scheduler was not restored; restore it with scheduler.load_state_dict(checkpoint['scheduler'])"
 
 
-_ORDER = ["off_by_one", "script_said", "initial_params", "model_params", "optimizer_state", "scheduler", "grad_scaler",
-          "iteration_counter", "data_position", "generator_consumed", "generator", "input_batch", "order"]
-
-
 def ordered(findings: list[Finding]) -> list[Finding]:
-    """Most specific first (a stable sort by kind), then by step and rank."""
-    rank_of = {kind: i for i, kind in enumerate(_ORDER)}
-    return sorted(findings, key=lambda f: (f.step, rank_of.get(f.kind, len(_ORDER)), f.rank))
+    """Most specific first (a stable sort by kind, in the order of `_RULES`), then by step and rank."""
+    rank_of = {rule.kind: i for i, rule in enumerate(_RULES)}
+    return sorted(findings, key=lambda f: (f.step, rank_of.get(f.kind, len(_RULES)), f.rank))
 
 
 def _is_progress(name: str) -> bool:
-    return (name.startswith("optim") and (name.endswith(".step") or name.endswith(".lr"))) or \
-        name.startswith("sched") or name.startswith("data.")
+    parsed = CensusName.parse(name)
+    return ((parsed.kind == CensusName.OPTIMIZER and parsed.field in ("step", "lr"))
+            or parsed.kind == CensusName.SCHEDULER or parsed.is_loader)
 
 
 def _one_per_component(names: list[str]) -> list[str]:
@@ -518,8 +654,8 @@ def _one_per_component(names: list[str]) -> list[str]:
     scheduler that is absent lacks its three records: one finding), every other record."""
     seen, out = set(), []
     for name in names:
-        head = name.partition(".")[0]
-        component = head if any(census_index(name, prefix) is not None for prefix in ("optim", "sched", "scaler")) else name
+        parsed = CensusName.parse(name)
+        component = parsed.head if parsed.is_component else name
         if component not in seen:
             seen.add(component)
             out.append(name)
@@ -527,36 +663,17 @@ def _one_per_component(names: list[str]) -> list[str]:
 
 
 def _absent_words(name: str) -> str:
-    """What an absent record is, where `_what` does not already say it (a generator's record)."""
-    if any(census_index(name, prefix) is not None for prefix in ("optim", "sched", "scaler")):
-        return ""
-    return f" ({describe_state_record(name)})"
+    """What an absent record is, where its subject does not already say it (a generator's record)."""
+    return "" if CensusName.parse(name).is_component else f" ({describe_state_record(name)})"
+
+
+_KIND_OF = {CensusName.OPTIMIZER: "optimizer_state", CensusName.SCHEDULER: "scheduler", CensusName.SCALER: "grad_scaler",
+            CensusName.DATA_POSITION: "data_position", CensusName.DATA_STATE: "data_position"}
 
 
 def _kind_of(name: str) -> str:
-    if name.startswith("optim"):
-        return "optimizer_state"
-    if name.startswith("sched"):
-        return "scheduler"
-    if name.startswith("scaler"):
-        return "grad_scaler"
-    if name.startswith("data."):
-        return "data_position"
-    return "generator"
-
-
-def _what(name: str) -> str:
-    if name.startswith("optim"):
-        return f"optimizer {name.split('.')[0].removeprefix('optim')} ({name})"
-    if name.startswith("sched"):
-        return f"LR scheduler {name.split('.')[0].removeprefix('sched')} ({name})"
-    if name.startswith("scaler"):
-        return f"GradScaler ({name})"
-    if name.startswith("data.state."):
-        return f"the state of the data loader made at {name.removeprefix('data.state.')}"
-    if name.startswith("data."):
-        return f"data loader made at {name.removeprefix('data.')}"
-    return name
+    """The kind of finding a census record that one run lacks makes."""
+    return _KIND_OF.get(CensusName.parse(name).kind, "generator")
 
 
 def _matching_step(census: _Census, rank: int, phase: str, name: str, record, around: int) -> int | None:
@@ -571,7 +688,7 @@ def _matching_inputs(census: _Census, rank: int, inputs: dict, around: int) -> i
     if not inputs:
         return None
     for (r, step), phases in sorted(census.steps.items()):
-        mine = phases.get("inputs", {})
+        mine = phases.get(INPUTS, {})
         if r == rank and step != around and mine and all(n in mine and _same(mine[n], inputs[n]) for n in inputs):
             return step
     return None
@@ -612,7 +729,7 @@ def _batch_replayed(census: _Census, rank: int, inputs: dict, changed: list[str]
     if record.digest is None:
         return None
     for (r, step), phases in sorted(census.steps.items()):
-        if r == rank and step != around and any(_same(mine, record) for mine in phases.get("inputs", {}).values()):
+        if r == rank and step != around and any(_same(mine, record) for mine in phases.get(INPUTS, {}).values()):
             return step
     return None
 
@@ -657,9 +774,9 @@ def census_suspects(names: list[str], dir_a: Path, dir_b: Path, rank: int,
     censuses = [_census(directory, max(0, step - 1), step) for directory in (dir_a, dir_b)]
     if any(census is None for census in censuses):
         return list(names), []
-    state_a, state_b = (census.get(rank, step, STATE_PHASE) for census in censuses)
+    state_a, state_b = (census.get(rank, step, STATE) for census in censuses)
     names = list(names) + [name for name in _differing(state_a, state_b) if name not in names]
-    unused = [name for name in names if name.startswith("rng.")
+    unused = [name for name in names if CensusName.parse(name).is_generator
               and all(_used(census, rank, step, name) is False and not _batch_source(census, rank, step, name)
                       for census in censuses)]
     return [name for name in names if name not in unused], unused
@@ -672,7 +789,7 @@ def census_names(directory: Path, rank: int, step: int) -> set[str] | None:
     census = _census(directory, step, step)
     if census is None:
         return None
-    names = census.get(rank, step, STATE_PHASE)
+    names = census.get(rank, step, STATE)
     return set(names) if names else None
 
 
@@ -698,17 +815,17 @@ def explain_independent(dir_a: Path, dir_b: Path, diverged_at: int, order: str |
         if initial is not None:
             findings.append(initial)
         for step in range(0, diverged_at + 1):
-            state_a, state_b = census_a.get(rank, step, STATE_PHASE), census_b.get(rank, step, STATE_PHASE)
-            changed = _differing(census_a.get(rank, step, "inputs"), census_b.get(rank, step, "inputs"))
+            state_a, state_b = census_a.get(rank, step, STATE), census_b.get(rank, step, STATE)
+            changed = _differing(census_a.get(rank, step, INPUTS), census_b.get(rank, step, INPUTS))
             found = []
             for name in _differing(state_a, state_b):
-                if not name.startswith("rng."):
+                if not CensusName.parse(name).is_generator:
                     continue
                 used = (_used(census_a, rank, step, name), _used(census_b, rank, step, name))
                 why = _why_drawn(used, step, census_a, census_b, rank, name, bool(changed))
                 if not why:
                     continue
-                ident, label = _generator_label(name)
+                ident, label = CensusName.parse(name).generator()
                 found.append(Finding("independent", "generator", step, rank,
                                      f"{label} is in another state in B than in A at the start of step {step} "
                                      f"({why}): it is seeded from something that changes between runs (the time, "
@@ -748,9 +865,10 @@ def order_says(detail: str, phase: str | None, dir_a: Path, step: int, rank: int
     ``params``, ``optimizer``; ``optimizer<N>.<phase>`` for another optimizer) in the order the
     optimizer holds its parameters, so there the order is the optimizer's parameter order."""
     said = detail.removeprefix(f"step {step}, rank {rank}, ")  # the finding carries its step and rank
-    if (phase or "").rpartition(".")[2] not in ("grads", "params", "optimizer") or not _zero_code(dir_a):
+    plain, number = split_optimizer_phase(phase or "")
+    if plain not in AFTER_OPTIMIZER_STEP or not _zero_code(dir_a):
         return said
-    owner = f"optimizer {phase.partition('.')[0].removeprefix('optimizer')}" if "." in phase else "the optimizer"
+    owner = f"optimizer {number}" if number is not None else "the optimizer"
     return (f"{said}. This is {owner}'s parameter order (the gradients, parameters and optimizer state are recorded in the order the "
             "optimizer holds its parameters): its param groups were built in another order in each run, from "
             "something iterated in an order that changes between runs (a Python set, whose order changes with "
@@ -762,7 +880,7 @@ def order_says(detail: str, phase: str | None, dir_a: Path, step: int, rank: int
 def _initial_params(census_a: _Census, census_b: _Census, rank: int) -> Finding | None:
     """The parameters as step 0 begins (a fresh process's ``restored.params``) that differ
     between two independent runs: the initial weights, before any training op."""
-    params_a, params_b = census_a.get(rank, 0, "restored.params"), census_b.get(rank, 0, "restored.params")
+    params_a, params_b = census_a.get(rank, 0, RESTORED_PARAMS), census_b.get(rank, 0, RESTORED_PARAMS)
     wrong = _differing(params_a, params_b)
     if not wrong:
         return None

@@ -22,13 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from samebits.checkpoint import STATE_PHASE, census_run
+from samebits.checkpoint import CensusName, census_run
 from samebits.errors import StreamError
 from samebits.stream import open_run
+from samebits.stream.phases import INPUTS, STATE, STATE_END
 from samebits.verdicts import ToDict, serialised
 
-INPUTS = "inputs"  # the step's input batch (every record of the "inputs" phase, as one)
-_END_PHASE = "state_end"
 
 
 @dataclass
@@ -53,7 +52,7 @@ class StateTrack(ToDict):
 
     @property
     def is_generator(self) -> bool:
-        return self.name.startswith("rng.")
+        return CensusName.parse(self.name).is_generator
 
     def says(self, label_a: str = "A", label_b: str = "C") -> str:
         """The first step where it differs, in words: whose step b's state is."""
@@ -89,31 +88,8 @@ class StatePicture(ToDict):
 
 
 def state_title(name: str) -> str:
-    """What a person calls census record ``name``."""
-    if name == INPUTS:
-        return "input batch (data position)"
-    generators = {"rng.python": "Python random generator", "rng.numpy": "NumPy global generator",
-                  "rng.torch_cpu": "torch CPU generator"}
-    if name in generators:
-        return generators[name]
-    if name.startswith("rng.cuda:"):
-        return f"CUDA generator {name.removeprefix('rng.cuda:')}"
-    if name.startswith("rng.user."):
-        return f"generator {name.removeprefix('rng.user.')}"
-    if name.startswith("data.state."):
-        return f"data loader {name.removeprefix('data.state.')} state"
-    if name.startswith("data."):
-        return f"data loader {name.removeprefix('data.')} position"
-    index, _, part = name.partition(".")
-    for prefix, what, parts in (("optim", "optimizer", {"step": "step counts", "lr": "learning rates",
-                                                       "hparams": "group settings"}),
-                                ("sched", "LR scheduler", {"last_epoch": "position (last_epoch)",
-                                                           "step_count": "step() calls", "lr": "last LR"})):
-        if index.startswith(prefix) and index[len(prefix):].isdigit():
-            return f"{what} {index[len(prefix):]} {parts.get(part, part)}".strip()
-    if index.startswith("scaler") and index[len("scaler"):].isdigit():
-        return f"GradScaler {index[len('scaler'):]} scale"
-    return name
+    """What a person calls census record ``name`` (the step's inputs, taken as one record, too)."""
+    return "input batch (data position)" if name == INPUTS else CensusName.parse(name).title()
 
 
 _Signature = tuple  # a record's bits: (dtype, shape, flags, digest, raw), equal only when the state is
@@ -140,15 +116,15 @@ def _read(directory: Path, rank: int) -> dict[int, dict[str, dict[str, _Signatur
                 for record in block.records():
                     name = record.name if record.occurrence == 0 else f"{record.name}#{record.occurrence}"
                     bits = (record.dtype, tuple(record.shape or ()), record.flags, record.digest, record.raw)
-                    if record.phase == STATE_PHASE:
+                    if record.phase == STATE:
                         state[name] = bits
-                    elif record.phase == _END_PHASE:
+                    elif record.phase == STATE_END:
                         end[name] = bits
                     elif record.phase == INPUTS:
                         inputs.append((name, bits))
                 if inputs:
                     state[INPUTS] = tuple(sorted(inputs))
-                steps[block.step] = {STATE_PHASE: state, _END_PHASE: end}
+                steps[block.step] = {STATE: state, STATE_END: end}
         finally:
             reader.close()
         return steps
@@ -163,8 +139,8 @@ def _moved(census: dict, name: str) -> list[int]:
     its optimizer step, or since the step before ended (a batch drawn before the forward)."""
     moved = []
     for step in sorted(census):
-        start, end = census[step][STATE_PHASE].get(name), census[step][_END_PHASE].get(name)
-        before = census.get(step - 1, {}).get(_END_PHASE, {}).get(name)
+        start, end = census[step][STATE].get(name), census[step][STATE_END].get(name)
+        before = census.get(step - 1, {}).get(STATE_END, {}).get(name)
         if start is not None and ((end is not None and end != start) or (before is not None and before != start)):
             moved.append(step)
     return moved
@@ -186,18 +162,18 @@ def state_positions(dir_a: str | Path, dir_b: str | Path, rank: int, start: int,
     names: list[str] = []
     for census in (census_a, census_b):
         for step in sorted(census):
-            names.extend(n for n in census[step][STATE_PHASE] if n not in names)
+            names.extend(n for n in census[step][STATE] if n not in names)
     tracks, same, left_out = [], [], []
     for name in names:
         track = StateTrack(name, state_title(name))
         held_at: dict[_Signature, list[int]] = {}
         for step in sorted(census_a):
-            bits = census_a[step][STATE_PHASE].get(name)
+            bits = census_a[step][STATE].get(name)
             if bits is not None:
                 held_at.setdefault(bits, []).append(step)
         for step in window:
-            mine = census_b[step][STATE_PHASE].get(name)
-            theirs = census_a.get(step, {}).get(STATE_PHASE, {}).get(name)
+            mine = census_b[step][STATE].get(name)
+            theirs = census_a.get(step, {}).get(STATE, {}).get(name)
             if mine is None and theirs is None:
                 continue
             if mine is None or (theirs is None and step in census_a):
@@ -210,8 +186,8 @@ def state_positions(dir_a: str | Path, dir_b: str | Path, rank: int, start: int,
         if not track.differs_at:
             same.append(track.title)
             continue
-        if twin is not None and any(twin.get(s, {}).get(STATE_PHASE, {}).get(name) !=
-                                    census_a.get(s, {}).get(STATE_PHASE, {}).get(name)
+        if twin is not None and any(twin.get(s, {}).get(STATE, {}).get(name) !=
+                                    census_a.get(s, {}).get(STATE, {}).get(name)
                                     for s in window if s in twin and s in census_a):
             left_out.append((track.title, "differs between the independent runs A and B too: not about the "
                                           "checkpoint"))
@@ -219,7 +195,7 @@ def state_positions(dir_a: str | Path, dir_b: str | Path, rank: int, start: int,
         if track.is_generator:
             track.drawn_a = [s for s in _moved(census_a, name) if s >= start]
             track.drawn_b = [s for s in _moved(census_b, name) if s >= start]
-            known = any(census[s][_END_PHASE] for census in (census_a, census_b) for s in census)
+            known = any(census[s][STATE_END] for census in (census_a, census_b) for s in census)
             if known and not track.drawn_a and not track.drawn_b:
                 left_out.append((track.title, "drawn in no compared step of either run: its state explains "
                                               "nothing"))
@@ -229,4 +205,4 @@ def state_positions(dir_a: str | Path, dir_b: str | Path, rank: int, start: int,
     return StatePicture(tracks, same, left_out, sorted(census_a), window)
 
 
-__all__ = ["StatePicture", "StateTrack", "state_positions", "state_title", "INPUTS"]
+__all__ = ["StatePicture", "StateTrack", "state_positions", "state_title"]

@@ -79,6 +79,14 @@ def optimizer_phase(phase: str, number: int | None) -> str:
     return phase if number is None else f"optimizer{number}.{phase}"
 
 
+def split_optimizer_phase(phase: str) -> tuple[str, str | None]:
+    """(the plain phase, the optimizer's number) of a phase `optimizer_phase` made: ``params``
+    -> ("params", None), ``optimizer1.params`` -> ("params", "1")."""
+    head, dot, plain = phase.partition(".")
+    number = head.removeprefix("optimizer")
+    return (plain, number) if dot and head.startswith("optimizer") and number.isdigit() else (phase, None)
+
+
 def training_rank(phase: str) -> int:
     """Where a plain phase's records sit among `TRAINING_PHASES` (for ordering findings);
     ``len(TRAINING_PHASES)`` for a phase outside the step's computation or not in the table."""

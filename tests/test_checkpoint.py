@@ -369,7 +369,7 @@ def test_bytes_entry_in_dcp_metadata_is_refused_and_never_unpickled(tmp_path):
 def test_metadata_unpickler_takes_only_classes_defined_by_dcp_metadata(name):
     """The metadata module imports enum.Enum and dataclasses.dataclass; a global naming
     them (or walking a dotted path) through that module is not one of DCP's classes."""
-    from samebits.checkpoint._storage import _MetadataUnpickler
+    from samebits.checkpoint._dcp_metadata import _MetadataUnpickler
 
     module = b"torch.distributed.checkpoint.metadata"
     payload = (b"\x80\x04" + pickle.SHORT_BINUNICODE + bytes([len(module)]) + module
@@ -383,7 +383,7 @@ def test_dcp_planner_refuses_bytes_reads_even_past_the_metadata_check():
     """Second line of defence: the planner samebits hands DCP never unpickles bytes."""
     from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
     from torch.distributed.checkpoint.metadata import MetadataIndex
-    from samebits.checkpoint._storage import _tensor_only_planner
+    from samebits.checkpoint._dcp_metadata import _tensor_only_planner
 
     marker_payload = io.BytesIO(pickle.dumps(("not", "read")))
     item = ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex("x"), dest_offsets=torch.Size([0]),

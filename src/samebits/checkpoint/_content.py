@@ -32,9 +32,11 @@ import torch
 from samebits.checkpoint._bundle import empty_tensors
 from samebits.checkpoint._errors import CheckpointError, CheckpointLayoutError
 from samebits.checkpoint._layout import _cut, _pieces, _renamed, _same_on_every_rank, base_key
-from samebits.checkpoint._storage import (_check_dcp_metadata, _check_digests, _quiet_single_process,
-                                          _read_dcp_metadata, _read_meta, _read_rank_manifest, _safe_reader,
-                                          _tensor_only_planner, format_version, resolve)
+from samebits.checkpoint._commit import resolve
+from samebits.checkpoint._dcp_metadata import (_check_dcp_metadata, _read_dcp_metadata, _safe_reader,
+                                               _tensor_only_planner)
+from samebits.checkpoint._manifests import _read_meta, _read_rank_manifest, format_version
+from samebits.checkpoint._storage import _check_digests, _quiet_single_process
 
 PROGRESS_FIELDS = ("step", "consumed_samples")  # the global progress the content hash covers
 #: The parts of the resumable state `state_sha256` covers beyond the content, in its order.

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from samebits.runs.across import CERTIFICATE, compare_layouts, compare_replicated, verify_across
+from samebits.runs.across import CERTIFICATE, command_layouts, compare_layouts, compare_replicated, verify_across
 from samebits.verdicts import Verdict
 
 SCRIPT = Path(__file__).parent / "scripts_across" / "fake_replicas.py"
@@ -72,7 +72,7 @@ def test_a_parameter_the_other_layout_did_not_record_is_incomplete_naming_it(tmp
 def test_verify_across_a_command_never_passes_the_issue_attacks_and_the_certificate_counts(tmp_path, attack,
                                                                                             verdict):
     cmd = [sys.executable, str(SCRIPT), "--nproc", "{nproc}", "--out", "{out}", *attack]
-    result = verify_across([1, 2], cmd, tmp_path / "out")
+    result = verify_across(command_layouts([1, 2], cmd), tmp_path / "out")
     assert result.verdict.value == verdict, result.to_dict()
     cert = json.loads((tmp_path / "out" / CERTIFICATE).read_text())
     assert cert["verdict"] == verdict

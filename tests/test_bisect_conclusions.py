@@ -11,11 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from samebits.runs.bisect import Command, Elements, _Bisector, bisect
+from samebits.runs._bisect_narrow import Side, _Bisector
+from samebits.runs.bisect import Elements, bisect
+from samebits.runs.program import ZeroCode
 from samebits.trace import OriginFinding, OriginReport
 from samebits.verdicts import Verdict
 
-bisect_module = importlib.import_module("samebits.runs.bisect")  # samebits.runs.bisect is also the function
+bisect_module = importlib.import_module("samebits.runs._bisect_narrow")  # where bisect narrows
 OPTIMIZER_ORIGIN = dict(classification="origin", category="phase", phase="optimizer", event_id="optimizer:0",
                         role="out", label="w", detail="all inputs of optimizer:0 matched; its output w differs")
 LEFTOVERS = dict(classification="control_flow", category="op", phase="forward", module="",
@@ -120,7 +122,7 @@ def _elements(inputs_differ, permuted):
 def test_inputs_matched_is_said_only_when_the_dumps_agree(tmp_path, differ, permuted, kind):
     """The trace saw every input recorded before the op match; its dumps compare them in
     value and position.  Inputs that hold each other's values: order; others: not the origin."""
-    bisector = _Bisector(Command("a", ["x"]), Command("b", ["y"]), tmp_path, None, None, False)
+    bisector = _Bisector(Side("a", ZeroCode(("x",))), Side("b", ZeroCode(("y",))), tmp_path, None, None, False)
     final = OriginFinding(0, 1, "origin", category="op", phase="reduce", module="", op="aten::_foreach_norm",
                           event_id="/aten::_foreach_norm:0", role="out", label="0", call_site="train.py:9 in <module>",
                           detail="all inputs of /aten::_foreach_norm:0 matched; its output 0 differs")

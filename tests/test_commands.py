@@ -18,8 +18,8 @@ from samebits.cli._recipe import recipe_program, replay_command, replay_config
 from samebits.errors import ConfigError
 from samebits.recipes.commands import recipe_command, recipe_roles, recorded_config_overrides
 from samebits.runs.bisect import bisect
-from samebits.runs.commands import (RecipeRefused, SelfRecording, default_out_dir, fill_placeholders, holds,
-                                    prepare_out_dir)
+from samebits.runs.commands import RecipeRefused, default_out_dir, fill_placeholders, holds, prepare_out_dir
+from samebits.runs.program import SelfRecording
 from samebits.runs.replay import replay
 from samebits.verdicts import Verdict
 
@@ -166,4 +166,5 @@ def test_the_cli_builds_the_recipe_programs_only_without_a_command_of_the_users(
     assert "deterministic=false" in programs["baseline"].record and programs["baseline"].nproc == 2
     assert "seed=1" in programs["baseline"].record and programs["baseline"].steps == 5
     assert main(["tax", "--out", str(tmp_path / "u"), "--", "python", "t.py", "{deterministic}"]) == 2
-    assert seen["programs"] is None and seen["command"] == ["python", "t.py", "{deterministic}"]
+    assert {label: program.argv for label, program in seen["programs"].items()} == {
+        "deterministic": ("python", "t.py", "1"), "baseline": ("python", "t.py", "0")}

@@ -24,12 +24,14 @@ from samebits.compare import diff
 from samebits.checkpoint import describe_state_record
 from samebits.runs._explain import explain_resume, ordered
 from samebits.runs._launch import RunFailed
-from samebits.runs.bisect import Command, Elements, _Bisector, _Evidence, bisect
+from samebits.runs._bisect_narrow import Side, _Bisector, _Evidence
+from samebits.runs.bisect import Elements, bisect
+from samebits.runs.program import ZeroCode
 from samebits.runs.verify import RunInfo, _curves_cut, _keeping_earlier_verdicts
 from samebits.trace import OriginFinding, OriginReport
 from samebits.verdicts import Verdict
 
-bisect_module = importlib.import_module("samebits.runs.bisect")  # samebits.runs.bisect is also the function
+bisect_module = importlib.import_module("samebits.runs._bisect_narrow")  # where bisect narrows
 RESUME = Path(__file__).parent / "scripts_resume"
 BISECT = Path(__file__).parent / "scripts_bisect"
 MINIGPT = RESUME / "minigpt.py"
@@ -133,7 +135,7 @@ def test_an_origin_whose_dumps_do_not_differ_says_the_difference_did_not_recur(t
               "first_indices": []}
     equal = Elements(detail, "0", ["a1", "b1"], ["x", "y"], same_values=False, inputs_identical=True)
     monkeypatch.setattr(_Bisector, "_dump", lambda self, final, subtree: equal)
-    bisector = _Bisector(Command("a", ["x"]), Command("b", ["x"]), tmp_path, None, None, True)
+    bisector = _Bisector(Side("a", ZeroCode(("x",))), Side("b", ZeroCode(("x",))), tmp_path, None, None, True)
     final = OriginFinding(0, 1, "origin", category="op", phase="backward", module="", op="aten::index_put_",
                           event_id="/aten::index_put_:0", role="out", label="0", call_site="train.py:9 in <module>",
                           detail="all inputs of /aten::index_put_:0 matched; its output 0 differs")

@@ -170,14 +170,15 @@ def test_verify_with_resume_on_a_lightning_script(tmp_path, callback):
     import sys
     from pathlib import Path
 
-    from samebits.runs import verify_command
+    from samebits.runs.program import ZeroCode
+    from samebits.runs.verify import verify
 
     script = str(Path(__file__).parent / "scripts_integrations" / "lightning_train.py")
     extra = [] if callback else ["--no-callback"]
     cmd = [sys.executable, script, "--workdir", "{out}", "--steps", "8", "--save-every", "4", *extra]
     resume = " ".join([sys.executable, script, "--workdir", "{out}", "--steps", "8", *extra,
                        "--resume", "{from}/ckpt/step=4.ckpt"])
-    result = verify_command(cmd, tmp_path / "v", resume_with=resume, resume_at=4)
+    result = verify(ZeroCode(tuple(cmd), tuple(resume.split())), tmp_path / "v", resume_at=4)
     if callback:
         assert result.verdict is Verdict.PASS, result.checks
     else:
@@ -198,13 +199,14 @@ def test_verify_shows_the_lightning_callbacks_own_finding(tmp_path):
     import sys
     from pathlib import Path
 
-    from samebits.runs import verify_command
+    from samebits.runs.program import ZeroCode
+    from samebits.runs.verify import verify
 
     script = str(Path(__file__).parent / "scripts_integrations" / "lightning_train.py")
     cmd = [sys.executable, script, "--workdir", "{out}", "--steps", "8", "--save-every", "5"]
     resume = " ".join([sys.executable, script, "--workdir", "{out}", "--steps", "8",
                        "--resume", "{from}/ckpt/step=5.ckpt"])
-    result = verify_command(cmd, tmp_path / "v", resume_with=resume, resume_at=5)
+    result = verify(ZeroCode(tuple(cmd), tuple(resume.split())), tmp_path / "v", resume_at=5)
     assert result.verdict is Verdict.FAIL
     said = [f for f in result.findings if f.kind == "script_said"]
     assert said and "the checkpoint was taken in the middle of epoch 1" in said[0].says

@@ -23,8 +23,8 @@ from samebits.invariant import (DEFAULT_BLOCK_SIZE, TP_BLOCK_SIZE, GradientAccum
                                 invariant_matmul, invariant_sum, micro_batch_seed, row_parallel_linear, scale_columns,
                                 sharded_grad_norm)
 from samebits.runs._launch import run_logged
-from samebits.cli._recipe import across_programs
-from samebits.runs.across import compare_replicated, verify_across
+from samebits.cli._recipe import across_size_layouts
+from samebits.runs.across import command_layouts, compare_replicated, verify_across
 from samebits.verdicts import Verdict
 
 SCRIPT = Path(__file__).parent / "scripts_invariant" / "train_dp.py"
@@ -189,7 +189,7 @@ def invariant_runs(tmp_path_factory):
     step in {out}/ckpt), compared with DP=1.  Shared with tests/test_replay.py."""
     if "across" not in _SHARED:
         out = tmp_path_factory.mktemp("across") / "out"
-        _SHARED["across"] = verify_across([1, 2, 4], _cmd("--steps", "20", "--ckpt", "{out}/ckpt"), out)
+        _SHARED["across"] = verify_across(command_layouts([1, 2, 4], _cmd("--steps", "20", "--ckpt", "{out}/ckpt")), out)
     return _SHARED["across"]
 
 
@@ -202,9 +202,9 @@ def _cmd(*extra: str) -> list[str]:
 def test_training_is_bit_identical_at_dp_1_2_and_4(invariant_runs):
     result = invariant_runs
     assert result.verdict is Verdict.PASS, result.to_dict()
-    for size, check in result.checks.items():
-        assert check.compared["steps"] == 20 and check.compared["records"] >= 20 * 13, (size, check.compared)
-        assert check.compared["world_size_b"] == size
+    for name, check in result.checks.items():
+        assert check.compared["steps"] == 20 and check.compared["records"] >= 20 * 13, (name, check.compared)
+        assert f"dp{check.compared['world_size_b']}" == name
 
 
 @pytest.mark.slow
@@ -212,9 +212,9 @@ def test_the_recipe_in_invariant_mode_is_bit_identical_at_dp_1_and_2(tmp_path):
     """The reference recipe (MoE with replicated experts, dropout, router jitter, MTP) through
     `verify --across`'s recipe path; `samebits verify --across dp=1,2,4 --steps 20` is the
     full check (benchmarks/RESULTS.md)."""
-    result = verify_across([1, 2], None, tmp_path / "recipe", programs=across_programs([1, 2], steps=2))
+    result = verify_across(across_size_layouts([1, 2], steps=2), tmp_path / "recipe")
     assert result.verdict is Verdict.PASS, result.to_dict()
-    assert result.checks[2].compared["steps"] == 2
+    assert result.checks["dp2"].compared["steps"] == 2
 
 
 @pytest.mark.slow

@@ -162,7 +162,7 @@ def test_bisect_failures_flag_reaches_the_matrix(tmp_path, monkeypatch, capsys):
 
 
 def _diverged_verify(program, out, **_kwargs):
-    """verify_recipe's answer for a cell whose two independent runs differ (no runs made)."""
+    """verify's answer for a cell whose two independent runs differ (no runs made)."""
     check = SimpleNamespace(verdict="diverged", incomplete=[], notes=[], to_dict=lambda: {"verdict": "diverged"})
     return VerifyResult(str(out), {"independent": check, "resume": None}, {}, None)
 
@@ -176,7 +176,7 @@ def test_bisect_failures_localises_a_planted_fault(tmp_path, monkeypatch):
     (``bisect.origin``).  The bisection's runs are real; the cell's verify runs (which catch
     this fault in tests/test_parallel_cells.py) are answered "independent runs diverged" to
     keep the test short."""
-    monkeypatch.setattr(M, "verify_recipe", _diverged_verify)
+    monkeypatch.setattr(M, "verify", _diverged_verify)
     matrix = matrix_program(global_batch=GLOBAL_BATCH, overrides=[*TINY, "fault_tp_racy_accumulate=true"])
     result = M.run_matrix(matrix, tmp_path / "m", cells=["tp2"], precisions=["fp32"], steps=1, bisect_failures=True)
     (cell,) = result.cells

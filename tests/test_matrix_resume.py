@@ -12,7 +12,7 @@ from samebits.cli import main
 from samebits.cli._recipe import matrix_program, recipe_program
 from samebits.cli.matrix import render
 from samebits.errors import ConfigError
-from samebits.runs import bisect
+from samebits.runs.bisect import bisect
 from samebits.runs import matrix as M
 from samebits.runs.verify import VerifyResult
 from samebits.verdicts import Verdict
@@ -21,7 +21,7 @@ TINY = ["num_layers=2", "seq_len=32", "vocab_size=256"]
 
 
 def _resume_diverged_verify(program, out, *, resume_at, **_kwargs):
-    """verify_recipe's answer for a cell whose A and B agree and whose resumed run C differs
+    """verify's answer for a cell whose A and B agree and whose resumed run C differs
     (no runs made: the fault below is caught by verify in tests/test_precision.py)."""
     def check(verdict):
         return SimpleNamespace(verdict=verdict, incomplete=[], notes=[], to_dict=lambda: {"verdict": verdict})
@@ -34,7 +34,7 @@ def test_bisect_failures_bisects_a_resume_that_forgets_the_amax_history(tmp_path
     fault ``fp8_save_amax_history=false``): the cell's runs repeat, its resume differs, and the
     bisection of the resume (A through, B resumed from a checkpoint of step 1, both real) ends
     at the state census of step 1 naming the histories, not at an op that reads them."""
-    monkeypatch.setattr(M, "verify_recipe", _resume_diverged_verify)
+    monkeypatch.setattr(M, "verify", _resume_diverged_verify)
     matrix = matrix_program(global_batch=2, overrides=[*TINY, "fp8_save_amax_history=false"])
     result = M.run_matrix(matrix, tmp_path / "m", cells=["single"], precisions=["fp8_delayed"], steps=2, resume_at=1,
                           bisect_failures=True)

@@ -356,7 +356,7 @@ def test_quiet_cli_prints_no_progress(monkeypatch, capsys):
         progress("[1/3] run A: python train.py")
         raise ConfigError("stopped here by the test")
 
-    monkeypatch.setattr(cli_verify, "verify_command", fake)
+    monkeypatch.setattr(cli_verify, "verify", fake)
     assert main(["verify", "-q", "--", "python", "train.py"]) == EXIT_CANNOT_RUN
     err = capsys.readouterr().err
     assert "run A" not in err and "stopped here by the test" in err

@@ -35,7 +35,8 @@ from samebits.runs.bisect import BisectResult, Elements, Origin, Stage
 from samebits.runs.matrix import CellResult, MatrixResult
 from samebits.runs.conclusion import bisect_conclusion, verify_conclusion
 from samebits.runs.report import build_report, differing_records
-from samebits.runs.verify import VerifyResult, verify_command
+from samebits.runs.program import ZeroCode
+from samebits.runs.verify import VerifyResult, verify
 from samebits.trace import compare_elements
 from samebits.verdicts import EXIT_BAD_VERDICT, EXIT_CANNOT_RUN, EXIT_OK, Verdict
 
@@ -286,8 +287,8 @@ def verify_out(tmp_path_factory):
     script = root / "train.py"
     script.write_text(RESUMABLE)
     cmd = [sys.executable, str(script)]
-    result = verify_command(cmd + ["--ckpt", "{out}"], root / "v", resume_at=2,
-                            resume_with=" ".join(cmd) + " --ckpt {out} --resume-from {from}/step-{step}.pt")
+    resume = (*cmd, "--ckpt", "{out}", "--resume-from", "{from}/step-{step}.pt")
+    result = verify(ZeroCode((*cmd, "--ckpt", "{out}"), resume), root / "v", resume_at=2)
     return root / "v", result
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from samebits.cli import main
 from samebits.errors import ConfigError
-from samebits.runs.across import CERTIFICATE, verify_across
+from samebits.runs.across import CERTIFICATE, command_layouts, verify_across
 from samebits.runs.report import build_report
 from samebits.verdicts import Verdict
 
@@ -26,7 +26,8 @@ SCRIPT = Path(__file__).parent / "scripts_across" / "fake_replicas.py"
 
 
 def _across(out: Path, *extra) -> Path:
-    verify_across([1, 2], [sys.executable, str(SCRIPT), "--nproc", "{nproc}", "--out", "{out}", *extra], out)
+    verify_across(command_layouts([1, 2], [sys.executable, str(SCRIPT), "--nproc", "{nproc}", "--out", "{out}", *extra]),
+                  out)
     return out
 
 

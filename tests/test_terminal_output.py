@@ -60,7 +60,7 @@ def test_progress_lines_carry_elapsed_time_and_indent_continuations(capsys):
 
 
 @pytest.mark.parametrize("module, target, argv", [
-    (cli_verify, "verify_command", ["verify", "--", "python", "train.py"]),
+    (cli_verify, "verify", ["verify", "--", "python", "train.py"]),
     (cli_bisect, "bisect", ["bisect", "--", "python", "train.py"]),
 ])
 def test_verify_and_bisect_print_progress_with_elapsed_time(monkeypatch, capsys, module, target, argv):

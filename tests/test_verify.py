@@ -19,7 +19,7 @@ from samebits.compare import DiffResult
 from samebits.errors import SamebitsError
 from samebits.verdicts import Verdict
 from samebits.cli._recipe import recipe_program
-from samebits.runs.verify import VerifyResult, verify_recipe
+from samebits.runs.verify import VerifyResult, verify
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +50,7 @@ def test_both_guarantees_hold_on_the_recipe(recipe_verified):
 
 
 def test_nondeterministic_path_is_caught_and_located(tmp_path):
-    result = verify_recipe(recipe_program(2, steps=4, nondeterministic=True), tmp_path / "v", resume_at=2)
+    result = verify(recipe_program(2, steps=4, nondeterministic=True), tmp_path / "v", resume_at=2)
     assert result.verdict == "fail"
     d = result.checks["independent"].first_divergence
     # index_put_(accumulate=True) in the MoE combine / embedding backward: first seen in gradients
@@ -61,7 +61,7 @@ def test_nondeterministic_path_is_caught_and_located(tmp_path):
 
 def test_lost_random_state_breaks_resume_at_the_first_step_after_it(tmp_path, monkeypatch):
     monkeypatch.setenv("SAMEBITS_TEST_DROP_RNG", "router_jitter")  # applied when C resumes
-    result = verify_recipe(recipe_program(2, steps=4), tmp_path / "v", resume_at=2)
+    result = verify(recipe_program(2, steps=4), tmp_path / "v", resume_at=2)
     assert result.checks["independent"].identical
     d = result.checks["resume"].first_divergence
     assert result.verdict == "fail"
@@ -74,11 +74,11 @@ def test_lost_random_state_breaks_resume_at_the_first_step_after_it(tmp_path, mo
 
 def test_bad_arguments_fail_clearly(tmp_path):
     with pytest.raises(SamebitsError, match="--resume-at 9 must be between 1 and 3"):
-        verify_recipe(recipe_program(2, steps=4), tmp_path / "x", resume_at=9)
+        verify(recipe_program(2, steps=4), tmp_path / "x", resume_at=9)
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "file").write_text("x")
     with pytest.raises(SamebitsError, match="never overwrites"):
-        verify_recipe(recipe_program(2, steps=4), tmp_path / "used")
+        verify(recipe_program(2, steps=4), tmp_path / "used")
 
 
 RESUMABLE_SCRIPT = '''
@@ -219,7 +219,7 @@ def test_verdict_is_proof_or_incomplete(independent, resume, expected):
 def test_a_run_that_refuses_shows_its_violations_first(tmp_path, monkeypatch):
     monkeypatch.setenv("NCCL_ALGO", "Tree")  # deterministic mode refuses a Tree all-reduce
     with pytest.raises(SamebitsError) as caught:
-        verify_recipe(recipe_program(1, steps=2), tmp_path / "v")
+        verify(recipe_program(1, steps=2), tmp_path / "v")
     message = str(caught.value)
     assert "[env-nccl-algo] NCCL_ALGO = 'Tree'" in message
     assert message.index("[env-nccl-algo]") < message.index("the end of its log")

@@ -18,7 +18,8 @@ import pytest
 
 from samebits.cli import main
 from samebits.runs._launch import RunFailed
-from samebits.runs.verify import verify_command
+from samebits.runs.program import ZeroCode
+from samebits.runs.verify import verify
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
 
@@ -65,7 +66,7 @@ def test_a_run_killed_under_verify_is_marked_with_why(tmp_path):
     out = tmp_path / "v"
     killed = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
     with pytest.raises(RunFailed):
-        verify_command(killed, out)
+        verify(ZeroCode(tuple(killed)), out)
     summary = _summary(out)
     assert summary["verdict"] == "stopped" and summary["stopped"].startswith("run A did not finish: ")
     assert "SIGKILL" in summary["stopped"] or "-9" in summary["stopped"], summary["stopped"]
@@ -79,7 +80,7 @@ def test_the_finished_summary_replaces_the_stopped_one(tmp_path):
                       "    for step in range(2):\n"
                       "        rec.metrics(step, loss=1.0)\n"
                       "        rec.end_step(step)\n")
-    result = verify_command([sys.executable, str(script)], out)
+    result = verify(ZeroCode((sys.executable, str(script))), out)
     summary = _summary(out)
     assert summary["verdict"] == result.verdict.value != "stopped"
     assert [run["name"] for run in summary["runs"]] == ["A", "B"]

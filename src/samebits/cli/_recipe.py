@@ -3,28 +3,30 @@ command line (`samebits.recipes.commands`) with the runners of `samebits.runs`, 
 command templates and know no program.  The command line is the only library code that
 imports the recipe (tests/test_architecture.py), and this module is where it does.
 
-    program = recipe_program(2, steps=8, overrides=["seed=3"])   # a runs.commands.SelfRecording
-    verify_recipe(program, out)
+    program = recipe_program(2, steps=8, overrides=["seed=3"])   # a runs.program.SelfRecording
+    verify(program, out)                                          # samebits.runs.verify
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from samebits.cli._lazy import lazy
 from samebits.recipes import commands as recipe
 from samebits.recipes.cells import ParallelDims, parse_layouts
 
-SelfRecording = lazy("samebits.runs.commands", "SelfRecording")
+SelfRecording = lazy("samebits.runs.program", "SelfRecording")
 Layout, CONTROL_STEPS = lazy("samebits.runs.across", "Layout", "CONTROL_STEPS")
 MatrixProgram = lazy("samebits.runs.matrix", "MatrixProgram")
 
 
-def recipe_program(nproc: int, *, steps: int, overrides: Sequence[str] = (), nondeterministic: bool = False):
+def recipe_program(nproc: int, *, steps: int, overrides: Sequence[str] = (), nondeterministic: bool = False,
+                   recording: Mapping[str, object] | None = None):
     """The recipe run for ``steps`` steps on ``nproc`` ranks, as a program that records itself
-    (`samebits.runs.commands.SelfRecording`)."""
+    (`samebits.runs.program.SelfRecording`); ``recording``: what it records
+    (`samebits.autorecord.recording_variables`' arguments)."""
     return SelfRecording(**recipe.recipe_roles(nproc, steps=steps, overrides=overrides,
-                                               nondeterministic=nondeterministic))
+                                               nondeterministic=nondeterministic), recording=dict(recording or {}))
 
 
 def tax_programs(nproc: int, *, steps: int, overrides: Sequence[str] = ()) -> dict:
@@ -34,9 +36,11 @@ def tax_programs(nproc: int, *, steps: int, overrides: Sequence[str] = ()) -> di
             for label, switch in (("deterministic", "true"), ("baseline", "false"))}
 
 
-def across_programs(sizes: Sequence[int], *, steps: int, overrides: Sequence[str] = ()) -> dict:
-    """`verify --across` on the recipe: one program per data-parallel size, in invariant mode."""
-    return {size: recipe_program(size, steps=steps, overrides=recipe.across_overrides(overrides)) for size in sizes}
+def across_size_layouts(sizes: Sequence[int], *, steps: int, overrides: Sequence[str] = ()) -> list:
+    """`verify --across` on the recipe at data-parallel ``sizes``, in invariant mode: one
+    `Layout` per size, with no control."""
+    return [Layout(f"dp{size}", size, recipe_program(size, steps=steps, overrides=recipe.across_overrides(overrides)))
+            for size in sizes]
 
 
 def across_layouts(spec: str, *, steps: int, overrides: Sequence[str] = (), controls: bool = True) -> list:
@@ -122,6 +126,6 @@ def matrix_program(*, overrides: Sequence[str] = (), nondeterministic: bool = Fa
                          notes=tuple(notes))
 
 
-__all__ = ["recipe_program", "tax_programs", "across_programs", "across_layouts", "across_reductions", "replay_command",
+__all__ = ["recipe_program", "tax_programs", "across_size_layouts", "across_layouts", "across_reductions", "replay_command",
            "replay_config", "replay_config_at",
            "matrix_program"]

@@ -11,8 +11,9 @@ from samebits.cli._options import (add_out_option, add_progress_options, add_rec
 from samebits.cli._lazy import lazy
 from samebits.cli._recipe import recipe_program
 from samebits.errors import ConfigError
+from samebits.runs.commands import check_bisect_arguments
 
-bisect = lazy("samebits.runs", "bisect")
+bisect = lazy("samebits.runs.bisect", "bisect")
 bisect_conclusion = lazy("samebits.runs.conclusion", "bisect_conclusion")
 
 
@@ -56,15 +57,7 @@ def run(args) -> int:
     cmd_a = shlex.split(args.cmd_a) if args.cmd_a else (args.cmd or None)
     cmd_b = shlex.split(args.cmd_b) if args.cmd_b else None
     # Checked before the library (and torch) is loaded: a mistake costs no second of start-up.
-    if args.b_step_offset is not None and not (args.cmd_a and args.cmd_b):
-        raise ConfigError("--b-step-offset needs --a and --b: the run to resume from (A) and the command that "
-                          "resumes it at that step (B); for the reference recipe's resume, --resume-at K.")
-    if args.resume_at is not None and cmd_a is not None:
-        raise ConfigError("--resume-at bisects the reference recipe's resume; for your own commands give --a "
-                          "(the run that saves), --b (the command that resumes) and --b-step-offset K.")
-    if args.resume_at is not None and not 0 < args.resume_at < args.steps:
-        raise ConfigError(f"--resume-at {args.resume_at} must be between 1 and {args.steps - 1} (inside the run of "
-                          f"--steps {args.steps}).")
+    check_bisect_arguments(cmd_a, cmd_b, args.b_step_offset, args.resume_at, None if cmd_a else args.steps)
     check_out_directory(args.out)
 
     progress = progress_for(args)  # stderr, each line after the elapsed time; each run's steps live

@@ -12,9 +12,11 @@ from samebits.cli._options import (add_out_option, add_progress_options, add_rec
 from samebits.cli._lazy import lazy
 from samebits.cli._recipe import tax_programs
 from samebits.defaults import DEFAULT_GATE
+from samebits.runs.commands import tax_commands
 from samebits.errors import ConfigError
 
 TaxResult, tax = lazy("samebits.runs.tax", "TaxResult", "tax")
+ZeroCode = lazy("samebits.runs.program", "ZeroCode")
 
 # Restated from samebits.runs.tax (importing it would load numpy and torch before parsing).
 DEFAULT_PAIRS = 4
@@ -66,28 +68,17 @@ def register(sub) -> None:
 def run(args) -> int:
     if not math.isfinite(args.gate):  # the library refuses a gate <= 0; nan or inf would decide nothing
         raise ConfigError(f"--gate {args.gate}: a ratio gate is a positive finite number, e.g. 1.05.")
-    _check_commands(args)
-    check_out_directory(args.out)
-    recipe = not (args.cmd or args.cmd_a or args.cmd_b)  # no command of the user's: the reference recipe
-    programs = tax_programs(args.nproc, steps=args.steps, overrides=args.overrides) if recipe else None
-    result = tax(args.out, command=args.cmd or None, command_a=args.cmd_a, command_b=args.cmd_b, programs=programs,
-                 pairs=args.pairs, budget_s=float(args.budget), warmup=args.warmup, gate=args.gate,
-                 confidence=args.confidence, run_timeout=args.run_timeout, progress=progress_for(args))
-    return print_result(result, args.json, render)
-
-
-def _check_commands(args) -> None:
-    """The command mistakes `samebits.runs.tax.tax` refuses, refused before torch is loaded (the
-    same words: that module needs torch to import)."""
     command = args.cmd[1:] if args.cmd and args.cmd[0] == "--" else args.cmd
-    if command and (args.cmd_a is not None or args.cmd_b is not None):
-        raise ConfigError("give either `-- CMD` (with {deterministic}) or --a 'CMD' --b 'CMD', not both.")
-    if (args.cmd_a is None) != (args.cmd_b is None):
-        raise ConfigError("--a and --b go together: --a is the deterministic command, --b the baseline.")
-    if command and not any("{deterministic}" in part for part in command):
-        raise ConfigError("the command has no {deterministic}: samebits cannot switch your script's deterministic "
-                          "mode. Put {deterministic} where it takes the switch (it becomes 1 for the deterministic "
-                          "run and 0 for the baseline), or give two commands with --a and --b.")
+    commands = tax_commands(command, args.cmd_a, args.cmd_b)  # refused before torch is loaded
+    check_out_directory(args.out)
+    if commands is None:  # no command of the user's: the reference recipe
+        programs = tax_programs(args.nproc, steps=args.steps, overrides=args.overrides)
+    else:
+        programs = {label: ZeroCode(tuple(argv)) for label, argv in commands.items()}
+    result = tax(args.out, programs=programs, pairs=args.pairs, budget_s=float(args.budget), warmup=args.warmup,
+                 gate=args.gate, confidence=args.confidence, run_timeout=args.run_timeout,
+                 progress=progress_for(args))
+    return print_result(result, args.json, render)
 
 
 def render(result: TaxResult) -> str:

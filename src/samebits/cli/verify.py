@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import time
 
 from samebits.cli._format import print_result, table
@@ -12,11 +13,13 @@ from samebits.cli._options import (MAX_NPROC, add_out_option, add_progress_optio
 from samebits.cli._recipe import across_layouts, across_reductions, recipe_program
 from samebits.errors import ConfigError
 from samebits.recipes.cells import parse_layouts
+from samebits.runs.commands import check_resume_options, check_verify_steps
 from samebits.verdicts import Verdict
 
-parse_across, verify_across = lazy("samebits.runs.across", "parse_across", "verify_across")
-VerifyResult, verify_command, verify_recipe = lazy("samebits.runs.verify", "VerifyResult", "verify_command",
-                                                   "verify_recipe")
+command_layouts, parse_across, verify_across = lazy("samebits.runs.across", "command_layouts", "parse_across",
+                                                    "verify_across")
+VerifyResult, verify = lazy("samebits.runs.verify", "VerifyResult", "verify")
+ZeroCode = lazy("samebits.runs.program", "ZeroCode")
 verify_conclusion, across_conclusion = lazy("samebits.runs.conclusion", "verify_conclusion", "across_conclusion")
 
 
@@ -75,25 +78,20 @@ def run(args) -> int:
     if args.across is not None:
         return run_across(args, progress, start)
     if args.cmd:
-        result = verify_command(args.cmd, args.out, resume_with=args.resume_with, resume_at=args.resume_at,
-                                require_resume=args.require_resume, run_timeout=args.run_timeout,
-                                progress=progress, record=recording_options(args), keep_going=args.keep_going)
+        program = ZeroCode(tuple(args.cmd), None if args.resume_with is None else tuple(shlex.split(args.resume_with)),
+                           recording=recording_options(args))
     else:
         program = recipe_program(args.nproc, steps=args.steps, overrides=args.overrides,
-                                 nondeterministic=args.nondeterministic)
-        result = verify_recipe(program, args.out, resume_at=args.resume_at, progress=progress,
-                               record=recording_options(args), keep_going=args.keep_going)
+                                 nondeterministic=args.nondeterministic, recording=recording_options(args))
+    result = verify(program, args.out, resume_at=args.resume_at, require_resume=args.require_resume,
+                    run_timeout=args.run_timeout, progress=progress, keep_going=args.keep_going)
     result.timings["total"] = time.perf_counter() - start
     return print_result(result, args.json, render)
 
 
-# In --resume-with only: the resume step and A's work folder (samebits.runs.verify.RESUME_PLACEHOLDERS).
-RESUME_PLACEHOLDERS = ("{step}", "{from}")
-
-
 def check(args) -> None:
     """Refuse, before the library (and torch) is loaded, options that cannot go together and an
-    output folder that is in use: the checks `samebits.runs.verify` makes again, made here so
+    output folder that is in use, with the library's own checks (`samebits.runs.commands`), so
     that a mistake costs no second of start-up."""
     if args.resume_across and args.across is None:
         raise ConfigError("--resume-across needs --across LAYOUTS (the layouts that resume the first one's "
@@ -102,21 +100,7 @@ def check(args) -> None:
         raise ConfigError("--keep-going applies to the A, B, C runs of verify; --across runs each size once "
                           "with no live check, so drop --keep-going there.")
     if args.across is None and args.cmd:
-        if args.resume_with is None and args.require_resume:
-            raise ConfigError("--require-resume: no resume check asked for. Give --resume-with 'CMD' (how to resume "
-                              "your script from A's checkpoint: {from} is A's work folder, {step} the step) and "
-                              "--resume-at K; see docs/resume.md.")
-        if args.resume_with is not None and args.resume_at is None:
-            raise ConfigError("--resume-with needs --resume-at K: the step the resumed command starts from "
-                              "(there is no default for a command: samebits cannot know where it checkpoints).")
-        if args.resume_at is not None and args.resume_at < 1:
-            raise ConfigError(f"--resume-at {args.resume_at}: must be a step >= 1 (a resume after at least one step).")
-        if args.resume_at is not None and args.resume_with is None:
-            raise ConfigError("--resume-at without --resume-with: give the command that resumes your script too.")
-        for placeholder in RESUME_PLACEHOLDERS:
-            if any(placeholder in part for part in args.cmd):
-                raise ConfigError(f"the command holds {placeholder}, which only --resume-with can use; use {{out}} "
-                                  "for the run's own work folder.")
+        check_resume_options(args.cmd, args.resume_with, args.resume_at, args.require_resume)
     elif args.across is not None and not args.cmd:  # the recipe at several layouts, parsed as run_across will
         spec = " ".join(args.across)
         largest = max(parse_layouts(spec), key=lambda dims: dims.world_size)
@@ -127,12 +111,7 @@ def check(args) -> None:
         if args.resume_with is not None:
             raise ConfigError("--resume-with needs a command of yours (after --): the reference recipe resumes "
                               "itself; drop --resume-with, or give the command it resumes.")
-        if args.steps < 2:
-            raise ConfigError(f"--steps {args.steps}: verify needs at least 2 steps (one before and one after the "
-                              "resume).")
-        if args.resume_at is not None and not 0 < args.resume_at < args.steps:
-            raise ConfigError(f"--resume-at {args.resume_at} must be between 1 and {args.steps - 1} (inside the "
-                              "run).")
+        check_verify_steps(args.steps, args.resume_at)
     check_out_directory(args.out)
 
 
@@ -144,20 +123,13 @@ def run_across(args, progress, start: float) -> int:
         if max(sizes) > MAX_NPROC:
             raise ConfigError(f"--across {spec}: a data-parallel size is at most {MAX_NPROC} (ranks of one run "
                               "on this machine)")
-        if args.resume_across:
-            raise ConfigError("--resume-across needs the recipe: a command has no resume at another layout to run; "
-                              "drop the command or --resume-across")
-        across = verify_across(sizes, args.cmd, args.out, run_timeout=args.run_timeout, progress=progress,
-                               controls=not args.no_controls)
+        layouts, reductions = command_layouts(sizes, args.cmd), ()
     else:
         layouts = across_layouts(spec, steps=args.steps, overrides=args.overrides, controls=not args.no_controls)
-        largest = max(layouts, key=lambda layout: layout.nproc)
-        if largest.nproc > MAX_NPROC:
-            raise ConfigError(f"--across {spec}: {largest.name} needs {largest.nproc} ranks; a run is at most "
-                              f"{MAX_NPROC} ranks on this machine")
-        across = verify_across(layouts, None, args.out, run_timeout=args.run_timeout, progress=progress,
-                               controls=not args.no_controls, reductions=across_reductions(spec),
-                               resume_across=args.resume_across, resume_at=args.resume_at)
+        reductions = across_reductions(spec)
+    across = verify_across(layouts, args.out, run_timeout=args.run_timeout, progress=progress,
+                           controls=not args.no_controls, reductions=reductions, resume_across=args.resume_across,
+                           resume_at=args.resume_at)
     across.timings["total"] = time.perf_counter() - start
     return print_result(across, args.json, render_across)
 

@@ -1,15 +1,24 @@
 """Runs of training commands, launched and judged: the top library layer.
 
-    verify_recipe / verify_command   the two guarantees (A = B; A = C resumed from A's checkpoint)
-    bisect                           narrow a divergence to its origin, one tracing rung at a time
+    samebits.runs.verify.verify   the two guarantees (A = B; A = C resumed from A's checkpoint)
+    samebits.runs.bisect.bisect   narrow a divergence to its origin, one tracing rung at a time
 
-Both start training as separate processes (the reference recipe, or any command under
-zero-code recording) through one launcher (`_launch`: logged, time-bounded, judged by how each
-process's own code ended), then compare the recorded streams with `samebits.compare` and
-classify with `samebits.trace`.  See docs/architecture.md.
+(each function is named after its module, so the package does not export it: a submodule
+imported first would take the name).
+
+Both run a `samebits.runs.program.Program` (the reference recipe, which records itself, or
+any command under zero-code recording) as separate processes through one launcher (`_launch`:
+logged, time-bounded, judged by how each process's own code ended), then compare the recorded
+streams with `samebits.compare` and classify with `samebits.trace`.  See docs/architecture.md.
+Importing the package loads no torch (its names load on first use), so the command line can
+check its arguments with `samebits.runs.commands` before it loads the library.
 """
 
-from samebits.runs.bisect import BisectResult, bisect
-from samebits.runs.verify import VerifyResult, verify_command, verify_recipe
+from samebits._lazy_exports import lazy_exports
 
-__all__ = ["verify_recipe", "verify_command", "VerifyResult", "bisect", "BisectResult"]
+_LAZY = {"VerifyResult": "verify", "BisectResult": "bisect", "Program": "program",
+         "SelfRecording": "program", "ZeroCode": "program"}
+
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
+
+__all__ = ["VerifyResult", "BisectResult", "Program", "SelfRecording", "ZeroCode"]

@@ -47,9 +47,10 @@ from typing import Callable, Iterable, Mapping, Sequence
 from samebits.checkpoint import content_sha256
 from samebits.compare import DIFFERS, SHAPE_ONLY, DiffResult, Divergence, diff, record_match
 from samebits.errors import ConfigError, SamebitsError
-from samebits.runs._launch import RunFailed, failed, run_logged, stopped_marked, UNFINISHED, write_stopped
-from samebits.runs.commands import (CKPT, NPROC, OUT, RUN, STEP, RecipeRefused, SelfRecording, fill_placeholders,
-                                    holds, prepare_out_dir, write_summary)
+from samebits.runs._launch import RunFailed, run_logged, stopped_marked, UNFINISHED, write_stopped
+from samebits.runs.commands import (CKPT, NPROC, OUT, RUN, STEP, RecipeRefused, fill_placeholders, holds,
+                                    prepare_out_dir, write_summary)
+from samebits.runs.program import RECORD, RESUME, SAVE, Launch, Program, SelfRecording
 from samebits.runs.verify import RunInfo
 from samebits.stream import GLOBAL_PHASE_PREFIX, open_run
 from samebits.stream.reader import require_same_digest_version
@@ -79,15 +80,15 @@ def parse_across(spec: str) -> list[int]:
 @dataclass(frozen=True)
 class Layout:
     """One layout of ``verify --across``: its name (a cell, e.g. ``tp2``), its rank count, the
-    program that records it (None: the command template, ``{nproc}`` = ``nproc``), its negative
-    control (the same layout without the switches; None: none), the overrides each was
-    given (what the certificate shows), and ``resume``: the command that resumes a checkpoint
-    saved at another layout (``{ckpt}``) into ``{out}`` (None: the program's ``resume``)."""
+    program that records it (`samebits.runs.program`), its negative control (the same layout
+    without the switches; None: none), the overrides each was given (what the certificate
+    shows), and ``resume``: the command that resumes a checkpoint saved at another layout
+    (``{ckpt}``) into ``{out}`` (None: the program's RESUME role)."""
 
     name: str
     nproc: int
-    program: SelfRecording | None = None
-    control: SelfRecording | None = None
+    program: Program
+    control: Program | None = None
     overrides: tuple[str, ...] = ()
     control_overrides: tuple[str, ...] = ()
     resume: tuple[str, ...] | None = None
@@ -327,8 +328,21 @@ def _by_layout(checks: Mapping) -> dict:
     return {check.layout: check.to_dict() for check in checks.values()}
 
 
-def verify_across(layouts: Sequence[Layout] | Sequence[int], cmd: list[str] | None = None, out=None, *,
-                  programs: Mapping[int, SelfRecording] | None = None, rank: int = 0, controls: bool = True,
+def command_layouts(sizes: Sequence[int], cmd: Sequence[str]) -> list[Layout]:
+    """``verify --across`` of a command at data-parallel ``sizes``: one layout per size, its
+    program the command with ``{nproc}`` replaced by the size, recording itself into ``{out}``
+    (e.g. ``torchrun --nproc-per-node {nproc} train.py --out {out}``); it has no control and no
+    resume (no switch to turn off, no resume at another layout to run)."""
+    missing = [p for p in ACROSS_PLACEHOLDERS if not holds(cmd, p)]
+    if not cmd or missing:
+        raise ConfigError(f"--across with a command: the command must contain {' and '.join(missing)} "
+                          "({nproc}: the data-parallel size of each run; {out}: the folder it records "
+                          "into), e.g. -- torchrun --nproc-per-node {nproc} train.py --out {out}")
+    return [Layout(f"dp{size}", size, SelfRecording(None, size, tuple(fill_placeholders(cmd, {NPROC: size}))))
+            for size in sizes]
+
+
+def verify_across(layouts: Sequence[Layout], out=None, *, rank: int = 0, controls: bool = True,
                   reductions: Sequence[dict] = (), run_timeout: float | None = None,
                   progress: Callable[[str], None] | None = None, resume_across: bool = False,
                   resume_at: int | None = None) -> AcrossResult:
@@ -336,77 +350,58 @@ def verify_across(layouts: Sequence[Layout] | Sequence[int], cmd: list[str] | No
     controls (``controls``, when the layouts have them); write summary.json and
     certificate.json into ``out``.
 
-    ``layouts``: `Layout` objects (the recipe's: `samebits.cli._recipe.across_layouts`), or
-    data-parallel sizes with ``cmd`` (``{nproc}`` replaced by the size and ``{out}`` by the folder
-    it must record into, e.g. ``torchrun --nproc-per-node {nproc} train.py --out {out}``) or
-    with ``programs`` (one per size).  A recipe layout also saves its checkpoints of step
-    ``steps // 2`` (``resume_at`` with ``resume_across``), so that `samebits replay` can re-run a
-    step of it, and of the final step (the certificate's content hash) into its folder's ckpt/.
+    ``layouts``: `Layout` objects, each with its program (`samebits.runs.program`: the recipe's,
+    `samebits.cli._recipe.across_layouts`; a command's, `command_layouts`).  A layout whose
+    program saves (the recipe's) also saves its checkpoints of step ``steps // 2``
+    (``resume_at`` with ``resume_across``), so that `samebits replay` can re-run a step of it,
+    and of the final step (the certificate's content hash) into its folder's ckpt/.
     ``reductions``: what the switches make invariant (the certificate's list).
     ``resume_across``: every layout but the first also resumes the first's checkpoint of step
     ``resume_at`` (default ``steps // 2``) and must equal its run from there on; a resume
     that saves its final checkpoint into ``{out}/ckpt`` (the recipe's does) has it hashed with
     the layouts' (``resume-NAME``), which must be equal too.
     """
-    sizes = None if all(isinstance(layout, Layout) for layout in layouts) else [int(size) for size in layouts]
-    layouts = _as_layouts(layouts, cmd, programs)
-    if cmd is not None:
-        missing = [p for p in ACROSS_PLACEHOLDERS if not holds(cmd, p)]
-        if not cmd or missing:
-            raise ConfigError(f"--across with a command: the command must contain {' and '.join(missing)} "
-                              "({nproc}: the data-parallel size of each run; {out}: the folder it records "
-                              "into), e.g. -- torchrun --nproc-per-node {nproc} train.py --out {out}")
-    if resume_across:
-        if cmd is not None:
-            raise ConfigError("--resume-across needs the recipe (a command has no resume at another layout to "
-                              "run); drop the command or --resume-across")
-        steps = layouts[0].program.steps
-        resume_at = steps // 2 if resume_at is None else resume_at
-        if not 0 < resume_at < steps:
-            raise ConfigError(f"--resume-at {resume_at}: the resume step must lie inside the run, between 1 and "
-                              f"{steps - 1} (--steps {steps})")
-    elif resume_at is not None:
-        raise ConfigError("--resume-at with --across needs --resume-across (where the other layouts resume)")
-    if cmd is None:
-        for layout in layouts:  # each layout's options and config, before any run and any folder
-            try:
-                layout.program.refuse_early()
-            except RecipeRefused as err:
-                raise ConfigError(f"--across: layout {layout.name}: {err}") from None
+    if not layouts:
+        raise ConfigError("verify --across: no layouts to run")
+    resume_at = _resume_step(layouts, resume_across, resume_at)
+    for layout in layouts:  # each layout's options and config, before any run and any folder
+        try:
+            layout.program.refuse_early()
+        except RecipeRefused as err:
+            raise ConfigError(f"--across: layout {layout.name}: {err}") from None
     out = prepare_out_dir(out, "across")
     say = progress or (lambda message: None)
     result = AcrossResult(out=str(out), layouts=[layout.name for layout in layouts], checks={})
     checkpoints = {}
+    run = _Runner(out, result, run_timeout, progress, say)
     with stopped_marked(out, result.runs):  # a killed verify leaves summary.json saying so (issue 34)
         for layout in layouts:
-            checkpoints[layout.name] = _run_layout(layout, cmd, out, result, run_timeout, progress, say,
-                                                   resume_at if resume_across else None)
+            checkpoints[layout.name] = _run_layout(layout, run, resume_at)
         if resume_across:
             result.resume, result.resume_at = {}, resume_at
             saved = checkpoints[layouts[0].name]["path"] / f"step-{resume_at}"
             for layout in layouts[1:]:
-                result.resume[layout.name] = _resume_layout(layout, layouts[0].name, saved, resume_at, out, result,
-                                                            run_timeout, progress, say)
+                result.resume[layout.name] = _resume_layout(layout, layouts[0].name, saved, resume_at, run)
                 resumed_ckpt = out / (RESUME_PREFIX + layout.name) / "ckpt"
                 if resumed_ckpt.is_dir():  # a resume that saved its final step: its state must be the same too
                     checkpoints[RESUME_PREFIX + layout.name] = {"steps": [layout.program.steps],
                                                                 "final": layout.program.steps, "path": resumed_ckpt}
-        run_controls = controls and cmd is None and all(layout.control is not None for layout in layouts)
-        if run_controls:
-            for layout in layouts:
-                _run_control(layout, out, result, run_timeout, progress, say)
+        run_controls = controls and all(layout.control is not None for layout in layouts)
+        for layout in layouts if run_controls else ():
+            name = CONTROL_PREFIX + layout.name
+            run(name, layout.control.launch(RECORD, out / name), layout.control)
     reference = out / layouts[0].name
-    for index, layout in enumerate(layouts[1:], 1):
+    for layout in layouts[1:]:
         say(f"comparing {layout.name} with {layouts[0].name}")
-        key = layout.name if sizes is None else sizes[index]  # sizes given: checks by size, as before
-        result.checks[key] = compare_layouts(reference, out / layout.name, layout.name, rank=rank)
+        result.checks[layout.name] = compare_layouts(reference, out / layout.name, layout.name, rank=rank)
     if run_controls:
         result.controls = [compare_control(out / (CONTROL_PREFIX + layouts[0].name), out / (CONTROL_PREFIX + l.name),
                                            l.name) for l in layouts[1:]]
     else:
         result.controls_note = ("not run: --no-controls" if not controls else
                                 "not run: a command has no switch to turn off (controls need the recipe)"
-                                if cmd is not None else "not run: a layout has no control program")
+                                if any(layout.program.steps is None for layout in layouts) else
+                                "not run: a layout has no control program")
     result.roots = {layout.name: global_roots(out / layout.name) for layout in layouts}
     result.checkpoints, result.checkpoints_equal, note = final_checkpoints(checkpoints)
     if note:
@@ -416,83 +411,81 @@ def verify_across(layouts: Sequence[Layout] | Sequence[int], cmd: list[str] | No
     return result
 
 
-def _as_layouts(layouts, cmd, programs) -> list[Layout]:
-    """`Layout` objects from what `verify_across` was given (sizes with a command or programs)."""
-    if not layouts:
-        raise ConfigError("verify --across: no layouts to run")
-    if all(isinstance(layout, Layout) for layout in layouts):
-        if cmd is None and any(layout.program is None for layout in layouts):
-            raise ConfigError("verify --across: every layout needs its program, or give a command")
-        return list(layouts)
-    if (cmd is None) == (programs is None):
-        raise ConfigError("verify --across: give a command (with {nproc} and {out}) or the program of each size, "
-                          "not both")
-    sizes = [int(size) for size in layouts]
-    lacking = [size for size in sizes if programs is not None and size not in programs]
-    if lacking:
-        raise ConfigError(f"verify --across: no program for dp={lacking[0]}")
-    return [Layout(f"dp{size}", size, None if programs is None else programs[size]) for size in sizes]
+def _resume_step(layouts: Sequence[Layout], resume_across: bool, resume_at: int | None) -> int | None:
+    """Where the other layouts resume the first's checkpoint (None: they do not), refused when
+    they cannot (a program with no resume) or it lies outside the run."""
+    if not resume_across:
+        if resume_at is not None:
+            raise ConfigError("--resume-at with --across needs --resume-across (where the other layouts resume)")
+        return None
+    steps = layouts[0].program.steps
+    if steps is None or any(layout.resume is None and not layout.program.resumes for layout in layouts[1:]):
+        raise ConfigError("--resume-across needs the recipe (a command has no resume at another layout to "
+                          "run); drop the command or --resume-across")
+    resume_at = steps // 2 if resume_at is None else resume_at
+    if not 0 < resume_at < steps:
+        raise ConfigError(f"--resume-at {resume_at}: the resume step must lie inside the run, between 1 and "
+                          f"{steps - 1} (--steps {steps})")
+    return resume_at
 
 
-def _run_layout(layout: Layout, cmd, out: Path, result: AcrossResult, run_timeout, progress, say,
-                resume_at: int | None) -> dict | None:
+@dataclass
+class _Runner:
+    """Runs one of verify --across's runs into out/NAME, logged and judged by its program; a run
+    that failed raises `RunFailed`."""
+
+    out: Path
+    result: AcrossResult
+    run_timeout: float | None
+    progress: Callable[[str], None] | None
+    say: Callable[[str], None]
+
+    def __call__(self, name: str, launch: Launch, program: Program, steps: int | None = None) -> None:
+        self.say(f"running {name}: {shlex.join(launch.argv)}")
+        log = self.out / "logs" / f"{name}.log"
+        code, seconds = run_logged(launch.argv, log, env=launch.env, label=name,
+                                   timeout=self.run_timeout or 1800.0, progress=self.progress,
+                                   streams=launch.streams, steps=steps if steps is not None else program.steps)
+        self.result.timings[name] = seconds
+        self.result.runs.append(RunInfo(name, shlex.join(launch.argv), code, seconds))
+        write_stopped(self.out, self.result.runs, UNFINISHED)  # what it had, should verify itself be killed next
+        program.judge(name, launch, code, log)
+
+
+def _run_layout(layout: Layout, run: _Runner, resume_at: int | None) -> dict | None:
     """Run one layout into out/NAME; its checkpoints ({"steps", "final", "path"}: the root) or
-    None.  A program saves at steps/2 (``resume_at`` when given: where the others resume) for
-    replay and at its final step for the certificate."""
-    run_dir = out / layout.name
-    checkpoint = None
-    if cmd is not None:
+    None.  A program that saves does so at steps/2 (``resume_at`` when given: where the others
+    resume) for replay and at its final step for the certificate."""
+    program, run_dir = layout.program, run.out / layout.name
+    if not program.template(SAVE):  # it saves nothing: it records, in a folder made for it
         run_dir.mkdir(parents=True, exist_ok=True)
-        argv = fill_placeholders(cmd, {NPROC: layout.nproc, OUT: run_dir, RUN: layout.name})
-    else:
-        program = layout.program
-        middle = program.steps // 2 if resume_at is None else resume_at
-        saves = sorted({step for step in (middle, program.steps) if step > 0})
-        argv = fill_placeholders(program.save, {OUT: run_dir, STEP: ",".join(map(str, saves)), CKPT: run_dir / "ckpt",
-                                                RUN: layout.name})
-        checkpoint = {"steps": saves, "final": program.steps, "path": run_dir / "ckpt"}
-    _launch(layout.name, argv, out, run_dir, result, run_timeout, progress, say,
-            None if cmd is not None else layout.program.steps)
-    return checkpoint
+        run(layout.name, program.launch(RECORD, run_dir), program)
+        return None
+    middle = program.steps // 2 if resume_at is None else resume_at
+    saves = sorted({step for step in (middle, program.steps) if step > 0})
+    launch = program.launch(SAVE, run_dir, values={STEP: ",".join(map(str, saves)), CKPT: run_dir / "ckpt"})
+    run(layout.name, launch, program)
+    return {"steps": saves, "final": program.steps, "path": run_dir / "ckpt"}
 
 
-def _resume_layout(layout: Layout, reference: str, saved: Path, step: int, out: Path, result: AcrossResult,
-                   run_timeout, progress, say) -> LayoutCheck:
+def _resume_layout(layout: Layout, reference: str, saved: Path, step: int, run: _Runner) -> LayoutCheck:
     """``layout`` resumes ``reference``'s checkpoint ``saved`` (of step ``step``) into
     out/resume-NAME; its comparison with the reference's run from ``step`` on.  A resume the
     program refuses (or that fails) is INCOMPLETE with the program's reason."""
     name = RESUME_PREFIX + layout.name
-    run_dir = out / name
-    template = layout.resume if layout.resume is not None else layout.program.resume
-    argv = fill_placeholders(template, {OUT: run_dir, CKPT: saved, RUN: name})
+    run_dir = run.out / name
+    launch = layout.program.launch(RESUME, run_dir, values={CKPT: saved})
+    if layout.resume is not None:  # its own resume template (at another layout: --allow-layout-change)
+        launch = Launch(fill_placeholders(layout.resume, {OUT: run_dir, CKPT: saved, RUN: name}), launch.env, run_dir)
     try:
-        _launch(name, argv, out, run_dir, result, run_timeout, progress, say, layout.program.steps - step)
+        run(name, launch, layout.program, layout.program.steps - step)
     except RunFailed as err:
         return LayoutCheck(layout.name, Verdict.INCOMPLETE, "resume", None, {"steps": 0},
                            incomplete=[f"{layout.name} could not resume {reference}'s checkpoint of step {step}: "
-                                       f"{err.reason} (log: {out / 'logs' / (name + '.log')})"])
+                                       f"{err.reason} (log: {run.out / 'logs' / (name + '.log')})"])
+    say = run.say
     say(f"comparing {name} with {reference} from step {step}")
-    return compare_layouts(out / reference, run_dir, layout.name, start_step=step)
-
-
-def _run_control(layout: Layout, out: Path, result: AcrossResult, run_timeout, progress, say) -> None:
-    name = CONTROL_PREFIX + layout.name
-    run_dir = out / name
-    argv = fill_placeholders(layout.control.record, {OUT: run_dir, RUN: name})
-    _launch(name, argv, out, run_dir, result, run_timeout, progress, say, layout.control.steps)
-
-
-def _launch(name: str, argv: list[str], out: Path, run_dir: Path, result: AcrossResult, run_timeout, progress,
-            say, steps: int | None) -> None:
-    say(f"running {name}: {shlex.join(argv)}")
-    log = out / "logs" / f"{name}.log"
-    code, seconds = run_logged(argv, log, label=name, timeout=run_timeout or 1800.0, progress=progress,
-                               streams=run_dir, steps=steps)
-    result.timings[name] = seconds
-    result.runs.append(RunInfo(name, shlex.join(argv), code, seconds))
-    write_stopped(out, result.runs, UNFINISHED)  # what it had, should verify itself be killed next
-    if code != 0:
-        raise failed(name, argv, code, log)
+    return compare_layouts(run.out / reference, run_dir, layout.name, start_step=step)
 
 
 def _has_global_records(path) -> bool:
@@ -735,5 +728,5 @@ def write_certificate(out: Path, result: AcrossResult, layouts: Sequence[Layout]
 
 __all__ = ["verify_across", "AcrossResult", "Layout", "LayoutCheck", "ControlCheck", "compare_replicated",
            "compare_layouts", "compare_control", "global_roots", "checkpoint_sha256", "final_checkpoints",
-           "certificate", "write_certificate", "parse_across", "ACROSS_PLACEHOLDERS", "CERTIFICATE", "CONTROL_STEPS",
+           "certificate", "write_certificate", "parse_across", "command_layouts", "ACROSS_PLACEHOLDERS", "CERTIFICATE", "CONTROL_STEPS",
            "RESUME_PREFIX"]

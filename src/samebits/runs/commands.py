@@ -13,9 +13,9 @@ library never spells a program's own command line (the reference recipe's is bui
     {reference}  a recorded run to check each step against, live
     {nproc}      the number of ranks (processes) of one run
 
-`SelfRecording` holds the templates of a program that records its own streams (the recipe:
-``--out``, ``--save-at``, ``--resume-from``, ``--reference`` are its flags, not samebits').
-Every runner writes into a new or empty output folder (`prepare_out_dir`, default
+The programs that fill them are `samebits.runs.program`'s; the checks of a runner's
+arguments that the command line makes before it loads torch are here, so that both make them
+with one definition.  Every runner writes into a new or empty output folder (`prepare_out_dir`, default
 `default_out_dir`) and leaves its result there as summary.json (`write_summary`).
 """
 
@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import json
 import shlex
-import subprocess
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from samebits.errors import ConfigError, SamebitsError
+from samebits.errors import ConfigError
 
 OUT, RUN, STEP, FROM, CKPT, REFERENCE, NPROC = "{out}", "{run}", "{step}", "{from}", "{ckpt}", "{reference}", "{nproc}"
 PLACEHOLDERS = (OUT, RUN, STEP, FROM, CKPT, REFERENCE, NPROC)
@@ -44,47 +42,88 @@ class RecipeRefused(ConfigError):
         self.said = said
 
 
-@dataclass(frozen=True)
-class SelfRecording:
-    """A training program that records its own fingerprint streams, as command templates.
+def check_verify_steps(steps: int, resume_at: int | None) -> int:
+    """verify's resume step for a program of ``steps`` steps (default ``steps // 2``), refused
+    unless inside the run: verify needs a step before and one after the resume."""
+    if steps < 2:
+        raise ConfigError(f"--steps {steps}: verify needs at least 2 steps (one before and one after the resume).")
+    resume_at = steps // 2 if resume_at is None else resume_at
+    if not 0 < resume_at < steps:
+        raise ConfigError(f"--resume-at {resume_at} must be between 1 and {steps - 1} (inside the run).")
+    return resume_at
 
-    Each template is argv with placeholders (see the module docstring); a runner fills them
-    with `fill_placeholders` and appends nothing of its own.  ``steps`` and ``nproc`` say what
-    one run is (a runner checks its step arguments against ``steps`` and reports ``nproc``).
-    """
 
-    steps: int
-    nproc: int
-    record: tuple[str, ...]  # train ``steps`` steps, recording into {out}
-    save: tuple[str, ...]  # the same, also saving its checkpoint of step {step} into {ckpt} on the way
-    save_only: tuple[str, ...]  # train to step {step}, save its checkpoint into {ckpt} and exit (records nothing)
-    resume: tuple[str, ...]  # resume the checkpoint {ckpt} and train to ``steps``, recording into {out}
-    live_check: tuple[str, ...] = ()  # words that make a recording run check each step against {reference}
-    check: tuple[str, ...] | None = None  # checks the options, trains nothing: non-zero exit refuses them
-    bisect_words: tuple[str, ...] = ()  # the `samebits bisect` command of the same program (verify's hint)
+def check_resume_options(cmd: Sequence[str], resume_with: str | None, resume_at: int | None,
+                         require_resume: bool) -> None:
+    """Refuse verify's resume options of a command (``resume_with``: how it resumes A's
+    checkpoint of step ``resume_at``) that cannot go together."""
+    if resume_with is None and require_resume:
+        raise ConfigError("--require-resume: no resume check asked for. Give --resume-with 'CMD' (how to resume "
+                          "your script from A's checkpoint: {from} is A's work folder, {step} the step) and "
+                          "--resume-at K; see docs/resume.md.")
+    if resume_with is not None and resume_at is None:
+        raise ConfigError("--resume-with needs --resume-at K: the step the resumed command starts from "
+                          "(there is no default for a command: samebits cannot know where it checkpoints).")
+    if resume_at is not None and resume_at < 1:
+        raise ConfigError(f"--resume-at {resume_at}: must be a step >= 1 (a resume after at least one step).")
+    if resume_at is not None and resume_with is None:
+        raise ConfigError("--resume-at without --resume-with: give the command that resumes your script too.")
+    for placeholder in (STEP, FROM):
+        if holds(cmd, placeholder):
+            raise ConfigError(f"the command holds {placeholder}, which only --resume-with can use; use {{out}} "
+                              "for the run's own work folder.")
 
-    def __post_init__(self):
-        if self.steps < 1 or self.nproc < 1:
-            raise ConfigError(f"a run of {self.steps} step(s) on {self.nproc} rank(s): both must be at least 1.")
-        for name in ("record", "save", "resume"):
-            if not any(OUT in part for part in getattr(self, name)):
-                raise ConfigError(f"the {name} command of a program that records itself has no {OUT} (where it "
-                                  f"records): {shlex.join(getattr(self, name))}")
 
-    def refuse_early(self) -> None:
-        """Run ``check`` (if any) and raise `RecipeRefused` with the program's own last line of
-        complaint when it exits non-zero: a config it refuses is refused before any run."""
-        if self.check is None:
-            return
-        try:
-            proc = subprocess.run(list(self.check), capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            raise SamebitsError(f"checking the program's options did not finish ({shlex.join(self.check)})") from None
-        except FileNotFoundError:
-            raise SamebitsError(f"cannot run {self.check[0]!r}: no such program") from None
-        if proc.returncode != 0:
-            said = [line for line in proc.stderr.strip().splitlines() if line.strip()]
-            raise RecipeRefused(said[-1] if said else f"exit code {proc.returncode}")
+def check_bisect_arguments(cmd_a: Sequence[str] | None, cmd_b: Sequence[str] | None, b_step_offset: int | None,
+                           resume_at: int | None, steps: int | None) -> None:
+    """Refuse arguments of `samebits bisect` that cannot go together (``steps``: the program's,
+    None for a command), before any run and any folder."""
+    if cmd_b is not None and not cmd_a:
+        raise ConfigError("--b needs --a: give both commands to compare, or one command after --.")
+    if b_step_offset is not None:
+        if not cmd_a or cmd_b is None:
+            raise ConfigError("--b-step-offset needs --a and --b: the run to resume from (A) and the command "
+                              "that resumes it at that step (B); for the reference recipe's resume, --resume-at K.")
+        if b_step_offset < 0:
+            raise ConfigError(f"--b-step-offset {b_step_offset}: a step number cannot be negative; give the "
+                              "step the resumed command B starts from (as in --resume-at K).")
+    if resume_at is not None:
+        if cmd_a:
+            raise ConfigError("--resume-at bisects the reference recipe's resume; for your own commands give "
+                              "--a (the run that saves), --b (the command that resumes) and --b-step-offset K.")
+        if steps is not None and not 0 < resume_at < steps:
+            raise ConfigError(f"--resume-at {resume_at} must be between 1 and {steps - 1} (inside the run of "
+                              f"--steps {steps}).")
+    for words, side in ((cmd_a or [], "--a"), (cmd_b or [], "--b")):
+        for placeholder in (STEP, FROM):
+            if holds(words, placeholder) and (side == "--a" or b_step_offset is None):
+                raise ConfigError(f"{side} holds {placeholder}, which only a resumed command B can use (with "
+                                  f"--b-step-offset K: {STEP} is K, {FROM} the work folder of the bisect's "
+                                  "first run of A); use {out} for a run's own work folder.")
+
+
+DETERMINISTIC = "{deterministic}"  # in `samebits tax`'s one command: 1 for the deterministic run, 0 for the baseline
+
+
+def tax_commands(command: Sequence[str] | None, command_a: str | None,
+                 command_b: str | None) -> dict[str, list[str]] | None:
+    """`samebits tax`'s commands of the user's, as argv by label ("deterministic", "baseline"):
+    ``command`` with `DETERMINISTIC` expanded to 1 and 0, or ``command_a`` and ``command_b``
+    (shell words); None when none is given (the reference recipe).  Mistakes are refused."""
+    if command and (command_a is not None or command_b is not None):
+        raise ConfigError("give either `-- CMD` (with {deterministic}) or --a 'CMD' --b 'CMD', not both.")
+    if (command_a is None) != (command_b is None):
+        raise ConfigError("--a and --b go together: --a is the deterministic command, --b the baseline.")
+    if command:
+        if not holds(command, DETERMINISTIC):
+            raise ConfigError(f"the command has no {DETERMINISTIC}: samebits cannot switch your script's "
+                              "deterministic mode. Put {deterministic} where it takes the switch (it becomes 1 for "
+                              "the deterministic run and 0 for the baseline), or give two commands with --a and --b.")
+        return {label: [part.replace(DETERMINISTIC, switch) for part in command]
+                for label, switch in (("deterministic", "1"), ("baseline", "0"))}
+    if command_a is not None:
+        return {"deterministic": shlex.split(command_a), "baseline": shlex.split(command_b)}
+    return None
 
 
 def fill_placeholders(argv: Sequence[str], values: Mapping[str, object]) -> list[str]:
@@ -135,6 +174,6 @@ def write_summary(out: Path, result, name: str = "summary.json") -> Path:
     return path
 
 
-__all__ = ["SelfRecording", "RecipeRefused", "fill_placeholders", "holds", "default_out_dir", "check_out_dir",
+__all__ = ["RecipeRefused", "check_verify_steps", "check_resume_options", "check_bisect_arguments", "tax_commands", "fill_placeholders", "holds", "default_out_dir", "check_out_dir",
            "prepare_out_dir", "write_summary", "PLACEHOLDERS", "OUT", "RUN", "STEP", "FROM", "CKPT", "REFERENCE",
            "NPROC"]

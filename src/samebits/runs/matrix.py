@@ -1,6 +1,6 @@
 """`samebits matrix`: the two guarantees on every parallel layout and precision of the recipe.
 
-For every cell (a parallel layout such as ``dp2`` or ``tp2-dp2``) and precision, `verify_recipe`
+For every cell (a parallel layout such as ``dp2`` or ``tp2-dp2``) and precision, `verify`
 runs A, B (repeatability) and C (saves at step k, a fresh process resumes), and each cell's run
 A is compared with the baseline cell's run A of the same precision (agreement).  Different
 layouts may legitimately differ in their last bits (another reduction order), so agreement is
@@ -36,10 +36,11 @@ from samebits.defaults import DEFAULT_MAX_WORLD_SIZE
 from samebits.errors import ConfigError, SamebitsError, StreamError
 from samebits.runs._launch import RunFailed
 from samebits.runs.bisect import bisect
-from samebits.runs.commands import RecipeRefused, SelfRecording, prepare_out_dir, write_summary
+from samebits.runs.commands import RecipeRefused, prepare_out_dir, write_summary
 from samebits.runs.distance import ulp_distance
 from samebits.runs.progress import indented
-from samebits.runs.verify import VerifyResult, verify_recipe
+from samebits.runs.program import Program
+from samebits.runs.verify import VerifyResult, verify
 from samebits.stream import open_run
 from samebits.verdicts import ToDict, Verdict, milliseconds, serialised
 
@@ -65,7 +66,7 @@ class MatrixProgram:
 
     parse_cell: Callable[[str], Layout]  # a cell name -> its layout (ConfigError: a bad name)
     # (cell, precision, steps) -> the cell's commands; a ConfigError: the cell cannot start
-    program: Callable[[Layout, str, int], SelfRecording]
+    program: Callable[[Layout, str, int], Program]
     metrics: tuple[str, ...] = ()  # the program's metrics that are global (equal on every rank), for agreement
     notes: tuple[str, ...] = ()  # what every cell runs with, for the result
 
@@ -258,7 +259,7 @@ def _run_cell(c: CellResult, cell: Layout, precision: str, matrix: MatrixProgram
         return
     start = time.perf_counter()
     try:
-        c.verify = verify_recipe(program, c.out, resume_at=resume_at, progress=indented(say, "      "))
+        c.verify = verify(program, c.out, resume_at=resume_at, progress=indented(say, "      "))
     except RunFailed as err:
         stage = "cannot start" if err.label == "A" else f"run {err.label} crashed"
         c.reason = f"{stage}: {err.reason}"

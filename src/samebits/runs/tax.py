@@ -1,7 +1,7 @@
 """The determinism tax: how much slower the deterministic run is, as a ratio with a confidence
 interval, from interleaved paired runs, measured until it decides.  Protocol: docs/tax.md.
 
-    result = tax(out="tax-out", programs=..., pairs=4, budget_s=300, gate=1.05)   # the reference recipe
+    result = tax(out="tax-out", programs=..., pairs=4, budget_s=300, gate=1.05)   # samebits.runs.program
     result.ratio, result.ci, result.verdict                       # PASS when ci[1] <= gate
 
 Each pair runs the deterministic command (A) and the baseline (B) back to back, in the order
@@ -43,11 +43,11 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from samebits.autorecord import environment_for
 from samebits.defaults import DEFAULT_GATE
 from samebits.errors import ConfigError, SamebitsError
-from samebits.runs._launch import DEFAULT_TIMEOUT_S, judge_recipe_run, judge_recorded_run, run_logged
-from samebits.runs.commands import OUT, SelfRecording, check_out_dir, default_out_dir, fill_placeholders, write_summary
+from samebits.runs._launch import DEFAULT_TIMEOUT_S, run_logged
+from samebits.runs.commands import check_out_dir, default_out_dir, write_summary
+from samebits.runs.program import RECORD, Program
 from samebits.stream import STEP_TIMES_SUFFIX
 from samebits.verdicts import ToDict, Verdict, serialised
 
@@ -55,7 +55,6 @@ DEFAULT_PAIRS = 4  # pairs before the first look
 DEFAULT_BUDGET_S = 300.0  # wall time after which no pair is added
 TRIM = 0.2  # share of each pair's step ratios trimmed at each end
 POOL_ALPHA = 0.25  # the pooling test's level: pool steps only when pairs agree clearly enough
-DETERMINISTIC_PLACEHOLDER = "{deterministic}"
 _LABELS = ("deterministic", "baseline")
 # The one estimator of the tax: the headline ratio, its interval and the typical steps shown beside it agree.
 ESTIMATOR = ("geometric mean of paired step-time ratios (step s of the deterministic run over step s of its "
@@ -411,21 +410,18 @@ def measure(run_pair: Callable[[int], tuple[list[float], list[float]]], *, pairs
         next_look = 2 * done
 
 
-def tax(out: str | Path | None = None, *, command: list[str] | None = None, command_a: str | None = None,
-        command_b: str | None = None, programs: Mapping[str, SelfRecording] | None = None,
-        pairs: int = DEFAULT_PAIRS, budget_s: float = DEFAULT_BUDGET_S, warmup: int = 2, gate: float = DEFAULT_GATE,
-        confidence: float = 0.95, run_timeout: float | None = DEFAULT_TIMEOUT_S,
-        progress: Callable[[str], None] | None = None) -> TaxResult:
+def tax(out: str | Path | None = None, *, programs: Mapping[str, Program], pairs: int = DEFAULT_PAIRS,
+        budget_s: float = DEFAULT_BUDGET_S, warmup: int = 2, gate: float = DEFAULT_GATE, confidence: float = 0.95,
+        run_timeout: float | None = DEFAULT_TIMEOUT_S, progress: Callable[[str], None] | None = None) -> TaxResult:
     """Measure the determinism tax with interleaved paired runs until it decides (`measure`).
 
-    ``programs``: a program that records itself (its ``record`` template, ``{out}`` the run's
-    stream folder) for "deterministic" (A) and "baseline" (B): the reference recipe with
-    ``deterministic=true`` and ``false`` (`samebits.recipes.commands`).  ``command``: one command
-    run under zero-code recording, with ``{deterministic}`` expanded to 1 (A) and 0 (B).
-    ``command_a`` and ``command_b``: two commands (shell words), A the deterministic one.
-    ``{out}`` in a zero-code command is that run's own work folder.  The first ``warmup`` timed
-    steps of every run are dropped.  ``pairs``: pairs before the first look; ``budget_s``: no
-    pair is added once another would end after this many seconds (0: exactly ``pairs``).
+    ``programs``: the program (`samebits.runs.program`) of the "deterministic" run (A) and of
+    the "baseline" (B), each run in its RECORD role: the reference recipe with
+    ``deterministic=true`` and ``false`` (`samebits.recipes.commands`), or commands under
+    zero-code recording (`tax_commands`: one command with ``{deterministic}`` expanded to 1 and
+    0, or two), whose ``{out}`` is the run's own work folder.  The first ``warmup`` timed steps
+    of every run are dropped.  ``pairs``: pairs before the first look; ``budget_s``: no pair is
+    added once another would end after this many seconds (0: exactly ``pairs``).
     """
     if pairs < 1:
         raise ConfigError(f"--pairs {pairs}: at least 1 pair (4 or more for a useful interval).")
@@ -437,39 +433,15 @@ def tax(out: str | Path | None = None, *, command: list[str] | None = None, comm
         raise ConfigError(f"--gate {gate}: a ratio gate is a positive number, e.g. 1.05.")
     if not 0 < confidence < 1:
         raise ConfigError(f"--confidence {confidence}: a number between 0 and 1, e.g. 0.95.")
-    modes = [command is not None, command_a is not None or command_b is not None, programs is not None]
-    if sum(modes) > 1:
-        raise ConfigError("give either `-- CMD` (with {deterministic}) or --a 'CMD' --b 'CMD', not both.")
-    if not any(modes):
-        raise ConfigError("no command to time: give `-- CMD` (with {deterministic}), --a 'CMD' --b 'CMD', or the "
-                          "programs of a deterministic and a baseline run.")
-    if modes[1] and (command_a is None or command_b is None):
-        raise ConfigError("--a and --b go together: --a is the deterministic command, --b the baseline.")
-    if command is not None:
-        if not command:
-            raise ConfigError("no command after `--`: write `samebits tax -- python train.py --det {deterministic}`.")
-        if not any(DETERMINISTIC_PLACEHOLDER in part for part in command):
-            raise ConfigError(f"the command has no {DETERMINISTIC_PLACEHOLDER}: samebits cannot switch your script's "
-                              "deterministic mode. Put {deterministic} where it takes the switch (it becomes 1 for the "
-                              "deterministic run and 0 for the baseline), or give two commands with --a and --b.")
-    recipe = programs is not None
-    if recipe and set(programs) != set(_LABELS):
+    if set(programs) != set(_LABELS):
         raise ConfigError(f"tax: programs for {', '.join(_LABELS)} (got {', '.join(programs) or 'none'})")
-    steps = programs["deterministic"].steps if recipe else None
-    if recipe and steps < warmup + 2:
+    steps = programs["deterministic"].steps
+    if steps is not None and steps < warmup + 2:
         raise ConfigError(f"--steps {steps} with --warmup {warmup}: the recipe needs at least {warmup + 2} steps "
                           "(the last step has no time, and at least one must remain after the warm-up).")
     out = check_out_dir(out if out is not None else default_out_dir("tax"))
     say = progress or (lambda message: None)
-
-    if recipe:
-        argvs = {label: list(programs[label].record) for label in _LABELS}
-        programs["deterministic"].refuse_early()  # the program's options and config, before any run
-    elif command is not None:
-        argvs = {label: [part.replace(DETERMINISTIC_PLACEHOLDER, "1" if label == "deterministic" else "0")
-                         for part in command] for label in _LABELS}
-    else:
-        argvs = {"deterministic": shlex.split(command_a), "baseline": shlex.split(command_b)}
+    programs["deterministic"].refuse_early()  # the program's options and config, before any run
     notes: list[str] = []
     lengths: set[int] = set()
 
@@ -477,28 +449,20 @@ def tax(out: str | Path | None = None, *, command: list[str] | None = None, comm
         kept_by_label = {}
         order = _LABELS if pair % 2 == 0 else _LABELS[::-1]  # A B, B A, A B, ...
         for label in order:
-            run_dir = out / f"pair-{pair}" / label
-            work = out / "work" / f"pair-{pair}-{label}"
-            work.mkdir(parents=True, exist_ok=True)
-            argv = fill_placeholders(argvs[label], {OUT: run_dir if recipe else work})
+            name, program = f"{label} (pair {pair})", programs[label]
+            launch = program.launch(RECORD, out / f"pair-{pair}" / label, work=out / "work" / f"pair-{pair}-{label}")
             log = out / "logs" / f"pair-{pair}-{label}.log"
-            say(f"[pair {pair + 1}] {label}: {shlex.join(argv)}")
-            if recipe:  # it records itself into run_dir
-                code, seconds = run_logged(argv, log, label=f"{label} (pair {pair})", timeout=run_timeout,
-                                           progress=progress, streams=run_dir, steps=steps)
-                judge_recipe_run(f"{label} (pair {pair})", argv, code, log, stopped=False)
-            else:
-                env = environment_for(run_dir, command=shlex.join(argv))
-                code, seconds = run_logged(argv, log, env=env, label=f"{label} (pair {pair})", timeout=run_timeout,
-                                           progress=progress, streams=run_dir)
-                note = judge_recorded_run(f"{label} (pair {pair})", argv, code, run_dir, log)
-                if note:
-                    notes.append(f"{label} (pair {pair}): {note}")
-            step_times = read_step_times(run_dir)
+            say(f"[pair {pair + 1}] {label}: {shlex.join(launch.argv)}")
+            code, seconds = run_logged(launch.argv, log, env=launch.env, label=name, timeout=run_timeout,
+                                       progress=progress, streams=launch.streams, steps=program.steps)
+            note = program.judge(name, launch, code, log)
+            if note:
+                notes.append(f"{name}: {note}")
+            step_times = read_step_times(launch.streams)
             kept = [step_times[s] for s in sorted(step_times)][warmup:]
             if not kept:
-                raise SamebitsError(f"{label} run of pair {pair} ({run_dir}) timed {len(step_times)} step(s), all "
-                                    f"dropped as warm-up (--warmup {warmup}); run more steps or drop fewer.")
+                raise SamebitsError(f"{label} run of pair {pair} ({launch.streams}) timed {len(step_times)} step(s), "
+                                    f"all dropped as warm-up (--warmup {warmup}); run more steps or drop fewer.")
             kept_by_label[label] = kept
             lengths.add(len(kept))
             say(f"      done in {seconds:.1f} s: median step {1000 * float(np.median(kept)):.1f} ms over {len(kept)} steps")
@@ -509,7 +473,7 @@ def tax(out: str | Path | None = None, *, command: list[str] | None = None, comm
     if len(lengths) != 1:
         notes.append(f"runs timed different numbers of steps ({sorted(lengths)}); each is cut to its first "
                      f"{min(lengths)}")
-    commands = {label: shlex.join(argv) for label, argv in argvs.items()}
+    commands = {label: shlex.join(programs[label].template(RECORD)) for label in _LABELS}
     result = TaxResult(str(out), commands, warmup, gate, times, est, confidence, looks, budget_s, elapsed, notes)
     write_summary(out, result, "tax.json")
     return result

@@ -20,7 +20,6 @@ recorded at each step start names the state the checkpoint did not restore.
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 from contextlib import contextmanager
@@ -28,19 +27,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from samebits.autorecord import environment_for, read_gaps, read_stop, recording_variables, summarise_gaps, with_variables
+from samebits.autorecord import read_gaps, read_stop, summarise_gaps
 from samebits.checkpoint import CENSUS_DIR
 from samebits.compare import DiffResult, diff
-from samebits.errors import ConfigError, IncomparableRunsError
+from samebits.errors import IncomparableRunsError
 from samebits.runs._explain import Finding, explain_independent, explain_resume, ordered
-from samebits.runs._launch import RunFailed, judge_recipe_run, judge_recorded_run, run_logged, stopped_marked
-from samebits.runs.commands import (CKPT, OUT, REFERENCE, STEP, SelfRecording, fill_placeholders,
-                                    prepare_out_dir, write_summary)
+from samebits.runs._launch import RunFailed, run_logged, stopped_marked
+from samebits.runs.commands import CKPT, FROM, STEP, prepare_out_dir, write_summary
+from samebits.runs.program import RECORD, RESUME, SAVE, Program
 from samebits.verdicts import ToDict, Verdict, milliseconds, serialised
 
 GUARANTEES = ("independent", "resume")
-PLACEHOLDERS = ("{out}", "{run}")  # in the command: this run's own work folder and its name
-RESUME_PLACEHOLDERS = ("{step}", "{from}")  # in --resume-with only: the resume step, A's work folder
 
 
 @dataclass
@@ -116,74 +113,76 @@ class VerifyResult(ToDict):
         return {"verdict": self.verdict, "checked": self.checked, "not_checked": self.not_checked}
 
 
-def verify_recipe(
-    program: SelfRecording,
+def verify(
+    program: Program,
     out=None,
     *,
     resume_at: int | None = None,
+    require_resume: bool = False,
     progress: Callable[[str], None] | None = None,
-    record: dict | None = None,
+    run_timeout: float | None = None,
     keep_going: bool = False,
 ) -> VerifyResult:
-    """Run a program that records itself (the reference recipe: ``program`` from
-    `samebits.recipes.commands.recipe_roles`) as A (saves at ``resume_at``, default
-    ``steps // 2``, and trains on), B (never saves) and C (resumes A's checkpoint) and compare.
-    Both guarantees are always checked.  ``record``: what to record
-    (`samebits.autorecord.recording_variables`' arguments).  ``keep_going``: B and C are not
-    checked live (and not stopped at their first divergent step): they run to the end."""
-    steps = program.steps
-    if steps < 2:
-        raise ConfigError(f"--steps {steps}: verify needs at least 2 steps (one before and one after the resume).")
-    resume_at = steps // 2 if resume_at is None else resume_at
-    if not 0 < resume_at < steps:
-        raise ConfigError(f"--resume-at {resume_at} must be between 1 and {steps - 1} (inside the run).")
-    env = with_variables(os.environ, recording_variables(**record)) if record else None
+    """Run ``program`` (`samebits.runs.program`: the reference recipe from
+    `samebits.recipes.commands.recipe_roles`, or a command under zero-code recording) as A
+    (saves at ``resume_at`` and trains on, as a job that checkpoints does), B (never saves, so
+    A = B also says that saving leaves the run as it was) and, when the program resumes, C
+    (resumes A's checkpoint of ``resume_at``), and compare.
+
+    ``resume_at``: the recipe's default is ``steps // 2``; a command needs it with its resume
+    command.  ``require_resume``: refuse to start without a resume check.  ``keep_going``: B
+    and C are not checked live against A (and not stopped at their first divergent step): they
+    run to the end.  ``run_timeout``: seconds one run may take before it is reported as a hang.
+    Every run has its own work folder (OUT/work/a|b|c, a command's ``{out}``); C's steps are
+    numbered from ``resume_at``, like A's."""
+    resume_at = program.verify_resume_step(resume_at, require_resume)
     program.refuse_early()  # a config the program refuses is refused before any run (and any folder)
     out = prepare_out_dir(out, "verify")
     say = progress or (lambda message: None)
-    # A saves at the resume step and trains on, as a job that checkpoints does; B never saves
-    # (so A = B also says that saving leaves the run as it was); C resumes A's checkpoint.
-    values = {STEP: resume_at, CKPT: out / "ckpt", REFERENCE: out / "a"}
-    live = () if keep_going else program.live_check  # the live check stops B and C at a difference
-    stages = [
-        ("A", fill_placeholders(program.save, {**values, OUT: out / "a"}), False),
-        ("B", fill_placeholders(program.record + live, {**values, OUT: out / "b"}), True),
-        ("C (resume)", fill_placeholders(program.resume + live, {**values, OUT: out / "c"}), True),
-    ]
+    reference = None if keep_going else out / "a"  # the live check stops B and C at a difference
+    values = {STEP: resume_at, CKPT: out / "ckpt", FROM: (out / "work" / "a").absolute()}
+    stages = [("A", SAVE, None, None), ("B", RECORD, reference, None)]
+    if program.resumes:
+        stages.append(("C (resume)", RESUME, reference, resume_at))
     timings: dict[str, float] = {}
     runs: list[RunInfo] = []
     with stopped_marked(out, runs) as mark:  # a killed verify leaves summary.json saying so (issue 34)
-        for index, (name, argv, may_stop) in enumerate(stages, 1):
-            say(f"[{index}/{len(stages)}] run {name}: {program.nproc} rank(s), {steps} steps ...")
-            run_dir = out / name[0].lower()
-            log = out / "logs" / (name.split()[0].lower() + ("-resume" if "resume" in name else "") + ".log")
-            code, seconds = run_logged(argv, log, label=name, env=env, progress=progress, streams=run_dir,
-                                       steps=steps - resume_at if name.startswith("C") else steps)  # C: from resume_at
+        for index, (name, role, live, offset) in enumerate(stages, 1):
+            run = name[0].lower()
+            launch = program.launch(role, out / run, work=(out / "work" / run).absolute(), values=values,
+                                    reference=live, step_offset=offset)
+            say(f"[{index}/{len(stages)}] run {name}: {program.describe(launch)}")
+            steps = None if program.steps is None else program.steps - (offset or 0)  # C: from resume_at
+            code, seconds = run_logged(launch.argv, out / "logs" / f"{run}.log", env=launch.env, label=name,
+                                       progress=progress, streams=launch.streams, steps=steps,
+                                       **({} if run_timeout is None else {"timeout": run_timeout}))
             timings[name] = seconds
             # torchrun replaces the recipe's exit code 3 by its own: the marker file tells.
-            stop = read_stop(run_dir) if may_stop else None
+            stop = read_stop(launch.streams) if live is not None else None
             with _keeping_earlier_verdicts(out, runs):
-                judge_recipe_run(name, argv, code, log, stopped=stop is not None)
-            ended = f"stopped at step {stop.get('stopped_at')} (differs from A)" if stop is not None else "finished"
-            runs.append(RunInfo(name, shlex.join(argv), code, seconds, ended))
+                ended = f"stopped at step {stop.get('stopped_at')} (differs from A)" if stop is not None else \
+                    program.judge(name, launch, code, out / "logs" / f"{run}.log") or "finished"
+            runs.append(RunInfo(name, shlex.join(launch.argv), code, seconds, ended))
             mark()  # what it had so far, should verify itself be killed next
-            say(f"      done in {seconds:.1f} s" + (" (stopped at its first divergent step)" if stop else ""))
+            say(f"      done in {seconds:.1f} s: {ended}")
     say("comparing ...")
-    notes: list[str] = []
-    checks = {
-        "independent": _with_census(_diff(out / "a", out / "b"), out / "a", out / "b", None, "independent", notes),
-        "resume": _with_census(_diff(out / "a", out / "c", start_step=resume_at), out / "a", out / "c",
-                               resume_at, "resume", notes),
-    }
+    notes = program.notes()
+    checks = {"independent": _judged(program, out / "a", out / "b", None, "independent", notes),
+              "resume": _judged(program, out / "a", out / "c", resume_at, "resume", notes)
+              if program.resumes else None}
     notes += _curves_cut(runs)
     result = VerifyResult(str(out), checks, timings, resume_at, notes, runs)
     _add_gaps(result, {"a": out / "a", "b": out / "b", "c": out / "c"})
     _explain(result, out / "a", out / "b", out / "c")
-    if program.bisect_words:
-        result.bisect_command = shlex.join(program.bisect_words)
-        result.resume_bisect_command = shlex.join([*program.bisect_words, "--resume-at", str(resume_at)])
+    result.bisect_command, result.resume_bisect_command = program.bisect_commands(resume_at)
     write_summary(out, result)
     return result
+
+
+def _judged(program: Program, a: Path, b: Path, start_step: int | None, name: str, notes: list[str]) -> DiffResult:
+    """One check: `_diff` of its runs, and for a program whose census decides, `_with_census`."""
+    check = _diff(a, b, start_step=start_step)
+    return _with_census(check, a, b, start_step, name, notes) if program.census_decides else check
 
 
 def _diff(a: Path, b: Path, start_step: int | None = None) -> DiffResult:
@@ -222,140 +221,6 @@ def _with_census(check: DiffResult, a: Path, b: Path, start_step: int | None, na
                  f"rank {first.rank} ({first.name}): the runs' training state is not the same (lost or "
                  "changed state that no output has shown yet)")
     return census
-
-
-def verify_command(
-    cmd: list[str],
-    out=None,
-    *,
-    resume_with: str | None = None,
-    resume_at: int | None = None,
-    require_resume: bool = False,
-    progress: Callable[[str], None] | None = None,
-    steps: str | None = None,
-    run_timeout: float | None = None,
-    record: dict | None = None,
-    keep_going: bool = False,
-) -> VerifyResult:
-    """Run ``cmd`` twice (A, B) with zero-code recording and compare; with ``resume_with``
-    (a command run after A, resuming A's checkpoint of step ``resume_at``) also run C and
-    check it equals A from that step on.
-
-    Placeholders, expanded per run so that no two runs share a folder: ``{out}`` (this run's
-    own empty work folder, OUT/work/a|b|c, for its checkpoints and outputs) and ``{run}``
-    (a, b or c) in both commands; ``{step}`` (``resume_at``) and ``{from}`` (A's work folder,
-    where A saved its checkpoints) in ``resume_with``.  C's steps are numbered from
-    ``resume_at``, like A's.  ``require_resume``: refuse to start without a resume check.
-    ``record``: what to record (`samebits.autorecord.recording_variables`' arguments; ``steps``
-    is the step window, kept as its own argument too).  ``keep_going``: B and C are not checked
-    live against A, so they run every step even after they differ.
-    """
-    if not cmd:
-        raise ConfigError("no command given: write `samebits verify -- python train.py ...`.")
-    if resume_with is None and require_resume:
-        raise ConfigError("--require-resume: no resume check asked for. Give --resume-with 'CMD' (how to resume "
-                          "your script from A's checkpoint: {from} is A's work folder, {step} the step) and "
-                          "--resume-at K; see docs/resume.md.")
-    if resume_with is not None and resume_at is None:
-        raise ConfigError("--resume-with needs --resume-at K: the step the resumed command starts from "
-                          "(there is no default for a command: samebits cannot know where it checkpoints).")
-    if resume_at is not None and resume_at < 1:
-        raise ConfigError(f"--resume-at {resume_at}: must be a step >= 1 (a resume after at least one step).")
-    if resume_at is not None and resume_with is None:
-        raise ConfigError("--resume-at without --resume-with: give the command that resumes your script too.")
-    for placeholder in RESUME_PLACEHOLDERS:
-        if any(placeholder in part for part in cmd):
-            raise ConfigError(f"the command holds {placeholder}, which only --resume-with can use; use {{out}} "
-                              "for the run's own work folder.")
-    what = dict(record or {})
-    if steps is not None:
-        what["steps"] = steps
-    recording_variables(**what)  # a bad choice is refused before any run starts
-    out = prepare_out_dir(out, "verify")
-    say = progress or (lambda message: None)
-    command = shlex.join(cmd)
-    reference = None if keep_going else out / "a"  # the live check stops B and C at a difference
-    notes: list[str] = []
-    stages = [("A", _expand(cmd, out, "a"), environment_for(out / "a", command=command, **what)),
-              ("B", _expand(cmd, out, "b"),
-               environment_for(out / "b", command=command, reference=reference, **what))]
-    if resume_with is not None:
-        resumed = _expand(shlex.split(resume_with), out, "c", step=resume_at)
-        stages.append(("C (resume)", resumed,
-                       environment_for(out / "c", command=command, step_offset=resume_at, **what,
-                                       reference=reference)))
-        if not any("{out}" in part for part in cmd):
-            notes.append("the command has no {out}: A and B write their checkpoints to the same place, so C may "
-                         "resume from B's; put {out} in the command's checkpoint folder and {from} in "
-                         "--resume-with (docs/resume.md)")
-    timings: dict[str, float] = {}
-    runs: list[RunInfo] = []
-    with stopped_marked(out, runs) as mark:  # a killed verify leaves summary.json saying so (issue 34)
-        for index, (name, argv, env) in enumerate(stages, 1):
-            say(f"[{index}/{len(stages)}] run {name}: {shlex.join(argv)}")
-            log = out / "logs" / (name.split()[0].lower() + ".log")
-            run_dir = Path(env["SAMEBITS_DIR"])
-            kwargs = {"timeout": run_timeout} if run_timeout is not None else {}
-            code, seconds = run_logged(argv, log, env=env, label=name, progress=progress, streams=run_dir, **kwargs)
-            timings[name] = seconds
-            stop = read_stop(run_dir)
-            with _keeping_earlier_verdicts(out, runs):
-                if stop is not None:
-                    ended = f"stopped at step {stop.get('stopped_at')} (differs from A)"
-                else:
-                    ended = judge_recorded_run(name, argv, code, run_dir, log) or "finished"
-                runs.append(RunInfo(name, shlex.join(argv), code, seconds, ended))
-                mark()  # what it had so far, should verify itself be killed next
-                say(f"      done in {seconds:.1f} s: {ended}")
-                _refuse_unrecorded(name, argv, run_dir)
-    checks = {"independent": _diff(out / "a", out / "b"),
-              "resume": _diff(out / "a", out / "c", start_step=resume_at) if resume_with else None}
-    notes += _curves_cut(runs)
-    result = VerifyResult(str(out), checks, timings, resume_at, notes, runs)
-    _add_gaps(result, {"a": out / "a", "b": out / "b", "c": out / "c"})
-    _explain(result, out / "a", out / "b", out / "c")
-    result.bisect_command = _recording_prefix(what) + "samebits bisect -- " + command  # bisect fills {out}, {run}
-    if resume_with is not None:
-        result.resume_bisect_command = resume_bisect_command(cmd, shlex.split(resume_with), resume_at, what)
-    write_summary(out, result)
-    return result
-
-
-def resume_bisect_command(cmd: list[str], resume_with: list[str], resume_at: int,
-                          record: dict | None = None) -> str:
-    """The `samebits bisect` command that locates the origin of a resume divergence: A is the
-    command, B the resume command, numbered from ``resume_at``.  The placeholders stay in it:
-    bisect fills them per run as verify does, every run in a new work folder of its own
-    (``{out}``: a trainer that resumes from the latest checkpoint in its output folder starts
-    clean), every B resuming the checkpoints of the bisect's first A (``{from}``, ``{step}``).
-    ``record``: verify's choice of what to record (``--exclude`` ...), given to bisect as the
-    variables it reads."""
-    return _recording_prefix(record) + shlex.join(["samebits", "bisect", "--a", _join(cmd), "--b", _join(resume_with),
-                                                   "--b-step-offset", str(resume_at)])
-
-
-def _join(argv: list[str]) -> str:
-    """`shlex.join` that leaves a placeholder's braces unquoted (the words go inside a quoted
-    --a/--b, where no shell expands them)."""
-    return " ".join(word if re.fullmatch(r"[\w@%+=:,./{}-]+", word) else shlex.quote(word) for word in argv)
-
-
-def _recording_prefix(record: dict | None) -> str:
-    """``VAR=value `` for each ``SAMEBITS_*`` variable of what verify recorded (``--exclude``
-    ...), which bisect reads for every run; its step window is bisect's own."""
-    chosen = sorted((name, value) for name, value in recording_variables(**(record or {})).items()
-                    if value is not None and name != "SAMEBITS_STEPS")
-    return "".join(shlex.quote(f"{name}={value}") + " " for name, value in chosen)
-
-
-def _expand(argv: list[str], out: Path, run: str, step: int | None = None) -> list[str]:
-    """``argv`` with the placeholders of run ``run`` filled in; its work folder is created."""
-    work = (out / "work" / run).absolute()  # absolute: the program may change its folder, or want one
-    work.mkdir(parents=True, exist_ok=True)
-    values = {"{out}": str(work), "{run}": run}
-    if step is not None:
-        values.update({"{step}": str(step), "{from}": str((out / "work" / "a").absolute())})
-    return fill_placeholders(argv, values)
 
 
 _STOPPED_AT = re.compile(r"stopped at (step \S+)")
@@ -426,15 +291,6 @@ def _earlier_verdicts(out: Path, runs: list[RunInfo], before: str = "before it")
     return lines
 
 
-def _refuse_unrecorded(name: str, argv: list[str], run_dir: Path) -> None:
-    """A run in which samebits could not start recording at all (a ``startup`` gap and no
-    stream) has nothing to compare: exit 2 with what failed, never a comparison of nothing."""
-    gaps = [gap for gap in read_gaps(run_dir) if gap.get("site") == "startup"]
-    if gaps and not any(run_dir.glob("rank-*.sbs")):
-        raise RunFailed(f"run {name} ran ({shlex.join(argv)}) but samebits could not record it: "
-                        f"{gaps[0].get('error')}. {summarise_gaps(gaps)}.", "samebits could not record", name)
-
-
 def _add_gaps(result: VerifyResult, run_dirs: dict[str, Path]) -> None:
     """What samebits could not record in each run (`read_gaps`): the first gapped step of each
     check whose runs have a gap in the records it compares, and one line in the notes."""
@@ -473,4 +329,4 @@ def _explain(result: VerifyResult, run_a: Path, run_b: Path, run_c: Path) -> Non
     result.explanations = explanations
 
 
-__all__ = ["verify_recipe", "verify_command", "VerifyResult", "RunInfo", "GUARANTEES"]
+__all__ = ["verify", "VerifyResult", "RunInfo", "GUARANTEES"]

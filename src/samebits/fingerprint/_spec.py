@@ -15,7 +15,6 @@ import numpy as np
 import torch
 
 from samebits.errors import ConfigError
-from samebits.fingerprint._codes import DIGEST_VERSION  # noqa: F401  (re-exported)
 from samebits.fingerprint._codes import DTYPE_CODE_BY_NAME as _DTYPE_CODE_BY_NAME
 
 MASK64 = (1 << 64) - 1

@@ -11,10 +11,17 @@ from samebits.cli._options import (add_out_option, add_progress_options, add_rec
 from samebits.cli._lazy import lazy
 from samebits.cli._recipe import recipe_program
 from samebits.errors import ConfigError
-from samebits.runs.commands import check_bisect_arguments
 
 bisect = lazy("samebits.runs.bisect", "bisect")
 bisect_conclusion = lazy("samebits.runs.conclusion", "bisect_conclusion")
+# torch-free: the library's own argument checks, made before the library is loaded
+check_bisect_arguments = lazy("samebits.runs.commands", "check_bisect_arguments")
+
+
+EXAMPLES = """\
+samebits bisect --nondeterministic            # the recipe's planted fault, found to its op
+samebits bisect --a 'python train.py' --b 'python train.py --threads 2'
+"""
 
 
 def register(sub) -> None:

@@ -17,6 +17,11 @@ MatrixResult, run_matrix, split_list = lazy("samebits.runs.matrix", "MatrixResul
 matrix_conclusion = lazy("samebits.runs.conclusion", "matrix_conclusion")
 
 
+EXAMPLES = """\
+samebits matrix --cells single,dp2 --precisions fp32 --steps 4
+"""
+
+
 def register(sub) -> None:
     parser = sub.add_parser(
         "matrix",

@@ -16,6 +16,11 @@ DiffResult = lazy("samebits.compare", "DiffResult")
 ReplayResult, replay = lazy("samebits.runs.replay", "ReplayResult", "replay")
 
 
+EXAMPLES = """\
+samebits replay runs/dp4 --step 5 --nproc 1    # a grad_reduce=invariant run, on 1 rank
+"""
+
+
 def register(sub) -> None:
     parser = sub.add_parser(
         "replay",

@@ -18,6 +18,12 @@ run_recorded = lazy("samebits.runs.record", "run_recorded")
 summarise = lazy("samebits.stream", "summarise")
 
 
+EXAMPLES = """\
+samebits run --out runs/a -- python train.py
+samebits run --out runs/b --reference runs/a -- python train.py   # stop at the first step that differs
+"""
+
+
 def register(sub) -> None:
     parser = sub.add_parser(
         "run",

@@ -12,7 +12,6 @@ from samebits.cli._options import (add_out_option, add_progress_options, add_rec
 from samebits.cli._lazy import lazy
 from samebits.cli._recipe import tax_programs
 from samebits.defaults import DEFAULT_GATE
-from samebits.runs.commands import tax_commands
 from samebits.errors import ConfigError
 
 TaxResult, tax = lazy("samebits.runs.tax", "TaxResult", "tax")
@@ -25,6 +24,14 @@ DEFAULT_BUDGET_S = 300
 # 27 timed steps for about 15% more time than 12 steps.
 DEFAULT_RECIPE_STEPS = 30
 MAX_BUDGET_S = 7 * 24 * 3600
+# torch-free: the library's own argument checks, made before the library is loaded
+tax_commands = lazy("samebits.runs.commands", "tax_commands")
+
+
+EXAMPLES = """\
+samebits tax --pairs 5                         # the reference recipe
+samebits tax -- python train.py --deterministic {deterministic}
+"""
 
 
 def register(sub) -> None:

@@ -13,7 +13,6 @@ from samebits.cli._options import (MAX_NPROC, add_out_option, add_progress_optio
 from samebits.cli._recipe import across_layouts, across_reductions, recipe_program
 from samebits.errors import ConfigError
 from samebits.recipes.cells import parse_layouts
-from samebits.runs.commands import check_resume_options, check_verify_steps
 from samebits.verdicts import Verdict
 
 command_layouts, parse_across, verify_across = lazy("samebits.runs.across", "command_layouts", "parse_across",
@@ -21,6 +20,14 @@ command_layouts, parse_across, verify_across = lazy("samebits.runs.across", "com
 VerifyResult, verify = lazy("samebits.runs.verify", "VerifyResult", "verify")
 ZeroCode = lazy("samebits.runs.program", "ZeroCode")
 verify_conclusion, across_conclusion = lazy("samebits.runs.conclusion", "verify_conclusion", "across_conclusion")
+# torch-free: the library's own argument checks, made before the library is loaded
+check_resume_options, check_verify_steps = lazy("samebits.runs.commands", "check_resume_options", "check_verify_steps")
+
+
+EXAMPLES = """\
+samebits verify                                # the reference recipe, both guarantees
+samebits verify --resume-at 4 --resume-with 'python train.py --out {out} --resume {from}' -- python train.py --out {out}
+"""
 
 
 def register(sub) -> None:

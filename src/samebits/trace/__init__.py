@@ -34,20 +34,8 @@ from samebits.trace._elements import compare_elements, same_values
 from samebits.trace._origin import (OriginFinding, OriginReport, ReplicaMismatch, describe_record, find_origins,
                                     find_replica_mismatch)
 from samebits.trace._probe import TraceProbe
-from samebits.trace._tracer import StepState, Tracer, _set_active, active, dump_filename
-
-# Old names, kept importable: `probe` (a lowercase class, easily taken for `samebits.probe`)
-# and `Finding` (also the rule checker's name).  Each warns once per use.
-_DEPRECATED = {"probe": ("TraceProbe", TraceProbe), "Finding": ("OriginFinding", OriginFinding)}
-
-
-def __getattr__(name: str):
-    if name in _DEPRECATED:
-        new_name, value = _DEPRECATED[name]
-        warnings.warn(f"samebits.trace.{name} is deprecated; use samebits.trace.{new_name}",
-                      DeprecationWarning, stacklevel=2)
-        return value
-    raise AttributeError(f"module 'samebits.trace' has no attribute {name!r}")
+from samebits.trace._step import StepState
+from samebits.trace._tracer import Tracer, _set_active, active, dump_filename
 
 
 class _Off:

@@ -14,8 +14,7 @@ no tracer, or tracing off, it costs one attribute check.  Inside the probed regi
 dispatch mode still sees whatever ATen ops run; a kernel that writes memory directly shows
 at the probe's outputs instead of "one hop later" at the next ATen op that reads them.
 
-(`samebits.probe` is another thing: it runs every op twice to find the ops that really vary.
-``samebits.trace.probe``, this class's old name, still works as a deprecated alias.)
+(`samebits.probe` is another thing: it runs every op twice to find the ops that really vary.)
 """
 
 from __future__ import annotations

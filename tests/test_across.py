@@ -9,6 +9,7 @@ The fast tests drive the runner with a fake program (tests/scripts_across/fake_l
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -21,10 +22,11 @@ from samebits import checkpoint
 from samebits.cli import main
 from samebits.cli._recipe import across_layouts, across_reductions
 from samebits.errors import ConfigError
+from samebits.recipes import cells
 from samebits.recipes import commands as recipe
 from samebits.recipes.cells import ParallelDims, parse_layouts
 from samebits.runs.across import CERTIFICATE, Layout, verify_across
-from samebits.runs.program import SelfRecording
+from samebits.runs.commands import SelfRecording
 from samebits.runs.conclusion import across_conclusion
 from samebits.runs.report import build_report
 from samebits.verdicts import Verdict
@@ -98,19 +100,38 @@ def test_the_layouts_programs_and_their_controls():
 
 def test_the_command_line_refuses_a_layout_that_is_not_invariant_before_any_run(tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
-    # every size is covered today: a size listed as not invariant is refused by name
-    monkeypatch.setitem(recipe.NOT_INVARIANT, "ep", "expert parallelism is not layout-invariant yet")
-    with pytest.raises(ConfigError, match=r"^ep2: expert parallelism is not layout-invariant yet \(.*docs/invariance"):
-        recipe.invariant_overrides(ParallelDims.parse("ep2"))
-    assert main(["verify", "--across", "single,ep2", "--out", str(out)]) == 2
-    assert "ep2: expert parallelism is not layout-invariant yet" in capsys.readouterr().err
-    monkeypatch.delitem(recipe.NOT_INVARIANT, "ep")
+    # every axis has a switch today: an axis given a refusal instead is refused by name
+    ep = next(axis for axis in cells.AXES if axis.word == "ep")
+    refused = dataclasses.replace(ep, switch=None, refusal="expert parallelism is not layout-invariant yet")
+    with monkeypatch.context() as patch:
+        patch.setattr(cells, "AXES", tuple(refused if axis is ep else axis for axis in cells.AXES))
+        with pytest.raises(ConfigError, match=r"^ep2: expert parallelism is not layout-invariant yet \(.*docs/invari"):
+            recipe.invariant_overrides(ParallelDims.parse("ep2"))
+        assert main(["verify", "--across", "single,ep2", "--out", str(out)]) == 2
+        assert "ep2: expert parallelism is not layout-invariant yet" in capsys.readouterr().err
     assert not out.exists()
     assert main(["verify", "--across", "single,dp2", "--out", str(out), "--", "python", "t.py", "{nproc}",
                  "{out}"]) == 2
     assert "with a command: expected dp=N,N" in capsys.readouterr().err
     assert main(["verify", "--across", "single,dp2048", "--out", str(out)]) == 2
     assert "dp2048 needs 2048 ranks" in capsys.readouterr().err
+
+
+def test_an_axis_with_neither_a_switch_nor_a_refusal_is_refused_before_any_run(tmp_path, capsys, monkeypatch):
+    """The closed world of `cells.AXES`: an axis added to the grammar (here context parallel,
+    "cpN", with its size in `ParallelDims`) but given no layout-invariant switch and no refusal
+    is refused by `verify --across`, naming the axis and the table."""
+    assert all((axis.switch is None) != (axis.refusal is None) for axis in cells.AXES)  # each has one, not both
+    cp = cells.Axis("cp", "cp", mesh=4, name_order=5, coordinate="cp")
+    dims = dataclasses.make_dataclass("ParallelDims", [("cp", int, 1)], bases=(ParallelDims,), frozen=True)
+    monkeypatch.setattr(cells, "AXES", (*cells.AXES, cp))
+    monkeypatch.setattr(cells, "ParallelDims", dims)
+    assert cells.ParallelDims.parse("cp2-tp2").name == "tp2-cp2" and cells.ParallelDims.parse("cp2").world_size == 2
+    out = tmp_path / "out"
+    assert main(["verify", "--across", "single,cp2", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "cp2: the axis cp has neither a layout-invariant switch nor a refusal in samebits.recipes.cells.AXES" in err
+    assert not out.exists()
 
 
 # -- the runner with a fake program: the comparison, the controls, the certificate ---------------

@@ -261,7 +261,7 @@ def test_mode_sets_records_and_restores(clean_env, torch_state):
     torch.backends.cudnn.benchmark = True
     before_flags, before_env = _flags(), dict(os.environ)
     assert det.active_record() is None
-    with det.deterministic_mode(seed=7, num_threads=1, dp_rank=2) as mode:
+    with det.deterministic_mode(seed=7, num_threads=1, coordinates={"dp": 2}) as mode:
         record = det.active_record()
         assert json.loads(json.dumps(record)) == record == mode.record
         assert torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.benchmark
@@ -273,7 +273,8 @@ def test_mode_sets_records_and_restores(clean_env, torch_state):
         assert record["torch"]["cudnn.conv.fp32_precision"] == "ieee"
         seeds = record["seeds"]
         assert seeds["global"] == det.derive_seed(7, purpose="init")
-        assert seeds["derived"]["data"] == det.derive_seed(7, purpose="data", dp_rank=2)
+        assert seeds["derived"]["data"] == det.derive_seed(7, purpose="data", coordinates={"dp": 2})
+        assert seeds["coordinates"] == {"dp": 2}
         assert torch.rand(1).item() == (torch.manual_seed(seeds["global"]), torch.rand(1).item())[1]
     assert det.active_record() is None
     assert _flags() == before_flags and dict(os.environ) == before_env
@@ -353,24 +354,40 @@ def test_mode_makes_index_put_repeatable(clean_env, torch_state):
 
 def test_derive_seed_rule():
     base = 1234
-    init = {det.derive_seed(base, purpose="init", dp_rank=d, tp_rank=t, pp_rank=p, ep_rank=e)
-            for d in range(3) for t in range(2) for p in range(2) for e in range(2)}
+
+    def seed(purpose, **coordinates):
+        return det.derive_seed(base, purpose=purpose, coordinates=coordinates)
+
+    init = {seed("init", dp=d, tp=t, pp=p, ep=e) for d in range(3) for t in range(2) for p in range(2) for e in range(2)}
     assert len(init) == 1  # model init: one seed on every rank
-    data = [det.derive_seed(base, purpose="data", dp_rank=d, tp_rank=t) for d in range(4) for t in range(2)]
-    assert len(set(data)) == 4  # varies with dp_rank only
-    dropout_tp = {det.derive_seed(base, purpose="dropout_tp", tp_rank=t) for t in range(4)}
-    assert len(dropout_tp) == 4
-    expert = {det.derive_seed(base, purpose="expert", ep_rank=e) for e in range(4)}
-    assert len(expert) == 4
-    everything = {det.derive_seed(base, purpose=p, dp_rank=d, pp_rank=q, tp_rank=t, ep_rank=e)
-                  for p in det.SEED_PURPOSES for d in range(4) for q in range(2) for t in range(2)
-                  for e in range(2)}
+    data = [seed("data", dp=d, tp=t) for d in range(4) for t in range(2)]
+    assert len(set(data)) == 4  # varies with dp only
+    assert len({seed("dropout_tp", tp=t) for t in range(4)}) == 4
+    assert len({seed("expert", ep=e) for e in range(4)}) == 4
+    everything = {seed(p, dp=d, pp=q, tp=t, ep=e) for p in det.SEED_PURPOSES for d in range(4) for q in range(2)
+                  for t in range(2) for e in range(2)}
     assert all(0 <= s < 2**63 for s in everything)
-    assert det.derive_seed(base, purpose="data", dp_rank=1) != det.derive_seed(base + 1, purpose="data", dp_rank=1)
+    assert seed("data", dp=1) != det.derive_seed(base + 1, purpose="data", coordinates={"dp": 1})
+    # an axis no purpose names (context parallel, say) changes no seed; a new purpose names its axes
+    assert seed("dropout", dp=1, cp=3) == seed("dropout", dp=1)
+    assert det.derive_seed(base, purpose="ring", coordinates={"cp": 1}, varies_with=("cp",)) != \
+        det.derive_seed(base, purpose="ring", coordinates={"cp": 0}, varies_with=("cp",))
     with pytest.raises(ValueError, match="purpose"):
         det.derive_seed(1, purpose="optimizer")
-    with pytest.raises(ValueError, match="dp_rank"):
-        det.derive_seed(1, purpose="data", dp_rank=-1)
+    with pytest.raises(ValueError, match=r"coordinates\['dp'\]"):
+        det.derive_seed(1, purpose="data", coordinates={"dp": -1})
+    with pytest.raises(ValueError, match="coordinates must be a mapping"):
+        det.deterministic_mode(coordinates=[0, 1])
+
+
+def test_derived_seeds_keep_their_bits():
+    """The seed rule's values are part of every recorded run (samebits-seed/1): the ones the
+    rule gave before coordinates were a mapping of axes (keywords dp_rank=, ...)."""
+    coordinates = {"dp": 1, "tp": 2, "pp": 3, "ep": 1}
+    assert {p: det.derive_seed(1234, purpose=p, coordinates=coordinates) for p in det.SEED_PURPOSES} == {
+        "init": 6774195104112289056, "data": 7051313290576415829, "dropout": 9141533270039771901,
+        "dropout_tp": 1649456511435402374, "expert": 2745782077633154899}
+    assert det.derive_seed(0, purpose="expert", coordinates={"dp": 1, "ep": 1}) == 61272746498868366
 
 
 def test_seed_all_is_repeatable():

@@ -8,6 +8,7 @@ process per rank; the test process then compares the recorded streams with `same
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -19,7 +20,7 @@ import pytest
 import samebits
 from samebits.errors import ConfigError
 from samebits.recipes import RecipeConfig
-from samebits.recipes.cells import ParallelDims, cell_name, parse_cell
+from samebits.recipes.cells import AXES, ParallelDims, cell_name, mesh_axes, parse_cell
 from samebits.recipes.parallelize import stage_layers
 from samebits.verdicts import Verdict
 
@@ -60,6 +61,26 @@ def test_parse_cell_fixes_the_whole_layout(name, sizes):
     assert overrides == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1, "ep": 1, **sizes}
     dims = ParallelDims.resolve(RecipeConfig(**overrides), ParallelDims(**overrides).world_size)
     assert parse_cell(cell_name(dims)) == overrides  # the canonical name round-trips
+
+
+def test_the_cell_grammar_reads_every_axis_of_the_one_table():
+    """`AXES` is the one list of axes: `ParallelDims` has one size per axis, the mesh
+    positions and name places are distinct, and the grammar parses and prints each axis's
+    word (an axis run over another's ranks sets that one's size too)."""
+    assert {f.name for f in dataclasses.fields(ParallelDims)} == {axis.field for axis in AXES}
+    assert [axis.mesh for axis in mesh_axes()] == list(range(len(mesh_axes())))
+    assert sorted(axis.name_order for axis in AXES) == list(range(len(AXES)))
+    for axis in AXES:
+        sizes = parse_cell(f"{axis.word}2")
+        split = {axis.field: 2, **({axis.over: 2} if axis.over else {})}
+        assert sizes == {field: split.get(field, 1) for field in sizes}, axis
+        dims = ParallelDims(**sizes)
+        assert cell_name(dims) == f"{axis.word}2" and dims.world_size == 2
+        assert set(dims.coordinates(1)) == {a.coordinate for a in AXES} and dims.coordinates(1)[axis.coordinate] == 1
+    every = "-".join(f"{axis.word}2" for axis in AXES if axis.over is None)
+    assert ParallelDims.parse(every).mesh_shape() == (2,) * len(mesh_axes())
+    assert ParallelDims.parse("pp2-dp2-tp2").coordinates(5) == {"pp": 1, "dp": 0, "tp": 1, "ep": 0}
+    assert ParallelDims.parse("fsdp2-tp2").coordinates(3) == {"pp": 0, "dp": 1, "tp": 1, "ep": 0}
 
 
 @pytest.mark.parametrize("name, message", [

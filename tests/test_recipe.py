@@ -503,16 +503,16 @@ def test_expert_parallel_matches_one_process(tmp_path):
 def _worker(out_dir: Path) -> None:
     import torch.distributed as dist
 
-    from samebits.recipes import parallel
+    from samebits.recipes import communication
 
     uneven = []
-    original = parallel._AllToAll.forward
+    original = communication._AllToAll.forward
 
     def spy(ctx, rows, output_splits, input_splits, group):
         uneven.append(len(set(input_splits)) > 1)
         return original(ctx, rows, output_splits, input_splits, group)
 
-    parallel._AllToAll.forward = staticmethod(spy)
+    communication._AllToAll.forward = staticmethod(spy)
     dist.init_process_group("gloo")
     result = train(_ep_config(2), steps=3)
     torch.save({"params": result.params, "uneven": any(uneven),

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from samebits.recipes import precision
-from samebits.recipes.parallel import _AllToAll
+from samebits.recipes.communication import _AllToAll
 from samebits.testing import assert_same_bits
 
 torch_ao = pytest.importorskip("torchao", reason="the precision extra (torchao) is not installed: "

@@ -151,11 +151,11 @@ def test_without_mtp_the_head_is_sequence_parallel(runs):
 
 def _norm_grads(out_dir: Path) -> None:
     """Forward and backward of a bare tp2+SP model; the norms' grads before and after
-    `parallel.reduce_gradients`, as this rank sees them."""
+    `communication.reduce_gradients`, as this rank sees them."""
     import torch
     from torch.distributed.tensor import DTensor
 
-    from samebits.recipes import parallel, parallelize
+    from samebits.recipes import communication, parallelize
     from samebits.recipes.model import Transformer
 
     cfg = RecipeConfig(tp=2, dp_replicate=1, ep=1, num_layers=2, seq_len=32, micro_batch_size=2)
@@ -178,7 +178,7 @@ def _norm_grads(out_dir: Path) -> None:
         return result
 
     before = state()
-    parallel.reduce_gradients(model, layout)
+    communication.reduce_gradients(model, layout)
     (out_dir / f"grads-{rank}.json").write_text(json.dumps({"before": before, "after": state()}))
 
 

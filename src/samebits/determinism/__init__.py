@@ -11,8 +11,6 @@
 See docs/determinism.md.
 """
 
-import warnings
-
 from samebits.determinism._mode import DeterministicMode, active_record, deterministic_mode
 from samebits.determinism._ops import OpEntry, lookup_op, op_catalog
 from samebits.determinism._probe import DEFAULT_COMPARISONS, NotCompared, Probe, ProbeFinding, ProbeReport, miss_bound, probe
@@ -35,16 +33,6 @@ from samebits.determinism._rules import (
 from samebits.determinism._seeds import SEED_PURPOSES, derive_seed, seed_all
 from samebits.errors import DeterminismError
 
-check_determinism = check
-
-
-def __getattr__(name: str):
-    if name == "Finding":  # the old name of RuleFinding (trace has an OriginFinding)
-        warnings.warn("samebits.determinism.Finding is deprecated; use samebits.determinism.RuleFinding",
-                      DeprecationWarning, stacklevel=2)
-        return RuleFinding
-    raise AttributeError(f"module 'samebits.determinism' has no attribute {name!r}")
-
 __all__ = [
     "deterministic_mode",
     "DeterministicMode",
@@ -53,7 +41,6 @@ __all__ = [
     "seed_all",
     "SEED_PURPOSES",
     "check",
-    "check_determinism",
     "validate",
     "rules",
     "rule",

@@ -23,12 +23,7 @@ from samebits.determinism._environment import (
     interpreter_hash_randomized,
 )
 from samebits.determinism._rules import UNSET, Violation, run_checks, violation_error
-from samebits.determinism._seeds import (
-    SEED_PURPOSES,
-    SEED_RULE_VERSION,
-    derive_seed,
-    seed_all,
-)
+from samebits.determinism._seeds import SEED_PURPOSES, SEED_RULE_VERSION, check_coordinates, derive_seed, seed_all
 from samebits.errors import ConfigError
 
 RECORD_SCHEMA = "samebits.determinism/1"
@@ -177,7 +172,7 @@ class DeterministicMode:
 
 
 def deterministic_mode(*, seed: int | None = 0, num_threads: int | None = None,
-                       dp_rank: int = 0, tp_rank: int = 0, pp_rank: int = 0, ep_rank: int = 0,
+                       coordinates: Mapping[str, int] | None = None,
                        allow_tf32: bool = False, allow_reduced_precision_reduction: bool = False,
                        nccl_algo: str | None = None, nccl_proto: str | None = None,
                        cublas_workspace_config: str | None = None,
@@ -187,7 +182,7 @@ def deterministic_mode(*, seed: int | None = 0, num_threads: int | None = None,
 
     Works as a plain call (settings stay until `restore()`) and as a context manager::
 
-        with samebits.deterministic_mode(seed=1234, num_threads=4, dp_rank=dp) as mode:
+        with samebits.deterministic_mode(seed=1234, num_threads=4, coordinates={"dp": dp}) as mode:
             train(mode.record)
 
     seed: base seed; the global RNGs (Python, NumPy, torch, CUDA) get
@@ -196,7 +191,8 @@ def deterministic_mode(*, seed: int | None = 0, num_threads: int | None = None,
         None leaves the RNGs alone.
     num_threads: CPU intra-op thread count to pin (torch and OMP_NUM_THREADS).  None pins
         OMP_NUM_THREADS if it is set, else torch's current count (the core count).
-    dp_rank, tp_rank, pp_rank, ep_rank: this rank's coordinates for the seed rule.
+    coordinates: this rank's index on each parallel axis, e.g. ``{"dp": 1, "tp": 0}``, for the
+        seed rule (an axis not given is 0; see `derive_seed`).
     allow_tf32, allow_reduced_precision_reduction: numerics choices; both are pinned and
         recorded either way (default: off, so the bits do not depend on library defaults).
     nccl_algo, nccl_proto, cublas_workspace_config: values to set when the variable is
@@ -215,15 +211,52 @@ def deterministic_mode(*, seed: int | None = 0, num_threads: int | None = None,
         raise ConfigError(f"num_threads must be a positive int or None, got {num_threads!r}")
     if seed is not None and not _is_int(seed):
         raise ConfigError(f"seed must be an int or None, got {seed!r}")
-    ranks = {"dp_rank": dp_rank, "tp_rank": tp_rank, "pp_rank": pp_rank, "ep_rank": ep_rank}
-    # derive_seed also validates the rank coordinates, before anything is changed.
-    derived = {p: derive_seed(seed, purpose=p, **ranks) for p in SEED_PURPOSES} \
+    coordinates = check_coordinates(coordinates)  # before anything is changed
+    derived = {p: derive_seed(seed, purpose=p, coordinates=coordinates) for p in SEED_PURPOSES} \
         if seed is not None else {}
 
     violations: list[Violation] = []
     threads, thread_source = _plan_threads(num_threads, violations)
     wanted["OMP_NUM_THREADS"] = str(threads)
     env_to_set = _plan_env(wanted, violations)
+    cuda_initialized, hash_randomized = _process_violations(env_to_set, expect_child_processes, violations)
+    config_rules: list[str] | None = None
+    if config is not None:
+        result = run_checks(config, env=False, torch_flags=False)
+        violations.extend(result.violations)
+        config_rules = result.rules_run
+    if violations:
+        raise violation_error(violations, "samebits.deterministic_mode")
+
+    # Nothing below can fail on user input: apply, remembering how to undo.
+    flags = _torch_flags(allow_tf32, allow_reduced_precision_reduction)
+    undo = _apply(env_to_set, threads, flags)
+    if seed is not None:
+        seed_all(derived["init"])
+    seeds = None if seed is None else {"rule": SEED_RULE_VERSION, "base": seed, "coordinates": coordinates,
+                                       "global": derived["init"], "global_purpose": "init", "derived": derived}
+    record = {
+        "schema": RECORD_SCHEMA, "versions": _versions(),
+        "env": {s.name: os.environ.get(s.name) for s in ENV_SETTINGS}, "env_set_by_samebits": sorted(env_to_set),
+        "torch": {flag.name: flag.get() for flag in flags},
+        "threads": {"num_threads": threads, "num_interop_threads": torch.get_num_interop_threads(),
+                    "source": thread_source},
+        "seeds": seeds, "cuda": {"available": torch.cuda.is_available(), "initialized": cuda_initialized},
+        "python_hash": {"randomized": hash_randomized, "expect_child_processes": expect_child_processes},
+        "config_rules": config_rules, "notes": _notes(hash_randomized, threads, thread_source),
+    }
+    mode = DeterministicMode(record, undo)
+    _ACTIVE.append(mode)
+    return mode
+
+
+def _process_violations(env_to_set: dict[str, str], expect_child_processes: bool,
+                        violations: list[Violation]) -> tuple[bool, bool]:
+    """What this process already did that no setting can undo: CUDA started before cuBLAS got
+    its workspace variable, a randomized str hash where child processes will run.  Appends
+    the violations; returns (CUDA initialized, hash randomized) for the record."""
+    import torch
+
     cuda_initialized = torch.cuda.is_initialized()
     if cuda_initialized and "CUBLAS_WORKSPACE_CONFIG" in env_to_set:
         violations.append(Violation(
@@ -240,15 +273,14 @@ def deterministic_mode(*, seed: int | None = 0, num_threads: int | None = None,
             fix="launch with PYTHONHASHSEED=0 (e.g. PYTHONHASHSEED=0 torchrun ...); setting it "
                 "now only reaches spawned children, forked ones keep this random hash secret",
             why=ENV_BY_NAME["PYTHONHASHSEED"].why))
-    config_rules: list[str] | None = None
-    if config is not None:
-        result = run_checks(config, env=False, torch_flags=False)
-        violations.extend(result.violations)
-        config_rules = result.rules_run
-    if violations:
-        raise violation_error(violations, "samebits.deterministic_mode")
+    return cuda_initialized, hash_randomized
 
-    # Nothing below can fail on user input: apply, remembering how to undo.
+
+def _apply(env_to_set: dict[str, str], threads: int, flags: list[_Flag]) -> list[Callable[[], None]]:
+    """Set the environment, the thread count and the torch flags; returns how to undo each,
+    in the order they were done."""
+    import torch
+
     undo: list[Callable[[], None]] = []
     for name, value in env_to_set.items():
         os.environ[name] = value
@@ -256,19 +288,15 @@ def deterministic_mode(*, seed: int | None = 0, num_threads: int | None = None,
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     undo.append(lambda: torch.set_num_threads(previous_threads))
-    flags = _torch_flags(allow_tf32, allow_reduced_precision_reduction)
     for flag in flags:
         previous = flag.get()
         flag.set(flag.target)
         undo.append(lambda flag=flag, previous=previous: flag.set(previous))
+    return undo
 
-    seeds = None
-    if seed is not None:
-        global_seed = derived["init"]
-        seed_all(global_seed)
-        seeds = {"rule": SEED_RULE_VERSION, "base": seed, "ranks": ranks,
-                 "global": global_seed, "global_purpose": "init", "derived": derived}
 
+def _notes(hash_randomized: bool, threads: int, thread_source: str) -> list[str]:
+    """The record's notes: what may still differ between machines or runs."""
     notes = []
     if hash_randomized:
         notes.append("this interpreter's str hash is randomized (PYTHONHASHSEED was not fixed at "
@@ -276,24 +304,7 @@ def deterministic_mode(*, seed: int | None = 0, num_threads: int | None = None,
     if thread_source == "torch default":
         notes.append(f"thread count {threads} comes from this machine's core count; pass "
                      "num_threads= to pin the same count on every machine")
-    record = {
-        "schema": RECORD_SCHEMA,
-        "versions": _versions(),
-        "env": {s.name: os.environ.get(s.name) for s in ENV_SETTINGS},
-        "env_set_by_samebits": sorted(env_to_set),
-        "torch": {flag.name: flag.get() for flag in flags},
-        "threads": {"num_threads": threads, "num_interop_threads": torch.get_num_interop_threads(),
-                    "source": thread_source},
-        "seeds": seeds,
-        "cuda": {"available": torch.cuda.is_available(), "initialized": cuda_initialized},
-        "python_hash": {"randomized": hash_randomized,
-                        "expect_child_processes": expect_child_processes},
-        "config_rules": config_rules,
-        "notes": notes,
-    }
-    mode = DeterministicMode(record, undo)
-    _ACTIVE.append(mode)
-    return mode
+    return notes
 
 
 def _is_int(value: Any) -> bool:

@@ -76,9 +76,6 @@ class RuleFinding(NamedTuple):
     advice: str = ""
 
 
-Finding = RuleFinding  # the old name (samebits.determinism.Finding is a deprecated alias)
-
-
 @dataclass(frozen=True)
 class Violation(ToDict):
     """One setting that breaks bitwise determinism, with the rule it breaks and the fix."""

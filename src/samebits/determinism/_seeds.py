@@ -1,32 +1,39 @@
 """The seed rule: every seed of a run is derived from one base seed and the rank coordinates
 that the seed's purpose must vary with.
 
+A rank's coordinates are a mapping from a parallel axis to its index on that axis, e.g.
+``{"dp": 1, "tp": 0, "pp": 0, "ep": 1}``; the axes are the program's own, and a purpose
+ignores the axes it does not vary with, so a caller always passes all of its coordinates
+(an axis the table does not name, say ``"cp"``, changes no built-in purpose's seed).
+
 =========  ===============================  ==========================================
 purpose    varies with                      why
 =========  ===============================  ==========================================
 init       nothing (same on every rank)     every DP replica starts from the same
                                             weights; shards slice one global init, so
                                             TP/PP/EP layout does not change the values
-data       dp_rank                          each data-parallel replica samples its own
+data       dp                               each data-parallel replica samples its own
                                             batches; its TP/PP/EP peers see the same ones
-dropout    dp_rank, pp_rank                 masks over replicated activations must match
+dropout    dp, pp                           masks over replicated activations must match
                                             across TP ranks; stages hold different layers
-dropout_tp dp_rank, pp_rank, tp_rank        masks over TP-sharded activations differ per
+dropout_tp dp, pp, tp                       masks over TP-sharded activations differ per
                                             shard (Megatron's model-parallel RNG tracker)
-expert     dp_rank, pp_rank, ep_rank,       expert ranks hold different experts and tokens
-           tp_rank                          (Megatron's expert-parallel RNG)
+expert     dp, pp, ep, tp                   expert ranks hold different experts and tokens
+                                            (Megatron's expert-parallel RNG)
 =========  ===============================  ==========================================
 
-A derived seed is the first 63 bits of SHA-256 over the rule version, the base seed, the
-purpose and the coordinates it varies with; coordinates it does not vary with are
-ignored, so callers can always pass all of theirs.  Hashing (not ``base + 100 * rank``)
-keeps the streams of different purposes and ranks from overlapping.
+Another purpose names its axes itself (``varies_with=("dp", "cp")``).  A derived seed is
+the first 63 bits of SHA-256 over the rule version, the base seed, the purpose and the
+coordinates it varies with, each written ``<axis>_rank=<index>`` (an axis not given is 0).
+Hashing (not ``base + 100 * rank``) keeps the streams of different purposes and ranks from
+overlapping.
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
+from typing import Mapping, Sequence
 
 from samebits.errors import ConfigError
 
@@ -34,28 +41,43 @@ SEED_RULE_VERSION = "samebits-seed/1"
 
 SEED_PURPOSES: dict[str, tuple[str, ...]] = {
     "init": (),
-    "data": ("dp_rank",),
-    "dropout": ("dp_rank", "pp_rank"),
-    "dropout_tp": ("dp_rank", "pp_rank", "tp_rank"),
-    "expert": ("dp_rank", "pp_rank", "ep_rank", "tp_rank"),
+    "data": ("dp",),
+    "dropout": ("dp", "pp"),
+    "dropout_tp": ("dp", "pp", "tp"),
+    "expert": ("dp", "pp", "ep", "tp"),
 }
 
-def derive_seed(base: int, *, purpose: str, dp_rank: int = 0, tp_rank: int = 0,
-                pp_rank: int = 0, ep_rank: int = 0) -> int:
-    """The seed for `purpose` on the rank with these coordinates (see the table above).
+
+def check_coordinates(coordinates: Mapping[str, int] | None) -> dict[str, int]:
+    """``coordinates`` as a dict (None: none), or a ConfigError naming the axis whose index is
+    not a non-negative int."""
+    if coordinates is None:
+        return {}
+    if not isinstance(coordinates, Mapping):
+        raise ConfigError(f"coordinates must be a mapping of axis to index, e.g. {{'dp': 0, 'tp': 1}}, "
+                          f"got {coordinates!r}")
+    for axis, index in coordinates.items():
+        if not isinstance(axis, str) or isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise ConfigError(f"coordinates[{axis!r}] must be a non-negative int index on a named axis, "
+                              f"got {index!r}")
+    return dict(coordinates)
+
+
+def derive_seed(base: int, *, purpose: str, coordinates: Mapping[str, int] | None = None,
+                varies_with: Sequence[str] | None = None) -> int:
+    """The seed for `purpose` on the rank at ``coordinates`` (see the table above);
+    ``varies_with`` names the axes of a purpose the table does not have.
 
     Returns an int in [0, 2**63), accepted by torch, NumPy (via `seed_all`) and `random`.
     """
     if isinstance(base, bool) or not isinstance(base, int):
         raise ConfigError(f"base seed must be an int, got {base!r}")
-    if purpose not in SEED_PURPOSES:
-        raise ConfigError(f"unknown seed purpose {purpose!r}; known purposes: "
-                         f"{', '.join(SEED_PURPOSES)}")
-    ranks = {"dp_rank": dp_rank, "tp_rank": tp_rank, "pp_rank": pp_rank, "ep_rank": ep_rank}
-    for name, value in ranks.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ConfigError(f"{name} must be a non-negative int, got {value!r}")
-    used = ",".join(f"{name}={ranks[name]}" for name in SEED_PURPOSES[purpose])
+    if varies_with is None and purpose not in SEED_PURPOSES:
+        raise ConfigError(f"unknown seed purpose {purpose!r}; known purposes: {', '.join(SEED_PURPOSES)} "
+                          "(or name the axes a new one varies with: varies_with=('dp', ...))")
+    coordinates = check_coordinates(coordinates)
+    axes = SEED_PURPOSES[purpose] if varies_with is None else tuple(varies_with)
+    used = ",".join(f"{axis}_rank={coordinates.get(axis, 0)}" for axis in axes)
     digest = hashlib.sha256(f"{SEED_RULE_VERSION}|{base}|{purpose}|{used}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
 

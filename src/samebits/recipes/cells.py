@@ -1,4 +1,5 @@
-"""The recipe's parallel layout: its sizes (`ParallelDims`) and their one-word names (cells).
+"""The recipe's parallel layout: its axes (`AXES`, the one table), its sizes (`ParallelDims`)
+and their one-word names (cells).
 
 A cell is ``-``-joined parallel sizes, each at most once: ``dpN`` plain data parallel
 (experts replicated), ``fsdpN`` FSDP2 sharding, ``tpN`` tensor parallel, ``ppN`` pipeline
@@ -13,14 +14,19 @@ sizes are the recipe's config fields (``pp``, ``dp_replicate``, ``dp_shard``, ``
     dims.overrides()                      # ["pp=1", "dp_replicate=2", "dp_shard=1", "tp=2", "ep=1"]
     cell_name(dims)                       # "tp2-dp2": the canonical name
 
-This module loads no torch: the command line reads cells without starting the library.
+Everything that names the axes reads `AXES`: the grammar, the mesh (`parallelize.py`), the
+rank coordinates (seeds, stream header) and `verify --across`, which sets each split axis's
+layout-invariant switch or refuses the layout with the axis's refusal (an axis with
+neither is refused too).  This module loads no torch: the command line reads cells without
+starting the library.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Mapping
 
 from samebits.errors import ConfigError
@@ -28,15 +34,53 @@ from samebits.errors import ConfigError
 if TYPE_CHECKING:  # the config module loads torch (its precisions)
     from samebits.recipes.config import RecipeConfig
 
-SIZE_NAMES = ("pp", "dp_replicate", "dp_shard", "tp", "ep")  # config fields, in override order
-_PART = re.compile(r"(dp|fsdp|tp|pp|ep)([1-9]\d*)")
-_FIELD = {"dp": "dp_replicate", "fsdp": "dp_shard", "tp": "tp", "pp": "pp", "ep": "ep"}
+
+@dataclass(frozen=True)
+class Axis:
+    """One parallel axis of the recipe."""
+
+    word: str  # its word in a cell name: "tp" of "tp2-dp2"
+    field: str  # the config field (and `ParallelDims` field) it sizes
+    mesh: int | None  # its dimension of the device mesh, outermost 0; None: it runs over `over`'s ranks
+    name_order: int  # its place in the canonical cell name
+    coordinate: str  # a rank's coordinate it counts in (seed rule, stream header): both DP kinds count in "dp"
+    switch: str | None = None  # the setting that makes its reductions layout-invariant (`verify --across`)
+    covers: str = ""  # what the switch makes invariant (the certificate lists it)
+    refusal: str | None = None  # why `verify --across` refuses a layout that splits it (no switch yet)
+    over: str | None = None  # the field whose ranks it runs over: its size is that one's, its index too
+
+
+# The one table of axes, in the order `verify --across` lists their switches (docs/invariance.md,
+# "The reductions of the recipe's step", details each reduction).  Whether the recipe accepts a
+# combination is its own config's call (`--check`), never decided here.
+AXES: tuple[Axis, ...] = (
+    Axis("dp", "dp_replicate", mesh=1, name_order=4, coordinate="dp", switch="grad_reduce=invariant",
+         covers="the data-parallel gradient reduction and the clipping norm: per-micro-batch gradients summed in "
+                "int64 fixed point (samebits.invariant)"),
+    Axis("fsdp", "dp_shard", mesh=2, name_order=2, coordinate="dp", switch="grad_reduce=invariant",
+         covers="the FSDP2 gradient reduce-scatter: the same int64 fixed point"),
+    Axis("tp", "tp", mesh=3, name_order=1, coordinate="tp", switch="tp_reduce=invariant",
+         covers="the tensor-parallel linears forward and backward, the norms' weight gradients under sequence "
+                "parallelism and the clipping norm: exact block products summed in int64"),
+    Axis("pp", "pp", mesh=0, name_order=0, coordinate="pp", switch="grad_reduce=invariant",
+         covers="the pipeline's micro-batch gradient accumulation (int64 fixed point), each block's random draws "
+                "keyed by (step, micro-batch, block) and the clipping norm over the stages"),
+    Axis("ep", "ep", mesh=None, name_order=3, coordinate="ep", over="dp_replicate", switch="grad_reduce=invariant",
+         covers="the experts' weight gradients: each (expert, source rank) segment its own GEMM, its gradient one "
+                "micro-batch's, summed on the owner in int64; the clipping norm over the EP group"),
+)
+
+
+def mesh_axes() -> list[Axis]:
+    """The axes that are dimensions of the device mesh, outermost first."""
+    return sorted((axis for axis in AXES if axis.mesh is not None), key=lambda axis: axis.mesh)
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Resolved mesh sizes: world size = pp * dp_replicate * dp_shard * tp; ep is 1 or
-    dp_replicate (experts sharded over the replicas)."""
+    """Resolved sizes, one per axis of `AXES`: world size = the product of the mesh axes
+    (pp * dp_replicate * dp_shard * tp); ep is 1 or dp_replicate (experts sharded over the
+    replicas)."""
 
     pp: int = 1
     dp_replicate: int = 1
@@ -57,11 +101,11 @@ class ParallelDims:
         dims = cls(cfg.pp, replicate, cfg.dp_shard, cfg.tp,
                    replicate if cfg.ep == 0 else cfg.ep)
         if dims.world_size != world_size:
+            product = " x ".join(f"{axis.field}={dims.size(axis)}" for axis in mesh_axes())
             raise ConfigError(
-                f"the parallel layout {dims.name} (pp={dims.pp} x dp_replicate="
-                f"{dims.dp_replicate} x dp_shard={dims.dp_shard} x tp={dims.tp} = "
-                f"{dims.world_size} ranks) does not fit world size {world_size}; launch "
-                f"{dims.world_size} ranks or change the sizes (dp_replicate=0 takes what is left)")
+                f"the parallel layout {dims.name} ({product} = {dims.world_size} ranks) does not fit world size "
+                f"{world_size}; launch {dims.world_size} ranks or change the sizes (dp_replicate=0 takes what is "
+                "left)")
         if dims.ep not in (1, dims.dp_replicate):
             raise ConfigError(f"ep={dims.ep} must be 1 or dp_replicate={dims.dp_replicate}")
         if dims.ep > 1 and cfg.num_experts % dims.ep:
@@ -78,14 +122,17 @@ class ParallelDims:
                               "needs ep >= 2 (e.g. cell ep2)")
         return dims
 
+    def size(self, axis: Axis) -> int:
+        return getattr(self, axis.field)
+
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+        return math.prod(self.size(axis) for axis in mesh_axes())
 
     @property
     def dp(self) -> int:
         """Data-parallel size: how many different micro-batches a step reads."""
-        return self.dp_replicate * self.dp_shard
+        return math.prod(self.size(axis) for axis in mesh_axes() if axis.coordinate == "dp")
 
     @property
     def name(self) -> str:
@@ -94,18 +141,34 @@ class ParallelDims:
     def sizes(self) -> dict[str, int]:
         return asdict(self)
 
+    def mesh_shape(self) -> tuple[int, ...]:
+        """The device mesh's sizes, outermost first (`mesh_axes`; size-1 dimensions included)."""
+        return tuple(self.size(axis) for axis in mesh_axes())
+
     def overrides(self) -> list[str]:
         """The recipe's ``--set`` overrides that fix this layout ("key=value", every size)."""
         return [f"{key}={value}" for key, value in self.sizes().items()]
 
     def coords(self, rank: int) -> dict[str, int]:
-        """Mesh coordinates of `rank` (row-major over pp, dp_replicate, dp_shard, tp), plus dp and ep indices."""
-        rest, tp = divmod(rank, self.tp)
-        rest, shard = divmod(rest, self.dp_shard)
-        pp, replicate = divmod(rest, self.dp_replicate)
-        return {"pp": pp, "dp_replicate": replicate, "dp_shard": shard, "tp": tp,
-                "dp": replicate * self.dp_shard + shard,
-                "ep": replicate if self.ep > 1 else 0}
+        """`rank`'s index on each axis by config field (row-major over the mesh; an axis run
+        over another's ranks has that one's index where it splits, else 0), plus its
+        `coordinates`."""
+        index: dict[str, int] = {}
+        for axis in reversed(mesh_axes()):
+            rank, index[axis.field] = divmod(rank, self.size(axis))
+        named: dict[str, int] = {}
+        for axis in sorted(AXES, key=lambda axis: len(AXES) if axis.mesh is None else axis.mesh):
+            if axis.over is not None:
+                index[axis.field] = named[axis.coordinate] = index[axis.over] if self.size(axis) > 1 else 0
+            else:  # the axes counting in one coordinate combine row-major (dp = replica * dp_shard + shard)
+                named[axis.coordinate] = named.get(axis.coordinate, 0) * self.size(axis) + index[axis.field]
+        return {**index, **named}
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """`rank`'s coordinates, one per coordinate name of `AXES` ("dp", "tp", "pp", "ep"): what
+        the seed rule and the stream header take."""
+        coords = self.coords(rank)
+        return {axis.coordinate: coords[axis.coordinate] for axis in AXES}
 
 
 def parse_cell(name: str) -> dict[str, int]:
@@ -116,23 +179,25 @@ def parse_cell(name: str) -> dict[str, int]:
 
     A bad name is a ConfigError saying which part is wrong and what the grammar allows."""
     text = name.strip().lower()
+    by_word = {axis.word: axis for axis in AXES}
+    part_re = re.compile(f"({'|'.join(by_word)})([1-9]\\d*)")
     values: dict[str, int] = {}
     if text != "single":
         for part in text.split("-") if text else []:
-            match = _PART.fullmatch(part)
-            if match is None or _FIELD[match.group(1)] in values:
-                raise ConfigError(f"cell {name!r}: {part!r} is not one of dpN, fsdpN, tpN, ppN, epN (each at most "
-                                  "once, joined by '-'), e.g. tp2-dp2; or 'single' for one rank")
-            values[_FIELD[match.group(1)]] = int(match.group(2))
+            match = part_re.fullmatch(part)
+            if match is None or by_word[match.group(1)].field in values:
+                raise ConfigError(f"cell {name!r}: {part!r} is not one of {', '.join(f'{axis.word}N' for axis in AXES)} (each at most once, joined "
+                                  "by '-'), e.g. tp2-dp2; or 'single' for one rank")
+            values[by_word[match.group(1)].field] = int(match.group(2))
         if not values:
             raise ConfigError(f"cell {name!r} names no parallel size; e.g. single, dp2, fsdp2, tp2-dp2")
-    if "ep" in values and values.setdefault("dp_replicate", values["ep"]) != values["ep"]:
-        raise ConfigError(f"cell {name!r}: epN runs over the data-parallel replicas, so N must equal dp's size "
-                          f"({values['dp_replicate']})")
-    return {key: values.get(key, 1) for key in SIZE_NAMES}
-
-
-_PRODUCT_KEY = {"dp": "dp_replicate", "fsdp": "dp_shard", "tp": "tp", "pp": "pp", "ep": "ep"}
+    for axis in AXES:  # an axis run over another's ranks sets that one's size (ep2 is ep2 over dp2)
+        if axis.over is not None and axis.field in values \
+                and values.setdefault(axis.over, values[axis.field]) != values[axis.field]:
+            over = next(other.word for other in AXES if other.field == axis.over)
+            raise ConfigError(f"cell {name!r}: {axis.word}N runs over the {over} ranks, so N must equal {over}'s "
+                              f"size ({values[axis.over]})")
+    return {field.name: values.get(field.name, 1) for field in fields(ParallelDims)}
 
 
 def parse_layouts(spec: str) -> list[ParallelDims]:
@@ -145,13 +210,14 @@ def parse_layouts(spec: str) -> list[ParallelDims]:
     if not text:
         raise ConfigError(f"--across: no layouts; {forms}")
     if "=" in text:
+        words = [axis.word for axis in AXES]
         axes = []
         for word in text.split(" "):
             key, _, values = word.partition("=")
             sizes = values.split(",")
-            if key not in _PRODUCT_KEY or not all(v.isdigit() and int(v) >= 1 for v in sizes):
-                raise ConfigError(f"--across {spec!r}: {word!r} is not KEY=N,N,... with KEY one of dp, fsdp, tp, pp, "
-                                  f"ep and positive sizes; {forms}")
+            if key not in words or not all(v.isdigit() and int(v) >= 1 for v in sizes):
+                raise ConfigError(f"--across {spec!r}: {word!r} is not KEY=N,N,... with KEY one of {', '.join(words)} "
+                                  f"and positive sizes; {forms}")
             if any(key == other for other, _ in axes):
                 raise ConfigError(f"--across {spec!r}: {key} is given twice; {forms}")
             axes.append((key, [int(v) for v in sizes]))
@@ -173,21 +239,15 @@ def parse_layouts(spec: str) -> list[ParallelDims]:
 
 
 def cell_name(sizes: ParallelDims | Mapping[str, int]) -> str:
-    """The canonical name of a layout ("single" for one rank): pp, tp, fsdp, then ep (which
-    implies dp) or dp."""
+    """The canonical name of a layout ("single" for one rank): its split axes in their
+    `name_order` (pp, tp, fsdp, then ep or dp), an axis that another one runs over left out
+    (ep2 is ep2 over dp2)."""
     if isinstance(sizes, ParallelDims):
         sizes = sizes.sizes()
-
-    def size(key: str) -> int:
-        return int(sizes.get(key, 1))
-
-    parts = [f"pp{size('pp')}" if size("pp") > 1 else "", f"tp{size('tp')}" if size("tp") > 1 else "",
-             f"fsdp{size('dp_shard')}" if size("dp_shard") > 1 else ""]
-    if size("ep") > 1:
-        parts.append(f"ep{size('ep')}")
-    elif size("dp_replicate") > 1:
-        parts.append(f"dp{size('dp_replicate')}")
-    return "-".join(p for p in parts if p) or "single"
+    split = {axis.field: int(sizes.get(axis.field, 1)) for axis in AXES if int(sizes.get(axis.field, 1)) > 1}
+    implied = {axis.over for axis in AXES if axis.over is not None and axis.field in split}
+    return "-".join(f"{axis.word}{split[axis.field]}" for axis in sorted(AXES, key=lambda axis: axis.name_order)
+                    if axis.field in split and axis.field not in implied) or "single"
 
 
-__all__ = ["ParallelDims", "parse_cell", "parse_layouts", "cell_name", "SIZE_NAMES"]
+__all__ = ["Axis", "AXES", "ParallelDims", "mesh_axes", "parse_cell", "parse_layouts", "cell_name"]

@@ -34,7 +34,7 @@ from samebits.autorecord import EXIT_STOPPED, STOPPED_MARKER  # --out marker whe
 from samebits.errors import ConfigError, SamebitsError
 from samebits.recipes.config import PRESETS, RecipeConfig
 from samebits.recipes.loop import session, train
-from samebits.recipes.cells import ParallelDims, parse_cell
+from samebits.recipes.cells import AXES, ParallelDims, parse_cell
 from samebits.verdicts import EXIT_CANNOT_RUN, EXIT_OK
 
 
@@ -45,8 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="default",
                         help="starting config; --set overrides apply on top")
     parser.add_argument("--cell", metavar="NAME",
-                        help="parallel layout, e.g. dp2, fsdp2, tp2, pp2, ep2, tp2-dp2, fsdp2-tp2 "
-                             "(sets dp_replicate, dp_shard, tp, pp and ep; --set applies after)")
+                        help=f"parallel layout, e.g. {', '.join(f'{axis.word}2' for axis in AXES)}, tp2-dp2, fsdp2-tp2 "
+                             f"(sets {', '.join(axis.field for axis in AXES[:-1])} and {AXES[-1].field}; --set applies "
+                             "after)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="override one config field (repeatable)")
     parser.add_argument("--out", type=Path, help="record fingerprint streams into this directory")
@@ -140,11 +141,10 @@ def _make_recorder(args, cfg: RecipeConfig, rank: int, world_size: int):
     if args.resume_from is not None:
         kwargs["append"] = True  # a resumed run continues the stream of the run it resumes
     dims = ParallelDims.resolve(cfg, world_size)
-    coords = dims.coords(rank)
     # The stream header records the cell and its mesh sizes next to the config.
     config = {**cfg.to_dict(), "parallel": {"cell": dims.name, "mesh": dims.sizes()}}
     if args.allow_layout_change:  # the run records the layout it resumed from (the header: this one)
         saved = checkpoint.saved_layout(args.resume_from)
         config["resumed_from"] = {k: saved[k] for k in ("step", "world_size", "layout")}
     return samebits.Recorder(args.out, rank=rank, world_size=world_size, config=config,
-                             coords={k: coords[k] for k in ("dp", "ep", "tp", "pp")}, **kwargs)
+                             coords=dims.coordinates(rank), **kwargs)

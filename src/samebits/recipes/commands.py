@@ -19,6 +19,7 @@ import sys
 from typing import Sequence
 
 from samebits.errors import ConfigError
+from samebits.recipes import cells
 from samebits.recipes.cells import ParallelDims
 
 MODULE = "samebits.recipes"
@@ -38,26 +39,6 @@ LAYOUT_INDEPENDENT = ("dropout=0", "moe_jitter_eps=0", "moe_aux_loss_coeff=0")
 # `verify --across`: gradients reduced so that the bits do not depend on the DP size, experts
 # replicated (EP over the DP ranks would couple them).
 ACROSS_OVERRIDES = ("grad_reduce=invariant", "ep=1")
-# The recipe's layout-invariance switches, by the parallel size whose reductions each one makes
-# independent of the layout, and what it covers (the one list: `verify --across` sets them and
-# writes them into its certificate; docs/invariance.md, "The reductions of the recipe's step",
-# details each reduction).  Whether the recipe accepts a combination is its own config's call
-# (`--check`), never decided here.
-INVARIANT_SWITCHES = {
-    "dp_replicate": ("grad_reduce=invariant", "the data-parallel gradient reduction and the clipping norm: "
-                     "per-micro-batch gradients summed in int64 fixed point (samebits.invariant)"),
-    "dp_shard": ("grad_reduce=invariant", "the FSDP2 gradient reduce-scatter: the same int64 fixed point"),
-    "tp": ("tp_reduce=invariant", "the tensor-parallel linears forward and backward, the norms' weight gradients "
-           "under sequence parallelism and the clipping norm: exact block products summed in int64"),
-    "pp": ("grad_reduce=invariant", "the pipeline's micro-batch gradient accumulation (int64 fixed point), each "
-           "block's random draws keyed by (step, micro-batch, block) and the clipping norm over the stages"),
-    "ep": ("grad_reduce=invariant", "the experts' weight gradients: each (expert, source rank) segment its own GEMM, "
-           "its gradient one micro-batch's, summed on the owner in int64; the clipping norm over the EP group"),
-}
-# Sizes no switch covers yet: a cell with one is refused, with the reason.
-NOT_INVARIANT: dict[str, str] = {}
-
-
 def launcher(nproc: int) -> list[str]:
     """How to start the recipe on ``nproc`` ranks: one process, or torchrun."""
     if nproc < 1:
@@ -124,15 +105,19 @@ def across_overrides(overrides: Sequence[str] = ()) -> list[str]:
 
 
 def invariant_overrides(dims: ParallelDims) -> list[str]:
-    """The switches that make cell ``dims``'s reductions independent of its layout (one per
-    family, `INVARIANT_SWITCHES`), in a fixed order; [] for one rank.  A size no switch covers
-    yet is a ConfigError naming the cell and what is not invariant."""
-    sizes = dims.sizes()
-    for key, why in NOT_INVARIANT.items():
-        if sizes[key] > 1:
-            raise ConfigError(f"{dims.name}: {why} (docs/invariance.md); compare layouts without {key}N, e.g. "
+    """The switches that make cell ``dims``'s reductions independent of its layout (each split
+    axis's, `cells.AXES`), in the table's order; [] for one rank.  An axis with a refusal,
+    or with neither a switch nor a refusal, is a ConfigError naming the cell and the axis."""
+    switches = []
+    for axis in cells.AXES:
+        if dims.size(axis) == 1:
+            continue
+        if axis.switch is None:
+            why = axis.refusal or (f"the axis {axis.word} has neither a layout-invariant switch nor a refusal in "
+                                   "samebits.recipes.cells.AXES; give it one before comparing layouts that split it")
+            raise ConfigError(f"{dims.name}: {why} (docs/invariance.md); compare layouts without {axis.word}N, e.g. "
                               "single,dp2,tp2")
-    switches = [INVARIANT_SWITCHES[key][0] for key in INVARIANT_SWITCHES if sizes[key] > 1]
+        switches.append(axis.switch)
     return list(dict.fromkeys(switches))
 
 
@@ -143,14 +128,12 @@ def across_switches(cells: Sequence[ParallelDims]) -> list[str]:
     return list(dict.fromkeys(s for dims in cells for s in invariant_overrides(dims)))
 
 
-def invariant_reductions(switches: Sequence[str], cells: Sequence[ParallelDims] | None = None) -> list[dict]:
-    """What ``switches`` make invariant, one entry per (switch, size) of `INVARIANT_SWITCHES`;
-    with ``cells``, only the sizes some cell splits (> 1), so that a certificate lists what its
-    layouts exercised, not every size the switch would cover."""
-    used = None if cells is None else {key for dims in cells for key, size in dims.sizes().items() if size > 1}
-    return [{"switch": switch, "size": key, "covers": covers}
-            for key, (switch, covers) in INVARIANT_SWITCHES.items()
-            if switch in switches and (used is None or key in used)]
+def invariant_reductions(switches: Sequence[str], layouts: Sequence[ParallelDims] | None = None) -> list[dict]:
+    """What ``switches`` make invariant, one entry per axis of `cells.AXES` whose switch is
+    among them; with ``layouts``, only the axes some layout splits (> 1), so that a
+    certificate lists what its layouts exercised, not every axis the switch would cover."""
+    return [{"switch": axis.switch, "size": axis.field, "covers": axis.covers} for axis in cells.AXES
+            if axis.switch in switches and (layouts is None or any(dims.size(axis) > 1 for dims in layouts))]
 
 
 def control_global_batch(cells: Sequence[ParallelDims]) -> int:
@@ -222,5 +205,5 @@ def cell_overrides(dims: ParallelDims, precision: str, *, global_batch: int | No
 __all__ = ["recipe_command", "recipe_roles", "launcher", "across_overrides", "recorded_config_overrides",
            "cell_overrides", "check_precisions", "check_matrix_overrides", "PRECISIONS", "DEFAULT_CELLS",
            "DEFAULT_PRECISIONS", "DEFAULT_GLOBAL_BATCH", "AGREEMENT_METRICS", "LAYOUT_INDEPENDENT", "ACROSS_OVERRIDES",
-           "MODULE", "INVARIANT_SWITCHES", "NOT_INVARIANT", "invariant_overrides", "across_switches",
+           "MODULE", "invariant_overrides", "across_switches",
            "invariant_reductions", "across_cell_overrides", "control_global_batch"]

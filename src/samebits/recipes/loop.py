@@ -24,7 +24,8 @@ from samebits.errors import ConfigError
 from samebits import checkpoint, trace
 from samebits.determinism import derive_seed, deterministic_mode, seed_all
 from samebits.invariant import GradientAccumulator
-from samebits.recipes import parallel, parallelize
+from samebits.recipes import communication, parallelize
+from samebits.recipes.cells import AXES, ParallelDims
 from samebits.recipes.config import RecipeConfig
 from samebits.recipes.data import Batches, build_token_source
 from samebits.recipes.model import ModelOutput, Transformer
@@ -95,16 +96,14 @@ def session(cfg: RecipeConfig):
     something under the same settings first (the CLI's Recorder, whose stream header holds
     the determinism record) open one around it, and `train` nests inside.
     """
-    rank, world_size, created = parallel.init_process_group(cfg.device)
+    rank, world_size, created = communication.init_process_group(cfg.device)
     try:
         # The layout must fit the world (a ConfigError naming the sizes before anything runs).
-        coords = parallelize.ParallelDims.resolve(cfg, world_size).coords(rank)
+        coordinates = ParallelDims.resolve(cfg, world_size).coordinates(rank)
         if cfg.deterministic:
             # Fails closed with every violation at once (config rules included), then pins
             # the thread count, torch flags and environment, and publishes its record.
-            with deterministic_mode(seed=cfg.seed, num_threads=cfg.num_threads,
-                                    dp_rank=coords["dp"], tp_rank=coords["tp"],
-                                    pp_rank=coords["pp"], ep_rank=coords["ep"],
+            with deterministic_mode(seed=cfg.seed, num_threads=cfg.num_threads, coordinates=coordinates,
                                     config=cfg.to_dict()):
                 yield rank, world_size
             return
@@ -146,16 +145,17 @@ class _Run:
         # match: dropout draws from the global torch RNG, router jitter from the recipe's own
         # generator.  Python and NumPy are seeded too, though the recipe draws nothing from
         # them (data is indexed).
-        dp_rank, ep_rank = self.layout.coords["dp"], self.layout.coords["ep"]
-        seed_all(derive_seed(cfg.seed, purpose="data", dp_rank=dp_rank))
-        torch.manual_seed(derive_seed(cfg.seed, purpose="dropout", dp_rank=dp_rank))
+        coordinates = self.layout.dims.coordinates(rank)
+        replica = {"dp": coordinates["dp"]}  # not "tp" or "pp": the same on a replica's ranks
+        seed_all(derive_seed(cfg.seed, purpose="data", coordinates=replica))
+        torch.manual_seed(derive_seed(cfg.seed, purpose="dropout", coordinates=replica))
         self.jitter = torch.Generator(device).manual_seed(
-            derive_seed(cfg.seed, purpose="expert", dp_rank=dp_rank, ep_rank=ep_rank))
+            derive_seed(cfg.seed, purpose="expert", coordinates={**replica, "ep": coordinates["ep"]}))
         for moe in model.moe_layers():
             moe.jitter_generator = self.jitter
         self.optimizer, self.scheduler = build_optimizer(model, cfg)
         # Every rank of a replica (TP ranks, pipeline stages) reads the replica's micro-batch.
-        self.data = Batches(build_token_source(cfg), cfg.micro_batch_size, dp_rank,
+        self.data = Batches(build_token_source(cfg), cfg.micro_batch_size, coordinates["dp"],
                             self.layout.dims.dp)
         # grad_reduce="invariant": the step's global batch is num_micro_batches micro-batches,
         # this DP rank takes its share in order (docs/invariance.md).  Each element is its own
@@ -167,7 +167,7 @@ class _Run:
             num_micro_batches=cfg.num_micro_batches, seed=cfg.seed, micro_batch_size=cfg.micro_batch_size,
             block_size=1, group=self.layout.dp_group) if cfg.grad_reduce == "invariant" else None
         # Under EP the expert shards' gradients are kept per micro-batch by their owner.
-        self.expert_grads = parallel.InvariantExpertGradients(model, cfg.num_micro_batches, self.layout.dims.ep) \
+        self.expert_grads = communication.InvariantExpertGradients(model, cfg.num_micro_batches, self.layout.dims.ep) \
             if self.accumulator is not None and experts else None
         # The parameters the optimizer updates, walked once: the records of every step list
         # them (a walk of the module tree costs about as much as digesting the tiny recipe).
@@ -281,7 +281,7 @@ class _Run:
             if log:
                 print(_format_line(metrics), flush=True)
             self.step += 1
-            if parallel.any_rank(ok is False, self.layout):
+            if communication.any_rank(ok is False, self.layout):
                 result.stopped_at = self.step - 1
                 break
         tracer.close()
@@ -332,8 +332,8 @@ class _Run:
         # Backward, DP reduction, clipping.
         if self.layout.pipeline is None:
             losses["loss"].backward()
-        parallel.reduce_gradients(model, self.layout)
-        grad_norm = parallel.clip_grad_norm(model, self.layout, cfg.grad_clip)
+        communication.reduce_gradients(model, self.layout)
+        grad_norm = communication.clip_grad_norm(model, self.layout, cfg.grad_clip)
         lr = self.scheduler.get_last_lr()[0]  # the rate this step's update uses
         if keep("metrics"):
             rec.metrics(step, **{k: v.detach() for k, v in losses.items()},
@@ -345,7 +345,7 @@ class _Run:
         ok = self._record_update(rec, keep)
 
         local = torch.stack([v.detach() for v in losses.values()])
-        mean = parallel.mean_over_ranks(local, self.layout)  # for the log line
+        mean = communication.mean_over_ranks(local, self.layout)  # for the log line
         metrics = {"step": step, **{k: float(v) for k, v in zip(losses, local)},
                    **{f"mean_{k}": float(v) for k, v in zip(losses, mean)},
                    "grad_norm": float(grad_norm), "lr": lr,
@@ -418,7 +418,7 @@ class _Run:
             acc.reduce()
         if self.expert_grads is not None:
             self.expert_grads.reduce()
-        grad_norm = parallel.clip_grad_norm(model, self.layout, cfg.grad_clip)  # the same at any split
+        grad_norm = communication.clip_grad_norm(model, self.layout, cfg.grad_clip)  # the same at any split
         if self.layout.dp_group is not None:  # a replica's TP ranks and stages hold the same rows
             dist.all_reduce(parts, group=self.layout.dp_group)  # one nonzero row per micro-batch: exact
         losses = dict(zip(names, parts.sum(dim=0) / count))  # the global mean, a fixed order
@@ -493,7 +493,7 @@ def _save_steps(save_at: int | Sequence[int] | None) -> list[int]:
 
 
 # Config fields that name the layout: a resume under another layout may change them.
-LAYOUT_FIELDS = ("dp_replicate", "dp_shard", "tp", "pp", "ep", "sequence_parallel")
+LAYOUT_FIELDS = (*(axis.field for axis in AXES), "sequence_parallel")
 
 
 def _full_layout(layout: dict[str, int]) -> dict[str, int]:

@@ -7,7 +7,7 @@ multi-token-prediction (MTP) head sharing the embedding and output layer.
 
 No parallelism here (torchtitan's split: `parallelize.py` applies it from outside).  What
 lets it be applied: the MoE layer sends its expert-sorted rows through a pluggable
-`dispatcher` (`LocalDispatcher` keeps every expert on this rank; `parallel.py` has the
+`dispatcher` (`LocalDispatcher` keeps every expert on this rank; `communication.py` has the
 expert-parallel one); the fused QKV projection is head-major (each head's q, k, v rows are
 adjacent, as in Megatron's fused layout), so a column split gives each part whole heads, and
 attention reads its head count from the weight it is given; blocks live in a ModuleDict and
@@ -107,7 +107,7 @@ class LocalDispatcher:
 
 
 class GroupedExperts(nn.Module):
-    """The experts' squared-ReLU MLPs as (E, D, H) and (E, H, D) weights; `parallel.py`
+    """The experts' squared-ReLU MLPs as (E, D, H) and (E, H, D) weights; `communication.py`
     slices them to this rank's experts under expert parallelism."""
 
     def __init__(self, num_experts: int, dim: int, hidden: int):

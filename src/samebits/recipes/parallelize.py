@@ -27,11 +27,11 @@ the architecture, this file the parallelism), on PyTorch's own engines.
   block is TP'd without SP).  Dropout on a shard uses the whole stream's mask (each rank draws it all and
   keeps its rows), so the RNG advances and the masks are as without SP.  The norms' weights
   are Replicate DTensors whose grads come out Partial (each rank saw its positions):
-  `parallel.reduce_gradients` sums them over the TP ranks;
+  `communication.reduce_gradients` sums them over the TP ranks;
 - FSDP2: `fully_shard` per block and at the root, over "dp_shard" (with grad_reduce=invariant,
   its gradient reduce-scatter is `samebits.invariant.InvariantReduceScatter`);
-- plain DP over "dp_replicate": one flat all-reduce of the gradients (`parallel.py`);
-- EP over "dp_replicate": the all_to_all dispatcher of `parallel.py` on that mesh group;
+- plain DP over "dp_replicate": one flat all-reduce of the gradients (`communication.py`);
+- EP over "dp_replicate": the all_to_all dispatcher of `communication.py` on that mesh group;
 - PP: `torch.distributed.pipelining` (`PipelineStage` + GPipe or 1F1B with micro-batches);
   each stage is a pruned copy of the full model (blocks deleted, embedding or head dropped),
   so parameter names are those of the full model on every layout.
@@ -66,13 +66,10 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 from samebits.invariant import (InvariantReduceScatter, column_parallel_linear, micro_batch_seed, row_parallel_linear,
                                 scale_columns)
-from samebits.recipes.cells import ParallelDims
+from samebits.recipes.cells import AXES, ParallelDims, mesh_axes
 from samebits.recipes.config import RecipeConfig
 from samebits.recipes.model import MLP, MoE, Block, Transformer
-from samebits.recipes.parallel import ExpertParallelDispatcher
-
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first, as torchtitan
-
+from samebits.recipes.communication import ExpertParallelDispatcher
 
 # --- the layout ----------------------------------------------------------------------------
 
@@ -119,8 +116,10 @@ class ParallelLayout:
         return self.group("ep") if self.expert_param_names else None
 
     def group(self, dim: str):
-        """The process group of mesh dimension `dim` ("ep" is "dp_replicate")."""
-        return self.mesh.get_group("dp_replicate" if dim == "ep" else dim)
+        """The process group of mesh dimension `dim`, or of the one an axis runs over ("ep" is
+        "dp_replicate")."""
+        over = {axis.field: axis.over for axis in AXES if axis.over is not None}
+        return self.mesh.get_group(over.get(dim, dim))
 
     @property
     def dp_group(self):
@@ -141,9 +140,9 @@ class ParallelLayout:
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
-    """The named 4-D mesh (size-1 dimensions included, so every name always exists)."""
-    return init_device_mesh(device_type, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp),
-                            mesh_dim_names=MESH_DIMS)
+    """The named mesh of `cells.mesh_axes`, outermost first as torchtitan ("pp", "dp_replicate",
+    "dp_shard", "tp"; size-1 dimensions included, so every name always exists)."""
+    return init_device_mesh(device_type, dims.mesh_shape(), mesh_dim_names=tuple(axis.field for axis in mesh_axes()))
 
 
 def parallelize(model: Transformer, cfg: RecipeConfig, rank: int, world_size: int,

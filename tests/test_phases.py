@@ -55,6 +55,10 @@ def test_the_table_orders_and_groups_as_its_readers_did():
     assert {p.name for p in phases.PHASES.values() if p.state} == {
         "state", "state_end", "inputs", "restored.params", "restored.optimizer"}
     assert samebits.stream.GLOBAL_PHASE_PREFIX == phases.GLOBAL_PHASE_PREFIX
+    for phase, number in (("params", None), ("grads", 2), ("optimizer", 10)):  # what optimizer_step writes, read back
+        assert phases.split_optimizer_phase(phases.optimizer_phase(phase, number)) == (
+            phase, None if number is None else str(number))
+    assert phases.split_optimizer_phase("restored.params") == ("restored.params", None)
 
 
 def test_the_table_loads_no_torch():

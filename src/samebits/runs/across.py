@@ -131,7 +131,7 @@ def compare_replicated(a, b, *, rank: int = 0, start_step: int | None = None, st
         run_b.close()
     compared = {"ranks": 1, "steps": 0, "records": 0, "shape_only": 0, "missing": 0, "not_held": 0, "rank": rank,
                 "world_size_a": run_a.world_size, "world_size_b": run_b.world_size}
-    notes, incomplete, only_b, not_held = [], [], set(), set()
+    incomplete, only_b, not_held = [], set(), set()
     missing, shape_only, mapped = {}, {}, {}  # name -> first step; mapping label -> {a name: b name}
     first = None
     for step, records_a in steps_a.items():
@@ -169,6 +169,26 @@ def compare_replicated(a, b, *, rank: int = 0, start_step: int | None = None, st
                                records_differing=len(differing),
                                detail=f"{key[1]}/{key[2]}: {record.summary()} vs {other.summary()}")
             break
+    notes, incomplete = _what_was_not_compared(a, b, rank, incomplete, mapped, only_b, not_held, missing,
+                                               shape_only)
+    if first is not None:
+        notes.extend(incomplete)  # the divergence is proof; what could not be compared is still said
+        incomplete = []
+    elif not incomplete and compared["records"] == 0:
+        incomplete.append(f"nothing to compare: rank {rank} of {a} holds no record in the window "
+                          f"[{start}, {stop_step if stop_step is not None else 'end'}) that {b} also holds")
+    verdict = Verdict.DIVERGED if first is not None else Verdict.INCOMPLETE if incomplete else Verdict.IDENTICAL
+    return DiffResult(a=str(a), b=str(b), verdict=verdict, first_divergence=first,
+                      ranks_diverged_first=[rank] if first else [], divergences={rank: first} if first else {},
+                      compared=compared, notes=notes, incomplete=incomplete)
+
+
+def _what_was_not_compared(a, b, rank: int, incomplete: list[str], mapped: dict, only_b: set, not_held: set,
+                           missing: dict, shape_only: dict) -> tuple[list[str], list[str]]:
+    """`compare_replicated`'s notes (records matched by a declared mapping, held by one run only)
+    and what makes it incomplete (records only ``a`` holds, records without a digest), after
+    ``incomplete``'s missing steps."""
+    notes: list[str] = []
     for label, pairs in mapped.items():
         shown = ", ".join(f"{x} -> {y}" for x, y in sorted(pairs.items())[:_SHOWN])
         notes.append(f"matched by {label}: {len(pairs)} record name(s) of {a} found under another name in {b} "
@@ -188,21 +208,7 @@ def compare_replicated(a, b, *, rank: int = 0, start_step: int | None = None, st
                           f"hold no digest (over max_tensor_bytes when recorded): {_names(shape_only, steps=True)}. "
                           "To compare their values, record both runs without the cap or with a cap above the "
                           "largest tensor")
-    if first is not None:
-        verdict = Verdict.DIVERGED
-        notes.extend(incomplete)  # the divergence is proof; what could not be compared is still said
-        incomplete = []
-    elif incomplete:
-        verdict = Verdict.INCOMPLETE
-    elif compared["records"] == 0:
-        verdict = Verdict.INCOMPLETE
-        incomplete.append(f"nothing to compare: rank {rank} of {a} holds no record in the window "
-                          f"[{start}, {stop_step if stop_step is not None else 'end'}) that {b} also holds")
-    else:
-        verdict = Verdict.IDENTICAL
-    return DiffResult(a=str(a), b=str(b), verdict=verdict, first_divergence=first,
-                      ranks_diverged_first=[rank] if first else [], divergences={rank: first} if first else {},
-                      compared=compared, notes=notes, incomplete=incomplete)
+    return notes, incomplete
 
 
 def _find(key: tuple, records_b: Mapping, mapped: dict) -> tuple | None:

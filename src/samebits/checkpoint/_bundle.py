@@ -260,38 +260,7 @@ def check(bundle: StateBundle, plain: Mapping[str, Any], *, rank: int, source: s
 
     plain_only = refs_at(None)
 
-    # model: every manifest key under model/ is a state_dict entry of the live model
-    live_model = bundle.model.state_dict()
-    model: dict[str, str] = {}
-    own = f"@rank{rank}"
-    for key in manifest:
-        if not key.startswith("model/"):
-            continue
-        name = key[len("model/"):]
-        if name.endswith(own):
-            name = name[:-len(own)]
-        elif "@rank" in name:
-            raise fields.bad(f"tensors.{key}", f"is another rank's tensor, not rank {rank}'s")
-        if name in model:
-            raise fields.bad(f"tensors.{key}", f"stores model entry {name!r} a second time "
-                                               f"(also as {model[name]!r})")
-        model[name] = key
-        used.add(key)
-    missing, unexpected = sorted(set(live_model) - set(model)), sorted(set(model) - set(live_model))
-    if missing or unexpected:
-        raise CheckpointError(f"{source}: model entries do not match the checkpoint: missing "
-                              f"{missing}, unexpected {unexpected}; build the same model before "
-                              "loading")
-    for name, key in model.items():
-        spec, live = manifest[key], live_model[name]
-        if not isinstance(live, torch.Tensor):
-            raise fields.mismatch("model", f"the bundle's model entry {name!r} is a "
-                                           f"{type(live).__name__}, not a tensor")
-        if list(live.shape) != spec["shape"] or live.dtype != getattr(torch, spec["dtype"]):
-            raise fields.mismatch("model", f"model entry {name!r} is {spec['dtype']}"
-                                           f"{spec['shape']} in the checkpoint but "
-                                           f"{_describe(live)} in the bundle's model")
-
+    model = _check_model(bundle, manifest, fields, rank, used)
     optimizer = _check_optimizer(bundle, plain["optimizer"], fields, rank, refs_at, plain_only)
 
     lr_scheduler = None
@@ -313,9 +282,58 @@ def check(bundle: StateBundle, plain: Mapping[str, Any], *, rank: int, source: s
     if not isinstance(metadata, dict):
         raise fields.bad("metadata", f"is a {_kind(metadata)}, not an object")
 
-    rng_tree = plain["rng"]
     rng_prefix = f"rng@rank{rank}"
-    rng = _decode(rng_tree, "rng", (), refs_at(lambda path: {"/".join((rng_prefix, *path))}))
+    rng = _decode(plain["rng"], "rng", (), refs_at(lambda path: {"/".join((rng_prefix, *path))}))
+    skip = _check_rng(bundle, rng, fields, skip_rng)
+
+    unused = sorted(set(manifest) - used)
+    if unused:
+        raise fields.bad(f"tensors.{unused[0]}", f"lists a tensor that no field refers to "
+                                                 f"({len(unused)} such)")
+    return Plan(source=source, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                progress=progress, metadata=metadata, rng=rng, skip_rng=skip)
+
+
+def _check_model(bundle: StateBundle, manifest: Mapping[str, Any], fields: _Fields, rank: int,
+                 used: set[str]) -> dict[str, str]:
+    """state_dict entry -> manifest key: every manifest key under model/ is an entry of the
+    live model, of its shape and dtype, and every entry has one (the keys go to ``used``)."""
+    live_model = bundle.model.state_dict()
+    model: dict[str, str] = {}
+    own = f"@rank{rank}"
+    for key in manifest:
+        if not key.startswith("model/"):
+            continue
+        name = key[len("model/"):]
+        if name.endswith(own):
+            name = name[:-len(own)]
+        elif "@rank" in name:
+            raise fields.bad(f"tensors.{key}", f"is another rank's tensor, not rank {rank}'s")
+        if name in model:
+            raise fields.bad(f"tensors.{key}", f"stores model entry {name!r} a second time "
+                                               f"(also as {model[name]!r})")
+        model[name] = key
+        used.add(key)
+    missing, unexpected = sorted(set(live_model) - set(model)), sorted(set(model) - set(live_model))
+    if missing or unexpected:
+        raise CheckpointError(f"{fields.source}: model entries do not match the checkpoint: missing "
+                              f"{missing}, unexpected {unexpected}; build the same model before "
+                              "loading")
+    for name, key in model.items():
+        spec, live = manifest[key], live_model[name]
+        if not isinstance(live, torch.Tensor):
+            raise fields.mismatch("model", f"the bundle's model entry {name!r} is a "
+                                           f"{type(live).__name__}, not a tensor")
+        if list(live.shape) != spec["shape"] or live.dtype != getattr(torch, spec["dtype"]):
+            raise fields.mismatch("model", f"model entry {name!r} is {spec['dtype']}"
+                                           f"{spec['shape']} in the checkpoint but "
+                                           f"{_describe(live)} in the bundle's model")
+    return model
+
+
+def _check_rng(bundle: StateBundle, rng: Any, fields: _Fields, skip_rng: Collection[str]) -> tuple[str, ...]:
+    """The saved random states are the bundle's generators (and the devices this process
+    sees); returns the states to leave out (``skip_rng``, each one a known state)."""
     if not isinstance(rng, dict) or not isinstance(rng.get("generators"), dict):
         raise fields.bad("rng", "is not an object with the saved generators under 'generators'")
     saved_names, names = sorted(rng["generators"]), sorted(bundle.generators)
@@ -336,13 +354,7 @@ def check(bundle: StateBundle, plain: Mapping[str, Any], *, rank: int, source: s
             raise fields.mismatch("process's visible devices",
                                   f"the checkpoint holds CUDA random states for {count} "
                                   f"device(s) but this process sees {present}")
-
-    unused = sorted(set(manifest) - used)
-    if unused:
-        raise fields.bad(f"tensors.{unused[0]}", f"lists a tensor that no field refers to "
-                                                 f"({len(unused)} such)")
-    return Plan(source=source, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                progress=progress, metadata=metadata, rng=rng, skip_rng=skip)
+    return skip
 
 
 def _check_optimizer(bundle: StateBundle, saved: Any, fields: _Fields, rank: int, refs_at,

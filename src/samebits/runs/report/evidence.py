@@ -22,26 +22,16 @@ from samebits.runs.across import CONTROL_STEPS
 from samebits.runs.conclusion import diff_conclusion, diff_window, window_words
 from samebits.runs.distance import metric_distance
 from samebits.runs.report.summaries import _verdict
-from samebits.stream import Record, open_run
+from samebits.stream import Record, open_run, phases
 from samebits.verdicts import Verdict
 
 
 MAX_READ_RANKS = 16384  # ranks whose steps are read for the heatmap (the rest are counted, not drawn)
-
-
 # What a person calls the recorded metrics: zero-code recording records the root of backward()
 # (the loss), the recipe records loss, grad_norm and lr under "metrics".
 _METRIC_NAMES = {"backward/root": "loss", "metrics/loss": "loss", "metrics/grad_norm": "grad norm",
                  "metrics/lr": "lr", "metrics/learning_rate": "lr"}
-
-
 _METRIC_ORDER = ("loss", "grad norm", "lr")
-
-
-_GROUP_NAMES = {"optimizer": "optimizer state", "forward": "activations", "data": "inputs"}
-
-
-_GROUP_ORDER = ("params", "grads", "optimizer state", "activations", "inputs")
 
 
 def _check_verdict(check: dict, file: Path, where: str) -> Verdict:
@@ -415,14 +405,15 @@ def _group_of(record: Record) -> tuple[str, str]:
     """A record's group and its kind: each metric is its own group, tensors group by phase."""
     if record.kind == "metric":
         return _metric_title(_key_label(record.key)), "metric"
-    return _GROUP_NAMES.get(record.phase, record.phase), "tensor"
+    return phases.report_group(record.phase), "tensor"
 
 
 def _group_sort(item: tuple[str, str]) -> tuple:
     name, kind = item
     if kind == "metric":
         return (0,) + _metric_sort(name)
-    return (1, _GROUP_ORDER.index(name) if name in _GROUP_ORDER else len(_GROUP_ORDER), name)
+    groups = phases.REPORT_GROUPS
+    return (1, groups.index(name) if name in groups else len(groups), name)
 
 
 def _focus_rank(pair: Pair) -> int:

@@ -23,8 +23,6 @@ from samebits.verdicts import EXIT_STOPPED, ToDict, Verdict, serialised
 # as U+061C, U+202E, U+2066-9; zero-width and tag characters), line and paragraph separators
 # (Zl, Zp) and lone surrogates (Cs: the bytes of a non-UTF-8 path, which UTF-8 cannot encode).
 _UNSAFE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
-
-
 _CANDIDATES = re.compile("[^\x20-\x7e]")  # `_visible` keeps the safe ones
 
 

@@ -13,42 +13,23 @@ from typing import Any
 from samebits.compare import DiffResult
 from samebits.errors import StreamError
 from samebits.runs._state_positions import state_positions
-from samebits.runs.report.evidence import (MAX_READ_RANKS, Pair, _GROUP_NAMES, _GROUP_ORDER, _GroupStep, _cell,
-                                           _focus_rank, _group_sort, _key_label, _metric_sort, _metric_title,
-                                           _records_by_step)
+from samebits.runs.report.evidence import (MAX_READ_RANKS, Pair, _GroupStep, _cell, _focus_rank, _group_sort,
+                                           _key_label, _metric_sort, _metric_title, _records_by_step)
 from samebits.runs.report.page import Page, _esc, _table
 from samebits.runs.report.svg import COLOUR_A, COLOUR_B, _DASHED, _chart, _short_names, _state_chart, _ulp_plot
-from samebits.stream import Record
+from samebits.stream import Record, phases
 from samebits.verdicts import Verdict
 
 
 MAX_RANKS = 64  # heatmap rows of ranks; a larger world is binned, each row a range of ranks
-
-
 MAX_STEPS = 120  # heatmap columns; more steps are binned, each column a range of steps
-
-
 MAX_GROUP_ROWS = 32  # heatmap rows of record groups (one or two ranks)
-
-
 MAX_TENSOR_ROWS = 40  # per-tensor table rows (records that differ at some step)
-
-
 MAX_LEAVES = 4  # a module row names this many of its differing records per group, then "..."
-
-
 MAX_TENSOR_STEPS = 12  # per-tensor table columns, from the first divergent step on (no sideways scroll)
-
-
 MAX_CURVES = 12  # metric curves drawn per pair
-
-
 MAX_STATE_CHARTS = 8  # census records drawn per pair (the rest are listed)
-
-
 _OWN_VARIABLES = ("env.SAMEBITS_", "env.TORCHELASTIC_")  # set per run by samebits / torchrun, as in diff's notes
-
-
 # Heatmap states, most telling first (a binned cell shows the first of its members'): the colour
 # and what the legend says.
 _HEAT = (("first", "#a40e26", "first divergence"), ("differs", "#f06b6b", "differs"),
@@ -57,8 +38,6 @@ _HEAT = (("first", "#a40e26", "first divergence"), ("differs", "#f06b6b", "diffe
           "not run past the first divergence (live check)"),
          ("missing", "#d4a72c", "in one run only"), ("same", "#8fd19e", "identical"),
          ("outside", "#d0d7de", "outside the compared window"), ("none", "#eef1f4", "not recorded"))
-
-
 _RANK = {state: index for index, (state, _, _) in enumerate(_HEAT)}
 
 
@@ -263,7 +242,7 @@ def _tensors(page: Page, pair: Pair) -> None:
                 continue
             differing.setdefault(key, {})[step] = _cell(ra, rb, True, True)
     params = {key[2] for step in wanted for at in (records_a.get(step, {}),) for key in at
-              if key[1] in ("params", "grads")}
+              if key[1] in (phases.PARAMS, phases.GRADS)}
     rows = _module_rows(differing, present, params)
     shown = rows[:MAX_TENSOR_ROWS]
     rows_html = []
@@ -500,10 +479,10 @@ def _module_of(key: tuple, params: set[str]) -> str:
     ``fc.weight``), the parameter an optimizer state belongs to (``fc.weight.exp_avg``), the
     module whose output or input it is (``GPT.fc.0``: ``GPT.fc``)."""
     _, phase, name, _ = key
-    if phase == "optimizer":
+    if phase == phases.OPTIMIZER:
         owner = max((p for p in params if name.startswith(p + ".")), key=len, default=None)
         name = owner if owner is not None else name.rpartition(".")[0] or name
-    elif phase not in ("params", "grads"):
+    elif phase not in (phases.PARAMS, phases.GRADS):
         parts = name.split(".")
         while len(parts) > 1 and parts[-1].isdigit():  # output or input index
             parts.pop()
@@ -542,10 +521,11 @@ def _module_rows(differing: dict[tuple, dict[int, tuple[str, str]]], present: di
             for label, _, _ in found:
                 phase, _, name = label.partition("/")
                 leaf = name[len(row.title) + 1:] if name.startswith(row.title + ".") else name
-                names = by_group.setdefault(_GROUP_NAMES.get(phase, phase), [])
+                names = by_group.setdefault(phases.report_group(phase), [])
                 if leaf not in names:
                     names.append(leaf)
-        groups = sorted(by_group, key=lambda g: _GROUP_ORDER.index(g) if g in _GROUP_ORDER else len(_GROUP_ORDER))
+        order = phases.REPORT_GROUPS
+        groups = sorted(by_group, key=lambda g: order.index(g) if g in order else len(order))
         said = "; ".join(f"{g}: {', '.join(by_group[g][:MAX_LEAVES])}" + (" ..." if len(by_group[g]) > MAX_LEAVES
                                                                           else "") for g in groups)
         row.hover = f"module {row.title}: " + "; ".join(f"{g}: {', '.join(by_group[g])}" for g in groups)

@@ -22,11 +22,7 @@ from samebits.verdicts import ToDict, Verdict
 
 
 MAX_JSON_BYTES = 64 << 20  # a summary or certificate larger than this is refused (they are kilobytes)
-
-
 MAX_JSON_DEPTH = 64  # nesting deeper than this is refused (the files nest a few levels)
-
-
 # The result type of each command whose summary reads back by the marks that write it
 # (`ToDict.from_dict`): its names and types are the writer's, never restated here.
 RESULTS: dict[str, type[ToDict]] = {"bisect": BisectResult}
@@ -126,11 +122,7 @@ class _Required:
 
 _CHECK = {"verdict": str, "first_divergence": dict, "compared": dict, "notes": list, "incomplete": list, "by": str,
           "counts": _Each(int)}
-
-
 _CONTROL = {"verdict": str, "differs": bool, "first_step": int, "layout": str, "run": str}
-
-
 _SUMMARY = {
     "verify": {"verdict": _Required(str), "checks": _Each(_CHECK, null=True), "resume_at": int, "runs": [dict],
                "explanations": _Each(list), "notes": list, "sizes": list, "layouts": list, "reference": str,
@@ -140,13 +132,9 @@ _SUMMARY = {
                                                      "bisect": dict, "verdict": str, "repeatable": str,
                                                      "resume": str}], "failures": list, "notes": list},
 }
-
-
 # certificate.json (`samebits.runs.across.certificate`), as the page reads it
 _CERT_CHECK = {"verdict": _Required(str), "by": str, "steps": int, "counts": _Each(int), "notes": [str],
                "incomplete": [str], "command": str, "first_divergence": dict}
-
-
 _CERTIFICATE = {
     "verdict": _Required(str), "kind": str, "environment": dict, "reference": str,
     "layouts": [{"cell": str, "world_size": int, "overrides": [str], "command": str}],

@@ -14,11 +14,7 @@ from samebits.stream import Record
 
 
 _COLOURS = ("#0969da", "#8250df", "#1a7f37", "#bc4c00", "#1b7c83", "#bf3989", "#6e7781", "#953800")
-
-
 COLOUR_A, COLOUR_B = "#0969da", "#e36209"
-
-
 _DASHED = 'stroke-dasharray="7,4"'
 
 

@@ -606,14 +606,12 @@ def test_suspended_work_is_neither_traced_nor_counted(tmp_path):
     assert [(r.phase, r.name) for r in records(census)] == names[0]
 
 
-def test_old_names_are_deprecated_aliases():
+def test_old_names_are_gone():
     import samebits.determinism as det
     import samebits.trace as tr
 
-    with pytest.warns(DeprecationWarning, match="RuleFinding"):
-        assert det.Finding is det.RuleFinding
-    # trace's old names are gone (issue 36: no compatibility shims for a version never released)
-    assert not hasattr(tr, "probe") and not hasattr(tr, "Finding")
+    # no compatibility aliases for a version never released (issue 36)
+    assert not hasattr(tr, "probe") and not hasattr(tr, "Finding") and not hasattr(det, "Finding")
     assert "probe" in samebits.__all__ and samebits.probe is det.probe  # the op-twice probe keeps its name
 
 

@@ -122,14 +122,7 @@ class _Walk:
             return None
 
         def finish() -> None:
-            """Read and verify the rest of both streams (after a divergence or an early end):
-            damage anywhere in them is a `StreamError`, never a verdict."""
-            for iterator, reader in ((steps_a, reader_a), (steps_b, reader_b)):
-                frame = past_window.pop(iterator, None)
-                if frame is not None:
-                    reader.check_root(*frame)
-                for frame in iterator:
-                    reader.check_root(*frame)
+            _finish(((steps_a, reader_a), (steps_b, reader_b)), past_window)
 
         frame_a, frame_b = advance(steps_a, reader_a), advance(steps_b, reader_b)
         shared, verify, crc32, step_root = self.shared_bound, self.verify, zlib.crc32, _step_root
@@ -243,6 +236,17 @@ class _Walk:
         finish()
         records_a, records_b = (records, []) if missing_in == "b" else ([], records)
         return RankStep(rank, step, records_a, records_b, missing=missing_in, detail=detail), found
+
+
+def _finish(sides, past_window: dict) -> None:
+    """Read and verify the rest of both streams (``sides``: (iterator, reader) each) after a
+    divergence or an early end: damage anywhere in them is a `StreamError`, never a verdict."""
+    for iterator, reader in sides:
+        frame = past_window.pop(iterator, None)
+        if frame is not None:
+            reader.check_root(*frame)
+        for frame in iterator:
+            reader.check_root(*frame)
 
 
 def _compare_step(rank: int, step: int, records_a: list[Record],

@@ -149,10 +149,7 @@ def parse_records(payload: bytes, pos: int, count: int, names: list[str], names_
     a capped record needs a segment whose header declares a size cap (``may_cap``).  ``names``:
     the stream's interned names, the first ``names_count`` of them known at this step;
     ``writer``: the samebits version in the header (named when a record is of an unknown kind)."""
-    size = len(payload)
-    records: list[Record] = []
-    out = bytearray()
-    seen: set = set()
+    size, records, out, seen = len(payload), [], bytearray(), set()
 
     def name(ident: int) -> str:
         if ident >= names_count:

@@ -129,14 +129,7 @@ class StreamReader(FrameFile):
         the stored root.  With ``defer_checksums`` the checksum of a step frame is checked
         by `check_root` too (``pending`` holds the frame head and stored CRC; otherwise
         None): a comparer that finds two frames byte-equal checks and hashes them once."""
-        self._pos = self._first_end
-        self.segments = self.segments[:1]
-        self.names = []
-        self.stop_reason = None
-        self.closed_cleanly = False
-        self._reset_state()
-        self._schema, self._may_cap = self.header.schema, self.header.caps_tensors
-        self._last_kind = fmt.FRAME_HEADER
+        self._rewind()
         data, size, crc32 = self._data, self.size, zlib.crc32
         unpack_u32, unpack_u64 = fmt._U32.unpack_from, fmt._U64.unpack_from
         expected = self._expected_index
@@ -209,6 +202,17 @@ class StreamReader(FrameFile):
                 raise self._corrupt(kind, offset, str(err)) from None
             except (IndexError, ValueError, struct_error) as err:
                 raise self._corrupt(kind, offset, f"a malformed {fmt.FRAME_KINDS[kind]} frame ({err})") from None
+
+    def _rewind(self) -> None:
+        """Back to the first frame after the header, as if nothing after it had been read."""
+        self._pos = self._first_end
+        self.segments = self.segments[:1]
+        self.names = []
+        self.stop_reason = None
+        self.closed_cleanly = False
+        self._reset_state()
+        self._schema, self._may_cap = self.header.schema, self.header.caps_tensors
+        self._last_kind = fmt.FRAME_HEADER
 
     def _step(self, payload: bytes, offset: int) -> tuple[StepBlock, bytes, int]:
         size = len(payload)

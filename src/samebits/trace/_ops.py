@@ -98,17 +98,8 @@ class OpMode(TorchDispatchMode):
 
         if info.kind != NORMAL or not (recorded or perturb or dump):
             out = func(*args, **kwargs)
-            if recorded and info.kind == NOISE:
-                s.mark_all_seen(op_tensor_outputs(out), source_prefix(phase, event_id, "out"))
-            elif recorded and info.kind == VIEW:
-                viewed = op_tensor_args(args, kwargs)
-                if all(s.is_seen(x) for _, x in viewed):
-                    # A view's bytes are its input's: its source is the input's, where it sits
-                    # (never the view op's id, which counts in call order).
-                    if viewed:
-                        base = s.source_of(viewed[0][1])
-                        for _, o in op_tensor_outputs(out):
-                            s.mark_view(o, viewed[0][1], None if base is None else base + geometry(o))
+            if recorded:
+                _note_unrecorded(s, info.kind, phase, event_id, args, kwargs, out)
             return out
 
         inputs = op_tensor_args(args, kwargs)
@@ -150,6 +141,21 @@ class OpMode(TorchDispatchMode):
         if dump:
             t.dump(event_id, phase, name, dump_inputs, outputs, site)
         return out
+
+
+def _note_unrecorded(s, kind, phase: str, event_id: str, args, kwargs, out) -> None:
+    """What a recorded scope's op that is not recorded (noise, a view) tells the step's seen
+    tensors: noise outputs are seen as the op's; a view of seen tensors is seen while they are."""
+    if kind == NOISE:
+        s.mark_all_seen(op_tensor_outputs(out), source_prefix(phase, event_id, "out"))
+    elif kind == VIEW:
+        viewed = op_tensor_args(args, kwargs)
+        if viewed and all(s.is_seen(x) for _, x in viewed):
+            # A view's bytes are its input's: its source is the input's, where it sits
+            # (never the view op's id, which counts in call order).
+            base = s.source_of(viewed[0][1])
+            for _, o in op_tensor_outputs(out):
+                s.mark_view(o, viewed[0][1], None if base is None else base + geometry(o))
 
 
 def _list_arguments(inputs: list, state) -> dict[str, list]:

@@ -49,18 +49,15 @@ SEED_PURPOSES: dict[str, tuple[str, ...]] = {
 
 
 def check_coordinates(coordinates: Mapping[str, int] | None) -> dict[str, int]:
-    """``coordinates`` as a dict (None: none), or a ConfigError naming the axis whose index is
-    not a non-negative int."""
-    if coordinates is None:
-        return {}
-    if not isinstance(coordinates, Mapping):
+    """``coordinates`` as a dict (None: none), or a ConfigError naming what is wrong."""
+    if not isinstance(coordinates, (Mapping, type(None))):
         raise ConfigError(f"coordinates must be a mapping of axis to index, e.g. {{'dp': 0, 'tp': 1}}, "
                           f"got {coordinates!r}")
-    for axis, index in coordinates.items():
+    for axis, index in (coordinates or {}).items():
         if not isinstance(axis, str) or isinstance(index, bool) or not isinstance(index, int) or index < 0:
             raise ConfigError(f"coordinates[{axis!r}] must be a non-negative int index on a named axis, "
                               f"got {index!r}")
-    return dict(coordinates)
+    return dict(coordinates or {})
 
 
 def derive_seed(base: int, *, purpose: str, coordinates: Mapping[str, int] | None = None,

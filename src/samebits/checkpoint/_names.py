@@ -28,6 +28,7 @@ OTHER = "other"  # anything else (a recipe's fp8 amax histories): key the whole 
 GENERATORS = (RNG, CUDA_RNG, USER_RNG)
 COMPONENTS = {OPTIMIZER: "optim", SCHEDULER: "sched", SCALER: "scaler"}  # numbered: optim<i>.<field>
 LOADERS = (DATA_POSITION, DATA_STATE)
+_PREFIXES = {CUDA_RNG: "rng.cuda:", USER_RNG: "rng.user.", RNG: "rng.", DATA_STATE: "data.state.", DATA_POSITION: "data."}
 GLOBAL_GENERATORS = ("python", "numpy", "torch_cpu")
 
 _NOT_RESTORED = "seeded from something that changes, or not restored on resume"
@@ -82,38 +83,18 @@ class CensusName:
         return cls(DATA_POSITION, site)
 
     def __str__(self) -> str:
-        kind = self.kind
-        if kind == RNG:
-            return f"rng.{self.key}"
-        if kind == CUDA_RNG:
-            return f"rng.cuda:{self.key}"
-        if kind == USER_RNG:
-            return f"rng.user.{self.key}"
-        if kind in COMPONENTS:
-            return f"{COMPONENTS[kind]}{self.key}" + (f".{self.field}" if self.field else "")
-        if kind == DATA_POSITION:
-            return f"data.{self.key}"
-        if kind == DATA_STATE:
-            return f"data.state.{self.key}"
-        return self.key
+        if self.kind in COMPONENTS:
+            return f"{COMPONENTS[self.kind]}{self.key}" + (f".{self.field}" if self.field else "")
+        return _PREFIXES.get(self.kind, "") + self.key
 
     # -- reading ------------------------------------------------------------------------
 
     @classmethod
     def parse(cls, name: str) -> "CensusName":
         """The name a census record carries, parsed (`OTHER` for a name the census does not write)."""
-        if name.startswith("rng."):
-            rest = name[4:]
-            if rest in GLOBAL_GENERATORS:
-                return cls(RNG, rest)
-            if rest.startswith("cuda:"):
-                return cls(CUDA_RNG, rest[5:])
-            if rest.startswith("user."):
-                return cls(USER_RNG, rest[5:])
-        if name.startswith("data.state."):
-            return cls(DATA_STATE, name[11:])
-        if name.startswith("data."):
-            return cls(DATA_POSITION, name[5:])
+        for kind, prefix in _PREFIXES.items():  # the longest prefix first: rng.cuda: before rng.
+            if name.startswith(prefix) and (kind != RNG or name[len(prefix):] in GLOBAL_GENERATORS):
+                return cls(kind, name[len(prefix):])
         head, _, field = name.partition(".")
         for kind, prefix in COMPONENTS.items():
             number = head[len(prefix):]

@@ -7,10 +7,12 @@ position; zero-code recording adds each step's
 inputs (``inputs``), the generators after the step (``state_end``), a resumed process's
 parameters and optimizer state as it begins (``restored.*``) and a log of restores and draws
 of the global generators (`samebits.autorecord.EVENTS_FILE`).  This module turns differences
-between those records into `Finding`s, each a claim with its evidence, most specific first:
+between those records into `Finding`s, each a claim with its evidence, most specific first
+(the order of `_resume_rules._RULES`, where a resumed run's findings are made, one small rule
+per kind; `_census_facts` reads the census):
 
-    off_by_one, initial_params, model_params, optimizer_state, scheduler, grad_scaler,
-    iteration_counter, data_position, generator_consumed, generator, input_batch, order, script_said
+    off_by_one, script_said, initial_params, model_params, optimizer_state, scheduler, grad_scaler,
+    iteration_counter, data_position, generator_consumed, generator, input_batch, order
 
 Rules that keep a finding honest:
 

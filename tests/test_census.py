@@ -261,6 +261,7 @@ def test_a_census_name_parses_and_formats_back(name, kind, key, field, title):
     parsed = checkpoint.CensusName.parse(name)
     assert (parsed.kind, parsed.key, parsed.field, parsed.title()) == (kind, key, field, title)
     assert str(parsed) == name
+    assert parsed.is_torch_generator == name.startswith(("rng.torch_cpu", "rng.cuda", "rng.user."))
 
 
 def test_every_name_the_census_writes_is_one_it_parses():

@@ -107,6 +107,12 @@ class CensusName:
         return self.kind in GENERATORS
 
     @property
+    def is_torch_generator(self) -> bool:
+        """A torch generator (CPU, CUDA, the program's own), whose draws a trace's RNG ops show;
+        Python's and NumPy's global generators are not."""
+        return self.kind in (CUDA_RNG, USER_RNG) or (self.kind == RNG and self.key == "torch_cpu")
+
+    @property
     def is_loader(self) -> bool:
         return self.kind in LOADERS
 

@@ -19,7 +19,7 @@ from samebits.errors import ConfigError
 from samebits.recipes.commands import recipe_command, recipe_roles, recorded_config_overrides
 from samebits.runs.bisect import bisect
 from samebits.runs.commands import RecipeRefused, default_out_dir, fill_placeholders, holds, prepare_out_dir
-from samebits.runs.program import SelfRecording
+from samebits.runs.program import RECORD, RESUME, SAVE, SelfRecording, ZeroCode
 from samebits.runs.replay import replay
 from samebits.verdicts import Verdict
 
@@ -88,6 +88,29 @@ WRITES_ITS_OUT = textwrap.dedent('''
         model(torch.ones(3, 4)).sum().backward()
         opt.step()
 ''')
+
+
+def test_each_kind_of_program_gives_the_argv_and_environment_of_a_role(tmp_path):
+    """The `Program` protocol: the recipe records itself (its own flags, its live check, what to
+    record as SAMEBITS_* variables only when chosen); a command under zero-code recording gets
+    its own work folder as {out}, the recording environment, and {step}/{from} only when resumed."""
+    recipe = SelfRecording(**recipe_roles(2, steps=4), recording={"exclude": "optim*"})
+    run = recipe.launch(RESUME, tmp_path / "c", values={"{ckpt}": tmp_path / "ckpt"}, reference=tmp_path / "a")
+    assert run.argv[-2:] == ["--reference", str(tmp_path / "a")] and str(tmp_path / "ckpt") in run.argv
+    assert run.env["SAMEBITS_EXCLUDE"] == "optim*" and run.streams == tmp_path / "c"
+    assert SelfRecording(**recipe_roles(2, steps=4)).launch(SAVE, tmp_path / "a").env is None
+    assert recipe.census_decides and recipe.resumes and recipe.verify_resume_step(None, False) == 2
+
+    command = ZeroCode(("python", "t.py", "--out", "{out}", "--run", "{run}"),
+                       resume=("python", "t.py", "--from", "{from}", "--at", "{step}"))
+    run = command.launch(RECORD, tmp_path / "b", work=tmp_path / "w", values={"{step}": 3})
+    assert run.argv == ["python", "t.py", "--out", str(tmp_path / "w"), "--run", "b"] and (tmp_path / "w").is_dir()
+    assert run.env["SAMEBITS_DIR"] == str(tmp_path / "b") and "SAMEBITS_STEP_OFFSET" not in run.env
+    resumed = command.launch(RESUME, tmp_path / "c", values={"{step}": 3, "{from}": "A"}, step_offset=3)
+    assert resumed.argv[-4:] == ["--from", "A", "--at", "3"] and resumed.env["SAMEBITS_STEP_OFFSET"] == "3"
+    assert not command.census_decides and command.resumes and command.notes() == []
+    with pytest.raises(ConfigError, match="--resume-with needs --resume-at K"):
+        command.verify_resume_step(None, False)
 
 
 def test_bisect_of_a_command_gives_each_run_its_own_out_folder_as_verify_does(tmp_path, monkeypatch):

@@ -111,6 +111,9 @@ def test_each_kind_of_program_gives_the_argv_and_environment_of_a_role(tmp_path)
     assert not command.census_decides and command.resumes and command.notes() == []
     with pytest.raises(ConfigError, match="--resume-with needs --resume-at K"):
         command.verify_resume_step(None, False)
+    with pytest.raises(ConfigError, match="--resume-at bisects a program that can save its checkpoint"):
+        bisect(program=command, resume_at=2, out=tmp_path / "never")  # a command has no save-and-exit role
+    assert not (tmp_path / "never").exists()
 
 
 def test_bisect_of_a_command_gives_each_run_its_own_out_folder_as_verify_does(tmp_path, monkeypatch):

@@ -83,6 +83,9 @@ def bisect(cmd_a: list[str] | None = None, cmd_b: list[str] | None = None, *, ou
         raise ConfigError("bisect: give a command (or --a and --b) or the program to run, not both"
                           if program is not None else "bisect: no command given: write `samebits bisect -- python "
                           "train.py ...`, or --a 'CMD' --b 'CMD'.")
+    if resume_at is not None and program is not None and not program.template(SAVE_ONLY):
+        raise ConfigError("--resume-at bisects a program that can save its checkpoint and exit (the reference "
+                          "recipe); for a command give --a, --b and --b-step-offset K.")
     out = check_out_dir(out if out is not None else default_out_dir("bisect"))
     if program is not None:
         program.refuse_early()  # before any run and any folder

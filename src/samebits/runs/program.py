@@ -209,7 +209,8 @@ class ZeroCode:
         recording_variables(**self.recording)  # a bad choice is refused before any run starts
 
     def template(self, role: str) -> tuple[str, ...]:
-        return tuple(self.resume or ()) if role == RESUME else tuple(self.argv)
+        """RESUME: its resume command; SAVE_ONLY: none (a command saves where it saves itself)."""
+        return tuple(self.resume or ()) if role == RESUME else () if role == SAVE_ONLY else tuple(self.argv)
 
     def launch(self, role: str, streams: Path, *, work: Path | None = None, values: Mapping[str, object] = {},
                reference: Path | None = None, step_offset: int | None = None,

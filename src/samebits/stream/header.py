@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from samebits.errors import StreamError
 from samebits.stream import _format as fmt
@@ -75,15 +76,14 @@ class StreamHeader(ToDict):
                 f"{where}: stream schema version {value.get('schema')!r}, this samebits reads versions "
                 f"{', '.join(map(str, fmt.READABLE_SCHEMAS))}. Read it with the samebits version that "
                 f"wrote it ({value.get('samebits', 'unknown')!s:.40}).")
-        problems = [problem for item in dataclasses.fields(cls) if (problem := _problem(item, value))]
+        problems = [problem for check in _CHECKS if (problem := _problem(check, value))]
         if not problems and value["rank"] >= value["world_size"]:
             problems.append(f"rank {value['rank']} outside world size {value['world_size']}")
         if problems:
             raise StreamError(f"{where} is invalid ({'; '.join(problems)}): the file is corrupt or was not "
                               "written by samebits.Recorder.")
-        names = {item.name for item in dataclasses.fields(cls)} - {"extra"}
-        return cls(**{key: item for key, item in value.items() if key in names},
-                   extra={key: item for key, item in value.items() if key not in names})
+        return cls(**{key: item for key, item in value.items() if key in _NAMES},
+                   extra={key: item for key, item in value.items() if key not in _NAMES})
 
     def payload(self) -> bytes:
         """The HEADER frame's payload (docs/stream.md): the magic, then the JSON, keys sorted."""
@@ -101,21 +101,39 @@ class StreamHeader(ToDict):
         return self.to_dict().get(key, default)
 
 
-def _problem(item: dataclasses.Field, header: dict) -> str | None:
-    """What is wrong with the header's value of the field ``item`` (its annotation says the
-    JSON types it may hold; a field without a default is required), or None."""
-    if item.name == "extra":
-        return None
-    if item.name not in header:
-        required = item.default is dataclasses.MISSING and item.default_factory is dataclasses.MISSING
-        return f"{item.name} is missing" if required else None
-    value, allowed = header[item.name], item.type.split(" | ")
+class _Check(NamedTuple):
+    """What a field's JSON value must be, from its annotation and default."""
+
+    name: str
+    required: bool  # no default
+    types: tuple  # the JSON types it may hold (exactly: a bool is no int)
+    null: bool  # it may be null
+    shown: str  # the annotation, for the error
+    minimum: int | None
+
+
+def _check_of(item: dataclasses.Field) -> _Check:
+    allowed = item.type.split(" | ")
+    return _Check(item.name, item.default is dataclasses.MISSING and item.default_factory is dataclasses.MISSING,
+                  tuple(_JSON_TYPES[name] for name in allowed if name != "None"), "None" in allowed,
+                  " or ".join(allowed), _MINIMUM.get(item.name))
+
+
+_CHECKS = tuple(_check_of(item) for item in dataclasses.fields(StreamHeader) if item.name != "extra")
+_NAMES = frozenset(check.name for check in _CHECKS)
+
+
+def _problem(check: _Check, header: dict) -> str | None:
+    """What is wrong with the header's value of the field ``check`` names, or None."""
+    if check.name not in header:
+        return f"{check.name} is missing" if check.required else None
+    value = header[check.name]
     if value is None:
-        return None if "None" in allowed else f"{item.name} is null"
-    if isinstance(value, bool) or not isinstance(value, tuple(_JSON_TYPES[name] for name in allowed if name != "None")):
-        return f"{item.name} = {value!r:.40} is not {' or '.join(allowed)}"
-    if item.name in _MINIMUM and value < _MINIMUM[item.name]:
-        return f"{item.name} = {value} is below {_MINIMUM[item.name]}"
+        return None if check.null else f"{check.name} is null"
+    if type(value) not in check.types:
+        return f"{check.name} = {value!r:.40} is not {check.shown}"
+    if check.minimum is not None and value < check.minimum:
+        return f"{check.name} = {value} is below {check.minimum}"
     return None
 
 

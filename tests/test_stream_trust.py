@@ -261,7 +261,7 @@ def test_the_ranks_of_one_run_agree_on_its_id(tmp_path, monkeypatch):
     assert {h.run_id for h in run.headers.values()} == {"first"}
     reader = run.stream(0)
     list(reader.steps())
-    assert [s["run_id"] for s in reader.segments] == ["first", "first"]
+    assert [s.run_id for s in reader.segments] == ["first", "first"]
 
 
 def test_ids_that_prove_nothing_are_not_refused(tmp_path, monkeypatch):

@@ -225,10 +225,6 @@ class TraceRef(NamedTuple):
     role: str  # "in" | "out"
     label: str
 
-    @property
-    def event_key(self) -> tuple[str, str, str]:
-        return (self.category, self.training_phase, self.event_id)
-
 
 def parse_record(phase: str, name: str) -> TraceRef | None:
     """The trace fields of a record, or None for a record the tracer did not write."""

@@ -26,7 +26,10 @@ outputs, or whole records such as the optimizer's parameters) are an ordering pr
 ATen op inside it to blame.  Anything else is reported as not localised, with what was ruled
 out.  A conclusion never contradicts an earlier stage: once a stage found "phase P: inputs
 matched, output differs", the final kind is about P, about the state the step started from,
-or not localised (`_Bisector._reconcile`).
+or not localised (`_bisect_prose.Conclusions._reconcile`).
+
+The narrowing is `_bisect_narrow` (its stages and re-runs), the sentences `_bisect_prose`, the
+result types `_bisect_result`; each run is a `samebits.runs.program.Program` in a role.
 
 A resume bisect (side B resumes A's checkpoint at step K) compares step K aligned on its
 phases: the work before the step's first forward/backward/optimizer step (training phase

@@ -10,7 +10,7 @@ from samebits._lazy_exports import lazy_exports
 # loads no torch, writing one (`Recorder`) does.
 _LAZY = {
     "Record": "reader", "Run": "reader", "StepBlock": "reader", "StreamReader": "reader", "open_run": "reader",
-    "StreamHeader": "header", "GLOBAL_PHASE_PREFIX": "recorder", "STEP_TIMES_SUFFIX": "recorder", "Recorder": "recorder",
+    "StreamHeader": "header", "GLOBAL_PHASE_PREFIX": "phases", "STEP_TIMES_SUFFIX": "recorder", "Recorder": "recorder",
     "RecordingSpec": "recorder", "CatalogueEntry": "summary", "catalogue": "summary", "summarise": "summary",
     # Internal but stable, not in __all__: the comparator recomputes step roots (docs/stream.md).
     "step_root": "_format",

@@ -27,6 +27,7 @@ from samebits.determinism import active_record
 from samebits.errors import StreamError
 from samebits.stream import _format as fmt
 from samebits.stream.environment import environment_fingerprint
+from samebits.stream.header import StreamHeader
 from samebits.stream.reader import StreamReader
 
 STEP_TIMES_SUFFIX = ".steptimes"
@@ -202,12 +203,12 @@ class StepTimes:
 
     FLUSH_STEPS = 64  # step times reach the OS at least this often, and at close
 
-    def __init__(self, stream_path: Path, header: dict):
+    def __init__(self, stream_path: Path, header: StreamHeader):
         self.path = stream_path.with_suffix(STEP_TIMES_SUFFIX)
         self._steps: list[tuple[int, float, float]] = []  # (step, opened, written), not yet formatted
         self._origin = time.perf_counter()
-        self._lines: list[str] = [json.dumps({"schema": "samebits.step_times/1", "rank": header["rank"],
-                                              "segment": header.get("segment", 0), "run_id": header["run_id"],
+        self._lines: list[str] = [json.dumps({"schema": "samebits.step_times/1", "rank": header.rank,
+                                              "segment": header.segment, "run_id": header.run_id,
                                               "clock": "perf_counter seconds since the segment started"}) + "\n"]
         try:
             self._file = open(self.path, "a")
@@ -243,28 +244,27 @@ class StepTimes:
 # -- the header ----------------------------------------------------------------------------
 
 
-def stream_header(s, coords, config) -> dict:
-    """A stream's HEADER frame (docs/stream.md, "The header") for the Recorder settings ``s``,
-    but its run id and segment, chosen once the file is open (`StreamFile`, `choose_run_id`)."""
-    return {
-        "schema": fmt.SCHEMA_VERSION,
-        fmt.DIGEST_VERSION_KEY: fingerprint.DIGEST_VERSION,
-        "run_id": None,
-        "run_id_source": None,
-        "rank": s.rank,
-        "world_size": s.world_size,
-        "coords": dict(coords or {}),
-        "config": _jsonable(dict(config or {})),
-        "window": [s.step_start, s.step_stop],
-        "phases": sorted(s.phases) if s.phases is not None else None,
-        "ranks": sorted(s.ranks) if s.ranks is not None else None,
-        "max_tensor_bytes": s.max_tensor_bytes,
-        **({"include": list(s.include), "exclude": list(s.exclude)} if s.filters_names else {}),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "samebits": _samebits_version(),
-        "environment": environment_fingerprint(),
-        "determinism": active_record(),
-    }
+def stream_header(s, coords, config) -> StreamHeader:
+    """A stream's header (docs/stream.md, "The header") for the Recorder settings ``s``, but
+    its run id and segment, chosen once the file is open (`StreamFile`, `choose_run_id`)."""
+    return StreamHeader(
+        schema=fmt.SCHEMA_VERSION,
+        digest_version=fingerprint.DIGEST_VERSION,
+        rank=s.rank,
+        world_size=s.world_size,
+        coords=dict(coords or {}),
+        config=_jsonable(dict(config or {})),
+        window=[s.step_start, s.step_stop],
+        phases=sorted(s.phases) if s.phases is not None else None,
+        ranks=sorted(s.ranks) if s.ranks is not None else None,
+        max_tensor_bytes=s.max_tensor_bytes,
+        include=list(s.include) if s.filters_names else None,
+        exclude=list(s.exclude) if s.filters_names else None,
+        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        samebits=_samebits_version(),
+        environment=environment_fingerprint(),
+        determinism=active_record(),
+    )
 
 
 def _jsonable(value):

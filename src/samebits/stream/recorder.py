@@ -13,7 +13,7 @@ the host per tensor.
 from __future__ import annotations
 
 import atexit
-import json
+import dataclasses
 import operator
 import os
 import weakref
@@ -122,15 +122,16 @@ class Recorder:
             self._stream, held = StreamFile.append(self.path, s.rank, s.world_size)
             self._index, self._last_step = held.index, held.last_step
             self._encoder.adopt_names(held.names)
-            header.update(segment=held.segment, run_id=held.run_id, run_id_source=held.run_id_source)
+            header = dataclasses.replace(header, segment=held.segment, run_id=held.run_id,
+                                         run_id_source=held.run_id_source)
         else:
             # A new stream of a resumed run takes the id of the run's other streams: it stays one run.
-            header["run_id"], header["run_id_source"] = \
+            chosen, source = \
                 (sibling_run_id(s.directory, s.rank) if append else None) or choose_run_id(run_id, s.directory)
             self._stream = StreamFile.create(self.path)
-            header["segment"] = 0
+            header = dataclasses.replace(header, run_id=chosen, run_id_source=source, segment=0)
         self._times = StepTimes(self.path, header)  # wall time per step, beside the stream: never compared
-        self._stream.buffer += fmt.frame(fmt.FRAME_HEADER, fmt.MAGIC + json.dumps(header, sort_keys=True).encode())
+        self._stream.buffer += fmt.frame(fmt.FRAME_HEADER, header.payload())
         self._flush()
         _open_recorders.add(self)
 

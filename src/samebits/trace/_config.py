@@ -22,12 +22,11 @@ from pathlib import Path
 from typing import NamedTuple
 
 from samebits import settings
-from samebits.checkpoint import STATE_PHASE
 from samebits.errors import ConfigError
+from samebits.stream.phases import TRACE_PHASE_PREFIX, TRAINING_PHASES
 
 LEVELS = {"off": 0, "phases": 1, "modules": 2, "ops": 3}
 LEVEL_NAMES = {value: name for name, value in LEVELS.items()}
-PHASE_PREFIX = "trace:"
 CATEGORIES = ("state", "phase", "collective", "module", "op", "probe", "census")
 # Context records: observed at a step's start, never events (never an origin on their own).
 CONTEXT_CATEGORIES = ("census",)
@@ -35,8 +34,6 @@ CENSUS_EVENT, CENSUS_PHASE = "census", "start"  # trace:census:start / census|at
 PRE_PHASE = "pre"  # a step's work before its first phase boundary (not the census's "start")
 # A list argument's provenance: which recorded tensors it holds, sorted (@set) and in order (@order).
 ORDER_LABEL, SET_LABEL = "@order", "@set"
-STATE_RECORD_PHASE = STATE_PHASE  # the census in a main stream (plain records: runs before 2026-12)
-TRAINING_PHASES = ("init", "pre", "forward", "backward", "recompute", "reduce", "optimizer", "post")
 
 ENV_VARS = ("SAMEBITS_TRACE", "SAMEBITS_TRACE_STEPS", "SAMEBITS_TRACE_RANKS", "SAMEBITS_TRACE_MODULE",
             "SAMEBITS_TRACE_STACK", "SAMEBITS_TRACE_DUMP_OP", "SAMEBITS_TRACE_DUMP_DIR",
@@ -203,7 +200,7 @@ class TraceConfig:
 
 
 def record_phase(category: str, training_phase: str) -> str:
-    return f"{PHASE_PREFIX}{category}:{training_phase}"
+    return f"{TRACE_PHASE_PREFIX}{category}:{training_phase}"
 
 
 def record_name(event_id: str, role: str, label) -> str:
@@ -228,9 +225,9 @@ class TraceRef(NamedTuple):
 
 def parse_record(phase: str, name: str) -> TraceRef | None:
     """The trace fields of a record, or None for a record the tracer did not write."""
-    if not phase.startswith(PHASE_PREFIX):
+    if not phase.startswith(TRACE_PHASE_PREFIX):
         return None
-    category, _, training_phase = phase[len(PHASE_PREFIX):].partition(":")
+    category, _, training_phase = phase[len(TRACE_PHASE_PREFIX):].partition(":")
     event_id, sep, rest = name.rpartition("|")
     if not sep:
         return None

@@ -132,13 +132,7 @@ def test_every_command_has_help_for_every_option_and_an_example_that_parses(name
         build_parser().parse_args(words[1:])  # SystemExit(2) if the example does not parse
 
 
-# Issue 36: these commands' examples still sit in cli/__init__.py until the lead moves them.
-_EXAMPLES_TO_MOVE = {"report"}
-
-
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason="lead moves P/R examples"))
-    if name in _EXAMPLES_TO_MOVE else name for name in command_modules()])
+@pytest.mark.parametrize("name", command_modules())
 def test_every_command_module_holds_its_own_examples(name):
     """A command's examples live in its module (`EXAMPLES`), so adding a command is adding a file;
     a module without them is named here, and its command still runs (issue 36)."""

@@ -29,24 +29,6 @@ from samebits.verdicts import EXIT_BAD_VERDICT, EXIT_CANNOT_RUN, EXIT_OK
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # what a shell reports for Ctrl-C
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # the reader of our output went away (`| head`)
 
-# TEMPORARY (issue 36): the examples of the commands whose modules have no `EXAMPLES` yet.  The
-# lead moves each entry into its module's `EXAMPLES` and deletes this dict (and its use in
-# `build_parser`); tests/test_cli_help.py marks each of these commands xfail until then.
-_EXAMPLES_NOT_YET_IN_THEIR_MODULES = {
-    "bisect": ["samebits bisect --nondeterministic            # the recipe's planted fault, found to its op",
-               "samebits bisect --a 'python train.py' --b 'python train.py --threads 2'"],
-    "matrix": ["samebits matrix --cells single,dp2 --precisions fp32 --steps 4"],
-    "replay": ["samebits replay runs/dp4 --step 5 --nproc 1    # a grad_reduce=invariant run, on 1 rank"],
-    "report": ["samebits report samebits-out/verify-TIME       # the output folder of verify, bisect, matrix",
-               "samebits report runs/a runs/b -o report.html"],
-    "run": ["samebits run --out runs/a -- python train.py",
-            "samebits run --out runs/b --reference runs/a -- python train.py   # stop at the first step that differs"],
-    "tax": ["samebits tax --pairs 5                         # the reference recipe",
-            "samebits tax -- python train.py --deterministic {deterministic}"],
-    "verify": ["samebits verify                                # the reference recipe, both guarantees",
-               "samebits verify --resume-at 4 --resume-with 'python train.py --out {out} --resume {from}' "
-               "-- python train.py --out {out}"],
-}
 _EXAMPLES_HEAD = "example(s):\n"
 
 
@@ -77,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         module = importlib.import_module(f"{__name__}.{name}")
         module.register(sub)
         # A command without examples still runs; tests/test_cli_help.py fails on it.
-        examples = _EXAMPLES_NOT_YET_IN_THEIR_MODULES.get(name) or getattr(module, "EXAMPLES", "").splitlines()
+        examples = getattr(module, "EXAMPLES", "").splitlines()
         command = sub.choices[name]
         command.formatter_class = _HelpFormatter
         command.epilog = _EXAMPLES_HEAD + "\n".join(f"  {line}" for line in examples) if examples else None

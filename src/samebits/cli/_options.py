@@ -254,12 +254,10 @@ def add_run_timeout_option(parser: argparse.ArgumentParser,
                         help=f"{what} (default {DEFAULT_TIMEOUT_S:g})")
 
 
-def add_recording_options(parser: argparse.ArgumentParser, *, steps_flag: str = "--record-steps") -> None:
+def add_recording_options(parser: argparse.ArgumentParser) -> None:
     """What to record: one option per field of `samebits.settings.RecordingSpec`, which declares
     each with its SAMEBITS_* variable, default, check and help (docs/settings.md).  The step
-    window is ``--record-steps`` in every command (``--steps`` counts the recipe's training steps).
-    TEMPORARY (issue 36): ``steps_flag`` is unused; cli/verify.py still passes it, and the lead
-    deletes it there and here."""
+    window is ``--record-steps`` in every command (``--steps`` counts the recipe's training steps)."""
     RecordingSpec.add_to_argparse(parser, flags={"steps": "--record-steps"})
 
 

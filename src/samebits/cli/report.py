@@ -16,6 +16,12 @@ MAX_STATE_LINES = 4  # census lines printed under the table
 _STREAM = re.compile(r"^rank-\d{5,}\.sbs$")  # a rank's stream (samebits.stream.reader's name)
 
 
+EXAMPLES = """\
+samebits report samebits-out/verify-TIME       # the output folder of verify, bisect, matrix
+samebits report runs/a runs/b -o report.html
+"""
+
+
 def register(sub) -> None:
     parser = sub.add_parser(
         "report",

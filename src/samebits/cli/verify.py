@@ -71,7 +71,7 @@ def register(sub) -> None:
                         help="with --across: skip the negative controls (the layouts without the switches, which "
                              "must differ); the certificate says they were not run")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    add_recording_options(parser, steps_flag="--record-steps")
+    add_recording_options(parser)
     parser.add_argument("cmd", nargs="*", metavar="-- CMD",
                         help="a command to check instead of the recipe; {out} and {run} are filled in per run")
     parser.set_defaults(func=run)

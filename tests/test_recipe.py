@@ -237,7 +237,7 @@ class _TwoCalls:
         self.recorder = recorder
 
     def __getattr__(self, name):
-        if name == "tensors_and_global":
+        if name in ("tensors_and_global", "optimizer_step"):
             raise AttributeError(name)
         return getattr(self.recorder, name)
 

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from samebits.errors import ConfigError
 from samebits import checkpoint, trace
+from samebits.stream import phases
 from samebits.determinism import derive_seed, deterministic_mode, seed_all
 from samebits.invariant import GradientAccumulator
 from samebits.recipes import communication, parallelize
@@ -295,10 +296,10 @@ class _Run:
         precision's state) into its own stream: a resumed run that differs there names the
         state its checkpoint did not restore.  samebits' own work: never traced."""
         step = self.step
-        if census is None or not _wanted_phases(census, step)(checkpoint.STATE_PHASE):
+        if census is None or not _wanted_phases(census, step)(phases.STATE):
             return
         with tracer.suspended():
-            census.tensors(step, checkpoint.STATE_PHASE, checkpoint.state_census(
+            census.tensors(step, phases.STATE, checkpoint.state_census(
                 optimizers=[self.optimizer], schedulers=[self.scheduler],
                 generators={JITTER_GENERATOR: self.jitter}) + self.precision.state_records())
             census.end_step(step)
@@ -313,20 +314,20 @@ class _Run:
 
         # Data: this rank's micro-batch of the global step batch.
         tokens = self.data.next().to(self.layout.device)  # (B, T+1)
-        if keep("data"):
-            rec.tensors(step, "data", [("tokens", tokens)])
+        if keep(phases.DATA):
+            rec.tensors(step, phases.DATA, [("tokens", tokens)])
 
         # Forward and losses; through a pipeline, forward and backward of each micro-batch.
         self.optimizer.zero_grad(set_to_none=True)
-        with _block_outputs(model, enabled=keep("forward")) as activations, \
+        with _block_outputs(model, enabled=keep(phases.FORWARD)) as activations, \
                 self.precision.autocast(self.layout.device.type):
             if self.layout.pipeline is None:
                 output = model(tokens[:, :-1])
                 losses, logits = _losses(output, tokens, cfg), output.logits.detach()
             else:
                 losses, logits = self._pipeline_step(tokens)
-        if keep("forward"):
-            rec.tensors(step, "forward", [*_merge_microbatches(activations),
+        if keep(phases.FORWARD):
+            rec.tensors(step, phases.FORWARD, [*_merge_microbatches(activations),
                                           *([("logits", logits)] if logits is not None else [])])
 
         # Backward, DP reduction, clipping.
@@ -335,7 +336,7 @@ class _Run:
         communication.reduce_gradients(model, self.layout)
         grad_norm = communication.clip_grad_norm(model, self.layout, cfg.grad_clip)
         lr = self.scheduler.get_last_lr()[0]  # the rate this step's update uses
-        if keep("metrics"):
+        if keep(phases.METRICS):
             rec.metrics(step, **{k: v.detach() for k, v in losses.items()},
                         grad_norm=grad_norm, lr=lr)
 
@@ -362,23 +363,25 @@ class _Run:
         # writes them (tests/test_recipe.py checks their digests across optimizer.step()).
         # Recorded next to the parameters, a step's recording runs in one stretch, while its
         # code and the tensors are still in cache (benchmarks/RESULTS.md, issue 16).
-        if keep("grads"):
-            rec.tensors(step, "grads", [(n, parallelize.local(g)) for n, p in named if (g := p.grad) is not None])
+        grads = ([(n, parallelize.local(g)) for n, p in named if (g := p.grad) is not None]
+                 if keep(phases.GRADS) else None)
         # The local params records, then the layout-independent global ones (diff across
         # cells; collective).  Given the parameters themselves: a detached tensor loses the
         # shard attributes (tensor_model_parallel, partition_dim) that make expert shards
-        # global.  A samebits.Recorder takes both in one call (an unsharded parameter is
-        # digested once for both records); a duck-typed recorder gets the two calls.
-        both = getattr(rec, "tensors_and_global", None)
-        if both is not None:
+        # global.  A samebits.Recorder writes both in one call (an unsharded parameter is
+        # digested once for both records); a duck-typed recorder gets the calls one by one.
+        step_records = getattr(rec, "optimizer_step", None)
+        if step_records is not None:
             with torch.no_grad():
-                both(step, "params", named, group=self.layout.expert_group)
-        else:
-            if keep("params"):
-                rec.tensors(step, "params", [(n, parallelize.local(p.detach())) for n, p in named])
-            if hasattr(rec, "global_tensors"):
-                with torch.no_grad():
-                    rec.global_tensors(step, "params", named, group=self.layout.expert_group)
+                step_records(step, grads=grads, params=named, whole=(phases.PARAMS,), group=self.layout.expert_group)
+            return rec.end_step(step)
+        if grads is not None:
+            rec.tensors(step, phases.GRADS, grads)
+        if keep(phases.PARAMS):
+            rec.tensors(step, phases.PARAMS, [(n, parallelize.local(p.detach())) for n, p in named])
+        if hasattr(rec, "global_tensors"):
+            with torch.no_grad():
+                rec.global_tensors(step, phases.PARAMS, named, group=self.layout.expert_group)
         return rec.end_step(step)
 
     def _invariant_step(self, rec, start: float, keep) -> tuple[dict[str, float], bool | None]:
@@ -398,8 +401,8 @@ class _Run:
         for index in acc.micro_batches():
             samples = np.arange(first + index * size, first + (index + 1) * size)
             batches[index] = torch.from_numpy(self.data.source.tokens(samples)).to(device)
-            if keep("data"):
-                rec.tensors(step, "data", [(f"tokens.mb{index}", batches[index])])
+            if keep(phases.DATA):
+                rec.tensors(step, phases.DATA, [(f"tokens.mb{index}", batches[index])])
         if self.layout.pipeline is not None:
             self._invariant_pipeline(batches, parts)
         else:
@@ -423,7 +426,7 @@ class _Run:
             dist.all_reduce(parts, group=self.layout.dp_group)  # one nonzero row per micro-batch: exact
         losses = dict(zip(names, parts.sum(dim=0) / count))  # the global mean, a fixed order
         lr = self.scheduler.get_last_lr()[0]
-        if keep("metrics"):
+        if keep(phases.METRICS):
             rec.metrics(step, **losses, grad_norm=grad_norm, lr=lr)
         self.optimizer.step()
         self.scheduler.step()

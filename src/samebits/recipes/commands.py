@@ -81,7 +81,7 @@ def recipe_roles(nproc: int, *, steps: int, overrides: Sequence[str] = (),
                  nondeterministic: bool = False) -> dict:
     """Every template a runner of a self-recording program needs, for the recipe run for
     ``steps`` steps on ``nproc`` ranks (the keyword arguments of
-    `samebits.runs.commands.SelfRecording`)."""
+    `samebits.runs.program.SelfRecording`)."""
     base = {"steps": steps, "overrides": list(overrides),
             "preset": NONDETERMINISTIC_PRESET if nondeterministic else None}
     words = ["samebits", "bisect", "--steps", str(steps), "--nproc", str(nproc)]

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from samebits.checkpoint import describe_state_record
+from samebits.checkpoint import CensusName, describe_state_record
+from samebits.stream.phases import AFTER_OPTIMIZER_STEP
 from samebits.runs._bisect_result import BisectResult, ControlFlow, Elements, Origin
 from samebits.trace import OriginFinding, describe_record
 
-_TORCH_GENERATORS = ("rng.torch_cpu", "rng.cuda", "rng.user.")
 MAX_RERUNS = 3  # pairs of runs a narrowing stage may take to see its divergence again
 
 # ATen ops that draw from a generator: an origin among them is a generator's state.
@@ -89,7 +89,7 @@ class Conclusions:
                                 "loaded checkpoint differs, so no training op is the origin")
         # Python's and NumPy's generators differ between any two processes that do not seed them
         # (and never feed an ATen op): they are no evidence of what a resume restores.
-        names = [name for name in found.state_differs if not name.startswith("rng.")]
+        names = [name for name in found.state_differs if not CensusName.parse(name).is_generator]
         if self.from_step is not None and found.step == self.from_step and names and not _torch_generators(found):
             # B resumed at this step, each side repeats itself, and the state census taken at the
             # step's start, before any op, already differs: what the checkpoint saves and restores.
@@ -274,7 +274,7 @@ class Conclusions:
 def _torch_generators(finding: OriginFinding) -> list[str]:
     """The torch generators among the census records that differ at the finding's step start
     (ATen ops draw from these; Python's and NumPy's generators never feed them)."""
-    return [name for name in finding.state_differs if name.startswith(_TORCH_GENERATORS)]
+    return [name for name in finding.state_differs if CensusName.parse(name).is_torch_generator]
 
 
 def _same_phase(evidence: str | None, final: str | None) -> bool:
@@ -291,7 +291,7 @@ def _is_optimizer_order(found: OriginFinding) -> bool:
     if found.category == "phase":
         return (found.event_id or "").startswith(("reduce:", "optimizer:"))
     phase = (found.phase or "").rpartition(".")[2]
-    return found.category == "record" and phase in ("grads", "params", "optimizer")
+    return found.category == "record" and phase in AFTER_OPTIMIZER_STEP
 
 
 def _some(labels: list[str], n: int = 4) -> str:

@@ -21,7 +21,7 @@ Zero-code recording (``samebits run``, ``samebits bisect -- CMD``) installs the 
 from the same ``SAMEBITS_TRACE*`` variables.  Then compare two traced runs::
 
     report = samebits.trace.find_origins("runs/a", "runs/b")   # OriginFindings, earliest first
-    result = samebits.runs.bisect(["python", "train.py"])      # narrows rung by rung (runs layer)
+    result = samebits.runs.bisect.bisect(["python", "train.py"])      # narrows rung by rung (runs layer)
 """
 
 from __future__ import annotations

@@ -86,7 +86,7 @@ def test_run_options_reach_zero_code_recording_and_show_lists_them(tmp_path, cap
     script.write_text(SCRIPT)
     out = tmp_path / "run"
     code = main(["run", "--out", str(out), "--phases", "params,grads", "--include", "*weight",
-                 "--steps", "1:3", "--", sys.executable, str(script)])
+                 "--record-steps", "1:3", "--", sys.executable, str(script)])
     assert code == 0
     capsys.readouterr()
     assert main(["show", str(out), "--records", "--json"]) == 0

@@ -170,7 +170,7 @@ class _AutoRecorder:
                                                  schedulers=self._tracked(tracking.schedulers),
                                                  scalers=self._tracked(tracking.scalers),
                                                  generators=tracking.named_generators())
-                                    + tracking.loader_positions())
+                                    + tracking.census_records())
                 if self.step == self.first_step:  # a fresh process too: its initial parameters
                     self._record_restored(optimizers)
         self.census_open = self.step

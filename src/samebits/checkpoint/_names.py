@@ -58,6 +58,7 @@ class CensusName:
     # The kinds, for readers (`CensusName.OPTIMIZER`).
     RNG, CUDA_RNG, USER_RNG, OPTIMIZER, SCHEDULER, SCALER = RNG, CUDA_RNG, USER_RNG, OPTIMIZER, SCHEDULER, SCALER
     DATA_POSITION, DATA_STATE, OTHER = DATA_POSITION, DATA_STATE, OTHER
+    GENERATOR_KINDS = GENERATORS
 
     # -- writing ------------------------------------------------------------------------
 

@@ -292,6 +292,20 @@ def _input_batch(s: _ResumeStep):
                         f"inputs:{s.changed_inputs[0]}")
 
 
+# The census kinds a rule above reads; a record of any other kind (one the census learned after
+# these rules were written, or `OTHER`) that differs is still said, in its own words.
+_KINDS_WITH_A_RULE = frozenset({*CensusName.GENERATOR_KINDS, CensusName.OPTIMIZER, CensusName.SCHEDULER,
+                                CensusName.SCALER, CensusName.DATA_POSITION, CensusName.DATA_STATE})
+
+
+def _other_state(s: _ResumeStep):
+    """State no rule above reads that differs: named by its record and `describe_state_record`,
+    so a new kind of census record is never a silent difference."""
+    for name in s.differing:
+        if CensusName.parse(name).kind not in _KINDS_WITH_A_RULE:
+            yield s.finding("other_state", f"{describe_state_record(name, s.state_a)} (step {s.step})", name)
+
+
 def _absent(s: _ResumeStep, kind: str):
     """Records of ``kind`` one run has and the other lacks (one per optimizer, scheduler, scaler),
     but for those that come and go: the program's own generators, made by site, and the loaders
@@ -329,6 +343,7 @@ _RULES = (
     _Rule("generator_consumed", _generator_consumed),
     _Rule("generator", _generator),
     _Rule("input_batch", _input_batch),
+    _Rule("other_state", _other_state),
     _Rule("order", None),  # independent runs (explain_independent)
 )
 

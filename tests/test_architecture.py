@@ -13,6 +13,7 @@ fix the edge instead.
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -353,3 +354,40 @@ def test_lazy_declarations_count_as_imports():
     edges = {(module[0], target) for module, target, _, _ in _imports()}
     assert ("samebits.cli.diff", "samebits.compare") in edges
     assert "compare" in _graph()["cli"]
+
+
+# -- small rooms (issue 36) ------------------------------------------------------------------
+
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 800, 80
+
+
+def _oversized(root: Path) -> tuple[list[str], dict[str, int]]:
+    """Files over the line limit, and functions over theirs as {"path::name": lines}."""
+    files, functions = [], {}
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        rel = path.relative_to(root.parent).as_posix()
+        if text.count("\n") > MAX_FILE_LINES:
+            files.append(rel)
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    functions[f"{rel.removeprefix('samebits/')}::{node.name}"] = lines
+    return files, functions
+
+
+def test_rooms_stay_small(tmp_path):
+    """No file over 800 lines; no function over 80 but the hot paths docs/architecture.md names
+    under "Small rooms" (and the check fails on a planted long function)."""
+    doc = (SRC.parent.parent / "docs" / "architecture.md").read_text()
+    rule = doc.split("**Small rooms.**", 1)[1].split("\n- **", 1)[0]
+    named = set(re.findall(r"`([\w/]+\.py::\w+)`", rule))
+    files, functions = _oversized(SRC)
+    assert not files, f"source files over {MAX_FILE_LINES} lines: {files}"
+    assert set(functions) <= named, f"functions over {MAX_FUNCTION_LINES} lines not named in the doc: " \
+                                    f"{sorted(set(functions) - named)}"
+    planted = tmp_path / "samebits" / "long.py"
+    planted.parent.mkdir()
+    planted.write_text("def f():\n" + "    x = 1\n" * MAX_FUNCTION_LINES)
+    assert _oversized(planted.parent)[1] == {"long.py::f": MAX_FUNCTION_LINES + 1}

@@ -34,6 +34,7 @@ with Megatron tensor-parallel attributes (`tensor_model_parallel`, `partition_di
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import sys
 from collections.abc import Iterable, Mapping
@@ -185,11 +186,8 @@ def _partial_words(run_starts: torch.Tensor, run_bytes: int, num_bytes: int) -> 
 
 def _contributors(mesh: _Mesh):
     """Coordinates of the members that contribute: coordinate 0 on every Replicate dim."""
-    ranges = [range(size) if p is not None else range(1) for size, p in zip(mesh.sizes, mesh.placements)]
-    coords = [()]
-    for r in ranges:
-        coords = [c + (i,) for c in coords for i in r]
-    return coords
+    return list(itertools.product(*(range(size if p is not None else 1)
+                                     for size, p in zip(mesh.sizes, mesh.placements))))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -205,11 +203,11 @@ def _plan(global_shape: tuple[int, ...], itemsize: int, mesh: _Mesh) -> _Plan:
         touched.append(_partial_words(starts * itemsize, length * itemsize, num_bytes))
     # This rank's own runs (a replica too: they check that its shard matches the layout).
     starts, length = _runs(global_shape, _dim_indices(global_shape, mesh, mesh.coord))
-    own = (starts * itemsize, length * itemsize, _partial_words(starts * itemsize, length * itemsize, num_bytes))
+    run_starts, run_bytes = starts * itemsize, length * itemsize
+    own_partial = _partial_words(run_starts, run_bytes, num_bytes)
     words, counts = torch.unique(torch.cat(touched), return_counts=True) if touched else (
         torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
     straddle = words[counts > 1]
-    run_starts, run_bytes, own_partial = own
     local_partial = own_partial[~torch.isin(own_partial, straddle)]
     classes = []
     if run_bytes:
@@ -448,12 +446,9 @@ def global_body_sums(named_tensors, *, group=None, known=None) -> tuple[list[str
                     "the placements do not describe the data it holds.")
         else:
             plan = None
-        names.append(name)
-        locals_.append(local)
-        shapes.append(global_shape)
-        plans.append(plan)
-        keys.append(key)
-        dtypes.append(local.dtype)
+        for column, value in zip((names, locals_, shapes, plans, keys, dtypes),
+                                 (name, local, global_shape, plan, key, local.dtype)):
+            column.append(value)
     devices = {t.device for t in locals_}
     if len(devices) > 1:
         raise ConfigError(f"global digests take tensors on one device, got {', '.join(sorted(map(str, devices)))}; "
@@ -530,18 +525,14 @@ def _assemble(vector: torch.Tensor, plans: list[_Plan], check: int, num_ranks: i
     return body, ok
 
 
-def _check_consistent(result: GlobalSums, names: list[str]) -> None:
+def global_tensors(named_tensors, *, group=None) -> list[GlobalTensor]:
+    """Like `global_digests`, with each full tensor's dtype and shape: list of `GlobalTensor`."""
+    names, result = global_body_sums(named_tensors, group=group)
     if not bool(result.consistent):
         raise ConfigError(
             "global digests: the ranks of a process group passed different tensors (names, dtypes or global "
             f"shapes; this rank passed {len(names)}: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}). "
             "Every rank must pass the same names in the same order, each with its own shard.")
-
-
-def global_tensors(named_tensors, *, group=None) -> list[GlobalTensor]:
-    """Like `global_digests`, with each full tensor's dtype and shape: list of `GlobalTensor`."""
-    names, result = global_body_sums(named_tensors, group=group)
-    _check_consistent(result, names)
     digests = finalize(result.sums, result.headers())
     return [GlobalTensor(n, d, s, x) for n, d, s, x in zip(names, result.dtypes, result.shapes, digests)]
 

@@ -170,10 +170,6 @@ class StepEncoder:
             self._names[text] = len(self._names)
             self._names_hasher.update(fmt.name_bytes(text))
 
-    def check_text(self, text, what: str, step) -> None:
-        """Names and phases must be strings that encode to utf-8 (checked once each)."""
-        self._check_text(text, what, step)
-
     def add_tensors(self, pending: PendingStep, step: int, phase: str, named_tensors) -> list:
         """Adds the records of a `Recorder.tensors` call to the open step and queues their digests;
         returns the `where` of each position's digest (None where nothing is digested)."""
@@ -229,7 +225,7 @@ class StepEncoder:
         # before anything is added, so the open step stays consistent.
         records, occurrences = [], {}
         to_digest: dict[torch.device, tuple[int, list[torch.Tensor]]] = {}  # device -> (first index, tensors)
-        self._check_text(phase, "phase", step)
+        self.check_text(phase, "phase", step)
         filters_names = self.settings.filters_names
         valid_names, heads = self._valid_names, self._heads
         slots: list = [None] * len(pairs)
@@ -242,7 +238,7 @@ class StepEncoder:
             if filters_names and not self.settings.name_selected(phase, name):
                 continue  # left out by include/exclude: no record, no digest
             if name not in valid_names:
-                self._check_text(name, "name", step)
+                self.check_text(name, "name", step)
             key = (fmt.RECORD_TENSOR, phase, name)
             occurrence = occurrences.get(key)
             if occurrence is None:
@@ -316,7 +312,7 @@ class StepEncoder:
         valid_names, heads = self._valid_names, self._heads
         for name, _ in named:
             if name not in valid_names:
-                self._check_text(name, "name", step)
+                self.check_text(name, "name", step)
         device = result.sums.device
         reused = result.reused
         computed = not all(reused)
@@ -349,12 +345,12 @@ class StepEncoder:
 
     def add_metrics(self, pending: PendingStep, step: int, phase: str, values: dict) -> None:
         """Adds the records of a `Recorder.metrics` call (every value checked before any is added)."""
-        self._check_text(phase, "phase", step)
+        self.check_text(phase, "phase", step)
         checked = []  # validate every value before recording any: a bad one leaves the step as it was
         for name, value in values.items():
             if value is None:
                 continue
-            self._check_text(name, "name", step)
+            self.check_text(name, "name", step)
             if isinstance(value, torch.Tensor):
                 if value.is_nested or value.layout != torch.strided or value.numel() != 1:
                     size = "a nested" if value.is_nested else f"a {value.layout}" if value.layout != torch.strided \
@@ -449,7 +445,7 @@ class StepEncoder:
             self._names_key = None
         return ident
 
-    def _check_text(self, text, what: str, step) -> None:
+    def check_text(self, text, what: str, step) -> None:
         """Names and phases must be strings that encode to utf-8 (checked once each)."""
         if text in self._valid_names:
             return

@@ -59,7 +59,6 @@ class StreamReader(FrameFile):
         self.names: list[str] = []
         self.segments: list[StreamHeader] = []
         self._reset_state()
-        self._reset_state()
         try:
             first = self._next_frame()
         except StreamError as err:

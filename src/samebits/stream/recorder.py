@@ -2,12 +2,8 @@
 
 The API of recording.  What to record is a `RecordingSpec` (samebits.settings); how records
 become bytes is `_encoder.StepEncoder`; the stream file, its header and lock, the step-times
-file and the run id are `_files`.  The byte layout is docs/stream.md.
-
-Tensors are digested *when they are recorded* (their values may change in place right
-after), but on an accelerator the digests stay on the device until the step ends; then
-one device-to-host copy per device fetches the whole step.  Nothing here synchronises
-the host per tensor.
+file and the run id are `_files`.  The byte layout is docs/stream.md; when digests are
+computed and fetched, `_encoder`'s docstring.
 """
 
 from __future__ import annotations
@@ -276,10 +272,10 @@ class Recorder:
         0-dim tensors in their own dtype (kept on the device until the step ends)."""
         if not self.active:
             return
-        if self._own_work is not None:
-            with self._own_work():
-                return self._metrics(step, phase, values)
-        return self._metrics(step, phase, values)
+        if self._own_work is None:
+            return self._metrics(step, phase, values)
+        with self._own_work():
+            self._metrics(step, phase, values)
 
     def _metrics(self, step: int, phase: str, values: dict) -> None:
         if step.__class__ is not int or not 0 <= step <= fmt.MAX_STEP:
@@ -351,7 +347,8 @@ class Recorder:
         self._flush()
         self._stream.buffer += index_frames(self._index, self._stream.tell())
         self._flush()
-        self._release()
+        self._stream.release()
+        self._times.close()
         self._closed = True
         _open_recorders.discard(self)
 
@@ -422,11 +419,6 @@ class Recorder:
         if ref.step != step:
             return None
         return ref.root == root and ref.num_records == count
-
-    def _release(self) -> None:
-        self._stream.release()
-        if self._times is not None:
-            self._times.close()
 
 
 _open_recorders: "weakref.WeakSet[Recorder]" = weakref.WeakSet()

@@ -229,9 +229,7 @@ class Probe:
     def report(self, result: Any = None) -> ProbeReport:
         """The findings so far (reads back any pending comparisons)."""
         self.flush()
-        seconds = self._seconds
-        if self._mode is not None:
-            seconds += time.perf_counter() - self._started
+        seconds = self._seconds + (time.perf_counter() - self._started if self._mode is not None else 0.0)
         clean_counts = [count for signature, count in self._signatures.items()
                         if signature not in self._differing_signatures]
         not_compared = [NotCompared(op, reason, calls, self._compared_ops.get(op, 0))
@@ -357,7 +355,7 @@ class _ProbeMode(TorchDispatchMode):
         if reason is None:
             flat_args, _ = tree_flatten((args, kwargs))
             tensors = [a for a in flat_args if isinstance(a, torch.Tensor)]
-            if not tensors and not _has_tensor_returns(schema):
+            if not tensors and not any("Tensor" in str(r.type) for r in schema.returns):
                 reason = NOT_COMPARED_NO_TENSORS
             else:
                 reason = next((_why_not_comparable(t) for t in tensors if not _comparable(t)), None)
@@ -405,10 +403,6 @@ class _ProbeMode(TorchDispatchMode):
 def _returns_alias(schema) -> bool:
     """View ops (outputs alias an input without writing it): no computation to compare."""
     return any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
-
-
-def _has_tensor_returns(schema) -> bool:
-    return any("Tensor" in str(r.type) for r in schema.returns)
 
 
 def _comparable(t: torch.Tensor) -> bool:
@@ -459,13 +453,11 @@ def _mutated_arg_positions(schema, args, kwargs) -> list[int | str]:
     """Positions (int) or keyword names (str) of the arguments the op writes."""
     positions: list[int | str] = []
     for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        if arg.kwarg_only or i >= len(args):
-            if arg.name in kwargs:
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            if not arg.kwarg_only and i < len(args):
+                positions.append(i)
+            elif arg.name in kwargs:
                 positions.append(arg.name)
-        else:
-            positions.append(i)
     return positions
 
 
@@ -508,13 +500,9 @@ def _clone_mutated(args, kwargs, mutated):
             return type(x)(swap(v) for v in x)
         return x
 
-    new_args = list(args)
-    new_kwargs = dict(kwargs)
+    new_args, new_kwargs = list(args), dict(kwargs)
     for pos in mutated:
-        if isinstance(pos, int):
-            new_args[pos] = swap(args[pos])
-        else:
-            new_kwargs[pos] = swap(kwargs[pos])
+        (new_args if isinstance(pos, int) else new_kwargs)[pos] = swap(_get_arg(args, kwargs, pos))
     trial_written = [_get_arg(new_args, new_kwargs, pos) for pos in mutated]
     return tuple(new_args), new_kwargs, trial_written
 
@@ -546,8 +534,7 @@ def _restore_rng(state: dict) -> None:
     if "cuda" in state:
         torch.cuda.set_rng_state_all(state["cuda"])
     if "generator" in state:
-        generator, gen_state = state["generator"]
-        generator.set_state(gen_state)
+        state["generator"][0].set_state(state["generator"][1])
 
 
 _BITS_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -578,8 +565,8 @@ def _count_differences(trial: Any, real: Any) -> tuple[torch.Tensor | int, int]:
             if not (_comparable(a) and _comparable(b)):
                 continue
             if a.shape != b.shape or a.dtype != b.dtype:
-                differing = differing + max(a.numel(), b.numel(), 1)
-                numel += max(a.numel(), b.numel(), 1)
+                both = max(a.numel(), b.numel(), 1)
+                differing, numel = differing + both, numel + both
                 continue
             if not synced and a.device.type == "cpu" and torch.cuda.is_initialized():
                 torch.cuda.synchronize()  # a non_blocking device-to-host copy may be in flight

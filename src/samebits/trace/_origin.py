@@ -99,7 +99,6 @@ class OriginFinding(ToDict):
         return ", ".join(parts)
 
 
-
 def _by_rank(findings: dict[int, OriginFinding]) -> dict[str, dict]:
     return {str(rank): finding.to_dict() for rank, finding in sorted(findings.items())}
 
@@ -307,11 +306,6 @@ def is_context(record: Record) -> bool:
     return ref is not None and ref.category in CONTEXT_CATEGORIES
 
 
-def _context_name(record: Record) -> str:
-    ref = parse_record(record.phase, record.name)
-    return record.name if ref is None else ref.label
-
-
 def _classify_step(rank: int, step: int, records_a: list[Record], records_b: list[Record]) -> OriginFinding | None:
     """The step's first difference, classified; None when only context records differ.
     ``state_differs`` holds the census records both runs took whose contents differ; one that
@@ -322,8 +316,8 @@ def _classify_step(rank: int, step: int, records_a: list[Record], records_b: lis
     for record in records_a:
         if is_context(record):
             other = context_b.get(record.key)
-            if other is not None and not record.same_content(other) and _context_name(record) not in state_differs:
-                state_differs.append(_context_name(record))
+            if other is not None and not record.same_content(other) and _label_of(record) not in state_differs:
+                state_differs.append(_label_of(record))
     records_a = [r for r in records_a if not is_context(r)]
     records_b = [r for r in records_b if not is_context(r)]
     finding = _classify_events(rank, step, records_a, records_b)
@@ -449,8 +443,8 @@ def _check_list_provenance(finding: OriginFinding, first: Record, records_a: lis
     where = f"list argument {head} of {finding.event_id}"
     if label.endswith(ORDER_LABEL):
         name = first.name[: -len(ORDER_LABEL)] + SET_LABEL
-        set_a = next((r for r in records_a if r.phase == first.phase and r.name == name), None)
-        set_b = next((r for r in records_b if r.phase == first.phase and r.name == name), None)
+        set_a, set_b = (next((r for r in records if r.phase == first.phase and r.name == name), None)
+                        for records in (records_a, records_b))
         if set_a is not None and set_b is not None and set_a.same_content(set_b):
             finding.permuted = True
             finding.detail = (f"{where} holds the same {count} tensors as in the other run (recorded before it, "
@@ -505,12 +499,7 @@ def _control_flow(rank, step, position, records_a, records_b) -> OriginFinding:
 
 def _content(rank, step, position, ra: Record, rb: Record) -> OriginFinding:
     ref = parse_record(ra.phase, ra.name)
-    if ref is None:
-        classification = "untraced"
-    elif ref.role == "in":
-        classification = "receiver"
-    else:
-        classification = "origin"
+    classification = "untraced" if ref is None else "receiver" if ref.role == "in" else "origin"
     finding = _fields(rank, step, classification, position, ra)
     finding.a, finding.b = ra, rb
     if classification == "untraced":
@@ -535,15 +524,10 @@ def _fields(rank, step, classification, position, record: Record | None) -> Orig
         return finding
     finding.category, finding.phase, finding.event_id = ref.category, ref.training_phase, ref.event_id
     finding.role, finding.label = ref.role, ref.label
-    if ref.category == "op":
-        scope, op, _ = split_op_id(ref.event_id)
-        finding.module, finding.op = scope, op
-    elif ref.category == "probe":
-        scope, op, _ = split_op_id(ref.event_id)
-        finding.module, finding.op = scope, op
+    if ref.category in ("op", "probe"):
+        finding.module, finding.op, _ = split_op_id(ref.event_id)
     elif ref.category == "collective":
-        _, op, _ = split_op_id(ref.event_id)
-        finding.op = op
+        finding.op = split_op_id(ref.event_id)[1]
     elif ref.category == "module":
         if ref.event_id.endswith("@grad"):
             finding.module = ref.event_id[: -len("@grad")].rpartition(".")[0]

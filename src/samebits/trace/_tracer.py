@@ -265,11 +265,10 @@ class Tracer:
             return
         self._closed = True
         self.finish_step(self.step_now)
-        for handle in self._permanent_handles + self._grad_hooks + self._recorder_hooks:
-            handle.remove()
-        self._permanent_handles.clear()
-        self._grad_hooks.clear()
-        self._recorder_hooks.clear()
+        for handles in (self._permanent_handles, self._grad_hooks, self._recorder_hooks):
+            for handle in handles:
+                handle.remove()
+            handles.clear()
         _collectives.unpatch()
         _checkpointing.unpatch()
         _unpatch_autograd()
@@ -293,7 +292,7 @@ class Tracer:
         self._permanent_handles.append(register_optimizer_step_pre_hook(self._optimizer_pre))
         if not self.zero_code:  # zero-code recording calls optimizer_post itself, before end_step
             self._permanent_handles.append(register_optimizer_step_post_hook(self.optimizer_post))
-        if self.zero_code:
+        else:
             self._arm_handle = register_module_forward_pre_hook(self._arm_on_forward)
             self._permanent_handles.append(self._arm_handle)
             _patch_optimizer_init()
@@ -498,10 +497,9 @@ class Tracer:
             n = state.next_number("phase", "optimizer")
             pairs = []
             for name, param in optimizer_params(optimizer, self.param_names):
-                pairs.append((name, param))
-                for key, value in sorted(optimizer.state.get(param, {}).items()):
-                    if isinstance(value, torch.Tensor):
-                        pairs.append((f"{name}.{key}", value))
+                pairs += [(name, param)] + [(f"{name}.{key}", value) for key, value in
+                                            sorted(optimizer.state.get(param, {}).items())
+                                            if isinstance(value, torch.Tensor)]
             self.record("phase", f"optimizer:{n}", "out", pairs, "optimizer")
         state.enter_stage("post")
 
@@ -587,8 +585,7 @@ def call_sites_filename(rank: int) -> str:
 
 def _names_an_op(event_id: str) -> bool:
     """ATen op ids (``aten::mm:3``, ``scope/aten::mm:0``) need the dispatch mode."""
-    last = event_id.rpartition("/")[2]
-    return "::" in last
+    return "::" in event_id.rpartition("/")[2]
 
 
 def _rank_of(recorder) -> int:

@@ -26,7 +26,7 @@ from samebits.recipes import cells
 from samebits.recipes import commands as recipe
 from samebits.recipes.cells import ParallelDims, parse_layouts
 from samebits.runs.across import CERTIFICATE, Layout, verify_across
-from samebits.runs.commands import SelfRecording
+from samebits.runs.program import SelfRecording
 from samebits.runs.conclusion import across_conclusion
 from samebits.runs.report import build_report
 from samebits.verdicts import Verdict

@@ -26,6 +26,11 @@ import pytest
 
 from conftest import write_run
 from samebits.cli import main
+from samebits.compare import DiffResult, Divergence
+from samebits.runs.bisect import BisectResult, Elements, Origin, Stage
+from samebits.runs.matrix import CellResult, MatrixResult
+from samebits.runs.verify import VerifyResult
+from samebits.verdicts import Verdict
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,37 +190,56 @@ def test_escape_writes_a_non_utf8_byte_as_itself():
 # ---------------------------------------------------------------------------------------------
 # a malformed summary.json is one error naming the file and the field
 
-_VERIFY = {"verdict": "fail"}
-_BISECT = {"verdict": "diverged", "stages": []}
-_MATRIX = {"verdict": "fail", "cells": []}
+# Well-formed summaries, as each command writes them (its result's to_dict); each case damages one field.
+_FIRST = Divergence(step=3, rank=0, reason="content", phase="params", name="w")
+_CHECK = DiffResult(a="a", b="b", verdict=Verdict.DIVERGED, first_divergence=_FIRST, ranks_diverged_first=[0],
+                    divergences={0: _FIRST}, compared={"steps": 4, "records": 8}).to_dict()
+_VERIFY = VerifyResult("out", {"independent": DiffResult.from_dict(_CHECK), "resume": None}, {"A": 1.0}, None,
+                       explanations={"independent": ["rng.torch_cpu differs"]}).to_dict()
+_ELEMENTS = Elements(detail={"differing": 1, "total": 4, "max_ulp": 1, "first_indices": [[2]],
+                             "values": [{"index": [2], "a": 1.0, "b": 1.0000001, "ulp": 1}],
+                             "shape": [4], "dtype": "float32"},
+                     output="0", pair=["a1", "b1"], dumps=["a.pt", "b.pt"], same_values=False,
+                     inputs_identical=True).to_dict()
+_ORIGIN = Origin(kind="op", conclusion="origin: aten::mm", step=3, rank=0, phase="forward", module="m", op="aten::mm",
+                 event_id="m/aten::mm:0", category="op", classification="origin", call_site="t.py:1", elements=None,
+                 catalog=None, detail="", state_differs=[], state_differs_all=[]).to_dict()
+_STAGE = Stage("steps", "phases", "all steps, every rank", {"a": 1.0}, "diverged", None, "origin").to_dict()
+_BISECT = BisectResult(verdict=Verdict.DIVERGED, origin=Origin.from_dict(_ORIGIN), stages=[Stage.from_dict(_STAGE)],
+                       out="out", compared="a vs b", conclusion="origin: aten::mm").to_dict()
+_CELL = CellResult(cell="single", precision="fp32", world_size=1, required=True, out="out/single-fp32",
+                   verify=VerifyResult.from_dict(_VERIFY)).to_dict()
+_MATRIX = MatrixResult(out="out", baseline="single fp32", cells=[CellResult.from_dict(_CELL)]).to_dict()
 
 
 @pytest.mark.parametrize("summary, field", [
     ({**_VERIFY, "checks": ["independent"]}, "'checks' must be an object, found a list"),
-    ({**_VERIFY, "checks": {"independent": "identical"}}, "'checks.independent' must be an object, found a string"),
-    ({**_VERIFY, "checks": {"independent": {"verdict": "diverged", "first_divergence": [3, 1]}}},
+    ({**_VERIFY, "checks": {"independent": "identical"}}, "'checks.independent' must be an object (DiffResult), "
+                                                          "found a string"),
+    ({**_VERIFY, "checks": {"independent": {**_CHECK, "first_divergence": [3, 1]}}},
      "'checks.independent.first_divergence' must be an object"),
-    ({**_VERIFY, "checks": {"independent": {"verdict": "identical", "compared": 5}}},
+    ({**_VERIFY, "checks": {"independent": {**_CHECK, "compared": 5}}},
      "'checks.independent.compared' must be an object, found a number"),
-    ({**_VERIFY, "checks": {}, "runs": {"a": 0}}, "'runs' must be a list"),
-    ({**_VERIFY, "checks": {}, "runs": ["a"]}, "'runs[0]' must be an object"),
-    ({**_VERIFY, "checks": {}, "explanations": ["x"]}, "'explanations' must be an object"),
-    ({**_VERIFY, "checks": {}, "explanations": {"independent": 3}}, "'explanations.independent' must be a list"),
-    ({**_VERIFY, "checks": {}, "notes": 5}, "'notes' must be a list, found a number"),
-    ({**_VERIFY, "checks": {}, "resume_at": "4"}, "'resume_at' must be an integer, found a string"),
-    ({"checks": {}}, "field 'verdict' is missing"),
-    ({"verdict": ["pass"], "checks": {}}, "'verdict' must be a string, found a list"),
+    ({**_VERIFY, "runs": {"a": 0}}, "'runs' must be a list"),
+    ({**_VERIFY, "runs": ["a"]}, "'runs[0]' must be an object"),
+    ({**_VERIFY, "explanations": ["x"]}, "'explanations' must be an object"),
+    ({**_VERIFY, "explanations": {"independent": 3}}, "'explanations.independent' must be a list"),
+    ({**_VERIFY, "notes": 5}, "'notes' must be a list, found a number"),
+    ({**_VERIFY, "resume_at": "4"}, "'resume_at' must be an integer, found a string"),
+    ({key: value for key, value in _VERIFY.items() if key != "verdict"}, "field 'verdict' is missing"),
+    ({**_VERIFY, "verdict": ["pass"]}, "'verdict' must be a string, found a list"),
     ({**_BISECT, "stages": {"1": "rung"}}, "'stages' must be a list"),
     ({**_BISECT, "stages": [1]}, "'stages[0]' must be an object"),
-    ({**_BISECT, "stages": [{"runs_s": [1.0]}]}, "'stages[0].runs_s' must be an object"),
+    ({**_BISECT, "stages": [{**_STAGE, "runs_s": [1.0]}]}, "'stages[0].runs_s' must be an object"),
     ({**_BISECT, "control_flow": "rank 0"}, "'control_flow' must be an object"),
     ({**_BISECT, "origin": ["op"]}, "'origin' must be an object"),
-    ({**_BISECT, "origin": {"elements": "many"}}, "'origin.elements' must be an object"),
-    ({**_BISECT, "origin": {"elements": {"values": [1]}}}, "'origin.elements.values[0]' must be an object"),
-    ({**_BISECT, "origin": {"state_differs": 3}}, "'origin.state_differs' must be a list"),
+    ({**_BISECT, "origin": {**_ORIGIN, "elements": "many"}}, "'origin.elements' must be an object"),
+    ({**_BISECT, "origin": {**_ORIGIN, "elements": {**_ELEMENTS, "values": [1]}}},
+     "'origin.elements.values[0]' must be an object"),
+    ({**_BISECT, "origin": {**_ORIGIN, "state_differs": 3}}, "'origin.state_differs' must be a list"),
     ({**_MATRIX, "cells": {"single": {}}}, "'cells' must be a list"),
     ({**_MATRIX, "cells": ["single"]}, "'cells[0]' must be an object"),
-    ({**_MATRIX, "cells": [{"cell": "single", "agreement": ["identical"]}]}, "'cells[0].agreement' must be an object"),
+    ({**_MATRIX, "cells": [{**_CELL, "agreement": ["identical"]}]}, "'cells[0].agreement' must be an object"),
     ({**_MATRIX, "failures": 2}, "'failures' must be a list"),
     ("[" * 100_000, "nested too deeply"),
     ("{\"verdict\": ", "cannot be read as JSON"),
@@ -241,8 +265,7 @@ def test_a_malformed_summary_is_one_error_naming_the_field(summary, field, tmp_p
 def test_a_matrix_cell_summary_is_checked_too(tmp_path, capsys):
     out, cell = tmp_path / "out", tmp_path / "out" / "single-fp32"
     cell.mkdir(parents=True)
-    (out / "summary.json").write_text(json.dumps({**_MATRIX, "cells": [{"cell": "single", "precision": "fp32",
-                                                                        "verdict": "fail", "out": str(cell)}]}))
+    (out / "summary.json").write_text(json.dumps({**_MATRIX, "cells": [{**_CELL, "out": str(cell)}]}))
     (cell / "summary.json").write_text(json.dumps({**_VERIFY, "checks": {"independent": [1]}}))
     assert main(["report", str(out), "-o", str(tmp_path / "r.html")]) == 2
     err = capsys.readouterr().err

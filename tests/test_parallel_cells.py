@@ -169,8 +169,8 @@ def test_two_rank_cell_runs_and_repeats(runs_2, cell):
     # (expert shards were digested shard by shard when the recipe passed detached tensors)
     _identical(runs_2 / f"{cell}-a", runs_2 / f"{cell}-b", by="global")
     run = samebits.open_run(runs_2 / f"{cell}-a")
-    assert run.header["config"]["parallel"] == {"cell": cell, "mesh": parse_cell(cell)}
-    assert {h["coords"]["tp"] for h in run.headers.values()} == set(range(parse_cell(cell)["tp"]))
+    assert run.header.config["parallel"] == {"cell": cell, "mesh": parse_cell(cell)}
+    assert {h.coords["tp"] for h in run.headers.values()} == set(range(parse_cell(cell)["tp"]))
 
 
 @pytest.mark.slow
@@ -239,7 +239,7 @@ def _first(result) -> samebits.compare.Divergence:
 @pytest.mark.slow
 def test_racy_tensor_parallel_accumulate_is_caught_in_the_tp_layer(runs_2):
     run = samebits.open_run(runs_2 / "tp_racy-a")
-    assert run.header["config"]["sequence_parallel"] is True  # TP with SP, the default
+    assert run.header.config["sequence_parallel"] is True  # TP with SP, the default
     run.close()
     result = samebits.diff(runs_2 / "tp_racy-a", runs_2 / "tp_racy-b")
     first = _first(result)

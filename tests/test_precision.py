@@ -144,7 +144,7 @@ def test_stream_header_states_the_gemm_path(tmp_path):
     train(cfg, steps=1, recorder=rec)
     rec.close()
     run = open_run(tmp_path / "run")
-    config = run.header["config"]
+    config = run.header.config
     run.close()
     assert (config["precision"], config["precision_gemm"]) == ("fp8_delayed", "scaled_mm")
 

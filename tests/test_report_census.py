@@ -112,11 +112,12 @@ def test_a_resumed_run_has_one_window_and_one_first_step_in_every_part_of_the_re
 
 def test_diff_conclusion_names_the_window_only_when_diff_chose_it():
     result = {"verdict": "diverged", "first_divergence": {"step": 5, "rank": 0, "phase": "params", "name": "w"},
+              "resumed": {"run": "b", "step": 4},  # the window diff chose, as its result writes it
               "notes": ["b starts at step 4 and a at step 0 (b resumed a run?): compared from step 4 on"]}
     assert diff_window(result) == (4, "b")
     assert diff_conclusion(result) == "DIVERGED at step 5, rank 0: params/w (compared from step 4, where b starts: " \
                                       "b resumed a run)"
-    result["notes"] = ["environment differs: OMP_NUM_THREADS"]
+    del result["resumed"]  # the note alone is words for a person, never read back
     assert diff_window(result) is None and diff_conclusion(result) == "DIVERGED at step 5, rank 0: params/w"
 
 

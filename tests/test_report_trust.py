@@ -17,9 +17,12 @@ from pathlib import Path
 import pytest
 
 from samebits.cli import main
+from samebits.compare import DiffResult, Divergence
 from samebits.errors import ConfigError
 from samebits.runs.across import CERTIFICATE, command_layouts, verify_across
+from samebits.runs.matrix import CellResult, MatrixResult
 from samebits.runs.report import build_report
+from samebits.runs.verify import VerifyResult
 from samebits.verdicts import Verdict
 
 SCRIPT = Path(__file__).parent / "scripts_across" / "fake_replicas.py"
@@ -183,13 +186,20 @@ def test_random_certificate_edits_never_pass_a_fail_and_never_raise_a_traceback(
 
 def test_a_matrix_whose_verdict_contradicts_its_cells_is_refused(tmp_path):
     """The matrix's verdict is re-derived from its cells too (a failing cell edited away is not)."""
-    cell = {"cell": "dp2", "precision": "fp32", "verdict": "fail", "repeatable": "no", "resume": "yes"}
+    first = Divergence(step=3, rank=0, reason="content", phase="params", name="w")
+    checks = {"independent": DiffResult("a", "b", Verdict.DIVERGED, first, [0], {0: first}, {"steps": 4}),
+              "resume": DiffResult("a", "c", Verdict.IDENTICAL, None, [], {}, {"steps": 4})}
     out = tmp_path / "m"
+    cell = CellResult(cell="dp2", precision="fp32", world_size=2, required=True, out=str(out / "dp2-fp32"),
+                      verify=VerifyResult(str(out / "dp2-fp32"), checks, {}, 2))
+    written = MatrixResult(out=str(out), baseline="dp2 fp32", cells=[cell]).to_dict()  # as matrix writes it
+    row = written["cells"][0]
+    assert (written["verdict"], row["repeatable"], row["resume"]) == ("fail", "no", "yes")
     out.mkdir()
-    (out / "summary.json").write_text(json.dumps({"verdict": "pass", "cells": [cell], "failures": []}))
+    (out / "summary.json").write_text(json.dumps({**written, "verdict": "pass", "failures": []}))
     with pytest.raises(ConfigError, match=r"it says 'pass' but its checks give 'fail'"):
         build_report([out])
-    (out / "summary.json").write_text(json.dumps({"verdict": "pass", "failures": [],
-                                                  "cells": [{**cell, "verdict": "pass"}]}))
+    (out / "summary.json").write_text(json.dumps({**written, "verdict": "pass", "failures": [],
+                                                  "cells": [{**row, "verdict": "pass"}]}))
     with pytest.raises(ConfigError, match=r"cell 0 \(dp2 fp32\) says 'pass' but a check of it diverged"):
         build_report([out])

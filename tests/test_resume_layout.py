@@ -88,7 +88,7 @@ def test_a_dp2_checkpoint_resumes_on_one_rank_and_at_dp4_bit_for_bit(dp_runs, ce
         assert only.verdict is Verdict.IDENTICAL and only.compared["records"] > 0, (phase, only.to_dict())
     run = open_run(dp_runs / f"{cell}-resumed")
     try:
-        config = run.stream(0).header["config"]
+        config = run.stream(0).header.config
     finally:
         run.close()
     assert config["resumed_from"] == {"step": SAVE_AT, "world_size": 2, "layout": {"dp": 2, "ep": 1}}

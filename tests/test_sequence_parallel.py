@@ -99,7 +99,7 @@ def _records(run_dir: Path, rank: int, step: int, phase: str) -> dict:
 def test_the_stream_says_which_ran_and_holds_sequence_shards(runs):
     for label, expected, seq_len in (("sp", True, 16), ("nosp", False, 32)):
         run = samebits.open_run(runs / label)
-        assert run.header["config"]["sequence_parallel"] is expected
+        assert run.header.config["sequence_parallel"] is expected
         run.close()
         forward = _records(runs / label, 0, 0, "forward")
         # The first block's output: this rank's positions under SP, the whole sequence without.

@@ -124,7 +124,7 @@ def test_bisect_json_is_unchanged():
                         "call_site": "t.py:1", "catalog": None, "detail": "d", "parted": None,
                         "state_differs": ["rng.python"], "state_unused": ["rng.numpy"], "permuted": True,
                         "reordered": {"group": "g", "a": ["x"], "b": ["y"]}}
-    expected = {"verdict": "diverged", "conclusion": "c", "origin": ORIGIN,
+    expected = {"command": "bisect", "verdict": "diverged", "conclusion": "c", "origin": ORIGIN,  # names its command
                 "stages": [{"name": "steps", "rung": "phases", "scope": "scope", "runs_s": {"a": 1.23},
                             "verdict": "diverged", "finding": expected_finding, "summary": "sum"}],
                 "compared": "a vs b", "repeatable": {"a": True}, "control_flow": {"step": 2, "rank": 0, "detail": "d"},

@@ -230,7 +230,7 @@ def test_the_recipe_honours_an_exported_thread_count(recipe_verified):
 
     out, _, payload = recipe_verified  # run with OMP_NUM_THREADS=2 exported, as on most clusters
     assert Verdict(payload["verdict"]) is Verdict.PASS
-    assert samebits.open_run(out / "a").header["config"]["num_threads"] == 2
+    assert samebits.open_run(out / "a").header.config["num_threads"] == 2
 
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "resume.md"

@@ -236,7 +236,11 @@ def _read(cls: type, data: Any, source: str, where: str) -> Any:
 
 def _same_names(data: Any, written: Any, name: str, source: str, where: str) -> None:
     """Every key of ``data`` is one that ``written`` (what the result read from it writes) holds,
-    at every depth: a key no field or extra writes is an error naming it."""
+    at every depth, with a value of the same JSON type where both hold one: a key no field or
+    extra writes is an error naming it, and so is a computed entry (an extra: not read, so not
+    typed on the way in) of another type than the result writes there."""
+    if data is not None and written is not None and _json_type(data) != _json_type(written):
+        raise _misread(source, where, f"must be {_json_type(written)}, found {_json_type(data)}")
     if isinstance(data, Mapping) and isinstance(written, Mapping):
         for key, value in data.items():
             if key not in written:

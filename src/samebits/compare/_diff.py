@@ -13,7 +13,7 @@ from typing import Iterator
 from samebits.compare import _parallel
 from samebits.compare._commands import output_paths_only
 from samebits.compare._global import GlobalDiffResult, diff_global
-from samebits.compare._results import DiffResult, Divergence, RankStep
+from samebits.compare._results import DiffResult, Divergence, RankStep, ResumedWindow
 from samebits.compare._walk import _SHAPE_ONLY_SHOWN, _Bound, _Walk, _windows_excluding
 from samebits.errors import ConfigError, IncomparableRunsError, StreamError
 from samebits.stream import Run, StreamReader, open_run
@@ -91,7 +91,8 @@ def diff(
         incomplete = []
     verdict = _with_gaps(verdict, first, a, b, notes, incomplete)
     return DiffResult(a=str(a), b=str(b), verdict=verdict, first_divergence=first, ranks_diverged_first=first_ranks,
-                      divergences=walked.divergences, compared=walked.counts, notes=notes, incomplete=incomplete)
+                      divergences=walked.divergences, compared=walked.counts, notes=notes, incomplete=incomplete,
+                      resumed=None if unresumed is None else ResumedWindow(unresumed[0], unresumed[1]))
 
 
 @dataclass

@@ -44,24 +44,35 @@ class RankStep:
 
 
 @dataclass
+class ResumedWindow(ToDict):
+    """The window a diff chose itself: run ``run`` ("a" or "b") starts at ``step`` (it resumed
+    the other's checkpoint there) and no --from-step was given, so it compared from ``step``."""
+
+    run: str
+    step: int
+
+
+@dataclass
 class DiffResult(ToDict):
     """What `diff` found.  ``verdict`` is a `Verdict`: IDENTICAL, DIVERGED or INCOMPLETE
     (could not decide: a stream missing or cut short, or a window holding no step)."""
 
     dict_keys = ("verdict", "exit_code", "a", "b", "first_divergence", "divergences_by_rank", "compared",
-                 "incomplete", "notes")
+                 "resumed", "incomplete", "notes")
 
     a: str
     b: str
     verdict: Verdict
     first_divergence: Divergence | None  # written with the ranks that diverge first (`dict_extras`)
-    ranks_diverged_first: list[int]
+    ranks_diverged_first: list[int] = field(metadata=serialised(  # written in first_divergence (`dict_extras`)
+        skip=True, read=lambda data: list((data.get("first_divergence") or {}).get("ranks", []))))
     divergences: dict[int, Divergence] = field(  # per rank, its first divergence (if any)
         metadata=serialised(key="divergences_by_rank", convert=lambda by_rank: {
             str(rank): divergence.to_dict() for rank, divergence in sorted(by_rank.items())}))
     compared: dict[str, Any]
     notes: list[str] = field(default_factory=list)
     incomplete: list[str] = field(default_factory=list)  # why the verdict could not be IDENTICAL
+    resumed: ResumedWindow | None = field(default=None, metadata=serialised(omit_none=True))  # the window it chose
 
     @property
     def identical(self) -> bool:

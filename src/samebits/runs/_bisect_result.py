@@ -117,6 +117,8 @@ class ControlFlow(ToDict):
 
 @dataclass
 class BisectResult(ToDict):
+    summary_of = "bisect"  # its summary.json names the command that wrote it
+
     dict_keys = ("verdict", "conclusion", "origin", "stages", "compared", "repeatable", "control_flow", "out", "notes",
                  "seconds")
 

@@ -12,7 +12,7 @@ between those records into `Finding`s, each a claim with its evidence, most spec
 per kind; `_census_facts` reads the census):
 
     off_by_one, script_said, initial_params, model_params, optimizer_state, scheduler, grad_scaler,
-    iteration_counter, data_position, generator_consumed, generator, input_batch, order
+    iteration_counter, data_position, generator_consumed, generator, input_batch, other_state, order
 
 Rules that keep a finding honest:
 
@@ -227,7 +227,7 @@ def _zero_code(directory: Path) -> bool:
         run = open_run(directory)
         try:
             reader = run.stream(run.ranks[0])
-            env = (reader.header.get("environment") or {}).get("env") or {}
+            env = reader.header.environment.get("env") or {}
             reader.close()
         finally:
             run.close()

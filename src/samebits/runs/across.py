@@ -52,7 +52,7 @@ from samebits.runs.commands import (CKPT, NPROC, OUT, RUN, STEP, RecipeRefused, 
                                     prepare_out_dir, write_summary)
 from samebits.runs.program import RECORD, RESUME, SAVE, Launch, Program, SelfRecording
 from samebits.runs.verify import RunInfo
-from samebits.stream import GLOBAL_PHASE_PREFIX, open_run
+from samebits.stream import GLOBAL_PHASE_PREFIX, open_run, phases
 from samebits.stream.reader import require_same_digest_version
 from samebits.verdicts import ToDict, Verdict, milliseconds, serialised
 
@@ -102,7 +102,7 @@ _SHOWN = 6  # names listed in a note or a reason
 # Phases whose records a rank holds by the layout: its own micro-batches' inputs (dp2's rank 0
 # holds micro-batches 0 and 1 of 4, dp4's only 0).  Compared where both layouts hold them; one the
 # other layout's rank does not hold is listed in the notes, never counted missing.
-LAYOUT_LOCAL_PHASES = ("data",)
+LAYOUT_LOCAL_PHASES = (phases.DATA,)
 
 
 def compare_replicated(a, b, *, rank: int = 0, start_step: int | None = None, stop_step: int | None = None,
@@ -289,13 +289,14 @@ class AcrossResult(ToDict):
     ``resume_at``, compared from there; None: not asked) and the final checkpoints' content
     hashes (``checkpoints``; ``checkpoints_equal`` None: not all hashed)."""
 
+    summary_of = "verify --across"  # its summary.json names the command that wrote it
     dict_keys = ("verdict", "out", "layouts", "reference", "checks", "controls", "controls_note", "resume_across",
                  "checkpoints", "checkpoints_equal", "runs", "notes", "timings_s")
 
     out: str
     layouts: list[str]
     # layout name (a size, when verify_across was given sizes) -> comparison with layouts[0]'s run
-    checks: dict = field(metadata=serialised(convert=lambda checks: _by_layout(checks)))
+    checks: dict[str, LayoutCheck] = field(metadata=serialised(convert=lambda checks: _by_layout(checks)))
     runs: list[RunInfo] = field(default_factory=list)
     controls: list[ControlCheck] | None = None
     controls_note: str = ""
@@ -303,8 +304,11 @@ class AcrossResult(ToDict):
     roots: dict[str, dict[int, str]] = field(default_factory=dict, metadata=serialised(skip=True))
     notes: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict, metadata=serialised(key="timings_s", convert=milliseconds))
-    resume: dict[str, LayoutCheck] | None = field(default=None, metadata=serialised(skip=True))  # resume_across
-    resume_at: int | None = field(default=None, metadata=serialised(skip=True))
+    resume: dict[str, LayoutCheck] | None = field(default=None, metadata=serialised(  # written as resume_across
+        skip=True, read=lambda data: None if not data.get("resume_across") else {
+            name: LayoutCheck.from_dict(check) for name, check in data["resume_across"]["checks"].items()}))
+    resume_at: int | None = field(default=None, metadata=serialised(
+        skip=True, read=lambda data: (data.get("resume_across") or {}).get("step")))
     checkpoints: dict[str, dict] = field(default_factory=dict)  # layout -> its final checkpoint's hashes
     checkpoints_equal: bool | None = None
 
@@ -521,7 +525,7 @@ def compare_layouts(reference, other, name: str, *, rank: int = 0, start_step: i
                            data.get("first_divergence"), local.compared, list(local.notes), list(local.incomplete),
                            counts=_counts(local))
     by_global = diff(reference, other, by="global", start_step=start_step)
-    metrics = compare_replicated(reference, other, rank=rank, phases=["metrics"], start_step=start_step)
+    metrics = compare_replicated(reference, other, rank=rank, phases=[phases.METRICS], start_step=start_step)
     data, metric_data = by_global.to_dict(), metrics.to_dict()
     verdicts = (Verdict(by_global.verdict), Verdict(metrics.verdict))
     verdict = Verdict.DIVERGED if Verdict.DIVERGED in verdicts else \
@@ -670,7 +674,7 @@ def environment(reference) -> dict:
         pass
     run = open_run(reference)
     try:
-        config = run.header.get("config") or {}
+        config = run.header.config
     finally:
         run.close()
     return {"samebits": version("samebits"), "torch": version("torch"), "python": platform.python_version(),

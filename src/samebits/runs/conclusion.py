@@ -13,13 +13,12 @@ it has in memory, the page the summary on disk.
              DIVERGED at step 5, rank 0: params/fc.weight (compared from step 4, where b starts: b resumed a run)
 
 A diff of a resumed run chooses its own window (its streams start later: `samebits.compare.diff`
-compares from there and says so in a note); `diff_window` reads that choice back, so the
+compares from there and says so, in its ``resumed`` field); `diff_window` reads that choice, so the
 sentence, the report's tables and its JSON all name the same window.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -222,21 +221,12 @@ def matrix_conclusion(summary: dict) -> str:
     return f"{verdict}: " + "; ".join(parts) + "."
 
 
-# The note `samebits.compare.diff` writes when one run's streams start later than the other's
-# (a resumed run) and no --from-step was given: it then compares from that run's first step.
-_RESUMED_NOTE = re.compile(r"^(a|b) starts at step (\d+) and (?:a|b) at step \d+ \(\1 resumed a run\?\): "
-                           r"compared from step \2 on$")
-
-
 def diff_window(result: dict) -> tuple[int, str] | None:
     """The step a rank-by-rank diff compared from by its own choice, because one run resumed
-    the other (its streams start at that step), and which run that is ("a" or "b"); None when
-    the diff compared the window it was given (or every step)."""
-    for note in result.get("notes") or []:
-        match = _RESUMED_NOTE.match(str(note))
-        if match:
-            return int(match.group(2)), match.group(1)
-    return None
+    the other (its streams start at that step), and which run that is ("a" or "b"): the diff's
+    ``resumed`` (`samebits.compare.ResumedWindow`); None when it compared the window it was given."""
+    resumed = result.get("resumed")
+    return None if not resumed else (resumed["step"], resumed["run"])
 
 
 def window_words(window: tuple[int, str] | None, start_step: int | None = None) -> str:

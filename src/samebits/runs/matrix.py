@@ -113,6 +113,10 @@ class CellResult(ToDict):
     agreement: Agreement = field(default_factory=lambda: Agreement("not compared"))
     seconds: float = field(default=0.0, metadata=serialised(convert=milliseconds))
     bisect: dict | None = None
+    # what a summary read back says of the cell's checks (its verify result is in the cell's own
+    # summary.json): verdict, repeatable, resume, explanations; empty for a cell run here
+    written: dict = field(default_factory=dict, metadata=serialised(skip=True, read=lambda data: {
+        key: data[key] for key in ("verdict", "repeatable", "resume", "explanations") if key in data}))
 
     @property
     def started(self) -> bool:
@@ -120,22 +124,29 @@ class CellResult(ToDict):
 
     @property
     def verdict(self) -> Verdict:
+        if self.verify is None and "verdict" in self.written:
+            return Verdict(self.written["verdict"])
         return self.verify.verdict if self.verify is not None else Verdict.INCOMPLETE
 
     def check(self, name: str) -> str:
         """"yes" (identical), "no" (diverged), "?" (undecided) or "-" (not run)."""
-        result = self.verify.checks.get(name) if self.verify is not None else None
+        if self.verify is None:
+            return self.written.get({"independent": "repeatable"}.get(name, name), "-")
+        result = self.verify.checks.get(name)
         if result is None:
             return "-"
         return {Verdict.IDENTICAL: "yes", Verdict.DIVERGED: "no"}.get(Verdict(result.verdict), "?")
 
     def dict_extras(self) -> dict:
+        explanations = self.verify.explanations if self.verify is not None else self.written.get("explanations", {})
         return {"verdict": self.verdict, "repeatable": self.check("independent"), "resume": self.check("resume"),
-                "explanations": self.verify.explanations if self.verify is not None else {}}
+                "explanations": explanations}
 
 
 @dataclass
 class MatrixResult(ToDict):
+    summary_of = "matrix"  # its summary.json names the command that wrote it
+
     dict_keys = ("verdict", "exit_code", "out", "baseline", "require_agreement", "failures", "cells", "notes")
 
     out: str

@@ -43,6 +43,7 @@ INVARIANT_KEY, INVARIANT_VALUE = "grad_reduce", "invariant"
 class ReplayResult(ToDict):
     """The replay's comparison with the recorded run over steps [step, stop)."""
 
+    summary_of = "replay"  # its summary.json names the command that wrote it
     run: str
     out: str
     step: int
@@ -92,7 +93,7 @@ def replay(run_dir, *, step: int, cmd: Sequence[str], nproc: int = 1, num_steps:
     run = open_run(run_dir)
     header, world_size = run.header, run.world_size
     run.close()
-    config = header.get("config") or {}
+    config = header.config
     if config.get(INVARIANT_KEY) != INVARIANT_VALUE:
         raise ConfigError(
             f"{run_dir} was not recorded in invariant mode (its config has {INVARIANT_KEY}="

@@ -251,6 +251,7 @@ class TaxResult(ToDict):
     """The measured tax: the last look's `TaxEstimate`, and how the measurement went.
     ``times[label][pair]`` holds the kept per-step seconds of that run."""
 
+    summary_of = "tax"  # its summary.json names the command that wrote it
     dict_keys = ("verdict", "exit_code", "ratio", "estimator", "judgement", "ci", "confidence", "look_confidence",
                  "looks", "samples", "pooling", "gate", "pairs", "steps_per_run", "steps_kept_per_pair",
                  "typical_step_s", "advice", "budget_s", "elapsed_s", "seconds_per_pair", "warmup_steps_dropped",

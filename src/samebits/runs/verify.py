@@ -57,6 +57,7 @@ class VerifyResult(ToDict):
     was not checked; ``verdict`` is a `Verdict`: PASS (every check identical), FAIL (a check
     diverged), INCOMPLETE (a check could not decide, or nothing was checked)."""
 
+    summary_of = "verify"  # its summary.json names the command that wrote it
     dict_keys = ("verdict", "checked", "not_checked", "out", "resume_at", "checks", "gaps", "explanations", "findings",
                  "runs", "bisect_command", "resume_bisect_command", "timings_s", "notes")
 

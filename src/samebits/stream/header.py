@@ -89,17 +89,6 @@ class StreamHeader(ToDict):
         """The HEADER frame's payload (docs/stream.md): the magic, then the JSON, keys sorted."""
         return fmt.MAGIC + json.dumps(self.to_dict(), sort_keys=True).encode()
 
-    # Read access by JSON key, for the readers outside stream/ and compare/ that issue 36 has
-    # not switched to the fields yet (listed in its report); goes with the last of them.
-    def __getitem__(self, key: str):
-        out = self.to_dict()
-        if key not in out:
-            raise KeyError(key)
-        return out[key]
-
-    def get(self, key: str, default=None):
-        return self.to_dict().get(key, default)
-
 
 class _Check(NamedTuple):
     """What a field's JSON value must be, from its annotation and default."""

@@ -22,22 +22,23 @@ from samebits.runs.across import CONTROL_STEPS
 from samebits.runs.conclusion import diff_conclusion, diff_window, window_words
 from samebits.runs.distance import metric_distance
 from samebits.runs.report.summaries import _verdict
-from samebits.stream import Record, open_run, phases
+from samebits.stream import Record, StreamHeader, open_run, phases
 from samebits.verdicts import Verdict
 
 
 MAX_READ_RANKS = 16384  # ranks whose steps are read for the heatmap (the rest are counted, not drawn)
 # What a person calls the recorded metrics: zero-code recording records the root of backward()
 # (the loss), the recipe records loss, grad_norm and lr under "metrics".
-_METRIC_NAMES = {"backward/root": "loss", "metrics/loss": "loss", "metrics/grad_norm": "grad norm",
-                 "metrics/lr": "lr", "metrics/learning_rate": "lr"}
+_METRIC_NAMES = {f"{phases.BACKWARD}/root": "loss", f"{phases.METRICS}/loss": "loss",
+                 f"{phases.METRICS}/grad_norm": "grad norm", f"{phases.METRICS}/lr": "lr",
+                 f"{phases.METRICS}/learning_rate": "lr"}
 _METRIC_ORDER = ("loss", "grad norm", "lr")
 
 
 def _check_verdict(check: dict, file: Path, where: str) -> Verdict:
     """A check's verdict word, held to the evidence the check carries: DIVERGED needs its first
     divergence; IDENTICAL allows none, nor anything incomplete, missing or compared by shape only."""
-    verdict = _verdict(check.get("verdict"), file)
+    verdict = _verdict(check.get("verdict"), file, f"the verdict of {where}")
     counts = check.get("counts") or {}
     gaps = [what for what, bad in (("a first divergence", check.get("first_divergence")),
                                    ("incomplete lines", check.get("incomplete")),
@@ -136,7 +137,7 @@ def _matrix_verdict(summary: dict, file: Path) -> tuple[Verdict, str]:
     verdicts = []
     for index, cell in enumerate(cells):
         where = f"cell {index} ({cell.get('cell')} {cell.get('precision')})"
-        verdict = _verdict(cell.get("verdict"), file)
+        verdict = _verdict(cell.get("verdict"), file, f"field 'cells[{index}].verdict'")
         checks = [cell.get(name) for name in ("repeatable", "resume") if cell.get(name) is not None]
         if verdict is Verdict.PASS and any(check in ("no", "?") for check in checks):
             raise _contradiction(file, f"{where} says 'pass' but a check of it diverged or could not decide")
@@ -168,7 +169,7 @@ class Pair:
     first_by_rank: dict[int, tuple[int, str | None]] = field(default_factory=dict)  # rank -> (step, missing side)
     steps_a: dict[int, list[int]] = field(default_factory=dict)  # rank -> recorded steps
     steps_b: dict[int, list[int]] = field(default_factory=dict)
-    headers: tuple[dict, dict] = ({}, {})
+    headers: tuple[StreamHeader | None, StreamHeader | None] = (None, None)
     num_ranks: int = 0  # recorded ranks (the heatmap bins them into MAX_RANKS rows)
     notes: list[str] = field(default_factory=list)
     names: tuple[str, str] = ("run a", "run b")  # what the legends call a and b
@@ -394,7 +395,7 @@ def _metric_title(label: str) -> str:
     if label in _METRIC_NAMES:
         return _METRIC_NAMES[label]
     phase, _, name = label.partition("/")
-    return name.replace("_", " ") if phase == "metrics" and name else label
+    return name.replace("_", " ") if phase == phases.METRICS and name else label
 
 
 def _metric_sort(title: str) -> tuple:

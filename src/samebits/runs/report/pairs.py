@@ -310,12 +310,12 @@ def _environment(page: Page, pair: Pair, facts: bool = True) -> None:
     title = f"{pair.label}: environment and config"
     page.h2(title, "env")
     header_a, header_b = pair.headers
-    if not header_a and not header_b:
+    if header_a is None and header_b is None:
         page.add("<p>the stream headers could not be read.</p>")
         return
     rows, same, own = [], 0, []
     for section in ("environment", "config"):
-        flat_a, flat_b = _flatten(header_a.get(section) or {}), _flatten(header_b.get(section) or {})
+        flat_a, flat_b = (_flatten(getattr(header, section, None) or {}) for header in (header_a, header_b))
         for key in sorted(set(flat_a) | set(flat_b)):
             va, vb = flat_a.get(key, "(absent)"), flat_b.get(key, "(absent)")
             if va == vb:
@@ -332,7 +332,7 @@ def _environment(page: Page, pair: Pair, facts: bool = True) -> None:
     if own:
         page.add(f"<p class=\"note\">not differences of the training: samebits' and the launcher's own per-run "
                  f"settings ({_esc(', '.join(own))})</p>")
-    env = header_a.get("environment") or {}
+    env = getattr(header_a, "environment", None) or {}
     rows = [[k, env.get(k)] for k in ("torch", "python", "platform", "hostname", "num_threads", "cuda",
                                       "device", "deterministic_algorithms") if k in env]
     if rows and facts:

@@ -16,8 +16,11 @@ from typing import Any
 
 from samebits.errors import ConfigError
 from samebits.runs._launch import STOPPED
+from samebits.runs.across import AcrossResult
 from samebits.runs.bisect import BisectResult
 from samebits.runs.conclusion import command_of
+from samebits.runs.matrix import MatrixResult
+from samebits.runs.verify import VerifyResult
 from samebits.verdicts import ToDict, Verdict
 
 
@@ -25,7 +28,8 @@ MAX_JSON_BYTES = 64 << 20  # a summary or certificate larger than this is refuse
 MAX_JSON_DEPTH = 64  # nesting deeper than this is refused (the files nest a few levels)
 # The result type of each command whose summary reads back by the marks that write it
 # (`ToDict.from_dict`): its names and types are the writer's, never restated here.
-RESULTS: dict[str, type[ToDict]] = {"bisect": BisectResult}
+RESULTS: dict[str, type[ToDict]] = {"bisect": BisectResult, "verify": VerifyResult,
+                                     "verify --across": AcrossResult, "matrix": MatrixResult}
 
 
 @dataclass(frozen=True)
@@ -39,8 +43,9 @@ class Summary:
 
 
 def _summary(path: Path) -> Summary | None:
-    """The ``summary.json`` in ``path``, read into its command's result (`RESULTS`) or checked
-    field by field (`_SUMMARY`): None when there is none; `ConfigError` naming the file and the
+    """The ``summary.json`` in ``path``, read into its command's result (`RESULTS`; the few
+    entries no field types checked as the page reads them) or, for an older file, checked field
+    by field (`_SIZES_SUMMARY`): None when there is none; `ConfigError` naming the file and the
     field when it is not a regular file, not JSON, or a field is unknown, missing or of the wrong
     type (a page is never built from a summary it would misread)."""
     file = path / "summary.json"
@@ -48,11 +53,13 @@ def _summary(path: Path) -> Summary | None:
     if data is None:
         return None
     command = "stopped" if data.get("verdict") == STOPPED else command_of(data)  # (`write_stopped`)
-    if command in RESULTS:
-        return Summary(command, data, RESULTS[command].from_dict(data, source=file))
-    spec = {"verify --across": "verify"}.get(command or "", command)
-    if spec in _SUMMARY:  # (an object of none of them is refused by `build_report`, with what it expected)
-        _check_fields(data, _SUMMARY[spec], file, "")
+    if command in RESULTS and not (command == "verify --across" and "layouts" not in data):  # dp sizes: before 2026-12
+        result = RESULTS[command].from_dict(data, source=file)
+        if command == "bisect" and data.get("origin") and data["origin"].get("elements"):
+            _check_fields(data["origin"]["elements"], _ELEMENTS_DETAIL, file, "origin.elements")
+        return Summary(command, data, result)
+    if command == "verify --across":  # (an object of none of them is refused by `build_report`)
+        _check_fields(data, _SIZES_SUMMARY, file, "")
     return Summary(command, data)
 
 
@@ -123,15 +130,14 @@ class _Required:
 _CHECK = {"verdict": str, "first_divergence": dict, "compared": dict, "notes": list, "incomplete": list, "by": str,
           "counts": _Each(int)}
 _CONTROL = {"verdict": str, "differs": bool, "first_step": int, "layout": str, "run": str}
-_SUMMARY = {
-    "verify": {"verdict": _Required(str), "checks": _Each(_CHECK, null=True), "resume_at": int, "runs": [dict],
-               "explanations": _Each(list), "notes": list, "sizes": list, "layouts": list, "reference": str,
-               "controls": [_CONTROL], "controls_note": str, "checkpoints_equal": bool,
-               "resume_across": {"step": int, "from": str, "checks": _Each(_CHECK)}},
-    "matrix": {"verdict": _Required(str), "cells": [{"agreement": dict, "out": str, "explanations": _Each(list),
-                                                     "bisect": dict, "verdict": str, "repeatable": str,
-                                                     "resume": str}], "failures": list, "notes": list},
-}
+# The entries of a bisect origin's elements that no field types (`Elements.detail`, compare_elements'
+# dict, written flattened), as the page reads them
+_ELEMENTS_DETAIL = {"values": [dict], "first_indices": list}
+# A `verify --across` summary of dp sizes (written before 2026-12, not an AcrossResult), as the page reads it
+_SIZES_SUMMARY = {"verdict": _Required(str), "checks": _Each(_CHECK, null=True), "sizes": list, "reference": str,
+                  "notes": list}
+
+
 # certificate.json (`samebits.runs.across.certificate`), as the page reads it
 _CERT_CHECK = {"verdict": _Required(str), "by": str, "steps": int, "counts": _Each(int), "notes": [str],
                "incomplete": [str], "command": str, "first_divergence": dict}
@@ -196,7 +202,9 @@ def _json_type(value: Any) -> str:
         type(value), type(value).__name__)
 
 
-def _verdict(value: Any, where: Path) -> Verdict:
+def _verdict(value: Any, where: Path, what: str = "field 'verdict'") -> Verdict:
+    if value is None:
+        raise ConfigError(f"{where}: {what} is missing; is the file from this samebits version?")
     try:
         return Verdict(value)
     except ValueError:

@@ -68,18 +68,20 @@ def restore_rng_state(state: Mapping[str, Any], generators: Mapping[str, Generat
     generators = dict(generators or {})
     check_rng_state(state, generators, skip=skip)
     if "python" not in skip:
-        py = state["python"]
-        random.setstate(_python_state(py))
+        random.setstate(_python_state(state["python"]))
     if "numpy" not in skip:
-        nps = state["numpy"]
-        np.random.set_state(_numpy_state(nps))
+        np.random.set_state(_numpy_state(state["numpy"]))
     if "torch_cpu" not in skip:
         torch.set_rng_state(state["torch_cpu"])
-    if "cuda" not in skip:
-        _restore_cuda(state.get("cuda"))
+    if "cuda" not in skip and state.get("cuda"):  # checked against the visible devices above
+        torch.cuda.set_rng_state_all(state["cuda"])
     for name, gen in generators.items():
-        if name not in skip:
-            _set_generator_state(name, gen, state["generators"][name])
+        if name in skip:
+            continue
+        if isinstance(gen, torch.Generator):  # each state's kind checked above
+            gen.set_state(state["generators"][name])
+        else:
+            gen.bit_generator.state = _unplain(state["generators"][name], f"generators.{name}")
 
 
 def check_rng_state(state: Any, generators: Mapping[str, Generator] | None = None, *,
@@ -195,9 +197,7 @@ def _check_words(field: str, words: Any, count: int) -> None:
     Python's is its position, checked by the caller)."""
     if not (isinstance(words, torch.Tensor) and words.dtype == torch.int64
             and tuple(words.shape) == (count,)):
-        got = (f"{str(words.dtype).removeprefix('torch.')}{list(words.shape)}"
-               if isinstance(words, torch.Tensor) else type(words).__name__)
-        raise MalformedFieldError(field, f"is {got}, not an int64[{count}] tensor")
+        raise MalformedFieldError(field, f"is {_kind(words)}, not an int64[{count}] tensor")
     body = words[:_MT_WORDS]
     if body.numel() and (int(body.min()) < 0 or int(body.max()) >= _UINT32):
         raise MalformedFieldError(field, "holds a word outside [0, 2**32)")
@@ -206,11 +206,15 @@ def _check_words(field: str, words: Any, count: int) -> None:
 def _check_torch_state(field: str, value: Any, like: torch.Tensor, scratch: torch.Generator) -> None:
     if not (isinstance(value, torch.Tensor) and value.dtype == torch.uint8
             and value.shape == like.shape):
-        got = (f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
-               if isinstance(value, torch.Tensor) else type(value).__name__)
-        raise MalformedFieldError(field, f"is {got}, not the uint8{list(like.shape)} tensor "
+        raise MalformedFieldError(field, f"is {_kind(value)}, not the uint8{list(like.shape)} tensor "
                                          "of a generator's state")
     _try(field, value, scratch.set_state)
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+    return type(value).__name__
 
 
 def _try(field: str, value: Any, setter) -> None:
@@ -236,12 +240,6 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _restore_cuda(saved: list[torch.Tensor] | None) -> None:
-    """Set every device's state (`check_rng_state` has matched them to the visible devices)."""
-    if saved:
-        torch.cuda.set_rng_state_all(saved)
-
-
 def _generator_state(name: str, gen: Generator) -> Any:
     if isinstance(gen, torch.Generator):
         return gen.get_state()
@@ -249,16 +247,6 @@ def _generator_state(name: str, gen: Generator) -> Any:
         return _plain(gen.bit_generator.state)
     raise ConfigError(f"generator {name!r} is a {type(gen).__name__}; pass a torch.Generator or "
                     "a numpy.random.Generator")
-
-
-def _set_generator_state(name: str, gen: Generator, value: Any) -> None:
-    if isinstance(gen, torch.Generator):
-        if not isinstance(value, torch.Tensor):
-            raise ConfigError(f"generator {name!r}: the checkpoint holds a NumPy state for a "
-                             "torch.Generator")
-        gen.set_state(value)
-    else:
-        gen.bit_generator.state = _unplain(value, f"generators.{name}")
 
 
 def _plain(value: Any) -> Any:

@@ -147,11 +147,9 @@ def _phases(value, source: str) -> frozenset[str] | None:
 
 
 def _patterns(value, source: str) -> tuple[str, ...]:
-    if not value:
-        return ()
     if isinstance(value, str):
         return parse_list(value, source)
-    return tuple(p.strip() for p in value if p.strip())
+    return tuple(p.strip() for p in value or () if p.strip())
 
 
 def _size_cap(value, source: str) -> int | None:

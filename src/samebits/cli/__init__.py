@@ -162,12 +162,9 @@ def _closest_options(parser: argparse.ArgumentParser, args: argparse.Namespace, 
     """``; did you mean --resume-at?`` for a mistyped option of the command (or of samebits)."""
     command = parser._subparsers._group_actions[0].choices.get(getattr(args, "command", None) or "", parser)
     known = [option for action in command._actions for option in action.option_strings if option.startswith("--")]
-    hints = []
-    for word in extras:
-        name = word.split("=", 1)[0]
-        close = difflib.get_close_matches(name, known, n=1, cutoff=0.7) if name.startswith("--") else []
-        if close:
-            hints.append(f"{name}: did you mean {close[0]}?")
+    names = [word.split("=", 1)[0] for word in extras]
+    hints = [f"{name}: did you mean {close[0]}?" for name in names
+             if name.startswith("--") and (close := difflib.get_close_matches(name, known, n=1, cutoff=0.7))]
     return f" ({'; '.join(hints)})" if hints else ""
 
 
@@ -198,10 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         # `samebits dump RUN | head`: the reader left mid-output; stop quietly.
         _silence_stdout()
         return EXIT_BROKEN_PIPE
-    except SamebitsError as err:
-        print(f"samebits {args.command}: error: {escape(err, keep_newlines=True)}", file=sys.stderr)
-        return EXIT_CANNOT_RUN
-    except OSError as err:  # a file the command needed could not be read or written
+    except (SamebitsError, OSError) as err:  # OSError: a file the command needed could not be read or written
         print(f"samebits {args.command}: error: {escape(err, keep_newlines=True)}", file=sys.stderr)
         return EXIT_CANNOT_RUN
     except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM/SIGHUP during a run (its processes were ended)

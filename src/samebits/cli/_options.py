@@ -65,26 +65,24 @@ rank_count = int_range(1, MAX_NPROC, 2)
 rank_count.__doc__ = "argparse ``type``: processes of one run: an integer from 1 to `MAX_NPROC`."
 
 
-def positive_float(text: str) -> float:
-    """argparse ``type``: a finite number > 0 (argparse names the option in the error)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < math.inf:  # also rejects nan
-        raise argparse.ArgumentTypeError(f"give a positive number, e.g. 600; got {text!r}")
-    return value
+def float_between(low: float, high: float, wanted: str, example: str) -> Callable[[str], float]:
+    """An argparse ``type``: a number strictly between ``low`` and ``high`` (never nan)."""
+    def check(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not low < value < high:  # also rejects nan
+            raise argparse.ArgumentTypeError(f"give {wanted}, e.g. {example}; got {text!r}")
+        return value
+
+    return check
 
 
-def open_unit_interval(text: str) -> float:
-    """argparse ``type``: a number strictly between 0 and 1 (a confidence, a coverage)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < 1:  # also rejects nan
-        raise argparse.ArgumentTypeError(f"give a number strictly between 0 and 1, e.g. 0.95; got {text!r}")
-    return value
+positive_float = float_between(0, math.inf, "a positive number", "600")
+positive_float.__doc__ = "argparse ``type``: a finite number > 0 (argparse names the option in the error)."
+open_unit_interval = float_between(0, 1, "a number strictly between 0 and 1", "0.95")
+open_unit_interval.__doc__ = "argparse ``type``: a number strictly between 0 and 1 (a confidence, a coverage)."
 
 
 # ---------------------------------------------------------------------------------------------

@@ -55,21 +55,26 @@ def flatten(value: Any, path: str) -> list[Leaf]:
     return leaves
 
 
+def members(value: Any, path: str) -> list[tuple[Any, str]] | None:
+    """(item, its path) for each member of a mapping, namedtuple, list, tuple or dataclass
+    instance; None for anything else (a leaf)."""
+    if isinstance(value, Mapping):
+        return [(value[key], f"{path}[{key!r}]") for key in value]
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return [(getattr(value, name), f"{path}.{name}") for name in value._fields]
+    if isinstance(value, (list, tuple)):
+        return [(item, f"{path}[{index}]") for index, item in enumerate(value)]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [(getattr(value, f.name), f"{path}.{f.name}") for f in dataclasses.fields(value)]
+    return None
+
+
 def _flatten(value: Any, path: str, out: list[Leaf]) -> None:
     if isinstance(value, torch.Tensor):
         out.append(tensor_leaf(value, path))
-    elif isinstance(value, Mapping):
-        for key in value:
-            _flatten(value[key], f"{path}[{key!r}]", out)
-    elif isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-        for name in value._fields:
-            _flatten(getattr(value, name), f"{path}.{name}", out)
-    elif isinstance(value, (list, tuple)):
-        for index, item in enumerate(value):
-            _flatten(item, f"{path}[{index}]", out)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for f in dataclasses.fields(value):
-            _flatten(getattr(value, f.name), f"{path}.{f.name}", out)
+    elif (items := members(value, path)) is not None:
+        for item, item_path in items:
+            _flatten(item, item_path, out)
     else:
         out.append(Leaf(path, None, None, _plain(value)))
 

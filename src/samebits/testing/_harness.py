@@ -21,7 +21,7 @@ import torch
 
 from samebits.errors import ConfigError
 from samebits.testing import _options
-from samebits.testing._bits import Leaf, Mismatch, compare, flatten, render, tensor_leaf
+from samebits.testing._bits import Leaf, Mismatch, compare, flatten, members, render, tensor_leaf
 
 _COTANGENT_SEED = 0x5A3E  # the same gradient of the outputs in every run
 
@@ -65,18 +65,9 @@ def _walk(value: Any, path: str):
     """Yield (path, object) for every tensor and module inside a nested structure."""
     if isinstance(value, (torch.Tensor, torch.nn.Module)):
         yield path, value
-    elif isinstance(value, Mapping):
-        for key in value:
-            yield from _walk(value[key], f"{path}[{key!r}]")
-    elif isinstance(value, tuple) and hasattr(value, "_fields"):
-        for name in value._fields:
-            yield from _walk(getattr(value, name), f"{path}.{name}")
-    elif isinstance(value, (list, tuple)):
-        for index, item in enumerate(value):
-            yield from _walk(item, f"{path}[{index}]")
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for f in dataclasses.fields(value):
-            yield from _walk(getattr(value, f.name), f"{path}.{f.name}")
+        return
+    for item, item_path in members(value, path) or ():
+        yield from _walk(item, item_path)
 
 
 def _without_modules(value: Any) -> Any:

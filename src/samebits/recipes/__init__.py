@@ -48,16 +48,4 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-__all__ = [
-    "RecipeConfig",
-    "PRESETS",
-    "default_config",
-    "nondeterministic_config",
-    "train",
-    "TrainResult",
-    "session",
-    "parse_cell",
-    "cell_name",
-    "ParallelDims",
-    "register_recipe_rules",
-]
+__all__ = list(_HOME)

@@ -57,23 +57,14 @@ def recipe_command(nproc: int = 1, *, steps: int | str | None = None, preset: st
     """The recipe's argv (its flags in one order); a value may be a placeholder such as
     ``"{out}"``, left for the runner.  See `python -m samebits.recipes --help`."""
     argv = launcher(nproc)
-    if steps is not None:
-        argv += ["--steps", str(steps)]
-    if preset is not None:
-        argv += ["--preset", preset]
-    for item in overrides:
-        argv += ["--set", item]
-    for flag, value in (("--out", out), ("--reference", reference), ("--save-at", save_at), ("--ckpt", ckpt)):
-        if value is not None:
+    for flag, value in (("--steps", steps), ("--preset", preset), *(("--set", item) for item in overrides),
+                        ("--out", out), ("--reference", reference), ("--save-at", save_at), ("--ckpt", ckpt),
+                        ("--keep-going", keep_going), ("--resume-from", resume_from),
+                        ("--allow-layout-change", allow_layout_change), ("--check", check)):
+        if value is True:  # a switch
+            argv.append(flag)
+        elif value is not None and value is not False:
             argv += [flag, str(value)]
-    if keep_going:
-        argv.append("--keep-going")
-    if resume_from is not None:
-        argv += ["--resume-from", str(resume_from)]
-    if allow_layout_change:
-        argv.append("--allow-layout-change")
-    if check:
-        argv.append("--check")
     return argv
 
 

@@ -181,15 +181,13 @@ def reduce_gradients(model: nn.Module, layout) -> None:
     for name, param in model.named_parameters():
         if param.grad is None:
             param.grad = torch.zeros_like(param)  # keep the flat buffer layout identical
-        (experts if name in layout.expert_param_names else dense).append(_local(param.grad))
+        (experts if name in layout.expert_param_names else dense).append(local(param.grad))
     flat = torch.cat([g.reshape(-1) for g in dense])
     # gloo sum: bitwise repeatable and equal on all ranks
     dist.all_reduce(flat, group=layout.group("dp_replicate"))
     flat.div_(replicas)
-    offset = 0
-    for grad in dense:
-        grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-        offset += grad.numel()
+    for grad, part in zip(dense, flat.split([g.numel() for g in dense])):
+        grad.copy_(part.view_as(grad))
     for grad in experts:
         grad.div_(replicas)
 
@@ -207,13 +205,11 @@ def _complete_partial_grads(model: nn.Module) -> None:
             by_mesh.setdefault(grad.device_mesh, []).append(param)
     for mesh, params in by_mesh.items():
         (group,) = [mesh.get_group(i) for i in range(mesh.ndim)]  # the 1-D TP mesh
-        flat = torch.cat([p.grad.to_local().reshape(-1) for p in params])
+        grads = [p.grad.to_local() for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=group)
-        offset = 0
-        for param in params:
-            local = flat[offset:offset + param.grad.to_local().numel()].view_as(param.grad.to_local())
-            offset += local.numel()
-            param.grad = DTensor.from_local(local.clone(), mesh, param.placements, run_check=False,
+        for param, grad, part in zip(params, grads, flat.split([g.numel() for g in grads])):
+            param.grad = DTensor.from_local(part.view_as(grad).clone(), mesh, param.placements, run_check=False,
                                             shape=param.shape, stride=param.stride())
 
 
@@ -240,7 +236,7 @@ def clip_grad_norm(model: nn.Module, layout, max_norm: float) -> torch.Tensor:
     if (layout.tp_invariant or layout.grad_invariant) and layout.dims.pp > 1:
         # Every tensor of the whole model in its order, empty on the stages that lack it:
         # each held by one stage, summed over the pipeline.
-        held = {n: _local(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+        held = {n: local(p.grad) for n, p in model.named_parameters() if p.grad is not None}
         grads = [held.get(n, torch.zeros(0, device=layout.device)) for n, _ in layout.full_params]
         return invariant.clip_sharded_grad_norm_(
             grads, max_norm, full_numels=[numel for _, numel in layout.full_params], group=layout.group("pp"),
@@ -250,18 +246,18 @@ def clip_grad_norm(model: nn.Module, layout, max_norm: float) -> torch.Tensor:
         # dp_replicate = 1 here), a piece replicated over TP only from TP rank 0.
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         first = layout.coords["tp"] == 0
-        pieces = [_local(g) if first or not _tp_replicated(g) else _local(g)[:0].reshape(0) for g in grads]
+        pieces = [local(g) if first or not _tp_replicated(g) else local(g)[:0].reshape(0) for g in grads]
         norm = invariant.sharded_grad_norm(pieces, full_numels=[g.numel() for g in grads], group=dist.group.WORLD,
                                            replicated=[False] * len(grads))
         if max_norm > 0:  # every local gradient, the TP replicas' too
             coeff = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
             for grad in grads:
-                _local(grad).mul_(coeff.to(grad.device))
+                local(grad).mul_(coeff.to(grad.device))
         return norm
     if layout.tp_invariant or layout.grad_invariant:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         return invariant.clip_sharded_grad_norm_(
-            [_local(g) for g in grads], max_norm, full_numels=[g.numel() for g in grads],
+            [local(g) for g in grads], max_norm, full_numels=[g.numel() for g in grads],
             group=layout.shard_group)
     groups: dict[tuple[str, ...], list[torch.Tensor]] = {}
     for name, param in model.named_parameters():
@@ -275,16 +271,11 @@ def clip_grad_norm(model: nn.Module, layout, max_norm: float) -> torch.Tensor:
                          if not (p.is_replicate() or p.is_partial()))
         else:
             dims = ("ep",) if name in layout.expert_param_names else ()
-        groups.setdefault(dims, []).append(_local(grad))
-
-    def sum_of_squares(grads):
-        return torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
-        ).square()
-
+        groups.setdefault(dims, []).append(local(grad))
     total = torch.zeros((), dtype=torch.float32, device=layout.device)
     for dims in sorted(groups, key=lambda d: (len(d), d)):  # () first: the old order
-        part = sum_of_squares(groups[dims])
+        norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in groups[dims]])
+        part = torch.linalg.vector_norm(norms).square()  # the group's sum of squares
         for dim in dims:
             dist.all_reduce(part, group=layout.group(dim))
         total = total + part  # 0 + x is x: the default layout's bits are unchanged
@@ -308,7 +299,7 @@ def _tp_replicated(grad: torch.Tensor) -> bool:
     return "tp" not in names or grad.placements[names.index("tp")].is_replicate()
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a (possibly DTensor) tensor, as a plain tensor sharing storage."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 

@@ -270,16 +270,12 @@ class RecipeConfig:
 
         if self.num_threads is None:
             self.num_threads = _threads_from_environment()
-        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "ffn_hidden_size",
-                     "num_experts", "moe_top_k", "moe_ffn_hidden_size", "seq_len",
-                     "micro_batch_size", "num_threads"):
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "ffn_hidden_size", "num_experts",
+                     "moe_top_k", "moe_ffn_hidden_size", "seq_len", "micro_batch_size", "num_threads",
+                     "dp_shard", "tp", "pp", "pp_microbatches", "num_micro_batches", "fp8_amax_history_len"):
             need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("dp_shard", "tp", "pp", "pp_microbatches"):
-            need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("moe_layer_freq", "mtp_num_layers", "warmup_steps", "lr_decay_steps",
-                     "dp_replicate", "ep"):
-            need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("moe_aux_loss_coeff", "moe_jitter_eps", "mtp_loss_coeff", "lr", "min_lr",
+        for name in ("moe_layer_freq", "mtp_num_layers", "warmup_steps", "lr_decay_steps", "dp_replicate", "ep",
+                     "moe_aux_loss_coeff", "moe_jitter_eps", "mtp_loss_coeff", "lr", "min_lr",
                      "weight_decay", "grad_clip", "norm_eps", "init_std", "adam_eps"):
             need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         need(self.d_model % self.num_heads == 0 and (self.d_model // self.num_heads) % 2 == 0,
@@ -316,14 +312,10 @@ class RecipeConfig:
         need(not self.fault_pp_reorder_microbatch_grads
              or (self.pp > 1 and self.pp_microbatches >= 3),
              "fault_pp_reorder_microbatch_grads needs pp >= 2 and pp_microbatches >= 3")
-        need(self.num_micro_batches >= 1,
-             f"num_micro_batches must be >= 1, got {self.num_micro_batches}")
         self._check_grad_reduce(need)
         self._check_tp_reduce(need)
         need(self.data_dtype != "uint16" or self.vocab_size <= 2**16,
              f"vocab_size={self.vocab_size} does not fit data_dtype='uint16'; use 'uint32'")
-        need(self.fp8_amax_history_len >= 1,
-             f"fp8_amax_history_len must be >= 1, got {self.fp8_amax_history_len}")
         self.precision_gemm = resolve_gemm(self.precision, self.device, self.precision_gemm)
         problem = check_gemm(self.precision, self.precision_gemm, self.device)
         need(problem is None, problem or "")
@@ -346,7 +338,6 @@ class RecipeConfig:
              f"grad_reduce='invariant' with tp={self.tp} needs tp_reduce='invariant' too: the TP "
              "linears' fp32 sums over the TP ranks depend on tp, so the data-parallel sum would add "
              "gradients whose bits already depend on the layout. Set tp_reduce=invariant, or tp=1.")
-
 
     def _check_tp_reduce(self, need) -> None:
         """tp_reduce='invariant': what its layers and norm cover today (docs/invariance.md)."""

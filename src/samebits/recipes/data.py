@@ -104,10 +104,6 @@ class Batches:
         self.rank, self.world_size = rank, world_size
         self.consumed_samples = 0  # global samples consumed by all ranks together
 
-    @property
-    def global_batch_size(self) -> int:
-        return self.micro_batch_size * self.world_size
-
     def indices(self) -> np.ndarray:
         """Global sample indices of this rank's next micro-batch."""
         start = self.consumed_samples + self.rank * self.micro_batch_size
@@ -116,7 +112,7 @@ class Batches:
     def next(self) -> torch.Tensor:
         """(micro_batch_size, seq_len + 1) int64 tokens; advances the position."""
         batch = torch.from_numpy(self.source.tokens(self.indices()))
-        self.consumed_samples += self.global_batch_size
+        self.consumed_samples += self.micro_batch_size * self.world_size  # the global batch
         return batch
 
     def state_dict(self) -> dict[str, int]:

@@ -210,20 +210,15 @@ class _Run:
         self.data.load_state_dict(bundle.progress)
         saved_config = bundle.metadata.get("config", {})
         ignored = LAYOUT_FIELDS if self.layout_change is not None else ()
-        changed = sorted(k for k, v in self.cfg.to_dict().items()
-                         if saved_config.get(k) != v and k not in ignored)
+        changed = ", ".join(f"{k}: {saved_config.get(k)!r} -> {v!r}" for k, v in sorted(self.cfg.to_dict().items())
+                            if saved_config.get(k) != v and k not in ignored)
         if changed and self.layout_change is not None:
-            raise ConfigError(
-                f"resuming {path} at another layout with a different config ("
-                + ", ".join(f"{k}: {saved_config.get(k)!r} -> {getattr(self.cfg, k)!r}" for k in changed)
-                + "): a layout change is bitwise only with the saved config; resume with it "
-                  "(only the layout may change)")
+            raise ConfigError(f"resuming {path} at another layout with a different config ({changed}): a layout "
+                              "change is bitwise only with the saved config; resume with it (only the layout may "
+                              "change)")
         if changed and self.rank == 0:
-            warnings.warn(f"resuming from {path} with a different config ("
-                          + ", ".join(f"{k}: {saved_config.get(k)!r} -> {getattr(self.cfg, k)!r}"
-                                      for k in changed)
-                          + "); the run will not be bitwise equal to an uninterrupted one",
-                          stacklevel=3)
+            warnings.warn(f"resuming from {path} with a different config ({changed}); the run will not be bitwise "
+                          "equal to an uninterrupted one", stacklevel=3)
 
     def _check_layout_change(self, path, saved: dict[str, Any], layout: dict[str, int]) -> bool:
         """Refuse a layout change the recipe cannot make bitwise (ConfigError naming the switch
@@ -261,7 +256,6 @@ class _Run:
     def loop(self, steps: int, *, recorder, census=None, save_at, ckpt_dir, log: bool,
              keep_going: bool = False) -> TrainResult:
         result = TrainResult(start_step=self.step, end_step=self.step, layout_change=self.layout_change)
-        save_at = _save_steps(save_at)
         if save_at and save_at[0] < self.step:
             raise ConfigError(f"save_at={save_at[0]} is before the resumed step {self.step}")
         tracer = trace.attach_from_env(self.model, recorder)  # off unless SAMEBITS_TRACE* is set
@@ -287,7 +281,7 @@ class _Run:
                 break
         tracer.close()
         result.end_step = self.step
-        result.params = {n: parallelize.local(p.detach()).clone()
+        result.params = {n: communication.local(p.detach()).clone()
                          for n, p in self.model.named_parameters()}
         return result
 
@@ -335,24 +329,25 @@ class _Run:
             losses["loss"].backward()
         communication.reduce_gradients(model, self.layout)
         grad_norm = communication.clip_grad_norm(model, self.layout, cfg.grad_clip)
-        lr = self.scheduler.get_last_lr()[0]  # the rate this step's update uses
-        if keep(phases.METRICS):
-            rec.metrics(step, **{k: v.detach() for k, v in losses.items()},
-                        grad_norm=grad_norm, lr=lr)
+        return self._update(rec, keep, losses, grad_norm, start, per_rank=True)
 
-        # Update.
+    def _update(self, rec, keep, losses: dict, grad_norm, start: float, *,
+                per_rank: bool = False) -> tuple[dict[str, float], bool | None]:
+        """Record the metrics, update, record the update: (the step's metrics, the recorder's
+        end_step).  ``per_rank``: the losses are this rank's, the log line shows their mean."""
+        step, lr = self.step, self.scheduler.get_last_lr()[0]  # the rate this step's update uses
+        losses = {k: v.detach() for k, v in losses.items()}
+        if keep(phases.METRICS):
+            rec.metrics(step, **losses, grad_norm=grad_norm, lr=lr)
         self.optimizer.step()
         self.scheduler.step()
         ok = self._record_update(rec, keep)
-
-        local = torch.stack([v.detach() for v in losses.values()])
-        mean = communication.mean_over_ranks(local, self.layout)  # for the log line
-        metrics = {"step": step, **{k: float(v) for k, v in zip(losses, local)},
+        values = torch.stack(list(losses.values()))
+        mean = communication.mean_over_ranks(values, self.layout) if per_rank else values
+        metrics = {"step": step, **{k: float(v) for k, v in zip(losses, values)},
                    **{f"mean_{k}": float(v) for k, v in zip(losses, mean)},
-                   "grad_norm": float(grad_norm), "lr": lr,
-                   "step_time_s": time.perf_counter() - start}
+                   "grad_norm": float(grad_norm), "lr": lr, "step_time_s": time.perf_counter() - start}
         return metrics, ok
-
 
     def _record_update(self, rec, keep) -> bool | None:
         """Record the step's gradients and updated parameters; returns the recorder's end_step."""
@@ -363,7 +358,7 @@ class _Run:
         # writes them (tests/test_recipe.py checks their digests across optimizer.step()).
         # Recorded next to the parameters, a step's recording runs in one stretch, while its
         # code and the tensors are still in cache (benchmarks/RESULTS.md, issue 16).
-        grads = ([(n, parallelize.local(g)) for n, p in named if (g := p.grad) is not None]
+        grads = ([(n, communication.local(g)) for n, p in named if (g := p.grad) is not None]
                  if keep(phases.GRADS) else None)
         # The local params records, then the layout-independent global ones (diff across
         # cells; collective).  Given the parameters themselves: a detached tensor loses the
@@ -378,7 +373,7 @@ class _Run:
         if grads is not None:
             rec.tensors(step, phases.GRADS, grads)
         if keep(phases.PARAMS):
-            rec.tensors(step, phases.PARAMS, [(n, parallelize.local(p.detach())) for n, p in named])
+            rec.tensors(step, phases.PARAMS, [(n, communication.local(p.detach())) for n, p in named])
         if hasattr(rec, "global_tensors"):
             with torch.no_grad():
                 rec.global_tensors(step, phases.PARAMS, named, group=self.layout.expert_group)
@@ -425,16 +420,7 @@ class _Run:
         if self.layout.dp_group is not None:  # a replica's TP ranks and stages hold the same rows
             dist.all_reduce(parts, group=self.layout.dp_group)  # one nonzero row per micro-batch: exact
         losses = dict(zip(names, parts.sum(dim=0) / count))  # the global mean, a fixed order
-        lr = self.scheduler.get_last_lr()[0]
-        if keep(phases.METRICS):
-            rec.metrics(step, **losses, grad_norm=grad_norm, lr=lr)
-        self.optimizer.step()
-        self.scheduler.step()
-        ok = self._record_update(rec, keep)
-        metrics = {"step": step, **{k: float(v) for k, v in losses.items()},
-                   **{f"mean_{k}": float(v) for k, v in losses.items()},
-                   "grad_norm": float(grad_norm), "lr": lr, "step_time_s": time.perf_counter() - start}
-        return metrics, ok
+        return self._update(rec, keep, losses, grad_norm, start)
 
     def _invariant_pipeline(self, batches: dict[int, torch.Tensor], parts: torch.Tensor) -> None:
         """This DP rank's micro-batches through the pipeline, one pipeline micro-batch each:

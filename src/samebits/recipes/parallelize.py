@@ -47,6 +47,7 @@ engine, named in docs/recipe.md.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -69,7 +70,7 @@ from samebits.invariant import (InvariantReduceScatter, column_parallel_linear, 
 from samebits.recipes.cells import AXES, ParallelDims, mesh_axes
 from samebits.recipes.config import RecipeConfig
 from samebits.recipes.model import MLP, MoE, Block, Transformer
-from samebits.recipes.communication import ExpertParallelDispatcher
+from samebits.recipes.communication import ExpertParallelDispatcher, local
 
 # --- the layout ----------------------------------------------------------------------------
 
@@ -94,11 +95,6 @@ class ParallelLayout:
     @property
     def coords(self) -> dict[str, int]:
         return self.dims.coords(self.rank)
-
-    @property
-    def sizes(self) -> dict[str, int]:
-        """Mesh sizes and the EP size."""
-        return self.dims.sizes()
 
     @property
     def checkpoint_layout(self) -> dict[str, int]:
@@ -373,9 +369,8 @@ class _InvariantLinear:
         self.layer = column_parallel_linear if column else row_parallel_linear
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.linear.weight
         # to_local keeps autograd: the weight's grad comes back as a DTensor of its placement.
-        out = self.layer(x, weight.to_local() if isinstance(weight, DTensor) else weight, self.group)
+        out = self.layer(x, local(self.linear.weight), self.group)
         return _SliceSequence.apply(out, self.group) if self.slice_output else out
 
 
@@ -597,15 +592,13 @@ class Pipeline:
     _loss_fn: Any = field(init=False, default=None)
 
     def __post_init__(self):
-        first, last = self.stage_index == 0, self.stage_index == self.num_stages - 1
-        self.first, self.last = first, last
-        self.stage = PipelineStage(_StageModule(self.model, first, last), self.stage_index,
+        cfg, self.first, self.last = self.cfg, self.stage_index == 0, self.stage_index == self.num_stages - 1
+        self.stage = PipelineStage(_StageModule(self.model, self.first, self.last), self.stage_index,
                                    self.num_stages, self.device, group=self.group)
-        if self.cfg.fault_pp_reorder_microbatch_grads and last:
+        if cfg.fault_pp_reorder_microbatch_grads and self.last:
             for param in self.model.parameters():
                 param.register_post_accumulate_grad_hook(self._stash_grad)
-        schedule_cls = ScheduleGPipe if self.cfg.pp_schedule == "gpipe" else Schedule1F1B
-        cfg = self.cfg
+        schedule_cls = ScheduleGPipe if cfg.pp_schedule == "gpipe" else Schedule1F1B
         self.num_chunks = self.num_chunks or cfg.pp_microbatches
         self._schedule = schedule_cls(
             self.stage, self.num_chunks, scale_grads=False,
@@ -621,10 +614,7 @@ class Pipeline:
 
     def _accumulate_reversed(self) -> None:
         for param, grads in self._stash.items():
-            total = grads[-1]
-            for grad in reversed(grads[:-1]):
-                total = total + grad
-            param.grad = total
+            param.grad = functools.reduce(torch.add, reversed(grads))  # ((g_n + g_n-1) + ...) + g_1
         self._stash.clear()
 
     def run(self, tokens: torch.Tensor, loss_fn: Callable) -> None:
@@ -662,10 +652,7 @@ class Pipeline:
 
     def _step(self, tokens: torch.Tensor) -> None:
         args = (tokens[:, :-1],) if self.first else ()
-        if self.last:
-            self._schedule.step(*args, target=tokens)
-        else:
-            self._schedule.step(*args)
+        self._schedule.step(*args, **({"target": tokens} if self.last else {}))
 
     def _warm_up(self, tokens: torch.Tensor) -> None:
         """One throwaway step on zero tokens when the pipeline is built, leaving no trace:
@@ -690,11 +677,6 @@ class Pipeline:
         """The last stage's `values` on every stage of this pipeline."""
         dist.broadcast(values, group=self.group, group_src=self.num_stages - 1)
         return values
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a (possibly DTensor) tensor, as a plain tensor sharing storage."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 # --- checkpoints of sharded state --------------------------------------------------------------
@@ -750,10 +732,8 @@ class LocalShardsOptimizer:
 
     def load_state_dict(self, state_dict: dict) -> None:
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        state = {}
-        for index, entry in state_dict["state"].items():
-            param = params[index]
-            state[index] = {k: _like_param(v, param) for k, v in entry.items()}
+        state = {index: {k: _like_param(v, params[index]) for k, v in entry.items()}
+                 for index, entry in state_dict["state"].items()}
         self.optimizer.load_state_dict({**state_dict, "state": state})
 
 

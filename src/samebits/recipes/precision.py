@@ -45,7 +45,7 @@ import functools
 import logging
 import typing
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Literal
+from typing import Callable, Literal
 
 import torch
 import torch.nn.functional as F
@@ -180,10 +180,6 @@ class Precision:
         return frozenset(f"{name}._extra_state" for name, module in self.history_modules.items()
                          if isinstance(module, DelayedFloat8Linear))
 
-    def describe(self) -> str:
-        return (f"precision {self.name}: GEMM path {self.gemm}, "
-                f"{len(self.converted)} low-precision linear(s)")
-
 
 def apply_precision(model: nn.Module, precision: str, gemm: str, *, device: str = "cpu",
                     history_len: int = 16, save_history: bool = True,
@@ -219,9 +215,13 @@ def apply_precision(model: nn.Module, precision: str, gemm: str, *, device: str 
     for name, module in targets:
         if precision == "fp8_delayed":
             kind = DelayedFloat8Linear if save_history else _DelayedScalingLinear
-            new = kind.from_linear(module, history_len=history_len, emulate=gemm == "emulated")
+            options = {"history_len": history_len, "emulate": gemm == "emulated"}
         else:
-            new = BlockScaledLinear.from_linear(module, precision)
+            kind, options = BlockScaledLinear, {"precision": precision}
+        # The new linear shares the old one's parameters: the initial weights are unchanged.
+        new = kind(module.in_features, module.out_features, bias=module.bias is not None,
+                   device=module.weight.device, dtype=module.weight.dtype, **options)
+        new.weight, new.bias = module.weight, module.bias
         _replace(model, name, new)
         result.converted.append(name)
     return result
@@ -263,15 +263,6 @@ class _DelayedScalingLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.emulate = emulate
         self.amax_history = torch.zeros(len(HISTORY_ROLES), history_len, dtype=torch.float32)
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, *, history_len: int, emulate: bool) -> "_DelayedScalingLinear":
-        new = cls(linear.in_features, linear.out_features, history_len=history_len, emulate=emulate,
-                  bias=linear.bias is not None, device=linear.weight.device, dtype=linear.weight.dtype)
-        new.weight = linear.weight
-        if linear.bias is not None:
-            new.bias = linear.bias
-        return new
 
     def history(self, role: str, device: torch.device) -> torch.Tensor:
         """The live history of ``role`` (a view, updated in place), on ``device``."""
@@ -431,15 +422,6 @@ class BlockScaledLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.precision = precision
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, precision: str) -> "BlockScaledLinear":
-        new = cls(linear.in_features, linear.out_features, precision=precision, bias=linear.bias is not None,
-                  device=linear.weight.device, dtype=linear.weight.dtype)
-        new.weight = linear.weight
-        if linear.bias is not None:
-            new.bias = linear.bias
-        return new
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _linear(self, x, lambda x2d, weight: _BlockScaledMM.apply(x2d, weight, self.precision))
 
@@ -464,14 +446,6 @@ class _BlockScaledMM(torch.autograd.Function):
         return grad_x.to(x.dtype), grad_w.to(weight.dtype), None
 
 
-def low_precision_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """The converted linears of a model (for tests and docs)."""
-    for name, module in model.named_modules():
-        if isinstance(module, (_DelayedScalingLinear, BlockScaledLinear)) or \
-                type(module).__name__ == "Float8Linear":
-            yield name, module
-
-
 __all__ = ["PrecisionName", "PRECISIONS", "GEMM_PATHS", "Precision", "apply_precision", "resolve_gemm", "check_gemm",
            "mxfp8_quantize", "mxfp8_dequantize", "nvfp4_quantize", "nvfp4_dequantize",
-           "quantize_dequantize", "DelayedFloat8Linear", "BlockScaledLinear", "low_precision_modules"]
+           "quantize_dequantize", "DelayedFloat8Linear", "BlockScaledLinear"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,18 @@ def test_a_result_reads_back_what_it_wrote_by_the_same_marks():
     assert back.colours == (Colour.RED,) and back.seen == {"a", "b"} and back.verdict is Verdict.FAIL
     old = {key: value for key, value in written.items() if key != "command"}  # a file written before the field
     assert Marked.from_dict(old) == back
+
+
+@pytest.mark.parametrize("entry, value, said", [
+    ("exit_code", "1", "'exit_code' must be a number, found a string"),
+    ("inner", {"step": 3, "name": None, "ranks": "0"}, "'inner.ranks' must be a list, found a string"),
+])
+def test_a_computed_entry_of_another_type_is_an_error_naming_it(entry, value, said):
+    # computed entries (dict_extras) are derived again, not read: a damaged one was read past,
+    # and the page, which reads them from the file, failed on it with a traceback
+    written = json.loads(json.dumps(Marked(Verdict.FAIL, inner=Inner(3)).to_dict()))
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        Marked.from_dict({**written, entry: value}, source="summary.json")
 
 
 def _bisect_summary(root: Path) -> Path:

@@ -103,9 +103,7 @@ def plan_move(bundle: StateBundle, saved: list[dict[str, Any]], *, rank: int, so
     for base, found in pieces.items():
         section, _, rest = base.partition("/")
         name, slot = (rest, "") if section == "model" else rest.rsplit("/", 1)
-        key = base
-        if name in rank_local:
-            key = f"{section}/{name}@rank{rank}" + (f"/{slot}" if slot else "")
+        key = f"{section}/{name}@rank{rank}" + (f"/{slot}" if slot else "") if name in rank_local else base
         live_by_base[base] = key
         global_shape = found[0].global_shape
         place = shards.get(name)
@@ -114,11 +112,10 @@ def plan_move(bundle: StateBundle, saved: list[dict[str, Any]], *, rank: int, so
             offsets, sizes = tuple(place.offsets), local_shapes[model_key]
         else:
             offsets, sizes = (0,) * len(global_shape), global_shape
+        manifest[key] = {"shape": list(sizes), "dtype": found[0].spec["dtype"]}
         if section == "model" and model_key not in local_shapes:
-            manifest[key] = {"shape": list(sizes), "dtype": found[0].spec["dtype"]}
             continue  # not in the live model: `check` names it before anything is read
         cuts[key] = _cut(base, found, global_shape, offsets, sizes, source, rank)
-        manifest[key] = {"shape": list(sizes), "dtype": found[0].spec["dtype"]}
         by_key = {piece.key: piece.spec for piece in found}
         for piece_key, _, _ in cuts[key]:
             reads[piece_key] = by_key[piece_key]

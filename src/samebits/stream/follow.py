@@ -141,20 +141,12 @@ class StreamTail:
         """(phase, name) of the step's last record: the records are walked by their lengths."""
         if count == 0 or count > _MAX_WALKED_RECORDS:
             return None
-        start = pos
-        for _ in range(count):
-            start = pos
-            length, pos = fmt.decode_varint(payload, pos + 1)
-            pos += length
-        phase, at = fmt.decode_varint(payload, _body_start(payload, start))
+        for _ in range(count):  # past each record's kind byte and length varint
+            length, body = fmt.decode_varint(payload, pos + 1)
+            pos = body + length
+        phase, at = fmt.decode_varint(payload, body)
         name, _ = fmt.decode_varint(payload, at)
         return self.names[phase], self.names[name]
-
-
-def _body_start(payload: bytes, record_at: int) -> int:
-    """Where a record's body starts: after its kind byte and its length varint."""
-    _, pos = fmt.decode_varint(payload, record_at + 1)
-    return pos
 
 
 __all__ = ["StreamTail", "StepSeen", "MAX_FRAME_BYTES"]

@@ -99,22 +99,17 @@ def _census(optimizers, schedulers, user, scalers, include_cuda: bool) -> list[t
     if include_cuda and torch.cuda.is_initialized():  # is_available() alone would not do:
         for index in range(torch.cuda.device_count()):  # reading a state must not init CUDA
             records.append((str(CensusName.cuda_rng(index)), torch.cuda.get_rng_state(index)))
-    for name, generator in user:
-        records.append((str(CensusName.user_rng(name)), _generator_state(generator)))
+    records += [(str(CensusName.user_rng(name)), _generator_state(generator)) for name, generator in user]
     for index, optimizer in enumerate(optimizers):
-        records.append((named(OPTIMIZER, index, "step"), _optimizer_steps(optimizer)))
-        records.append((named(OPTIMIZER, index, "lr"), _float64([_number(group.get("lr", float("nan")))
-                                                               for group in optimizer.param_groups])))
-        records.append((named(OPTIMIZER, index, "hparams"), _hyperparameters(optimizer)))
+        records += [(named(OPTIMIZER, index, "step"), _optimizer_steps(optimizer)),
+                    (named(OPTIMIZER, index, "lr"), _float64([group.get("lr") for group in optimizer.param_groups])),
+                    (named(OPTIMIZER, index, "hparams"), _hyperparameters(optimizer))]
     for index, scheduler in enumerate(schedulers):
-        records.append((named(SCHEDULER, index, "last_epoch"),
-                        torch.tensor([int(scheduler.last_epoch)], dtype=torch.int64)))
-        records.append((named(SCHEDULER, index, "step_count"),
-                        torch.tensor([int(getattr(scheduler, "_step_count", -1))], dtype=torch.int64)))
-        records.append((named(SCHEDULER, index, "lr"), _float64(scheduler.get_last_lr())))
-    for index, scaler in enumerate(scalers):
-        records.append((named(SCALER, index), _scaler_state(scaler)))
-    return records
+        records += [(named(SCHEDULER, index, "last_epoch"), torch.tensor([int(scheduler.last_epoch)])),
+                    (named(SCHEDULER, index, "step_count"),
+                     torch.tensor([int(getattr(scheduler, "_step_count", -1))])),
+                    (named(SCHEDULER, index, "lr"), _float64(scheduler.get_last_lr()))]
+    return records + [(named(SCALER, index), _scaler_state(scaler)) for index, scaler in enumerate(scalers)]
 
 
 def census_recorder(recorder: Any, *, append: bool = False, config: Mapping[str, Any] | None = None) -> Recorder | None:
@@ -219,13 +214,11 @@ def _optimizer_steps(optimizer: Any) -> torch.Tensor:
 def _hyperparameters(optimizer: Any) -> torch.Tensor:
     """float64: each group's numeric settings other than params and lr, keys sorted, tuples
     (betas) flattened; a group setting that is not a number counts as NaN."""
-    values: list[float] = []
+    values: list[Any] = []
     for group in optimizer.param_groups:
         for key in sorted(k for k in group if k not in ("params", "lr") and isinstance(k, str)):
-            items = group[key] if isinstance(group[key], (tuple, list)) else (group[key],)
-            for item in items:
-                values.append(_number(item))
-    return torch.tensor(values, dtype=torch.float64)
+            values += group[key] if isinstance(group[key], (tuple, list)) else (group[key],)
+    return _float64(values)
 
 
 def _scaler_state(scaler: Any) -> torch.Tensor:

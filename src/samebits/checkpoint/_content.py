@@ -149,8 +149,7 @@ def _state_parts(saved: list[dict[str, Any]], tensors: dict[str, torch.Tensor], 
     def digest(value: Any) -> str:
         return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
-    for name in ("lr_scheduler",):
-        _same_on_every_rank(saved, name, source)
+    _same_on_every_rank(saved, "lr_scheduler", source)
     metadata = [_without(plain["metadata"], meta.get("layout_metadata", [])) for plain in saved]
     _same_on_every_rank([{"metadata": m} for m in metadata], "metadata", source)
 

@@ -6,6 +6,7 @@ become a Python number with `struct`; only the rare dtypes (float8, complex) loa
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from struct import error as struct_error
@@ -98,13 +99,8 @@ class Record(ToDict):
             return None  # a dtype without a Python scalar (e.g. packed 4-bit): `bits` is exact
 
     def same_content(self, other: "Record") -> bool:
-        return (
-            self.dtype == other.dtype
-            and self.shape == other.shape
-            and self.flags == other.flags
-            and self.digest == other.digest
-            and self.raw == other.raw
-        )
+        return (self.dtype, self.shape, self.flags, self.digest, self.raw) == \
+            (other.dtype, other.shape, other.flags, other.digest, other.raw)
 
     def summary(self) -> str:
         """A short text of what the record holds: shape/dtype/digest or the metric value."""
@@ -124,20 +120,13 @@ class Record(ToDict):
             out["bits"] = "0x" + self.raw[::-1].hex()
         else:
             out["shape"] = list(self.shape)
-            out["numel"] = _numel(self.shape)
+            out["numel"] = math.prod(self.shape)
             out["digest"] = None if self.digest is None else f"{self.digest:016x}"
             if self.absent:
                 out["absent"] = True
             if self.capped:
                 out["capped"] = True
         return out
-
-
-def _numel(shape) -> int:
-    n = 1
-    for size in shape:
-        n *= size
-    return n
 
 
 def parse_records(payload: bytes, pos: int, count: int, names: list[str], names_count: int, *,

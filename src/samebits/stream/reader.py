@@ -224,12 +224,8 @@ class StreamReader(FrameFile):
             raise _Malformed(f"step {step} follows step {self._last_step}; steps must increase")
         self._last_step = step
         self._num_steps += 1
-        expected = self._expected_index  # what the INDEX footer must hold: prefix + offset
-        expected += payload[: pos + 8]
-        while offset > 0x7F:
-            expected.append((offset & 0x7F) | 0x80)
-            offset >>= 7
-        expected.append(offset)
+        self._expected_index += payload[: pos + 8]  # what the INDEX footer must hold: prefix + offset
+        fmt.encode_varint(offset, self._expected_index)
         block = StepBlock(step, count, stored, self, self._last_offset, len(self.names), self._schema,
                           self._names_key, self._may_cap)
         return block, payload, pos + 8, None

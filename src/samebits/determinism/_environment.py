@@ -60,20 +60,19 @@ def _is_0(value: str) -> str | None:
     return None if value.strip() == "0" else "must be 0"
 
 
-def _positive_int(value: str) -> str | None:
+def _int_within(value: str, low: int, high: float = float("inf")) -> bool:
     try:
-        ok = int(value) >= 1
+        return low <= int(value) <= high
     except ValueError:
-        ok = False
-    return None if ok else "must be a single positive integer"
+        return False
+
+
+def _positive_int(value: str) -> str | None:
+    return None if _int_within(value, 1) else "must be a single positive integer"
 
 
 def _hash_seed(value: str) -> str | None:
-    try:
-        ok = 0 <= int(value) <= 4294967295
-    except ValueError:
-        ok = False
-    return None if ok else "must be an integer in [0, 4294967295] (not 'random')"
+    return None if _int_within(value, 0, 4294967295) else "must be an integer in [0, 4294967295] (not 'random')"
 
 
 def _pinned_tokens(allowed: tuple[str, ...], rejected: tuple[str, ...], what: str):

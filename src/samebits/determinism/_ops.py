@@ -56,18 +56,13 @@ class OpEntry(ToDict):
 @functools.lru_cache(maxsize=1)
 def _catalog() -> tuple[tuple[OpEntry, ...], dict[str, tuple[OpEntry, ...]]]:
     text = resources.files("samebits.determinism").joinpath("ops.json").read_text("utf-8")
-    data = json.loads(text)
-    entries = []
-    for row in data["ops"]:
-        row = dict(row)
-        row["aliases"] = tuple(row.get("aliases", ()))
-        row["source"] = tuple(row.get("source", ()))
-        entry = OpEntry(**row)
+    entries: list[OpEntry] = []
+    index: dict[str, list[OpEntry]] = {}
+    for row in json.loads(text)["ops"]:
+        entry = OpEntry(**{**row, "aliases": tuple(row.get("aliases", ())), "source": tuple(row.get("source", ()))})
         assert entry.cpu in CPU_STATES and entry.cuda in CPU_STATES, entry.id
         assert entry.cpu_flag in FLAG_STATES and entry.cuda_flag in FLAG_STATES, entry.id
         entries.append(entry)
-    index: dict[str, list[OpEntry]] = {}
-    for entry in entries:
         for name in (entry.op, *entry.aliases):
             index.setdefault(name, []).append(entry)
     return tuple(entries), {k: tuple(v) for k, v in index.items()}

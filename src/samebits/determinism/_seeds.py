@@ -87,15 +87,12 @@ def seed_all(seed: int) -> dict:
     """
     import torch
 
+    import numpy as np
+
     random.seed(seed)
-    seeded = {"python": seed, "torch": seed}
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - numpy is a dependency
-        pass
-    else:
-        np.random.seed([seed & 0xFFFFFFFF, seed >> 32])
-        seeded["numpy"] = [seed & 0xFFFFFFFF, seed >> 32]
+    words = [seed & 0xFFFFFFFF, seed >> 32]
+    np.random.seed(words)
+    seeded = {"python": seed, "torch": seed, "numpy": words}
     torch.manual_seed(seed)  # also seeds every CUDA device (lazily if CUDA is not started)
     seeded["cuda"] = seed if torch.cuda.is_available() else None
     return seeded

@@ -56,10 +56,6 @@ class EventSpec:
     def is_global_op_count(self) -> bool:
         return "/" not in self.id
 
-    def matches(self, step: int, rank: int, event_id: str, phase: str) -> bool:
-        return (step == self.step and rank == self.rank and event_id == self.id
-                and (self.phase is None or phase == self.phase))
-
     def to_env(self) -> str:
         text = f"step={self.step},rank={self.rank},id={self.id}"
         return text + (f",phase={self.phase}" if self.phase else "")
@@ -176,24 +172,19 @@ class TraceConfig:
 
     def to_env(self) -> dict[str, str]:
         """The variables that make a child process trace like this (unset ones omitted)."""
-        env = {"SAMEBITS_TRACE": LEVEL_NAMES[self.level]}
-        if self.step_start or self.step_stop is not None:
-            env["SAMEBITS_TRACE_STEPS"] = f"{self.step_start}:{'' if self.step_stop is None else self.step_stop}"
-        if self.ranks is not None:
-            env["SAMEBITS_TRACE_RANKS"] = ",".join(map(str, sorted(self.ranks)))
-        if self.module:
-            env["SAMEBITS_TRACE_MODULE"] = self.module
-        if self.call_sites:
-            env["SAMEBITS_TRACE_STACK"] = "1"
-        if self.dump is not None:
-            env["SAMEBITS_TRACE_DUMP_OP"] = self.dump.to_env()
-        if self.dump_dir is not None:
-            env["SAMEBITS_TRACE_DUMP_DIR"] = str(self.dump_dir)
-        if self.stop_after is not None:
-            env["SAMEBITS_TRACE_STOP_AFTER"] = str(self.stop_after)
-        if self.perturb is not None:
-            env["SAMEBITS_TEST_PERTURB"] = self.perturb.to_env()
-        return env
+        stop = "" if self.step_stop is None else self.step_stop
+        env = {
+            "SAMEBITS_TRACE": LEVEL_NAMES[self.level],
+            "SAMEBITS_TRACE_STEPS": f"{self.step_start}:{stop}" if self.step_start or stop != "" else None,
+            "SAMEBITS_TRACE_RANKS": None if self.ranks is None else ",".join(map(str, sorted(self.ranks))),
+            "SAMEBITS_TRACE_MODULE": self.module or None,
+            "SAMEBITS_TRACE_STACK": "1" if self.call_sites else None,
+            "SAMEBITS_TRACE_DUMP_OP": None if self.dump is None else self.dump.to_env(),
+            "SAMEBITS_TRACE_DUMP_DIR": None if self.dump_dir is None else str(self.dump_dir),
+            "SAMEBITS_TRACE_STOP_AFTER": None if self.stop_after is None else str(self.stop_after),
+            "SAMEBITS_TEST_PERTURB": None if self.perturb is None else self.perturb.to_env(),
+        }
+        return {name: value for name, value in env.items() if value is not None}
 
 
 # -- record names ------------------------------------------------------------------------
@@ -239,9 +230,7 @@ def split_op_id(event_id: str) -> tuple[str, str, int | None]:
     """``layers.1.ffn/aten::index_put:0`` -> (scope, op, occurrence)."""
     scope, _, rest = event_id.rpartition("/")
     op, sep, count = rest.rpartition(":")
-    if not sep or not count.isdigit():
-        return scope, rest, None
-    return scope, op, int(count)
+    return (scope, op, int(count)) if sep and count.isdigit() else (scope, rest, None)
 
 
 def parent_scope(fqn: str) -> str:

@@ -128,9 +128,8 @@ class OpMode(TorchDispatchMode):
         if recorded:
             named = []
             if not info.writes:
-                for label, x in inputs:
-                    if digestable(x) and not s.is_seen(x):
-                        named.append((record_name(event_id, "in", label), x))
+                named = [(record_name(event_id, "in", label), x) for label, x in inputs
+                         if digestable(x) and not s.is_seen(x)]
                 s.mark_all_seen(named, phase + "|")
                 if lists:
                     named += _provenance(t, s, event_id, lists)

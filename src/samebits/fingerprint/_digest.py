@@ -109,13 +109,9 @@ def _body_sums_on(tensors: list[torch.Tensor], device: torch.device) -> torch.Te
         body_sum = _reference.body_sum
     else:
         body_sum = _body_sum_fn(device)
-    sums = []
-    for t in tensors:
-        data = _as_bytes(t)
-        if data.numel() == 0:  # S of no words is 0; spares kernels the empty case
-            sums.append(torch.zeros((), dtype=torch.int64, device=device))
-        else:
-            sums.append(body_sum(data))
+    # S of no words is 0: the empty case spares the kernels
+    sums = [body_sum(data) if data.numel() else torch.zeros((), dtype=torch.int64, device=device)
+            for data in map(_as_bytes, tensors)]
     return torch.stack(sums) if sums else torch.empty(0, dtype=torch.int64, device=device)
 
 

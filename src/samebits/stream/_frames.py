@@ -50,8 +50,7 @@ class FrameFile:
                 if not stat.S_ISREG(status.st_mode):
                     raise StreamError(f"{self.path}: not a regular file ({_file_type(status.st_mode)}); a "
                                       "fingerprint stream is a regular rank-NNNNN.sbs file written by samebits.")
-                self.size = status.st_size
-                if self.size:
+                if status.st_size:
                     self._data = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
         except FileNotFoundError:
             raise StreamError(f"{self.path}: no such stream file.") from None

@@ -272,11 +272,10 @@ def _jsonable(value):
         return {str(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return repr(value)
-    if value is None or isinstance(value, (bool, int, float, str)):
+    if value is None or isinstance(value, (bool, int, str)) or (isinstance(value, float)
+                                                                and math.isfinite(value)):
         return value
-    return repr(value)
+    return repr(value)  # NaN, infinities and objects: as text
 
 
 def _samebits_version() -> str:
@@ -300,8 +299,8 @@ def choose_run_id(run_id, directory: Path) -> tuple[str, str]:
     value = settings.read("SAMEBITS_RUN_ID")
     if value:
         return value, "SAMEBITS_RUN_ID"
-    value = _launcher_run_id()
-    if value:
+    value = os.environ.get("TORCHELASTIC_RUN_ID")
+    if value not in (None, "", "none"):
         return value, "TORCHELASTIC_RUN_ID"
     fresh = uuid.uuid4().hex
     agreed = _process_group_run_id(fresh)
@@ -328,11 +327,6 @@ def sibling_run_id(directory: Path, rank: int) -> tuple[str, str] | None:
         if header.run_id is not None:
             return header.run_id, header.run_id_source
     return None
-
-
-def _launcher_run_id() -> str | None:
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    return None if run_id in (None, "", "none") else run_id
 
 
 def _valid_run_id(value) -> str | None:

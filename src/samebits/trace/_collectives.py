@@ -95,9 +95,8 @@ def _wrap(name, original):
         if not tracer.armed:
             tracer.arm()  # zero-code: a process issuing collectives is a worker
         state = tracer.now
-        if state is None or (state.level < 1 and not state.special):
-            return original(*args, **kwargs)
-        if issued_by_checkpointing():  # a checkpoint save's coordination (a random save_id): not training
+        # (a checkpoint save's coordination, with its random save_id, is not training)
+        if state is None or (state.level < 1 and not state.special) or issued_by_checkpointing():
             return original(*args, **kwargs)
         bound = signature.bind(*args, **kwargs)
         arguments = dict(bound.arguments)

@@ -21,14 +21,10 @@ from __future__ import annotations
 
 import functools
 
-from samebits._torchutil import tensor_leaves
 from samebits.errors import ConfigError
 from samebits.trace import _tracer
 from samebits.trace._config import source_prefix
-
-
-def _leaves(value) -> list:
-    return [(label or "0", t) for label, t in tensor_leaves(value)]
+from samebits.trace._tracer import _labelled as _leaves
 
 
 class TraceProbe:

@@ -105,13 +105,8 @@ class StepState:
         entry = self._seen.get(id(t))
         if entry is not None and entry[1]() is t:
             return entry[2] if self.is_seen(t) else None
-        base = t._base
-        if base is None:
-            return None
-        source = self.source_of(base)
-        if source is None:
-            return None
-        return source + geometry(t)
+        source = self.source_of(t._base) if t._base is not None else None
+        return None if source is None else source + geometry(t)
 
     def mark_seen(self, t: torch.Tensor, source: str | None = None) -> None:
         version = version_of(t)

@@ -424,13 +424,11 @@ class StepEncoder:
 
     def _encode_prefixes(self, kind, phase, name, occurrence, head, payload_length) -> bytes:
         """The record's bytes up to its payload, as stored (names as interned ids)."""
-        tail = bytearray()
-        fmt.encode_varint(occurrence, tail)
-        tail += head
         record = bytearray()
         fmt.encode_varint(self._intern(phase), record)
         fmt.encode_varint(self._intern(name), record)
-        record += tail
+        fmt.encode_varint(occurrence, record)
+        record += head
         framed = bytearray((kind,))
         fmt.encode_varint(len(record) + payload_length, framed)
         framed += record
@@ -492,10 +490,7 @@ class StepEncoder:
             names = bytearray()
             fmt.encode_varint(len(self._names) - len(self._new_names), names)
             fmt.encode_varint(len(self._new_names), names)
-            for text in self._new_names:
-                data = text.encode()
-                fmt.encode_varint(len(data), names)
-                names += data
+            names += b"".join(map(fmt.name_bytes, self._new_names))
             names_frame = fmt.frame(fmt.FRAME_NAMES, names)
             self._new_names.clear()
         if self._framer is not None:  # hash, varints and crc in one native call: the same bytes

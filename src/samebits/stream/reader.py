@@ -515,14 +515,10 @@ def read_stop_marker(directory: str | os.PathLike) -> dict | None:
     """The live check's stop marker in ``directory``, or None; an unreadable one is ``{}``."""
     path = Path(directory) / STOPPED_MARKER
     try:
-        text = path.read_text()
+        marker = json.loads(path.read_text())
     except FileNotFoundError:
         return None
-    except (OSError, UnicodeDecodeError):
-        return {}
-    try:
-        marker = json.loads(text)
-    except (ValueError, RecursionError):
+    except (OSError, ValueError, RecursionError):  # unreadable, not utf-8, not JSON
         return {}
     return marker if isinstance(marker, dict) else {}
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 import os
 import sys
 import sysconfig
@@ -80,20 +81,11 @@ def op_tensor_args(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
     loop: it runs for every op of a traced step, where `tensor_leaves` (pytree with paths)
     measured about 20x slower (37 us against 1.8 us for three arguments)."""
     flat = []
-    for i, a in enumerate(args):
+    for key, a in itertools.chain(enumerate(args), kwargs.items()):
         if isinstance(a, torch.Tensor):
-            flat.append((str(i), a))
+            flat.append((str(key), a))
         elif isinstance(a, (list, tuple)):
-            for j, b in enumerate(a):
-                if isinstance(b, torch.Tensor):
-                    flat.append((f"{i}.{j}", b))
-    for key, a in kwargs.items():
-        if isinstance(a, torch.Tensor):
-            flat.append((key, a))
-        elif isinstance(a, (list, tuple)):
-            for j, b in enumerate(a):
-                if isinstance(b, torch.Tensor):
-                    flat.append((f"{key}.{j}", b))
+            flat += [(f"{key}.{j}", b) for j, b in enumerate(a) if isinstance(b, torch.Tensor)]
     return flat
 
 

@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from samebits._torchutil import optimizer_params
 from samebits.errors import ConfigError, SamebitsError
 from samebits.fingerprint import digest_many
 from samebits.verdicts import ToDict, Verdict
@@ -125,15 +126,9 @@ def check_replicas(model_or_named_tensors, group=None, *, optimizer: torch.optim
                 by_group.setdefault(tensor.device_mesh.get_group(dim), []).append((name, local))
         else:
             by_group.setdefault(group if group is not None else dist.group.WORLD, []).append((name, tensor))
-    mismatches = []
-    num_tensors = 0
-    for pg, members in _ordered(by_group):
-        num_tensors += len(members)
-        mismatches.extend(_check_group(pg, members))
-    if not by_group:
-        verdict = Verdict.INCOMPLETE
-    else:
-        verdict = Verdict.FAIL if mismatches else Verdict.PASS
+    mismatches = [found for pg, members in _ordered(by_group) for found in _check_group(pg, members)]
+    verdict = Verdict.INCOMPLETE if not by_group else Verdict.FAIL if mismatches else Verdict.PASS
+    num_tensors = sum(len(members) for members in by_group.values())
     return ReplicaReport(verdict, num_tensors, len(by_group), mismatches, not_replicated, step)
 
 
@@ -179,13 +174,10 @@ def _named_tensors(source, optimizer, buffers) -> list[tuple[str, torch.Tensor]]
         if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
             raise ConfigError(f"check_replicas: expected (name, tensor) pairs, got ({name!r}, {type(tensor).__name__})")
     if optimizer is not None:
-        names = {id(p): n for n, p in named}
-        for index, group in enumerate(optimizer.param_groups):
-            for position, param in enumerate(group["params"]):
-                pname = names.get(id(param), f"group{index}.param{position}")
-                for key, value in sorted(optimizer.state.get(param, {}).items(), key=lambda kv: str(kv[0])):
-                    if isinstance(value, torch.Tensor):
-                        named.append((f"optimizer/{pname}/{key}", value))
+        for pname, param in optimizer_params(optimizer, {id(p): n for n, p in named}):
+            named += [(f"optimizer/{pname}/{key}", value) for key, value in
+                      sorted(optimizer.state.get(param, {}).items(), key=lambda kv: str(kv[0]))
+                      if isinstance(value, torch.Tensor)]
     return [(n, t.detach()) for n, t in named]
 
 
@@ -195,10 +187,7 @@ def _ordered(by_group: dict) -> Iterable[tuple[Any, list]]:
 
 
 def _exchange_device(pg) -> torch.device:
-    backend = dist.get_backend(pg)
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pg) == "nccl" else torch.device("cpu")
 
 
 def _check_group(pg, members: list[tuple[str, torch.Tensor]]) -> list[ReplicaMismatch]:

@@ -258,12 +258,8 @@ class RecordingSpec:
         """The spec the ``SAMEBITS_*`` variables of ``environ`` (default: this process's) give;
         an unset or empty variable leaves its field at the default."""
         env = os.environ if environ is None else environ
-        values = {}
-        for name, option in cls.options().items():
-            text = env.get(option.env)
-            if text is not None and text.strip():
-                values[name] = option.normalise(text, option.env)
-        return cls(**values)
+        return cls(**{name: option.normalise(env[option.env], option.env) for name, option in cls.options().items()
+                      if env.get(option.env, "").strip()})
 
     def to_env(self) -> dict[str, str | None]:
         """Each variable's text (None where the field is at its default: the variable is to be
@@ -291,13 +287,9 @@ class RecordingSpec:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "RecordingSpec":
         """The spec of the options `add_to_argparse` added (an option not given: the default)."""
-        values = {}
-        for name, option in cls.options().items():
-            value = getattr(args, f"record_{name}", None)
-            if value is not None:
-                text = ",".join(value) if option.repeatable else value
-                values[name] = option.normalise(text, option.flag)
-        return cls(**values)
+        given = {name: getattr(args, f"record_{name}", None) for name in cls.options()}
+        return cls(**{name: option.normalise(",".join(given[name]) if option.repeatable else given[name], option.flag)
+                      for name, option in cls.options().items() if given[name] is not None})
 
 
 def _checked_text(option: Option, flag: str) -> Callable[[str], str]:

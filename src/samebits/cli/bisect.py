@@ -122,7 +122,6 @@ def render(result) -> str:
                              f"({value.ulp} ulp)")
         if origin.catalog:
             lines.append(f"  known op   {origin.catalog}")
-    for note in result.notes:
-        lines.append(f"note: {note}")
+    lines += [f"note: {note}" for note in result.notes]
     lines.append(f"wall time {result.seconds:.1f} s; streams, logs and summary.json in {result.out}")
     return "\n".join(lines)

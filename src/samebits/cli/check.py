@@ -151,10 +151,7 @@ def load_config(path: str) -> dict:
         except OSError as err:
             raise ConfigError(f"--config {path}: cannot read it: {err.strerror or err}") from err
     try:
-        if ext == ".json":
-            config = json.loads(raw.decode("utf-8"))
-        else:
-            config = tomllib.loads(raw.decode("utf-8"))
+        config = (json.loads if ext == ".json" else tomllib.loads)(raw.decode("utf-8"))
     except UnicodeDecodeError as err:
         raise ConfigError(f"--config {path}: not UTF-8 text ({err.reason} at byte "
                             f"{err.start})") from err

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 from samebits.cli._format import echo, escape, print_json, table
 from samebits.cli._lazy import lazy
 from samebits.cli._options import check_input_directory
@@ -100,26 +102,20 @@ def render(result: DiffResult, title: str | None = None) -> str:
     if result.verdict is Verdict.DIVERGED:
         d = result.first_divergence
         lines.append(escape(said))
-        rows = []
-        for rank, div in sorted(result.divergences.items(), key=lambda kv: (kv[1].step, kv[1].position, kv[0])):
-            rows.append([
-                div.step, rank, div.phase or "-", (div.name or "-") + (f" #{div.occurrence}" if div.occurrence else ""),
-                _side(div.a, div), _side(div.b, div), div.records_differing,
-            ])
-        lines.append("")
-        lines.append(table(["step", "rank", "phase", "name", "a", "b", "records differing"], rows[:_SHOWN]))
+        order = sorted(result.divergences.items(), key=lambda kv: (kv[1].step, kv[1].position, kv[0]))
+        rows = [[div.step, rank, div.phase or "-", (div.name or "-") + (f" #{div.occurrence}" if div.occurrence else ""),
+                 _side(div.a, div), _side(div.b, div), div.records_differing] for rank, div in order]
+        lines += ["", table(["step", "rank", "phase", "name", "a", "b", "records differing"], rows[:_SHOWN])]
         if len(rows) > _SHOWN:
             lines.append(f"... and {len(rows) - _SHOWN} more rank(s), in step order (all of them: --json)")
-        lines.append("")
-        lines.append(_rank_counts(result))
+        lines += ["", _rank_counts(result)]
         first = result.ranks_diverged_first
         shown = ", ".join(map(str, first[:_SHOWN])) + (f" ... ({len(first)} ranks)" if len(first) > _SHOWN else "")
         lines.append(f"ranks diverged first (step {d.step}): {shown}")
         if (d.reason.startswith("ended") or d.reason.startswith("only")) and d.name is not None:
             lines.append(escape(d.detail))  # (without a name, the headline above is this detail)
         lines.append(f"before it: {counts}")
-    for note in result.notes:
-        lines.append(f"note: {escape(note)}")
+    lines += [f"note: {escape(note)}" for note in result.notes]
     return "\n".join(lines)
 
 
@@ -147,9 +143,7 @@ def _headline(result: DiffResult | GlobalDiffResult, title: str, counts: str, *,
 def _rank_counts(result: DiffResult) -> str:
     """Ranks by outcome, and the steps where ranks first diverged (earliest first)."""
     num_ranks, num_diverged = result.compared["ranks"], len(result.divergences)
-    by_step: dict[int, int] = {}
-    for div in result.divergences.values():
-        by_step[div.step] = by_step.get(div.step, 0) + 1
+    by_step = collections.Counter(div.step for div in result.divergences.values())
     steps = ", ".join(f"step {step}: {count}" for step, count in sorted(by_step.items())[:5])
     more = f", ... ({len(by_step)} steps)" if len(by_step) > 5 else ""
     return (f"ranks: {num_ranks} compared, {num_diverged} diverged ({steps}{more}), "
@@ -185,17 +179,15 @@ def render_global(result: GlobalDiffResult, title: str | None = None) -> str:
              (t.a or {}).get("digest") or "-", (t.b or {}).get("digest") or "-"]
             for t in order]
     if rows:
-        lines.append("")
-        lines.append(table(["phase", "tensor", "global shape", "status", "first step", "digest a", "digest b"],
-                           rows[:_GLOBAL_SHOWN]))
+        lines += ["", table(["phase", "tensor", "global shape", "status", "first step", "digest a", "digest b"],
+                            rows[:_GLOBAL_SHOWN])]
         if len(rows) > _GLOBAL_SHOWN:
             lines.append(f"... and {len(rows) - _GLOBAL_SHOWN} more tensor(s) (all of them: --json)")
         if any(t.status == "differs" for t in result.tensors):
             lines.append("max ulp: unknown, values not recorded (streams hold digests only)")
     if result.verdict is Verdict.DIVERGED:
         lines.append(f"compared: {counts}")
-    for note in result.notes:
-        lines.append(f"note: {escape(note)}")
+    lines += [f"note: {escape(note)}" for note in result.notes]
     return "\n".join(lines)
 
 

@@ -107,8 +107,7 @@ def render(result: MatrixResult) -> str:
              matrix_conclusion(result.to_dict()), "",
              table(["cell", "precision", "ranks", "required", "verdict", "repeatable", "resume",
                     f"agrees with {result.baseline}", "seconds", "why"], rows), ""]
-    for line in result.failures():
-        lines.append(f"failed: {line}")
+    lines += [f"failed: {line}" for line in result.failures()]
     for c in result.cells:
         for check, explanations in (c.verify.explanations.items() if c.verify is not None else ()):
             lines += [f"{c.cell} {c.precision}, {check}: what differs (most specific first):"]
@@ -118,8 +117,7 @@ def render(result: MatrixResult) -> str:
         if c.bisect is not None:
             of = " of the resume" if c.bisect.get("of") == "resume" else ""
             lines.append(f"{c.cell} {c.precision}, bisect{of}: {c.bisect.get('conclusion') or c.bisect.get('error')}")
-    for note in result.notes:
-        lines.append(f"note: {note}")
+    lines += [f"note: {note}" for note in result.notes]
     lines.append("agreement: identical, or the first step whose global records differ and the largest ulp "
                  "distance of the global metrics there; layouts may legitimately differ in the last bits")
     lines.append(f"streams, logs and summary.json in {result.out}")

@@ -73,11 +73,10 @@ def check_output_directory(path: str | os.PathLike, depth: int = 2) -> None:
 
 
 def run(args) -> int:
-    for path in args.inputs:  # one output directory holds its runs (a, b, c), stages and cells two levels down
-        if len(args.inputs) == 1:
-            check_output_directory(path)
-        else:
-            check_input_directory(path)
+    # one output directory holds its runs (a, b, c), stages and cells two levels down
+    check = check_output_directory if len(args.inputs) == 1 else check_input_directory
+    for path in args.inputs:
+        check(path)
     progress = progress_printer("report")
     progress(f"samebits report: {' '.join(args.inputs)} -> {args.out}")
     report = write_report(args.inputs, args.out, start_step=args.from_step,

@@ -60,6 +60,5 @@ def render(report) -> str:
     else:
         first = report.first
         lines.append(f"no origin among the traced records; first difference: {first.where()}: {first.detail}")
-    for note in report.notes:
-        lines.append(f"note: {note}")
+    lines += [f"note: {note}" for note in report.notes]
     return "\n".join(lines)

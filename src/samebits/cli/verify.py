@@ -224,8 +224,7 @@ def render(result: VerifyResult) -> str:
         lines += [table(["run", "exit", "ended"], [[r.name, str(r.exit_code), r.ended] for r in result.runs]), ""]
     for check, explanations in result.explanations.items():
         lines += [f"{check}: what differs (most specific first):"] + [f"  {line}" for line in explanations]
-    for note in result.notes:
-        lines.append(f"note: {note}")
+    lines += [f"note: {note}" for note in result.notes]
     times = ", ".join(f"{k} {v:.1f} s" for k, v in result.timings.items())
     lines.append(f"wall time: {times}")
     lines.append(f"streams, logs and summary.json in {result.out}")

@@ -45,8 +45,7 @@ class StepRecorder:
         """Open the stream at ``first_step`` (a resumed run appends to the stream it continues)."""
         self.step = first_step
         self.names = {id(p): n for n, p in model.named_parameters()}
-        resumed = first_step > 0
-        self.recorder = Recorder(self.out, config=self.config, append=resumed)
+        self.recorder = Recorder(self.out, config=self.config, append=first_step > 0)  # a resumed run appends
 
     def add_loss(self, loss: Any) -> None:
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
@@ -58,10 +57,8 @@ class StepRecorder:
         if rec is None:
             return
         step = self.step
-        named = []
-        for g, group in enumerate(optimizer.param_groups):
-            for i, param in enumerate(group["params"]):
-                named.append((self.names.get(id(param), f"group{g}.param{i}"), param))
+        named = [(self.names.get(id(param), f"group{g}.param{i}"), param)
+                 for g, group in enumerate(optimizer.param_groups) for i, param in enumerate(group["params"])]
         metrics: dict[str, float] = {}
         if self.losses:
             rec.tensors(step, LOSS, [(f"microbatch{i}", t) for i, t in enumerate(self.losses)])

@@ -108,8 +108,7 @@ class GoldenFile:
             return
         lines = [f"outputs changed: intended? rerun with --samebits-update and commit the new file "
                  f"({self.path}). {test} [{key}]: {len(changed) + len(gone)} of {len(recorded)} value(s) changed:"]
-        for path in changed[:12]:
-            lines.append(f"  {path}: {recorded.get(path, '(new)')} -> {values[path]}")
+        lines += [f"  {path}: {recorded.get(path, '(new)')} -> {values[path]}" for path in changed[:12]]
         lines += [f"  {path}: {recorded[path]} -> (gone)" for path in gone[:12]]
         then, now = self._load().get("recorded_with", {}), _environment()
         if then != now:
@@ -160,8 +159,5 @@ class Golden:
         else:
             leaves, _ = collect(value, grads=grads)
         values = describe(leaves)
-        if self.update:
-            self.file.record(self.test, key, values)
-        else:
-            self.file.check(self.test, key, values)
+        (self.file.record if self.update else self.file.check)(self.test, key, values)
         return values

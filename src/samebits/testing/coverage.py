@@ -264,12 +264,8 @@ def _toml_string(text: str) -> str:
 # -- checking ------------------------------------------------------------------------------
 
 def _tests_hash(root: Path, tests: list[str]) -> tuple[str | None, list[str]]:
-    sources, missing = [], []
-    for test in tests:
-        source = _test_source(root, test)
-        if source is None:
-            missing.append(test)
-        sources.append(source or "")
+    sources = [_test_source(root, test) for test in tests]
+    missing = [test for test, source in zip(tests, sources) if source is None]
     return (_hash("\n\0\n".join(sources)) if not missing else None), missing
 
 
@@ -319,19 +315,16 @@ def check_coverage(packages: list[str], *, manifest: str | os.PathLike | None = 
         entries = {entry["name"]: entry for entry in book.entries
                    if _within(book.root / entry["name"].split("::", 1)[0], directories)}
         if update:
-            changed = False
-            for name, entry in entries.items():
-                kernel = kernels.get(name)
-                row = _judge(kernel, entry, book.root)
-                if row.status == "not recorded":
-                    entry["kernel_hash"] = kernel.source_hash
-                    entry["tests_hash"] = _tests_hash(book.root, list(entry["tests"]))[0]
-                    updated.append(name)
-                    changed = True
-            if changed:
+            recorded = [name for name, entry in entries.items()
+                        if _judge(kernels.get(name), entry, book.root).status == "not recorded"]
+            for name in recorded:
+                entries[name]["kernel_hash"] = kernels[name].source_hash
+                entries[name]["tests_hash"] = _tests_hash(book.root, list(entries[name]["tests"]))[0]
+            updated += recorded
+            if recorded:
                 book.write()
-        for name in sorted(set(kernels) | set(entries)):
-            rows.append(_judge(kernels.get(name), entries.get(name), book.root))
+        rows += [_judge(kernels.get(name), entries.get(name), book.root)
+                 for name in sorted(set(kernels) | set(entries))]
     return CoverageResult(list(packages), [str(p) for p in groups], rows, updated)
 
 
@@ -346,9 +339,7 @@ def render_coverage(result: CoverageResult) -> str:
     lines = [f"kernel coverage of {', '.join(result.packages)}: {result.verdict.value.upper()}: "
              f"{num_ok} of {len(result.rows)} kernel(s) byte-tested and recorded"
              + ("" if result.rows else " (no kernel and no manifest entry found: nothing was checked)")]
-    for row in result.rows:
-        mark = "ok  " if row.ok else "FAIL"
-        lines.append(f"  {mark} {row.kind:<9} {row.name}" + (f": {row.status}: {row.detail}" if not row.ok else ""))
-    for name in result.updated:
-        lines.append(f"  recorded new hashes for {name}: commit the manifest")
+    lines += [f"  {'ok  ' if row.ok else 'FAIL'} {row.kind:<9} {row.name}"
+              + (f": {row.status}: {row.detail}" if not row.ok else "") for row in result.rows]
+    lines += [f"  recorded new hashes for {name}: commit the manifest" for name in result.updated]
     return "\n".join(lines)

@@ -4,44 +4,17 @@ the architecture, this file the parallelism), on PyTorch's own engines.
     dims = ParallelDims.resolve(cfg, world_size)        # sizes, validated against the world
     layout = parallelize(model, cfg, rank, world_size, device)
 
-- a named `DeviceMesh` ("pp", "dp_replicate", "dp_shard", "tp"), built from the config;
-- TP: DTensor `parallelize_module`: fused QKV and the dense MLP's up projection column-wise,
-  the attention output and the MLP's down projection row-wise (Megatron's split; the fused
-  QKV is head-major, so a column shard holds whole heads);
-- TP with `tp_reduce=invariant` (`apply_invariant_linears`, tp=1 included): the same split,
-  each linear `samebits.invariant`'s column- or row-parallel layer, whose forward and backward
-  have the same bits at every TP degree, the blocks' norms with an exact weight gradient over
-  positions, with or without SP (docs/invariance.md);
-- SP (`sequence_parallel`, on with TP by default, as torchtitan): between the TP linears the
-  residual stream is sharded along the sequence (Shard(1)), so the norms, dropout and
-  residual adds run on seq_len / tp positions per TP rank: `SequenceParallel` norms,
-  `PrepareModuleInput` all-gathers attention's and the MLP's input (Shard(1) -> Replicate),
-  `RowwiseParallel(output_layouts=Shard(1))` reduce-scatters their output instead of
-  all-reducing it.  The stream enters the shards at the first block (a slice; its backward
-  all-gathers) and leaves them after the last block (all-gather), pipeline stages passing
-  shards; MoE layers route the whole (gathered) sequence, replicated as without SP.
-  Without MTP the head is sequence-parallel too (final norm `SequenceParallel`, output
-  layer `ColwiseParallel(input_layouts=Shard(1))` with replicated logits); with MTP the
-  stream is gathered after the last block and the head and MTP depths run on the whole
-  sequence, because a depth d pairs positions t and t + d across shard boundaries (the MTP
-  block is TP'd without SP).  Dropout on a shard uses the whole stream's mask (each rank draws it all and
-  keeps its rows), so the RNG advances and the masks are as without SP.  The norms' weights
-  are Replicate DTensors whose grads come out Partial (each rank saw its positions):
-  `communication.reduce_gradients` sums them over the TP ranks;
-- FSDP2: `fully_shard` per block and at the root, over "dp_shard" (with grad_reduce=invariant,
-  its gradient reduce-scatter is `samebits.invariant.InvariantReduceScatter`);
-- plain DP over "dp_replicate": one flat all-reduce of the gradients (`communication.py`);
-- EP over "dp_replicate": the all_to_all dispatcher of `communication.py` on that mesh group;
-- PP: `torch.distributed.pipelining` (`PipelineStage` + GPipe or 1F1B with micro-batches);
-  each stage is a pruned copy of the full model (blocks deleted, embedding or head dropped),
-  so parameter names are those of the full model on every layout.
-
-Context parallelism is not offered: torch's implementation (`context_parallel`) needs the
-CUDA SDPA backends and does not run on CPU.
-
-The sizes and their cell names (`ParallelDims`, `parse_cell`, `cell_name`) live in `cells.py`.
-The planted faults (`fault_*` config switches) live here too: each is a small change to one
-engine, named in docs/recipe.md.
+A named `DeviceMesh` ("pp", "dp_replicate", "dp_shard", "tp"); TP by DTensor
+`parallelize_module` (Megatron's split; the fused QKV is head-major, so a column shard holds
+whole heads), with sequence parallelism (`_sequence_parallel_plan`) or, under
+`tp_reduce=invariant`, `samebits.invariant`'s layers (`apply_invariant_linears`); FSDP2's
+`fully_shard` over "dp_shard"; EP through `communication.py`'s all_to_all dispatcher over
+"dp_replicate"; PP by `torch.distributed.pipelining`, each stage a pruned copy of the full
+model, so parameter names are the full model's on every layout.  Plain DP's all-reduce is in
+`communication.py`; the sizes and cell names in `cells.py`.  docs/recipe.md ("Parallelism")
+has the table of engines and why context parallelism is not offered (torch's needs the CUDA
+SDPA backends).  The planted faults (`fault_*` switches) live here too: each is a small
+change to one engine, named in docs/recipe.md.
 """
 
 from __future__ import annotations

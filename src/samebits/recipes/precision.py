@@ -3,39 +3,17 @@
 `apply_precision(model, cfg)` converts the model before it is parallelised (as torchtitan
 converts before it shards) and returns a `Precision`: the autocast context of the forward,
 the module state a bitwise resume must restore (FP8 delayed scaling's amax histories), and
-the GEMM path that ran.  Which linears go low-precision: every `nn.Linear` of attention, the
-dense MLPs and the MTP projection; the MoE router, the output layer and the experts' grouped
-GEMMs stay in the parameters' dtype (the router's softmax and the output's logits are the
-precision-sensitive ends, as in torchtitan's default filter).
+the GEMM path that ran (`native`, `scaled_mm` or `emulated`, resolved when the config is
+built).  Which linears go low-precision: every `nn.Linear` of attention, the dense MLPs and
+the MTP projection; the MoE router, the output layer and the experts' grouped GEMMs stay in
+the parameters' dtype (the precision-sensitive ends, as in torchtitan's default filter).
 
-| precision        | what runs                                                                  |
-|------------------|----------------------------------------------------------------------------|
-| `fp32`           | everything fp32 (the default)                                              |
-| `bf16`           | fp32 parameters, forward and losses under `torch.autocast(dtype=bfloat16)`  |
-| `bf16_params`    | parameters, gradients and AdamW state in bfloat16                          |
-| `fp8_tensorwise` | torchao `convert_to_float8_training` (dynamic tensorwise scales)           |
-| `fp8_delayed`    | our delayed scaling: per-linear amax histories, scale from the history max |
-| `mxfp8`          | OCP MX: 32-element blocks, e8m0 scales, e4m3 elements (torchao `to_mx`)    |
-| `nvfp4`          | NVFP4: 16-element blocks, e4m3 scales, e2m1 values, fp32 tensor scale      |
-
-GEMM paths (`RecipeConfig.precision_gemm`, resolved when the config is built and so written
-into every stream header and checkpoint): `native` (a torch GEMM in the parameters' dtype),
-`scaled_mm` (a real fp8 x fp8 GEMM through `torch._scaled_mm`, which has a CPU kernel in
-torch 2.13), `emulated` (quantise and dequantise with the library, then an fp32 GEMM: the
-same rounded operands, accumulated in fp32).  MXFP8 and NVFP4 are always emulated here: their
-real GEMMs need SM100 hardware and torchao's CUDA kernels.
-
-torchao 0.18 removed delayed scaling, so `fp8_delayed` is ours, on torch's fp8 casts: each
-converted linear keeps amax histories for its input, weight and output gradient (length
-`fp8_amax_history_len`); a GEMM casts with scale = fp8_max / max(history) (the current amax
-while the history is still empty), then rolls the history and writes this call's amax.  The
-histories are module state, in `state_dict` as the linear's extra state and so in the
-checkpoint; `fp8_save_amax_history=False` leaves them out (the planted fault that makes a
-resume diverge).
-
-Only the NVFP4 training recipe's core is emulated: 1-D 16-element blocks with round-to-
-nearest-even on every operand; its random Hadamard transform and stochastic rounding of
-gradients are left out (both would need RNG state of their own).
+docs/recipe.md ("Precision") has the table of what each precision runs, the GEMM paths and
+FP8 delayed scaling, which is ours (torchao 0.18 removed it): per-linear amax histories
+for input, weight and output gradient, in `state_dict` as the linear's extra state (left
+out by the planted fault `fp8_save_amax_history=False`).  Only the NVFP4 training recipe's
+core is emulated (1-D 16-element blocks, round-to-nearest-even); its random Hadamard
+transform and stochastic rounding of gradients are left out (both need RNG state).
 """
 
 from __future__ import annotations

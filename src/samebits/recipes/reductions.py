@@ -59,6 +59,9 @@ _TP_LINEARS = ("layers.*.attn.qkv", "layers.*.attn.out", "layers.*.ffn.up", "lay
                "mtp.*.block.attn.qkv", "mtp.*.block.attn.out", "mtp.*.block.ffn.up", "mtp.*.block.ffn.down")
 _BLOCK_NORMS = ("layers.*.attn_norm", "layers.*.ffn_norm", "mtp.*.block.attn_norm", "mtp.*.block.ffn_norm")
 _NORM_OPS = ("aten.mean", "aten.sum", "aten._fused_rms_norm", "aten._fused_rms_norm_backward")
+_SDPA = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
+         *(f"_scaled_dot_product_{kernel}_attention{suffix}" for kernel in ("efficient", "flash", "cudnn")
+           for suffix in ("", "_backward")))  # SDPA's ATen kernels, forward and backward
 _COLLECTIVES = ("c10d.allreduce_", "c10d.reduce_scatter_", "c10d._reduce_scatter_base_",
                 "c10d.allgather_", "c10d._allgather_base_", "c10d.alltoall_", "c10d.alltoall_base_")
 
@@ -85,11 +88,7 @@ RECIPE_REDUCTIONS: tuple[RecipeReduction, ...] = (
         "attention scores and values (over head_dim, keys)", "SDPA per head", "tp (heads per rank)",
         "none needed: per-head computation, measured identical (block outputs at tp2 = tp1)",
         "done (measured, not by construction)", ("layers.*.attn", "mtp.*.block.attn"),
-        ("aten._scaled_dot_product_flash_attention_for_cpu",
-         "aten._scaled_dot_product_flash_attention_for_cpu_backward",
-         "aten._scaled_dot_product_efficient_attention", "aten._scaled_dot_product_efficient_attention_backward",
-         "aten._scaled_dot_product_flash_attention", "aten._scaled_dot_product_flash_attention_backward",
-         "aten._scaled_dot_product_cudnn_attention", "aten._scaled_dot_product_cudnn_attention_backward")),
+        tuple(f"aten.{name}" for name in _SDPA)),
     RecipeReduction(
         "RMSNorm statistics (over d_model)", "every norm", "none (each position whole, with SP too; measured)",
         NOT_SPLIT, "done", (*_BLOCK_NORMS, "norm", "mtp.*.hidden_norm", "mtp.*.embed_norm"), _NORM_OPS),
@@ -171,11 +170,7 @@ REDUCTION_OPS = frozenset(f"aten.{name}" for name in (
     "nll_loss_forward", "nll_loss_backward", "nll_loss2d_forward", "nll_loss2d_backward",
     "native_layer_norm", "native_layer_norm_backward", "_fused_rms_norm", "_fused_rms_norm_backward",
     "index_add", "index_add_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_",
-    "embedding_dense_backward", "_embedding_bag", "_embedding_bag_backward",
-    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+    "embedding_dense_backward", "_embedding_bag", "_embedding_bag_backward", *_SDPA,
     "_flash_attention_forward", "_flash_attention_backward", "_efficient_attention_forward",
     "_efficient_attention_backward"))
 _ACCUMULATING = frozenset({"aten.index_put", "aten.index_put_", "aten._index_put_impl_"})  # with accumulate=True

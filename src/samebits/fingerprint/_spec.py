@@ -108,10 +108,7 @@ def finalize(body_sums: torch.Tensor | Iterable[int], headers: Sequence[int]) ->
     device tensor here is the one host synchronisation) or any iterable of ints, signed or
     unsigned (taken mod 2^64).  `headers[i]` is `header(dtype, shape)` of tensor i.
     """
-    if isinstance(body_sums, torch.Tensor):
-        body_sums = body_sums.tolist()
-    else:
-        body_sums = list(body_sums)
+    body_sums = body_sums.tolist() if isinstance(body_sums, torch.Tensor) else list(body_sums)
     if len(body_sums) != len(headers):
         raise ConfigError(
             f"finalize got {len(body_sums)} body sums but {len(headers)} headers; pass one "

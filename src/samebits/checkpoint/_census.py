@@ -102,7 +102,7 @@ def _census(optimizers, schedulers, user, scalers, include_cuda: bool) -> list[t
     records += [(str(CensusName.user_rng(name)), _generator_state(generator)) for name, generator in user]
     for index, optimizer in enumerate(optimizers):
         records += [(named(OPTIMIZER, index, "step"), _optimizer_steps(optimizer)),
-                    (named(OPTIMIZER, index, "lr"), _float64([group.get("lr") for group in optimizer.param_groups])),
+                    (named(OPTIMIZER, index, "lr"), _float64([g.get("lr") for g in optimizer.param_groups])),
                     (named(OPTIMIZER, index, "hparams"), _hyperparameters(optimizer))]
     for index, scheduler in enumerate(schedulers):
         records += [(named(SCHEDULER, index, "last_epoch"), torch.tensor([int(scheduler.last_epoch)])),

@@ -27,7 +27,7 @@ from samebits.recipes import commands as recipe
 from samebits.recipes.cells import ParallelDims, parse_layouts
 from samebits.runs.across import CERTIFICATE, Layout, verify_across
 from samebits.runs.program import SelfRecording
-from samebits.runs.conclusion import across_conclusion
+from samebits.runs.conclusion import across_conclusion, diff_conclusion
 from samebits.runs.report import build_report
 from samebits.verdicts import Verdict
 
@@ -353,6 +353,9 @@ def test_diff_by_global_compares_a_resumed_run_from_its_first_step(tmp_path):
         rec.global_tensors(3, "params", [("w", torch.full((4,), 9.0))])
     bad = samebits.diff(tmp_path / "full", tmp_path / "bad", by="global")
     assert bad.verdict is Verdict.DIVERGED and bad.first_step == 3
+    # the window it chose is in the result (as a rank-by-rank diff's), so the sentence names it
+    assert bad.to_dict()["resumed"] == {"run": "b", "step": 2} and "resumed" not in window.to_dict()
+    assert diff_conclusion(bad.to_dict()).endswith("(compared from step 2, where b starts: b resumed a run)")
 
 
 # -- the recipe, end to end ---------------------------------------------------------------------

@@ -22,10 +22,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from samebits.compare._results import ResumedWindow
 from samebits.compare._rule import record_match
 from samebits.stream.reader import Run, open_run, require_same_digest_version
 from samebits.stream import GLOBAL_PHASE_PREFIX
-from samebits.verdicts import ToDict, Verdict
+from samebits.verdicts import ToDict, Verdict, serialised
 
 VALUES_NOT_RECORDED = "values not recorded (streams hold digests only)"
 
@@ -56,8 +57,8 @@ class GlobalTensorResult(ToDict):
 class GlobalDiffResult(ToDict):
     """What `diff_global` found; ``verdict`` is a `Verdict` (IDENTICAL, DIVERGED, INCOMPLETE)."""
 
-    dict_keys = ("verdict", "exit_code", "by", "a", "b", "first_divergence", "tensors", "compared", "incomplete",
-                 "notes")
+    dict_keys = ("verdict", "exit_code", "by", "a", "b", "first_divergence", "tensors", "compared", "resumed",
+                 "incomplete", "notes")
 
     a: str
     b: str
@@ -67,6 +68,8 @@ class GlobalDiffResult(ToDict):
     compared: dict[str, Any]
     notes: list[str] = field(default_factory=list)
     incomplete: list[str] = field(default_factory=list)
+    # one run starts later (it resumed the other): compared from its first step (as DiffResult's)
+    resumed: ResumedWindow | None = field(default=None, metadata=serialised(omit_none=True))
 
     @property
     def identical(self) -> bool:
@@ -230,7 +233,8 @@ def diff_global(a: str | os.PathLike, b: str | os.PathLike, *, start: int = 0, s
                               f"both hold: --from-step {first}")
         verdict = Verdict.INCOMPLETE if incomplete else Verdict.IDENTICAL
     return GlobalDiffResult(a=str(a), b=str(b), verdict=verdict, first_step=first_step, tensors=tensors,
-                            compared=compared, notes=notes, incomplete=incomplete)
+                            compared=compared, notes=notes, incomplete=incomplete,
+                            resumed=None if resumed is None else ResumedWindow(resumed[0], resumed[1]))
 
 
 def _later_start(steps_a: _RunSteps, steps_b: _RunSteps) -> tuple[str, int, int] | None:

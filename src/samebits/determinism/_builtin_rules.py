@@ -5,7 +5,7 @@ through the public API: samebits/recipes/rules.py.)"""
 from __future__ import annotations
 
 import sys
-from typing import Any, Iterator
+from typing import Iterator
 
 from samebits.determinism._environment import ENV_BY_NAME, ENV_SETTINGS, EnvSetting
 from samebits.determinism._rules import UNSET, CheckContext, RuleFinding, Rule, register_rule, rule
@@ -187,38 +187,34 @@ THREAD_KEYS = ("num_threads", "intra_op_threads", "omp_num_threads", "torch_num_
 DETERMINISM_SWITCH_KEYS = ("deterministic", "deterministic_mode", "use_deterministic_algorithms")
 
 
-def _truthy(config, keys) -> Iterator[tuple[str, Any]]:
-    for key in keys:
-        for path, value in config.find(key):
-            if value not in (False, None, 0, "false", "False", "0", "no", "off", ""):
-                yield path, value
+def _keys_off(keys: tuple[str, ...]):
+    """A config rule's check: every key of ``keys`` set to a true value is a finding."""
+    def check(ctx: CheckContext) -> Iterator[RuleFinding]:
+        for key in keys:
+            for path, value in ctx.config.find(key):
+                if value not in (False, None, 0, "false", "False", "0", "no", "off", ""):
+                    yield RuleFinding(path, value, f"set {path} = false")
+    return check
 
 
-@rule("config-comm-overlap", category="config", setting=", ".join(COMM_OVERLAP_KEYS),
-      keys=COMM_OVERLAP_KEYS,
-      checks="communication that reduces is not overlapped with compute",
-      why="With overlap, timing decides the order and bucketing of reductions: PyTorch DDP "
-          "rebuilds its buckets from the order gradients became ready, Megatron launches a "
-          "bucket's reduce as soon as its last gradient arrives, and TP overlap "
-          "(userbuffers) splits GEMM+reduce-scatter into chunks reduced in arrival order.  "
-          "Megatron's deterministic mode requires tp_comm_overlap off.",
-      fix="set it to false (or prove it harmless with paired runs and waive this rule "
-          "with --ignore config-comm-overlap)")
-def _comm_overlap(ctx: CheckContext):
-    for path, value in _truthy(ctx.config, COMM_OVERLAP_KEYS):
-        yield RuleFinding(path, value, f"set {path} = false")
+rule("config-comm-overlap", category="config", setting=", ".join(COMM_OVERLAP_KEYS),
+     keys=COMM_OVERLAP_KEYS,
+     checks="communication that reduces is not overlapped with compute",
+     why="With overlap, timing decides the order and bucketing of reductions: PyTorch DDP "
+         "rebuilds its buckets from the order gradients became ready, Megatron launches a "
+         "bucket's reduce as soon as its last gradient arrives, and TP overlap "
+         "(userbuffers) splits GEMM+reduce-scatter into chunks reduced in arrival order.  "
+         "Megatron's deterministic mode requires tp_comm_overlap off.",
+     fix="set it to false (or prove it harmless with paired runs and waive this rule "
+         "with --ignore config-comm-overlap)")(_keys_off(COMM_OVERLAP_KEYS))
 
-
-@rule("config-atomic-fusion", category="config", setting=", ".join(ATOMIC_FUSION_KEYS),
-      keys=ATOMIC_FUSION_KEYS,
-      checks="fused kernels known to accumulate with atomics are off",
-      why="Megatron's fused cross-entropy is not deterministic (Megatron asserts it off in "
-          "deterministic mode); flash-attention's backward accumulates dQ with atomicAdd "
-          "unless called with deterministic=True.",
-      fix="set it to false")
-def _atomic_fusion(ctx: CheckContext):
-    for path, value in _truthy(ctx.config, ATOMIC_FUSION_KEYS):
-        yield RuleFinding(path, value, f"set {path} = false")
+rule("config-atomic-fusion", category="config", setting=", ".join(ATOMIC_FUSION_KEYS),
+     keys=ATOMIC_FUSION_KEYS,
+     checks="fused kernels known to accumulate with atomics are off",
+     why="Megatron's fused cross-entropy is not deterministic (Megatron asserts it off in "
+         "deterministic mode); flash-attention's backward accumulates dQ with atomicAdd "
+         "unless called with deterministic=True.",
+     fix="set it to false")(_keys_off(ATOMIC_FUSION_KEYS))
 
 
 @rule("config-num-threads", category="config", setting=", ".join(THREAD_KEYS), keys=THREAD_KEYS,

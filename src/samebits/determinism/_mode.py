@@ -320,8 +320,7 @@ def _wanted_env(nccl_algo: str | None, nccl_proto: str | None,
         if value is not None:
             problem = ENV_BY_NAME[name].validate(value)
             if problem:
-                arg = name.lower()
-                raise ConfigError(f"{arg}={value!r}: {name} {problem}")
+                raise ConfigError(f"{name.lower()}={value!r}: {name} {problem}")
     return asked
 
 
@@ -373,14 +372,10 @@ def _plan_env(wanted: dict[str, str | None], violations: list[Violation]) -> dic
 def _versions() -> dict:
     import torch
 
-    versions = {"python": platform.python_version(), "torch": torch.__version__,
-                "cuda": torch.version.cuda, "cudnn": None, "numpy": None,
+    versions = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+                "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+                "numpy": getattr(sys.modules.get("numpy"), "__version__", None),
                 "cpu_capability": None, "platform": platform.platform()}
-    if torch.backends.cudnn.is_available():
-        versions["cudnn"] = torch.backends.cudnn.version()
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        versions["numpy"] = numpy.__version__
     try:
         # The SIMD level decides which CPU kernels run, and kernels differ in summation order.
         versions["cpu_capability"] = torch.backends.cpu.get_cpu_capability()

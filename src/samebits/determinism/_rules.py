@@ -300,8 +300,7 @@ def run_checks(config: Mapping | None = None, *, env: bool = True,
                                                found=finding.found, fix=finding.fix or r.fix,
                                                why=r.why))
     if view is not None:
-        unread = sorted(view.leaf_names() - view.names_read)
-        result.unread_keys = unread
+        result.unread_keys = unread = sorted(view.leaf_names() - view.names_read)
         result.checked_keys = sorted(view.leaf_names() & view.names_read)
         known = sorted(view.names_read)
         for name in unread:
@@ -345,11 +344,8 @@ def validate(config: Mapping | None = None, *, env: bool = True,
 
 def violation_error(violations: list[Violation], context: str = "") -> DeterminismError:
     """One `DeterminismError` that lists every violation with its fix."""
-    head = f"{len(violations)} setting(s) break bitwise determinism"
-    if context:
-        head += f" ({context})"
-    lines = [head + "; fix all of them and run again:"]
-    lines += [f"  - {v}" for v in violations]
+    head = f"{len(violations)} setting(s) break bitwise determinism" + (f" ({context})" if context else "")
+    lines = [head + "; fix all of them and run again:", *(f"  - {v}" for v in violations)]
     return DeterminismError("\n".join(lines), violations)
 
 

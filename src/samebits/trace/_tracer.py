@@ -116,11 +116,6 @@ class Tracer:
             self._adopt(recorder)
 
     @property
-    def open(self) -> bool:
-        """A step is open on this rank: records are accepted."""
-        return self.now is not None
-
-    @property
     def level_now(self) -> int:
         """The rung in force for the open step (0 when none is open)."""
         return self.now.level if self.now is not None else 0

@@ -157,10 +157,8 @@ class ProbeReport(ToDict):
         return miss_bound(self.min_comparisons) if self.min_comparisons else None
 
     def dict_extras(self) -> dict:
-        extras = {"clean": self.clean}
-        if self.bound is not None:
-            extras["bound"] = self.bound
-        return extras
+        bound = self.bound
+        return {"clean": self.clean} if bound is None else {"clean": self.clean, "bound": bound}
 
 
 class Probe:

@@ -210,8 +210,7 @@ def _collect(command: list[str], returncode: int, workdir: str) -> CommandProbeR
     processes, findings, problems = [], [], []
     min_comparisons: list[int] = []
     not_compared: dict[tuple[str, str], dict] = {}
-    names = sorted(os.listdir(workdir))
-    for name in names:
+    for name in sorted(os.listdir(workdir)):
         path = os.path.join(workdir, name)
         if name.startswith("boot-error-"):
             with open(path) as f:

@@ -46,8 +46,7 @@ def compare_elements(a: torch.Tensor, b: torch.Tensor, *, max_indices: int = 5) 
     unequal = _bitwise_unequal(a, b).reshape(-1)
     differing = int(unequal.sum())
     flat_positions = unequal.nonzero().flatten()[:max_indices].tolist()
-    max_ulp = 0
-    values = []
+    max_ulp, values = 0, []
     if differing:
         if a.is_complex():
             ulps = (_ordered(torch.view_as_real(a)) - _ordered(torch.view_as_real(b))).abs().amax(dim=-1)

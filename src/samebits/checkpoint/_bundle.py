@@ -125,21 +125,16 @@ def collect(bundle: StateBundle, rank: int) -> tuple[dict[str, torch.Tensor], di
     if bundle.optimizer is not None:
         names = _optimizer_param_names(bundle.model, bundle.optimizer)
         state_dict = bundle.optimizer.state_dict()
-        optimizer = {
-            "param_groups": [dict(g, params=[names[i] for i in g["params"]])
-                             for g in state_dict["param_groups"]],
-            "state": {
-                names[index]: {k: put(f"{key_for('optim', names[index])}/{k}", v)
-                               if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
-                for index, entry in state_dict["state"].items()
-            },
-        }
-        for index, entry in state_dict["state"].items():  # moments shaped like their shard
+        state = {}
+        for index, entry in state_dict["state"].items():
             name = names[index]
-            for k, v in entry.items():
-                if (name in shards and isinstance(v, torch.Tensor)
-                        and v.shape == model_state[name].shape):
+            state[name] = {k: put(f"{key_for('optim', name)}/{k}", v) if isinstance(v, torch.Tensor) else v
+                           for k, v in entry.items()}
+            for k, v in entry.items():  # moments shaped like their shard have its place
+                if name in shards and isinstance(v, torch.Tensor) and v.shape == model_state[name].shape:
                     places[f"{key_for('optim', name)}/{k}"] = shards[name]
+        optimizer = {"param_groups": [dict(g, params=[names[i] for i in g["params"]])
+                                      for g in state_dict["param_groups"]], "state": state}
 
     rng = _encode(capture_rng_state(bundle.generators), f"rng@rank{rank}", put)
     plain = {

@@ -1,17 +1,13 @@
-"""Communication of the reference recipe: the process group, the expert-parallel
-dispatcher, data-parallel gradient reduction and the global gradient norm.
-`parallelize.py` decides the layout (mesh, TP, FSDP2, PP) and uses these.
+"""Communication of the reference recipe: the process group, the expert-parallel dispatcher,
+data-parallel gradient reduction and the global gradient norm (`parallelize.py` decides the
+layout and uses these; gloo on CPU, NCCL on GPU).
 
-EP runs over the data-parallel replicas ("dp_replicate"): each replica holds
-`num_experts / ep` experts of each MoE layer (replica r owns experts
-[r*E_local, (r+1)*E_local)).  Tokens reach their experts through two `all_to_all_single`
-calls with uneven splits (dispatch, then combine), both differentiable.
-
-Gradients: plain DP all-reduces the replicas' grads (sum, then divided by their number: the
-mean of the per-replica losses); FSDP2 reduce-scatters its own.  An expert's grad already
-sums the contributions of every replica's tokens, because the backward of the all_to_all
-brings them home, so it only needs the same 1/dp_replicate scale and no all-reduce.  gloo
-on CPU, NCCL on GPU.
+EP runs over the data-parallel replicas ("dp_replicate"): replica r owns experts
+[r*E_local, (r+1)*E_local) of each MoE layer, and tokens reach them through two
+differentiable `all_to_all_single` calls with uneven splits (dispatch, then combine).  Plain
+DP all-reduces the replicas' grads (their mean); an expert's grad already sums every
+replica's tokens (the all_to_all's backward brings them home), so it only takes the same
+1/dp_replicate scale.  FSDP2 reduce-scatters its own.
 """
 
 from __future__ import annotations

@@ -143,15 +143,10 @@ class RecipeConfig:
     tp_reduce: TpReduce = "plain"
     """The tensor-parallel linears' reductions: "plain" (DTensor's TP: a row-parallel product
     summed in fp32 over the TP ranks, so the bits depend on tp) or "invariant"
-    (`samebits.invariant`: the reduction dimension cut into blocks of 32, each block's
-    product exact, the blocks added in int64 fixed point: the same bits at tp=1, 2, 4 ...,
-    forward and backward, and a clipping norm that does not depend on the split;
-    docs/invariance.md), with or without sequence_parallel (the norms' weight gradients are
-    summed over the positions exactly too).  Set it at every TP degree you compare, tp=1
-    included.  With grad_reduce="invariant" too, tp x dp gives the same bits as one rank.
-    Invariant needs precision=fp32, pp only at tp=1, ep > 1 only at tp=1 with
-    grad_reduce="invariant", dp_shard at tp > 1 only with grad_reduce="invariant", and the
-    per-rank share of d_model and ffn_hidden_size in whole blocks of 32."""
+    (`samebits.invariant`: exact products of blocks of 32 added in int64 fixed point, forward
+    and backward, the norms' weight gradients and the clipping norm too: the same bits at tp=1,
+    2, 4 ..., with or without sequence_parallel).  Set it at every TP degree compared, tp=1
+    included; docs/invariance.md lists what it covers and needs."""
 
     pp: int = 1
     """Pipeline stages (`torch.distributed.pipelining`): the blocks split evenly in order."""
@@ -226,14 +221,10 @@ class RecipeConfig:
     grad_reduce: GradReduce = "mean"
     """Data-parallel gradient reduction: "mean" (each rank's mean-loss gradient, fp32
     all-reduce: the bits depend on the DP size) or "invariant" (`samebits.invariant`: each
-    step's global batch is `num_micro_batches` micro-batches of micro_batch_size samples,
-    rank r takes its share in order, RNG keyed by (step, micro-batch), gradients summed in
-    int64 fixed point, each element its own block, every block's random draws keyed by
-    (step, micro-batch, block): the same bits at any DP size, plain or FSDP2 (dp_shard), at
-    any pipeline size (each DP rank's micro-batches are the pipeline's; pp_microbatches is
-    not used), at any EP size (each expert's rows per source rank kept apart), and with
-    tp_reduce="invariant" at any TP size too; docs/invariance.md).  Invariant mode needs tp=1
-    or tp_reduce="invariant", and pp and ep > 1 only at tp=1."""
+    step's global batch is `num_micro_batches` micro-batches, each DP rank takes its share in
+    order, random draws keyed by (step, micro-batch, block), gradients summed in int64 fixed
+    point: the same bits at any DP, FSDP2, pipeline and EP size, and with tp_reduce="invariant"
+    at any TP size; docs/invariance.md lists what it covers and needs)."""
 
     num_micro_batches: int = 4
     """grad_reduce="invariant": micro-batches per step over all ranks; a multiple of every DP

@@ -1,19 +1,11 @@
 """Deterministic data for the reference recipe: sample i is a pure function of (seed, i).
 
-Two sources, one interface (`tokens(indices) -> (n, seq_len + 1) int64`):
-
-- `SyntheticTokens`: a seeded Markov chain over the vocabulary (each token has a few likely
-  successors), so the loss goes down; sample i is drawn from its own counter-based Philox
-  stream keyed by (seed, i).
-- `TokenFile`: a flat binary array of uint16/uint32 tokens (the nanoGPT / Megatron format)
-  read through `np.memmap`; sample i is the chunk the epoch's seeded permutation puts at
-  position i (chunks of seq_len tokens plus the next one as the last target).
-
-`Batches` hands each rank its share of a global sample index: at a step consuming global
-samples [c, c + world_size * micro_batch_size), rank r gets
-[c + r * micro_batch_size, c + (r + 1) * micro_batch_size).  So the global batch is the same
-for every world size with the same global batch size, and `consumed_samples` (the data
-position, saved in checkpoints) is all a resume needs.
+Two sources, one interface (`tokens(indices) -> (n, seq_len + 1) int64`): `SyntheticTokens`,
+a seeded Markov chain, each sample from its own Philox stream; `TokenFile`, a flat
+uint16/uint32 token array (nanoGPT / Megatron) in a seeded order per epoch.  `Batches` hands
+rank r samples [c + r * B, c + (r + 1) * B) of a step consuming [c, c + W * B), so the
+global batch does not depend on the world size and `consumed_samples` is all a resume needs
+(docs/recipe.md, "Data").
 """
 
 from __future__ import annotations

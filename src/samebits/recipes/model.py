@@ -1,20 +1,11 @@
 """Architecture of the reference recipe: a small Nemotron-like MoE decoder (architecture only).
 
-Decoder-only transformer: RMSNorm, causal RoPE attention through SDPA, squared-ReLU MLPs,
-dense and MoE feed-forward blocks (top-k router with input jitter, Switch-style
-load-balancing loss, sort-based token dispatch and combine), and a DeepSeek-V3-style
-multi-token-prediction (MTP) head sharing the embedding and output layer.
-
-No parallelism here (torchtitan's split: `parallelize.py` applies it from outside).  What
-lets it be applied: the MoE layer sends its expert-sorted rows through a pluggable
-`dispatcher` (`LocalDispatcher` keeps every expert on this rank; `communication.py` has the
-expert-parallel one); the fused QKV projection is head-major (each head's q, k, v rows are
-adjacent, as in Megatron's fused layout), so a column split gives each part whole heads, and
-attention reads its head count from the weight it is given; blocks live in a ModuleDict and
-`forward` is three phases (`embed_tokens`, `run_layers`, `head`), so a pipeline stage is a
-pruned copy running some of them.  The router jitter draws from `MoE.jitter_generator`,
-which the training loop sets.  Shapes in comments: B batch, T sequence, D d_model, N = B*T tokens,
-K top-k, E experts, R routed rows (N*K).
+RMSNorm, causal RoPE attention through SDPA, squared-ReLU MLPs, dense and MoE blocks and a
+DeepSeek-V3-style MTP head sharing the embedding and output layer (docs/recipe.md, "Model").
+No parallelism here (torchtitan's split: `parallelize.py` applies it from outside), but what
+lets it be applied: a pluggable MoE `dispatcher`, a head-major fused QKV, blocks in a
+ModuleDict and a three-phase `forward` a pipeline stage can prune.  Shapes in comments: B
+batch, T sequence, D d_model, N = B*T tokens, K top-k, E experts, R routed rows (N*K).
 """
 
 from __future__ import annotations

@@ -239,21 +239,14 @@ def apply_invariant_linears(model: Transformer, tp_mesh: DeviceMesh | None, *,
     """`tp_reduce=invariant`: Megatron's split of `_tensor_parallel_plan`, each linear computed
     by `samebits.invariant`'s column- or row-parallel layer, whose forward and backward have
     the same bits at every TP degree (docs/invariance.md).  The weights become DTensor shards
-    as under plain TP (``Shard(0)`` column-wise, ``Shard(1)`` row-wise: checkpoints, global
-    digests and the norm see the same placements); activations between the two linears are
-    plain local tensors (this rank's heads or hidden columns).  ``tp_mesh`` None (tp=1): the
-    same layers, whole, on one rank.
-
-    The main blocks' norms scale by their weight through `scale_columns`, whose weight
-    gradient is an exact sum over the positions (and, under SP, over the TP ranks' positions),
-    at every TP degree.  With ``sequence_parallel`` each TP rank holds seq_len / tp positions
-    of the stream between the blocks' attention and feed-forward parts, as in the plain SP
-    plan: their input is all-gathered (its backward keeps this rank's part: the gradient
-    arriving there is already whole, the column-parallel input gradient being summed over
-    the ranks exactly), their output sliced (the row-parallel layer's whole output; its
-    backward all-gathers), dropout drawn on the whole stream and sliced.  The stream enters
-    the shards at the first block and leaves them after the last one: the head runs on the
-    whole sequence, replicated (with or without MTP)."""
+    as under plain TP (the same placements for checkpoints, digests and the norm); activations
+    between the two linears are plain local tensors.  ``tp_mesh`` None (tp=1): the same
+    layers, whole, on one rank.  The main blocks' norms scale through `scale_columns`, whose
+    weight gradient is an exact sum over the positions (under SP, the TP ranks' too).  With
+    ``sequence_parallel`` the stream between the blocks' parts is this rank's positions: each
+    part's input all-gathered (its backward keeps this rank's part of a gradient already whole
+    and exact), its output sliced, dropout drawn whole and sliced; the head runs on the whole
+    sequence, replicated."""
     group = None if tp_mesh is None else tp_mesh.get_group()
     sharded = sequence_parallel and tp_mesh is not None
     blocks = list(model.layers.values())

@@ -128,15 +128,13 @@ class Precision:
 
     name: str
     gemm: str
-    model: nn.Module | None = None  # the converted model (a pipeline stage prunes it in place)
+    model: nn.Module  # the converted model (a pipeline stage prunes it in place)
     converted: list[str] = field(default_factory=list)  # names of the low-precision linears
     autocast_dtype: torch.dtype | None = None
 
     @property
     def history_modules(self) -> dict[str, "_DelayedScalingLinear"]:
         """The delayed-scaling linears this rank still holds, by name."""
-        if self.model is None:
-            return {}
         return {name: m for name, m in self.model.named_modules() if isinstance(m, _DelayedScalingLinear)}
 
     def autocast(self, device_type: str):
@@ -275,16 +273,12 @@ def _linear(module: nn.Linear, x: torch.Tensor, matmul) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` through ``matmul(x2d, weight) -> (N, out)``, on plain tensors.
 
     Under tensor parallelism (DTensor weight: Shard(0) column-parallel, Shard(1) row-parallel)
-    the GEMM runs on this rank's shards and its result goes back as a DTensor (Shard(-1), or
-    Partial for the row-parallel sum that the plan's all-reduce completes).  Scales are then
-    those of the local shards: another rounding than one device's, repeatable all the same.
-
-    The column-parallel input is replicated, but its gradient from this rank's output columns
-    is only a partial sum: ``to_local`` must say so (``grad_placements=[Partial()]``), so that
-    the plan's input conversion all-reduces it in the backward (Megatron's "f").  Without it
-    the replicated parameters upstream (norms, embedding) took each TP rank's partial
-    gradient and drifted apart across TP ranks, which a checkpoint (replicated state saved
-    once) then hid: a resume loaded rank 0's copy everywhere and diverged at its first step."""
+    the GEMM runs on this rank's shards (their own scales: repeatable, another rounding than
+    one device's) and its result goes back as a DTensor (Shard(-1), or Partial for the
+    row-parallel sum).  The column-parallel input's gradient is only a partial sum, so
+    ``to_local`` says so (``grad_placements=[Partial()]``) and the plan's input conversion
+    all-reduces it in the backward (Megatron's "f"; without it the replicated parameters
+    upstream drift apart across TP ranks: docs/recipe.md, "Precision")."""
     weight, placement = module.weight, None
     if isinstance(weight, DTensor):
         (shard,) = weight.placements  # a 1-D TP mesh

@@ -12,6 +12,7 @@ import platform
 import socket
 import sys
 
+import numpy
 import torch
 
 # Variables that decide (or explain) run-to-run bits.  Prefix entries end with "_".
@@ -29,14 +30,6 @@ _ENV_NAMES = (
 )
 
 
-def relevant_env() -> dict[str, str]:
-    return {
-        key: value
-        for key, value in sorted(os.environ.items())
-        if key in _ENV_NAMES or key.startswith(_ENV_PREFIXES)
-    }
-
-
 def environment_fingerprint() -> dict:
     env: dict = {
         "python": platform.python_version(),
@@ -49,14 +42,10 @@ def environment_fingerprint() -> dict:
         "num_interop_threads": torch.get_num_interop_threads(),
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "cuda": torch.version.cuda,
-        "env": relevant_env(),
+        "env": {key: value for key, value in sorted(os.environ.items())
+                if key in _ENV_NAMES or key.startswith(_ENV_PREFIXES)},
+        "numpy": numpy.__version__,  # a dependency (the stream encoder imports it too)
     }
-    try:
-        import numpy
-
-        env["numpy"] = numpy.__version__
-    except ImportError:  # pragma: no cover - numpy is a dependency
-        pass
     if torch.cuda.is_available():
         env["cudnn"] = torch.backends.cudnn.version()
         try:

@@ -14,7 +14,6 @@ import enum
 import sys
 import types
 import typing
-import warnings
 from collections.abc import Mapping
 from pathlib import Path, PurePath
 from typing import Any, Callable, ClassVar
@@ -74,8 +73,6 @@ class ToDict:
     ``from_dict(data)`` reads such a dictionary back (a ``summary.json``) by the same marks, so a
     reader never restates the schema: a key that names no field, a field that is missing or a
     value of the wrong type is a `ConfigError` naming the file and the field.
-
-    ``to_json()`` was the name in four packages until 2026-12; it stays as a deprecated alias.
     """
 
     #: The keys ``to_dict`` writes, in this order (None: every field's, in field order, then
@@ -128,11 +125,6 @@ class ToDict:
         _same_names({key: value for key, value in data.items() if key != "command"}, result.to_dict(), cls.__name__,
                     str(source), where)
         return result
-
-    def to_json(self) -> dict:
-        warnings.warn(f"{type(self).__name__}.to_json() is deprecated: use to_dict()",
-                      DeprecationWarning, stacklevel=2)
-        return self.to_dict()
 
 
 @dataclasses.dataclass(frozen=True)

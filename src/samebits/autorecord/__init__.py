@@ -178,16 +178,9 @@ class _AutoRecorder:
     def _record_restored(self, optimizers) -> None:
         """A resumed process's parameters and optimizer state as its first step begins, named
         as the main stream names them after each step (`after_optimizer_step`)."""
-        params, state, seen = [], [], set()
-        for optimizer in optimizers:
-            for name, param in optimizer_params(optimizer, self.param_names):
-                if id(param) in seen:
-                    continue
-                seen.add(id(param))
-                params.append((name, _local(param.detach())))
-                for key, value in sorted(optimizer.state.get(param, {}).items()):
-                    if isinstance(value, torch.Tensor):
-                        state.append((f"{name}.{key}", _local(value)))
+        params, state = _params_and_state(optimizers, self.param_names)
+        params = [(name, _local(param.detach())) for name, param in params]
+        state = [(name, _local(value)) for name, value in state]
         if not params:
             for module in self.top_level_seen.values():
                 params += [(self.param_names.get(id(p), n), _local(p.detach())) for n, p in module.named_parameters()]
@@ -243,12 +236,10 @@ class _AutoRecorder:
         if not directory:
             return
         rank = self.recorder.rank if self.recorder is not None else process_rank()
-        if self.exception is not None:
-            write_outcome(directory, rank=rank, ended="exception", streams_closed=streams_closed,
-                          exception=f"{type(self.exception).__name__}: {self.exception}",
-                          traceback_tail=self.exception_tail, step=self.step)
-        else:
-            write_outcome(directory, rank=rank, ended="clean", streams_closed=streams_closed, step=self.step)
+        raised = {} if self.exception is None else {
+            "exception": f"{type(self.exception).__name__}: {self.exception}", "traceback_tail": self.exception_tail}
+        write_outcome(directory, rank=rank, ended="exception" if raised else "clean", streams_closed=streams_closed,
+                      step=self.step, **raised)
 
     def stop(self, step: int) -> None:
         """The live check found ``step`` differs from the reference: say so and end the process."""
@@ -285,12 +276,17 @@ class _AutoRecorder:
                 self._name_params(module)
                 if torch.is_grad_enabled():
                     self.record_census()
-                if self.census is not None and self.census_step == self.step:
-                    inputs = [(n, t) for n, t in tensor_leaves(args, type(module).__name__) if _recordable(t)]
-                    if inputs:
-                        with self._ours():
-                            self.census.tensors(self.step, INPUTS, [(n, _local(t.detach())) for n, t in inputs])
+                self._record_inputs(module, args)
         self.depth += 1
+
+    def _record_inputs(self, module, tree) -> None:
+        """The tensors of a top-level forward's arguments ``tree``, while the step's census is open."""
+        if self.census is None or self.census_step != self.step:
+            return
+        inputs = [(n, t) for n, t in tensor_leaves(tree, type(module).__name__) if _recordable(t)]
+        if inputs:
+            with self._ours():
+                self.census.tensors(self.step, INPUTS, [(n, _local(t.detach())) for n, t in inputs])
 
     def _name_params(self, module) -> None:
         """Name a top-level module's parameters the first time it runs."""
@@ -314,10 +310,7 @@ class _AutoRecorder:
             # The batch given by keyword (HF's ``model(**inputs)``): a global pre-hook sees only
             # the positional arguments, so the keywords are read here, as the forward returns.
             with guard("forward", step=self.step, records=f"the keyword inputs of {type(module).__name__}.forward"):
-                inputs = [(n, t) for n, t in tensor_leaves(kwargs, type(module).__name__) if _recordable(t)]
-                if inputs:
-                    with self._ours():
-                        self.census.tensors(self.step, INPUTS, [(n, _local(t.detach())) for n, t in inputs])
+                self._record_inputs(module, kwargs)
         with guard("forward", step=self.step, records=f"the outputs of {type(module).__name__}.forward"):
             leaves = [(n, t) for n, t in tensor_leaves(output, type(module).__name__) if _recordable(t)]
             if leaves:
@@ -368,20 +361,9 @@ class _AutoRecorder:
             self.optimizers.append(optimizer)
         rec = self._rec()
         number = None if optimizer is self.first_optimizer else self._optimizer_number(optimizer)
-        inner = _effective(optimizer)
-        names, seen = [], set()
-        for opt in inner:
-            for name, param in optimizer_params(opt, self.param_names):
-                if id(param) not in seen:
-                    seen.add(id(param))
-                    names.append((name, param, opt))
-        state = []
-        for name, param, opt in names:
-            for key, value in sorted(opt.state.get(param, {}).items()):
-                if isinstance(value, torch.Tensor):
-                    state.append((f"{name}.{key}", value))
+        names, state = _params_and_state(_effective(optimizer), self.param_names)
         with self._ours():
-            grads, params = [(n, p.grad) for n, p, _ in names], [(n, p.detach()) for n, p, _ in names]
+            grads, params = [(n, p.grad) for n, p in names], [(n, p.detach()) for n, p in names]
             # A phase holding shards records the local shards and the whole tensors.
             whole = [phase for phase, named in zip(AFTER_OPTIMIZER_STEP, (grads, params, state))
                      if any(_is_dtensor(t) for _, t in named)]
@@ -580,6 +562,20 @@ def _is_state_init_step(optimizer) -> bool:
         return True
     except Exception:  # noqa: BLE001 - when in doubt it is a training step, as before
         return False
+
+
+def _params_and_state(optimizers, param_names) -> tuple[list, list]:
+    """Each parameter the optimizers step, once, as (name, parameter), and its optimizer state
+    tensors as (``NAME.KEY``, tensor), in the optimizers' order."""
+    params, state, seen = [], [], set()
+    for optimizer in optimizers:
+        for name, param in optimizer_params(optimizer, param_names):
+            if id(param) not in seen:
+                seen.add(id(param))
+                params.append((name, param))
+                state += [(f"{name}.{key}", value) for key, value in sorted(optimizer.state.get(param, {}).items())
+                          if isinstance(value, torch.Tensor)]
+    return params, state
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,8 @@ import json
 import os
 from pathlib import Path
 
-from samebits.stream.reader import STOPPED_MARKER, read_stop_marker
+from samebits.stream.reader import STOPPED_MARKER
+from samebits.stream.reader import read_stop_marker as read_stop  # the live check's marker; the comparator reads it too
 
 OUTCOME_PREFIX = "outcome-"
 TRACEBACK_LINES = 8  # lines of the traceback's end kept in the outcome file
@@ -60,12 +61,6 @@ def read_outcomes(directory: str | os.PathLike) -> list[dict]:
         outcomes.append(outcome)
     outcomes.sort(key=lambda o: (o.get("rank") if isinstance(o.get("rank"), int) else -1, o.get("pid") or 0))
     return outcomes
-
-
-def read_stop(directory: str | os.PathLike) -> dict | None:
-    """The live check's stop marker in ``directory`` (step, rank, reason), or None (one
-    definition: `samebits.stream.reader.read_stop_marker`, which the comparator reads too)."""
-    return read_stop_marker(directory)
 
 
 def write_stop(directory: str | os.PathLike, *, step: int, rank: int | None, reference: str = "",

@@ -129,12 +129,7 @@ class _Live:
         return entry[2]
 
     def alive(self) -> list[tuple[Any, str | None]]:
-        out = []
-        for ref, site, _ in list(self._entries.values()):
-            obj = ref()
-            if obj is not None:
-                out.append((obj, site))
-        return out
+        return [(obj, site) for ref, site, _ in list(self._entries.values()) if (obj := ref()) is not None]
 
 
 class _DrawWatch(TorchDispatchMode):

@@ -183,7 +183,7 @@ def _read(cls: type, data: Any, source: str, where: str) -> Any:
     """``cls.from_dict``: see there.  Strict on names (a key no field and no extra writes is an
     error: a field renamed since the file was written never reads as absent) and on types."""
     if not isinstance(data, Mapping):
-        raise _misread(source, where, f"must be an object ({cls.__name__}), found {_json_type(data)}")
+        raise _misread(source, where, f"must be an object ({cls.__name__}), found {json_type(data)}")
     hints = _hints(cls)
     fields = [item for item in dataclasses.fields(cls) if item.init]
     how = {item.name: item.metadata.get(_METADATA_KEY, _DEFAULT) for item in fields}
@@ -231,8 +231,8 @@ def _same_names(data: Any, written: Any, name: str, source: str, where: str) -> 
     at every depth, with a value of the same JSON type where both hold one: a key no field or
     extra writes is an error naming it, and so is a computed entry (an extra: not read, so not
     typed on the way in) of another type than the result writes there."""
-    if data is not None and written is not None and _json_type(data) != _json_type(written):
-        raise _misread(source, where, f"must be {_json_type(written)}, found {_json_type(data)}")
+    if data is not None and written is not None and json_type(data) != json_type(written):
+        raise _misread(source, where, f"must be {json_type(written)}, found {json_type(data)}")
     if isinstance(data, Mapping) and isinstance(written, Mapping):
         for key, value in data.items():
             if key not in written:
@@ -283,13 +283,13 @@ def _typed(value: Any, annotation: Any, source: str, where: str) -> Any:
         raise _misread(source, where, f"must be {_expected(annotation)}, found null")
     if origin in (list, tuple, set, frozenset) or annotation in (list, tuple, set, frozenset):
         if not isinstance(value, list):
-            raise _misread(source, where, f"must be a list, found {_json_type(value)}")
+            raise _misread(source, where, f"must be a list, found {json_type(value)}")
         inner = args[0] if args and args[-1] is not Ellipsis or len(args) == 2 else Any
         items = [_typed(item, inner, source, f"{where}[{index}]") for index, item in enumerate(value)]
         return (origin or annotation)(items) if (origin or annotation) is not list else items
     if origin in (dict, Mapping) or annotation in (dict, Mapping) or origin is typing.get_origin(Mapping[str, int]):
         if not isinstance(value, Mapping):
-            raise _misread(source, where, f"must be an object, found {_json_type(value)}")
+            raise _misread(source, where, f"must be an object, found {json_type(value)}")
         key_type, item_type = args if len(args) == 2 else (Any, Any)
         return {_key(key, key_type, source, where): _typed(item, item_type, source, _at(where, key))
                 for key, item in value.items()}
@@ -317,7 +317,7 @@ def _instance(value: Any, annotation: type, source: str, where: str) -> Any:
         return float(value)
     if annotation in (bool, int, float, str) and (not isinstance(value, annotation) or (
             annotation is int and isinstance(value, bool))):
-        raise _misread(source, where, f"must be {_expected(annotation)}, found {_json_type(value)}")
+        raise _misread(source, where, f"must be {_expected(annotation)}, found {json_type(value)}")
     return value
 
 
@@ -342,7 +342,8 @@ def _expected(annotation: Any) -> str:
             dict: "an object"}.get(annotation, getattr(annotation, "__name__", str(annotation)))
 
 
-def _json_type(value: Any) -> str:
+def json_type(value: Any) -> str:
+    """What a JSON value is, in the words an error uses ("an object", "a list", "null", ...)."""
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -370,5 +371,5 @@ def _plain_key(key: Any) -> str:
     return key if isinstance(key, str) else str(key)
 
 
-__all__ = ["Verdict", "ToDict", "serialised", "plain", "milliseconds", "EXIT_OK", "EXIT_BAD_VERDICT", "EXIT_CANNOT_RUN",
+__all__ = ["Verdict", "ToDict", "serialised", "plain", "milliseconds", "json_type", "EXIT_OK", "EXIT_BAD_VERDICT", "EXIT_CANNOT_RUN",
            "EXIT_RERUN_ELSEWHERE", "EXIT_STOPPED"]

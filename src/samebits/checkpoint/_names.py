@@ -45,6 +45,27 @@ _SCHEDULER_FIELDS = {"last_epoch": "position (last_epoch, the steps it has count
                      "step_count": "step count (_step_count)", "lr": "last computed LR (get_last_lr())"}
 
 
+# A record's title (a state picture's row) and subject ("C has no <subject>"), by kind; a kind
+# not listed is called by its key, or its whole name.
+_TITLES = {
+    RNG: lambda name: _GLOBAL_TITLES[name.key],
+    CUDA_RNG: lambda name: f"CUDA generator {name.key}",
+    USER_RNG: lambda name: f"generator {name.key}",
+    DATA_STATE: lambda name: f"data loader {name.key} state",
+    DATA_POSITION: lambda name: f"data loader {name.key} position",
+    OPTIMIZER: lambda name: f"optimizer {name.key} {_FIELD_TITLES[OPTIMIZER].get(name.field, name.field)}".strip(),
+    SCHEDULER: lambda name: f"LR scheduler {name.key} {_FIELD_TITLES[SCHEDULER].get(name.field, name.field)}".strip(),
+    SCALER: lambda name: f"GradScaler {name.key} scale",
+}
+_SUBJECTS = {
+    OPTIMIZER: lambda name: f"optimizer {name.key} ({name})",
+    SCHEDULER: lambda name: f"LR scheduler {name.key} ({name})",
+    SCALER: lambda name: f"GradScaler ({name})",
+    DATA_STATE: lambda name: f"the state of the data loader made at {name.key}",
+    DATA_POSITION: lambda name: f"data loader made at {name.key}",
+}
+
+
 @dataclass(frozen=True)
 class CensusName:
     """One census record's name: its ``kind`` (the constants above), ``key`` (which one: the
@@ -141,38 +162,11 @@ class CensusName:
 
     def title(self) -> str:
         """What a person calls the record (a state picture's row)."""
-        kind, key = self.kind, self.key
-        if kind == RNG:
-            return _GLOBAL_TITLES[key]
-        if kind == CUDA_RNG:
-            return f"CUDA generator {key}"
-        if kind == USER_RNG:
-            return f"generator {key}"
-        if kind == DATA_STATE:
-            return f"data loader {key} state"
-        if kind == DATA_POSITION:
-            return f"data loader {key} position"
-        if kind in _FIELD_TITLES:
-            what = "optimizer" if kind == OPTIMIZER else "LR scheduler"
-            return f"{what} {key} {_FIELD_TITLES[kind].get(self.field, self.field)}".strip()
-        if kind == SCALER:
-            return f"GradScaler {key} scale"
-        return key
+        return _TITLES.get(self.kind, lambda name: name.key)(self)
 
     def subject(self) -> str:
         """The record as the thing one run has and the other lacks ("C has no <subject>")."""
-        kind, name = self.kind, str(self)
-        if kind == OPTIMIZER:
-            return f"optimizer {self.key} ({name})"
-        if kind == SCHEDULER:
-            return f"LR scheduler {self.key} ({name})"
-        if kind == SCALER:
-            return f"GradScaler ({name})"
-        if kind == DATA_STATE:
-            return f"the state of the data loader made at {self.key}"
-        if kind == DATA_POSITION:
-            return f"data loader made at {self.key}"
-        return name
+        return _SUBJECTS.get(self.kind, str)(self)
 
     def field_words(self) -> str:
         """An LR scheduler record's field in words ("position (last_epoch, ...)")."""

@@ -75,14 +75,21 @@ def build_report(inputs: list[str | Path], *, start_step: int | None = None, all
                       "'stages' or 'cells'); give the output directory of one of those commands.")
 
 
+def _settled_page(command: str, path: Path, summary: dict, file: Path, derive) -> Page:
+    """The page of a summary whose verdict is derived again from its parts (``derive``): the
+    one it claims is kept only where the parts agree (`_settle`, whose notes the page shows)."""
+    notes: list[str] = []
+    derived, why = derive(summary, file)
+    page = Page(command, f"samebits {command}: {path}",
+                _settle(_verdict(summary.get("verdict"), file), derived, file, why, notes))
+    page.notes.extend(notes)
+    return page
+
+
 def _verify_report(path: Path, found: Summary, say) -> Report:
     summary = found.data
     file = path / "summary.json"
-    notes: list[str] = []
-    derived, why = _verify_verdict(summary, file)
-    verdict = _settle(_verdict(summary.get("verdict"), file), derived, file, why, notes)
-    page = Page("verify", f"samebits verify: {path}", verdict)
-    page.notes.extend(notes)
+    page = _settled_page("verify", path, summary, file, _verify_verdict)
     page.conclusion = verify_conclusion(summary)
     checks = summary.get("checks") or {}
     resume_at = summary.get("resume_at")
@@ -197,11 +204,7 @@ def _bisect_report(path: Path, found: Summary, say) -> Report:
 
 def _matrix_report(path: Path, found: Summary, say) -> Report:
     summary, file = found.data, path / "summary.json"
-    notes: list[str] = []
-    derived, why = _matrix_verdict(summary, file)
-    verdict = _settle(_verdict(summary.get("verdict"), file), derived, file, why, notes)
-    page = Page("matrix", f"samebits matrix: {path}", verdict)
-    page.notes.extend(notes)
+    page = _settled_page("matrix", path, summary, file, _matrix_verdict)
     page.conclusion = matrix_conclusion(summary)
     matrix_summary(page, summary)
     pairs = []

@@ -21,7 +21,7 @@ from samebits.runs.bisect import BisectResult
 from samebits.runs.conclusion import command_of
 from samebits.runs.matrix import MatrixResult
 from samebits.runs.verify import VerifyResult
-from samebits.verdicts import ToDict, Verdict
+from samebits.verdicts import ToDict, Verdict, json_type
 
 
 MAX_JSON_BYTES = 64 << 20  # a summary or certificate larger than this is refused (they are kilobytes)
@@ -94,7 +94,7 @@ def _json_file(file: Path, expected: str) -> dict | None:
         raise ConfigError(f"{file}: cannot be read as JSON ({reason}); was the command interrupted while writing "
                           "it? Re-run the command, or report two of its run directories instead.") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{file}: not {expected} (a JSON object was expected, found {_json_type(data)}).")
+        raise ConfigError(f"{file}: not {expected} (a JSON object was expected, found {json_type(data)}).")
     if _depth(data) > MAX_JSON_DEPTH:
         raise ConfigError(f"{file}: nested more than {MAX_JSON_DEPTH} levels deep; expected {expected}.")
     return data
@@ -189,17 +189,8 @@ def _check_fields(value: Any, spec: Any, file: Path, where: str) -> None:
 
 
 def _wrong_type(file: Path, where: str, expected: str, value: Any) -> ConfigError:
-    return ConfigError(f"{file}: field {where!r} must be {expected}, found {_json_type(value)}; is the file from this "
+    return ConfigError(f"{file}: field {where!r} must be {expected}, found {json_type(value)}; is the file from this "
                        "samebits version, and whole?")
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    return {dict: "an object", list: "a list", str: "a string", int: "a number", float: "a number"}.get(
-        type(value), type(value).__name__)
 
 
 def _verdict(value: Any, where: Path, what: str = "field 'verdict'") -> Verdict:

@@ -48,7 +48,7 @@ def test_a_killed_verify_leaves_a_summary_marked_stopped(tmp_path, capsys, signu
         _wait_for(lambda: (out / "logs" / "a.log").exists())  # run A is going
         time.sleep(0.5)
         process.send_signal(signum)
-        assert process.wait(timeout=60) == code, process.stderr.read().decode()[-2000:]
+        assert process.wait(timeout=180) == code, process.stderr.read().decode()[-2000:]
     finally:
         if process.poll() is None:
             process.kill()

@@ -425,10 +425,16 @@ def test_ctrl_c_while_a_run_goes_ends_its_processes(tmp_path):
         pids.extend(_wait_for(pids_file))
         signal.pthread_kill(main_thread, signal.SIGINT)
 
+    # Ctrl-C as a terminal delivers it: a shell that started the tests in the background without
+    # job control has SIGINT ignored, and samebits rightly leaves an ignored signal alone.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     with _reaping(pids):
         threading.Thread(target=interrupt, daemon=True).start()
-        with pytest.raises(KeyboardInterrupt):
-            run_logged([sys.executable, str(script), str(pids_file)], tmp_path / "log", timeout=300, label="A")
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                run_logged([sys.executable, str(script), str(pids_file)], tmp_path / "log", timeout=300, label="A")
+        finally:
+            signal.signal(signal.SIGINT, previous)
         assert len(pids) == 3
         assert _gone_within(pids, 3.0) == []
 

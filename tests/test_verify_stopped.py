@@ -42,8 +42,10 @@ def _wait_for(predicate, timeout: float = 120.0) -> None:
 ], ids=["SIGINT", "SIGTERM", "SIGKILL"])
 def test_a_killed_verify_leaves_a_summary_marked_stopped(tmp_path, capsys, signum, code, says):
     out = tmp_path / "v"
+    # signals at their defaults, as in a terminal (tests started in the background inherit SIGINT ignored)
     process = subprocess.Popen([sys.executable, "-m", "samebits", "verify", "-q", "--out", str(out), "--",
-                                *SLEEPER], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                *SLEEPER], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         _wait_for(lambda: (out / "logs" / "a.log").exists())  # run A is going
         time.sleep(0.5)

@@ -47,13 +47,16 @@ def assert_no_false_claims(result: dict) -> None:
 def test_an_op_in_the_models_own_forward_and_its_backward(tmp_path, capsys):
     """`pooled[idx]` in the top-level forward: its backward (index_put_ accumulate) races.
     A race need not race again the same way in bisect's dumps (on a loaded 2-core machine the
-    two threads often do not overlap): one more bisect is allowed when the first ends
-    unlocalised, never when it names something else."""
+    two threads often do not overlap, and a race that fired in an earlier step's backward is not
+    localised when the traced pair parts later: a known gap, the closing note of issue 36): up to
+    two more bisects are allowed while one ends unlocalised, never when it names something else."""
     code, result, err = bisect(capsys, tmp_path, *script_command("toplevel_index.py"))
     claims = {"op", "probe", "collective", "generator", "input_batch", "order", "initial_state", "replicas"}
-    if code == EXIT_BAD_VERDICT and (result.get("origin") or {}).get("kind") not in claims:
-        (tmp_path / "again").mkdir()
-        code, result, err = bisect(capsys, tmp_path / "again", *script_command("toplevel_index.py"))
+    for again in ("again", "third"):
+        if code != EXIT_BAD_VERDICT or (result.get("origin") or {}).get("kind") in claims:
+            break
+        (tmp_path / again).mkdir()
+        code, result, err = bisect(capsys, tmp_path / again, *script_command("toplevel_index.py"))
     assert code == EXIT_BAD_VERDICT, err
     origin = result["origin"]
     assert origin["kind"] == "op" and origin["classification"] == "origin", result["conclusion"]

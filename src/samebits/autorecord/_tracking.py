@@ -204,14 +204,11 @@ class Tracking:
 
     def census_records(self) -> list[tuple[str, torch.Tensor]]:
         """The census records of the state tracking found that `state_census`'s arguments do not
-        cover (today the data loaders' positions): a new kind of tracked state adds its records
-        here, so the census takes them with no other change (docs/architecture.md)."""
-        return self.loader_positions()
-
-    def loader_positions(self) -> list[tuple[str, torch.Tensor]]:
-        """``data.<site>``: int64[1], the batches its newest iterator yielded (-1: none yet), for
-        each live DataLoader: the position in the epoch, which a resume must restore (how many
-        iterators a process made is its own history, not state).  A stateful loader's iterator
+        cover, so the census takes a new kind of tracked state with no other change
+        (docs/architecture.md).  Today the data loaders' positions: ``data.<site>``: int64[1],
+        the batches its newest iterator yielded (-1: none yet), for each live DataLoader: the
+        position in the epoch, which a resume must restore (how many iterators a process made is
+        its own history, not state).  A stateful loader's iterator
         starts from the position its ``load_state_dict`` restored."""
         records, seen = [], set()
         for loader, site in self.loaders.alive():

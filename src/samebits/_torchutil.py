@@ -1,16 +1,5 @@
 """Torch helpers that tracing, zero-code recording and the probe share, each defined once.
 
-* `tensor_leaves`: the (label, tensor) pairs of a module's inputs or outputs (`torch.utils._pytree`);
-  `op_tensor_args` / `op_tensor_outputs`: the same for one ATen op's arguments, on the hot path;
-* `call_site`: the program's file:line (installed packages included), skipping torch's, the standard
-  library's and the caller's own frames;
-* `is_uninitialized_op`: ops whose outputs are uninitialised memory (bytes that are not results);
-* `AutogradScopes`: which forward code created the autograd node running in backward;
-* `optimizer_params`: an optimizer's parameters with their names;
-* `process_rank` / `rank_and_world_size`: this process's rank, from torch.distributed or the launcher;
-  `group_rank_and_world_size`: torch.distributed's only, for code that runs collectives;
-* `outside_dispatch_modes`: samebits' own torch work, unseen by the program's dispatch modes.
-
 Foundation layer: imports torch and nothing of samebits, so every package may use it.
 """
 

@@ -1,25 +1,10 @@
 """Data-parallel replica consistency, checked on the device: do the ranks that should hold
-the same parameters hold the same bits?
+the same parameters hold the same bits?  (docs/replicas.md)
 
-    report = samebits.check_replicas(model)                  # every rank of the default group
-    report = samebits.check_replicas(model, optimizer=opt)   # optimizer state too
-    check = samebits.ReplicaCheck(model, every=100)          # in the loop, after optimizer.step():
-    check.step(step)                                         # raises ReplicaMismatchError on a mismatch
-
-Each rank digests its replicated tensors where they live (`samebits.digest_many`: body sums
-on the device, 8 bytes per tensor copied to the host), hashes the digests into one 8-byte
-root, and all-gathers the roots (8 bytes per rank) over the replica group.  Equal roots:
-done.  Different roots: the digests themselves are all-gathered (8 bytes per tensor) and
-the report names each tensor that differs and the ranks that hold a minority value.  This
-replaces SHA-1 of every parameter on the host (Megatron's
-``--check-weight-hash-across-dp-replicas-interval``): no copy of the weights leaves the
-device.
-
-Which tensors are replicas: with a plain module (DDP), every tensor, across ``group`` (the
-default: the whole world).  A DTensor (FSDP2, tensor parallel) is a replica only along the
-mesh dimensions where its placement is ``Replicate``; its local shard is compared over each
-such dimension's process group, and a tensor sharded (or partial) on every dimension is
-listed in ``report.not_replicated``, never compared.
+Each rank digests its replicated tensors where they live, all-gathers one 8-byte root, and
+only when roots differ gathers the per-tensor digests to name what differs: no copy of the
+weights leaves the device.  A DTensor is a replica only along its ``Replicate`` mesh
+dimensions; one sharded everywhere is listed in ``report.not_replicated``.
 """
 
 from __future__ import annotations

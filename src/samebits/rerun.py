@@ -1,45 +1,13 @@
 """Rerun-based fault classification: is a suspicious step a hardware fault, nondeterminism, or
-simply what the code computes?
+simply what the code computes?  (docs/rerun.md)
 
-    validator = samebits.rerun.StepValidator(model, optimizer, every=100, spike_sigma=6.0,
-                                              recorder=rec, on_verdict=print)
-    for step, batch in enumerate(loader):
-        loss = validator.run(step, train_step, batch)   # train_step(batch): fwd, bwd, optimizer step
-        if validator.last is not None and validator.last.exit_code:
-            save_checkpoint(); sys.exit(validator.last.exit_code)   # 16: move the job to other hardware
-
-Before each step the validator keeps what the step needs to run again: the parameters (and
-gradients, buffers), the optimizer state, every random state (`samebits.checkpoint`'s RNG
-capture), the state of ``stateful`` objects (LR schedulers, grad scalers) and the batch.  After
-the step it decides whether to validate: the loss is NaN/inf, the loss spikes against a
-running statistic (``spike_sigma``), the ``check(step, loss)`` predicate says so, or every
-``every`` steps.  Then it restores the state, runs the step again and compares the 64-bit
-digests of its results (the returned value, parameters, optimizer state):
-
-* rerun equal to the first run: REPRODUCIBLE, "the value is what this code computes on
-  this data" here (not a fault of this run; a fault that repeats every time, persistent
-  hardware damage, also looks like this on the same device: when a check failed, the result
-  asks for other hardware, exit code 16);
-* different: one more rerun.  It equals one of the two: TRANSIENT_FAULT, the odd run was
-  hit by a one-off fault (the step is deterministic: two executions agree); it equals
-  neither: NONDETERMINISTIC (bisect can take over: `samebits bisect --nondeterministic`).
-
-(Two runs of a step that races between only two outcomes can look like a transient fault;
-races over floating-point sums, the usual kind, give a new value nearly every time.)
-
-The verdict goes to ``on_verdict(result)``, into the stream when a ``recorder`` is given
-(metrics ``rerun/verdict`` and ``rerun/attempts`` at that step, shown by `samebits dump` and
-compared by `samebits diff`), and into ``result.exit_code`` (`EXIT_RERUN_ELSEWHERE`, 16, for
-a possible hardware fault: the code Megatron uses to ask a scheduler to move the job).
-
-Under torch.distributed every rank must call `run` for every step: whether to validate and
-how many reruns to make are agreed over the group (one 8-byte all-reduce per step, one more
-per rerun), so ranks rerun together and no collective is left waiting.
-
-Test hook: ``SAMEBITS_TEST_FLIP=step=S,rank=R,op=OP[,mode=once|always][,call=N]`` (or
-``fault=FaultSpec(...)``) flips one bit in the first output of the N-th call (default 0) of
-the aten op OP (e.g. ``mm``) on rank R during step S: in the first execution only (``once``,
-a transient fault) or in every execution (``always``, a persistent one).
+`StepValidator` keeps what a step needs to run again (parameters, gradients, buffers, optimizer
+state, every random state, ``stateful`` objects, the batch); after a step that looks suspicious
+(NaN/inf loss, a spike, ``check``, or every ``every`` steps) it restores, reruns and compares
+digests: equal is REPRODUCIBLE, a third run equal to one of two is TRANSIENT_FAULT, else
+NONDETERMINISTIC.  Under torch.distributed every rank calls `run` every step: the decisions are
+agreed over the group (one 8-byte all-reduce per step), so ranks rerun together.
+Test hook: ``SAMEBITS_TEST_FLIP`` (`FaultSpec`) flips one bit of one op's output.
 """
 
 from __future__ import annotations

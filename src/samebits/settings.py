@@ -1,18 +1,9 @@
 """Every ``SAMEBITS_*`` environment variable, in one registry: name, type, parser, doc.
 
-Settings reach the processes a command starts (torchrun workers, zero-code recording, the
-probe) through the environment.  Each variable is declared here once; code reads it with
-`read(name)`, which parses it the one way and raises `ConfigError` naming the variable, the
-value and what is allowed.  docs/settings.md is generated from this table (`render_markdown`)
-and a test keeps the two equal, and checks that no module reads an undeclared variable.
-
-    from samebits import settings
-    settings.read("SAMEBITS_STEPS")      # -> (start, stop) or the default
-
-What to record (steps, ranks, phases, name globs, the size cap) is one declaration,
-`RecordingSpec`: each field names its variable, its option of `samebits run`/`verify`, its
-parser and its meaning, and the registry's entries for those variables, the options and the
-Recorder's keywords all come from it.
+Code reads a variable with `read(name)`, which parses it one way and raises `ConfigError`
+naming the variable, the value and what is allowed.  docs/settings.md is generated from this
+table (`render_markdown`; a test keeps them equal).  What to record is one declaration,
+`RecordingSpec`, from which the variables, the CLI options and the Recorder's keywords come.
 """
 
 from __future__ import annotations

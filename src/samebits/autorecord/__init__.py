@@ -1,70 +1,24 @@
 """Zero-code recording: fingerprint any training script without editing it.
 
-`samebits run --out DIR -- CMD ...` starts CMD with `samebits._inject` first on
-``PYTHONPATH``; its ``sitecustomize`` calls `install()` in every Python process CMD starts (torchrun's
-workers included).  `install` adds three global hooks and creates no recorder until one
-fires, so launcher processes and data-loader workers record nothing:
+`samebits run --out DIR -- CMD` puts `samebits._inject` first on ``PYTHONPATH``; its
+``sitecustomize`` calls `install()` in every Python process CMD starts.  `install` adds global
+hooks and makes no recorder until one fires (launchers and data-loader workers record nothing):
+an optimizer step post-hook (params, grads, optimizer state; a step is one outermost
+``optimizer.step()``), a forward hook on *top-level* modules (phase ``forward``), a wrapper
+around ``torch.autograd.backward`` (the root, phase ``backward``), and an atexit close that
+leaves an outcome file (`_outcome`) so a launcher never takes a crash for a finished run.
 
-* an optimizer step post-hook (every optimizer): parameters, gradients and optimizer
-  state after each ``optimizer.step()``; the step is the count of optimizer steps;
-* a module forward hook: the outputs of *top-level* module forwards (where most scripts'
-  loss lives), under phase ``forward``;
-* a wrapper around ``torch.autograd.backward`` (which ``Tensor.backward`` calls): the root the
-  script passes to ``backward()``, under phase ``backward`` as ``root`` (a metric with its exact
-  bits when it has one element, else a tensor; ``root.K`` for the K-th of several roots in one
-  call, and one occurrence per call, e.g. per micro-batch).  Plain loops whose model returns
-  logits, not a loss, are recorded down to the loss this way;
-* the recorder's own atexit close.
+The state census (``state``, ``inputs``, ``state_end``, and ``restored.*`` in a process's first
+step) goes to the census stream ``SAMEBITS_DIR/state`` (docs/checkpoint.md, "The state
+census"; docs/resume.md); generator events to ``state/events-rank-N.jsonl``; `note` lines to
+``notes-rank-N.jsonl``.  With ``SAMEBITS_REFERENCE`` set, the first step whose root differs
+stops the process with `EXIT_STOPPED` and ``stopped.json``.
 
-Besides the records, every process that recorded leaves an outcome file saying how its own
-code ended (clean, an uncaught exception, or stopped by the live check; see `_outcome`), so
-that a launcher never takes a crashed training run for a finished one.
-
-The *state census* goes into its home, the census stream in ``SAMEBITS_DIR/state``
-(`samebits.checkpoint.census_recorder`, as for every recorder): not part of the verdict (an
-unused, unseeded Python RNG differs between any two runs), but what names the missing state
-when a run differs.  Per step:
-
-* ``state`` at the step's first top-level *training* forward (grad enabled; at the step's end
-  if it has none): every RNG state, every optimizer, LR scheduler and GradScaler the program
-  has made (tracked from their construction, see `_tracking`: a resumed process that forgot
-  to restore one still has it in its census), every torch/NumPy generator it made (named by
-  creation site), each DataLoader's position.  An evaluation forward before it (no grad:
-  litgpt's and Lightning's validation, a resumed process's sanity check) comes before the
-  loop sets the step's learning rate, and is not the step;
-* ``inputs``: the tensor arguments of each top-level forward from the training forward on
-  (the batch);
-* ``state_end`` after the step's optimizer step: the generators again (a generator whose
-  state did not move during a step cannot explain that step);
-* in a process's first step only, ``restored.params`` and ``restored.optimizer``:
-  parameters and optimizer state as the step begins, named as the main stream names them:
-  a resumed process's, to compare with the uninterrupted run's records of the step before;
-  a fresh process's, its initial parameters (unseeded initial weights differ there).
-
-Events on the global generators (restores, seeds, draws by data-loader iterators) go to
-``state/events-rank-NNNNN.jsonl``, and the lines samebits' callbacks say to
-``notes-rank-NNNNN.jsonl`` in the run directory.
-
-With ``SAMEBITS_REFERENCE`` set, each step's root is checked against the reference run as
-it is written; at the first step that differs the process says so on stderr, leaves
-``stopped.json`` in its run directory and exits with code 3 (`EXIT_STOPPED`).
-
-Fail-safe: every hook runs samebits' own work inside `samebits.stream.gaps.guard`, so an exception of
-samebits' never reaches the program; what could not be recorded is a gap (``gaps-rank-N.jsonl``)
-and a verdict touching it is INCOMPLETE.  Only the program's eager training step is recorded:
-a recompute during backward (activation checkpointing), functorch transforms, dynamo traces,
-exports and fake tensors are not.  A container optimizer (torchtitan's, accelerate's) is
-recorded once, at its own step, with its inner optimizers' state; a zero-LR step that only
-creates the optimizer state (a checkpoint load's) is not a training step.
-
-Parameter names come from the top-level modules that ran forward (their
-``named_parameters``); a parameter no module claims is named ``group{g}.param{i}``.
-What to record comes from the ``SAMEBITS_*`` variables of `samebits.settings.RecordingSpec`
-(`recording_variables` writes them for a command), where from ``SAMEBITS_DIR``, plus
-``SAMEBITS_STEP_OFFSET`` (the first step number, for a resumed process) and
-``SAMEBITS_REFERENCE`` (a run to check each step against, live).  When a
-``SAMEBITS_TRACE*`` variable is set, divergence tracing (`samebits.trace`) is installed
-too; its steps are the same optimizer-step counts.
+Fail-safe: every hook runs samebits' work inside `samebits.stream.gaps.guard`; an exception of
+ours becomes a gap, never the program's.  Only the eager training step is recorded (no
+recompute in backward, functorch transform, dynamo trace, export or fake tensor).  Settings:
+`samebits.settings.RecordingSpec` (`recording_variables`), ``SAMEBITS_DIR``,
+``SAMEBITS_STEP_OFFSET``, ``SAMEBITS_REFERENCE``; ``SAMEBITS_TRACE*`` installs `samebits.trace`.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """How each recorded process's own code ended, written next to its stream for the launcher.
 
-A process's exit code alone cannot tell "the training raised at step 3" from "the training
-finished, then the interpreter crashed while tearing down": both are non-zero, and in both
-the recorder's atexit close leaves complete-looking streams.  So every process that recorded
-writes ``outcome-rank<R>-pid<P>.json`` into its run directory when its Python code ends:
-
-* ``"clean"``: the interpreter reached its exit handlers with no uncaught exception;
-* ``"exception"``: an uncaught exception ended it (its type, message and traceback tail);
-* ``"stopped"``: the live check stopped it at a step that differs from the reference.
-
-The launcher (`samebits.runs._launch`) reads these files: only a run whose every process ended
-``clean`` with its streams closed, and whose non-zero exit came from a signal after that,
-may keep its records.  The file is written atomically (temp file, then rename).
+An exit code cannot tell "raised at step 3" from "finished, then crashed in teardown", and
+both leave complete-looking streams.  So each process that recorded writes
+``outcome-rank<R>-pid<P>.json`` atomically as its code ends: ``clean``, ``exception`` (with
+the traceback tail) or ``stopped`` (the live check).  `samebits.runs._launch` keeps a run's
+records only when every process ended ``clean`` with its streams closed.
 """
 
 from __future__ import annotations

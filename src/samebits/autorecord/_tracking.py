@@ -1,34 +1,16 @@
 """Training state a process creates, seen from its creation: what the census needs.
 
-Zero-code recording cannot wait for an optimizer's first ``step()`` to learn of it: a resumed
-process whose ``load_state_dict`` was forgotten would then have no optimizer in its census at
-the resume step, and a missing record names nothing.  `install_tracking` watches the
-construction of every kind of training state, once per process:
+The census cannot wait for an optimizer's first ``step()``: a resumed process that forgot a
+``load_state_dict`` would have no optimizer in its census at the resume step.  `install_tracking`
+watches the construction of optimizers, LR schedulers, GradScalers, torch and NumPy generators
+(named by creation site, ``train.py:30``) and every DataLoader and its iterators (the position
+in the epoch), and logs *events* on the global generators (initial state, restores, seeds, draws
+by a loader's iterator) for verify's explanation.
 
-* ``torch.optim.Optimizer``, ``LRScheduler`` and ``torch.amp.GradScaler`` (their ``__init__``;
-  the deprecated ``torch.cuda.amp.GradScaler`` calls it too);
-* ``torch.Generator`` and ``numpy.random.default_rng``: generators are named by creation site
-  (``train.py:30``);
-* every ``torch.utils.data.DataLoader``, subclasses included (torchdata's
-  ``StatefulDataLoader`` never calls ``DataLoader.__init__``): its creation site, and its
-  iterators, whose ``_num_yielded`` is the position in the epoch (restored by a stateful
-  loader's ``load_state_dict``).
-
-It also keeps a short log of *events* on the global generators: each one's state as the
-process starts (``initial``), a restore or a seed
-(``torch.set_rng_state``, ``torch.manual_seed``, ``random.setstate``, ``np.random.set_state``,
-...) with the digest of the state it set, and a draw by a data loader's iterator (creating it
-draws a base seed; its first batch draws the sampler's seed).  The verify explanation reads
-them to say "restored at train.py:58, then drawn from by the DataLoader iterator made at
-train.py:70".
-
-The program must not be able to tell (issue 33): ``torch.Generator`` stays torch's own class
-(its metaclass's ``__call__`` notes each one made), nothing is stored on the program's
-objects (what tracking knows lives here, keyed by ``id`` and held weakly: a generator made in
-a step, and a NumPy generator, which cannot be held weakly, live at most to the step's census,
-nothing else is kept alive), and every wrapper calls the original outside `guard`, so that
-samebits' own failures become gaps and the program's exceptions and results pass through
-unchanged.
+The program must not be able to tell (issue 33): ``torch.Generator`` stays torch's class, nothing
+is stored on the program's objects (all is here, keyed by ``id``, held weakly where possible), and
+every wrapper calls the original outside `guard`, so samebits' failures become gaps and the
+program's exceptions and results pass through unchanged.
 """
 
 from __future__ import annotations

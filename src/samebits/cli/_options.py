@@ -1,19 +1,6 @@
-"""Option groups shared by several commands: one definition each, so every command that
-takes an option spells, documents, defaults and checks it the same way.
-
-* `add_recording_options`: what to record (`run`, `verify`);
-* `add_recipe_options`: the reference recipe's size and config (`verify`, `bisect`, `tax`, `matrix`);
-* `add_out_option`, `add_run_timeout_option`, `add_stop_after_option`: where a command that
-  launches runs writes, how long one run may take, and after which step a program is ended;
-* argparse types that check a value before any work starts, and say the valid range:
-  `positive_int` (counts), `step_number` (steps, ranks, offsets), `rank_count` (processes of
-  one run), `positive_float` (timeouts, ratios), `open_unit_interval` (a confidence), `int_range`;
-* `check_input_file`, `check_input_directory`, `check_out_directory`: what a command reads must
-  exist and be a regular file (a FIFO in place of a stream would hang the reader, a device would
-  feed it forever), what it writes into must be new or empty; checked before the library (and
-  torch, seconds) is loaded, so that a mistyped path is refused at once;
-* `add_progress_options`, `progress_for`: ``-q`` and ``--stall-factor``, and the live progress
-  of a command that launches runs (`samebits.runs.progress`).
+"""Option groups and argparse types shared by several commands: one definition each, so every
+command spells, documents, defaults and checks an option the same way.  Paths are checked here,
+before the library (and torch, seconds) loads, so a mistyped path is refused at once.
 """
 
 from __future__ import annotations
@@ -99,10 +86,8 @@ def file_kind(mode: int) -> str:
 
 
 def check_input_file(path: str | os.PathLike, what: str) -> None:
-    """Raise `ConfigError` when ``path`` exists but is not a regular file (after symbolic links):
-    reading a FIFO blocks until a writer comes, a device never ends.  ``what``: what was
-    expected, e.g. "a fingerprint stream".  A path that does not exist, or cannot be looked at,
-    is left to the reader, which says so in its own words."""
+    """Raise `ConfigError` when ``path`` exists but is not a regular file: a FIFO blocks the
+    reader, a device never ends.  A missing path is left to the reader's own words."""
     try:
         mode = os.stat(path).st_mode
     except (OSError, ValueError):
@@ -112,13 +97,9 @@ def check_input_file(path: str | os.PathLike, what: str) -> None:
 
 
 def check_input_directory(path: str | os.PathLike, depth: int = 0) -> None:
-    """Refuse, before the library (and torch) is loaded, a ``path`` that cannot be what the
-    command reads: a path that does not exist, or is no directory; with ``depth`` 0 (a run
-    directory) one that holds no stream (``rank-NNNNN.sbs``).  Then `check_input_file` for
-    every stream and JSON file (a summary, a stop marker, an outcome, a trace) in it and,
-    ``depth`` levels down, in its subdirectories (an output directory holds runs ``a``, ``b``,
-    ``c``, stages and cells).  A directory that cannot be listed is left to the reader, which
-    says why in its own words."""
+    """Refuse a ``path`` that is missing, no directory, or (``depth`` 0: a run directory) holds
+    no stream; then `check_input_file` each stream and JSON file in it and, ``depth`` levels
+    down, in its subdirectories (an output directory's runs, stages and cells)."""
     path = Path(path)
     what = "run directory" if depth == 0 else "directory"
     try:
@@ -169,9 +150,8 @@ def _holds_streams(path: Path) -> bool:
 
 
 def check_out_directory(out: str | os.PathLike | None, option: str = "--out") -> None:
-    """Refuse, before the library is loaded, an output folder that is a file or holds anything
-    (samebits never writes over runs): the check `samebits.runs.commands.check_out_dir` makes
-    again when the command runs, made here without importing torch.  None: the default folder."""
+    """Refuse an output folder that is a file or not empty (samebits never writes over runs),
+    without importing torch; `samebits.runs.commands.check_out_dir` checks again later."""
     if out is None:
         return
     out = Path(out)
@@ -184,11 +164,8 @@ def check_out_directory(out: str | os.PathLike | None, option: str = "--out") ->
 
 def add_recipe_options(parser: argparse.ArgumentParser, *, steps: int, nproc: int | None = None,
                        nondeterministic: bool = False) -> None:
-    """The reference recipe's options, for a command that runs it when given no command of the
-    user's: ``--steps`` (default ``steps``), ``--nproc`` (when ``nproc`` is given: its default),
-    ``--set KEY=VALUE`` (``args.overrides``) and, with ``nondeterministic``, the recipe's
-    nondeterministic path, which the command must catch.  Each one given is noted
-    (``args.recipe_options_given``): with a command of the user's, `refuse_recipe_options` refuses it."""
+    """The reference recipe's ``--steps``, ``--nproc``, ``--set`` and ``--nondeterministic``; each
+    one given is noted in ``args.recipe_options_given`` for `refuse_recipe_options`."""
     group = parser.add_argument_group("the reference recipe (when no command is given)")
     group.add_argument("--steps", type=positive_int, default=steps, metavar="N", action=_noted(_StoreAction),
                        help=f"recipe: training steps per run (default {steps})")
@@ -232,9 +209,7 @@ def refuse_recipe_options(args: argparse.Namespace) -> None:
 
 def add_stop_after_option(parser: argparse.ArgumentParser, what: str = "end every run after this step (long "
                           "commands)") -> None:
-    """``--stop-after STEP``: end the program after that step (its steps numbered from 0; 0 ends
-    it after one step).  One name, one meaning in every command: ``--steps`` counts the
-    reference recipe's training steps, never where a program of the user's stops."""
+    """``--stop-after STEP`` (from 0): where a program is ended; ``--steps`` is the recipe's count."""
     parser.add_argument("--stop-after", type=step_number, default=None, metavar="STEP", help=what)
 
 
@@ -253,9 +228,7 @@ def add_run_timeout_option(parser: argparse.ArgumentParser,
 
 
 def add_recording_options(parser: argparse.ArgumentParser) -> None:
-    """What to record: one option per field of `samebits.settings.RecordingSpec`, which declares
-    each with its SAMEBITS_* variable, default, check and help (docs/settings.md).  The step
-    window is ``--record-steps`` in every command (``--steps`` counts the recipe's training steps)."""
+    """One option per `samebits.settings.RecordingSpec` field; the step window is ``--record-steps``."""
     RecordingSpec.add_to_argparse(parser, flags={"steps": "--record-steps"})
 
 
@@ -272,8 +245,7 @@ MIN_STALL_HELP = "30"  # samebits.runs.progress.MIN_STALL_S
 
 
 def add_progress_options(parser: argparse.ArgumentParser) -> None:
-    """``-q/--quiet`` (no progress lines on stderr) and ``--stall-factor N`` (when a run that
-    writes no step is reported), for a command that launches training runs."""
+    """``-q/--quiet`` and ``--stall-factor N``, for a command that launches training runs."""
     group = parser.add_argument_group("progress (on stderr)")
     group.add_argument("-q", "--quiet", action="store_true",
                        help="print no progress: no stage lines and no live step lines (a stalled run is still "
@@ -284,7 +256,7 @@ def add_progress_options(parser: argparse.ArgumentParser) -> None:
 
 
 def progress_for(args: argparse.Namespace):
-    """The `samebits.runs.progress.Progress` of a command that took `add_progress_options`: its
-    lines on stderr after the elapsed time, terminal-safe (`escape`), a status line on a terminal."""
+    """The `samebits.runs.progress.Progress` for `add_progress_options`' options, terminal-safe."""
+
     options = {} if args.stall_factor is None else {"stall_factor": args.stall_factor}
     return Progress(quiet=args.quiet, clean=lambda text: escape(text, keep_newlines=True), **options)

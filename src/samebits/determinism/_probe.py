@@ -1,30 +1,12 @@
-"""The empirical probe: run every op several times and report the ops whose outputs differ.
+"""The empirical probe: run every op several times and report the ops whose outputs differ
+(docs/determinism.md, "The probe": the miss bound, what it cannot see).
 
-Under `Probe`, a `TorchDispatchMode` executes each op as one or more trials and once for
-real, then compares every execution with the first trial bit for bit (integer views of
-the bits, so NaNs compare equal to themselves and -0.0 differs from 0.0).  One comparison
-says little about a race, so each op is repeated until it has been compared `comparisons`
-times (default 10) per input signature (op name, dtypes, shapes, strides, devices and
-non-float arguments: what picks the kernel and its parallel split): the first call of a
-signature runs that many trials, later calls one.  If a race gives other bits than the
-op's most common result in a fraction p of its executions, independently, all n
-executions of a call agree with probability sum_x P(x)^n <= max_x P(x)^(n-1) <= (1-p)^(n-1),
-so an op compared C times in all is missed with probability <= (1-p)^C (`miss_bound`).
-Ops run once, never compared (views, uninitialised outputs, other namespaces, tensor
-subclasses), are listed with the reason (`ProbeReport.not_compared`).
-
-Inputs the op writes (in-place and ``out=`` ops) are cloned for each trial, keeping their
-strides (and storage sharing between them); read-only inputs are shared, since no
-execution changes them.  The real execution runs last on the program's own tensors, so
-the program sees exactly one execution.  Random ops (tagged ``nondeterministic_seeded``)
-run with the generator states saved before the first trial and put back before each later
-execution: all consume the same randomness and the program's RNG advances exactly as
-without the probe.
-
-Each finding names the op, the module scope (forward: global module hooks; backward:
-the module whose forward created the autograd node now running, `samebits._torchutil.AutogradScopes`), the call site (first
-frame outside torch and samebits) and how many elements differed.  Differences are
-counted on the device and read back in batches, not once per op.
+Under `Probe`, a `TorchDispatchMode` runs each op as trials and once for real, comparing bits
+(integer views: NaN equals itself, -0.0 differs from 0.0) until each input signature has been
+compared `comparisons` times.  Written inputs are cloned per trial, random ops replay the same
+generator states, and the real execution runs last on the program's tensors, so the program
+sees exactly one execution and its RNG advances as without the probe.  Differences are counted
+on the device and read back in batches.
 """
 
 from __future__ import annotations

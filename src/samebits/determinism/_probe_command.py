@@ -1,19 +1,10 @@
 """`samebits probe -- CMD`: run a command with the probe started in its Python processes.
 
-Why a subprocess with an injected ``sitecustomize`` rather than ``runpy`` in the CLI
-process: the command runs exactly as the user wrote it (its own interpreter, ``-m``,
-launchers such as torchrun, its exit code), every Python process it starts (each rank)
-is probed and writes its own findings, and the CLI never imports the user's code.
-
-Parent side (`probe_command`): run the command with `samebits._inject` first on
-PYTHONPATH and a temporary findings directory in ``SAMEBITS_PROBE_DIR`` (holding
-``options.json``: the comparisons per op signature), then read one ``process-PID.json``
-per probed process and merge them: findings, the ops not compared, and the fewest
-comparisons of any clean op signature, on which the verdict's bound rests.  Child side
-(`start`, called from the injected sitecustomize): enter a `Probe` for the rest of the
-process, save findings as they appear (so a crash keeps them) and at exit, and with a
-step limit stop the program after N optimizer steps.  Forked children (DataLoader
-workers) run unprobed; spawned ones are probed like any process.
+A subprocess with an injected ``sitecustomize`` (not ``runpy``) runs the command as written
+(launchers, ``-m``, its exit code), probes every Python process it starts and never imports
+the user's code into the CLI.  Parent (`probe_command`): sets ``SAMEBITS_PROBE_DIR``, then
+merges one ``process-PID.json`` per probed process.  Child (`start`): enters a `Probe` for the
+rest of the process and saves findings as they appear (a crash keeps them).
 """
 
 from __future__ import annotations

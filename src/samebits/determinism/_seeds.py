@@ -1,32 +1,7 @@
 """The seed rule: every seed of a run is derived from one base seed and the rank coordinates
-that the seed's purpose must vary with.
-
-A rank's coordinates are a mapping from a parallel axis to its index on that axis, e.g.
-``{"dp": 1, "tp": 0, "pp": 0, "ep": 1}``; the axes are the program's own, and a purpose
-ignores the axes it does not vary with, so a caller always passes all of its coordinates
-(an axis the table does not name, say ``"cp"``, changes no built-in purpose's seed).
-
-=========  ===============================  ==========================================
-purpose    varies with                      why
-=========  ===============================  ==========================================
-init       nothing (same on every rank)     every DP replica starts from the same
-                                            weights; shards slice one global init, so
-                                            TP/PP/EP layout does not change the values
-data       dp                               each data-parallel replica samples its own
-                                            batches; its TP/PP/EP peers see the same ones
-dropout    dp, pp                           masks over replicated activations must match
-                                            across TP ranks; stages hold different layers
-dropout_tp dp, pp, tp                       masks over TP-sharded activations differ per
-                                            shard (Megatron's model-parallel RNG tracker)
-expert     dp, pp, ep, tp                   expert ranks hold different experts and tokens
-                                            (Megatron's expert-parallel RNG)
-=========  ===============================  ==========================================
-
-Another purpose names its axes itself (``varies_with=("dp", "cp")``).  A derived seed is
-the first 63 bits of SHA-256 over the rule version, the base seed, the purpose and the
-coordinates it varies with, each written ``<axis>_rank=<index>`` (an axis not given is 0).
-Hashing (not ``base + 100 * rank``) keeps the streams of different purposes and ranks from
-overlapping.
+that the seed's purpose must vary with (docs/determinism.md, "The seed rule", has the table of
+purposes and why).  Hashing (not ``base + 100 * rank``) keeps the streams of different
+purposes and ranks from overlapping.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
-"""`SamebitsCallback` for the Hugging Face `transformers.Trainer`.
+"""`SamebitsCallback` for the Hugging Face `transformers.Trainer` (docs/integrations.md).
 
-    from samebits.integrations.hf import SamebitsCallback
-    trainer = Trainer(model, args, train_dataset=ds, callbacks=[SamebitsCallback("runs/a")])
-
-Per optimizer step (the Trainer's ``global_step``: gradient accumulation counts once) and per
-rank (under ``torchrun`` or ``accelerate launch``), it records the micro-batch losses (the
-``loss`` the model returns) and their mean, the learning rate, the norm of the gradients the
-optimizer used, and the digests of parameters, gradients and optimizer state.  With
-``resume_from_checkpoint`` the numbering continues at the checkpoint's step and the stream
-is appended to, so ``samebits diff A B --from-step K`` compares a resumed run with an
-uninterrupted one.  The Trainer's checkpoints already hold every random state and the data
-position, so a resume is exact without help (tested).
-
-Under ``samebits run`` / ``samebits verify`` (zero-code recording) this process is already
-recorded; the callback then records nothing, says so once, and stays out of the way.
+Records per optimizer step (``global_step``) and rank; a resumed run continues the numbering
+and appends to its stream.  Under zero-code recording the process is already recorded: the
+callback records nothing, says so once, and stays out of the way.
 """
 
 from __future__ import annotations

@@ -1,27 +1,9 @@
 """`SamebitsCallback` for Lightning 2.x: recording, and random states that make resume exact.
 
-    from samebits.integrations.lightning import SamebitsCallback
-    trainer = lightning.Trainer(..., callbacks=[SamebitsCallback("runs/a")])
-
-Recording: per optimizer step (``trainer.global_step``) and per rank, the losses
-``training_step`` returned (each micro-batch under gradient accumulation, and their mean),
-the learning rate, the norm of the gradients the optimizer used, and the digests of
-parameters (full names: ``net.0.weight``), gradients and optimizer state.  ``out=None`` and no
-``SAMEBITS_DIR``: no recording, only the random states below.
-
-Exact resume: a Lightning checkpoint holds no random state, so a resumed run draws other
-dropout masks and, at an epoch start, another shuffle order than the run it continues (it
-differs at the first step after the resume).  The callback stores every random state
-(Python, NumPy, torch CPU and CUDA) in the checkpoint twice, as it was when the epoch began
-(before the data loader drew its order) and as it was at the save, and restores them at the
-same points of the resumed run.  Data position: a checkpoint taken at the end of an epoch
-resumes exactly; one taken in the middle of an epoch resumes exactly only with a resumable
-data loader (``state_dict``/``load_state_dict``, e.g. torchdata's ``StatefulDataLoader``),
-which Lightning restores; with a plain ``DataLoader`` Lightning restarts the epoch, and the
-callback says that this resume cannot be exact.
-
-Under ``samebits run`` / ``samebits verify`` (zero-code recording) the process is already
-recorded; the callback then only keeps the random states.
+Records per optimizer step and rank (docs/integrations.md, "What is recorded").  A Lightning
+checkpoint holds no random state, so the callback stores every random state twice (as at the
+epoch's start and as at the save) and restores them at the same points of the resumed run
+(docs/integrations.md, "Resume").  Under zero-code recording it only keeps the random states.
 """
 
 from __future__ import annotations

@@ -1,24 +1,9 @@
 """The recipe's parallel layout: its axes (`AXES`, the one table), its sizes (`ParallelDims`)
-and their one-word names (cells).
-
-A cell is ``-``-joined parallel sizes, each at most once: ``dpN`` plain data parallel
-(experts replicated), ``fsdpN`` FSDP2 sharding, ``tpN`` tensor parallel, ``ppN`` pipeline
-stages, ``epN`` expert parallel over N data-parallel replicas (implies ``dpN``); or
-``single`` (one rank).  Every size not named is 1, so a cell fixes the whole layout.  The
-sizes are the recipe's config fields (``pp``, ``dp_replicate``, ``dp_shard``, ``tp``,
-``ep``): the recipe's ``--cell`` reads this grammar, and `samebits matrix` (through
-`samebits.recipes.commands`) passes a cell to the recipe as those ``--set`` overrides.
-
-    parse_cell("tp2-dp2")                 # {"pp": 1, "dp_replicate": 2, "dp_shard": 1, "tp": 2, "ep": 1}
-    dims = ParallelDims.parse("tp2-dp2")  # world_size 4, dp 2, name "tp2-dp2"
-    dims.overrides()                      # ["pp=1", "dp_replicate=2", "dp_shard=1", "tp=2", "ep=1"]
-    cell_name(dims)                       # "tp2-dp2": the canonical name
+and their one-word names (cells: ``tp2-dp2``, ``single``; docs/matrix.md).
 
 Everything that names the axes reads `AXES`: the grammar, the mesh (`parallelize.py`), the
-rank coordinates (seeds, stream header) and `verify --across`, which sets each split axis's
-layout-invariant switch or refuses the layout with the axis's refusal (an axis with
-neither is refused too).  This module loads no torch: the command line reads cells without
-starting the library.
+rank coordinates and `verify --across`, which sets each split axis's layout-invariant switch
+or refuses it.  This module loads no torch: the command line reads cells without the library.
 """
 
 from __future__ import annotations

@@ -1,23 +1,6 @@
 """Command line of the reference recipe (`python -m samebits.recipes`): parse, call `train`,
-print.
-
-    python -m samebits.recipes --steps 20                      # one process
-    torchrun --nproc_per_node 2 -m samebits.recipes --steps 20 # DP + EP over 2 ranks
-    python -m samebits.recipes --steps 20 --out runs/a         # record streams
-    python -m samebits.recipes --steps 20 --out runs/b --reference runs/a  # live check
-    python -m samebits.recipes --steps 20 --save-at 10 --ckpt ckpt        # save, exit
-    python -m samebits.recipes --steps 20 --save-at 10 --ckpt ckpt --keep-going  # save, go on
-    python -m samebits.recipes --steps 20 --save-at 10,20 --ckpt ckpt --keep-going  # save twice
-    python -m samebits.recipes --steps 20 --resume-from ckpt                # continue
-    python -m samebits.recipes --steps 20 --resume-from ckpt --allow-layout-change \
-        --set grad_reduce=invariant --set ep=1            # continue a dp2 checkpoint on one rank
-    python -m samebits.recipes --preset nondeterministic --set seed=3
-    torchrun --nproc_per_node 4 -m samebits.recipes --cell tp2-dp2 --steps 3  # a parallel cell
-
-Rank 0 prints one line per step: the loss averaged over ranks (and its float32 bits, to
-compare runs by eye), its parts, the gradient norm, the learning rate and the step time.
-Exit codes: 0 done (or saved), 2 could not run (bad option or config), 3 stopped because a
-step diverged from the `--reference` run.
+print.  Options, examples and exit codes (0 done or saved, 2 could not run, 3 stopped at a
+step that differs from ``--reference``) are in docs/recipe.md.
 """
 
 from __future__ import annotations

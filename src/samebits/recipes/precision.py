@@ -1,19 +1,10 @@
 """Training precisions of the reference recipe: bf16, FP8 (tensorwise, delayed), MXFP8, NVFP4.
 
-`apply_precision(model, cfg)` converts the model before it is parallelised (as torchtitan
-converts before it shards) and returns a `Precision`: the autocast context of the forward,
-the module state a bitwise resume must restore (FP8 delayed scaling's amax histories), and
-the GEMM path that ran (`native`, `scaled_mm` or `emulated`, resolved when the config is
-built).  Which linears go low-precision: every `nn.Linear` of attention, the dense MLPs and
-the MTP projection; the MoE router, the output layer and the experts' grouped GEMMs stay in
-the parameters' dtype (the precision-sensitive ends, as in torchtitan's default filter).
-
-docs/recipe.md ("Precision") has the table of what each precision runs, the GEMM paths and
-FP8 delayed scaling, which is ours (torchao 0.18 removed it): per-linear amax histories
-for input, weight and output gradient, in `state_dict` as the linear's extra state (left
-out by the planted fault `fp8_save_amax_history=False`).  Only the NVFP4 training recipe's
-core is emulated (1-D 16-element blocks, round-to-nearest-even); its random Hadamard
-transform and stochastic rounding of gradients are left out (both need RNG state).
+`apply_precision` converts the model before it is parallelised (as torchtitan converts before
+it shards) and returns a `Precision`: the forward's autocast context, the module state a
+bitwise resume must restore (FP8 delayed scaling's amax histories) and the GEMM path that ran.
+Attention, dense MLP and MTP linears go low-precision; the router, output layer and experts
+stay in the parameters' dtype.  docs/recipe.md ("Precision") has the rest.
 """
 
 from __future__ import annotations

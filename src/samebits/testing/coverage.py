@@ -1,25 +1,8 @@
 """Kernel and op coverage: every kernel a package defines has a byte test, recorded in a manifest.
 
-A kernel is a Triton ``@triton.jit`` function, a ``torch.library`` custom op
-(``@torch.library.custom_op("ns::name")``, ``@torch.library.triton_op``,
-``torch.library.define("ns::name", ...)``) or an autograd ``Function`` subclass.  They are
-found by parsing the package's sources with `ast` (nothing is imported, Triton need not be
-installed).  The team keeps a manifest, ``kernel-coverage.toml`` inside the package:
-
-    [manifest]
-    root = "../../.."           # paths below are relative to this folder (relative to the manifest)
-
-    [[kernel]]
-    name = "src/mypkg/ops.py::_fused_kernel"
-    kind = "triton"
-    tests = ["tests/test_ops.py::test_fused_kernel_bitwise"]
-    kernel_hash = "..."          # written by `samebits coverage --update`
-    tests_hash = "..."
-
-`check_coverage` fails (FAIL) when a kernel has no entry, an entry's test does not exist, an
-entry names a kernel that is gone, or a hash is not the recorded one: a kernel whose source
-changed while its tests did not is "changed without its test changing"; any other change
-needs ``--update`` (which refuses to record a kernel change whose tests did not change).
+Kernels (Triton ``@triton.jit`` functions, ``torch.library`` custom ops, autograd ``Function``
+subclasses) are found by parsing the sources with `ast` (nothing imported); the manifest
+``kernel-coverage.toml`` and what `check_coverage` fails on are in docs/testing.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """The samebits pytest plugin (entry point ``pytest11: samebits``): byte tests in your test suite.
 
-    @pytest.mark.bitwise(runs=3, threads=[1, 2])
-    def test_my_layer():
-        layer = MyLayer(64)                        # built inside: every run gets a fresh one
-        x = torch.randn(8, 64, requires_grad=True)
-        return layer(x), layer, x                  # outputs; gradients of layer's parameters and x
-
-The marked test is run ``runs`` times at each thread count from the same RNG state; what it
-returns (outputs, modules, inputs) is back-propagated with fixed cotangents and every output,
-gradient, parameter and buffer is compared bit for bit.  ``samebits_golden`` checks digests
-against a file next to the test.  Options (shared with the CLI, `samebits.testing._options`):
-``--samebits-update``, ``--samebits-contention``, ``--samebits-runs N``, ``--samebits-coverage
-PKG``, ``--samebits-manifest FILE``.  The terminal summary says what was byte-tested.
+``@pytest.mark.bitwise(runs=3, threads=[1, 2])`` runs a test that returns (outputs, modules,
+inputs) several times from the same RNG state and compares every output, gradient, parameter
+and buffer bit for bit; ``samebits_golden`` checks digests against a file.  Options and usage:
+docs/testing.md, "The pytest plugin".
 """
 
 from __future__ import annotations

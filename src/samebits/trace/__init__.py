@@ -1,27 +1,9 @@
 """Divergence tracing: find the op where two runs first part, and say whether it is the origin.
 
-Rungs, cheapest first, all written into the run's ordinary per-rank streams
-(docs/tracing.md has the record layout, the ids and what each rung cannot see):
-
-    1 phases   forward/backward/reduce/optimizer boundaries, every torch.distributed
-               collective (inputs before, outputs after completion), gradients after
-               reduction, optimizer state after the step, the parameters at the first step
-    2 modules  forward and backward of every module by FQN and call number (recomputation
-               marked), parameter gradients as they are accumulated; probes (rung 4)
-    3 ops      every ATen op's inputs and outputs, ids ``scope/op:n`` (TorchDispatchMode)
-
-Explicit training loop (what the reference recipe does)::
-
-    tracer = samebits.trace.attach_from_env(model, recorder)   # off unless SAMEBITS_TRACE=...
-    for step in range(start, steps):
-        with tracer.step(step):
-            train_step(step)                                    # calls recorder.end_step(step)
-
-Zero-code recording (``samebits run``, ``samebits bisect -- CMD``) installs the same tracer
-from the same ``SAMEBITS_TRACE*`` variables.  Then compare two traced runs::
-
-    report = samebits.trace.find_origins("runs/a", "runs/b")   # OriginFindings, earliest first
-    result = samebits.runs.bisect.bisect(["python", "train.py"])      # narrows rung by rung (runs layer)
+Rungs, cheapest first (phases, modules, ops), all written into the run's ordinary per-rank
+streams; docs/tracing.md has the record layout, the ids and what each rung cannot see.
+`attach_from_env` gives an explicit loop its tracer (off unless ``SAMEBITS_TRACE=...``),
+zero-code recording installs the same one, and `find_origins` compares two traced runs.
 """
 
 from __future__ import annotations

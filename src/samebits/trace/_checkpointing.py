@@ -1,21 +1,10 @@
 """A checkpoint library's own work is not the training: tracing leaves it out.
 
-`torch.distributed.checkpoint` (DCP) coordinates the ranks of a save or a load with
-collectives of its own and copies tensors to stage them; its save broadcasts a fresh random
-``save_id`` every run, so two bit-identical trainings that checkpoint differ in it (issue 33:
-bisect called a repeatable run "not repeatable").  None of it is compared:
-
-* a collective issued from DCP's code is passed through untraced (`issued_by_checkpointing`,
-  a walk of the caller's frames: it finds `async_save`'s background planning too, and
-  collectives are few enough per step for a walk each);
-* DCP's entry points (``save``, ``async_save``, ``load`` and their deprecated names
-  ``save_state_dict``, ``load_state_dict``) run inside `Tracer.suspended()`, so their tensor
-  ops (rung 3) are neither traced nor counted: patched while a tracer exists, once DCP is
-  imported (`patch` is called at every step start, one dictionary lookup until then).
-
-A save or load reached through a name imported before the patch (``from
-torch.distributed.checkpoint import save``) runs its ops traced; its collectives are still
-left out.
+`torch.distributed.checkpoint` (DCP) broadcasts a fresh random ``save_id`` every save, so two
+bit-identical trainings that checkpoint would differ in it (issue 33).  A collective issued
+from DCP's code passes through untraced (`issued_by_checkpointing`, a walk of the caller's
+frames), and DCP's entry points run inside `Tracer.suspended()` once DCP is imported (`patch`).
+A save reached through a name imported before the patch runs its ops traced.
 """
 
 from __future__ import annotations

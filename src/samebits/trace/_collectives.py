@@ -1,21 +1,10 @@
 """Rung 1: every `torch.distributed` collective, recorded around the call.
 
-The functions of ``torch.distributed`` (and their aliases in ``distributed_c10d``) are
-replaced by wrappers while a tracer exists.  ``torch.distributed.nn.functional`` calls
-them through the module, so its differentiable collectives (forward and backward) are
-seen too.  A wrapper records the inputs *before* the call and the outputs *after it
-completes*: at return for a blocking call, at ``wait()`` for ``async_op=True`` (outputs
-read earlier would be in-flight buffers).  An in-place collective's input digest is taken
-before the call, so it sees the input; on an accelerator the digest kernel is queued on
-the current stream before the collective, which waits for that stream, so no copy is
-needed.  Code that imported a collective by name before tracing started (``from
-torch.distributed import all_reduce``) and collectives issued from C++ (DDP's reducer) are
-not seen; the gradients after reduction are recorded at the optimizer step anyway.
-Collectives of a checkpoint library's save or load (`torch.distributed.checkpoint`) are not
-the training's and are passed through untraced (`samebits.trace._checkpointing`).
-
-Ids: ``<group>/<collective>:<n>``, group ``world`` or ``group<r0>-<r1>...``; n counts that
-collective on that group in the step, so every rank of the group gives it the same id.
+While a tracer exists the functions of ``torch.distributed`` (and ``distributed_c10d``) are
+wrapped: inputs are recorded *before* the call, outputs *after it completes* (at return, or at
+``wait()`` for ``async_op=True``).  A collective imported by name before tracing, or issued
+from C++ (DDP's reducer), is not seen; a checkpoint library's are passed through
+(`_checkpointing`).  Ids: ``<group>/<collective>:<n>``, the same on every rank of the group.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
-"""Tracing settings (`TraceConfig`), their environment variables, and the record naming scheme.
+"""Tracing settings (`TraceConfig`), their ``SAMEBITS_TRACE*`` variables, and the record names.
 
-Settings reach child processes (torchrun workers, zero-code recording) through the
-``SAMEBITS_TRACE*`` variables (and the test hook ``SAMEBITS_TEST_PERTURB``), declared with
-their meaning in `samebits.settings` and listed in docs/settings.md; `TraceConfig.from_env()`
-reads them, `TraceConfig.to_env()` writes them.
-
-Record naming.  Every traced record has phase ``trace:<category>:<training phase>`` and name
-``<event id>|<role>:<label>``; role is ``in`` (recorded before or as the event starts) or
-``out``.  Categories: ``state``, ``phase``, ``collective``, ``module``, ``op``, ``probe``.
-Training phases: ``pre`` (a step's work before its first forward, backward or optimizer step:
-the previous iteration's logging, a resumed process's start-up), ``forward``, ``backward``,
-``recompute``, ``reduce`` (after the last backward, before the optimizer: gradient reduction,
-clipping), ``optimizer``, ``post``, ``init``.
+A traced record has phase ``trace:<category>:<training phase>`` and name
+``<event id>|<role>:<label>`` (role ``in`` or ``out``); docs/tracing.md, "Record names and
+ids", lists the categories and training phases.
 """
 
 from __future__ import annotations

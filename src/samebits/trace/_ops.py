@@ -1,22 +1,11 @@
 """Rung 3: every ATen op through a `TorchDispatchMode`, with ids that do not depend on order.
 
-An op's id is ``<scope>/<op>:<n>``: scope is the FQN of the innermost module running it
-(in backward: the module whose forward created the autograd node being run), op the
-schema name (``aten::mm``), n its occurrence among ops of that name, scope and training
-phase in this step.  Ops elsewhere in the program never shift an id, so two runs whose
-control flow differs in one module keep comparable ids everywhere else.
-
-Each tensor *version* is recorded once per step: as the output of the op that wrote it,
-or as an input of its first traced consumer when untraced code wrote it.  Inputs of ops
-that write into an argument are digested before the op runs; all others after it, in the
-same Recorder call as the outputs (one call per op).  Digests stay on the device until the
-step ends.
-
-Noise filter (never recorded as values): outputs of ``empty*``/``new_empty*``/``resize_``/
-``set_`` (uninitialised memory), outputs of the asynchronous functional collectives before
-``wait_tensor`` (in-flight buffers), view ops (their bytes are their base's), and the
-``c10d`` ops (recorded by the collective wrapper, with completion handled).  Filtered
-outputs count as seen, so their first consumer does not record the garbage either.
+An op's id is ``<scope>/<op>:<n>`` (innermost module FQN, schema name, occurrence among ops of
+that name, scope and training phase in the step), so ops elsewhere never shift an id.  Each
+tensor *version* is recorded once per step, as the output that wrote it or as an input of its
+first traced consumer; digests stay on the device until the step ends.  Uninitialised
+outputs, in-flight collective buffers, views and ``c10d`` ops are never recorded as values
+(docs/tracing.md, "Record names and ids").
 """
 
 from __future__ import annotations

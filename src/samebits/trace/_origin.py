@@ -1,36 +1,11 @@
 """Origin, not symptom: classify the first divergent record of every rank.
 
-For each rank, the first step whose records differ is decoded and its records are matched
-by identity (phase, name, occurrence).  The first differing record R (in execution order)
-is then classified from the trace's record names (``<event>|in:..`` / ``<event>|out:..``):
-
-* ``origin``   R is an output of its event and every earlier record matched, so all of
-  the event's inputs matched (each tensor version is recorded once, before or at its first
-  use).  For a collective the inputs of *every* rank of the step must match as well; if
-  another rank's input already differed, this rank merely received the difference.
-* ``receiver`` R is an input: the value already differed when it arrived, from untraced code
-  before it on this rank, or (collectives) from another rank (``from_rank``).
-* ``untraced`` R is an ordinary record (not written by the tracer): no inputs are known.
-  Ordinary records are observations, not events: when any traced record of the step
-  differs, the first differing *traced* record is classified instead.
-* ``control_flow`` the two runs recorded different events: the op sequences part here.
-  When a traced value differs *before* that point, that value is classified instead (a
-  difference in data often causes the different flow, e.g. MoE routing) and ``parted``
-  still says where the sequences part.
-* ``order``    same records, same values, different order (e.g. hooks firing in another order,
-  the optimizer's parameters in another order): ``reordered`` says what holds them.
-
-Context records (the tracer's state census ``trace:census:*``, or the ``state`` phase a loop
-wrote into its main stream before the census had its own stream) are never classified: a step where only they differ is not a divergence.  Each finding lists
-the census records that differ in its step (``state_differs``), and a receiver whose event's
-inputs (an op's, by their values or by a list argument's ``@set``/``@order`` provenance, or a
-process group's collectives') are the same tensors in another order is marked ``permuted``.
-With ``resume_step`` K (run b resumed run a there), step K is compared without its records of
-training phase ``pre`` (a's tail of step K-1, b's start-up).
-
-`find_origins` returns every rank's finding and the origins, earliest first.  It reads the
-runs through `samebits.compare.divergent_steps`, the comparison engine's one walk (streams
-verified, equal steps decided by their roots), and classifies the records it yields.
+Each rank's first differing step is read through `samebits.compare.divergent_steps` (the
+comparison engine's one walk), its records matched by (phase, name, occurrence), and the first
+differing record classified as origin, receiver, untraced, control_flow or order
+(docs/tracing.md, "Origin, not symptom").  Context records (the state census) are never
+classified: a step where only they differ is no divergence; they are listed in
+``state_differs``.
 """
 
 from __future__ import annotations
@@ -206,15 +181,12 @@ def find_origins(a: str | os.PathLike, b: str | os.PathLike, *, step: int | None
                  ranks=None, resume_step: int | None = None) -> OriginReport:
     """Classify the first divergent record of every rank of runs `a` and `b`.
 
-    ``step``: look only at that step (a narrowed re-run traces one step); otherwise each
-    rank's first differing step.  ``resume_step`` K: run b resumed a's checkpoint at step K,
-    so at step K the records of training phase ``pre`` (the work before the step's first
-    forward, backward or optimizer step) are not compared: in a they are the tail of step
-    K-1 (logging after the optimizer step), in b the resumed process's start-up (building
-    the optimizer, a prefetch the checkpoint then replaces).  The phases after it are
-    compared as ever: the tracer records again, where it is first used, anything "pre" made.
-    Raises `IncomparableRunsError` for different world sizes.
+    ``step``: only that step.  ``resume_step`` K: b resumed a's checkpoint at K, so step K's
+    records of training phase ``pre`` are not compared (a's tail of step K-1, b's start-up);
+    the tracer records again, at first use, anything "pre" made.  Raises
+    `IncomparableRunsError` for different world sizes.
     """
+
     runs = _Runs(a, b)
     try:
         return _find_origins(runs, a, b, step, ranks, resume_step)

@@ -1,20 +1,9 @@
 """Rung 4: probes at boundaries the dispatcher cannot see (Triton kernels, custom autograd
-functions, C++ extensions).
+functions, C++ extensions): `TraceProbe` as a decorator or a ``with`` block (docs/tracing.md).
 
-    @samebits.trace.TraceProbe("moe_combine")          # a function: tensor args in, result out
-    def combine(rows, prob, index): ...
-
-    with samebits.trace.TraceProbe("gemm", x, w) as p:  # a block: inputs given, outputs declared
-        y = launch_kernel(x, w)
-        p.outputs(y)
-
-A probe records an event ``<scope>/probe:<name>:<n>`` (category ``probe``) whenever the
-tracer is at rung 2 or above for the step and the scope is inside the traced subtree; with
-no tracer, or tracing off, it costs one attribute check.  Inside the probed region the
-dispatch mode still sees whatever ATen ops run; a kernel that writes memory directly shows
-at the probe's outputs instead of "one hop later" at the next ATen op that reads them.
-
-(`samebits.probe` is another thing: it runs every op twice to find the ops that really vary.)
+A probe records an event ``<scope>/probe:<name>:<n>`` when the tracer is at rung 2 or above
+inside the traced subtree; otherwise it costs one attribute check.  (`samebits.probe` is
+another thing: it runs every op twice to find the ops that really vary.)
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """`Tracer`: the per-process state behind every tracing rung, and its step lifecycle.
 
-One tracer per process (`active()`); it writes into the run's ordinary Recorder, so traced
-records sit in the same per-rank stream as the step's own records, in execution order.
-
-The tracer owns its state.  What one open step knows (its rung, its ids, the tensors
-already recorded, the module stack, the training phase) lives in a `StepState`, made by
-`begin_step` and dropped by `finish_step`; the rungs (`_ops`, `_collectives`, `_probe`)
-read it and change it through its methods and the tracer's, never by assigning attributes.
-
-Lifecycle of a step: `begin_step(step)` makes the step's state and, when the step, rank and
-rung select it, installs that step's hooks (global module hooks, the ATen dispatch mode);
-`finish_step(step)` removes them just before the recorder writes the step (a hook the
-tracer registers with ``Recorder.on_end_step``); `after_end_step(step)` ends the process
-when ``stop_after`` says so.  Outside a selected step nothing is installed but the rung-1
-patches (collectives, ``torch.autograd.backward``, optimizer hooks), which return after one
-attribute check.  Torch work that samebits itself does inside a traced step (the Recorder's
-copies, zero-code recording's census and hooks, the tracer's own digests) runs inside
-`Tracer.suspended()`, so the dispatch mode passes it through.
+One tracer per process (`active()`), writing into the run's ordinary Recorder, so traced
+records sit in the rank's stream in execution order.  What one open step knows lives in a
+`StepState` (made by `begin_step`, dropped by `finish_step`); the rungs change it only through
+its methods and the tracer's.  A selected step's hooks are installed by `begin_step` and
+removed by `finish_step`, just before the recorder writes the step (``Recorder.on_end_step``);
+outside one only the rung-1 patches stay, at one attribute check each.  samebits' own torch
+work inside a traced step runs in `Tracer.suspended()`, unseen by the dispatch mode.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from samebits.errors import ConfigError
 from samebits.recipes import cells
 from samebits.recipes import commands as recipe
 from samebits.recipes.cells import ParallelDims, parse_layouts
-from samebits.runs.across import CERTIFICATE, Layout, verify_across
+from samebits.runs.across import CERTIFICATE, AcrossResult, Layout, verify_across
 from samebits.runs.program import SelfRecording
 from samebits.runs.conclusion import across_conclusion, diff_conclusion
 from samebits.runs.report import build_report
@@ -211,7 +211,7 @@ def test_equal_layouts_with_differing_controls_pass_and_write_the_certificate(pa
     assert summary["layouts"] == ["single", "dp2"] and summary["checks"]["dp2"]["verdict"] == "identical"
     assert summary["resume_across"]["checks"]["dp2"]["compared"]["steps"] == 2
     assert "dp2 resumed single's checkpoint of step 2 and matched it bit for bit to step 3" in \
-        across_conclusion(summary)
+        across_conclusion(AcrossResult.from_dict(summary))
 
 
 def test_resumes_that_are_not_exact_or_are_refused_are_caught(tmp_path):
@@ -234,7 +234,7 @@ def test_resumes_that_are_not_exact_or_are_refused_are_caught(tmp_path):
     assert result.checkpoints["resume-dp2"]["content_sha256"] != result.checkpoints["single"]["content_sha256"]
     assert "resume-dp4" not in result.checkpoints and result.checkpoints_equal is False
     summary = json.loads((tmp_path / "bad" / "summary.json").read_text())
-    sentence = across_conclusion(summary)
+    sentence = across_conclusion(AcrossResult.from_dict(summary))
     assert "dp2 resumed from single's checkpoint of step 2 diverged at step 2" in sentence, sentence
     assert "dp4 could not resume" in sentence and "grad_reduce=invariant" in sentence
     cert = json.loads((tmp_path / "bad" / CERTIFICATE).read_text())
@@ -251,7 +251,7 @@ def test_final_checkpoints_that_differ_fail_even_when_every_root_is_equal(tmp_pa
     assert result.checkpoints_equal is False and result.verdict is Verdict.FAIL
     cert = json.loads((tmp_path / "ckpt" / CERTIFICATE).read_text())
     assert cert["roots_equal"] is True and cert["checkpoints_equal"] is False and cert["verdict"] == "fail"
-    sentence = across_conclusion(json.loads((tmp_path / "ckpt" / "summary.json").read_text()))
+    sentence = across_conclusion(AcrossResult.from_dict(json.loads((tmp_path / "ckpt" / "summary.json").read_text())))
     assert sentence.startswith("FAIL: ") and "the final checkpoints' content hashes differ: dp2 against single" in \
         sentence, sentence
 
@@ -281,7 +281,7 @@ def test_a_control_that_does_not_differ_fails_the_verdict(tmp_path):
     assert Verdict(result.checks["dp2"].verdict) is Verdict.IDENTICAL
     assert result.verdict is Verdict.FAIL and [c.differs for c in result.controls] == [False]
     summary = json.loads((tmp_path / "blind" / "summary.json").read_text())
-    sentence = across_conclusion(summary)
+    sentence = across_conclusion(AcrossResult.from_dict(summary))
     assert sentence.startswith("FAIL: ") and "the control did not differ for dp2" in sentence
     assert "the comparison cannot tell layouts apart" in sentence
 

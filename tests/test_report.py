@@ -31,6 +31,7 @@ from samebits.cli.bisect import render as render_bisect
 from samebits.cli.diff import render as render_diff
 from samebits.cli.matrix import render as render_matrix
 from samebits.cli.verify import render as render_verify
+from samebits.compare import DiffResult
 from samebits.runs.bisect import BisectResult, Elements, Origin, Stage
 from samebits.runs.matrix import CellResult, MatrixResult
 from samebits.runs.conclusion import bisect_conclusion, verify_conclusion
@@ -660,11 +661,14 @@ def _steps_of(run) -> list[int]:
 
 
 def test_conclusions_say_what_held_and_what_could_not_be_decided():
-    checks = {"independent": {"verdict": "identical"}, "resume": None}
-    assert verify_conclusion({"verdict": "pass", "checks": checks}) == (
+    def check(verdict: Verdict, incomplete: list[str]) -> DiffResult:
+        return DiffResult("a", "b", verdict, None, [], {}, {}, incomplete=incomplete)
+
+    checks = {"independent": check(Verdict.IDENTICAL, []), "resume": None}
+    assert verify_conclusion(VerifyResult("out", checks, {}, None)) == (
         "PASS: the independent runs (A against B): bit-identical; not checked: the resume (A against C).")
-    undecided = {"independent": {"verdict": "incomplete", "incomplete": ["rank-00001.sbs is cut short"]}}
-    assert verify_conclusion({"verdict": "incomplete", "checks": undecided}) == (
+    undecided = {"independent": check(Verdict.INCOMPLETE, ["rank-00001.sbs is cut short"])}
+    assert verify_conclusion(VerifyResult("out", undecided, {}, None)) == (
         "INCOMPLETE: the independent runs (A against B) could not be decided (rank-00001.sbs is cut short).")
-    assert bisect_conclusion({"verdict": "diverged", "stages": [], "conclusion": ""}) == (
+    assert bisect_conclusion(BisectResult(Verdict.DIVERGED, None, [], "out", "a vs b")) == (
         "DIVERGED: no origin was localised (see the stages)")

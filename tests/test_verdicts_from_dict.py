@@ -14,7 +14,7 @@ import pytest
 
 from samebits.errors import ConfigError
 from samebits.runs.bisect import BisectResult, Origin, Stage
-from samebits.runs.conclusion import command_of
+from samebits.runs.report.summaries import command_of
 from samebits.runs.report import build_report
 from samebits.verdicts import ToDict, Verdict, serialised
 

@@ -91,7 +91,7 @@ def render(result) -> str:
     lines = [f"samebits bisect: {result.verdict.upper()} ({result.compared})", "",
              table(["stage", "rung", "traced", "runs", "finding"], rows), ""]
     origin = result.origin
-    lines.append(bisect_conclusion(result.to_dict()))  # the sentence `samebits report` leads with
+    lines.append(bisect_conclusion(result))  # the sentence `samebits report` leads with
     lines.append("")
     if result.control_flow is not None:
         cf = result.control_flow

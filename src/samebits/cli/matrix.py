@@ -104,7 +104,7 @@ def render(result: MatrixResult) -> str:
              c.reason or _bisect_short(c.bisect) or "-"] for c in result.cells]
     lines = [f"samebits matrix: {result.verdict.value.upper()} (baseline {result.baseline}"
              + ("; agreement required)" if result.require_agreement else ")"),
-             matrix_conclusion(result.to_dict()), "",
+             matrix_conclusion(result), "",
              table(["cell", "precision", "ranks", "required", "verdict", "repeatable", "resume",
                     f"agrees with {result.baseline}", "seconds", "why"], rows), ""]
     lines += [f"failed: {line}" for line in result.failures()]

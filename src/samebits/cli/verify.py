@@ -144,7 +144,7 @@ def run_across(args, progress, start: float) -> int:
 def render_across(across) -> str:
     reference = across.layouts[0]
     lines = [f"samebits verify --across: {across.verdict.value.upper()} (each layout against {reference})",
-             across_conclusion(across.to_dict()), ""]
+             across_conclusion(across), ""]
     rows = []
     for check in across.checks.values():
         rows.append([f"{reference} = {check.layout}", Verdict(check.verdict).value.upper(), check.by,
@@ -218,7 +218,7 @@ def render(result: VerifyResult) -> str:
     checked = " and ".join(result.checked) or "nothing"
     headline = f"samebits verify: {result.verdict.value.upper()} (checked: {checked}"
     headline += f"; not checked: {', '.join(result.not_checked)})" if result.not_checked else ")"
-    lines = [headline, verify_conclusion(result.to_dict()), "",
+    lines = [headline, verify_conclusion(result), "",
              table(["guarantee", "verdict", "ranks x steps x records", "first divergence"], rows), ""]
     if result.runs:
         lines += [table(["run", "exit", "ended"], [[r.name, str(r.exit_code), r.ended] for r in result.runs]), ""]

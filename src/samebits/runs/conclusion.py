@@ -1,9 +1,10 @@
 """The one sentence that says what a verify, bisect, matrix or diff found.
 
 The terminal prints it under each command's headline and `samebits report` leads its page with
-it, so both say the same thing in the same words.  Each function reads the result's dictionary
-form (``to_dict()``, which is also what ``summary.json`` holds): the terminal passes the result
-it has in memory, the page the summary on disk.
+it, so both say the same thing in the same words.  Each function reads the typed result: the
+terminal passes the one it has in memory, the page the summary on disk read back
+(`ToDict.from_dict`); `conclusion` picks the function by the command the result names.  A diff
+names no command and is read in its dictionary form (``DiffResult.to_dict()``).
 
     verify   FAIL: the resume at step 2 (A against C) diverged at step 2, rank 0 (params/w);
              what differs: step 2, rank 0: ...; the independent runs (A against B) are bit-identical.
@@ -22,160 +23,143 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from samebits.compare import Divergence
+from samebits.runs._bisect_result import BisectResult
+from samebits.runs.across import AcrossResult, LayoutCheck
+from samebits.runs.matrix import MatrixResult
+from samebits.runs.verify import VerifyResult
+from samebits.verdicts import ToDict, Verdict
+
 MAX_FAILURES = 3  # a matrix names this many failing cells in its sentence, then counts the rest
 
 
-def command_of(summary: Mapping) -> str | None:
-    """The command whose result ``summary`` is: the ``command`` it names (every summary writes
-    it, `samebits.verdicts.ToDict.summary_of`), or, for a file written before that field (until
-    2026-12), the one whose fields it holds: ``cells`` matrix, ``stages`` bisect, ``checks``
-    with ``layouts`` or ``sizes`` verify --across, ``checks`` verify; None for none of them (a
-    diff's result, which names no command)."""
-    if summary.get("command") is not None:
-        return str(summary["command"])
-    if "cells" in summary:
-        return "matrix"
-    if "stages" in summary:
-        return "bisect"
-    if "checks" in summary:
-        return "verify --across" if "layouts" in summary or "sizes" in summary else "verify"
-    return None
+def conclusion(result: ToDict | Mapping) -> str:
+    """The sentence for a verify, verify --across, bisect or matrix result, by the command it
+    names (``summary_of``, written as a summary's ``command``); a diff's, for anything else."""
+    said = {"verify": verify_conclusion, "verify --across": across_conclusion, "bisect": bisect_conclusion,
+            "matrix": matrix_conclusion}.get(getattr(type(result), "summary_of", None) or "")
+    return said(result) if said is not None else diff_conclusion(result)
 
 
-def conclusion(summary: dict) -> str:
-    """The sentence for any of the four, by the command the summary names (`command_of`); a
-    `verify --across` summary written before its layouts (dp sizes only) reads as verify's."""
-    command = command_of(summary)
-    if command == "verify --across" and "layouts" not in summary:
-        command = "verify"
-    said = {"matrix": matrix_conclusion, "bisect": bisect_conclusion, "verify --across": across_conclusion,
-            "verify": verify_conclusion}.get(command or "", diff_conclusion)
-    return said(summary)
+def _verdict(verdict: Verdict | str) -> str:
+    return Verdict(verdict).value.upper()
 
 
-def _verdict(summary: dict) -> str:
-    return str(summary.get("verdict") or "incomplete").upper()
-
-
-def _where(first: dict) -> str:
+def _where(first: Divergence | Mapping) -> str:
     """A first divergence's record (phase/name), or what it says when it has no record."""
+    first = first.to_dict() if isinstance(first, Divergence) else first
     if first.get("name") is not None:
         return f"{first.get('phase')}/{first.get('name')}"
     return str(first.get("detail") or "")
 
 
-def verify_conclusion(summary: dict) -> str:
+def verify_conclusion(result: VerifyResult) -> str:
     """Each checked guarantee that diverged (where, and the most specific thing the state census
     says differs), each that could not be decided (its first reason), those that held, and those
     not checked."""
-    checks = summary.get("checks") or {}
-    resume_at = summary.get("resume_at")
-    explanations = summary.get("explanations") or {}
 
     def label(name: str) -> str:
         if name == "resume":
-            return f"the resume at step {resume_at} (A against C)" if resume_at is not None else \
+            return f"the resume at step {result.resume_at} (A against C)" if result.resume_at is not None else \
                 "the resume (A against C)"
         return {"independent": "the independent runs (A against B)"}.get(name, name)
 
     diverged, undecided, held, unchecked = [], [], [], []
-    for name, check in checks.items():
+    for name, check in result.checks.items():
         if check is None:
             unchecked.append(label(name))
             continue
-        verdict = check.get("verdict")
-        gaps = summary.get("gaps") or {}
-        gap = gaps.get(name)
-        first = check.get("first_divergence") or {}
-        if name in gaps and (verdict == "identical" or (verdict == "diverged" and isinstance(gap, int) and not (
-                isinstance(first.get("step"), int) and first["step"] < gap))):
+        verdict, gap = Verdict(check.verdict), result.gaps.get(name)
+        if verdict is not Verdict.INCOMPLETE and result.check_verdict(name) is Verdict.INCOMPLETE:  # by a gap
             undecided.append(f"{label(name)} could not be decided (samebits could not record "
                              + ("the state census" if not isinstance(gap, int) else "the run" if gap < 0
                                 else f"from step {gap}") + ": a samebits bug, see the note)")
-            continue
-        if verdict == "diverged":
-            text = f"{label(name)} diverged at step {first.get('step')}, rank {first.get('rank')} ({_where(first)})"
-            lines = explanations.get(name) or []
+        elif verdict is Verdict.DIVERGED:
+            first = check.first_divergence
+            text = f"{label(name)} diverged at step {first and first.step}, rank {first and first.rank}" \
+                f" ({_where(first or {})})"
+            lines = result.explanations.get(name) or []
             if lines:
                 text += f"; what differs: {lines[0]}"
             diverged.append(text)
-        elif verdict == "identical":
+        elif verdict is Verdict.IDENTICAL:
             held.append(label(name))
         else:
-            reasons = list(check.get("incomplete") or []) + list(check.get("notes") or [])
+            reasons = list(check.incomplete) + list(check.notes)
             undecided.append(f"{label(name)} could not be decided" + (f" ({reasons[0]})" if reasons else ""))
     parts = diverged + undecided
     if held:
         parts.append(" and ".join(held) + ": bit-identical")
     if unchecked:
         parts.append("not checked: " + ", ".join(unchecked))
-    return f"{_verdict(summary)}: " + ("; ".join(parts) or "nothing was checked") + "."
+    return f"{_verdict(result.verdict)}: " + ("; ".join(parts) or "nothing was checked") + "."
 
 
-def across_conclusion(summary: dict) -> str:
+def across_conclusion(result: AcrossResult) -> str:
     """`verify --across`: the layouts that diverged from the reference (where), those that could
     not be decided, those bit-identical, the resumes at other layouts (``--resume-across``),
     whether the final checkpoints hold the same state, and what the negative controls showed."""
-    reference = summary.get("reference") or "the first layout"
+    reference = result.layouts[0] if result.layouts else "the first layout"
     diverged, undecided, held = [], [], []
-    for name, check in (summary.get("checks") or {}).items():
-        verdict = str(check.get("verdict"))
-        first = check.get("first_divergence") or {}
-        if verdict == "diverged":
+    for check in result.checks.values():
+        name, verdict, first = check.layout, Verdict(check.verdict), check.first_divergence or {}
+        if verdict is Verdict.DIVERGED:
             diverged.append(f"{name} diverged from {reference} at step {first.get('step')} ({_where(first)})")
-        elif verdict != "identical":
-            why = (check.get("incomplete") or check.get("notes") or ["could not be decided"])[0]
-            undecided.append(f"{name} could not be compared ({why})")
+        elif verdict is not Verdict.IDENTICAL:
+            undecided.append(f"{name} could not be compared ({_why(check)})")
         else:
-            steps = (check.get("compared") or {}).get("steps")
+            steps = check.compared.get("steps")
             held.append(f"{name}" + (f" ({steps} steps)" if steps is not None else ""))
     parts = diverged + undecided
     if held:
-        parts.append(f"{', '.join(held)} bit-identical to {reference} by "
-                     f"{'global digest' if all(c.get('by') == 'global' for c in (summary.get('checks') or {}).values()) else 'replicated records'}")
-    parts += _resume_across_parts(summary, reference)
-    if summary.get("checkpoints_equal") is False:
-        differ = next((n for n in summary.get("notes") or [] if "content hashes differ" in n),
+        by = "global digest" if all(c.by == "global" for c in result.checks.values()) else "replicated records"
+        parts.append(f"{', '.join(held)} bit-identical to {reference} by {by}")
+    parts += _resume_across_parts(result, reference)
+    if result.checkpoints_equal is False:
+        differ = next((n for n in result.notes if "content hashes differ" in n),
                       "the final checkpoints' content hashes differ")
         held_roots = " although every step's parameters compared equal" if held and not diverged else ""
         parts.append(differ + held_roots)
-    elif summary.get("checkpoints_equal") is True:
+    elif result.checkpoints_equal is True:
         parts.append("the final checkpoints hold the same training state (content hashes equal)")
-    controls = summary.get("controls")
+    controls = result.controls
     if controls is None:
-        parts.append(f"controls {summary.get('controls_note') or 'not run'}")
+        parts.append(f"controls {result.controls_note or 'not run'}")
     else:
-        same = [c.get("layout") for c in controls if not c.get("differs") and c.get("verdict") != "incomplete"]
-        undecided_controls = [c.get("layout") for c in controls if c.get("verdict") == "incomplete"]
+        incomplete = [c.layout for c in controls if Verdict(c.verdict) is Verdict.INCOMPLETE]
+        same = [c.layout for c in controls if not c.differs and Verdict(c.verdict) is not Verdict.INCOMPLETE]
         if same:
-            parts.append(f"the control did not differ for {', '.join(map(str, same))} (without the switches): the "
+            parts.append(f"the control did not differ for {', '.join(same)} (without the switches): the "
                          "comparison cannot tell layouts apart")
-        if undecided_controls:
-            parts.append(f"the control of {', '.join(map(str, undecided_controls))} could not be compared")
-        if not same and not undecided_controls:
+        if incomplete:
+            parts.append(f"the control of {', '.join(incomplete)} could not be compared")
+        if not same and not incomplete:
             parts.append(f"every control (without the switches) differed at step "
-                         f"{' or '.join(sorted({str(c.get('first_step')) for c in controls}))}")
-    return f"{_verdict(summary)}: {'; '.join(parts)}."
+                         f"{' or '.join(sorted({str(c.first_step) for c in controls}))}")
+    return f"{_verdict(result.verdict)}: {'; '.join(parts)}."
 
 
-def _resume_across_parts(summary: dict, reference: str) -> list[str]:
+def _why(check: LayoutCheck) -> str:
+    """Why a layout's check could not decide: its first reason."""
+    return (check.incomplete or check.notes or ["could not be decided"])[0]
+
+
+def _resume_across_parts(result: AcrossResult, reference: str) -> list[str]:
     """The resumes of ``--resume-across``: which diverged (where), could not resume (why), matched."""
-    resumed = summary.get("resume_across")
-    if not resumed:
+    if not result.resume:
         return []
-    step, last = resumed.get("step"), None
+    step, last = result.resume_at, None
     parts, matched = [], []
-    for name, check in (resumed.get("checks") or {}).items():
-        verdict = str(check.get("verdict"))
-        first = check.get("first_divergence") or {}
-        if verdict == "diverged":
+    for check in result.resume.values():
+        name, verdict, first = check.layout, Verdict(check.verdict), check.first_divergence or {}
+        if verdict is Verdict.DIVERGED:
             parts.append(f"{name} resumed from {reference}'s checkpoint of step {step} diverged at step "
                          f"{first.get('step')} ({_where(first)})")
-        elif verdict != "identical":
-            why = (check.get("incomplete") or check.get("notes") or ["could not be decided"])[0]
+        elif verdict is not Verdict.IDENTICAL:
+            why = _why(check)
             parts.append(why if why.startswith(f"{name} could not resume") else f"{name} could not resume ({why})")
         else:
-            steps = (check.get("compared") or {}).get("steps") or 0
+            steps = check.compared.get("steps") or 0
             last = step + steps - 1 if step is not None else None
             matched.append(name)
     if matched:
@@ -184,33 +168,28 @@ def _resume_across_parts(summary: dict, reference: str) -> list[str]:
     return parts
 
 
-def bisect_conclusion(summary: dict) -> str:
+def bisect_conclusion(result: BisectResult) -> str:
     """The bisection's own conclusion (the origin and its call site, or why it is not known):
     never a record of the first stage's diff, which may be a census record the origin explains."""
-    said = summary.get("conclusion") or ""
-    if not said:
-        said = "the runs are identical" if summary.get("verdict") == "identical" else \
-            "no origin was localised (see the stages)"
-    return f"{_verdict(summary)}: {said}"
+    said = result.conclusion or ("the runs are identical" if Verdict(result.verdict) is Verdict.IDENTICAL else
+                                 "no origin was localised (see the stages)")
+    return f"{_verdict(result.verdict)}: {said}"
 
 
-def matrix_conclusion(summary: dict) -> str:
+def matrix_conclusion(result: MatrixResult) -> str:
     """Why the matrix is not PASS (its failures, each failing cell's bisection when it ran), or
     that every cell held."""
-    cells = summary.get("cells") or []
-    failures = list(summary.get("failures") or [])
-    verdict = _verdict(summary)
+    failures, verdict = result.failures(), _verdict(result.verdict)
     if not failures:
         if verdict == "PASS":
-            return (f"PASS: every cell held both guarantees ({len(cells)} cell(s); baseline "
-                    f"{summary.get('baseline')}).")
-        reasons = [f"{c.get('cell')} {c.get('precision')}: {c.get('reason')}" for c in cells if c.get("reason")]
+            return f"PASS: every cell held both guarantees ({len(result.cells)} cell(s); baseline {result.baseline})."
+        reasons = [f"{c.cell} {c.precision}: {c.reason}" for c in result.cells if c.reason]
         return f"{verdict}: no cell held or failed" + (f" ({'; '.join(reasons[:MAX_FAILURES])})" if reasons
                                                       else "") + "."
     parts = []
     for line in failures[:MAX_FAILURES]:
-        cell = next((c for c in cells if line.startswith(f"{c.get('cell')} {c.get('precision')}")), None)
-        found = (cell or {}).get("bisect") or {}
+        cell = next((c for c in result.cells if line.startswith(f"{c.cell} {c.precision}")), None)
+        found = (cell.bisect if cell is not None else None) or {}
         said = found.get("conclusion") or found.get("error")
         if said:
             of = " of the resume" if found.get("of") == "resume" else ""
@@ -261,5 +240,5 @@ def compared_counts(compared: dict[str, Any]) -> str:
             f"records compared ({compared.get('steps_identical_by_root')} step(s) equal by root)")
 
 
-__all__ = ["command_of", "conclusion", "verify_conclusion", "bisect_conclusion", "matrix_conclusion", "diff_conclusion",
+__all__ = ["conclusion", "verify_conclusion", "bisect_conclusion", "matrix_conclusion", "diff_conclusion",
            "diff_window", "window_words", "compared_counts"]

@@ -9,8 +9,7 @@ from typing import Callable
 
 from samebits.errors import ConfigError
 from samebits.runs.bisect import BisectResult
-from samebits.runs.conclusion import (across_conclusion, bisect_conclusion, diff_conclusion, matrix_conclusion,
-                                      verify_conclusion)
+from samebits.runs.conclusion import conclusion, diff_conclusion
 from samebits.runs.report.commands import (across_certificate, across_summary, bisect_summary, matrix_summary,
                                            verify_summary)
 from samebits.runs.report.evidence import (_across_verdict, _compare, _contradiction, _first_stage_pair,
@@ -90,7 +89,7 @@ def _verify_report(path: Path, found: Summary, say) -> Report:
     summary = found.data
     file = path / "summary.json"
     page = _settled_page("verify", path, summary, file, _verify_verdict)
-    page.conclusion = verify_conclusion(summary)
+    page.conclusion = conclusion(found.result)
     checks = summary.get("checks") or {}
     resume_at = summary.get("resume_at")
     pairs = []
@@ -150,7 +149,7 @@ def _across_report(path: Path, found: Summary, say) -> Report:
                           f"are compared by the replicated records of rank 0 against {summary.get('reference')}, not "
                           "rank by rank: no heatmap or environment comparison is drawn for them")
         return page.finish([str(path)], [], notes=list(summary.get("notes") or []))
-    page.conclusion = across_conclusion(summary)
+    page.conclusion = conclusion(found.result)
     across_summary(page, summary)
     if certificate is None:
         page.notes.append(f"no certificate.json in {path}: the roots, checkpoints and reductions are not shown")
@@ -181,7 +180,7 @@ def _stopped_report(path: Path, found: Summary, say) -> Report:
 def _bisect_report(path: Path, found: Summary, say) -> Report:
     result: BisectResult = found.result
     page = Page("bisect", f"samebits bisect: {path}", result.verdict)
-    page.conclusion = bisect_conclusion(result.to_dict())
+    page.conclusion = conclusion(result)
     bisect_summary(page, result)
     pairs = []
     first_stage = _first_stage_pair(path)
@@ -205,7 +204,7 @@ def _bisect_report(path: Path, found: Summary, say) -> Report:
 def _matrix_report(path: Path, found: Summary, say) -> Report:
     summary, file = found.data, path / "summary.json"
     page = _settled_page("matrix", path, summary, file, _matrix_verdict)
-    page.conclusion = matrix_conclusion(summary)
+    page.conclusion = conclusion(found.result)
     matrix_summary(page, summary)
     pairs = []
     failing = [c for c in summary.get("cells") or [] if c.get("verdict") == Verdict.FAIL.value]

@@ -18,7 +18,6 @@ from samebits.errors import ConfigError
 from samebits.runs._launch import STOPPED
 from samebits.runs.across import AcrossResult
 from samebits.runs.bisect import BisectResult
-from samebits.runs.conclusion import command_of
 from samebits.runs.matrix import MatrixResult
 from samebits.runs.verify import VerifyResult
 from samebits.verdicts import ToDict, Verdict, json_type
@@ -28,8 +27,25 @@ MAX_JSON_BYTES = 64 << 20  # a summary or certificate larger than this is refuse
 MAX_JSON_DEPTH = 64  # nesting deeper than this is refused (the files nest a few levels)
 # The result type of each command whose summary reads back by the marks that write it
 # (`ToDict.from_dict`): its names and types are the writer's, never restated here.
-RESULTS: dict[str, type[ToDict]] = {"bisect": BisectResult, "verify": VerifyResult,
-                                     "verify --across": AcrossResult, "matrix": MatrixResult}
+RESULTS: dict[str, type[ToDict]] = {result.summary_of: result for result in (BisectResult, VerifyResult,
+                                                                             AcrossResult, MatrixResult)}
+
+
+def command_of(summary: dict) -> str | None:
+    """The command whose result ``summary`` is: the ``command`` it names (every summary writes
+    it, `samebits.verdicts.ToDict.summary_of`), or, for a file written before that field (until
+    2026-12), the one whose fields it holds: ``cells`` matrix, ``stages`` bisect, ``checks``
+    with ``layouts`` or ``sizes`` verify --across, ``checks`` verify; None for none of them (a
+    diff's result, which names no command)."""
+    if summary.get("command") is not None:
+        return str(summary["command"])
+    if "cells" in summary:
+        return "matrix"
+    if "stages" in summary:
+        return "bisect"
+    if "checks" in summary:
+        return "verify --across" if "layouts" in summary or "sizes" in summary else "verify"
+    return None
 
 
 @dataclass(frozen=True)

@@ -1,37 +1,11 @@
 """64-bit digests of tensors: equal digests mean bitwise-equal dtype, shape and contents.
 
-The spec (byte order, constants, dtype codes, test vectors) is docs/digest.md.  Public API:
-
-    digest(t) -> int                   # unsigned 64-bit digest of one tensor
-    digest_many(ts) -> list[int]       # same for many: one native call on CPU, one
-                                       # device-to-host copy per accelerator
-    global_digests(named, group=None)  # {name: digest(full tensor)} of sharded tensors
-                                       # (DTensor, FSDP2, Megatron TP), with no gather
-
-A digest is computed in two parts, which callers that must not synchronise per tensor (the
-Recorder, the tracer) use separately:
-
-  device part, needs the data:  body_sums(ts) -> int64 tensor [n] on the tensors' device.
-      The body sum S of each tensor (spec step 3).  On a GPU this only queues kernels: call it
-      as soon as the tensors are ready, keep the returned tensor.  On CPU it computes at once.
-      Tensors in one call must share a device.
-  host part, needs metadata only:  header(dtype, shape) -> int   (spec step 4, cached)
-                                   finalize(sums, headers) -> list[int]   (spec step 5)
-      `finalize` reads the sums on the host; for a device tensor that is the one
-      synchronisation, so call it at step end, for all tensors of the step at once.
-
-    sums = body_sums(tensors)                              # launch now, no sync
-    headers = [header(t.dtype, t.shape) for t in tensors]  # metadata only
-    ...                                                    # rest of the step
-    digests = finalize(sums, headers)                      # one sync, at step end
-
-`DIGEST_VERSION` (the version of the digest's definition that every persisted digest records),
-`body_sums`, `header`, `finalize` (and `finalize_packed`, the same for a numpy array of sums,
-as packed little-endian bytes), `DTYPE_CODES`, the stream encoder's fast paths listed below and
-`register_body_sum_backend` (how `samebits.kernels` adds its CUDA body sum) with
-`reference_body_sum` (the oracle its kernel matches) are internal but
-stable: other samebits packages use these names, never the `_private` modules.  `_reference.body_sum(data_uint8_1d)` is the torch-ops oracle that
-every backend (the C library here, the CUDA kernel in samebits.kernels) must match bit for bit.
+Public: `digest(t)`, `digest_many(ts)` (one native call on CPU, one device-to-host copy per
+accelerator) and `global_digests(named, group=None)` (the digest of each full tensor behind
+DTensor, FSDP2 or Megatron shards, with no gather).  The spec, the split into a device part
+(`body_sums`, no synchronisation) and a host part (`header`, `finalize`), and the internal but
+stable names below are docs/digest.md ("API"): other samebits packages use those names, never
+the ``_private`` modules.  `_reference.body_sum` is the torch-ops oracle every backend matches.
 """
 
 from samebits._lazy_exports import lazy_exports

@@ -41,12 +41,6 @@ def _check(t: object) -> None:
         )
 
 
-def _checked_header(t: object) -> int:
-    """Header of `t`, after checking it is a tensor whose bytes we can digest."""
-    _check(t)
-    return header(t.dtype, t.shape)
-
-
 def _row_major(t: torch.Tensor) -> torch.Tensor:
     """`t`'s logical contents as row-major memory (possibly with another dtype of equal size)."""
     if t.is_conj():  # lazy conjugate: memory still holds the unconjugated values
@@ -100,8 +94,9 @@ def _body_sum_fn(device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]
     return _cuda_body_sum
 
 
-def _body_sums_on(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Body sums of checked tensors that are all on `device`: int64 tensor [n] on `device`."""
+def body_sums_of_checked(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """`body_sums` without the per-tensor checks, for tensors known to pass them, all on
+    ``device`` (`body_sums`, the Recorder's call plans): int64 tensor [n] on ``device``."""
     if device.type == "cpu" and _native.available():
         return _native.body_sums([_row_major(t) for t in tensors])  # one native call for all
     if device.type == "cpu":
@@ -131,14 +126,7 @@ def body_sums(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
             f"body_sums takes tensors on one device, got {', '.join(sorted(map(str, devices)))}; "
             "call it once per device (digest_many does this for you)"
         )
-    return _body_sums_on(tensors, devices.pop() if devices else torch.device("cpu"))
-
-
-def body_sums_of_checked(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """`body_sums` without the per-tensor checks, for a caller that knows they pass: the tensors
-    are on ``device`` and of the classes and layouts of tensors that `body_sums` accepted (the
-    Recorder's call plans, which compare exactly that).  Same sums."""
-    return _body_sums_on(tensors, device)
+    return body_sums_of_checked(tensors, devices.pop() if devices else torch.device("cpu"))
 
 
 def digest_many(tensors: Iterable[torch.Tensor]) -> list[int]:
@@ -148,16 +136,18 @@ def digest_many(tensors: Iterable[torch.Tensor]) -> list[int]:
     per tensor, one stack and one device-to-host copy.
     """
     tensors = list(tensors)
-    headers = [_checked_header(t) for t in tensors]
+    for t in tensors:
+        _check(t)
+    headers = [header(t.dtype, t.shape) for t in tensors]
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
         by_device.setdefault(t.device, []).append(i)
     if len(by_device) <= 1:  # the usual case: nothing to scatter
         device = next(iter(by_device), torch.device("cpu"))
-        return finalize(_body_sums_on(tensors, device), headers)
+        return finalize(body_sums_of_checked(tensors, device), headers)
     sums = [0] * len(tensors)
     for device, indices in by_device.items():
-        device_sums = _body_sums_on([tensors[i] for i in indices], device)
+        device_sums = body_sums_of_checked([tensors[i] for i in indices], device)
         for i, s in zip(indices, device_sums.tolist()):  # this device's one synchronisation
             sums[i] = s
     return finalize(sums, headers)

@@ -1,34 +1,9 @@
 """Global (layout-independent) digests of sharded tensors, without gathering their data.
 
-The body sum S of the digest (docs/digest.md, step 3) is a wrapping sum of one term per
-8-byte word, keyed by the word's position j in the *full* tensor.  So each shard can add up
-the terms of the words it holds at their global positions, and a SUM over the shard group
-gives S of the full tensor; the header comes from the global dtype and shape.  The result
-is bit-equal to `digest(full_tensor)`.
-
-Three things make that exact:
-
-* **Straddling words.** A shard's bytes need not start or end on an 8-byte boundary (bf16,
-  int8, odd row lengths, Shard(1) rows).  A word holding bytes of two or more shards is
-  assembled before it is mixed: every contributor puts its bytes of that word, shifted to
-  their place, into a slot of the reduced vector; the bytes are disjoint, so the SUM is their
-  OR, and every rank then mixes the assembled word.  Which words straddle is known from
-  the layout alone (every rank computes every contributor's byte ranges), so all ranks
-  agree on the slots without exchanging anything first.
-* **Replicas counted once.** Only members with coordinate 0 on every Replicate mesh dim
-  contribute; the others add zeros.
-* **No overflow in the reduction.** Each 64-bit body sum travels as two 32-bit halves in
-  int64 slots, so the SUM never overflows whatever the backend (gloo, NCCL) does on signed
-  overflow; the straddling words are disjoint bytes, whose sum has no carries.
-
-All tensors of a call that reduce over the same ranks share ONE int64 all-reduce (over each
-mesh dim's group in turn for a multi-dim mesh that is not the whole world).  Everything else
-is torch ops on the tensors' device, queued without a host synchronisation.
-
-Layouts: DTensor (any mesh; Shard(d) even or uneven, _StridedShard as FSDP2+TP makes it,
-Replicate, several mesh dims; Partial is refused), FSDP2 parameters (DTensors), plain tensors
-with Megatron tensor-parallel attributes (`tensor_model_parallel`, `partition_dim`,
-`partition_stride` = 1) over ``group``, and any other plain tensor (digested as it is).
+Each shard adds the body-sum terms of the words it holds at their positions in the full
+tensor, and one SUM per shard group gives `digest(full_tensor)` bit for bit.  The math
+(straddling words, replicas counted once, 32-bit halves so the SUM never overflows), the
+layouts supported and those refused: docs/digest.md, "Global (layout-independent) digests".
 """
 
 from __future__ import annotations
@@ -49,15 +24,13 @@ from samebits.fingerprint._spec import GOLDEN, dtype_code, finalize, fmix64, hea
 
 
 def _dtensor_module():
-    """``torch.distributed.tensor`` if anything has imported it, else None.  No DTensor can
-    exist before that module is imported, so samebits does not import it itself: it costs
-    ~1.3 s of every process's start-up (every `samebits run`), more than the rest of samebits."""
+    """``torch.distributed.tensor`` if anything has imported it, else None: no DTensor exists
+    before that, and importing it costs ~1.3 s of every process's start-up."""
     return sys.modules.get("torch.distributed.tensor")
 
 
 def _is_plain(t) -> bool:
-    """A plain tensor or parameter that no layout shards (no Megatron ``tensor_model_parallel``):
-    its global digest is its local one.  The usual case, tested first and cheaply."""
+    """A plain tensor or parameter no layout shards: its global digest is its local one."""
     cls = t.__class__
     return (cls is torch.Tensor or cls is torch.nn.Parameter) and not getattr(t, "tensor_model_parallel", False)
 
@@ -65,6 +38,7 @@ def _is_plain(t) -> bool:
 def _is_dtensor(t) -> bool:
     dtensor = _dtensor_module()
     return dtensor is not None and isinstance(t, dtensor.DTensor)
+
 
 _GOLDEN = _reference._as_int64(GOLDEN)
 _LOW_32_BITS = (1 << 32) - 1
@@ -84,9 +58,8 @@ class GlobalTensor:
 
 @dataclass
 class GlobalSums:
-    """`global_body_sums`' answer: the full tensors' body sums S (int64 ``[n]`` on the
-    tensors' device, not yet read by the host), their global dtypes and shapes, and a 0-dim
-    bool tensor that is False when the ranks of a group passed different tensor lists."""
+    """`global_body_sums`' answer: body sums S (int64 ``[n]``, still on the device), global
+    dtypes and shapes, and a 0-dim bool, False when a group's ranks passed different lists."""
 
     sums: torch.Tensor
     dtypes: list[torch.dtype]
@@ -126,11 +99,8 @@ class _Plan:
 
 
 def _dim_indices(global_shape: tuple[int, ...], mesh: _Mesh, coord: tuple[int, ...]) -> list[torch.Tensor]:
-    """Per tensor dim, the global indices (in local order) of the rows a rank holds.
-
-    Uses each placement's own split rule (torch.chunk for Shard, split-then-interleave for
-    _StridedShard), applied left to right like DTensor, on an index vector per dim.
-    """
+    """Per tensor dim, the global indices (in local order) of the rows a rank holds: each
+    placement's own split rule applied left to right, as DTensor does, to an index vector."""
     ndim = len(global_shape)
     indices = [torch.arange(n, dtype=torch.int64) for n in global_shape]
     for mesh_dim, placement in enumerate(mesh.placements):
@@ -171,11 +141,8 @@ def _runs(global_shape: tuple[int, ...], indices: list[torch.Tensor]) -> tuple[t
 
 
 def _partial_words(run_starts: torch.Tensor, run_bytes: int, num_bytes: int) -> torch.Tensor:
-    """Global indices of the words that runs at byte offsets ``run_starts`` (``run_bytes``
-    long) cover only in part: a run that starts off a word boundary shares its first word,
-    one that ends off a boundary (before the end of the tensor, where zero padding follows)
-    shares its last (the tensor's last word counts too: its padding is nobody's, and whether
-    it straddles depends on who else touches it).  Sorted, unique."""
+    """Sorted global indices of the words that runs at byte offsets ``run_starts`` (``run_bytes``
+    long) cover only in part (the last word too: its zero padding is nobody's)."""
     if run_bytes == 0 or len(run_starts) == 0:
         return torch.zeros(0, dtype=torch.int64)
     ends = run_starts + run_bytes
@@ -318,14 +285,12 @@ def _word_values(rows: torch.Tensor, first_shift: int) -> torch.Tensor:
 
 
 def _shifted_body_sum(words: torch.Tensor, first_words: torch.Tensor) -> torch.Tensor:
-    """sum_{r,k} mix2(words[r, k] + (first_words[r] + k + 1)*G) for int64 ``words`` [R, q],
-    by the digest's own body-sum backend (the C library on CPU, the kernel on GPU): that
-    backend numbers the words of its input 0 .. R*q-1, so word (r, k) is first offset by
-    (first_words[r] - r*q)*G, which the backend's (r*q + k + 1)*G completes.  A new tensor,
-    ``words`` is not changed."""
+    """sum_{r,k} mix2(words[r, k] + (first_words[r] + k + 1)*G) for int64 ``words`` [R, q], by
+    the digest's own backend, which numbers its input's words 0 .. R*q-1: word (r, k) is first
+    offset by (first_words[r] - r*q)*G (docs/digest.md).  ``words`` is not changed."""
     num_rows, num_words = words.shape
     offsets = (first_words - torch.arange(num_rows, device=words.device) * num_words) * _GOLDEN
-    return _digest._body_sums_on([words + offsets[:, None]], words.device)[0]
+    return _digest.body_sums_of_checked([words + offsets[:, None]], words.device)[0]
 
 
 def _mix_words(words: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -395,33 +360,23 @@ def _names_check(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> int
 
 
 def all_unsharded(tensors) -> bool:
-    """Whether each of ``tensors`` (None allowed) is a plain tensor or parameter that no layout
-    shards (not a DTensor, no Megatron ``tensor_model_parallel``): its global digest is then its
-    local one, on every rank."""
+    """Whether no tensor of ``tensors`` (None allowed) is sharded (`_is_plain`)."""
     return all(t is None or _is_plain(t) for t in tensors)
 
 
 def local_part(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``t`` as a plain tensor sharing its storage: a DTensor's local shard,
-    any other tensor itself (a Megatron shard is its own local part)."""
+    """This rank's part of ``t``, sharing its storage: a DTensor's local shard, else ``t``."""
     return t.to_local() if _is_dtensor(t) else t
 
 
 def global_body_sums(named_tensors, *, group=None, known=None) -> tuple[list[str], GlobalSums]:
     """The full tensors' body sums S, computed shard by shard: (names, `GlobalSums`).
+    Collective, like `global_digests`; no host synchronisation.
 
-    Collective: every rank of every group involved must call it with the same names in the
-    same order (each rank passing its own shards).  One int64 all-reduce per group of ranks
-    (per mesh dim for a multi-dim mesh that is not the whole world); no host synchronisation
-    (the sums stay on the tensors' device).  ``group`` is the tensor-parallel group of
-    Megatron-style shards (plain tensors with ``tensor_model_parallel=True``).
-
-    ``known`` (one bool per tensor, optional): the caller already holds the body sum of that
-    tensor's `local_part` *as its bytes are now* (it digested them for a local record a moment
-    ago, with nothing run in between).  For a tensor that is not sharded that sum is the global
-    one, so its bytes are not read again: its entry of ``sums`` is 0 and ``reused`` is True.
-    (Sharded tensors are computed as always.)  Ranks may differ in ``known``: unsharded tensors
-    take no part in the reduction.
+    ``known`` (one bool per tensor, optional): the caller holds the body sum of that tensor's
+    `local_part` as its bytes are now.  An unsharded tensor's is its global one, so it is not
+    read again (``sums`` entry 0, ``reused`` True).  Ranks may differ in ``known``: unsharded
+    tensors take no part in the reduction.
     """
     if isinstance(named_tensors, Mapping):
         named_tensors = named_tensors.items()
@@ -542,15 +497,12 @@ def global_digests(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[s
     """``{name: digest of the full tensor}`` for sharded tensors, equal to `digest(full)`, with
     no gather of their data.
 
-    ``named_tensors``: ``(name, tensor)`` pairs or a mapping, e.g. ``model.named_parameters()``.
-    Each tensor is a DTensor (any mesh; Shard, uneven Shard, _StridedShard, Replicate; Partial
-    is refused: redistribute or reduce it first), an FSDP2 parameter (a DTensor), a plain
-    tensor with Megatron tensor-parallel attributes (``tensor_model_parallel=True``,
-    ``partition_dim``, ``partition_stride`` = 1) sharded over ``group``, or any other plain
-    tensor (digested as it is: it is taken to be whole on every rank).
+    ``named_tensors``: ``(name, tensor)`` pairs or a mapping, e.g. ``model.named_parameters()``:
+    DTensors (Partial refused), FSDP2 parameters, Megatron tensor-parallel shards over
+    ``group``, or plain tensors (digested as they are); docs/digest.md lists what is supported.
 
     Collective: every rank of each group involved calls it with the same names in the same
-    order; one int64 all-reduce per group (per mesh dim of a multi-dim mesh smaller than the
-    world).  Raises `ConfigError` when the ranks passed different tensor lists.
+    order; one int64 all-reduce per group.  Raises `ConfigError` when the ranks passed
+    different tensor lists.
     """
     return {g.name: g.digest for g in global_tensors(named_tensors, group=group)}

@@ -1,19 +1,10 @@
 """The stream encoder: records into bytes, one STEP frame per step (docs/stream.md).
 
-`StepEncoder` holds what one stream's encoding remembers from step to step: the interned
-names and the names key, each tensor kind's head bytes and digest header, and two
-shortcuts that make a repeated step cheap without changing a byte (tests/test_stream_encoding.py
-and tests/test_stream_golden.py hold them to the record-by-record path):
-
-* a *call plan* per phase: a `tensors` call that repeats the last call of its phase reuses
-  that call's records, and only queues the new digests;
-* a *step template*: a step whose records equal the last step's reuses its encoding and only
-  puts the new payloads in (with the compiled library, in one native call).
-
-Tensors are digested *when they are recorded* (their values may change in place right after),
-but on an accelerator the digests stay on the device until the step ends; then one
-device-to-host copy per device fetches the whole step.  Nothing here synchronises the host
-per tensor.  The encoder writes no file: `encode_step` returns the frames (`_files` writes them).
+Two shortcuts make a repeated step cheap without changing a byte (tests/test_stream_encoding.py
+and tests/test_stream_golden.py hold them to the record-by-record path): a *call plan* per phase
+(a repeated `tensors` call reuses its records and only queues new digests) and a *step
+template* (a step with the last step's records reuses its encoding, payloads put in).
+Digests are computed when recorded and fetched at step end, one device-to-host copy per device.
 """
 
 from __future__ import annotations
@@ -139,8 +130,6 @@ class _StepTemplate:
 def _tensor_metas(pairs) -> list:
     """What a call plan is checked against: each tensor's kind (raises for non-tensors)."""
     return [(t.__class__, t.dtype, t.shape, t.device, t.layout) if t is not None else None for _, t in pairs]
-
-
 
 
 class StepEncoder:
@@ -342,7 +331,6 @@ class StepEncoder:
         pending.tensor_phases.add(full_phase)
         return (records, occurrences) if first_of_phase and not computed else None
 
-
     def add_metrics(self, pending: PendingStep, step: int, phase: str, values: dict) -> None:
         """Adds the records of a `Recorder.metrics` call (every value checked before any is added)."""
         self.check_text(phase, "phase", step)
@@ -389,7 +377,6 @@ class StepEncoder:
             occurrence = occurrences.get(key, 0)
             occurrences[key] = occurrence + 1
             records.append((fmt.RECORD_METRIC, phase, name, occurrence, bytes((code,)), 0, where))
-
 
     def _host_slots(self, queue: _DeviceQueue, count: int) -> int:
         """The address of ``count`` free sums after the CPU queue's in the host buffer (grown as

@@ -1,9 +1,6 @@
 """The Recorder's files: the stream file (created or continued, locked, written by its owner
 process only) and its header, the step-times file beside it, and the run id the ranks of one
-run agree on.
-
-Nothing here encodes records (`_encoder`) or decides what is recorded (`recorder`): a
-`StreamFile` takes finished frames and hands them to the OS in one write per flush.
+run agree on.  A `StreamFile` takes finished frames and writes them in one call per flush.
 """
 
 from __future__ import annotations
@@ -194,12 +191,8 @@ def _read_existing(path: Path, rank: int, world_size: int) -> _Existing:
 
 
 class StepTimes:
-    """``rank-NNNNN.steptimes`` beside the stream: when each step's first record came and when
-    the step was written (``time.perf_counter`` seconds since this segment started), one
-    ``step<TAB>opened<TAB>written`` line per step after a JSON header line per segment.  The
-    comparator reads only ``.sbs`` files, so timings never make two runs differ; `samebits
-    tax` reads them (docs/stream.md, docs/tax.md).  A file that cannot be written costs a
-    warning, never the recording."""
+    """``rank-NNNNN.steptimes`` beside the stream, never compared (docs/stream.md, "Step
+    times"): ``step<TAB>opened<TAB>written`` per step.  Unwritable costs a warning only."""
 
     FLUSH_STEPS = 64  # step times reach the OS at least this often, and at close
 
@@ -289,11 +282,8 @@ def _samebits_version() -> str:
 
 
 def choose_run_id(run_id, directory: Path) -> tuple[str, str]:
-    """(run id, its source): the same for every rank of one run whenever the ranks can agree
-    on one (docs/stream.md, "The header"): the argument, ``SAMEBITS_RUN_ID``, the launcher's
-    (torchrun's ``TORCHELASTIC_RUN_ID``), the process group's (the first rank to ask sets it in
-    the group's store), the run directory's (the first rank to create it writes it there), and
-    only then this process's own."""
+    """(run id, its source), the same on every rank of a run whenever they can agree on one,
+    in the order of docs/stream.md, "The header"."""
     if run_id:
         return str(run_id), "argument"
     value = settings.read("SAMEBITS_RUN_ID")

@@ -1,39 +1,6 @@
-"""The on-disk layout of a fingerprint stream (schema version 2; version 1 is still read).
-See docs/stream.md.
-
-A stream is a sequence of *frames*.  Every frame is::
-
-    u8 kind | varint payload_length | payload | u32 crc32(kind, length, payload), little endian
-
-Frame kinds:
-
-* ``HEADER``  JSON: schema, digest version, run id, rank, world size, coordinates, config,
-  environment.
-  The first frame of a stream.  A later HEADER frame starts a new *segment* (a resumed
-  process appending to the same stream).
-* ``NAMES``   new interned strings (tensor/metric names and phases): varint first id,
-  varint count, then count x (varint byte length, utf-8 bytes).  Ids are dense, per stream.
-* ``STEP``    one step's records: varint step, varint record count, u64 root, then the
-  records.  The fixed prefix lets a reader compare roots and seek past the records.
-* ``INDEX``   written at a clean close: every step's (step, record count, root, frame
-  offset), so a comparer can check two whole streams by reading their footers alone.
-* ``CLOSE``   the last frame of a cleanly closed stream, of fixed size (``CLOSE_FRAME_SIZE``):
-  u64 offset of the INDEX frame, then ``CLOSE_MAGIC``.  Found by reading the file's tail.
-
-Records inside a STEP frame are ``u8 kind | varint length | body``:
-
-* tensor: varint phase id, varint name id, varint occurrence, u8 dtype code, u8 flags,
-  u8 ndim, ndim x varint size, then u64 digest unless flagged ABSENT or CAPPED.
-* metric: varint phase id, varint name id, varint occurrence, u8 dtype code, raw value
-  bytes (the exact bits of the scalar, little endian; 8 bytes for Python floats).
-
-The step root (schema 2) is the first 8 bytes, little endian, of
-SHA-256(names key || the step's records exactly as stored), where the names key is the
-SHA-256 of every name interned so far, each as (varint byte length, utf-8 bytes), in id
-order.  Every field is length-prefixed, so no two different steps share an encoding, and a
-reader recomputes the root from the frame bytes in one hash call (no per-record work).
-Schema 1 hashed (kind, phase NUL name NUL, rest of the record) with BLAKE2b-64: names
-holding NUL made it ambiguous; it is still read and its roots are checked per record.
+"""The on-disk layout of a fingerprint stream (schema version 2; version 1 is still read):
+frames ``u8 kind | varint length | payload | u32 crc32``, the records inside a STEP frame and
+the step root.  The layout itself is docs/stream.md, "Byte layout (schema 2)".
 """
 
 from __future__ import annotations

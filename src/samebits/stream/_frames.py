@@ -1,8 +1,6 @@
-"""A stream file read frame by frame: `FrameFile` maps the file (flat memory however long the
-run), walks its frames in order, each checksum verified, and tells a killed writer's torn last
-frame (reading stops there, `stop_reason` says why) from damage (a `StreamError` naming the
-file, the byte offset and the frame).  It also finds the step-index footer of a cleanly closed
-stream from the file's tail.  What the frames mean is `reader.StreamReader`'s.
+"""A stream file read frame by frame: `FrameFile` maps the file, walks its frames checking
+each checksum, and tells a killed writer's torn last frame (`stop_reason`) from damage (a
+`StreamError` naming file, byte offset and frame).  What frames mean is `reader.StreamReader`'s.
 """
 
 from __future__ import annotations

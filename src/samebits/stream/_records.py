@@ -131,13 +131,10 @@ class Record(ToDict):
 
 def parse_records(payload: bytes, pos: int, count: int, names: list[str], names_count: int, *,
                   writer: str | None = None, canonical: bool = False, may_cap: bool = True):
-    """Decode ``count`` records from ``payload[pos:]``, checking every field; with
-    ``canonical`` return the schema-1 root input instead.  A record identity (kind, phase,
-    name, occurrence) appears at most once in a step; a record of a kind this samebits does
-    not know is refused (it cannot be compared, and skipping it would call the step equal);
-    a capped record needs a segment whose header declares a size cap (``may_cap``).  ``names``:
-    the stream's interned names, the first ``names_count`` of them known at this step;
-    ``writer``: the samebits version in the header (named when a record is of an unknown kind)."""
+    """Decode ``count`` records from ``payload[pos:]``, checking every field as docs/stream.md
+    ("Byte layout") requires; with ``canonical`` return the schema-1 root input instead.
+    ``names[:names_count]`` are the names known at this step; ``writer`` (the header's samebits
+    version) is named when a record is of an unknown kind."""
     size, records, out, seen = len(payload), [], bytearray(), set()
 
     def name(ident: int) -> str:

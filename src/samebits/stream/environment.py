@@ -1,8 +1,5 @@
-"""The environment fingerprint written into every stream header.
-
-Everything here can change the bits a run produces (library versions, the device,
-thread counts, determinism-relevant environment variables) or explains a difference
-(host name).  The comparator shows environment differences next to its verdict.
+"""The environment fingerprint written into every stream header: what can change a run's bits
+(library versions, device, threads, determinism variables) or explain a difference (host).
 """
 
 from __future__ import annotations

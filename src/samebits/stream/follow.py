@@ -1,11 +1,8 @@
 """Following a stream while its writer is still writing it: the steps as they land.
 
-`StreamTail.poll` looks at the file's size and reads only the frames completed since the last
-poll (a frame the writer has not finished yet waits, unread, until the file reaches its end),
-with no check of step roots or records.  It is how a watcher shows a run's progress live
-(`samebits.runs.progress`); it proves nothing about the stream, which the verifying reader
-(`StreamReader`) judges after the run.  A frame that does not decode (a
-damaged file, a newer writer) ends the following quietly: `StreamTail.broken` says why.
+`StreamTail.poll` reads only the frames completed since the last poll and checks no roots or
+records: it shows progress live (`samebits.runs.progress`); `StreamReader` judges the stream.
+A frame that does not decode ends the following quietly (`StreamTail.broken` says why).
 """
 
 from __future__ import annotations
@@ -40,12 +37,9 @@ class StepSeen:
 class StreamTail:
     """Follow one rank's stream file (``rank-NNNNN.sbs``) as it grows.
 
-    Each `poll` costs one ``stat`` when the file has not grown, and otherwise a read of the
-    frames that completed: frame by frame from the first byte not yet parsed, so that at most
-    one frame's bytes are held (never the unparsed rest of the file).  A frame whose declared
-    length lies beyond the file's end waits, and costs one ``stat`` a poll until the file
-    reaches its end; one declaring more than `MAX_FRAME_BYTES` ends the following
-    (`broken`).  The names interned so far are kept, so that a step's last record can be named."""
+    A `poll` costs one ``stat`` when the file has not grown, else a read of the completed
+    frames, one at a time (at most one frame's bytes held).  A frame declaring more than
+    `MAX_FRAME_BYTES` ends the following (`broken`)."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)

@@ -1,24 +1,11 @@
 """Fail-safe recording: samebits' code inside the user's process never reaches the program.
 
-Every hook zero-code recording puts into a user's process (constructor wrappers, module,
-optimizer and backward hooks, the census, digests, the encoder and writer, the exit
-handlers) runs its own work inside `guard`:
-
-    with guard("forward", step=step, records="forward outputs"):
-        ...samebits' own work...
-
-An exception raised there is swallowed (the program runs on exactly as it would without
-samebits) and recorded as a **gap**: one line in ``SAMEBITS_DIR/gaps-rank-NNNNN.jsonl``
-(site, step, which records, the error), and, once per site, the whole traceback in
-``SAMEBITS_DIR/samebits-log-rank-NNNNN.txt``.  The user's own exceptions never pass through
-a guard: a wrapper calls the user's (or torch's) code outside it.
-
-`read_gaps` gives a run's gaps back to the launcher: a verdict that touches a gapped
-record is INCOMPLETE, never PASS and never DIVERGED on it (`samebits.runs.verify`).  A gap
-at a site that writes the main stream (``verdict=True``) can hide or fake a difference; a
-gap in the census or the tracking of state (``verdict=False``) only leaves an explanation
-short.  ``SAMEBITS_TEST_FAULT_SITE`` (tests only) makes the named site raise, to prove that the
-program's exit code, output and bits do not change when samebits fails there.
+Every hook zero-code recording installs runs its own work inside ``with guard(site, step=...,
+records=...)``: an exception there is swallowed and recorded as a **gap** (a line in
+``SAMEBITS_DIR/gaps-rank-NNNNN.jsonl``, the traceback once per site in
+``samebits-log-rank-NNNNN.txt``); the user's own code always runs outside the guard.
+`read_gaps` gives them to the launcher: a verdict touching a gap at a ``verdict=True`` site is
+INCOMPLETE.  ``SAMEBITS_TEST_FAULT_SITE`` (tests only) makes a site raise (docs/resume.md).
 """
 
 from __future__ import annotations

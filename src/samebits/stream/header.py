@@ -1,6 +1,5 @@
-"""The stream header as a typed value: the JSON of a stream's HEADER frame (docs/stream.md,
-"The header"), parsed and checked once when a stream is read, and formatted back, key for key,
-when one is written.  Readers use its fields, never the header's JSON keys.
+"""The stream header as a typed value: the JSON of a HEADER frame (docs/stream.md, "The
+header"), checked once when read and written key for key.  Readers use its fields, not keys.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Reading fingerprint streams: one rank (`StreamReader`) or a whole run directory (`Run`).
 
-Nothing read is trusted: every frame's checksum is checked, every step root is recomputed
-from the step's records, the step-index footer must agree with the steps read, and any
-malformed byte is a `StreamError` naming the file, the byte offset and the frame.  Reading
-is streaming (the file is memory-mapped, a step's records are decoded only when asked for),
-so memory stays flat however long the run.  A stream cut short by a killed writer reads
-back every complete frame, and `StreamReader.stop_reason` says where and why reading
-stopped.  The frame walk is `_frames`, the records' decoding `_records`, the header `header`.
+Nothing read is trusted (docs/stream.md, "What a reader checks"): every checksum, root and
+footer is checked, malformed bytes are a `StreamError` naming file, offset and frame, and a
+killed writer's stream reads back every complete frame (`stop_reason`).  Memory stays flat.
 """
 
 from __future__ import annotations
@@ -47,7 +43,6 @@ class StepBlock:
 
     def records(self) -> list[Record]:
         return self.reader.decode(self)
-
 
 
 class StreamReader(FrameFile):
@@ -122,12 +117,10 @@ class StreamReader(FrameFile):
             yield frame[0]
 
     def step_frames(self, defer_checksums: bool = False) -> Iterator[tuple[StepBlock, bytes, int, tuple | None]]:
-        """Yield (block, frame payload, where its records start, pending) for each step in
-        order, the structure and the step-index footer checked but the step roots not yet
-        recomputed: call ``check_root(*frame)`` on each before using it.  ``block.root`` is
-        the stored root.  With ``defer_checksums`` the checksum of a step frame is checked
-        by `check_root` too (``pending`` holds the frame head and stored CRC; otherwise
-        None): a comparer that finds two frames byte-equal checks and hashes them once."""
+        """Yield (block, frame payload, where its records start, pending) per step, the roots
+        not yet recomputed: call ``check_root(*frame)`` on each before using it.  With
+        ``defer_checksums``, `check_root` checks the frame's checksum too (``pending``: frame
+        head and stored CRC), so a comparer checks two byte-equal frames once."""
         self._rewind()
         data, size, crc32 = self._data, self.size, zlib.crc32
         unpack_u32, unpack_u64 = fmt._U32.unpack_from, fmt._U64.unpack_from
@@ -315,12 +308,9 @@ class StreamReader(FrameFile):
         return True
 
     def adopt_verified_twin(self, other: "StreamReader") -> None:
-        """Take over the reading of ``other``, which `steps` has read to its clean end with
-        every check passed and whose frames after the header are byte for byte this stream's
-        (the caller has checked `same_frames_as`): every checksum, root and structural check of those frames holds
-        here too (same bytes, same result), so only what depends on this file's own offsets
-        is checked: the final step index (offsets shifted by the header length) and the
-        close frame.  Raises `StreamError` like a full read would."""
+        """Take over the reading of ``other``, read to its clean end with every check passed
+        and byte for byte this stream after the header (`same_frames_as`): only what depends
+        on this file's offsets is checked (the step index, the close frame)."""
         if not (other.closed_cleanly and other._pos == other.size and self._tail_closed):
             raise StreamError(f"{self.path}: internal error: not a verified twin of {other.path}.")
         shift = self._first_end - other._first_end
@@ -354,7 +344,6 @@ class StreamReader(FrameFile):
         self._num_steps = other._num_steps
         self._last_kind, self.closed_cleanly, self.stop_reason = fmt.FRAME_CLOSE, True, None
 
-
     def decode(self, block: StepBlock) -> list[Record]:
         """Decode one step's records (the frame was checksummed when the step was read)."""
         payload = self._frame_payload(block.offset)
@@ -370,7 +359,6 @@ class StreamReader(FrameFile):
                 f"{self.path}: step {block.step} (the step frame at byte {block.offset}) is malformed ({err}): "
                 "the file is corrupt. " + _CORRUPT_HINT
             ) from None
-
 
 
 class Run:

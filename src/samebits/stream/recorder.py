@@ -1,9 +1,7 @@
-"""`Recorder`: writes one rank's fingerprint stream, ``DIR/rank-NNNNN.sbs``.
+"""`Recorder`: writes one rank's fingerprint stream, ``DIR/rank-NNNNN.sbs`` (docs/stream.md).
 
-The API of recording.  What to record is a `RecordingSpec` (samebits.settings); how records
-become bytes is `_encoder.StepEncoder`; the stream file, its header and lock, the step-times
-file and the run id are `_files`.  The byte layout is docs/stream.md; when digests are
-computed and fetched, `_encoder`'s docstring.
+The API of recording: records become bytes in `_encoder`, files (stream, lock, step times,
+run id) are `_files`.
 """
 
 from __future__ import annotations
@@ -39,22 +37,11 @@ class Recorder:
     >>> rec.tensors(0, "params", model.named_parameters())
     >>> rec.close()
 
-    What to record: ``spec`` (a `RecordingSpec`), or, when it is not given, the ``SAMEBITS_*``
-    variables it declares; the keywords ``steps``, ``ranks``, ``phases``, ``include``,
-    ``exclude`` and ``max_tensor_bytes``, when not None, override either.  Every other argument
-    left as ``None`` falls back to its environment variable (`RecorderSettings`), then to a
-    default: rank and world size come from ``torch.distributed`` or ``RANK``/``WORLD_SIZE``.
-    A recorder that is disabled, or whose rank or step is filtered out, does nothing and costs
-    one attribute check.
-
-    ``reference``: the directory of an earlier run; `end_step` then compares this step's
-    root with the reference's and returns False on a mismatch (a live check).
-    ``append``: continue an existing stream (a resumed process); otherwise an existing
-    stream is an error, never overwritten.
-
-    One writer per stream: the stream file is locked (``flock``) while a Recorder has it
-    open, and a second Recorder on the same stream (another process, or this one) gets a
-    `StreamError` naming the file and the holder.
+    Settings: arguments, then the ``SAMEBITS_*`` variables, then defaults (docs/stream.md,
+    "Settings"; ``spec`` is a `RecordingSpec`).  A disabled or filtered-out recorder costs one
+    attribute check.  ``reference``: an earlier run; `end_step` then says whether this step's
+    root matches it.  ``append``: continue an existing stream, which is otherwise never
+    overwritten.  One writer per stream: a second Recorder on it gets a `StreamError`.
     """
 
     _times: StepTimes | None = None  # the step-times side file, once the stream is open
@@ -92,7 +79,6 @@ class Recorder:
         self._last_step: int | None = None
         self._index: list[tuple[int, int, int, int]] = []  # (step, records, root, frame offset)
         self._steps_since_flush = 0
-        self._num_steps = self._num_records = 0
         self._reference = None
         self._closed = False
         self._end_step_hooks: list[tuple] = []  # (before, after) callbacks: `on_end_step`
@@ -134,20 +120,14 @@ class Recorder:
     # -- recording --------------------------------------------------------------------
 
     def wants(self, step: int, phase: str) -> bool:
-        """Whether `tensors`/`metrics` of ``phase`` at ``step`` would write anything: the
-        recorder is enabled, this rank is recorded and the step and phase pass their filters.
-        Lets a caller skip *building* records that would be dropped (a state census, captured
-        activations): ``if rec.wants(step, "state"): rec.tensors(step, "state", census())``.
-        Name filters (include/exclude) apply per tensor later.  `global_tensors` is collective:
-        call it on every rank whatever this says."""
+        """Whether `tensors`/`metrics` of ``phase`` at ``step`` would write anything (name
+        filters apply later, per tensor), so a caller can skip building dropped records.
+        `global_tensors` is collective: call it on every rank whatever this says."""
         return self.active and self.settings.selected(step, phase)
 
     def tensors(self, step: int, phase: str, named_tensors) -> None:
-        """Record ``(name, tensor)`` pairs (or a mapping) under ``phase`` at ``step``.
-
-        ``None`` tensors are recorded as absent; tensors over the size cap keep shape and
-        dtype but no digest.  Digests are computed now, fetched at the end of the step.
-        """
+        """Record ``(name, tensor)`` pairs (or a mapping) under ``phase`` at ``step``: ``None`` as
+        absent, tensors over the size cap without a digest.  Digests are fetched at step end."""
         if not self.active:
             return
         if self._own_work is not None:
@@ -166,33 +146,21 @@ class Recorder:
         return self._encoder.add_tensors(self._step(step), step, phase, named_tensors)
 
     def global_tensors(self, step: int, phase: str, named_tensors, group=None) -> None:
-        """Record the digests of the *full* tensors behind sharded ones (DTensor, FSDP2
-        parameters, Megatron tensor-parallel shards over ``group``; plain tensors as they
-        are) under the phase ``GLOBAL_PHASE_PREFIX + phase``, with their global shape and
-        dtype: layout-independent records that ``samebits diff --by global`` compares across
-        runs of different parallel layouts (docs/digest.md, "Global digests").
-
-        Collective (`samebits.fingerprint.global_digests`): every rank of each shard group
-        calls it at the same step with the same names in the same order, ranks that this
-        recorder leaves out (``SAMEBITS_RANKS``) too: they take part and write nothing.
-        Every recorded rank records the same digests; ``None`` (no gradient) is recorded as
-        absent.  The size cap does not apply.  One int64 all-reduce per group; on an
-        accelerator the sums stay there until the step's one copy to the host.
+        """Record the digests of the *full* tensors behind sharded ones under the phase
+        ``GLOBAL_PHASE_PREFIX + phase``, for ``samebits diff --by global`` (docs/digest.md,
+        "Global digests").  Collective like `samebits.fingerprint.global_digests`: ranks this
+        recorder leaves out call it too, and write nothing.  No size cap; ``None`` is absent.
         """
         self._collective_call(self._global_tensors, step, phase, named_tensors, group, None)
 
     def tensors_and_global(self, step: int, phase: str, named_tensors, group=None) -> None:
-        """`tensors` of each tensor's local part (a DTensor's ``to_local()``, any other tensor as
-        it is) under ``phase``, then `global_tensors` of the tensors under ``global:phase``: the
-        same records, in the same order, as those two calls, for less.  A tensor that is not
-        sharded is digested once for both of its records (its global digest is its local one),
-        and the local parts of the call in one batch.  Collective, like `global_tensors`."""
+        """`tensors` of each tensor's local part, then `global_tensors`: the same records as those
+        two calls, for less (an unsharded tensor is digested once for both).  Collective."""
         self._collective_call(self._tensors_and_global, step, phase, named_tensors, group)
 
     def _collective_call(self, method, step, phase: str, named_tensors, *args) -> None:
-        """Checks the step, lists ``named_tensors`` as (str name, tensor or None) pairs and
-        calls ``method(step, phase, named, *args)`` inside the recorder's own-work hook, unless
-        the recorder is off or does not record this step or phase (the same on every rank)."""
+        """``method(step, phase, [(str name, tensor or None)], *args)`` inside the own-work hook,
+        unless the recorder is off or does not record this step or phase (alike on every rank)."""
         if not self.settings.enabled:
             return
         if step.__class__ is not int or not 0 <= step <= fmt.MAX_STEP:
@@ -231,9 +199,8 @@ class Recorder:
             plan.global_records, plan.global_occurrences = made
 
     def _global_tensors(self, step: int, phase: str, named: list, group, slots: list | None):
-        """``slots``: per tensor, where this step already holds the digest of its local part
-        (from `_tensors` in this same call), or None; reused for the unsharded ones.  Returns
-        what `StepEncoder.add_global` returns (None on a rank that records nothing)."""
+        """``slots``: per tensor, where this step holds its local part's digest (from `_tensors`
+        in this call), or None.  Returns `StepEncoder.add_global`'s answer (None: not recorded)."""
         if self.active:
             self._encoder.check_text(phase, "phase", step)
         present = [(name, tensor) for name, tensor in named if tensor is not None]
@@ -252,13 +219,10 @@ class Recorder:
 
     def optimizer_step(self, step: int, *, grads=None, params=None, optimizer=None, number: int | None = None,
                        whole: Collection[str] = (), group=None) -> None:
-        """The records after an optimizer step, in the one order every writer gives them: the
-        gradients the step used (phase ``grads``), the updated parameters (``params``) and the
-        optimizer's state tensors (``optimizer``), each ``(name, tensor)`` pairs or None for no
-        records.  ``number``: an optimizer that does not end the training step records under
-        ``optimizer<number>.<phase>`` (`samebits.stream.phases.optimizer_phase`).  The phases
-        named in ``whole`` get their whole-tensor records too (`tensors_and_global` over
-        ``group``: collective, so every rank calls it); the others are plain `tensors`."""
+        """The records after an optimizer step, in the one order every writer gives them
+        (`phases.AFTER_OPTIMIZER_STEP`; None: no records).  ``number``: an optimizer that does
+        not end the step (`phases.optimizer_phase`).  Phases in ``whole`` get global records too
+        (`tensors_and_global` over ``group``: collective)."""
         for phase, named in zip(AFTER_OPTIMIZER_STEP, (grads, params, optimizer)):
             if named is None:
                 continue
@@ -268,8 +232,8 @@ class Recorder:
                 self.tensors(step, optimizer_phase(phase, number), named)
 
     def metrics(self, step: int, phase: str = METRICS, **values) -> None:
-        """Record scalars with their exact bits: Python floats as float64, ints as int64,
-        0-dim tensors in their own dtype (kept on the device until the step ends)."""
+        """Record scalars with their exact bits: floats as float64, ints as int64, 0-dim tensors
+        in their own dtype."""
         if not self.active:
             return
         if self._own_work is None:
@@ -285,11 +249,9 @@ class Recorder:
         self._encoder.add_metrics(self._step(step), step, phase, values)
 
     def end_step(self, step: int | None = None) -> bool | None:
-        """Finish the current step: fetch its digests, write it, and check it against the
-        reference run if one was given.  Returns False when the step's root differs from
-        the reference's, True when equal, None without a reference or such a step there.
-        Calling it is optional: a record of a later step, or `close`, ends a step too.
-        Hooks registered with `on_end_step` run around it (also when it writes nothing)."""
+        """Finish the open step (optional: a later step or `close` does too) and check it against
+        the reference: False on a differing root, True when equal, None without one.  Hooks
+        of `on_end_step` run around it, also when it writes nothing."""
         if not self._end_step_hooks:
             return self._end_step(step)
         hooks = list(self._end_step_hooks)
@@ -314,17 +276,15 @@ class Recorder:
     # -- hooks (a tracer's) ---------------------------------------------------------------
 
     def on_end_step(self, before=None, after=None) -> "RecorderHook":
-        """Call ``before(step)`` just before `end_step` writes a step (records it makes belong
-        to that step) and ``after(step)`` just after (it may end the process); ``step`` is
-        what `end_step` was given (None: the open step).  ``.remove()`` the returned handle."""
+        """Call ``before(step)`` just before `end_step` writes (its records join that step) and
+        ``after(step)`` just after (it may end the process).  ``.remove()`` the handle."""
         entry = (before, after)
         self._end_step_hooks.append(entry)
         return RecorderHook(lambda: self._end_step_hooks.remove(entry) if entry in self._end_step_hooks else None)
 
     def around_own_work(self, context) -> "RecorderHook":
-        """Run `tensors` and `metrics` inside ``context()`` (a context manager factory), e.g. a
-        tracer's ``suspended``: the recorder's own copies and views are then never traced as
-        the program's ops.  One at a time; ``.remove()`` the handle to restore the previous one."""
+        """Run `tensors` and `metrics` inside ``context()`` (e.g. a tracer's ``suspended``, so
+        the recorder's own ops are never traced).  ``.remove()`` restores the previous one."""
         previous, self._own_work = self._own_work, context
 
         def remove() -> None:
@@ -334,9 +294,8 @@ class Recorder:
         return RecorderHook(remove)
 
     def close(self) -> None:
-        """End the open step, write the closing frame and flush.  Idempotent.  In a forked child
-        of the process that opened it, it does nothing: the stream, its lock note and its step
-        times are the parent's (the child's exit runs this at exit; it must not end them)."""
+        """End the open step, write the closing frames and flush.  Idempotent; a no-op in a forked
+        child (the stream is the parent's, and the child's exit runs this)."""
         if self._closed or not self.active:
             self._closed = True
             return
@@ -393,8 +352,6 @@ class Recorder:
         buffer += frame
         self._last_step = pending.step
         self._times.add(pending.step, pending.opened)
-        self._num_steps += 1
-        self._num_records += len(pending.records)
         self._steps_since_flush += 1
         if self._steps_since_flush >= self.settings.flush_every:
             self._flush()

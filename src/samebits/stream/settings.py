@@ -1,9 +1,5 @@
 """Recorder settings: arguments first, then ``SAMEBITS_*`` environment variables, then defaults.
-
-What to record (steps, ranks, phases, include/exclude globs, the size cap) is a
-`samebits.settings.RecordingSpec`, declared once with its variables and options; the rest is
-where and who (``SAMEBITS_DIR``, the rank and world size), ``SAMEBITS_DISABLE`` and
-``SAMEBITS_FLUSH_STEPS``, all in `samebits.settings` (docs/settings.md).
+What to record is a `samebits.settings.RecordingSpec`; every variable is in docs/settings.md.
 """
 
 from __future__ import annotations

@@ -5,22 +5,10 @@
                          generators={"dropout": gen}, layout={"dp": 2})
     save("ckpt", bundle)          # collective; commits ckpt/step-<step> atomically
     load("ckpt", bundle)          # collective; follows ckpt/latest, restores in place
-    load("ckpt", bundle, allow_layout_change=True)  # another DP/TP size: replicated state,
-                                  # shards cut by StateBundle.shards, refusals by name
 
-Per rank it stores model, optimizer (by parameter name), LR schedule, loop position and
-every random state (Python, NumPy, torch CPU, CUDA per device, the bundle's generators),
-with `torch.distributed.checkpoint` writing each rank's shards.  See docs/checkpoint.md.
-
-`content_sha256(path)` hashes the training state a checkpoint holds (model and optimizer
-tensors as global values, the progress) and its whole resumable state (`STATE_PARTS`: every
-progress field, optimizer settings, scheduler, metadata less its layout entries, rank 0's
-random states), each the same for the same state saved at any layout.
-
-`state_census(...)` lists the same states as named tensors, recorded at each step start in
-the `STATE_PHASE` phase of the run's census stream (`census_recorder`, `CENSUS_DIR`), so a
-resume that lost one shows which (`describe_state_record`); `CensusName` parses and formats
-the records' names.
+Also `content_sha256` (the training state's hashes, the same at any layout) and the state
+census (`state_census`, `census_recorder`, `CensusName`, `describe_state_record`).
+See docs/checkpoint.md.
 """
 
 from samebits.checkpoint._bundle import StateBundle, TensorShard

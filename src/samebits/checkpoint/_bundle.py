@@ -1,15 +1,9 @@
 """What a bitwise resume needs, and how it splits into tensors (for DCP) and plain values.
 
-`StateBundle` names the live objects; `collect` turns them into one flat dict of tensors
-plus one JSON-able tree per rank.  Loading is all or nothing: `check` validates a rank's
-tree against the live bundle before any tensor is read (every field of the schema `save`
-writes, every tensor reference where `save` puts it, every setting of the optimizer's groups
-and the scheduler one its own `state_dict()` has, of the kind it has), and `apply` checks
-the loaded random states on scratch generators before it changes anything.  Keys of
-rank-local values carry `@rank<r>`, so DCP (which keeps one copy of a key saved by several
-ranks) never merges two ranks' random states or expert shards; a rank-local tensor that is
-a piece of a global one (`StateBundle.shards`) records its place in the manifest, so a load
-under another layout can cut each new rank's piece from the saved ones (`_layout`).
+`collect` turns a `StateBundle` into flat tensors plus one JSON-able tree per rank; `check`
+validates a rank's tree against the live bundle before any tensor is read, and `apply` puts
+it back.  Rank-local keys carry ``@rank<r>`` so DCP never merges two ranks' values; a piece of
+a global tensor (`StateBundle.shards`) records its place, for a load under another layout.
 """
 
 from __future__ import annotations

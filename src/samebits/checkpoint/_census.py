@@ -5,35 +5,10 @@
                                                    generators={"dropout": gen}))
     census.end_step(step)
 
-Recorded at the start of every step, in a "state" phase, the census turns a resume that
-lost some state into a named difference: the first differing record is the missing state
-("rng.torch_cpu", "optim0.step", ...), and `describe_state_record` says what that means.
-
-Its one home is the census stream, `CENSUS_DIR` inside the run directory, for every recorder
-(zero-code recording, the reference recipe, a loop of one's own): it is context for naming
-what differs, never part of the verdict, since a generator nobody draws from differs between
-any two unseeded processes.  `census_run` finds it, in a run recorded before 2026-12 too (the
-recipe then wrote it into its main stream).
-Each record holds the exact bits of one state, so equal digests mean equal state:
-
-    rng.python          Python `random`: version, the 625 Mersenne Twister words, cached gauss
-    rng.numpy           NumPy's global RandomState: the 624 key words, pos, has_gauss, cached
-    rng.torch_cpu       torch.get_rng_state()
-    rng.cuda:<i>        torch.cuda.get_rng_state(i), each visible device once CUDA is initialised
-    rng.user.<name>     each named generator's state (torch.Generator, numpy.random.Generator)
-    optim<i>.step       optimizer i's per-parameter "step" state, in param order (-1: no state)
-    optim<i>.lr         optimizer i's param-group learning rates
-    optim<i>.hparams    optimizer i's other numeric group settings (betas, weight decay, eps, ...),
-                        group by group, keys sorted
-    sched<i>.last_epoch LR scheduler i's position
-    sched<i>.step_count LR scheduler i's count of step() calls (its `_step_count`)
-    sched<i>.lr         LR scheduler i's get_last_lr()
-    scaler<i>           GradScaler i: the scale and growth tracker its next step uses
-
-It runs every step, so it reads states without copying more than they hold and syncs a
-device at most once per device (optimizer step counts kept on a GPU).  Its torch work is
-samebits' own, not the training loop's: it runs outside every dispatch mode in force, so a
-tracer (or any other mode) called around the loop never sees it.
+Recorded at each step's start in the census stream (`CENSUS_DIR`, context, never part of the
+verdict), it names the state a resume lost (`describe_state_record`).  The records and what
+their bits are: docs/checkpoint.md, "The state census".  It runs every step, so it syncs a
+device at most once per device, outside every dispatch mode in force (no tracer sees it).
 """
 
 from __future__ import annotations
@@ -66,17 +41,12 @@ STATE_PHASE = STATE  # the census phase (samebits.stream.phases), under the name
 CENSUS_DIR = "state"
 
 
-
 def state_census(*, optimizers: Sequence[Any] = (), schedulers: Sequence[Any] = (),
                  generators: Mapping[str, Any] | None = None, scalers: Sequence[Any] = (),
                  include_cuda: bool = True) -> list[tuple[str, torch.Tensor]]:
-    """Named CPU tensors whose bits are this process's RNG, optimizer-step and LR state.
-
-    Always in the same order: rng.python, rng.numpy, rng.torch_cpu, rng.cuda:<i> (when
-    `include_cuda` and CUDA is initialised; the census never initialises it), rng.user.<name>
-    (sorted by name), then per optimizer optim<i>.step, optim<i>.lr and optim<i>.hparams,
-    then per scheduler sched<i>.last_epoch, sched<i>.step_count and sched<i>.lr, then per
-    GradScaler scaler<i>.  A bad argument is a ConfigError naming it.
+    """Named CPU tensors whose bits are this process's RNG, optimizer-step and LR state, in the
+    order of docs/checkpoint.md's table (rng.cuda:<i> only when `include_cuda` and CUDA is
+    initialised: the census never initialises it).  A bad argument is a ConfigError naming it.
     """
     optimizers = _checked_sequence("optimizers", optimizers, _is_optimizer,
                                    "a torch.optim.Optimizer (param_groups and state)")
@@ -113,12 +83,9 @@ def _census(optimizers, schedulers, user, scalers, include_cuda: bool) -> list[t
 
 
 def census_recorder(recorder: Any, *, append: bool = False, config: Mapping[str, Any] | None = None) -> Recorder | None:
-    """A `samebits.Recorder` for the state census of the run ``recorder`` writes: its rank's
-    stream in `CENSUS_DIR` inside ``recorder``'s directory, with its rank and world size (and,
-    as every Recorder, the environment's choice of steps, ranks and phases).  ``append``:
-    continue the census stream of a resumed run, as its main stream does.  None when
-    ``recorder`` records nothing here (None, or a rank not recorded) or is not a samebits
-    Recorder (a recorder of one's own: give the census one of its own too).  The caller
+    """A `samebits.Recorder` for the census of the run ``recorder`` writes, in `CENSUS_DIR`
+    inside its directory, with its rank and world size; ``append`` continues a resumed run's.
+    None when ``recorder`` records nothing here or is not a samebits Recorder.  The caller
     closes it."""
     if not isinstance(recorder, Recorder) or not recorder.active:
         return None
@@ -127,11 +94,9 @@ def census_recorder(recorder: Any, *, append: bool = False, config: Mapping[str,
 
 
 def census_run(run_dir: str | os.PathLike) -> Path | None:
-    """Where the census of run ``run_dir`` is: its census stream ``run_dir/state``
-    (`CENSUS_DIR`, with the ``STATE_PHASE`` records and whatever else its recorder adds); for
-    a run recorded before 2026-12 by a loop that wrote the census into its main stream (the
-    reference recipe did), ``run_dir`` itself, whose ``STATE_PHASE`` records are the census.
-    None when ``run_dir`` is not a directory."""
+    """Where the census of run ``run_dir`` is: ``run_dir/state`` (`CENSUS_DIR`), or, for a run
+    recorded before 2026-12 with the census in its main stream, ``run_dir`` itself.  None when
+    ``run_dir`` is not a directory."""
     run_dir = Path(run_dir)
     if (run_dir / CENSUS_DIR).is_dir():
         return run_dir / CENSUS_DIR

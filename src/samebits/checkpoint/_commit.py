@@ -21,15 +21,9 @@ _STAGED, _ASIDE, _LINKED = ".staged-", ".old-", ".link-"
 
 def _commit(root: Path, complete: Path, final: Path) -> None:
     """Make the complete checkpoint directory `complete` ROOT/step-K (`final`) and point
-    `latest` at it, so that at every instant `latest` names a complete checkpoint.
-
-    A new step is one atomic rename, then `latest` is replaced.  A step that exists already
-    (perhaps the one `latest` names) cannot be replaced by one rename: POSIX renames a
-    directory only onto an empty one.  So the new directory is staged under its own name and
-    `latest` points there first; the old one is moved aside; a hard-linked copy of the staged
-    one (no data copied) is renamed to step-K; `latest` points at step-K; the rest is removed.
-    A kill at any point leaves `latest` naming the old or the new checkpoint, whole, and the
-    next save finishes the job (`_finish_or_remove_interrupted_commits`).
+    `latest` at it, so that at every instant `latest` names a complete checkpoint.  A step that
+    exists already is staged, then swapped in by a hard-linked copy (docs/checkpoint.md,
+    "Atomic commit"); a kill at any point is finished by the next save.
     """
     staged = complete.name.startswith(_STAGED)
     if not final.exists() and not staged:

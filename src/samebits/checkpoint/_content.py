@@ -1,21 +1,6 @@
-"""A checkpoint's training state, hashed so that the same state saved at any layout hashes alike.
-
-The files of a checkpoint depend on the world size (one shard file and manifest per rank,
-each rank's piece of a sharded tensor), so two layouts that hold the same training state
-write different bytes.  `content_sha256` returns two hashes of what the files hold:
-
-- ``sha256`` (the content): every saved model and optimizer tensor joined into its global
-  value by the recorded places (`_layout`'s pieces), hashed in sorted order of name as
-  (name, dtype, global shape, bytes), then the global progress (step, consumed samples).
-  Every saved piece is read: a replica must hold the same bytes as the piece it repeats, and
-  a piece without a place beside placed ones is refused, never dropped.
-- ``state_sha256`` (the whole resumable state): the content hash, then every progress field,
-  each parameter's optimizer settings and plain state, the LR scheduler, the metadata (less
-  the entries `StateBundle.layout_metadata` names: the layout itself) and rank 0's random
-  states.  Other ranks' random streams depend on the layout (dp2 has two, one rank one), so
-  they are in neither hash.
-
-No process group is needed: one process reads every rank's part.
+"""A checkpoint's training state, hashed so that the same state saved at any layout hashes
+alike (docs/checkpoint.md, "The training state's hashes, at any layout").  One process reads
+every rank's part; no process group is needed.
 """
 
 from __future__ import annotations
@@ -45,21 +30,11 @@ STATE_PARTS = ("progress", "optimizer", "lr_scheduler", "metadata", "rng")
 
 def content_sha256(path: str | os.PathLike) -> dict[str, Any]:
     """The SHA-256 of the training state the checkpoint ``path`` (a root's latest or a step-K
-    directory) holds, independent of the layout it was saved at, and of its whole resumable
-    state.
-
-    ``sha256`` covers every model and optimizer tensor as its global value (the saved pieces
-    joined by their places, `StateBundle.shards`; a replicated tensor once, after its replicas
-    are compared byte for byte), by sorted name, as (name, dtype, global shape, bytes); and the
-    progress fields ``step`` and ``consumed_samples``.  ``state_sha256`` covers that, then the
-    parts in `STATE_PARTS` (``state_parts``: each part's own hash, to say which differ).
-
-    Returns {"sha256", "state_sha256", "state_parts", "step", "tensors" (how many), "elements",
-    "world_size"}.  A piece that does not tile its tensor or has no place beside placed ones,
-    replicas that differ, a rank-local tensor without a place that differs per rank, or
-    progress, optimizer settings, schedule or metadata that differ per rank have no global
-    value: a `CheckpointLayoutError` naming it; a damaged checkpoint, or one mixed from two
-    saves, a `CheckpointError`.
+    directory) holds, independent of its layout (``sha256``), and of its whole resumable state
+    (``state_sha256``, with each part of `STATE_PARTS` in ``state_parts``), as docs/checkpoint.md
+    defines them.  Returns {"sha256", "state_sha256", "state_parts", "step", "tensors",
+    "elements", "world_size"}.  What has no one global value is a `CheckpointLayoutError`
+    naming it; a damaged or mixed checkpoint a `CheckpointError`.
     """
     directory = resolve(path)
     real = Path(os.path.realpath(directory))

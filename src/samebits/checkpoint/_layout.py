@@ -1,23 +1,10 @@
 """Loading a checkpoint under another layout: what each new rank reads, and what cannot move.
 
-`plan_move` takes every saved rank's tree (the rank-<r>.json files) and the live bundle of
-one rank of the new layout, and returns that rank's tree as if `save` had written it for
-this layout (`Move.plain`, which `_bundle.check` then checks like any other), the saved
-tensors to read (`Move.reads`) and how its tensors are cut from them (`Move.assemble`).
-
-What moves, and why it is exact:
-- a tensor stored once (replicated: the same on every saved rank) goes to every new rank;
-- a piece of a global tensor (`StateBundle.shards`: its place is in the manifest) is cut
-  from the saved pieces that overlap the new rank's place (or joined into a whole tensor);
-- a rank-local tensor without a place moves only when every saved rank holds the same bits
-  (a scalar step count kept per rank, say); which rank's would a new rank take otherwise?
-- plain values (progress, metadata, schedule, optimizer settings) must be the same on every
-  saved rank, for the same reason;
-- random states: one that is the same on every saved rank (the TP ranks of one replica
-  draw alike) is restored; per-rank streams (each DP replica's own) cannot move, unless
-  the program reseeds every draw from a key that does not depend on the layout
-  (`reseeded_rng`: the live states stay, as a fresh run at this layout has them).
-Everything else is a `CheckpointLayoutError` naming the tensor or field and why.
+`plan_move` takes every saved rank's tree and the live bundle of one rank of the new layout,
+and returns that rank's tree as if `save` had written it (`Move.plain`, checked by
+`_bundle.check`), the saved tensors to read (`Move.reads`) and how its tensors are cut from
+them (`Move.assemble`).  What moves and why it is exact: docs/checkpoint.md, "Load under
+another layout"; everything else is a `CheckpointLayoutError` naming the tensor or field.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""`CensusName`: the name of one state-census record, parsed and formatted in one place.
-
-The census (`_census.state_census`, zero-code recording's loader positions) writes records
-named ``rng.python``, ``rng.cuda:0``, ``rng.user.<name>``, ``optim<i>.<field>``,
-``sched<i>.<field>``, ``scaler<i>``, ``data.<site>`` and ``data.state.<site>``; every writer
-builds them with the constructors below and every reader (verify's explanation, the state
-pictures, bisect's prose) parses them back with `CensusName.parse` instead of by string prefix.
-What a record is in words (its title, the sentence when it differs) lives here too.
-No torch here.
+"""`CensusName`: the name of one state-census record (``rng.python``, ``optim<i>.<field>``,
+``data.<site>``, ...), built and parsed in this one place, with what a record is in words
+(its title, the sentence when it differs).  No torch here.
 """
 
 from __future__ import annotations
@@ -226,12 +220,9 @@ class CensusName:
 
 
 def describe_state_record(name: str, present=None) -> str:
-    """The sentence a user needs when census record ``name`` differs between two runs at a
-    step's start, naming only what the program has: ``present`` is every record name of that
-    census (None: not known), so a learning rate that differs in a program without an LR
-    scheduler is blamed on the loop's own iteration counter, never on a scheduler it does not
-    have; a scheduler's record names the scheduler's field (its position, ``last_epoch``),
-    never the learning rate, which the optimizer's state restores on its own."""
+    """The sentence a user needs when census record ``name`` differs at a step's start, naming
+    only what the program has: ``present`` is every record name of that census (None: not
+    known), so an LR without a scheduler is blamed on the loop's own iteration counter."""
     return CensusName.parse(name).describe(present)
 
 

@@ -1,13 +1,8 @@
 """Capture and restore every random state of one rank, as tensors and plain values.
 
-No pickle anywhere: Python's and NumPy's Mersenne Twister states become int64 tensors plus
-a few plain numbers, torch states are their uint8 tensors, and a NumPy `Generator`'s state
-is its plain dict (arrays tagged as lists), so a checkpoint loads with `weights_only`-style
-safety.
-
-Restoring is all or nothing: `check_rng_state` tries every state on a scratch generator
-first (`MalformedFieldError` names the first field that is not what `capture_rng_state`
-writes), and only then are the live states set.
+No pickle: Mersenne Twister states become int64 tensors plus plain numbers, torch states
+their uint8 tensors, a NumPy `Generator`'s state its plain dict.  Restoring is all or
+nothing: `check_rng_state` tries every state on a scratch generator first.
 """
 
 from __future__ import annotations
@@ -86,13 +81,10 @@ def restore_rng_state(state: Mapping[str, Any], generators: Mapping[str, Generat
 
 def check_rng_state(state: Any, generators: Mapping[str, Generator] | None = None, *,
                     skip: Collection[str] = ()) -> None:
-    """Refuse, before anything is restored, a state that `restore_rng_state` cannot take whole.
-
-    `skip` names that are neither global states nor saved generators, and generators other
-    than the saved ones, are a `ConfigError` (the caller's arguments); a field that
-    `capture_rng_state` could not have written is a `MalformedFieldError` naming it.  Every
-    state, skipped ones too, is set on a scratch generator of its kind first, so a value the
-    live generator would refuse (or take and fail on later) is found here.
+    """Refuse, before anything is restored, a state that `restore_rng_state` cannot take whole:
+    unknown `skip` names or other generators are a `ConfigError`, a field `capture_rng_state`
+    could not have written a `MalformedFieldError`.  Every state, skipped ones too, is tried
+    on a scratch generator of its kind first.
     """
     generators = dict(generators or {})
     if not isinstance(state, Mapping):

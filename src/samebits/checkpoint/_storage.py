@@ -1,32 +1,9 @@
-"""On-disk checkpoints: DCP shards written into a temporary directory, committed by rename.
+"""On-disk checkpoints: `save` and `load` (docs/checkpoint.md, "On disk" to "All or nothing").
 
-Layout of a checkpoint root:
-
-    ROOT/latest                 "step-K": the last committed checkpoint (replaced atomically)
-    ROOT/step-K/.metadata       DCP metadata (written by rank 0)
-    ROOT/step-K/__<r>_0.distcp  DCP shards (each rank writes its own)
-    ROOT/step-K/rank-<r>.json   rank r's plain values and tensor manifest
-    ROOT/step-K/meta.json       format, world size, layout, step (written last, by rank 0)
-
-A save writes into ROOT/.tmp-step-K, fsyncs every file, then rank 0 commits it (`_commit`):
-at every instant `latest` names a complete checkpoint, also while a step that `latest`
-names is saved again.  A process killed anywhere leaves dot-directories that nothing reads
-unless `latest` names them; the next save finishes or removes them.
-
-Loading never unpickles arbitrary objects: tensors go through DCP's `weights_only` reader,
-DCP's metadata through an unpickler that only accepts DCP's own metadata classes and is
-then checked to describe tensors only (DCP would `torch.load(weights_only=False)` any entry
-declared as bytes), and everything else is JSON, checked for the fields samebits writes.
-
-Loading is all or nothing.  Only regular files inside the checkpoint directory are opened
-(`O_NOFOLLOW`, `S_ISREG`, a size bound each: no symlink out, no FIFO, no 3 GiB `latest`);
-every JSON file carries the sha256 of its content and meta.json that of `.metadata`; every
-tensor's chunks must tile it exactly (DCP would leave an uncovered element as `torch.empty`
-left it) inside the shard files' sizes; each tensor read is checked against the digest
-`save` recorded; and every field is checked before the live bundle changes (`_bundle`).
-
-This module is `save` and `load`; the commit is `_commit`, the checks of the JSON files
-`_manifests`, of DCP's metadata `_dcp_metadata`, the opening of regular files `_regular`.
+A save writes DCP shards and JSON files into ROOT/.tmp-step-K, fsyncs them, and rank 0
+commits the directory (`_commit`).  A load unpickles nothing but DCP's checked metadata, opens
+only regular files inside the checkpoint (`_regular`), checks every JSON file (`_manifests`),
+DCP's metadata (`_dcp_metadata`) and every tensor's digest, all before the bundle changes.
 """
 
 from __future__ import annotations

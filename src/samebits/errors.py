@@ -19,17 +19,13 @@ class ConfigError(SamebitsError, ValueError):
 
 
 class StreamError(SamebitsError):
-    """A fingerprint stream is missing, unreadable, truncated, corrupt or of another schema.
-
-    The message names the file and the byte offset/record where reading stopped.
-    """
+    """A fingerprint stream is missing, unreadable, truncated, corrupt or of another schema;
+    the message names the file and where reading stopped."""
 
 
 class IncomparableRunsError(SamebitsError):
-    """Two runs cannot be compared (different world size, schema, config or recorded names).
-
-    `differences` lists each mismatch as a human-readable line.
-    """
+    """Two runs cannot be compared (world size, schema, config or names); `differences` lists
+    each mismatch."""
 
     def __init__(self, message: str, differences: list[str] | None = None):
         super().__init__(message)
@@ -37,10 +33,9 @@ class IncomparableRunsError(SamebitsError):
 
 
 class DeterminismError(SamebitsError):
-    """A recipe or environment cannot run bitwise deterministically.
+    """A recipe or environment cannot run bitwise deterministically; `violations` holds every
+    offending setting at once (fail closed)."""
 
-    `violations` holds every offending setting at once (fail closed, never one at a time).
-    """
 
     def __init__(self, message: str, violations: list | None = None):
         super().__init__(message)

@@ -87,13 +87,9 @@ class ReplicaReport(ToDict):
 def check_replicas(model_or_named_tensors, group=None, *, optimizer: torch.optim.Optimizer | None = None,
                    buffers: bool = False, step: int | None = None) -> ReplicaReport:
     """Compare every replicated tensor across its replicas; collective: every rank of the
-    group (and of each DTensor mesh group) must call it, with the same tensor names.
+    group (and of each DTensor mesh group) calls it with the same names.  ``optimizer``: its
+    state too (``optimizer/<param name>/<key>``); ``group``: plain tensors' group (the world)."""
 
-    ``model_or_named_tensors``: an ``nn.Module`` (its parameters, and ``buffers=True`` its
-    buffers) or ``(name, tensor)`` pairs / a mapping.  ``optimizer``: its state tensors too
-    (named ``optimizer/<param name>/<key>``).  ``group``: the data-parallel process group
-    of plain tensors (default: the world).  Returns a `ReplicaReport`; the same on every
-    rank of a group."""
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError("check_replicas compares ranks: initialise torch.distributed first "
                           "(e.g. torchrun + init_process_group).")

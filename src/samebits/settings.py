@@ -170,12 +170,10 @@ def _set_text(values) -> str | None:
 
 @dataclass(frozen=True)
 class Option:
-    """How one field of `RecordingSpec` is spelled outside Python: its variable (``env``, a key
-    of the parser table as ``type``), its command-line option (``flag``, ``metavar``;
-    ``repeatable``: each use adds to the list) and its meaning (``doc``, the registry's and the
-    option's help).  ``normalise(value, source)`` turns text or a Python value into the field's
-    value, or raises `ConfigError` naming ``source``; ``text(value)`` is the variable's text
-    (None: leave it unset, the default)."""
+    """How one field of `RecordingSpec` is spelled outside Python: its variable (``env``), its
+    option (``flag``; ``repeatable``: each use adds) and its help (``doc``).  ``normalise``
+    checks text or a Python value; ``text`` is the variable's text (None: leave it unset)."""
+
 
     env: str
     type: str
@@ -193,16 +191,10 @@ def _option(default, **option) -> Any:
 
 @dataclass(frozen=True)
 class RecordingSpec:
-    """What a Recorder records: every field is declared once here, with its ``SAMEBITS_*``
-    variable and its option of `samebits run`/`verify` (`Option`).  Values may be given as
-    text, as the variable would hold them (``steps="100:200"``, ``ranks="0,2-3"``,
-    ``phases="grads,params"``), or as Python values (a range, a set, a list); they are checked
-    and kept in one form, and a bad one raises `ConfigError` naming the field.
-
-        spec = RecordingSpec.from_env()            # SAMEBITS_STEPS, _RANKS, ... (unset: default)
-        env.update(spec.to_env())                  # for the processes a command starts
-        RecordingSpec.add_to_argparse(parser)      # --record-steps, --ranks, --phases, --include, ...
-        spec = RecordingSpec.from_args(args)
+    """What a Recorder records: every field declared once, with its ``SAMEBITS_*`` variable and
+    its option of `samebits run`/`verify` (`Option`).  Values may be text, as the variable holds
+    them (``steps="100:200"``), or Python values; they are checked and kept in one form, a bad
+    one a `ConfigError` naming the field.  `from_env`/`to_env`, `add_to_argparse`/`from_args`.
     """
 
     steps: tuple[int, int | None] = _option(

@@ -57,22 +57,14 @@ class Verdict(str, enum.Enum):
 
 class ToDict:
     """The one serialiser: a result dataclass offers ``to_dict()``, plain JSON-ready values
-    derived from its fields, in field order.
+    derived from its fields, in field order (enums by value, paths as strings, nested results
+    by their own ``to_dict()``, sequences as lists, mappings with string keys).
 
-    Each value is made plain the same way: a `Verdict` (any enum) gives its value, a path its
-    string, a nested result its own ``to_dict()`` (a dataclass that is not a `ToDict`, its
-    fields), a tuple, list or set a list, a mapping a dict with string keys and plain values.
-    The exceptions are marked, never written out by hand:
-
-    * on a field, ``field(metadata=serialised(...))``: under another ``key``, left out
-      (``skip``, or ``omit_none`` while it is None), or through ``convert`` (value -> plain);
-    * on the class, ``dict_extras()``: computed entries (a property such as an exit code);
-      ``dict_keys``: the keys written and their order, when they are not every field's in
-      field order (a subset, an extra placed among the fields).
-
-    ``from_dict(data)`` reads such a dictionary back (a ``summary.json``) by the same marks, so a
-    reader never restates the schema: a key that names no field, a field that is missing or a
-    value of the wrong type is a `ConfigError` naming the file and the field.
+    The exceptions are marked, never written out by hand: on a field,
+    ``field(metadata=serialised(...))``; on the class, ``dict_extras()`` (computed entries) and
+    ``dict_keys`` (the keys written and their order).  ``from_dict(data)`` reads a dictionary
+    back by the same marks, so a reader never restates the schema; a key that names no field,
+    a missing field or a wrong type is a `ConfigError` naming the file and the field.
     """
 
     #: The keys ``to_dict`` writes, in this order (None: every field's, in field order, then
@@ -109,14 +101,12 @@ class ToDict:
 
     @classmethod
     def from_dict(cls, data: Any, *, source: str | PurePath = "", where: str = ""):
-        """The result that ``to_dict`` wrote as ``data``, read back by the same field marks: each
-        field from its key, made typed again by its annotation (a nested result by its own
-        ``from_dict``, an enum from its value, a mapping's integer keys from their strings); the
-        computed entries (``dict_extras``, ``command``) are derived again, not read.  A skipped
-        field, or one left out while None, takes its default.  ``source`` (the file) and
-        ``where`` (the path to ``data`` in it) name the place in each error.  Names are held
-        strictly: the result read must write back every key ``data`` holds (a key it would not
-        write is a renamed field, or a file of another version), anywhere in the file."""
+        """The result that ``to_dict`` wrote as ``data``, read back by the same field marks and
+        typed again by each field's annotation; computed entries are derived again, a skipped
+        field takes its default.  ``source`` and ``where`` name the place in each error.  Names
+        are held strictly: a key the result would not write back is a renamed field or a file
+        of another version, and an error."""
+
         result = _read(cls, data, str(source), where)
         command = data.get("command")  # (a summary names its command: checked, not read)
         if command is not None and cls.summary_of is not None and command != cls.summary_of:

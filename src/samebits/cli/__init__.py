@@ -1,11 +1,9 @@
 """The `samebits` command line: parse, call one library function, print.
 
-Each subcommand lives in its own module in this package and exposes
-``register(subparsers)``, which adds its parser and sets ``func`` (taking the parsed
-arguments, returning the exit code), and ``EXAMPLES``, one command line to paste a line,
-shown at the end of its --help.  Modules are discovered, so adding a command is adding a file.  Building the parser loads no part of the library (torch among it): a command
-module reaches the library through `samebits.cli._lazy` names, loaded when the command runs.
-The exit codes, one meaning each, are the table of docs/cli.md (`samebits.verdicts`).
+Each subcommand is a module of this package with ``register(subparsers)`` (adds its parser,
+sets ``func``) and ``EXAMPLES`` (shown at the end of its --help); modules are discovered, so
+adding a command is adding a file.  Building the parser loads no library (`samebits.cli._lazy`).
+Exit codes: docs/cli.md (`samebits.verdicts`).
 """
 
 from __future__ import annotations

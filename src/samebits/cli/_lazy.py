@@ -1,14 +1,8 @@
 """Library names the command line loads only when a command runs, not to build its parser.
 
-The library imports torch (about two seconds); printing ``samebits --help`` or a command's
-``--help`` needs none of it.  Each command module declares what it calls at module level::
-
-    diff, DiffResult = lazy("samebits.compare", "diff", "DiffResult")
-
-and uses the names as if imported: calling one, reading an attribute of it or using it in
-``isinstance`` imports the module then (once; later uses cost a dict lookup).  The declaration
-is an import of that module for tests/test_architecture.py, which reads ``lazy(...)`` calls as
-imports, so the layering is checked as for any other import.
+``diff, DiffResult = lazy("samebits.compare", "diff", "DiffResult")`` at module level: the
+module is imported at first use (the library imports torch, about two seconds; ``--help``
+needs none of it).  tests/test_architecture.py reads ``lazy(...)`` calls as imports.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """`samebits check`: list every setting that breaks bitwise determinism, with its fix.
 
-Rules about software this machine does not have (CUDA, NCCL, Transformer Engine, ...) are
-listed as "not applicable", never as violations.  A config in which no rule found a key it
-reads is not called clean: the output names the format assumed and the keys seen.
-
-A setting that cannot change the bits of runs on this machine as they are (an unset
-OMP_NUM_THREADS or PYTHONHASHSEED) is printed as advice, with the cases in which it would
-matter, and is not a violation.
-
-Exit 0 clean (advice or not), 1 violations, 2 bad input (unreadable or malformed config,
-unknown rule id, a config no rule could interpret).
+Rules about software this machine lacks are "not applicable"; a setting that cannot change
+this machine's bits is advice, not a violation; a config in which no rule found a key it reads
+is not called clean.  Exit 0 clean (advice or not), 1 violations, 2 bad input.
 """
 
 from __future__ import annotations

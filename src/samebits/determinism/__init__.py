@@ -1,13 +1,5 @@
-"""Deterministic mode: set, check and probe everything that decides run-to-run bits.
-
-- `deterministic_mode(...)` sets torch flags, environment, thread count and seeds, fails
-  closed on bad values the user set, and publishes a record (`active_record()`).
-- `check(config)` / `validate(config)` run the rule catalog (`rules()`, extend it with
-  `@rule(...)` or `register_rule`).
-- `lookup_op(name)` looks an ATen op up in the catalog of known-nondeterministic ops.
-- `probe(fn, ...)` runs a step with every op executed twice and lists the ops that
-  actually gave different bits on this machine.
-
+"""Deterministic mode: set (`deterministic_mode`), check (`check`, `validate`, the rule
+catalog), look up (`lookup_op`) and probe (`probe`) everything that decides run-to-run bits.
 See docs/determinism.md.
 """
 

@@ -1,14 +1,9 @@
 """Environment variables that decide run-to-run bits: accepted values, defaults, reasons.
 
-One table, used twice: `deterministic_mode` fills in unset variables with the default and
-refuses bad values the user already set (never overwrites them), and the `env-*` rules
-of `samebits check` report unset and bad values.
-
-An unset variable is a violation only where leaving it unset can change the bits of runs on
-this machine as they are.  PYTHONHASHSEED and OMP_NUM_THREADS cannot by themselves: unset, the
-thread count is the same on every run here, and a random str hash changes bits only in a
-program that lets a set's iteration order decide something.  For them `EnvSetting.unset_advice`
-says when it would matter, and `samebits check` prints it as advice (exit 0), not a violation.
+One table, used by `deterministic_mode` (fills unset variables, refuses bad ones the user set,
+never overwrites) and by the `env-*` rules of `samebits check`.  An unset PYTHONHASHSEED or
+OMP_NUM_THREADS cannot change this machine's bits by itself: `EnvSetting.unset_advice` says
+when it would, printed as advice, not a violation.
 """
 
 from __future__ import annotations

@@ -180,30 +180,13 @@ def deterministic_mode(*, seed: int | None = 0, num_threads: int | None = None,
                        config: Mapping | None = None) -> DeterministicMode:
     """Make this process bitwise deterministic, fail closed, and record what decides the bits.
 
-    Works as a plain call (settings stay until `restore()`) and as a context manager::
-
-        with samebits.deterministic_mode(seed=1234, num_threads=4, coordinates={"dp": dp}) as mode:
-            train(mode.record)
-
-    seed: base seed; the global RNGs (Python, NumPy, torch, CUDA) get
-        ``derive_seed(seed, purpose="init")`` (the same on every rank, for model init);
-        ``record["seeds"]["derived"]`` holds this rank's seeds for the other purposes.
-        None leaves the RNGs alone.
-    num_threads: CPU intra-op thread count to pin (torch and OMP_NUM_THREADS).  None pins
-        OMP_NUM_THREADS if it is set, else torch's current count (the core count).
-    coordinates: this rank's index on each parallel axis, e.g. ``{"dp": 1, "tp": 0}``, for the
-        seed rule (an axis not given is 0; see `derive_seed`).
-    allow_tf32, allow_reduced_precision_reduction: numerics choices; both are pinned and
-        recorded either way (default: off, so the bits do not depend on library defaults).
-    nccl_algo, nccl_proto, cublas_workspace_config: values to set when the variable is
-        unset (defaults Ring, Simple, :4096:8).  A variable already set to a bad value, or
-        to a value other than the one asked for, is a violation, never overwritten.
-    expect_child_processes: the run starts Python child processes (DataLoader workers,
-        launchers); then a randomized hash seed in this interpreter is a violation.
-    config: a recipe config checked by the config rules, violations included.
-
+    A plain call (settings stay until `restore()`) or a context manager; docs/determinism.md,
+    "`deterministic_mode`", has each argument.  ``seed``: the global RNGs get the ``init``
+    seed, ``record["seeds"]["derived"]`` this rank's others (None leaves the RNGs alone).
+    ``num_threads`` None pins OMP_NUM_THREADS if set, else torch's current count.
     Raises `DeterminismError` listing every violation before changing anything.
     """
+
     import torch
 
     wanted = _wanted_env(nccl_algo, nccl_proto, cublas_workspace_config)

@@ -45,11 +45,8 @@ given when it is missing: a rule about a library that is not there is "not appli
 
 def detect_platform(*, devices: bool = False) -> dict[str, bool]:
     """Which `FEATURES` this Python environment has (packages are looked up, not imported).
-
-    ``devices``: count the GPUs for "gpu", so that a CUDA build of torch (the default wheel on
-    Linux) on a machine without a GPU is told apart.  Counting initialises the CUDA driver,
-    which a process that forks later should not do: `samebits check` (a process of its own)
-    counts; `check()` inside a training process does not, and takes a CUDA build to have one."""
+    ``devices`` counts the GPUs, which initialises the CUDA driver: `samebits check` (its own
+    process) counts; `check()` in a training process that may fork does not."""
     import torch
     import torch.distributed as dist
 
@@ -62,13 +59,9 @@ def detect_platform(*, devices: bool = False) -> dict[str, bool]:
 
 
 class RuleFinding(NamedTuple):
-    """What a rule function yields for each offending setting it found (`check` turns each
-    into a `Violation`).
-
-    `fix` overrides the rule's generic fix when the finding knows a more precise one.
-    `advice`, when given, makes the finding advice rather than a violation: the sentence says
-    the only cases in which the setting changes the bits.
-    """
+    """What a rule function yields per offending setting (`check` makes it a `Violation`).
+    `fix` overrides the rule's generic fix; `advice` (the only cases in which the setting
+    changes the bits) makes it advice rather than a violation."""
 
     setting: str
     found: Any
@@ -107,14 +100,8 @@ class Advice(ToDict):
 
 @dataclass(frozen=True)
 class Rule:
-    """A determinism rule.
-
-    `func(ctx)` receives a `CheckContext` and returns (or yields) `RuleFinding`s, one per
-    offending setting; returning None or nothing means the rule passes.  Config rules are
-    only run when a config is given.  `keys` lists the config keys the rule reads (used to
-    tell the user which of their keys no rule looked at); rules that call
-    `ctx.config.find(...)` are tracked automatically.
-    """
+    """A determinism rule: `func(ctx)` returns or yields a `RuleFinding` per offending setting
+    (nothing: it passes).  `keys`: config keys it reads beyond those `ctx.config.find` tracks."""
 
     id: str
     category: str
@@ -139,13 +126,9 @@ class Rule:
 
 
 class ConfigView(Mapping):
-    """A read-only view of a (possibly nested) config dict, keyed by dotted paths.
-
-    ``{"moe": {"combine": "index_add"}}`` is seen as ``{"moe.combine": "index_add"}``.
-    `find(name)` returns every ``(path, value)`` whose last path component is `name`, so
-    a rule for ``overlap_grad_reduce`` matches it at top level or inside any section.
-    Every name looked up is remembered, to report config keys that no rule read.
-    """
+    """A read-only view of a nested config dict by dotted paths (``moe.combine``).  `find(name)`
+    matches the last path component, at top level or in any section; every name looked up is
+    remembered, to report config keys that no rule read."""
 
     def __init__(self, config: Mapping):
         self.raw = config
@@ -261,10 +244,9 @@ def run_checks(config: Mapping | None = None, *, env: bool = True,
                torch_flags: bool | None = None, ignore: Iterable[str] = (),
                environ: Mapping[str, str] | None = None,
                platform: Mapping[str, bool] | None = None, devices: bool = False) -> CheckResult:
-    """Run every applicable rule and collect the full result (see `check`).  A rule whose
-    `Rule.requires` names software or hardware this machine lacks (``platform``, default
-    `detect_platform(devices=devices)`) is not run: it is listed in ``not_applicable`` with the
-    reason."""
+    """Run every applicable rule and collect the full result (see `check`); a rule whose
+    `Rule.requires` this machine lacks is listed in ``not_applicable`` instead."""
+
     _ensure_builtins()
     if config is not None and not isinstance(config, Mapping):
         raise TypeError(f"config must be a dict (or None), got {type(config).__name__}")
@@ -314,17 +296,10 @@ def check(config: Mapping | None = None, *, env: bool = True, torch_flags: bool 
           ignore: Iterable[str] = ()) -> list[Violation]:
     """List every determinism violation; an empty list means clean.
 
-    config: a recipe/config dict (nested sections allowed) checked by the config rules;
-        None skips them.
-    env: check environment variables (and, unless `torch_flags` says otherwise, the torch
-        flags and thread count of this process).
-    torch_flags: check this process's torch flags; defaults to `env`.  The CLI passes
-        False, since a fresh CLI process's flags say nothing about the training process.
-    ignore: rule ids to skip (a waiver: prove the setting harmless with paired runs first).
-
-    Config keys that look like a misspelt known key (``moe_combin``) give a warning; keys
-    no rule reads are otherwise ignored, since a generic config holds many settings
-    (sizes, learning rates) that do not decide determinism.
+    ``config`` (nested sections allowed; None skips the config rules), ``env`` (environment
+    variables, and the torch flags unless ``torch_flags`` says otherwise: the CLI passes False,
+    a fresh CLI process's flags say nothing of training's), ``ignore`` (rule ids: a waiver).
+    A key that looks like a misspelt known key gives a warning; other unread keys are ignored.
     """
     result = run_checks(config, env=env, torch_flags=torch_flags, ignore=ignore)
     if result.near_misses:
@@ -350,10 +325,8 @@ def violation_error(violations: list[Violation], context: str = "") -> Determini
 
 
 def _looks_like_typo(name: str, known: str) -> bool:
-    """One edit (insert, delete, substitute, swap) apart; two for long names.
-
-    Deliberately tight: `num_heads` is a real key, not a misspelt `num_threads`.
-    """
+    """One edit (insert, delete, substitute, swap) apart; two for long names.  Deliberately
+    tight: `num_heads` is a real key, not a misspelt `num_threads`."""
     limit = 2 if min(len(name), len(known)) >= 12 else 1
     if abs(len(name) - len(known)) > limit:
         return False

@@ -37,11 +37,8 @@ def check_coordinates(coordinates: Mapping[str, int] | None) -> dict[str, int]:
 
 def derive_seed(base: int, *, purpose: str, coordinates: Mapping[str, int] | None = None,
                 varies_with: Sequence[str] | None = None) -> int:
-    """The seed for `purpose` on the rank at ``coordinates`` (see the table above);
-    ``varies_with`` names the axes of a purpose the table does not have.
-
-    Returns an int in [0, 2**63), accepted by torch, NumPy (via `seed_all`) and `random`.
-    """
+    """The seed in [0, 2**63) for `purpose` on the rank at ``coordinates``; ``varies_with``
+    names the axes of a purpose `SEED_PURPOSES` does not have."""
     if isinstance(base, bool) or not isinstance(base, int):
         raise ConfigError(f"base seed must be an int, got {base!r}")
     if varies_with is None and purpose not in SEED_PURPOSES:
@@ -55,11 +52,9 @@ def derive_seed(base: int, *, purpose: str, coordinates: Mapping[str, int] | Non
 
 
 def seed_all(seed: int) -> dict:
-    """Seed Python's `random`, NumPy's global RNG and torch (CPU and every CUDA device).
+    """Seed Python's `random`, NumPy's global RNG (two 32-bit words) and torch (CPU and every
+    CUDA device); returns what was seeded, for the record."""
 
-    NumPy's legacy seed takes 32-bit words, so the 63-bit seed is passed as two words.
-    Returns what was seeded, for the record.
-    """
     import torch
 
     import numpy as np

@@ -1,15 +1,8 @@
 """The reference recipe: a small Nemotron-like MoE pretraining run, bitwise deterministic.
 
-    from samebits.recipes import RecipeConfig, train
-    result = train(RecipeConfig(), steps=10)
-    cfg = RecipeConfig(**parse_cell("tp2-dp2"))     # a parallel cell (run it on 4 ranks)
-
-Command line: `python -m samebits.recipes --help`; see docs/recipe.md.  How to launch it (its
-argv, for the runners of `samebits.runs`): `samebits.recipes.commands`.
-
-The names load on first use (PEP 562, as the `samebits` facade), so that the command line
-can read the recipe's commands and cells (`commands`, `cells`: no torch) without loading the
-training code.
+``train(RecipeConfig(), steps=10)``; command line ``python -m samebits.recipes``; docs/recipe.md.
+The names load on first use (PEP 562), so the command line reads `commands` and `cells` (no
+torch) without loading the training code.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """The reference recipe's command line, for the runners that launch it: the one place that
-spells ``python -m samebits.recipes`` and its flags.
-
-    recipe_command(2, steps=8, overrides=["seed=3"], out="{out}", reference="{reference}")
-    # [python, -m, torch.distributed.run, --standalone, --nnodes, 1, --nproc-per-node, 2,
-    #  -m, samebits.recipes, --steps, 8, --set, seed=3, --out, {out}, --reference, {reference}]
-    recipe_roles(2, steps=8)   # every template a runner needs (record, save, resume, check, ...)
-
-Placeholders (``{out}``, ``{step}``, ``{ckpt}``, ``{reference}``) are left in for the runner
-to fill (`samebits.runs.commands`).  What `samebits matrix` needs of the recipe is here too:
-its precisions, default cells, the metrics that are global, the settings that make layouts
-compute the same function, and each cell's overrides (`cell_overrides`).  No torch is loaded.
+spells ``python -m samebits.recipes`` and its flags (`recipe_command`, `recipe_roles`), with
+placeholders (``{out}``, ``{step}``, ``{ckpt}``, ``{reference}``) for `samebits.runs.commands`
+to fill, and what `samebits matrix` needs of the recipe (precisions, cells, global metrics,
+layout-invariant settings, `cell_overrides`).  No torch is loaded.
 """
 
 from __future__ import annotations
@@ -135,14 +128,11 @@ def control_global_batch(cells: Sequence[ParallelDims]) -> int:
 
 def across_cell_overrides(dims: ParallelDims, switches: Sequence[str], overrides: Sequence[str] = (), *,
                           control: bool = False, global_batch: int = DEFAULT_GLOBAL_BATCH) -> list[str]:
-    """The recipe's ``--set`` overrides for one layout of `verify --across`: the cell's sizes
-    (``ep`` included: EP is covered by ``grad_reduce=invariant``), the run's ``switches``,
-    then the user's ``overrides``.
+    """The recipe's ``--set`` overrides for one layout of `verify --across`: the cell's sizes,
+    the run's ``switches``, then the user's ``overrides``.  ``control``: the negative control,
+    switches off, with every control's global batch and `LAYOUT_INDEPENDENT`, so two controls
+    differ only in the grouping of their reductions."""
 
-    ``control``: the negative control of the same layout: the switches turned off, the same
-    global batch as every other control (``micro_batch_size`` = ``DEFAULT_GLOBAL_BATCH`` / its
-    data-parallel size, unless the user sets it) and `LAYOUT_INDEPENDENT`, so that what
-    differs between two controls is the grouping of their reductions, nothing else."""
     if not control:
         return [*dims.overrides(), *switches, *overrides]
     off = [f"{switch.partition('=')[0]}={'mean' if switch.startswith('grad_reduce') else 'plain'}"

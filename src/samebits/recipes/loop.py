@@ -56,17 +56,11 @@ def train(config: RecipeConfig, *, steps: int, recorder: Any = None, census: Any
           allow_layout_change: bool = False, keep_going: bool = False, log: bool = False) -> TrainResult:
     """Run optimizer steps [start, steps) on this rank; start is 0 or the resumed step.
 
-    Joins the torchrun process group when the environment names one (or uses one already
-    initialised); otherwise runs as world size 1.  `save_at=K` saves to `ckpt_dir` before
-    step K and returns (``keep_going``: then trains on to ``steps``, as a training job that
-    saves and continues; several steps, e.g. ``(10, 20)``, save before each and need it).
-    `recorder` (duck-typed, see docs/recipe.md) receives the per-step records; when its
-    `end_step` returns False on any rank, every rank stops.  `census` receives the state
-    census at each step start (and its `end_step`); by default the census
-    stream beside a samebits Recorder's (`samebits.checkpoint.census_recorder`, RUN/state),
-    none beside a duck-typed recorder.  `allow_layout_change`: `resume_from` may have been
-    saved at another DP size (with grad_reduce=invariant) or TP size (tp_reduce=invariant),
-    where the bits do not depend on the layout; anything else is refused (`_Run.resume`).
+    `save_at=K` saves to `ckpt_dir` before step K and returns (``keep_going``: trains on;
+    several steps need it).  `recorder` (duck-typed, docs/recipe.md): when its `end_step`
+    returns False on any rank, every rank stops.  `census` defaults to the census stream beside
+    a samebits Recorder's.  `allow_layout_change`: resume a checkpoint of another DP or TP size
+    where the bits do not depend on it (`_Run._check_layout_change`).
     """
     saves = _save_steps(save_at)
     if saves and (ckpt_dir is None or not all(0 <= k <= steps for k in saves)):
@@ -91,12 +85,11 @@ def train(config: RecipeConfig, *, steps: int, recorder: Any = None, census: Any
 
 @contextlib.contextmanager
 def session(cfg: RecipeConfig):
-    """The process settings of a run, undone on exit: join the torchrun group (if the
-    environment names one and none is initialised), then deterministic mode or just the
-    thread count.  Yields (rank, world_size).  `train` opens one; callers that build
-    something under the same settings first (the CLI's Recorder, whose stream header holds
-    the determinism record) open one around it, and `train` nests inside.
+    """The process settings of a run, undone on exit: the torchrun group, then deterministic
+    mode or just the thread count; yields (rank, world_size).  A caller that builds something
+    under them first (the CLI's Recorder) opens one around `train`, which nests inside.
     """
+
     rank, world_size, created = communication.init_process_group(cfg.device)
     try:
         # The layout must fit the world (a ConfigError naming the sizes before anything runs).

@@ -1,15 +1,6 @@
-"""Byte tests for your own kernels and modules: repeatability, golden digests, negative controls.
-
-    from samebits.testing import assert_bitwise_repeatable, assert_same_bits, expect_nondeterministic
-
-    assert_bitwise_repeatable(my_layer, x, runs=3, threads=[1, 2])   # outputs and gradients, bit for bit
-    assert_same_bits(fused(x), reference(x))                           # two structures of tensors
-    expect_nondeterministic(racy_fn, x, threads=2)                     # a negative control must differ
-
-The pytest plugin (registered as ``samebits``) adds ``@pytest.mark.bitwise(runs=, threads=)``,
-the ``samebits_golden`` fixture and ``--samebits-update`` / ``--samebits-contention`` /
-``--samebits-runs`` / ``--samebits-coverage``; `samebits.testing.coverage` checks that every
-kernel of a package has a byte test.  See docs/testing.md.
+"""Byte tests for your own kernels and modules: repeatability (`assert_bitwise_repeatable`),
+`assert_same_bits`, negative controls (`expect_nondeterministic`), golden digests; the pytest
+plugin and `samebits.testing.coverage` build on them.  See docs/testing.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """Golden digests: the 64-bit digest of every output and gradient of a deterministic function,
-kept in a file next to the test, so an intended numerical change is told apart from noise.
-
-The file is ``<test dir>/__samebits__/<test file>.json``, keyed by test (its pytest id
-without the path) and then by check name.  A missing file or entry fails with how to create
-it; a changed digest fails naming each changed value.  ``update=True`` (pytest
-``--samebits-update``) records instead; commit the file.  The file records the digest version
-(docs/digest.md) its digests were computed with; a file of another version is refused, not
-compared (its digests differ for identical tensors), until it is re-recorded.
+kept in ``<test dir>/__samebits__/<test file>.json``, so an intended numerical change is told
+apart from noise.  ``update=True`` records instead; a file of another digest version is
+refused, not compared (docs/testing.md).
 """
 
 from __future__ import annotations

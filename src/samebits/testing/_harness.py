@@ -175,14 +175,10 @@ def thread_count(count: int | None):
 # -- contention ---------------------------------------------------------------------------
 
 class Contention:
-    """A background workload competing with the code under test for the hardware.
+    """A background workload competing with the code under test for the hardware: a thread of
+    matrix products (they release the GIL and take the intra-op pool's cores), queued on a side
+    CUDA stream of each device the inputs use on a GPU (as overlapped communication does)."""
 
-    On the CPU: a thread running matrix products (they release the GIL and use the intra-op
-    thread pool, so they take cores while the test's own parallel regions run).  On a GPU:
-    the same thread queues GEMMs on a side CUDA stream of every device the inputs use, so the
-    kernels under test share the SMs with them (the way overlapped communication and
-    computation shift a kernel's timing in training).
-    """
 
     def __init__(self, devices: Iterable[torch.device] = ()):
         self.cuda_devices = sorted({d.index or 0 for d in devices if d.type == "cuda"})
@@ -302,17 +298,11 @@ def _producer(fn: Callable, inputs: tuple, grads: bool) -> Callable[[], tuple[An
 def assert_bitwise_repeatable(fn: Callable, *inputs: Any, runs: int | None = None, grads: bool = True,
                               threads: int | Iterable[int] | None = None, contention: bool | None = None,
                               seed: int = 0) -> BitwiseReport:
-    """Run ``fn(*inputs)`` ``runs`` times (at each of ``threads``) on fresh copies of the inputs
-    and assert that every output and every input gradient is bitwise equal across all runs.
-
-    ``fn`` may be an ``nn.Module``: it is deep-copied per run, and its parameter gradients,
-    parameters and buffers are compared too.  With ``grads``, floating inputs require grad and
-    the outputs are back-propagated with fixed random cotangents.  ``contention`` runs a
-    background workload meanwhile (`Contention`).  Every run starts from the same RNG state
-    (``seed``).  Raises ``AssertionError`` naming the value, the first differing indices, both
-    values and bit patterns, the ulp distance and how many runs disagreed.  ``runs`` and
-    ``contention`` left as None take the session's defaults (3, off; pytest
-    ``--samebits-runs`` / ``--samebits-contention``).
+    """Run ``fn(*inputs)`` ``runs`` times (at each of ``threads``) on fresh copies of the inputs,
+    each from the same RNG state (``seed``), and assert that every output and gradient (of the
+    inputs; of a module's parameters, deep-copied per run, with its parameters and buffers) is
+    bitwise equal.  ``runs`` and ``contention`` None take the session's defaults (pytest
+    ``--samebits-runs`` / ``--samebits-contention``).  docs/testing.md has the rest.
     """
     runs = _check_runs(DEFAULTS["runs"] if runs is None else runs, 2, "a repeatability check")
     contention = DEFAULTS["contention"] if contention is None else contention

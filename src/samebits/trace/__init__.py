@@ -41,12 +41,11 @@ OFF = _Off()
 def attach(model, recorder, config: TraceConfig | None = None) -> "Tracer | _Off":
     """Trace `model`'s training into `recorder`'s streams according to `config`.
 
-    Returns a handle: wrap each training step in ``with handle.step(step):`` and call
-    ``handle.close()`` at the end (a later `attach` closes a tracer left open).  The tracer
-    registers Recorder hooks (``on_end_step``, ``around_own_work``): its records are finished
-    before the recorder writes the step, and the recorder's own tensor work is never traced.
-    ``with handle.suspended():`` runs samebits-side torch work of your own untraced.
+    Returns a handle: wrap each step in ``with handle.step(step):``, call ``handle.close()`` at
+    the end (a later `attach` closes a tracer left open); ``handle.suspended()`` runs torch work
+    of your own untraced.  Its records are finished before the recorder writes the step.
     """
+
     config = config or TraceConfig()
     if not config.enabled:
         return OFF

@@ -26,13 +26,10 @@ class Frame:
 
 
 class StepState:
-    """What the open step of a traced rank knows; made fresh for each step.
+    """What the open step of a traced rank knows; made fresh for each step.  ``level`` is the
+    rung in force (0: not selected), ``special`` the perturb/dump specs for this rank and step;
+    event numbers, seen tensors, the module stack and call sites change only through methods."""
 
-    ``level`` is the rung in force (0 when this step or rank is not selected), ``special``
-    the perturb/dump specs naming this rank and step, ``stage`` the training phase the
-    program is in, ``scope`` the FQN of the innermost module running.  Event numbers
-    (`next_number`), the tensors already recorded (`is_seen`/`mark_seen`), the module stack
-    (`push`/`pop`), the backward scopes and the call sites change only through methods."""
 
     __slots__ = ("step", "level", "special", "ops_needed", "stage", "scope", "frames", "autograd",
                  "call_sites", "_numbers", "_seen")

@@ -1,5 +1,7 @@
-"""Builds the one compiled piece of samebits: the CPU digest library (see docs/digest.md), which
-also encodes a Recorder's step frames (csrc/step_frame.c, docs/stream.md).
+"""Builds the compiled pieces of samebits: the CPU digest library (see docs/digest.md), which
+also encodes a Recorder's step frames (csrc/step_frame.c, docs/stream.md), and the block fixed
+point of the invariant gradient reduction (csrc/fixed.c, docs/invariance.md), a library of its
+own so that neither changes the other's interface.
 
 All package metadata lives in pyproject.toml; this file only adds the C extension.  It is a
 plain shared library loaded with ctypes (no Python API), built through setuptools so that
@@ -7,7 +9,7 @@ plain shared library loaded with ctypes (no Python API), built through setuptool
 
 OpenMP is used when the compiler accepts it; without it the library is single-threaded (still
 correct).  If the build fails altogether, samebits falls back to the torch reference
-implementation and warns at first use.
+implementation (the digest warns at first use; the reduction gives the same bits, slower).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 SOURCES = ["src/samebits/fingerprint/csrc/digest.c", "src/samebits/fingerprint/csrc/step_frame.c"]
+FIXED_SOURCES = ["src/samebits/fingerprint/csrc/fixed.c"]
 
 
 def _compiler_accepts(compiler, flags: list[str]) -> bool:
@@ -69,7 +72,14 @@ setup(
             depends=["src/samebits/fingerprint/csrc/native.h"],  # shipped in the sdist, rebuilds on change
             # A missing compiler must not block installation: the torch fallback still works.
             optional=True,
-        )
+        ),
+        Extension(
+            "samebits.invariant._libfixed",
+            sources=FIXED_SOURCES,
+            depends=["src/samebits/fingerprint/csrc/native.h"],
+            libraries=[] if sys.platform == "win32" else ["m"],  # nearbyint
+            optional=True,  # without it the invariant reduction runs its torch path (same bits)
+        ),
     ],
     cmdclass={"build_ext": BuildDigest},
 )

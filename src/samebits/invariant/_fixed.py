@@ -25,6 +25,7 @@ import math
 import torch
 
 from samebits.errors import ConfigError
+from samebits.invariant import _fixed_native
 
 DEFAULT_BLOCK_SIZE = 256
 EXPONENT_MIN = -128  # int8 exponents: blocks smaller than 2**-128 encode exactly anyway (P >= 21)
@@ -140,5 +141,72 @@ def _decode_wide(sums: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     return (values.to(torch.float64) * pow2(-shift.flatten())[:, None]).to(torch.float32)  # exact scale
 
 
+BACKENDS = ("auto", "torch", "native")
+
+
+def _pick(backend: str, tensors: list[torch.Tensor], dtypes: list[torch.dtype], function: str,
+          exponents: torch.Tensor | None = None) -> str:
+    """"native" (the C library: CPU, fp32, contiguous, loaded) or "torch" (the definition above)."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"{function}: backend={backend!r} is not one of {BACKENDS}; 'torch' is the reference "
+                          "(the definition), 'native' the C library (CPU fp32 only), 'auto' picks")
+    if backend == "torch":
+        return "torch"
+    native = (_fixed_native.runs_on(tensors) and [t.dtype for t in tensors] == dtypes
+              and (exponents is None or (exponents.dtype == torch.int8 and exponents.device.type == "cpu"
+                                         and exponents.shape == (tensors[0].shape[0],))))
+    if backend == "native" and not native:
+        raise ConfigError(f"{function}: backend='native' needs the compiled library "
+                          f"({'not loaded: build it with `pip install -e .`' if _fixed_native.LIB is None else 'loaded'}) "
+                          "and CPU, contiguous, equally shaped 2-D tensors (fp32 gradients, int64 sums)")
+    return "native" if native else "torch"
+
+
+def max_block_exponents(buffers: list[torch.Tensor], *, backend: str = "auto") -> torch.Tensor:
+    """The MAX of `block_exponents` over ``buffers`` (a rank's micro-batches, each (num_blocks,
+    block_size) fp32): one pass over all of them on the native path."""
+    if _pick(backend, buffers, [torch.float32] * len(buffers), "max_block_exponents") == "native":
+        return _fixed_native.exponents(buffers)
+    exps = block_exponents(buffers[0])
+    for blocks in buffers[1:]:
+        exps = torch.maximum(exps, block_exponents(blocks))
+    return exps
+
+
+def encode_sum(buffers: list[torch.Tensor], exponents: torch.Tensor, bits: int, *, out: torch.Tensor | None = None,
+               backend: str = "auto") -> tuple[torch.Tensor, int]:
+    """The sum of `encode` over ``buffers`` (int64, written to ``out`` when given) and the total
+    inexact count; the native path encodes and adds in one pass with no temporaries."""
+    if _pick(backend, [*buffers, *([] if out is None else [out])],
+             [torch.float32] * len(buffers) + ([] if out is None else [torch.int64]), "encode_sum", exponents) == "native":
+        if out is None:
+            out = torch.empty(buffers[0].shape, dtype=torch.int64)
+        return out, _fixed_native.encode_sum(buffers, exponents.contiguous(), bits, out)
+    total, inexact = encode(buffers[0], exponents, bits)
+    for blocks in buffers[1:]:
+        encoded, lost = encode(blocks, exponents, bits)
+        total += encoded  # int64: exact, any order
+        inexact += lost
+    if out is not None:
+        out.copy_(total)
+        total = out
+    return total, inexact
+
+
+def decode_into(sums: torch.Tensor, exponents: torch.Tensor, bits: int, *, out: torch.Tensor | None = None,
+                backend: str = "auto") -> torch.Tensor:
+    """`decode`, written to ``out`` (fp32, the shape of ``sums``) when given."""
+    if _pick(backend, [sums, *([] if out is None else [out])],
+             [torch.int64] + ([] if out is None else [torch.float32]), "decode_into", exponents) == "native":
+        if out is None:
+            out = torch.empty(sums.shape, dtype=torch.float32)
+        _fixed_native.decode(sums, exponents.contiguous(), bits, out)
+        return out
+    values = decode(sums, exponents, bits)
+    if out is None:
+        return values
+    return out.copy_(values)
+
+
 __all__ = ["DEFAULT_BLOCK_SIZE", "fraction_bits", "block_exponents", "encode", "decode", "pow2", "pow2_clamped",
-           "EXPONENT_MIN", "EXPONENT_NONFINITE"]
+           "EXPONENT_MIN", "EXPONENT_NONFINITE", "BACKENDS", "max_block_exponents", "encode_sum", "decode_into"]

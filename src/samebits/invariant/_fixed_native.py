@@ -1,0 +1,103 @@
+"""Loads the compiled block fixed point (fingerprint/csrc/fixed.c) with ctypes; None if not built.
+
+setup.py builds it as `samebits.invariant._libfixed`, a plain shared library without Python
+API (ctypes releases the GIL while it runs), apart from the digest library so that neither
+changes the other's interface.  The torch functions of `_fixed` are its definition: every
+output bit and the inexact count must be the same (tests/test_invariant_native.py).  torch is
+imported first on purpose: the library links libgomp.so.1, and torch's copy, loaded first, is
+the one the process then uses (a single OpenMP runtime).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import warnings
+from array import array
+
+import torch
+
+_ABI_VERSION = 1  # SAMEBITS_FIXED_ABI_VERSION in csrc/fixed.c
+
+
+def _load() -> ctypes.CDLL | None:
+    spec = importlib.util.find_spec("samebits.invariant._libfixed")
+    if spec is None or not spec.origin:
+        return None
+    try:
+        lib = ctypes.CDLL(spec.origin)
+    except OSError as err:
+        warnings.warn(f"samebits: cannot load {spec.origin} ({err}); the invariant reduction uses its torch path "
+                      "(same bits, slower); rebuild with `pip install -e .`", stacklevel=2)
+        return None
+    lib.samebits_fixed_abi_version.restype = ctypes.c_int
+    if lib.samebits_fixed_abi_version() != _ABI_VERSION:
+        warnings.warn(f"samebits: {spec.origin} is from another samebits version; the invariant reduction uses "
+                      "its torch path (same bits, slower); rebuild with `pip install -e .`", stacklevel=2)
+        return None
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    lib.samebits_fixed_exponents.restype = None
+    lib.samebits_fixed_exponents.argtypes = [ctypes.c_uint64, pointer, size, size, pointer, ctypes.c_int]
+    lib.samebits_fixed_encode_sum.restype = ctypes.c_int64
+    lib.samebits_fixed_encode_sum.argtypes = [ctypes.c_uint64, pointer, size, size, pointer, ctypes.c_int, pointer,
+                                              ctypes.c_int]
+    lib.samebits_fixed_decode.restype = None
+    lib.samebits_fixed_decode.argtypes = [pointer, size, size, pointer, ctypes.c_int, pointer, ctypes.c_int]
+    return lib
+
+
+LIB: ctypes.CDLL | None = _load()
+
+# libgomp does not survive fork (a parallel region in a child forked after the parent ran one
+# hangs): children stay single-threaded, as in fingerprint/_native.py.
+_in_forked_child = False
+
+
+def _mark_forked_child() -> None:
+    global _in_forked_child
+    _in_forked_child = True
+
+
+os.register_at_fork(after_in_child=_mark_forked_child)
+
+
+def _threads() -> int:
+    return 1 if _in_forked_child else torch.get_num_threads()  # torch's thread budget, never more
+
+
+def runs_on(tensors: list[torch.Tensor]) -> bool:
+    """Whether the library is loaded and takes these tensors: CPU, contiguous, one shape."""
+    if LIB is None:
+        return False
+    shape = tensors[0].shape
+    return all(t.device.type == "cpu" and t.is_contiguous() and t.shape == shape and t.dim() == 2 for t in tensors)
+
+
+def _addresses(buffers: list[torch.Tensor]) -> array:
+    return array("Q", [b.data_ptr() for b in buffers])
+
+
+def exponents(buffers: list[torch.Tensor]) -> torch.Tensor:
+    """`_fixed.block_exponents` of every buffer, MAX over the buffers, in one pass: (num_blocks,) int8."""
+    num_blocks, block_size = buffers[0].shape
+    out = torch.empty(num_blocks, dtype=torch.int8)
+    addresses = _addresses(buffers)
+    LIB.samebits_fixed_exponents(len(buffers), addresses.buffer_info()[0], num_blocks, block_size, out.data_ptr(),
+                                 _threads())
+    return out
+
+
+def encode_sum(buffers: list[torch.Tensor], exps: torch.Tensor, bits: int, out: torch.Tensor) -> int:
+    """out = the sum of `_fixed.encode` of every buffer (int64, written); returns the inexact count."""
+    num_blocks, block_size = buffers[0].shape
+    addresses = _addresses(buffers)
+    return LIB.samebits_fixed_encode_sum(len(buffers), addresses.buffer_info()[0], num_blocks, block_size,
+                                         exps.data_ptr(), bits, out.data_ptr(), _threads())
+
+
+def decode(sums: torch.Tensor, exps: torch.Tensor, bits: int, out: torch.Tensor) -> None:
+    """out = `_fixed.decode` of int64 ``sums`` (fp32, written)."""
+    num_blocks, block_size = sums.shape
+    LIB.samebits_fixed_decode(sums.data_ptr(), num_blocks, block_size, exps.data_ptr(), bits, out.data_ptr(),
+                              _threads())

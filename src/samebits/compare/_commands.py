@@ -20,12 +20,9 @@ _INPUT_WORD = re.compile(r"resume|load|init|from|restore|pretrained|model|input|
 def output_paths_only(command_a: str, command_b: str, run_a: str | os.PathLike | None = None,
                       run_b: str | os.PathLike | None = None) -> list[tuple[str, str, str]] | None:
     """The (option, a's value, b's value) where two recorded command lines differ, when they
-    differ only in where the runs wrote: the option is an output option by name (`--out`,
-    `--ckpt-dir`, ...; never one that reads, such as `--resume-from-checkpoint`,
-    `--load-checkpoint`, `--init-checkpoint`) and each value is a path that exists on disk
-    inside its own run's folder (``run_a``, ``run_b``: the folders holding the streams; a
-    relative value is taken from the current directory).  None when any other word differs, or
-    when a value is not such a path (`--log debug` vs `warning`: a setting)."""
+    differ only in where the runs wrote: an output option by name (`--out`, never one that
+    reads such as `--resume-from-checkpoint`) whose values are existing paths inside each
+    run's own folder (``run_a``, ``run_b``).  None when anything else differs."""
     try:
         words_a, words_b = shlex.split(command_a), shlex.split(command_b)
     except ValueError:

@@ -1,7 +1,6 @@
-"""`diff(a, b)`: are two runs bitwise identical, and if not, where did they first part?  It
-checks the runs can be compared (digest version, world size, config, recorded names), walks
-their ranks (`_walk`, in processes with `_parallel`) and turns what the walks found into a
-verdict; `divergent_steps` is the same walk, yielding each rank's first divergent step.
+"""`diff(a, b)`: check the runs can be compared, walk their ranks (`_walk`, `_parallel`) and
+turn what the walks found into a verdict; `divergent_steps` yields each rank's first divergent
+step from the same walk.
 """
 
 from __future__ import annotations
@@ -37,25 +36,17 @@ def diff(
 ) -> DiffResult | GlobalDiffResult:
     """Compare run directories ``a`` and ``b`` bit for bit.
 
-    ``start_step``/``stop_step`` restrict the comparison to ``start <= step < stop``
-    (e.g. a resumed run from its resume step on).  A run whose streams start at a later step K
-    than the other's (a resumed run, not a recording window) may have been started by another
-    command line.  Without ``start_step`` it is compared from step K on: a divergence there is
-    DIVERGED; no divergence is INCOMPLETE, with the reason, since the steps before K are in one
-    run only (``start_step=K`` compares exactly those steps both hold).  ``verify`` decodes and compares every
-    step's records instead of deciding equal steps by their (recomputed) roots.  Raises
-    `ConfigError` for an empty window, `IncomparableRunsError` when the runs cannot be
-    compared (digest version, world size, config, recorded names), `StreamError` when a stream is
-    unreadable or damaged (naming file, byte offset and frame).
+    ``start_step``/``stop_step`` restrict the comparison to ``start <= step < stop``.  A run
+    whose streams start at a later step K (a resumed run) is compared from K on: no divergence
+    there is INCOMPLETE, since the steps before K are in one run only.  ``verify`` decodes and
+    compares every step instead of deciding equal steps by their roots.  Raises `ConfigError`
+    for an empty window, `IncomparableRunsError` when the runs cannot be compared,
+    `StreamError` when a stream is unreadable or damaged.
 
-    ``by="global"`` compares runs of any layouts and world sizes by their global records
-    (`Recorder.global_tensors`: digests of full tensors, matched by phase and name) and
-    returns a `GlobalDiffResult` (compare/_global.py); the other options do not apply.
-
-    ``jobs`` walks ranks in that many processes (1: serial; None: one per core when the
-    runs are large, see docs/scale.md); ``distributed`` splits the ranks among the
-    processes of a torchrun job instead (every process returns the result).  The result is
-    the same object either way.
+    ``by="global"``: compare runs of any layouts by their global records (a `GlobalDiffResult`;
+    the other options do not apply).  ``jobs`` walks ranks in that many processes (None: one
+    per core for large runs, docs/scale.md); ``distributed`` splits them among a torchrun
+    job's processes.  The result is the same object either way.
     """
     start, stop = _window(start_step, stop_step)
     if by != "local":
@@ -191,11 +182,9 @@ def _with_gaps(verdict: Verdict, first, a, b, notes: list[str], incomplete: list
 
 
 def divergent_steps(a, b, *, start_step: int | None = None, stop_step: int | None = None) -> Iterator[RankStep]:
-    """Yield, for each rank both runs recorded (in rank order), its first divergent step as
-    a `RankStep` (both sides' decoded records).  Ranks with no divergence in the window are
-    not yielded.  ``a``/``b`` are run directories or open `Run` objects.  Streams are
-    verified as in `diff` (a damaged one raises `StreamError`); unlike `diff`, a stream
-    cut short or a missing rank is not reported here (use `diff` for the verdict)."""
+    """Yield, in rank order, each rank's first divergent step as a `RankStep` (both sides'
+    decoded records); ranks without one are skipped.  ``a``/``b``: run directories or `Run`s.
+    Streams are verified as in `diff`; a stream cut short or a missing rank is not reported."""
     start, stop = _window(start_step, stop_step)
     run_a = a if isinstance(a, Run) else open_run(a)
     run_b = b if isinstance(b, Run) else open_run(b)

@@ -1,18 +1,8 @@
 """Compare two runs by global tensor identity: runs of different parallel layouts.
 
-A TP=1 run and a TP=2 run hold different local shards, so their local digests never agree.
-Their *global* records (`Recorder.global_tensors`: the digest of each full tensor, phase
-``global:<phase>``, global shape and dtype) do when the values agree.  `diff_global` walks
-both runs' global records step by step, matched by (phase, name, occurrence) and checked for
-global shape and dtype, whatever the world sizes: per tensor, identical over the window, or
-the first step it differs; tensors that one run records and the other does not are reported,
-never dropped.  A run that starts later than the other (it resumed the other's checkpoint) is
-compared from its first step on, as `diff` does: a divergence there is DIVERGED, none is
-INCOMPLETE saying so (the earlier steps are in one run only; ``start`` = its first step
-compares exactly the steps both hold).  Streams are read and verified exactly as for `diff` (every checksum, every
-recomputed root); a run that holds no global record in the window is INCOMPLETE, never
-IDENTICAL.  Streams hold digests, not values: the distance in ulps is not known from them
-(each entry says so).
+`diff_global` matches both runs' global records (`Recorder.global_tensors`) by (phase, name,
+occurrence) step by step, whatever the world sizes, verifying streams as `diff` does; what it
+reports and when it is INCOMPLETE: docs/stream.md, "Runs of different layouts: `--by global`".
 """
 
 from __future__ import annotations

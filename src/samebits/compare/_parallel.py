@@ -1,21 +1,10 @@
 """Rank walks in parallel processes, merged into exactly the result of the serial walk.
 
-`diff(a, b, jobs=N)` hands each worker process a contiguous chunk of ranks; a worker walks
-its chunk in rank order (the same `_Walk` as the serial path, lowering a bound local to the
-chunk) and returns each rank's walk.  The merge then replays the serial loop in rank order:
-the serial walk of rank r stops looking past the earliest divergence of the ranks before it
-(bound B).  A worker's walk of r used a bound from a subset of those ranks (never below B),
-so it equals the serial walk whenever that bound did not matter: the rank's streams were
-byte-equal twins (verified in full, bound or not), no rank before r had diverged (B is
-None), or r diverged at a step <= B (the walk never looked past it).  Any other rank is
-walked again here, in the parent, with B: the rare case (a rank differing only after an
-earlier rank's divergence), and cheap (that walk stops at B).  A damaged stream found by a
-worker is raised only where the serial walk would have read it.  So `DiffResult` is the
-same object, field for field, whatever the number of processes (tests/test_scale.py).
-
-Processes, not threads: the per-frame work (checksums, SHA-256, varints) holds the GIL.
-Workers are forked (the runs are already open in the parent; nothing is pickled but rank
-numbers, paths and each rank's small result).
+Each worker walks a contiguous chunk of ranks with a bound local to the chunk; the merge
+replays the serial loop in rank order and walks again, with the serial bound, any rank whose
+walk that bound could have changed (docs/scale.md).  So `DiffResult` is the same, field for
+field, whatever the number of processes (tests/test_scale.py).  Processes, not threads: the
+per-frame work holds the GIL; workers are forked and get only rank numbers and paths.
 """
 
 from __future__ import annotations

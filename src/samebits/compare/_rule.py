@@ -1,7 +1,4 @@
-"""The one comparison rule of every verdict (`diff`, `diff --by global`, `verify --across`): when
-two records of one identity count as equal.  A tensor without a digest (over ``max_tensor_bytes``
-when recorded) is never equal to anything: it is compared by shape and dtype only.
-"""
+"""The one comparison rule of every verdict: when two records of one identity count as equal."""
 
 from __future__ import annotations
 

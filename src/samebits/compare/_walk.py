@@ -1,8 +1,6 @@
-"""The comparator's walk over one rank's two streams, step by step: equal steps are decided by
-their recomputed roots without decoding, the first step that differs is decoded and its
-records matched by identity (kind, phase, name, occurrence), never by position.  `_Walk` is
-shared by `diff`, `divergent_steps` and the parallel walks (`_parallel`); `_Bound` lets the
-ranks' walks stop at the earliest divergence found on any rank.
+"""The comparator's walk over one rank's two streams, step by step (`_Walk`, shared by `diff`,
+`divergent_steps` and `_parallel`); `_Bound` lets the ranks' walks stop at the earliest
+divergence found on any rank.
 """
 
 from __future__ import annotations
@@ -31,13 +29,10 @@ class _Bound:
 class _Walk:
     """The one step walk over a rank's two streams, shared by `diff` and `divergent_steps`.
 
-    Symmetric by construction: every decision looks at both sides alike, so swapping the runs
-    swaps ``a`` and ``b`` in what is reported and never changes the verdict.  A step one side
-    holds and the other does not is a divergence unless the other side did not record it on
-    purpose (outside its recording window: not compared, INCOMPLETE) or its stream ended
-    without a clean close (a killed or still running writer: INCOMPLETE).  Once a divergence
-    is found, the rest of both streams is still read and verified, so that damage (a dropped
-    frame, steps out of order) is reported as damage, never as a divergence."""
+    Symmetric: swapping the runs swaps ``a`` and ``b`` in what is reported, never the verdict.
+    A step one side lacks is a divergence unless that side left it out of its window or its
+    stream ended without a clean close (INCOMPLETE).  After a divergence both streams are still
+    read and verified, so damage is reported as damage, never as a divergence."""
 
     def __init__(self, start: int, stop: int | None, verify: bool, bound: _Bound | None = None):
         self.start, self.stop, self.verify = start, stop, verify
@@ -80,12 +75,9 @@ class _Walk:
             reader_b.close()
 
     def _twins(self, rank: int, reader_a: StreamReader, reader_b: StreamReader) -> None:
-        """Two closed streams holding the same bytes after their headers (the common case
-        of identical runs): verify every frame of ``a`` (checksums, recomputed roots,
-        structure, footer); ``b``'s frames are the same bytes, so the same checks hold for
-        them, and only ``b``'s own footer offsets remain to check.  No divergence.  (Steps of
-        a later segment that declares a size cap are decoded: their capped records are
-        compared by shape only.)"""
+        """Two closed streams holding the same bytes after their headers (identical runs):
+        verify every frame of ``a``; the same checks then hold for ``b``'s, and only its own
+        footer offsets remain to check.  Steps of a segment with a size cap are decoded."""
         start, counts = self.start, self.counts
         for block in reader_a.steps():
             if block.step >= start:

@@ -39,11 +39,8 @@ class TensorShard:
 
 @dataclass
 class StateBundle:
-    """The live state of one rank that a bitwise resume restores.
-
-    `save` reads it; `load` writes into it in place (`progress` is replaced by the saved
-    dict).  Everything except `model` is optional.
-    """
+    """The live state of one rank that a bitwise resume restores: `save` reads it, `load` writes
+    into it in place.  Everything except `model` is optional."""
 
     model: nn.Module
     """Parameters and persistent buffers (`state_dict()`)."""

@@ -6,31 +6,19 @@ from samebits.errors import SamebitsError
 
 
 class CheckpointError(SamebitsError):
-    """A checkpoint is missing, incomplete, of another format, or does not fit the bundle.
-
-    The message names the checkpoint directory, the rank and the entry at fault.
-    """
+    """A checkpoint is missing, incomplete, of another format, or does not fit the bundle;
+    the message names the checkpoint directory, the rank and the entry at fault."""
 
 
 class CheckpointLayoutError(CheckpointError):
-    """The checkpoint was written by another world size or parallel layout, and cannot be
-    loaded under this one.
-
-    Without `load(..., allow_layout_change=True)` any other layout is refused: resume with
-    the world size and layout stored in the checkpoint's meta.json.  With it, what cannot
-    move bitwise is refused by name: a value or random stream that differs per saved rank,
-    a rank-local tensor with no place in a global one (`StateBundle.shards`), pieces that do
-    not tile their tensor.
-    """
+    """The checkpoint was written by another world size or parallel layout and cannot be
+    loaded under this one: without `load(..., allow_layout_change=True)` any other layout;
+    with it, what cannot move bitwise (docs/checkpoint.md, "Load under another layout")."""
 
 
 class MalformedFieldError(CheckpointError):
-    """One field of a saved state is not what `save` (or `capture_rng_state`) writes.
-
-    `field` names it as a dotted path (``numpy.pos``, ``generators.data``), `problem` says
-    what is wrong with it.  `load` re-raises it as a `CheckpointError` that also names the
-    file; `restore_rng_state` raises it as is.
-    """
+    """One field of a saved state (`field`, a dotted path such as ``numpy.pos``) is not what
+    `save` or `capture_rng_state` writes; `problem` says why.  `load` re-raises it naming the file."""
 
     def __init__(self, field: str, problem: str):
         self.field, self.problem = field, problem

@@ -116,14 +116,9 @@ def _broadcast_from_rank0(value: Any, world_size: int) -> Any:
 
 
 def _check_shared_tensors(digests: dict[str, int], rank: int) -> None:
-    """Refuse, on every rank, to save a tensor that is not rank-local but differs between ranks.
-
-    DCP stores one copy of such a tensor (rank 0's), so a resume would give every rank rank 0's
-    value and the run would change at the resume: replicas that drifted apart (a missing
-    gradient all-reduce did exactly that once) must be found here, not after the resume.  A
-    tensor held by one rank only (a pipeline stage's), DTensors (DCP saves their shards) and
-    other tensor subclasses (their layout is theirs to save) are not compared: `_digests`
-    gives them none.  One small all-gather of the digests `save` records anyway."""
+    """Refuse, on every rank, to save a tensor that is not rank-local but differs between ranks:
+    DCP stores rank 0's copy only, so a resume would hide replicas that drifted apart.  Tensors
+    one rank holds and those `_digests` skips are not compared.  One small all-gather."""
     mine = {key: value for key, value in digests.items() if "@rank" not in key}
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
@@ -148,21 +143,13 @@ def _check_shared_tensors(digests: dict[str, int], rank: int) -> None:
 def load(path: str | os.PathLike, bundle: StateBundle, *, allow_layout_change: bool = False,
          reseeded_rng: bool = False) -> Path:
     """Load into the bundle in place; `path` is a root (follows `latest`) or a step-K dir.
+    Returns the directory it loaded.
 
-    Collective, like `save`.  A checkpoint written by another world size or layout is refused
-    (CheckpointLayoutError) unless `allow_layout_change`: then replicated state goes to every
-    rank, each rank's piece of a sharded tensor (`StateBundle.shards`) is cut from the saved
-    pieces, random states the same on every saved rank are restored, and what cannot move
-    (per-rank values and random streams, rank-local tensors without a place) is refused by
-    name (`_layout`).  `reseeded_rng` (at a layout change only; at the saved layout every
-    state is restored): the program reseeds every draw from a key that does not depend on
-    the layout, so the live random states stay.
-    The change is set on `bundle.layout_change` and said on stderr (rank 0).
-
-    All or nothing, on every rank: anything wrong with the checkpoint is a `CheckpointError`
-    naming the file (and field) before any bundle changes, and the ranks agree before
-    reading the shards and before applying, so one rank's refusal is every rank's (none
-    waits in a collective for a rank that gave up).  Returns the directory it loaded.
+    Collective, like `save`.  Another world size or layout is a `CheckpointLayoutError` unless
+    `allow_layout_change` (docs/checkpoint.md, "Load under another layout"; `reseeded_rng`
+    keeps the live random states there); the change is set on `bundle.layout_change`.  All or
+    nothing on every rank: anything wrong is a `CheckpointError` before any bundle changes, and
+    one rank's refusal is every rank's.
     """
     rank, world_size = group_rank_and_world_size()
     with _agreed(rank, world_size, "before reading the shards"):

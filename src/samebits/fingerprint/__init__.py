@@ -22,12 +22,7 @@ _LAZY = {
     "GlobalSums": "_global", "GlobalTensor": "_global", "global_body_sums": "_global", "global_tensors": "_global",
     # Internal but stable, not in __all__: the Recorder and the tracer build on them.
     "body_sums": "_digest", "DTYPE_CODES": "_spec", "finalize": "_spec", "finalize_packed": "_spec", "header": "_spec",
-    # Internal but stable, not in __all__: the stream encoder's fast paths (samebits.stream._encoder).
-    # `body_sums_of_checked(ts, device)`: `body_sums` of tensors already checked, all on ``device``;
-    # `dtype_code(dtype)`: the stream's one-byte dtype code; `all_unsharded(ts)`, `local_part(t)`: whether
-    # no tensor is sharded, and a tensor's local part; `native_available()`: whether the compiled
-    # library is loaded, and with it `body_sums_into` (sums of buffers by address), `StepFinalizer`
-    # (a step's digests into its encoded body) and `StepFramer` (a STEP frame: root, varints, crc).
+    # Internal but stable, not in __all__: the stream encoder's fast paths (each documented where defined).
     "body_sums_of_checked": "_digest", "register_body_sum_backend": "_digest", "all_unsharded": "_global",
     "local_part": "_global", "StepFinalizer": "_native", "StepFramer": "_native", "body_sums_into": "_native",
     "native_available": ("_native", "available"), "dtype_code": "_spec",

@@ -1,8 +1,6 @@
-"""digest / digest_many / body_sums: turn tensors into bytes and route them to a backend.
-
-Backends for the body sum (the data-dependent part): the compiled library for CPU tensors,
-a registered device backend (`samebits.kernels.digest_body` for CUDA tensors, when Triton is
-usable), else the torch reference (any device).  All of them compute the same bits; tests hold them to it.
+"""digest / digest_many / body_sums: turn tensors into bytes and route them to a body-sum
+backend: the compiled library on CPU, a registered device backend (CUDA with Triton), else the
+torch reference.  All compute the same bits.
 """
 
 from __future__ import annotations
@@ -70,9 +68,7 @@ _device_backends: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
 
 def register_body_sum_backend(device_type: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """Offer ``fn`` (1-D uint8 bytes -> int64 body sum, same bits as `_reference.body_sum`) for
-    tensors on ``device_type``.  `samebits.kernels` registers its Triton kernel for "cuda" when
-    it is imported (``import samebits`` does that): the digest never imports the layer above it.
-    """
+    tensors on ``device_type``: `samebits.kernels` registers its kernel, never imported from here."""
     global _cuda_body_sum
     _device_backends[device_type] = fn
     _cuda_body_sum = None  # choose again on next use
@@ -111,12 +107,8 @@ def body_sums_of_checked(tensors: list[torch.Tensor], device: torch.device) -> t
 
 
 def body_sums(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
-    """Body sums S (spec step 3) of tensors on one device, as int64 tensor of shape [n] there.
-
-    Queues work without a host synchronisation on accelerators; on CPU it computes at once.
-    An empty list gives an empty CPU tensor.  Checks every tensor (TypeError / ValueError)
-    before computing anything.
-    """
+    """Body sums S (spec step 3) of tensors on one device, as int64 [n] there, with no host
+    synchronisation (docs/digest.md, "API").  Checks every tensor before computing anything."""
     tensors = list(tensors)
     for t in tensors:
         _check(t)  # only the check: the header is the caller's, from metadata it has cached
@@ -130,11 +122,7 @@ def body_sums(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
 
 
 def digest_many(tensors: Iterable[torch.Tensor]) -> list[int]:
-    """64-bit digests of `tensors`, in order: one host synchronisation per device, not per tensor.
-
-    All CPU tensors go through one native call; each other device gets one body-sum launch
-    per tensor, one stack and one device-to-host copy.
-    """
+    """64-bit digests of `tensors`, in order: one host synchronisation per device, not per tensor."""
     tensors = list(tensors)
     for t in tensors:
         _check(t)
@@ -154,9 +142,6 @@ def digest_many(tensors: Iterable[torch.Tensor]) -> list[int]:
 
 
 def digest(tensor: torch.Tensor) -> int:
-    """The 64-bit digest of one tensor's dtype, shape and bytes, as an unsigned int.
-
-    Equal digests mean bitwise-equal tensors (up to 64-bit hash collisions); see
-    docs/digest.md.  For many tensors use `digest_many`: one call, one synchronisation.
-    """
+    """The 64-bit digest of one tensor's dtype, shape and bytes, as an unsigned int (equal
+    digests: bitwise-equal tensors; docs/digest.md).  For many tensors use `digest_many`."""
     return digest_many([tensor])[0]

@@ -1,14 +1,9 @@
 """Reference body sum of the digest in plain torch ops: runs on any device, defines the answer.
 
-This is the spec's step 3 (digest version 2) written for clarity, not speed.  It is the fallback when the
-compiled CPU library is missing and on devices without a dedicated kernel, and the oracle
-that the C library and the CUDA kernel (`samebits.kernels.digest_body`) are tested against.
-
-torch has no uint64 arithmetic, so words are int64: +, * and sum wrap mod 2^64 exactly like
-unsigned arithmetic (two's complement), and the logical right shift x >> 32 is the arithmetic
-shift with the 32 sign-extended bits masked off.  A product (x mod 2^32) * K of two 32-bit
-numbers may exceed 2^63: int64 multiplication wraps, so its bits are still the exact product.  No op here reads a value back to the host,
-so on a GPU the whole computation is queued without synchronising.
+The spec's step 3 written for clarity: the fallback without the compiled library or a device
+kernel, and the oracle those are tested against.  torch has no uint64, so words are int64:
++, * and sum wrap mod 2^64 like unsigned arithmetic, and x >> 32 is masked after the
+arithmetic shift.  No op reads a value back to the host.
 """
 
 from __future__ import annotations
@@ -36,10 +31,7 @@ _LOW_32_BITS = (1 << 32) - 1
 
 
 def _mix2_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """mix2 (docs/digest.md, step 3), in place on int64 `x`; `scratch` is a buffer like `x`.
-
-    Each round: x ^= (x & 0xFFFFFFFF) * K, then swap the 32-bit halves.
-    """
+    """mix2 (docs/digest.md, step 3), in place on int64 `x`; `scratch` is a buffer like `x`."""
     for key in MIX_KEYS:
         torch.bitwise_and(x, _LOW_32_BITS, out=scratch)
         scratch *= key
@@ -57,11 +49,7 @@ def mix2(x: torch.Tensor) -> torch.Tensor:
 
 
 def body_sum(data: torch.Tensor) -> torch.Tensor:
-    """Body sum S of a tensor's bytes: `data` is 1-D uint8; returns a 0-dim int64 on its device.
-
-    S = sum_j mix2(w_j + (j+1)*G) mod 2^64 over the zero-padded little-endian words w_j,
-    as the int64 with the same bits.
-    """
+    """Body sum S of a tensor's bytes (1-D uint8 ``data``) as a 0-dim int64 on its device."""
     if data.dtype != torch.uint8 or data.dim() != 1:
         raise ConfigError(
             f"body_sum takes the 1-D uint8 bytes of a tensor, got dtype {data.dtype} with "
@@ -72,8 +60,7 @@ def body_sum(data: torch.Tensor) -> torch.Tensor:
 
 def body_sum_at(data: torch.Tensor, first_word: int) -> torch.Tensor:
     """`body_sum` of `data` as if its first word had index `first_word` (< 2**62) in a larger
-    tensor.  Lets tests check the position arithmetic of tensors too big to allocate.
-    """
+    tensor (tests of tensors too big to allocate)."""
     data = data.detach().contiguous()
     device = data.device
     num_bytes = data.numel()

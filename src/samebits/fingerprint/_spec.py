@@ -1,7 +1,5 @@
-"""The digest spec's constants, dtype codes and host-side steps (header, final mix).
-
-Everything here needs only metadata or 64-bit integers, never tensor data: it runs on the
-host after the body sums (the data-dependent part) are known.  docs/digest.md is the spec.
+"""The digest spec's constants, dtype codes and host-side steps (header, final mix): metadata
+and 64-bit integers only, never tensor data.  docs/digest.md is the spec.
 """
 
 from __future__ import annotations
@@ -73,10 +71,7 @@ def fmix64(x: int) -> int:
 
 
 def mix2(x: int) -> int:
-    """The body's word mixer (digest version 2) on a Python int (taken mod 2^64).
-
-    Five rounds of: x ^= (x mod 2^32) * K; swap the 32-bit halves of x.
-    """
+    """The body's word mixer (digest version 2) on a Python int (taken mod 2^64)."""
     x &= MASK64
     for key in MIX_KEYS:
         x ^= (x & MASK32) * key
@@ -94,20 +89,14 @@ def _header(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
 
 
 def header(dtype: torch.dtype, shape: Sequence[int]) -> int:
-    """The spec's header H of a tensor with this dtype and shape (step 4); metadata only.
-
-    Cached: a training step digests the same (dtype, shape) pairs every step.
-    """
+    """The spec's header H of a tensor with this dtype and shape (step 4); cached, since a
+    training step digests the same (dtype, shape) pairs every step."""
     return _header(dtype, shape if isinstance(shape, tuple) else tuple(shape))  # torch.Size is one
 
 
 def finalize(body_sums: torch.Tensor | Iterable[int], headers: Sequence[int]) -> list[int]:
-    """Digests D = fmix64(H ^ S) (step 5) from body sums and headers, as unsigned ints.
-
-    `body_sums` is what `body_sums()` returned (an int64 tensor, on any device: reading a
-    device tensor here is the one host synchronisation) or any iterable of ints, signed or
-    unsigned (taken mod 2^64).  `headers[i]` is `header(dtype, shape)` of tensor i.
-    """
+    """Digests D = fmix64(H ^ S) (step 5) as unsigned ints, from `body_sums()`'s tensor (reading
+    it is the one host synchronisation) or any ints (taken mod 2^64), and their headers."""
     body_sums = body_sums.tolist() if isinstance(body_sums, torch.Tensor) else list(body_sums)
     if len(body_sums) != len(headers):
         raise ConfigError(
@@ -122,12 +111,8 @@ _NP_MUL1, _NP_MUL2, _NP_SHIFT = np.uint64(FMIX_MUL1), np.uint64(FMIX_MUL2), np.u
 
 
 def finalize_packed(body_sums: np.ndarray, headers: Sequence[int]) -> bytes:
-    """`finalize` for many digests at once, as their little-endian u64 bytes, concatenated.
-
-    `body_sums` is a uint64 numpy array, `headers` the matching headers.  numpy's uint64
-    arithmetic wraps mod 2^64 like the spec; the Recorder finalizes a whole step with it
-    (one array op per mixing step instead of a Python loop per tensor).
-    """
+    """`finalize` of a uint64 numpy array of sums, as the digests' little-endian u64 bytes,
+    concatenated: one array op per mixing step for a whole step (numpy wraps mod 2^64)."""
     x = np.array(headers, dtype=np.uint64)
     if x.shape != body_sums.shape:
         raise ConfigError(f"finalize_packed got {body_sums.size} body sums but {x.size} headers; "

@@ -153,10 +153,8 @@ class FrameFile:
 
     def _valid_frame_after(self, offset: int) -> int | None:
         """A byte after ``offset`` (within `TORN_SCAN_BYTES`) where a complete frame with a valid
-        checksum starts, or None.  A torn write leaves nothing complete after it.  Candidates
-        (a frame kind, a length that ends inside the file) are found in one vectorised pass and
-        checksummed cheapest first within a budget linear in the bytes scanned; what the
-        budget leaves unchecked is counted (`_torn` says so).  Memoised per offset."""
+        checksum starts (a torn write leaves none), or None.  Candidates are checksummed cheapest
+        first within a budget linear in the bytes scanned.  Memoised per offset."""
         if offset not in self._torn_scans:
             self._torn_scans[offset] = self._scan_for_frame(offset)
         return self._torn_scans[offset][0]

@@ -1,7 +1,6 @@
-"""The records of a STEP frame, decoded: `Record` (one tensor or metric, identified by phase,
-name, occurrence and kind, never by position) and `parse_records`, which checks every field of
-every record as it decodes it (docs/stream.md, "Byte layout").  No torch: a metric's bits
-become a Python number with `struct`; only the rare dtypes (float8, complex) load torch.
+"""The records of a STEP frame, decoded: `Record` (identified by kind, phase, name and
+occurrence, never by position) and `parse_records`, which checks every field.  No torch but
+for the rare metric dtypes (float8, complex).
 """
 
 from __future__ import annotations

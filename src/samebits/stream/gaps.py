@@ -97,10 +97,8 @@ def inject(site: str) -> None:
 
 
 class guard:  # noqa: N801 - used as a statement: ``with guard(site):``
-    """Run samebits' own work; an exception it raises becomes a gap (`record_gap`) and goes
-    no further.  ``site`` is one of `SITES` (``"tracking.dataloader"``: a site and detail).
-    An injected fault (``SAMEBITS_TEST_FAULT_SITE``) is raised as the site's work ends, and taken
-    as any other exception there."""
+    """Run samebits' own work; an exception it raises (an injected fault too) becomes a gap
+    (`record_gap`) and goes no further.  ``site``: one of `SITES`, maybe with a detail."""
 
     __slots__ = ("site", "step", "records")
 

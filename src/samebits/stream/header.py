@@ -20,10 +20,8 @@ _JSON_TYPES = {"int": int, "str": str, "list": list, "dict": dict}  # the fields
 
 @dataclass(frozen=True, kw_only=True)
 class StreamHeader(ToDict):
-    """What a stream says about itself: who wrote it (rank, world size, run id), how (schema,
-    digest version, the samebits version, environment, determinism settings) and what it
-    records (window, phases, ranks, name filters, size cap).  Written by its field marks
-    (`ToDict`); on reading, each value must have the JSON type its field's annotation names."""
+    """What a stream says about itself: who wrote it, how, and what it records.  Written by its
+    field marks (`ToDict`); read back, each value must have its annotation's JSON type."""
 
     schema: int
     rank: int

@@ -1,14 +1,9 @@
 """The phases of a fingerprint stream: one table, read by every writer and reader.
 
-A record's phase says when in a training step it was taken (``params`` after the optimizer
-step, ``forward`` the activations, ...).  Writers (`Recorder.optimizer_step`, zero-code
-recording, the integrations, the reference recipe, the state census) name phases with the
-constants below; readers (origin ordering, the report's groups, verify's explanation) look
-them up in `PHASES` rather than spelling the strings again.  Three kinds of names are
-derived from a plain phase: ``global:params`` (layout-independent digests, `GLOBAL_PHASE_PREFIX`),
-``optimizer1.params`` (an optimizer that does not end the step, `optimizer_phase`) and the
-tracer's ``trace:<category>:<training phase>`` (`TRACE_PHASE_PREFIX`).  No torch here: the CLI
-and the report read this without loading it.
+Writers name phases with the constants below; readers (origin ordering, the report's groups,
+verify's explanation) look them up in `PHASES`.  Derived names: ``global:params``
+(`GLOBAL_PHASE_PREFIX`), ``optimizer1.params`` (`optimizer_phase`) and the tracer's
+``trace:<category>:<training phase>``.  No torch here.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@
  *   samebits_fixed_exponents:  block exponents, the MAX over k buffers of micro-batch gradients;
  *   samebits_fixed_encode_sum: encode k buffers and add them into one int64 buffer (plus the
  *                              number of elements that did not encode exactly);
- *   samebits_fixed_decode:     int64 sums to fp32, rounded once (the subnormal path included).
+ *   samebits_fixed_decode:     int64 sums (plus, optionally, a received partial sum) to fp32,
+ *                              rounded once (the subnormal path included).
  * Each buffer is (num_blocks, block_size) row-major.  Loaded with ctypes (no Python API), built
  * by setup.py as its own library (samebits.invariant._libfixed), so that adding it never
  * changes the digest library's interface.
@@ -28,7 +29,7 @@
 #include "native.h"
 
 /* The interface _fixed_native.py expects (a library of another version is refused there). */
-#define SAMEBITS_FIXED_ABI_VERSION 1
+#define SAMEBITS_FIXED_ABI_VERSION 2 /* 2: samebits_fixed_decode takes an addend */
 
 #define EXPONENT_MIN (-128)
 #define EXPONENT_NONFINITE 127
@@ -245,10 +246,23 @@ SAMEBITS_EXPORT int64_t samebits_fixed_encode_sum(uint64_t num_buffers, const ui
     return inexact;
 }
 
-CLONES static void decode_row_f32(const int64_t *sums, int64_t n, float scale, float *out)
+/* sums[i] (+ addend[i]): the decode of a reduce-scatter's last step adds the partial sum it
+ * received in the same pass (int64 addition: exact, and no buffer written for it). */
+static inline int64_t sum_at(const int64_t *sums, const int64_t *addend, int64_t i)
 {
-    for (int64_t i = 0; i < n; i++)
-        out[i] = (float)sums[i] * scale; /* int64 -> fp32 rounds to nearest even, the scale is exact */
+    return addend ? (int64_t)((uint64_t)sums[i] + (uint64_t)addend[i]) : sums[i];
+}
+
+CLONES static void decode_row_f32(const int64_t *sums, const int64_t *addend, int64_t n, float scale, float *out)
+{
+    /* int64 -> fp32 rounds to nearest even, the scale is exact */
+    if (addend) {
+        for (int64_t i = 0; i < n; i++)
+            out[i] = (float)(int64_t)((uint64_t)sums[i] + (uint64_t)addend[i]) * scale;
+    } else {
+        for (int64_t i = 0; i < n; i++)
+            out[i] = (float)sums[i] * scale;
+    }
 }
 
 /* _fixed._decode_wide: a result below 2**-126 is rounded on the integer to the subnormal grid
@@ -268,7 +282,7 @@ static float decode_wide(int64_t sum, int shift)
     return (float)((double)(float)sum * pow2d(-shift));
 }
 
-static void decode_block(const int64_t *sums, int64_t n, int exponent, int bits, float *out)
+static void decode_block(const int64_t *sums, const int64_t *addend, int64_t n, int exponent, int bits, float *out)
 {
     int shift = bits - (exponent < EXPONENT_NONFINITE - 1 ? exponent : EXPONENT_NONFINITE - 1);
     if (exponent == EXPONENT_NONFINITE) {
@@ -277,37 +291,41 @@ static void decode_block(const int64_t *sums, int64_t n, int exponent, int bits,
             memcpy(out + i, &nan_bits, 4);
     } else if (shift > SCALE_MAX) {
         for (int64_t i = 0; i < n; i++)
-            out[i] = decode_wide(sums[i], shift);
+            out[i] = decode_wide(sum_at(sums, addend, i), shift);
     } else {
-        decode_row_f32(sums, n, pow2f(-shift), out);
+        decode_row_f32(sums, addend, n, pow2f(-shift), out);
     }
 }
 
-CLONES static void decode_flat(const int64_t *sums, int64_t begin, int64_t end, const int8_t *exponents, int bits,
-                               float *out)
+CLONES static void decode_flat(const int64_t *sums, const int64_t *addend, int64_t begin, int64_t end,
+                               const int8_t *exponents, int bits, float *out)
 {
     for (int64_t i = begin; i < end; i++) {
         int e = exponents[i], shift = bits - (e < EXPONENT_NONFINITE - 1 ? e : EXPONENT_NONFINITE - 1);
         if (e == EXPONENT_NONFINITE || shift > SCALE_MAX)
-            decode_block(sums + i, 1, e, bits, out + i);
+            decode_block(sums + i, addend ? addend + i : NULL, 1, e, bits, out + i);
         else
-            out[i] = (float)sums[i] * pow2f(-shift);
+            out[i] = (float)sum_at(sums, addend, i) * pow2f(-shift);
     }
 }
 
-/* out = the fp32 values of int64 block sums (num_blocks, block_size) with their exponents. */
-SAMEBITS_EXPORT void samebits_fixed_decode(const int64_t *sums, int64_t num_blocks, int64_t block_size,
-                                           const int8_t *exponents, int bits, float *out, int num_threads)
+/* out = the fp32 values of int64 block sums (num_blocks, block_size) with their exponents;
+ * addend (NULL for none) is added to the sums first. */
+SAMEBITS_EXPORT void samebits_fixed_decode(const int64_t *sums, const int64_t *addend, int64_t num_blocks,
+                                           int64_t block_size, const int8_t *exponents, int bits, float *out,
+                                           int num_threads)
 {
     int threads = threads_for(num_blocks * block_size, num_threads);
     if (block_size == 1) {
         const int64_t chunk = 1 << 14;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
         for (int64_t begin = 0; begin < num_blocks; begin += chunk)
-            decode_flat(sums, begin, begin + chunk < num_blocks ? begin + chunk : num_blocks, exponents, bits, out);
+            decode_flat(sums, addend, begin, begin + chunk < num_blocks ? begin + chunk : num_blocks, exponents, bits,
+                        out);
         return;
     }
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t b = 0; b < num_blocks; b++)
-        decode_block(sums + b * block_size, block_size, exponents[b], bits, out + b * block_size);
+        decode_block(sums + b * block_size, addend ? addend + b * block_size : NULL, block_size, exponents[b], bits,
+                     out + b * block_size);
 }

@@ -22,6 +22,7 @@ from samebits.invariant import (DEFAULT_BLOCK_SIZE, TP_BLOCK_SIZE, GradientAccum
                                 canonical_grad_norm, column_parallel_linear, decode, encode, fraction_bits,
                                 invariant_matmul, invariant_sum, micro_batch_seed, row_parallel_linear, scale_columns,
                                 sharded_grad_norm)
+from samebits.invariant._matmul import gemm_matmul, tree_matmul  # not exported yet (invariant/__init__.py is E1's)
 from samebits.runs._launch import run_logged
 from samebits.cli._recipe import across_size_layouts
 from samebits.runs.across import command_layouts, compare_replicated, verify_across
@@ -332,15 +333,15 @@ def test_nonfinite_inputs_make_only_their_rows_and_columns_nan():
 
 
 @pytest.mark.parametrize("layer", [column_parallel_linear, row_parallel_linear])
-def test_tp_linear_layers_forward_and_backward_are_block_products(layer):
-    """On one rank each layer is x @ w.T with every product, forward and backward, an
-    `invariant_matmul` (14 tokens: the token reduction of the weight gradient is padded to
+def test_tp_linear_layers_forward_and_backward_are_block_products_in_exact_mode(layer):
+    """mode="exact": on one rank each layer is x @ w.T with every product, forward and backward,
+    an `invariant_matmul` (14 tokens: the token reduction of the weight gradient is padded to
     whole blocks); the gradients agree with a plain linear's to fp32 accuracy."""
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(2, 7, 64, generator=gen, requires_grad=True)
     w = (torch.randn(96, 64, generator=gen) * 0.1).requires_grad_()
     grad = torch.randn(2, 7, 96, generator=gen)
-    y = layer(x, w)
+    y = layer(x, w, mode="exact")
     y.backward(grad)
     assert torch.equal(y, invariant_matmul(x.detach(), w.detach().t()))
     assert torch.equal(x.grad, invariant_matmul(grad.reshape(14, 96), w.detach()).view(2, 7, 64))
@@ -351,6 +352,75 @@ def test_tp_linear_layers_forward_and_backward_are_block_products(layer):
     torch.testing.assert_close(y, y_ref)
     torch.testing.assert_close(x.grad, x_ref.grad)
     torch.testing.assert_close(w.grad, w_ref.grad)
+
+
+@pytest.mark.parametrize("column", [True, False])
+def test_tp_linear_layers_default_to_gemm_leaves_whole_k_by_gemm_and_split_k_by_the_tree(column):
+    """The default mode ("gemm"): a product whose K is whole on every rank is `gemm_matmul`,
+    one whose K the ranks split (the row layer's forward, the column layer's input gradient)
+    is `tree_matmul`; everything agrees with a plain linear to fp32 accuracy."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 7, 64, generator=gen, requires_grad=True)
+    w = (torch.randn(96, 64, generator=gen) * 0.1).requires_grad_()
+    grad = torch.randn(2, 7, 96, generator=gen)
+    y = (column_parallel_linear if column else row_parallel_linear)(x, w)
+    y.backward(grad)
+    x2, g2, wd = x.detach().reshape(14, 64), grad.reshape(14, 96), w.detach()
+    forward, grad_x = (gemm_matmul, tree_matmul) if column else (tree_matmul, gemm_matmul)
+    assert torch.equal(y.reshape(14, 96), forward(x2, wd.t()))
+    assert torch.equal(x.grad.reshape(14, 64), grad_x(g2, wd))
+    assert torch.equal(w.grad, gemm_matmul(g2.t(), x2))
+    x_ref, w_ref = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    torch.nn.functional.linear(x_ref, w_ref).backward(grad)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    torch.testing.assert_close(w.grad, w_ref.grad)
+    with pytest.raises(ConfigError, match="mode='fast'.*gemm, exact"):
+        column_parallel_linear(x, w, mode="fast")
+
+
+def test_gemm_matmul_bits_depend_on_the_row_and_column_only_at_any_shape_and_thread_count():
+    """Measured here (benchmarks/gemm_block_bits.py): torch's fp32 GEMM takes another kernel
+    when M < 4 or N < 12 rows or columns, or when its threads cut M or N into tiles that small;
+    `gemm_matmul` pads M and N and runs on one thread, so any slice, offset, stride or thread
+    count gives the element the same bits (a@b itself does not: checked alongside)."""
+    gen = torch.Generator().manual_seed(7)
+    a, b = torch.randn(64, 256, generator=gen), torch.randn(256, 48, generator=gen)
+    full = gemm_matmul(a, b)
+    shapes = [(1, 48), (64, 1), (1, 1), (3, 5), (5, 11), (17, 48), (64, 33), (9, 24)]
+    for m, n in shapes:
+        assert torch.equal(gemm_matmul(a[:m], b[:, :n]), full[:m, :n]), (m, n)
+        assert torch.equal(gemm_matmul(a[-m:], b[:, -n:]), full[-m:, -n:]), (m, n)
+        assert torch.equal(gemm_matmul(a.t().contiguous().t()[:m], b.t().contiguous()[:n].t()), full[:m, :n])
+    assert any(not torch.equal(a[:m] @ b[:, :n], (a @ b)[:m, :n]) for m, n in shapes)
+    for threads in (2, 3):
+        torch.set_num_threads(threads)
+        try:
+            assert torch.equal(gemm_matmul(a[:9], b[:, :24]), full[:9, :24]), threads
+            assert torch.equal(tree_matmul(a[:9], b[:, :24]), tree_matmul(a, b)[:9, :24]), threads
+        finally:
+            torch.set_num_threads(1)
+
+
+def test_tree_matmul_adds_gemm_leaves_by_one_binary_tree_so_a_share_is_a_subtree():
+    """K = 256 in blocks of 32: gcd(8, 8) = 8 leaves of 32, added pairwise ((0+1)+(2+3))+...;
+    the sum of rank r's half at tp=2 (a `tree_matmul` of the half alone) is the tree's left or
+    right subtree, and their sum is the whole: what the all-gather of the ranks' partials adds.
+    K = 192: gcd(6, 8) = 2 leaves of 96.  A plain left-to-right sum of the leaves differs."""
+    gen = torch.Generator().manual_seed(8)
+    a, b = torch.randn(16, 256, generator=gen), torch.randn(256, 24, generator=gen)
+    leaves = [gemm_matmul(a[:, i * 32:(i + 1) * 32], b[i * 32:(i + 1) * 32]) for i in range(8)]
+    pairs = [leaves[i] + leaves[i + 1] for i in range(0, 8, 2)]
+    left, right = pairs[0] + pairs[1], pairs[2] + pairs[3]
+    assert torch.equal(tree_matmul(a, b), left + right)
+    assert torch.equal(tree_matmul(a[:, :128], b[:128]), left)
+    assert torch.equal(tree_matmul(a[:, 128:], b[128:]), right)
+    sequential = leaves[0]
+    for leaf in leaves[1:]:
+        sequential = sequential + leaf
+    assert not torch.equal(sequential, left + right)
+    a6, b6 = a[:, :192], b[:192]
+    assert torch.equal(tree_matmul(a6, b6), gemm_matmul(a6[:, :96], b6[:96]) + gemm_matmul(a6[:, 96:], b6[96:]))
+    torch.testing.assert_close(tree_matmul(a, b), (a.double() @ b.double()).float())
 
 
 def test_invariant_matmul_refuses_what_it_cannot_make_exact():

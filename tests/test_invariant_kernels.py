@@ -2,8 +2,10 @@
 src/samebits/kernels/kernel-coverage.toml, so `samebits coverage` judges them):
 
 * `invariant._matmul._ColumnParallel` / `_RowParallel` (the TP linears of `tp_reduce=invariant`):
-  output, input and weight gradients repeat bit for bit at 1 and 2 threads, and at one rank the
-  two layers are the same function (both are `invariant_matmul` over the whole K);
+  output, input and weight gradients repeat bit for bit at 1 and 2 threads, and at one rank in
+  mode="exact" the two layers are the same function (both are `invariant_matmul` over the whole
+  K); in the default mode "gemm" they are not (the row layer's forward adds GEMM leaves by the
+  tree its split needs, the column layer's is one GEMM), and both agree with a plain linear;
 * `invariant._matmul._ScaleColumns` (a norm's weight under SP): repeats, and its weight gradient
   is `invariant_sum` of grad * y;
 * `recipes.parallelize._SliceSequence` / `_GatherSequence` (the SP stream's entry and exit):
@@ -47,18 +49,32 @@ def test_row_parallel_linear_repeats():
     return row_parallel_linear(x, weight), x, weight
 
 
-def test_column_and_row_parallel_are_one_function_at_one_rank():
+def _both_layers(x, weight, mode):
+    outs = []
+    for layer in (column_parallel_linear, row_parallel_linear):
+        out = layer(x, weight, mode=mode)
+        out.square().sum().backward()
+        outs.append((out.detach(), x.grad.clone(), weight.grad.clone()))
+        x.grad = weight.grad = None
+    return outs
+
+
+def test_column_and_row_parallel_are_one_function_at_one_rank_in_exact_mode():
     x, weight = _inputs(seed=2)
-    column = column_parallel_linear(x, weight)
-    column.square().sum().backward()
-    grads = x.grad.clone(), weight.grad.clone()
-    x.grad = weight.grad = None
-    row = row_parallel_linear(x, weight)
-    row.square().sum().backward()
-    assert_same_bits(column, row)
-    assert_same_bits(grads[0], x.grad)
-    assert_same_bits(grads[1], weight.grad)
-    assert torch.allclose(column, x @ weight.t(), rtol=1e-5, atol=1e-5)
+    column, row = _both_layers(x, weight, "exact")
+    for got, expected in zip(row, column):
+        assert_same_bits(expected, got)
+
+
+def test_column_and_row_parallel_in_gemm_mode_agree_with_a_plain_linear():
+    x, weight = _inputs(seed=2)
+    x_ref, w_ref = x.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    plain = torch.nn.functional.linear(x_ref, w_ref)
+    plain.square().sum().backward()
+    for out, grad_x, grad_w in _both_layers(x, weight, "gemm"):
+        torch.testing.assert_close(out, plain.detach())
+        torch.testing.assert_close(grad_x, x_ref.grad)
+        torch.testing.assert_close(grad_w, w_ref.grad)
 
 
 @pytest.mark.bitwise(runs=2, threads=[1, 2])

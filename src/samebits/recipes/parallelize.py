@@ -326,6 +326,12 @@ def _enter_blocks_through_one_node(model: Transformer) -> None:
         first.register_forward_pre_hook(lambda _m, args: (_SliceSequence.apply(args[0], None), *args[1:]))
 
 
+# The products of the invariant TP linears: "gemm" (platform fp32 GEMM leaves in one fixed tree,
+# the default) or "exact" (exact block products, about 20x slower on a CPU; no platform
+# measurement behind it).  Every layout compared must run the same mode (benchmarks switch it).
+TP_MATMUL_MODE = "gemm"
+
+
 class _InvariantLinear:
     """The forward of one TP linear under `tp_reduce=invariant` (bias-free, as the recipe's);
     ``slice_output``: keep this rank's positions of the row-parallel output (SP)."""
@@ -336,7 +342,7 @@ class _InvariantLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # to_local keeps autograd: the weight's grad comes back as a DTensor of its placement.
-        out = self.layer(x, local(self.linear.weight), self.group)
+        out = self.layer(x, local(self.linear.weight), self.group, mode=TP_MATMUL_MODE)
         return _SliceSequence.apply(out, self.group) if self.slice_output else out
 
 

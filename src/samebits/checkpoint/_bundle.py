@@ -29,9 +29,7 @@ DAMAGED = "the file is damaged or was edited: load an older step-K directory or 
 @dataclass(frozen=True)
 class TensorShard:
     """Where this rank's tensor lies in a global one: the global shape and the offsets of its
-    first element along each dimension (its own shape gives the sizes), as a DTensor's
-    `__create_chunk_list__()` or a Megatron shard's partition say.  A load under another
-    layout cuts each new rank's piece from the saved pieces by these places."""
+    first element per dimension (as a DTensor's chunk list or a Megatron partition say)."""
 
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
@@ -52,40 +50,32 @@ class StateBundle:
     """Anything with `state_dict()` / `load_state_dict()` of plain values (LRScheduler)."""
 
     progress: dict[str, int] = field(default_factory=dict)
-    """Loop position, e.g. {"step": next step to run, "consumed_samples": data position}.
-    `save` names the checkpoint directory after progress["step"]."""
+    """Loop position, e.g. {"step": next step to run (names the directory), "consumed_samples": n}."""
 
     generators: Mapping[str, Generator] = field(default_factory=dict)
-    """This rank's own generators (torch.Generator or numpy.random.Generator), by name.
-    The global Python, NumPy, torch CPU and CUDA states are always captured."""
+    """This rank's own generators (torch or NumPy), by name; the global states are always captured."""
 
     layout: Mapping[str, int] = field(default_factory=dict)
-    """Parallel layout, e.g. {"dp": 2, "ep": 2}; loading under another layout (or world
-    size) is refused unless `load(..., allow_layout_change=True)`."""
+    """Parallel layout, e.g. {"dp": 2, "ep": 2}; another one is refused unless `allow_layout_change`."""
 
     rank_local: Collection[str] = ()
     """Names of model parameters whose value differs per rank (expert-parallel shards);
     every other parameter must be identical on all ranks (DCP stores one copy of it)."""
 
     shards: Mapping[str, TensorShard] = field(default_factory=dict)
-    """Model entries (by state_dict name) that are this rank's piece of a global tensor
-    (tensor-parallel shards), with their place in it.  They are rank-local (listed here or
-    not in `rank_local`); so is their optimizer state, which has the same place when it has
-    the shard's shape.  A load under another layout cuts each rank's piece from these."""
+    """Model entries (by state_dict name) that are this rank's piece of a global tensor, with
+    their place; rank-local, like their optimizer state of the shard's shape (same place)."""
 
     layout_change: dict[str, Any] | None = None
-    """Set by `load`: None when the checkpoint was saved with this world size and layout;
-    after a load under another layout, {"step", "from": {"world_size", "layout"}, "to": {...}}
-    (the old layout and the new one, for the run to record)."""
+    """Set by `load`: None at the saved layout, else {"step", "from": {"world_size", "layout"},
+    "to": {...}}."""
 
     metadata: dict[str, Any] = field(default_factory=dict)
-    """Plain JSON-able values kept with the checkpoint (e.g. the run's config); `load`
-    replaces them with the saved ones, so the caller can compare."""
+    """Plain JSON-able values kept with the checkpoint (the run's config); `load` returns the saved ones."""
 
     layout_metadata: Collection[str] = ()
-    """Dotted paths of `metadata` entries that describe the layout (a config's parallel
-    sizes, e.g. "config.tp"): the same state saved at another layout differs there, so the
-    resumable-state hash (`content_sha256(...)["state_sha256"]`) leaves them out."""
+    """Dotted paths of `metadata` entries that describe the layout ("config.tp"), which
+    `content_sha256`'s ``state_sha256`` leaves out."""
 
 
 def collect(bundle: StateBundle, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -513,10 +503,9 @@ def _resolve(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
 
 
 def _check_kind(saved: Any, live: Any, where: str, fields: _Fields) -> None:
-    """`saved` must be what `live` (the live object's own state_dict) is, value for value of
-    the same kind: dicts with its keys (no more: `load_state_dict` would set them as
-    attributes; no fewer: it may need them), lists and tuples of its length, numbers for
-    numbers, strings for strings, null for null."""
+    """`saved` must be `live` (the live object's own state_dict) value for value in kind: dicts
+    with exactly its keys (`load_state_dict` would set extra ones as attributes), sequences of
+    its length, numbers for numbers, strings for strings, null for null."""
     if isinstance(live, dict):
         if not isinstance(saved, dict):
             raise fields.bad(where, f"is a {_kind(saved)}, but the live state has an object here")

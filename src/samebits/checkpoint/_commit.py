@@ -1,7 +1,5 @@
-"""Committing a checkpoint: a save's directory becomes ROOT/step-K by rename, and ROOT/latest
-names it, so that at every instant `latest` names a complete checkpoint (`_commit`); a killed
-save's leftovers are finished or removed by the next save; `resolve` finds the checkpoint a
-path names (a step-K directory, or a root's `latest`)."""
+"""Committing a checkpoint so that at every instant ROOT/latest names a complete one (`_commit`),
+finishing or removing a killed save's leftovers, and `resolve`: the checkpoint a path names."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The checks of DCP's `.metadata`: unpickled under an allow-list of DCP's own metadata
-classes, then refused unless it describes tensors only (DCP would `torch.load(weights_only=
-False)` an entry declared as bytes, arbitrary code), each in shard files of the checkpoint
-directory, matching the rank's manifest, its chunks tiling it exactly inside the files'
-sizes; loading then reads through a reader and planner that enforce the same."""
+"""The checks of DCP's `.metadata` (`_check_dcp_metadata` lists them), and a reader and
+planner that enforce them while the shards are read."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """Loading a checkpoint under another layout: what each new rank reads, and what cannot move.
 
-`plan_move` takes every saved rank's tree and the live bundle of one rank of the new layout,
-and returns that rank's tree as if `save` had written it (`Move.plain`, checked by
-`_bundle.check`), the saved tensors to read (`Move.reads`) and how its tensors are cut from
-them (`Move.assemble`).  What moves and why it is exact: docs/checkpoint.md, "Load under
-another layout"; everything else is a `CheckpointLayoutError` naming the tensor or field.
+`plan_move` gives one new rank its tree as if `save` had written it (`Move.plain`), the saved
+tensors to read (`Move.reads`) and how to cut its tensors from them (`Move.assemble`); what
+cannot move bitwise (docs/checkpoint.md) is a `CheckpointLayoutError` naming it.
 """
 
 from __future__ import annotations

@@ -30,10 +30,8 @@ _STATE_ARRAY_DTYPES = frozenset({"uint8", "uint16", "uint32", "uint64",
 
 
 def capture_rng_state(generators: Mapping[str, Generator] | None = None) -> dict[str, Any]:
-    """Every random state of this process: Python `random`, NumPy's global state, torch CPU,
-    torch CUDA (one state per visible device, when CUDA is available) and each named
-    generator.  Values are tensors and plain JSON-able data; nothing is copied by reference.
-    """
+    """Every random state of this process (Python, NumPy's global, torch CPU, each visible CUDA
+    device's, each named generator) as tensors and plain data, nothing by reference."""
     version, mt_state, gauss = random.getstate()
     numpy_state = np.random.get_state(legacy=False)
     state: dict[str, Any] = {
@@ -55,11 +53,8 @@ def capture_rng_state(generators: Mapping[str, Generator] | None = None) -> dict
 
 def restore_rng_state(state: Mapping[str, Any], generators: Mapping[str, Generator] | None = None,
                       *, skip: Collection[str] = ()) -> None:
-    """Inverse of `capture_rng_state`.  `generators` must hold the same names as at capture.
-
-    `skip` leaves the named states (global names or generator names) as they are: a test
-    switch that shows what a lost random state does to a resume.
-    """
+    """Inverse of `capture_rng_state`, for the same generator names.  `skip` leaves the named
+    states as they are (a test switch: what a lost random state does to a resume)."""
     generators = dict(generators or {})
     check_rng_state(state, generators, skip=skip)
     if "python" not in skip:

@@ -109,9 +109,9 @@ def _walk_ranks(run_a: Run, run_b: Run, ranks: list[int], start: int, stop: int 
     num_jobs = 1 if distributed else _parallel.num_jobs(jobs, run_a, run_b, ranks)
     walks = None
     if distributed:
-        walks = _parallel.distributed_walks(run_a, run_b, ranks, start, stop, verify, _Walk, _Bound)
+        walks = _parallel.distributed_walks(run_a, run_b, ranks, start, stop, verify)
     elif num_jobs > 1:
-        walks = _parallel.walk_ranks(run_a, run_b, ranks, start, stop, verify, num_jobs, _Walk, _Bound)
+        walks = _parallel.walk_ranks(run_a, run_b, ranks, start, stop, verify, num_jobs)
     for rank in ranks:
         if walks is None:
             walk = _Walk(start, stop, verify, bound)

@@ -18,6 +18,7 @@ from typing import Any, Iterator
 
 import torch.distributed as dist
 
+from samebits.compare._walk import _Bound, _Walk
 from samebits.errors import ConfigError, SamebitsError
 from samebits.stream.reader import Run, StreamReader
 
@@ -60,26 +61,25 @@ def num_jobs(jobs: int | None, run_a: Run, run_b: Run, ranks: list[int]) -> int:
 
 
 def walk_ranks(run_a: Run, run_b: Run, ranks: list[int], start: int, stop: int | None, verify: bool,
-               jobs: int, walk_class, bound_class) -> Iterator[RankWalk]:
-    """Yield every rank's walk in rank order, equal to the serial walk's (module docstring).
-    ``walk_class``/``bound_class`` are the comparator's `_Walk` and `_Bound`."""
+               jobs: int) -> Iterator[RankWalk]:
+    """Yield every rank's walk in rank order, equal to the serial walk's (module docstring)."""
     paths = _paths(run_a, run_b, ranks)
     num_chunks = min(len(paths), jobs * CHUNKS_PER_JOB)
     chunks = _slices(paths, num_chunks)
     context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
     with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
-        futures = [pool.submit(_walk_chunk, chunk, start, stop, verify, walk_class, bound_class) for chunk in chunks]
+        futures = [pool.submit(_walk_chunk, chunk, start, stop, verify) for chunk in chunks]
         try:
             walked = ((where, result) for chunk, future in zip(chunks, futures)
                       for where, result in zip(chunk, future.result()))
-            yield from _merge(walked, start, stop, verify, walk_class, bound_class)
+            yield from _merge(walked, start, stop, verify)
         finally:
             for future in futures:
                 future.cancel()
 
 
 def distributed_walks(run_a: Run, run_b: Run, ranks: list[int], start: int, stop: int | None, verify: bool,
-                      walk_class, bound_class, group=None) -> Iterator[RankWalk]:
+                      group=None) -> Iterator[RankWalk]:
     """`walk_ranks` as a distributed job: process p of the ``group`` (default: the world of
     `torch.distributed`, as started by torchrun) walks the p-th contiguous slice of ranks,
     the walks are all-gathered (gloo, NCCL: the user's backend) and every process merges
@@ -89,11 +89,10 @@ def distributed_walks(run_a: Run, run_b: Run, ranks: list[int], start: int, stop
         size, me = dist.get_world_size(group), dist.get_rank(group)
         mine = _slices(paths, size)[me] if me < len(paths) else []
         gathered: list[Any] = [None] * size
-        dist.all_gather_object(gathered, _walk_chunk(mine, start, stop, verify, walk_class, bound_class),
-                               group=group)
+        dist.all_gather_object(gathered, _walk_chunk(mine, start, stop, verify), group=group)
     by_rank = {result.rank: result for results in gathered for result in results}
     walked = ((where, by_rank[where[0]]) for where in paths)
-    yield from _merge(walked, start, stop, verify, walk_class, bound_class)
+    yield from _merge(walked, start, stop, verify)
 
 
 @contextlib.contextmanager
@@ -136,16 +135,16 @@ def _slices(items: list, num: int) -> list[list]:
     return slices
 
 
-def _merge(walked, start, stop, verify, walk_class, bound_class) -> Iterator[RankWalk]:
+def _merge(walked, start, stop, verify) -> Iterator[RankWalk]:
     """Replay the serial loop over ((rank, path_a, path_b), walk) in rank order: keep each
     walk its bound did not affect, walk the others again with the serial bound."""
-    bound = bound_class()
+    bound = _Bound()
     for (rank, path_a, path_b), result in walked:
         serial = bound.step
         settled = result.twin or serial is None or (
             result.divergence is not None and result.divergence.step <= serial)
         if not settled:  # the walk's bound was not the serial one: walk it as serial does
-            result = _walk_one(rank, path_a, path_b, start, stop, verify, walk_class, bound)
+            result = _walk_one(rank, path_a, path_b, start, stop, verify, bound)
         if result.error is not None:
             raise result.error
         if result.divergence is not None:
@@ -153,36 +152,26 @@ def _merge(walked, start, stop, verify, walk_class, bound_class) -> Iterator[Ran
         yield result
 
 
-def _walk_chunk(chunk, start, stop, verify, walk_class, bound_class) -> list[RankWalk]:
+def _walk_chunk(chunk, start, stop, verify) -> list[RankWalk]:
     """A worker: walk a chunk of ranks in order, with a bound shared by the chunk only."""
-    bound = bound_class()
+    bound = _Bound()
     results = []
     for rank, path_a, path_b in chunk:
-        result = _walk_one(rank, path_a, path_b, start, stop, verify, walk_class, bound, keep_errors=True)
+        result = _walk_one(rank, path_a, path_b, start, stop, verify, bound, keep_errors=True)
         result.walk.shared_bound = None  # the bound stays here; the walk's counts travel
         results.append(result)
     return results
 
 
-def _walk_one(rank, path_a, path_b, start, stop, verify, walk_class, bound, keep_errors=False) -> RankWalk:
-    walk = walk_class(start, stop, verify, bound)
-    twins = []
-    original = walk._twins
-
-    def twins_path(*args):  # the bound-independent path: note that it was taken
-        twins.append(True)
-        return original(*args)
-
-    walk._twins = twins_path
+def _walk_one(rank, path_a, path_b, start, stop, verify, bound, keep_errors=False) -> RankWalk:
+    walk = _Walk(start, stop, verify, bound)
     try:
         found = walk.rank(rank, StreamReader(path_a), StreamReader(path_b))
     except SamebitsError as err:
         if not keep_errors:
             raise
-        del walk._twins
-        return RankWalk(rank, walk, None, twin=bool(twins), error=err)
-    del walk._twins
-    return RankWalk(rank, walk, None if found is None else found[1], twin=bool(twins))
+        return RankWalk(rank, walk, None, twin=walk.twin, error=err)
+    return RankWalk(rank, walk, None if found is None else found[1], twin=walk.twin)
 
 
 __all__ = ["RankWalk", "num_jobs", "walk_ranks", "distributed_walks", "AUTO_PARALLEL_MIN_BYTES"]

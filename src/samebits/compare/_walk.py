@@ -39,6 +39,7 @@ class _Walk:
         self.counts = {"records": 0, "steps_identical_by_root": 0, "steps_decoded": 0, "records_shape_only": 0}
         self.shared_bound = bound
         self.steps_seen = 0
+        self.twin = False  # decided by `_twins`, which no bound affects (`_parallel`)
         self.notes: list[str] = []
         self.incomplete: list[str] = []
         self.shape_only: list[str] = []  # the first records compared by shape only ("rank R step S phase/name")
@@ -78,6 +79,7 @@ class _Walk:
         """Two closed streams holding the same bytes after their headers (identical runs):
         verify every frame of ``a``; the same checks then hold for ``b``'s, and only its own
         footer offsets remain to check.  Steps of a segment with a size cap are decoded."""
+        self.twin = True
         start, counts = self.start, self.counts
         for block in reader_a.steps():
             if block.step >= start:

@@ -84,15 +84,15 @@ class StreamFile:
         stream = cls(path, file)
         try:
             stream._lock()  # before reading: a live writer may still be adding frames
-            continued = _read_existing(path, rank, world_size)
-            file.truncate(continued.end_offset)  # drop a torn tail frame, never a complete one
-            file.seek(continued.end_offset)
+            held, end_offset = _read_existing(path, rank, world_size)
+            file.truncate(end_offset)  # drop a torn tail frame, never a complete one
+            file.seek(end_offset)
         except BaseException:
             if stream._file is not None:
                 stream.release()
             raise
         stream.written = file.tell()
-        return stream, continued.held
+        return stream, held
 
     def flush(self) -> None:
         """Hands the buffered frames to the OS (one write; they survive a SIGKILL of this process)."""
@@ -153,13 +153,8 @@ class StreamFile:
             pass  # the lock holds without the note; only the message is less specific
 
 
-@dataclass
-class _Existing:
-    held: Continued
-    end_offset: int
-
-
-def _read_existing(path: Path, rank: int, world_size: int) -> _Existing:
+def _read_existing(path: Path, rank: int, world_size: int) -> tuple[Continued, int]:
+    """What the stream at ``path`` holds, and where its last complete frame ends."""
     existing = StreamReader(path)
     try:
         theirs = (existing.header.rank, existing.header.world_size)
@@ -185,7 +180,7 @@ def _read_existing(path: Path, rank: int, world_size: int) -> _Existing:
                           "the torn frame is dropped.", stacklevel=4)  # the Recorder(...) call
         held.names, held.segment = list(existing.names), existing.num_segments
         held.run_id, held.run_id_source = existing.header.run_id, existing.header.run_id_source
-        return _Existing(held, existing.end_offset)
+        return held, existing.end_offset
     finally:
         existing.close()
 

@@ -20,29 +20,7 @@ from samebits.checkpoint._errors import CheckpointError, CheckpointLayoutError
 from samebits.checkpoint._rng import GLOBAL_RNG_NAMES, capture_rng_state, restore_rng_state
 from samebits.checkpoint._storage import DROP_RNG_ENV, SAVE_PAUSE_ENV, load, resolve, save, saved_layout
 
-__all__ = [
-    "StateBundle",
-    "TensorShard",
-    "save",
-    "load",
-    "resolve",
-    "saved_layout",
-    "content_sha256",
-    "STATE_PARTS",
-    "capture_rng_state",
-    "restore_rng_state",
-    "CheckpointError",
-    "CheckpointLayoutError",
-    "GLOBAL_RNG_NAMES",
-    "DROP_RNG_ENV",
-    "SAVE_PAUSE_ENV",
-    "state_census",
-    "describe_state_record",
-    "CensusName",
-    "has_scheduler",
-    "global_rng_record",
-    "STATE_PHASE",
-    "CENSUS_DIR",
-    "census_recorder",
-    "census_run",
-]
+__all__ = ["StateBundle", "TensorShard", "save", "load", "resolve", "saved_layout", "content_sha256", "STATE_PARTS",
+           "capture_rng_state", "restore_rng_state", "CheckpointError", "CheckpointLayoutError", "GLOBAL_RNG_NAMES",
+           "DROP_RNG_ENV", "SAVE_PAUSE_ENV", "state_census", "describe_state_record", "CensusName", "has_scheduler",
+           "global_rng_record", "STATE_PHASE", "CENSUS_DIR", "census_recorder", "census_run"]

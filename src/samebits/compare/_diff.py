@@ -100,9 +100,8 @@ class _Walked:
 
 def _walk_ranks(run_a: Run, run_b: Run, ranks: list[int], start: int, stop: int | None, verify: bool,
                 jobs: int | None, distributed: bool) -> _Walked:
-    """Walk the ranks both runs hold: one at a time, or chunks of ranks in processes (threads
-    were measured slower: the per-frame work holds the GIL too often), merged into the serial
-    result (see _parallel).  Once a rank diverges at step S, later ranks stop looking past S."""
+    """Walk the ranks both runs hold, serially or in processes (`_parallel`: the same result).
+    Once a rank diverges at step S, later ranks stop looking past S."""
     walked = _Walked({"ranks": len(ranks), "steps": 0, "records": 0, "steps_identical_by_root": 0,
                       "steps_decoded": 0, "records_shape_only": 0})
     bound = _Bound()
@@ -163,10 +162,8 @@ def _verdict(walked: _Walked, resumed, start: int, stop: int | None, notes: list
 
 
 def _with_gaps(verdict: Verdict, first, a, b, notes: list[str], incomplete: list[str]) -> Verdict:
-    """The verdict with what samebits could not record in either run (`samebits.stream.gaps`):
-    identical records are no proof where some are missing, and a divergence at or after the
-    first gapped step may be the gap's own making (INCOMPLETE); one before it stands.  Gaps in
-    the census or the tracking of state only are a note: the streams compared are whole."""
+    """The verdict with the gaps of either run (`samebits.stream.gaps`): INCOMPLETE unless the
+    divergence comes before the first gap that touches the verdict; other gaps are a note."""
     gaps = [gap for run in (a, b) for gap in read_gaps(run)]
     if not gaps:
         return verdict
@@ -260,9 +257,8 @@ def _first_step(run: Run, rank: int) -> tuple[int | None, StreamReader | None]:
 
 
 def _resumed_start(run_a: Run, run_b: Run, rank: int) -> tuple[str, int, str] | None:
-    """When one run's streams start at a later step K than the other's, and not because a
-    recording window (SAMEBITS_STEPS) left the earlier steps out: that run resumed the other's
-    checkpoint of step K, so the comparison starts at K.  Returns (label, K, the note)."""
+    """(label, K, the note) when one run's streams start at a later step K, not because of a
+    recording window: it resumed the other's checkpoint of step K.  Else None."""
     (first_a, reader_a), (first_b, reader_b) = _first_step(run_a, rank), _first_step(run_b, rank)
     if first_a is None or first_b is None or first_a == first_b:
         return None

@@ -51,9 +51,8 @@ class _Walk:
         return None if self.shared_bound is None else self.shared_bound.step
 
     def rank(self, rank: int, reader_a: StreamReader, reader_b: StreamReader) -> tuple[RankStep, Divergence] | None:
-        """Walk one rank in step order: its first divergence, or None (then `incomplete`
-        says whether a stream ended without a clean close inside the window).  Closes both
-        readers."""
+        """Walk one rank in step order: its first divergence, or None (`incomplete` then says why
+        if a stream ended early).  Closes both readers."""
         try:
             if not self.verify and self.stop is None and not _declares_cap(reader_a) \
                     and not _declares_cap(reader_b) and reader_b.same_frames_as(reader_a):
@@ -189,15 +188,13 @@ class _Walk:
         step = min(b.step for b in (block_a, block_b) if b is not None)
         if self.bound is not None and step > self.bound:
             return None
-        missing_in = "b" if (block_b is None or (block_a is not None and block_a.step < block_b.step)) else "a"
-        other = "a" if missing_in == "b" else "b"
-        present = block_a if missing_in == "b" else block_b
-        present_frame = frame_a if missing_in == "b" else frame_b
-        missing_iterator = steps_b if missing_in == "b" else steps_a
-        reader = reader_b if missing_in == "b" else reader_a
-        later = block_b if missing_in == "b" else block_a
+        in_b = block_b is None or (block_a is not None and block_a.step < block_b.step)  # b lacks the step
+        missing_in, other = ("b", "a") if in_b else ("a", "b")
+        present, present_frame, present_reader, later, missing_iterator, reader = \
+            (block_a, frame_a, reader_a, block_b, steps_b, reader_b) if in_b else \
+            (block_b, frame_b, reader_b, block_a, steps_a, reader_a)
         ended = later is None and missing_iterator not in past_window
-        (reader_a if missing_in == "b" else reader_b).check_root(*present_frame)
+        present_reader.check_root(*present_frame)
         windows = _windows_excluding(reader, step)
         if windows is not None:  # that run did not record this step, on purpose: not compared
             skipped = self._skipped.setdefault(missing_in, [0, step, step, windows])
@@ -228,7 +225,7 @@ class _Walk:
         found = Divergence(step=step, rank=rank, reason=f"ended_{missing_in}" if ended else f"only_in_{other}",
                            records_differing=present.num_records, detail=detail)
         finish()
-        records_a, records_b = (records, []) if missing_in == "b" else ([], records)
+        records_a, records_b = (records, []) if in_b else ([], records)
         return RankStep(rank, step, records_a, records_b, missing=missing_in, detail=detail), found
 
 
@@ -245,10 +242,8 @@ def _finish(sides, past_window: dict) -> None:
 
 def _compare_step(rank: int, step: int, records_a: list[Record],
                   records_b: list[Record]) -> tuple[Divergence | None, list[Record]]:
-    """The first difference in one step (records matched by identity), and the records
-    compared by shape only (over the size cap on either side: equal dtype and shape, no
-    digest to compare).  Equal records in another order are a divergence of reason
-    ``order`` naming the first record out of place."""
+    """The first difference in one step (records matched by identity), and the records compared
+    by shape only (capped on a side).  Equal records in another order diverge by ``order``."""
     by_key_b = {r.key: r for r in records_b}
     keys_a = set()
     first: Divergence | None = None
@@ -289,9 +284,8 @@ def _compare_step(rank: int, step: int, records_a: list[Record],
 
 
 def _order_divergence(rank: int, step: int, records_a: list[Record], records_b: list[Record]) -> Divergence | None:
-    """The same records (by identity and value) in another order: a divergence naming the
-    first position where the two orders part (the live check, which hashes the records as
-    stored, stops at such a step too)."""
+    """The same records in another order: a divergence naming the first position where the
+    orders part (the live check, hashing records as stored, stops there too)."""
     keys_a, keys_b = [r.key for r in records_a], [r.key for r in records_b]
     if keys_a == keys_b:
         return None

@@ -242,9 +242,8 @@ class StreamReader(FrameFile):
 
     def check_root(self, block: StepBlock, payload: bytes, records_at: int, pending: tuple | None = None,
                    root: int | None = None) -> None:
-        """Raise `StreamError` unless the frame's deferred checksum (``pending``) holds and
-        the stored root of ``block`` is its records' root (``root``: already recomputed by
-        the caller from the same bytes)."""
+        """Raise `StreamError` unless the deferred checksum (``pending``) holds and ``block``'s
+        stored root is its records' (``root``: already recomputed by the caller)."""
         self._check_crc(block.offset, payload, pending)
         if root is None:
             root = self.root_of(block, payload, records_at)
@@ -287,9 +286,8 @@ class StreamReader(FrameFile):
             raise _Malformed(f"the step index ({count} steps) disagrees with the {self._num_steps} steps read")
 
     def same_frames_as(self, other: "StreamReader") -> bool:
-        """Whether this stream and ``other`` both end in a close frame and hold, between their
-        header and their final step index, the same bytes (a cheap test, nothing verified:
-        see `adopt_verified_twin`)."""
+        """Whether both streams end in a close frame and hold the same bytes between their header
+        and their final step index (a cheap test, nothing verified: `adopt_verified_twin`)."""
         if not (self._tail_closed and other._tail_closed):
             return False
         if (self.header.schema, self.digest_version) != (other.header.schema, other.digest_version):
@@ -435,11 +433,8 @@ class Run:
         """Nothing to release: a Run keeps no stream open (kept for callers that close it)."""
 
 
-# How a stream's run id was chosen (the header's ``run_id_source``; docs/stream.md, "The
-# header").  Ids from these sources are shared by every rank of one run, so ranks that hold
-# different ones come from different runs.  A "directory" id is shared by the ranks that
-# created their streams in one directory on one host (a file there holds it); a "random" one
-# (or a stream from before the field) is this process's own and proves nothing.
+# Run id sources (docs/stream.md, "The header") shared by every rank of a run, so different ids
+# mean different runs; a "directory" id only by the ranks of one host, a "random" one by none.
 SHARED_RUN_ID_SOURCES = ("argument", "SAMEBITS_RUN_ID", "TORCHELASTIC_RUN_ID", "process group")
 DIRECTORY_RUN_ID_SOURCE = "directory"
 

@@ -1,14 +1,7 @@
-"""The state census: the training state a resume must restore, as named CPU tensors.
-
-    census = census_recorder(rec)               # RUN/state, beside the run's main stream
-    census.tensors(step, STATE_PHASE, state_census(optimizers=[opt], schedulers=[sched],
-                                                   generators={"dropout": gen}))
-    census.end_step(step)
-
-Recorded at each step's start in the census stream (`CENSUS_DIR`, context, never part of the
-verdict), it names the state a resume lost (`describe_state_record`).  The records and what
-their bits are: docs/checkpoint.md, "The state census".  It runs every step, so it syncs a
-device at most once per device, outside every dispatch mode in force (no tracer sees it).
+"""The state census: the training state a resume must restore, as named CPU tensors, recorded at
+each step's start in the census stream (`CENSUS_DIR`: context, never part of the verdict) to name
+the state a resume lost (docs/checkpoint.md, "The state census").  It runs every step: at most
+one sync per device, outside every dispatch mode in force (no tracer sees it).
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""A checkpoint's training state, hashed so that the same state saved at any layout hashes
-alike (docs/checkpoint.md, "The training state's hashes, at any layout").  One process reads
-every rank's part; no process group is needed.
-"""
+"""A checkpoint's training state, hashed alike at any layout (docs/checkpoint.md, "The training
+state's hashes, at any layout"); one process reads every rank's part."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Capture and restore every random state of one rank, as tensors and plain values.
-
-No pickle: Mersenne Twister states become int64 tensors plus plain numbers, torch states
-their uint8 tensors, a NumPy `Generator`'s state its plain dict.  Restoring is all or
-nothing: `check_rng_state` tries every state on a scratch generator first.
+"""Capture and restore every random state of one rank as tensors and plain values (no pickle);
+restoring is all or nothing: `check_rng_state` tries every state on a scratch generator first.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
 """On-disk checkpoints: `save` and `load` (docs/checkpoint.md, "On disk" to "All or nothing").
-
-A save writes DCP shards and JSON files into ROOT/.tmp-step-K, fsyncs them, and rank 0
-commits the directory (`_commit`).  A load unpickles nothing but DCP's checked metadata, opens
-only regular files inside the checkpoint (`_regular`), checks every JSON file (`_manifests`),
-DCP's metadata (`_dcp_metadata`) and every tensor's digest, all before the bundle changes.
+The commit is `_commit`; the checks of the files `_regular`, `_manifests` and `_dcp_metadata`.
 """
 
 from __future__ import annotations
@@ -42,11 +38,8 @@ SAVE_PAUSE_ENV = "SAMEBITS_TEST_SAVE_PAUSE_S"  # sleep after the shards, before 
 
 
 def save(path: str | os.PathLike, bundle: StateBundle) -> Path:
-    """Save the bundle of every rank as ROOT/step-K (K = bundle.progress["step"]).
-
-    Collective: every rank of the default process group calls it with its own bundle.
-    Returns the committed directory once every rank can see it.
-    """
+    """Save the bundle of every rank as ROOT/step-K (K = bundle.progress["step"]); collective.
+    Returns the committed directory once every rank can see it."""
     if "step" not in bundle.progress:
         raise CheckpointError('bundle.progress has no "step": set it to the next step to run')
     if isinstance(bundle.layout_metadata, str) or not all(isinstance(p, str) for p in bundle.layout_metadata):

@@ -1,8 +1,5 @@
-"""Compare two runs by global tensor identity: runs of different parallel layouts.
-
-`diff_global` matches both runs' global records (`Recorder.global_tensors`) by (phase, name,
-occurrence) step by step, whatever the world sizes, verifying streams as `diff` does; what it
-reports and when it is INCOMPLETE: docs/stream.md, "Runs of different layouts: `--by global`".
+"""Compare two runs by global tensor identity (`diff --by global`): runs of different layouts,
+matched by (phase, name, occurrence) step by step (docs/stream.md, "Runs of different layouts").
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""Rank walks in parallel processes, merged into exactly the result of the serial walk.
-
-Each worker walks a contiguous chunk of ranks with a bound local to the chunk; the merge
-replays the serial loop in rank order and walks again, with the serial bound, any rank whose
-walk that bound could have changed (docs/scale.md).  So `DiffResult` is the same, field for
-field, whatever the number of processes (tests/test_scale.py).  Processes, not threads: the
-per-frame work holds the GIL; workers are forked and get only rank numbers and paths.
+"""Rank walks in parallel processes, merged into exactly the result of the serial walk: ranks whose
+walk the chunk's own bound could have changed are walked again with the serial bound
+(docs/scale.md; tests/test_scale.py).  Processes, not threads: the per-frame work holds the GIL.
 """
 
 from __future__ import annotations

@@ -370,14 +370,10 @@ def local_part(t: torch.Tensor) -> torch.Tensor:
 
 
 def global_body_sums(named_tensors, *, group=None, known=None) -> tuple[list[str], GlobalSums]:
-    """The full tensors' body sums S, computed shard by shard: (names, `GlobalSums`).
-    Collective, like `global_digests`; no host synchronisation.
-
-    ``known`` (one bool per tensor, optional): the caller holds the body sum of that tensor's
-    `local_part` as its bytes are now.  An unsharded tensor's is its global one, so it is not
-    read again (``sums`` entry 0, ``reused`` True).  Ranks may differ in ``known``: unsharded
-    tensors take no part in the reduction.
-    """
+    """The full tensors' body sums S, computed shard by shard: (names, `GlobalSums`); collective
+    like `global_digests`, with no host synchronisation.  ``known`` (a bool per tensor): the
+    caller holds the body sum of its `local_part` as it is now, so an unsharded one is not read
+    again (``sums`` entry 0, ``reused`` True); ranks may differ in it."""
     if isinstance(named_tensors, Mapping):
         named_tensors = named_tensors.items()
     names, locals_, shapes, plans, keys, dtypes = [], [], [], [], [], []
@@ -494,15 +490,9 @@ def global_tensors(named_tensors, *, group=None) -> list[GlobalTensor]:
 
 def global_digests(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], *,
                    group=None) -> dict[str, int]:
-    """``{name: digest of the full tensor}`` for sharded tensors, equal to `digest(full)`, with
-    no gather of their data.
-
-    ``named_tensors``: ``(name, tensor)`` pairs or a mapping, e.g. ``model.named_parameters()``:
-    DTensors (Partial refused), FSDP2 parameters, Megatron tensor-parallel shards over
-    ``group``, or plain tensors (digested as they are); docs/digest.md lists what is supported.
-
-    Collective: every rank of each group involved calls it with the same names in the same
-    order; one int64 all-reduce per group.  Raises `ConfigError` when the ranks passed
-    different tensor lists.
+    """``{name: digest of the full tensor}`` for ``(name, tensor)`` pairs or a mapping of DTensors,
+    FSDP2 parameters, Megatron shards over ``group`` or plain tensors (docs/digest.md), equal to
+    `digest(full)`, with no gather.  Collective: every rank of each group passes the same names
+    in the same order (else a `ConfigError`); one int64 all-reduce per group.
     """
     return {g.name: g.digest for g in global_tensors(named_tensors, group=group)}

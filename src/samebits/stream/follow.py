@@ -1,8 +1,5 @@
-"""Following a stream while its writer is still writing it: the steps as they land.
-
-`StreamTail.poll` reads only the frames completed since the last poll and checks no roots or
-records: it shows progress live (`samebits.runs.progress`); `StreamReader` judges the stream.
-A frame that does not decode ends the following quietly (`StreamTail.broken` says why).
+"""Following a stream while its writer is still writing it: the steps as they land, for a live
+view (`samebits.runs.progress`).  Nothing is verified: `StreamReader` judges the stream.
 """
 
 from __future__ import annotations
@@ -35,11 +32,8 @@ class StepSeen:
 
 
 class StreamTail:
-    """Follow one rank's stream file (``rank-NNNNN.sbs``) as it grows.
-
-    A `poll` costs one ``stat`` when the file has not grown, else a read of the completed
-    frames, one at a time (at most one frame's bytes held).  A frame declaring more than
-    `MAX_FRAME_BYTES` ends the following (`broken`)."""
+    """Follow one rank's stream file as it grows: a `poll` costs one ``stat`` when it has not, else
+    a read of the completed frames, one at a time.  A frame that does not decode ends it (`broken`)."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)

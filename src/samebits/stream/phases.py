@@ -1,9 +1,6 @@
-"""The phases of a fingerprint stream: one table, read by every writer and reader.
-
-Writers name phases with the constants below; readers (origin ordering, the report's groups,
-verify's explanation) look them up in `PHASES`.  Derived names: ``global:params``
-(`GLOBAL_PHASE_PREFIX`), ``optimizer1.params`` (`optimizer_phase`) and the tracer's
-``trace:<category>:<training phase>``.  No torch here.
+"""The phases of a fingerprint stream: one table (`PHASES`), read by every writer and reader, and
+the derived names ``global:params``, ``optimizer1.params`` and ``trace:<category>:<phase>``.
+No torch here.
 """
 
 from __future__ import annotations

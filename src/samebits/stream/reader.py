@@ -1,8 +1,5 @@
 """Reading fingerprint streams: one rank (`StreamReader`) or a whole run directory (`Run`).
-
-Nothing read is trusted (docs/stream.md, "What a reader checks"): every checksum, root and
-footer is checked, malformed bytes are a `StreamError` naming file, offset and frame, and a
-killed writer's stream reads back every complete frame (`stop_reason`).  Memory stays flat.
+Nothing read is trusted (docs/stream.md, "What a reader checks"); memory stays flat.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
  *   samebits_fixed_exponents:  block exponents, the MAX over k buffers of micro-batch gradients;
  *   samebits_fixed_encode_sum: encode k buffers and add them into one int64 buffer (plus the
  *                              number of elements that did not encode exactly);
- *   samebits_fixed_decode:     int64 sums (plus, optionally, a received partial sum) to fp32,
+ *   samebits_fixed_decode:     int64 sums (plus the partial sums a reduce-scatter received) to fp32,
  *                              rounded once (the subnormal path included).
  * Each buffer is (num_blocks, block_size) row-major.  Loaded with ctypes (no Python API), built
  * by setup.py as its own library (samebits.invariant._libfixed), so that adding it never
@@ -29,7 +29,7 @@
 #include "native.h"
 
 /* The interface _fixed_native.py expects (a library of another version is refused there). */
-#define SAMEBITS_FIXED_ABI_VERSION 2 /* 2: samebits_fixed_decode takes an addend */
+#define SAMEBITS_FIXED_ABI_VERSION 2 /* 2: samebits_fixed_decode adds received partial sums */
 
 #define EXPONENT_MIN (-128)
 #define EXPONENT_NONFINITE 127
@@ -110,6 +110,15 @@ CLONES static void exponents_flat(uint64_t num_buffers, const uint32_t *const *b
 }
 
 SAMEBITS_EXPORT int samebits_fixed_abi_version(void) { return SAMEBITS_FIXED_ABI_VERSION; }
+
+SAMEBITS_EXPORT int samebits_fixed_has_openmp(void)
+{
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* out[b] = exponent of block b over every buffer (num_buffers pointers to fp32 buffers). */
 SAMEBITS_EXPORT void samebits_fixed_exponents(uint64_t num_buffers, const uint64_t *data_ptrs, int64_t num_blocks,
@@ -246,23 +255,10 @@ SAMEBITS_EXPORT int64_t samebits_fixed_encode_sum(uint64_t num_buffers, const ui
     return inexact;
 }
 
-/* sums[i] (+ addend[i]): the decode of a reduce-scatter's last step adds the partial sum it
- * received in the same pass (int64 addition: exact, and no buffer written for it). */
-static inline int64_t sum_at(const int64_t *sums, const int64_t *addend, int64_t i)
+CLONES static void decode_row_f32(const int64_t *sums, int64_t n, float scale, float *out)
 {
-    return addend ? (int64_t)((uint64_t)sums[i] + (uint64_t)addend[i]) : sums[i];
-}
-
-CLONES static void decode_row_f32(const int64_t *sums, const int64_t *addend, int64_t n, float scale, float *out)
-{
-    /* int64 -> fp32 rounds to nearest even, the scale is exact */
-    if (addend) {
-        for (int64_t i = 0; i < n; i++)
-            out[i] = (float)(int64_t)((uint64_t)sums[i] + (uint64_t)addend[i]) * scale;
-    } else {
-        for (int64_t i = 0; i < n; i++)
-            out[i] = (float)sums[i] * scale;
-    }
+    for (int64_t i = 0; i < n; i++)
+        out[i] = (float)sums[i] * scale; /* int64 -> fp32 rounds to nearest even, the scale is exact */
 }
 
 /* _fixed._decode_wide: a result below 2**-126 is rounded on the integer to the subnormal grid
@@ -282,7 +278,7 @@ static float decode_wide(int64_t sum, int shift)
     return (float)((double)(float)sum * pow2d(-shift));
 }
 
-static void decode_block(const int64_t *sums, const int64_t *addend, int64_t n, int exponent, int bits, float *out)
+static void decode_block(const int64_t *sums, int64_t n, int exponent, int bits, float *out)
 {
     int shift = bits - (exponent < EXPONENT_NONFINITE - 1 ? exponent : EXPONENT_NONFINITE - 1);
     if (exponent == EXPONENT_NONFINITE) {
@@ -291,41 +287,77 @@ static void decode_block(const int64_t *sums, const int64_t *addend, int64_t n, 
             memcpy(out + i, &nan_bits, 4);
     } else if (shift > SCALE_MAX) {
         for (int64_t i = 0; i < n; i++)
-            out[i] = decode_wide(sum_at(sums, addend, i), shift);
+            out[i] = decode_wide(sums[i], shift);
     } else {
-        decode_row_f32(sums, addend, n, pow2f(-shift), out);
+        decode_row_f32(sums, n, pow2f(-shift), out);
     }
 }
 
-CLONES static void decode_flat(const int64_t *sums, const int64_t *addend, int64_t begin, int64_t end,
-                               const int8_t *exponents, int bits, float *out)
+/* block_size 1: the scale varies per element. */
+CLONES static void decode_flat(const int64_t *sums, int64_t n, const int8_t *exponents, int bits, float *out)
 {
-    for (int64_t i = begin; i < end; i++) {
+    for (int64_t i = 0; i < n; i++) {
         int e = exponents[i], shift = bits - (e < EXPONENT_NONFINITE - 1 ? e : EXPONENT_NONFINITE - 1);
         if (e == EXPONENT_NONFINITE || shift > SCALE_MAX)
-            decode_block(sums + i, addend ? addend + i : NULL, 1, e, bits, out + i);
+            decode_block(sums + i, 1, e, bits, out + i);
         else
-            out[i] = (float)sum_at(sums, addend, i) * pow2f(-shift);
+            out[i] = (float)sums[i] * pow2f(-shift);
     }
 }
 
-/* out = the fp32 values of int64 block sums (num_blocks, block_size) with their exponents;
- * addend (NULL for none) is added to the sums first. */
-SAMEBITS_EXPORT void samebits_fixed_decode(const int64_t *sums, const int64_t *addend, int64_t num_blocks,
-                                           int64_t block_size, const int8_t *exponents, int bits, float *out,
-                                           int num_threads)
+/* Elements added up from the addends at a time, in a buffer on the stack (32 KiB: in L1/L2). */
+#define PIECE 4096
+
+/* tmp = sums + every addend, elements [offset, offset + n) (int64 addition wraps: exact, as in
+ * torch, since the true sum fits). */
+CLONES static void add_up(const int64_t *sums, uint64_t num_addends, const int64_t *const *addends, int64_t offset,
+                          int64_t n, int64_t *tmp)
 {
-    int threads = threads_for(num_blocks * block_size, num_threads);
+    for (int64_t i = 0; i < n; i++)
+        tmp[i] = sums[offset + i];
+    for (uint64_t j = 0; j < num_addends; j++) {
+        const int64_t *a = addends[j] + offset;
+        for (int64_t i = 0; i < n; i++)
+            tmp[i] = (int64_t)((uint64_t)tmp[i] + (uint64_t)a[i]);
+    }
+}
+
+/* out = the fp32 values of int64 block sums (num_blocks, block_size) with their exponents.  The
+ * num_addends buffers at addend_ptrs (partial sums a reduce-scatter received; the same shape)
+ * are added to the sums first, in the same pass, so the full sum is never written. */
+SAMEBITS_EXPORT void samebits_fixed_decode(const int64_t *sums, uint64_t num_addends, const uint64_t *addend_ptrs,
+                                           int64_t num_blocks, int64_t block_size, const int8_t *exponents, int bits,
+                                           float *out, int num_threads)
+{
+    const int64_t *addends[num_addends ? num_addends : 1];
+    for (uint64_t j = 0; j < num_addends; j++)
+        addends[j] = (const int64_t *)(uintptr_t)addend_ptrs[j];
+    int64_t total = num_blocks * block_size;
+    int threads = threads_for(total * (int64_t)(1 + num_addends), num_threads);
     if (block_size == 1) {
-        const int64_t chunk = 1 << 14;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-        for (int64_t begin = 0; begin < num_blocks; begin += chunk)
-            decode_flat(sums, addend, begin, begin + chunk < num_blocks ? begin + chunk : num_blocks, exponents, bits,
-                        out);
+        for (int64_t begin = 0; begin < total; begin += PIECE) {
+            int64_t n = begin + PIECE < total ? PIECE : total - begin, tmp[num_addends ? PIECE : 1];
+            const int64_t *values = sums + begin;
+            if (num_addends) {
+                add_up(sums, num_addends, addends, begin, n, tmp);
+                values = tmp;
+            }
+            decode_flat(values, n, exponents + begin, bits, out + begin);
+        }
         return;
     }
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t b = 0; b < num_blocks; b++)
-        decode_block(sums + b * block_size, addend ? addend + b * block_size : NULL, block_size, exponents[b], bits,
-                     out + b * block_size);
+    for (int64_t b = 0; b < num_blocks; b++) {
+        for (int64_t begin = 0; begin < block_size; begin += PIECE) { /* a block decodes elementwise: any cut */
+            int64_t n = begin + PIECE < block_size ? PIECE : block_size - begin, tmp[num_addends ? PIECE : 1];
+            int64_t offset = b * block_size + begin;
+            const int64_t *values = sums + offset;
+            if (num_addends) {
+                add_up(sums, num_addends, addends, offset, n, tmp);
+                values = tmp;
+            }
+            decode_block(values, n, exponents[b], bits, out + offset);
+        }
+    }
 }

@@ -47,11 +47,8 @@ _PLAIN_MAPPINGS = (dict, collections.OrderedDict, collections.defaultdict)
 
 
 def tensor_leaves(value: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """(label, tensor) for every tensor in ``value``: tensors, lists, tuples, dicts, named
-    tuples and whatever else `torch.utils._pytree` knows, other mappings (HF ``ModelOutput``)
-    by key, and dataclass instances (their fields).  Labels join the path with dots under
-    ``prefix`` (``"0"``, ``"1.hidden"``); a bare tensor gets ``prefix`` itself (empty
-    without one)."""
+    """(label, tensor) for every tensor in ``value`` (whatever `torch.utils._pytree` knows, other
+    mappings by key, dataclasses by field); labels are dotted paths under ``prefix``."""
     for path, leaf in pytree.tree_flatten_with_path(value, is_leaf=_own_walk)[0]:
         label = ".".join([prefix] * bool(prefix) + [_key_label(k) for k in path])
         if isinstance(leaf, torch.Tensor):
@@ -65,10 +62,9 @@ def tensor_leaves(value: Any, prefix: str = "") -> Iterator[tuple[str, torch.Ten
 
 
 def op_tensor_args(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
-    """(label, tensor) of an ATen op's arguments (``"0"``, ``"1.2"`` for a list's third
-    tensor, keyword names).  ATen schemas nest at most one list deep, so this is a plain
-    loop: it runs for every op of a traced step, where `tensor_leaves` (pytree with paths)
-    measured about 20x slower (37 us against 1.8 us for three arguments)."""
+    """(label, tensor) of an ATen op's arguments (``"1.2"``: a list's third tensor).  A plain loop
+    (schemas nest one list deep): it runs for every traced op, and `tensor_leaves` measured
+    about 20x slower (37 us against 1.8 us for three arguments)."""
     flat = []
     for key, a in itertools.chain(enumerate(args), kwargs.items()):
         if isinstance(a, torch.Tensor):
@@ -91,12 +87,9 @@ def op_tensor_outputs(out: Any) -> list[tuple[str, torch.Tensor]]:
 
 
 def call_site(skip_frames: int = 1, *, skip: tuple[str, ...] = ("<",), with_function: bool = True) -> str | None:
-    """``file:line in function`` (or ``file:line``) of the nearest caller that is the program's:
-    the innermost frame whose file is neither torch's (``torch/`` itself: an installed package
-    whose name starts with "torch", such as torchtitan's ``decoder.py``, is the program's) nor
-    Python's standard library (``runpy``, ``copy``, ``contextlib``: a launcher's or a helper's
-    line, not the program's), and starts with none of ``skip`` (folders, ``"<"`` for generated
-    code); ``skip_frames`` counts from the caller of this function."""
+    """``file:line in function`` (or ``file:line``) of the innermost caller that is the
+    program's: not torch's own folder (torchtitan is the program's), not the standard library
+    (``runpy``, ``contextlib``), and starting with none of ``skip``."""
     frame = sys._getframe(skip_frames)
     while frame is not None:
         filename = frame.f_code.co_filename
@@ -114,8 +107,7 @@ _PACKAGE_DIRS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + o
 
 @functools.lru_cache(maxsize=4096)
 def _library_file(filename: str) -> bool:
-    """A file of torch itself or of the standard library (whose folder may hold site-packages:
-    the packages installed there are programs' code)."""
+    """A file of torch itself or of the standard library (not site-packages: programs' code)."""
     if filename.startswith(TORCH_DIR + os.sep):
         return True
     return filename.startswith(_STDLIB_DIRS) and not any(part in filename for part in _PACKAGE_DIRS)
@@ -129,8 +121,7 @@ UNINITIALIZED_NAMES = frozenset({"aten::resize_", "aten::resize_as_", "aten::_re
 
 
 def is_uninitialized_op(name: str) -> bool:
-    """True for ``aten::empty*``, ``new_empty*``, ``_empty*``, ``resize_``, ``resize_as_``,
-    ``_resize_output_`` and ``set_`` (schema names)."""
+    """True for the schema names whose outputs are uninitialised memory (above)."""
     return name.startswith(UNINITIALIZED_PREFIXES) or name in UNINITIALIZED_NAMES
 
 
@@ -138,10 +129,8 @@ def is_uninitialized_op(name: str) -> bool:
 
 
 def outside_dispatch_modes():
-    """``with outside_dispatch_modes():`` the torch work inside is samebits' own, not the
-    program's (the state census a training loop records at a step's start): every dispatch
-    mode in force (a tracer's, a probe's, the user's) is popped for its duration and pushed
-    back after, so none of them sees it, counts it or shifts an op id for it."""
+    """``with outside_dispatch_modes():`` samebits' own torch work (a census): every dispatch
+    mode in force is popped meanwhile, so none sees it, counts it or shifts an op id for it."""
     return _disable_current_modes()
 
 
@@ -152,10 +141,9 @@ _current_node = torch._C._current_autograd_node
 
 
 class AutogradScopes:
-    """Which forward code created each autograd node, so that a backward op is named after
-    the forward it differentiates.  Call `created` right after each forward op runs (a
-    dispatch mode sees them all): the node that op created, if any, has autograd sequence
-    number ``_get_sequence_nr() - 1``; `running` looks up the node the engine runs now."""
+    """Which forward code created each autograd node, to name a backward op after its forward.
+    Call `created` right after each forward op (its node, if any, has sequence number
+    ``_get_sequence_nr() - 1``); `running` looks up the node the engine runs now."""
 
     __slots__ = ("_by_sequence",)
 
@@ -180,8 +168,7 @@ class AutogradScopes:
 
 
 def optimizer_params(optimizer, names: dict[int, str]) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    """(name, parameter) in the optimizer's order; a parameter ``names`` (id -> name) does
-    not know is ``group{g}.param{i}``."""
+    """(name, parameter) in the optimizer's order; an unnamed one is ``group{g}.param{i}``."""
     for g, group in enumerate(optimizer.param_groups):
         for i, param in enumerate(group["params"]):
             yield names.get(id(param), f"group{g}.param{i}"), param
@@ -215,8 +202,7 @@ def _launcher_int(name: str) -> int | None:
 
 
 def process_rank() -> int | None:
-    """This process's rank: torch.distributed's once a group exists, else the launcher's
-    ``RANK``; None when neither says (a launcher, or a plain single process)."""
+    """This process's rank: torch.distributed's, else the launcher's ``RANK``, else None."""
     found = _distributed_rank_world()
     return found[0] if found is not None else _launcher_int("RANK")
 
@@ -231,8 +217,7 @@ def rank_and_world_size() -> tuple[int, int]:
 
 
 def group_rank_and_world_size(group=None) -> tuple[int, int]:
-    """(rank, world size) in ``group`` (default: the world) once torch.distributed has a
-    process group, else (0, 1) whatever the launcher's variables say: for code that runs
-    collectives (barriers, all-gathers), which need the group, not the launcher's intent."""
+    """(rank, world size) in ``group`` once torch.distributed has one, else (0, 1), whatever the
+    launcher says: for code that runs collectives, which need the group."""
     found = _distributed_rank_world(group)
     return found if found is not None else (0, 1)

@@ -1,7 +1,5 @@
-"""The defaults of the commands that launch runs, in a module that loads nothing.
-
-The library uses them (`samebits.runs`), and the command line shows them in ``--help``: from
-here it can, without importing the library (and torch), so that printing help takes a blink.
+"""The defaults of the commands that launch runs, in a module that loads nothing, so that
+``--help`` can show them without importing the library (and torch).
 """
 
 from __future__ import annotations

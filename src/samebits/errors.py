@@ -24,8 +24,7 @@ class StreamError(SamebitsError):
 
 
 class IncomparableRunsError(SamebitsError):
-    """Two runs cannot be compared (world size, schema, config or names); `differences` lists
-    each mismatch."""
+    """Two runs cannot be compared (world size, schema, config, names); see `differences`."""
 
     def __init__(self, message: str, differences: list[str] | None = None):
         super().__init__(message)
@@ -35,7 +34,6 @@ class IncomparableRunsError(SamebitsError):
 class DeterminismError(SamebitsError):
     """A recipe or environment cannot run bitwise deterministically; `violations` holds every
     offending setting at once (fail closed)."""
-
 
     def __init__(self, message: str, violations: list | None = None):
         super().__init__(message)

@@ -89,7 +89,6 @@ def check_replicas(model_or_named_tensors, group=None, *, optimizer: torch.optim
     """Compare every replicated tensor across its replicas; collective: every rank of the
     group (and of each DTensor mesh group) calls it with the same names.  ``optimizer``: its
     state too (``optimizer/<param name>/<key>``); ``group``: plain tensors' group (the world)."""
-
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError("check_replicas compares ranks: initialise torch.distributed first "
                           "(e.g. torchrun + init_process_group).")

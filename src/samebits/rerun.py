@@ -166,8 +166,7 @@ class StepValidator:
     # -- the step -------------------------------------------------------------------------
 
     def run(self, step: int, fn: Callable[..., Any], *args, **kwargs) -> Any:
-        """Run ``fn(*args, **kwargs)`` as training step ``step``; validate it when a trigger
-        fires.  Returns the value of the execution the training continues with."""
+        """Run ``fn(*args, **kwargs)`` as step ``step``, validated when a trigger fires; its result."""
         self.last = None
         snapshot = self._snapshot(args, kwargs)
         out = self._execute(step, 0, fn, args, kwargs)

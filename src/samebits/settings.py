@@ -174,7 +174,6 @@ class Option:
     option (``flag``; ``repeatable``: each use adds) and its help (``doc``).  ``normalise``
     checks text or a Python value; ``text`` is the variable's text (None: leave it unset)."""
 
-
     env: str
     type: str
     doc: str
@@ -238,15 +237,13 @@ class RecordingSpec:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "RecordingSpec":
-        """The spec the ``SAMEBITS_*`` variables of ``environ`` (default: this process's) give;
-        an unset or empty variable leaves its field at the default."""
+        """The spec the ``SAMEBITS_*`` variables of ``environ`` give (unset or empty: the default)."""
         env = os.environ if environ is None else environ
         return cls(**{name: option.normalise(env[option.env], option.env) for name, option in cls.options().items()
                       if env.get(option.env, "").strip()})
 
     def to_env(self) -> dict[str, str | None]:
-        """Each variable's text (None where the field is at its default: the variable is to be
-        unset), so that `from_env` of an environment holding them gives this spec back."""
+        """Each variable's text (None at the default: unset it); `from_env` gives this spec back."""
         return {option.env: option.text(getattr(self, name)) for name, option in self.options().items()}
 
     def replace(self, **values) -> "RecordingSpec":
@@ -256,9 +253,8 @@ class RecordingSpec:
     @classmethod
     def add_to_argparse(cls, parser: argparse.ArgumentParser, *, flags: Mapping[str, str] | None = None,
                         title: str = "what to record") -> None:
-        """Add one option per field to ``parser`` (in a group ``title``), each checked as argparse
-        parses it; ``flags`` renames some (field name -> option) for a parser where the declared
-        one is taken.  `from_args` reads them back."""
+        """Add one checked option per field to ``parser`` (group ``title``); ``flags`` renames some
+        (field name -> option) where the declared one is taken.  `from_args` reads them back."""
         group = parser.add_argument_group(title)
         for name, option in cls.options().items():
             flag = (flags or {}).get(name, option.flag)

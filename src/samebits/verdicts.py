@@ -106,7 +106,6 @@ class ToDict:
         field takes its default.  ``source`` and ``where`` name the place in each error.  Names
         are held strictly: a key the result would not write back is a renamed field or a file
         of another version, and an error."""
-
         result = _read(cls, data, str(source), where)
         command = data.get("command")  # (a summary names its command: checked, not read)
         if command is not None and cls.summary_of is not None and command != cls.summary_of:
@@ -134,13 +133,10 @@ _DEFAULT = _Serialised()
 def serialised(*, key: str | None = None, skip: bool = False, omit_none: bool = False,
                convert: Callable[[Any], Any] | None = None, flatten: bool = False,
                read: Callable[[Mapping], Any] | None = None) -> dict:
-    """Field metadata saying how `ToDict.to_dict` writes a field that is an exception:
-    ``field(metadata=serialised(key="id"))``.  ``key``: the name it is written under;
-    ``skip``: never written; ``omit_none``: not written while None; ``convert``: the plain
-    value, from the field's value (instead of `plain`); ``flatten``: the value is a mapping
-    whose entries are written in the field's place (a result that extends a dict it holds);
-    ``read``: how `ToDict.from_dict` gets the field back when it is not written as itself (a
-    field skipped or written inside an extra): a function of the whole written dictionary."""
+    """Field metadata for a field `ToDict.to_dict` writes as an exception: under another ``key``,
+    never (``skip``), not while None (``omit_none``), through ``convert``, or ``flatten``ed (a
+    mapping's entries in its place); ``read`` gets a field not written as itself back from the
+    whole written dictionary (`ToDict.from_dict`)."""
     if skip and (key is not None or omit_none or convert is not None or flatten):
         raise ValueError("serialised(skip=True) takes no other option but read: a skipped field is never written")
     if flatten and key is not None:
@@ -170,8 +166,7 @@ def plain(value: Any) -> Any:
 
 
 def _read(cls: type, data: Any, source: str, where: str) -> Any:
-    """``cls.from_dict``: see there.  Strict on names (a key no field and no extra writes is an
-    error: a field renamed since the file was written never reads as absent) and on types."""
+    """``cls.from_dict``: strict on names (a renamed field never reads as absent) and on types."""
     if not isinstance(data, Mapping):
         raise _misread(source, where, f"must be an object ({cls.__name__}), found {json_type(data)}")
     hints = _hints(cls)
@@ -217,10 +212,8 @@ def _read(cls: type, data: Any, source: str, where: str) -> Any:
 
 
 def _same_names(data: Any, written: Any, name: str, source: str, where: str) -> None:
-    """Every key of ``data`` is one that ``written`` (what the result read from it writes) holds,
-    at every depth, with a value of the same JSON type where both hold one: a key no field or
-    extra writes is an error naming it, and so is a computed entry (an extra: not read, so not
-    typed on the way in) of another type than the result writes there."""
+    """Every key of ``data``, at every depth, is one that ``written`` (what the result read from it
+    writes) holds, with a value of the same JSON type (computed entries are not typed otherwise)."""
     if data is not None and written is not None and json_type(data) != json_type(written):
         raise _misread(source, where, f"must be {json_type(written)}, found {json_type(data)}")
     if isinstance(data, Mapping) and isinstance(written, Mapping):
@@ -235,8 +228,7 @@ def _same_names(data: Any, written: Any, name: str, source: str, where: str) -> 
 
 
 def _hints(cls: type) -> dict[str, Any]:
-    """``cls``'s field annotations, resolved (an annotation that names what its module imports
-    only for type checking reads as Any: its value is taken as written)."""
+    """``cls``'s field annotations, resolved (a TYPE_CHECKING-only name reads as Any)."""
     try:
         return typing.get_type_hints(cls)
     except (NameError, TypeError):
@@ -348,8 +340,7 @@ def _misread(source: str, where: str, what: str) -> ConfigError:
 
 
 def milliseconds(seconds: Any) -> Any:
-    """Seconds as results write them: rounded to the millisecond (a number, or each value of a
-    mapping of them); a field's ``serialised(convert=milliseconds)``."""
+    """Seconds rounded to the millisecond (a number, or each value of a mapping of them)."""
     if isinstance(seconds, Mapping):
         return {_plain_key(key): round(value, 3) for key, value in seconds.items()}
     return round(seconds, 3)

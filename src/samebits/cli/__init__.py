@@ -65,8 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def unknown_command(argv: list[str], commands: list[str]) -> str | None:
-    """The error for a first word that is no command (``samebits verfy``), with the closest
-    commands; None when the first word is a command or an option."""
+    """The error for a first word that is no command (``samebits verfy``), with the closest ones."""
     word = next((arg for arg in argv if not arg.startswith("-")), None)
     if word is None or word in commands or argv.index(word) != 0:
         return None
@@ -106,8 +105,7 @@ def forgotten_separator(argv: list[str], parser: argparse.ArgumentParser) -> str
 
 
 def _option_action(parser: argparse.ArgumentParser, word: str) -> argparse.Action | None:
-    """The action of ``parser`` that the option word ``word`` (``--out``, ``--out=x``, an
-    abbreviation argparse accepts) names; None for no option, or one that parser lacks."""
+    """The action ``word`` names (``--out``, ``--out=x``, an abbreviation); None if none."""
     if not word.startswith("-") or word == "-":
         return None
     name = word.split("=", 1)[0] if word.startswith("--") else word

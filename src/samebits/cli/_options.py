@@ -257,6 +257,5 @@ def add_progress_options(parser: argparse.ArgumentParser) -> None:
 
 def progress_for(args: argparse.Namespace):
     """The `samebits.runs.progress.Progress` for `add_progress_options`' options, terminal-safe."""
-
     options = {} if args.stall_factor is None else {"stall_factor": args.stall_factor}
     return Progress(quiet=args.quiet, clean=lambda text: escape(text, keep_newlines=True), **options)

@@ -161,8 +161,7 @@ def _side(rec: dict | None, div) -> str:
 
 
 def render_global(result: GlobalDiffResult, title: str | None = None) -> str:
-    """The people-readable verdict of ``--by global``: per global tensor, equal or where it
-    first differs."""
+    """The verdict of ``--by global``: per global tensor, equal or where it first differs."""
     c = result.compared
     counts = (f"{c['tensors']} global tensor(s) x {c['steps']} common step(s) compared "
               f"(a: {c['ranks_a']} rank(s) of world {c['world_size_a']}, b: {c['ranks_b']} of world {c['world_size_b']})")

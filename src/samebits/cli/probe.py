@@ -1,9 +1,5 @@
 """`samebits probe -- CMD`: run a training command with every op executed several times and
-list the ops that gave different bits on this machine, with the bound a clean verdict rests
-on and the ops that ran once, uncompared.
-
-Exit 0 clean, 1 findings, 2 could not run (command failed, probe did not start, nothing
-compared).
+list the ops that gave different bits here.  Exit 0 clean, 1 findings, 2 could not run.
 """
 
 from __future__ import annotations

@@ -186,7 +186,6 @@ def deterministic_mode(*, seed: int | None = 0, num_threads: int | None = None,
     ``num_threads`` None pins OMP_NUM_THREADS if set, else torch's current count.
     Raises `DeterminismError` listing every violation before changing anything.
     """
-
     import torch
 
     wanted = _wanted_env(nccl_algo, nccl_proto, cublas_workspace_config)
@@ -260,8 +259,7 @@ def _process_violations(env_to_set: dict[str, str], expect_child_processes: bool
 
 
 def _apply(env_to_set: dict[str, str], threads: int, flags: list[_Flag]) -> list[Callable[[], None]]:
-    """Set the environment, the thread count and the torch flags; returns how to undo each,
-    in the order they were done."""
+    """Set the environment, thread count and torch flags; returns how to undo each, in order."""
     import torch
 
     undo: list[Callable[[], None]] = []

@@ -83,13 +83,8 @@ class NotCompared(ToDict):
 
 
 def miss_bound(comparisons: int) -> dict:
-    """What `comparisons` identical comparisons of an op say about a race in it.
-
-    Sound under one assumption, that an op's executions are independent draws: a race that
-    gives other bits than the op's most common result in at least a fraction p of its
-    executions passes all of them with probability <= (1-p)^comparisons.  ``summary`` says
-    it in words with figures, for a verdict line.
-    """
+    """What `comparisons` identical comparisons of an op say about a race in it: missed with
+    probability <= (1-p)^comparisons, assuming independent executions; ``summary`` in words."""
     c = comparisons
     missed = {p: (1 - p) ** c for p in (0.5, 0.25, 0.1)}
     found_95 = 1 - 0.05 ** (1 / c)  # the p at which (1-p)^c = 5%
@@ -144,13 +139,9 @@ class ProbeReport(ToDict):
 
 
 class Probe:
-    """Context manager that probes every op run inside it (in this thread).
-
-    namespaces: op namespaces executed more than once; ops of other namespaces (collectives
-        in ``c10d``/``_c10d_functional``, custom ops with side effects) run once, unprobed.
-    comparisons: comparisons per op signature before its calls get one trial each; the
-        first call of a signature runs that many trials (at least 2: see `miss_bound`).
-    on_finding: called with each new `ProbeFinding` (used to save findings early).
+    """Context manager that probes every op run inside it (in this thread).  Ops outside
+    ``namespaces`` (collectives, custom ops with side effects) run once, unprobed; the first call
+    of a signature runs ``comparisons`` trials, later ones one; ``on_finding`` gets each new finding.
     """
 
     def __init__(self, *, namespaces: tuple[str, ...] = DEFAULT_NAMESPACES,
@@ -414,10 +405,8 @@ def _signature(name: str, flat_args: list) -> tuple:
 
 
 def _signature_part(arg: Any) -> Any:
-    """What of an argument may pick an op's kernel and its parallel split: a tensor's dtype,
-    shape, strides and device, a non-float scalar's value (dims, flags such as
-    ``accumulate``); a float's type only, so a learning rate that changes every step does
-    not make a new signature every step."""
+    """What of an argument may pick an op's kernel and split: a tensor's dtype, shape, strides
+    and device, a non-float scalar's value; a float's type only (a learning rate changes)."""
     if isinstance(arg, torch.Tensor):
         return (arg.dtype, tuple(arg.shape), tuple(arg.stride()) if _comparable(arg) else (),
                 str(arg.device))
@@ -446,11 +435,8 @@ def _get_arg(args, kwargs, pos):
 
 
 def _clone_mutated(args, kwargs, mutated):
-    """Copies of args/kwargs where every written tensor is replaced by a clone.
-
-    Written tensors that share a storage are cloned through one cloned storage, so a
-    trial of ``a.add_(a[::2])``-like aliasing behaves like the real execution.
-    """
+    """Copies of args/kwargs with every written tensor cloned; written tensors that share a
+    storage share one cloned storage, so ``a.add_(a[::2])`` behaves as in the real execution."""
     if not mutated:
         return args, kwargs, []
     written = [_get_arg(args, kwargs, pos) for pos in mutated]
@@ -574,11 +560,8 @@ def _count_differences(trial: Any, real: Any) -> tuple[torch.Tensor | int, int]:
 
 
 def probe(fn: Callable, *args, **kwargs) -> ProbeReport:
-    """Run ``fn(*args, **kwargs)`` (e.g. one training step) with every op executed twice.
-
-    Returns a `ProbeReport`; `report.findings` lists the ops that gave different bits on
-    this machine, `report.result` holds fn's return value.  Options: use `Probe` directly.
-    """
+    """Run ``fn(*args, **kwargs)`` (e.g. one training step) under a default `Probe`; the report's
+    ``result`` holds fn's return value."""
     with Probe() as active:
         result = fn(*args, **kwargs)
     return active.report(result)

@@ -85,8 +85,7 @@ class Violation(ToDict):
 
 @dataclass(frozen=True)
 class Advice(ToDict):
-    """A setting that cannot change the bits of runs on this machine as they are, only in the
-    cases `when` names; `fix` rules those out too."""
+    """A setting that changes this machine's bits only in the cases `when` names; `fix` rules them out."""
 
     rule: str
     setting: str
@@ -229,8 +228,7 @@ _plugins_loaded = False
 
 
 def _ensure_builtins() -> None:
-    """The built-in rules, then every installed rule plugin (entry points in `RULE_PLUGINS`,
-    e.g. the reference recipe's rules), each imported once."""
+    """The built-in rules, then every rule plugin (entry points `RULE_PLUGINS`), imported once."""
     global _plugins_loaded
     importlib.import_module("samebits.determinism._builtin_rules")  # registers them on import
     if _plugins_loaded:
@@ -246,7 +244,6 @@ def run_checks(config: Mapping | None = None, *, env: bool = True,
                platform: Mapping[str, bool] | None = None, devices: bool = False) -> CheckResult:
     """Run every applicable rule and collect the full result (see `check`); a rule whose
     `Rule.requires` this machine lacks is listed in ``not_applicable`` instead."""
-
     _ensure_builtins()
     if config is not None and not isinstance(config, Mapping):
         raise TypeError(f"config must be a dict (or None), got {type(config).__name__}")

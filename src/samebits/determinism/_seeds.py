@@ -54,7 +54,6 @@ def derive_seed(base: int, *, purpose: str, coordinates: Mapping[str, int] | Non
 def seed_all(seed: int) -> dict:
     """Seed Python's `random`, NumPy's global RNG (two 32-bit words) and torch (CPU and every
     CUDA device); returns what was seeded, for the record."""
-
     import torch
 
     import numpy as np

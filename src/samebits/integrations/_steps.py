@@ -1,7 +1,5 @@
-"""What both callbacks share: one recorder per rank, written once per optimizer step.
-
-The trainer libraries differ in when they expose a step's pieces, so the callbacks feed
-this object and tell it when the step is complete; it never guesses a step number.
+"""What both callbacks share: one recorder per rank, written once per optimizer step; the
+callbacks feed it each step's pieces and say when the step is complete (it never guesses).
 """
 
 from __future__ import annotations

@@ -150,8 +150,7 @@ class ParallelDims:
         return {**index, **named}
 
     def coordinates(self, rank: int) -> dict[str, int]:
-        """`rank`'s coordinates, one per coordinate name of `AXES` ("dp", "tp", "pp", "ep"): what
-        the seed rule and the stream header take."""
+        """`rank`'s coordinates ("dp", "tp", "pp", "ep"), for the seed rule and the stream header."""
         coords = self.coords(rank)
         return {axis.coordinate: coords[axis.coordinate] for axis in AXES}
 

@@ -32,6 +32,8 @@ LAYOUT_INDEPENDENT = ("dropout=0", "moe_jitter_eps=0", "moe_aux_loss_coeff=0")
 # `verify --across`: gradients reduced so that the bits do not depend on the DP size, experts
 # replicated (EP over the DP ranks would couple them).
 ACROSS_OVERRIDES = ("grad_reduce=invariant", "ep=1")
+
+
 def launcher(nproc: int) -> list[str]:
     """How to start the recipe on ``nproc`` ranks: one process, or torchrun."""
     if nproc < 1:
@@ -132,7 +134,6 @@ def across_cell_overrides(dims: ParallelDims, switches: Sequence[str], overrides
     the run's ``switches``, then the user's ``overrides``.  ``control``: the negative control,
     switches off, with every control's global batch and `LAYOUT_INDEPENDENT`, so two controls
     differ only in the grouping of their reductions."""
-
     if not control:
         return [*dims.overrides(), *switches, *overrides]
     off = [f"{switch.partition('=')[0]}={'mean' if switch.startswith('grad_reduce') else 'plain'}"

@@ -46,10 +46,8 @@ class RecipeConfig:
     """"cpu" (gloo between ranks) or "cuda" (one GPU per rank, cuda:LOCAL_RANK, NCCL)."""
 
     num_threads: int | None = None
-    """`torch.set_num_threads` per rank.  The thread count is part of what decides the bits
-    (CPU reductions split work by thread); the nondeterministic ops only show with >= 2.
-    None (default): the launcher's ``OMP_NUM_THREADS`` when it is set (as on most clusters),
-    else 1; resolved when the config is built, so the stored config records the count used."""
+    """`torch.set_num_threads` per rank (it decides how CPU reductions split).  None: the
+    launcher's ``OMP_NUM_THREADS``, else 1, resolved when built so the stored config has it."""
 
     # --- model -----------------------------------------------------------------------
     vocab_size: int = 512
@@ -89,9 +87,7 @@ class RecipeConfig:
 
     moe_combine: MoeCombine = "index_add"
     """How expert outputs are summed back per token: "index_add" (deterministic),
-    "index_put_accumulate" (nondeterministic with >1 thread; the gather before dispatch then
-    also uses advanced indexing, whose backward is the same op), or the Triton kernels
-    "triton_deterministic" / "triton_atomic" from `samebits.kernels`."""
+    "index_put_accumulate" (races with >1 thread) or `samebits.kernels`' Triton kernels."""
 
     moe_grouped_gemm: MoeGroupedGemm = "torch"
     """Expert MLP computation: "torch" (a loop of matmuls) or the Triton grouped GEMM
@@ -105,9 +101,8 @@ class RecipeConfig:
     """Weight of the mean MTP loss in the total loss."""
 
     embedding_backward: EmbeddingBackward = "dense"
-    """Token embedding lookup: "dense" (`F.embedding`, deterministic backward on CPU) or
-    "index_put_accumulate" (`weight[tokens]`, whose backward accumulates with
-    `index_put_(accumulate=True)`: nondeterministic with >1 thread)."""
+    """Token embedding lookup: "dense" (`F.embedding`) or "index_put_accumulate" (`weight[tokens]`,
+    whose backward races with >1 thread)."""
 
     dropout: float = 0.1
     """Residual dropout after attention and feed-forward; draws from torch's global CPU RNG."""
@@ -134,27 +129,20 @@ class RecipeConfig:
     heads / hidden columns; must divide num_heads and ffn_hidden_size."""
 
     sequence_parallel: bool = True
-    """With tp > 1, shard the residual stream along the sequence on the TP ranks between
-    the TP linears (torchtitan's SequenceParallel: norms, dropout and residual adds on
-    seq_len / tp positions; all-gather before, reduce-scatter after each attention and
-    feed-forward); seq_len must be divisible by tp.  False keeps the stream replicated on
-    the TP ranks (Megatron TP alone).  No effect at tp=1."""
+    """With tp > 1, shard the residual stream along the sequence between the TP linears
+    (torchtitan's SequenceParallel; seq_len divisible by tp).  False: replicated (Megatron TP)."""
 
     tp_reduce: TpReduce = "plain"
-    """The tensor-parallel linears' reductions: "plain" (DTensor's TP: a row-parallel product
-    summed in fp32 over the TP ranks, so the bits depend on tp) or "invariant"
-    (`samebits.invariant`: exact products of blocks of 32 added in int64 fixed point, forward
-    and backward, the norms' weight gradients and the clipping norm too: the same bits at tp=1,
-    2, 4 ..., with or without sequence_parallel).  Set it at every TP degree compared, tp=1
-    included; docs/invariance.md lists what it covers and needs."""
+    """The tensor-parallel reductions: "plain" (fp32 sums over the TP ranks: the bits depend on
+    tp) or "invariant" (int64 fixed point: the same bits at any tp; set it at every TP degree
+    compared, tp=1 included; docs/invariance.md)."""
 
     pp: int = 1
     """Pipeline stages (`torch.distributed.pipelining`): the blocks split evenly in order."""
 
     ep: int = 0
-    """Expert parallelism over the data-parallel replicas: 1 keeps every expert on every rank;
-    0 (default) means dp_replicate (each replica holds num_experts / dp_replicate experts and
-    tokens travel by all_to_all).  Must be 0, 1 or dp_replicate."""
+    """Expert parallelism over the data-parallel replicas: 1 (every expert on every rank) or
+    dp_replicate (tokens travel by all_to_all); 0 (default) means dp_replicate."""
 
     pp_microbatches: int = 2
     """Micro-batches per step and pipeline (pp > 1); must divide micro_batch_size.  Not used
@@ -219,33 +207,23 @@ class RecipeConfig:
     """Clip the global gradient norm to this (0 disables clipping; the norm is still reported)."""
 
     grad_reduce: GradReduce = "mean"
-    """Data-parallel gradient reduction: "mean" (each rank's mean-loss gradient, fp32
-    all-reduce: the bits depend on the DP size) or "invariant" (`samebits.invariant`: each
-    step's global batch is `num_micro_batches` micro-batches, each DP rank takes its share in
-    order, random draws keyed by (step, micro-batch, block), gradients summed in int64 fixed
-    point: the same bits at any DP, FSDP2, pipeline and EP size, and with tp_reduce="invariant"
-    at any TP size; docs/invariance.md lists what it covers and needs)."""
+    """Data-parallel gradient reduction: "mean" (fp32 all-reduce: the bits depend on the DP size)
+    or "invariant" (`num_micro_batches` per step, draws keyed by (step, micro-batch, block), int64
+    fixed-point sums: the same bits at any DP, FSDP2, PP and EP size; docs/invariance.md)."""
 
     num_micro_batches: int = 4
-    """grad_reduce="invariant": micro-batches per step over all ranks; a multiple of every DP
-    size you compare (4: DP 1, 2, 4).  The global batch is num_micro_batches *
-    micro_batch_size samples at every DP size."""
+    """grad_reduce="invariant": micro-batches per step over all ranks, a multiple of every DP
+    size compared; the global batch is num_micro_batches * micro_batch_size samples."""
 
     # --- precision (recipes/precision.py, docs/recipe.md) ----------------------------
     precision: PrecisionName = "fp32"
-    """Training precision: "fp32"; "bf16" (autocast, fp32 parameters); "bf16_params" (bf16
-    parameters, gradients and optimizer state); "fp8_tensorwise" (torchao dynamic scaling);
-    "fp8_delayed" (amax-history scaling, state the checkpoint carries); "mxfp8" (32-blocks,
-    e8m0 scales); "nvfp4" (16-blocks, e4m3 scales, e2m1 values).  The low-precision formats
-    convert the linears of attention, the dense MLPs and the MTP projection."""
+    """Training precision: "fp32", "bf16" (autocast), "bf16_params", "fp8_tensorwise",
+    "fp8_delayed", "mxfp8" or "nvfp4" (docs/recipe.md, "Precision")."""
 
     precision_gemm: str | None = None
-    """GEMM path of a low precision: "scaled_mm" (real fp8 GEMM, torch._scaled_mm) or
-    "emulated" (quantise, dequantise, fp32 GEMM).  None (default): resolved when the config is
-    built (scaled_mm for fp8 where torch._scaled_mm runs, emulated for MXFP8/NVFP4), so the
-    stream header and the checkpoint record the path that ran.  fp32 and bf16 always run
-    "native" (torch's GEMM in their dtype), and a config copied from one of them with another
-    precision resolves its path again."""
+    """GEMM path of a low precision: "scaled_mm" (torch._scaled_mm) or "emulated" (fp32 GEMM of
+    dequantised operands).  None: resolved when built, so records name the path that ran
+    (`precision.resolve_gemm`); fp32 and bf16 run "native"."""
 
     fp8_amax_history_len: int = 16
     """fp8_delayed: steps of amax kept per linear and role; the scale uses their max."""
@@ -417,12 +395,8 @@ def default_config() -> RecipeConfig:
 
 
 def nondeterministic_config() -> RecipeConfig:
-    """The same run on the nondeterministic CPU path, sized so that it shows within a step.
-
-    `index_put_(accumulate=True)` only runs multi-threaded (and then adds in arrival order)
-    above ATen's grain size of 32768 elements, so the batch is made large enough that the
-    MoE combine, the gather backward and the embedding backward all cross it.
-    """
+    """The same run on the nondeterministic CPU path, sized so that it shows within a step:
+    `index_put_(accumulate=True)` runs multi-threaded only above ATen's grain size (32768)."""
     return RecipeConfig(deterministic=False, num_threads=2, micro_batch_size=8,
                         moe_combine="index_put_accumulate",
                         embedding_backward="index_put_accumulate")

@@ -1,11 +1,8 @@
 """Deterministic data for the reference recipe: sample i is a pure function of (seed, i).
 
-Two sources, one interface (`tokens(indices) -> (n, seq_len + 1) int64`): `SyntheticTokens`,
-a seeded Markov chain, each sample from its own Philox stream; `TokenFile`, a flat
-uint16/uint32 token array (nanoGPT / Megatron) in a seeded order per epoch.  `Batches` hands
-rank r samples [c + r * B, c + (r + 1) * B) of a step consuming [c, c + W * B), so the
-global batch does not depend on the world size and `consumed_samples` is all a resume needs
-(docs/recipe.md, "Data").
+`SyntheticTokens` (a seeded Markov chain) and `TokenFile` (a flat token array in a seeded order
+per epoch) share `tokens(indices)`; `Batches` splits a step's global batch by rank, so it does
+not depend on the world size and `consumed_samples` is all a resume needs (docs/recipe.md, "Data").
 """
 
 from __future__ import annotations

@@ -89,7 +89,6 @@ def session(cfg: RecipeConfig):
     mode or just the thread count; yields (rank, world_size).  A caller that builds something
     under them first (the CLI's Recorder) opens one around `train`, which nests inside.
     """
-
     rank, world_size, created = communication.init_process_group(cfg.device)
     try:
         # The layout must fit the world (a ConfigError naming the sizes before anything runs).
@@ -134,11 +133,9 @@ class _Run:
                                          save_history=cfg.fp8_save_amax_history)
         self.layout = parallelize.parallelize(model, cfg, rank, world_size, device)
         self.model = model.to(device).train()
-        # Training randomness, different per data-parallel replica (samebits' seed rule) and
-        # the same on the TP ranks and pipeline stages of a replica, whose activations must
-        # match: dropout draws from the global torch RNG, router jitter from the recipe's own
-        # generator.  Python and NumPy are seeded too, though the recipe draws nothing from
-        # them (data is indexed).
+        # Training randomness differs per data-parallel replica (the seed rule) and is the same
+        # on a replica's TP ranks and stages, whose activations must match: dropout draws from
+        # the global torch RNG, router jitter from the recipe's own generator.
         coordinates = self.layout.dims.coordinates(rank)
         replica = {"dp": coordinates["dp"]}  # not "tp" or "pp": the same on a replica's ranks
         seed_all(derive_seed(cfg.seed, purpose="data", coordinates=replica))
@@ -151,10 +148,9 @@ class _Run:
         # Every rank of a replica (TP ranks, pipeline stages) reads the replica's micro-batch.
         self.data = Batches(build_token_source(cfg), cfg.micro_batch_size, coordinates["dp"],
                             self.layout.dims.dp)
-        # grad_reduce="invariant": the step's global batch is num_micro_batches micro-batches,
-        # this DP rank takes its share in order (docs/invariance.md).  Each element is its own
-        # block, so TP and FSDP2 shards hold whole blocks; under FSDP2 its reduce-scatter
-        # (`InvariantReduceScatter`, parallelize.apply_fsdp) sums them instead.
+        # grad_reduce="invariant": this DP rank takes its share of the step's micro-batches in
+        # order (docs/invariance.md); each element is its own block, so shards hold whole blocks
+        # (under FSDP2 its reduce-scatter, `InvariantReduceScatter`, sums them instead).
         experts = self.layout.expert_param_names
         self.accumulator = GradientAccumulator(
             [(n, p) for n, p in model.named_parameters() if n not in experts],
@@ -347,10 +343,8 @@ class _Run:
         if rec is None:
             return None
         step, named = self.step, self.named_params
-        # The gradients of this update, recorded after it: AdamW reads gradients and never
-        # writes them (tests/test_recipe.py checks their digests across optimizer.step()).
-        # Recorded next to the parameters, a step's recording runs in one stretch, while its
-        # code and the tensors are still in cache (benchmarks/RESULTS.md, issue 16).
+        # The gradients, recorded after the update (AdamW never writes them; tests/test_recipe.py
+        # checks): next to the parameters, the recording runs in one stretch, in cache (issue 16).
         grads = ([(n, communication.local(g)) for n, p in named if (g := p.grad) is not None]
                  if keep(phases.GRADS) else None)
         # The local params records, then the layout-independent global ones (diff across
@@ -466,6 +460,7 @@ class _Run:
 
 
 LOSS_NAMES = ("loss", "lm_loss", "load_balancing_loss", "mtp_loss")
+
 
 def _save_steps(save_at: int | Sequence[int] | None) -> list[int]:
     """The steps to save before, sorted: none, one (an int) or several."""

@@ -195,8 +195,7 @@ def apply_precision(model: nn.Module, precision: str, gemm: str, *, device: str 
 
 
 def _output_in_param_dtype(module: nn.Module, _inputs, output):
-    """Cast an MoE layer's output (weighted by fp32 router probabilities) to its parameters'
-    dtype, so a bf16-parameter model stays bf16 between blocks."""
+    """Cast an MoE layer's output (fp32 router weights) back to its parameters' dtype."""
     dtype = module.router.weight.dtype
     return (output[0].to(dtype), *output[1:])
 

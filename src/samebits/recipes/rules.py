@@ -1,9 +1,6 @@
-"""The reference recipe's determinism rules, registered through the public rule API.
-
-Importing `samebits.recipes` registers them, so `samebits.determinism.check(config)` and
-deterministic mode judge the recipe's option values.  Each option's choices come from its
-`Literal` type in `RecipeConfig`: a value that is neither deterministic nor known to be
-nondeterministic fails closed ("unknown value").
+"""The reference recipe's determinism rules, registered through the public rule API when
+`samebits.recipes` is imported.  Each option's choices come from its `Literal` type in
+`RecipeConfig`: a value neither known deterministic nor known nondeterministic fails closed.
 """
 
 from __future__ import annotations

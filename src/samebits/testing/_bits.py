@@ -48,16 +48,14 @@ class Mismatch:
 
 
 def flatten(value: Any, path: str) -> list[Leaf]:
-    """The leaves of a nested structure (tensors, mappings, sequences, dataclasses, scalars),
-    each with its path.  Tensors are copied to the CPU as they are now."""
+    """The leaves of a nested structure with their paths; tensors copied to the CPU as they are now."""
     leaves: list[Leaf] = []
     _flatten(value, path, leaves)
     return leaves
 
 
 def members(value: Any, path: str) -> list[tuple[Any, str]] | None:
-    """(item, its path) for each member of a mapping, namedtuple, list, tuple or dataclass
-    instance; None for anything else (a leaf)."""
+    """(item, its path) for each member of a container or dataclass; None for a leaf."""
     if isinstance(value, Mapping):
         return [(value[key], f"{path}[{key!r}]") for key in value]
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple

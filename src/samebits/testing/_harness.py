@@ -84,10 +84,9 @@ def _without_modules(value: Any) -> Any:
 
 
 def collect(result: Any, *, grads: bool, grad_sources: Any = None, path: str = "output") -> tuple[list[Leaf], int]:
-    """The leaves of one run: ``result``'s values, and with ``grads`` the gradients of every
-    tensor that requires one in ``result`` and ``grad_sources`` (inputs) and of every module's
-    parameters, after a backward of ``result``'s differentiable outputs with fixed cotangents.
-    If a gradient is already there (the code ran its own backward), no backward is run."""
+    """The leaves of one run: ``result``'s values and, with ``grads``, the gradients of its
+    tensors, of ``grad_sources`` and of every module's parameters after a backward with fixed
+    cotangents (none when the code ran its own backward)."""
     found = list(_walk(result, path))
     if grad_sources is not None:
         found += list(_walk(grad_sources, "input"))
@@ -179,7 +178,6 @@ class Contention:
     matrix products (they release the GIL and take the intra-op pool's cores), queued on a side
     CUDA stream of each device the inputs use on a GPU (as overlapped communication does)."""
 
-
     def __init__(self, devices: Iterable[torch.device] = ()):
         self.cuda_devices = sorted({d.index or 0 for d in devices if d.type == "cuda"})
         self._stop = threading.Event()
@@ -251,8 +249,7 @@ def _check_runs(runs, minimum: int, what: str) -> int:
 def repeat(produce: Callable[[], tuple[Any, Any]], *, name: str, runs: int, grads: bool,
            threads, contention: bool, seed: int = 0, devices: Iterable[torch.device] = (),
            stop_at_first_difference: bool = False) -> BitwiseReport:
-    """Run ``produce`` (returning (result, grad sources)) ``runs`` times at each thread count
-    and compare every run with the first."""
+    """Run ``produce`` ``runs`` times at each thread count and compare every run with the first."""
     counts = _check_threads(threads)
     configs = [{"threads": count if count is not None else torch.get_num_threads(),
                 "contention": bool(contention)} for count in counts for _ in range(runs)]
@@ -342,8 +339,7 @@ def expect_nondeterministic(fn: Callable, *inputs: Any, runs: int = 10, grads: b
 
 
 def assert_same_bits(a: Any, b: Any, *, names: tuple[str, str] = ("a", "b")) -> None:
-    """Assert two tensors or nested structures of tensors are bitwise equal (dtype, shape and
-    bytes; strides ignored; signed zeros and NaN payloads count)."""
+    """Assert two (nested structures of) tensors are bitwise equal; strides are ignored."""
     mismatches = compare(flatten(_without_modules(a), "value"), flatten(_without_modules(b), "value"))
     if mismatches:
         raise AssertionError(render(mismatches, header=f"{names[0]} and {names[1]} differ in "
@@ -370,7 +366,6 @@ def index_put_accumulate_control(rows: int = 8, num_indices: int = 65536, width:
 
 
 def check_negative_control(runs: int = 20, threads: int = 2) -> BitwiseReport:
-    """Show that this harness catches the CPU ``index_put_(accumulate=True)`` race here:
-    `expect_nondeterministic` on `index_put_accumulate_control` with ``threads`` threads."""
+    """Show that this harness catches the CPU ``index_put_(accumulate=True)`` race here."""
     fn, inputs = index_put_accumulate_control()
     return expect_nondeterministic(fn, *inputs, runs=runs, grads=False, threads=threads)

@@ -1,8 +1,5 @@
-"""The options of the byte tests, defined once: the pytest plugin and the CLI both read this table.
-
-Each option has one name, type, default, meaning and parser.  The pytest plugin adds it as
-``--samebits-<name>``, a CLI command as ``--<name>`` (only the ones it uses); a bad value fails
-with a `ConfigError` naming the option and what to write instead.
+"""The options of the byte tests, defined once for the pytest plugin (``--samebits-<name>``)
+and the CLI (``--<name>``); a bad value fails with a `ConfigError` naming the option.
 """
 
 from __future__ import annotations

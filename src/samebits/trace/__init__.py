@@ -45,7 +45,6 @@ def attach(model, recorder, config: TraceConfig | None = None) -> "Tracer | _Off
     the end (a later `attach` closes a tracer left open); ``handle.suspended()`` runs torch work
     of your own untraced.  Its records are finished before the recorder writes the step.
     """
-
     config = config or TraceConfig()
     if not config.enabled:
         return OFF

@@ -49,8 +49,7 @@ def _untraced(original: Callable, active: Callable) -> Callable:
 
 
 def patch(active: Callable) -> None:
-    """Run DCP's entry points untraced, if DCP is imported and they are not patched yet;
-    ``active()`` gives the tracer in force."""
+    """Run DCP's entry points untraced, once DCP is imported; ``active()`` gives the tracer."""
     if _originals or _PACKAGE not in sys.modules:
         return
     package = sys.modules[_PACKAGE]

@@ -127,8 +127,7 @@ def _wrap(name, original):
 
 
 def patch(active: Callable) -> None:
-    """Replace the collectives of torch.distributed by tracing wrappers (idempotent); the
-    wrappers ask ``active()`` for the tracer in force."""
+    """Wrap torch.distributed's collectives (idempotent); ``active()`` gives the tracer in force."""
     _active_tracer[:] = [active]
     if _originals or not dist.is_available():
         return

@@ -78,8 +78,7 @@ class EventSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class TraceConfig:
-    """What to trace.  Build one directly, or from the environment with `from_env` (the
-    variables are listed in docs/settings.md, "Tracing")."""
+    """What to trace: built directly, or by `from_env` (docs/settings.md, "Tracing")."""
 
     level: int = 0
     """0 off, 1 phases (+ collectives, gradients, optimizer state), 2 modules, 3 ATen ops."""

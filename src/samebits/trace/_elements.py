@@ -34,7 +34,6 @@ def _bitwise_unequal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def compare_elements(a: torch.Tensor, b: torch.Tensor, *, max_indices: int = 5) -> dict:
     """How `a` and `b` (same shape and dtype) differ element by element: counts, max ulp, and
     ``values`` (``index``, ``a``, ``b``, ``ulp``) of the first differing elements, row-major."""
-
     if a.shape != b.shape or a.dtype != b.dtype:
         return {"differing": None, "total": a.numel(), "max_ulp": None, "first_indices": [], "values": [],
                 "shape": list(a.shape), "dtype": str(a.dtype).removeprefix("torch."),

@@ -186,7 +186,6 @@ def find_origins(a: str | os.PathLike, b: str | os.PathLike, *, step: int | None
     the tracer records again, at first use, anything "pre" made.  Raises
     `IncomparableRunsError` for different world sizes.
     """
-
     runs = _Runs(a, b)
     try:
         return _find_origins(runs, a, b, step, ranks, resume_step)
@@ -258,8 +257,7 @@ def _missing_detail(found: RankStep) -> str:
 
 
 def _has_step(run: Run, rank: int, step: int | None) -> bool:
-    """Does ``rank``'s stream hold ``step`` (any step for None)?  The footer's step index when
-    the stream was closed cleanly, else its steps."""
+    """Does ``rank``'s stream hold ``step`` (any step for None)?  Its footer's index, else its steps."""
     reader = run.stream(rank)
     try:
         index = reader.step_index()
@@ -330,8 +328,7 @@ def _classify_events(rank: int, step: int, records_a: list[Record], records_b: l
 
 def _traced_content(rank, step, position, ra: Record, rb: Record, records_a: list[Record],
                     records_b: list[Record]) -> OriginFinding:
-    """A traced record whose value differs, classified; an input is checked for being the
-    same tensors in another order (an op's, a collective group's)."""
+    """A traced record whose value differs, classified; an input is checked for a permutation."""
     finding = _content(rank, step, position, ra, rb)
     if finding.category == "collective" and finding.role == "in":
         _check_permuted_collectives(finding, ra, records_a, records_b)

@@ -1,7 +1,5 @@
-"""What one open step of a traced rank knows (`StepState`): its rung, the perturb/dump specs
-naming it, the training phase, the module stack (`Frame`s), event numbers, the backward
-scopes, call sites, and the tensors already recorded, each with where it was first seen.
-Made by `Tracer.begin_step`, dropped by `Tracer.finish_step`; changed only through its methods.
+"""What one open step of a traced rank knows (`StepState`) and its module stack (`Frame`s):
+made by `Tracer.begin_step`, dropped by `Tracer.finish_step`, changed only through its methods.
 """
 
 from __future__ import annotations
@@ -29,7 +27,6 @@ class StepState:
     """What the open step of a traced rank knows; made fresh for each step.  ``level`` is the
     rung in force (0: not selected), ``special`` the perturb/dump specs for this rank and step;
     event numbers, seen tensors, the module stack and call sites change only through methods."""
-
 
     __slots__ = ("step", "level", "special", "ops_needed", "stage", "scope", "frames", "autograd",
                  "call_sites", "_numbers", "_seen")

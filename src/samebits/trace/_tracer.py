@@ -67,8 +67,7 @@ class _Suspension:
 
 
 class Tracer:
-    """Tracing state of this process.  Build it with `samebits.trace.attach` (explicit
-    training loops) or let zero-code recording build it; do not construct it directly."""
+    """Tracing state of this process, built by `samebits.trace.attach` or zero-code recording."""
 
     def __init__(self, config: TraceConfig, *, recorder=None, recorder_source: Callable | None = None,
                  rank: int | None = None, zero_code: bool = False):
@@ -111,8 +110,7 @@ class Tracer:
         return self.now.level if self.now is not None else 0
 
     def suspended(self) -> _Suspension:
-        """``with tracer.suspended():`` torch work inside is samebits' own (a recorder's
-        copies, zero-code recording's census and hooks): never traced, never counted."""
+        """``with tracer.suspended():`` samebits' own torch work inside is never traced or counted."""
         return _Suspension(self)
 
     # -- recorder ---------------------------------------------------------------------------
@@ -630,7 +628,6 @@ def _unpatch_autograd() -> None:
         if name in _autograd_patches and getattr(torch.autograd, name) is _autograd_patches[name]:
             setattr(torch.autograd, name, _autograd_originals.pop(name))
             del _autograd_patches[name]
-
 
 
 # -- torch.optim.Optimizer.__init__ (zero-code arming) --------------------------------------------

@@ -1,62 +1,26 @@
-"""Shared output helpers for the CLI: terminal-safe text, aligned plain-text tables, JSON,
-and `print_result`, how a command ends (its result, printed; its verdict, the exit code).
+"""Shared output helpers for the CLI: terminal-safe text, plain-text tables, JSON, and
+`print_result` (the result printed, the verdict's exit code returned).
 
-Everything a person reads passes through `escape`: names, phases, paths and config values
-come from files and runs, and a control character in one (an ANSI escape sequence, a
-carriage return, a bidi override) could repaint the terminal, e.g. turn a DIVERGED headline
-into "IDENTICAL".  JSON output stays exact (the json module escapes control characters).
+Everything a person reads passes through `escape`: names and paths come from files and runs,
+and a control character in one could repaint the terminal (turn DIVERGED into "IDENTICAL").
 """
 
 from __future__ import annotations
 
 import json
-import re
 import sys
 import textwrap
 import time
-import unicodedata
 from typing import Any, Callable, Iterable, Sequence
 
-# What `escape` writes visibly instead of passing on: C0 and C1 controls and DEL (Cc), format
-# characters (Cf: the bidi marks, embeddings, overrides and isolates U+061C, U+200E/F,
-# U+202A-E, U+2066-9, zero-width characters, tag characters), the line and paragraph separators
-# (Zl, Zp) and lone surrogates (Cs: the bytes of a path that is not UTF-8, as Python decodes them).
-_UNSAFE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
-# Candidates: every character but printable ASCII (and the newline, when kept); `_escaped`
-# returns the safe ones unchanged, so plain ASCII text costs one scan.
-_CANDIDATES = re.compile("[^\x20-\x7e]")
-_CANDIDATES_KEEP_NEWLINES = re.compile("[^\x20-\x7e\n]")
-
-
-def _escaped(match: re.Match) -> str:
-    char = match.group()
-    code = ord(char)
-    if code < 0x20 or 0x7f <= code <= 0x9f:
-        return f"\\x{code:02x}"
-    if 0xdc80 <= code <= 0xdcff:  # a byte that was not UTF-8 (os.fsdecode's surrogateescape): shown as that byte
-        return f"\\x{code - 0xdc00:02x}"
-    if unicodedata.category(char) in _UNSAFE_CATEGORIES:
-        return f"\\u{code:04x}" if code <= 0xffff else f"\\U{code:08x}"
-    return char
-
-
-def escape(value: Any, keep_newlines: bool = False) -> str:
-    """``str(value)`` with every control, format and bidi character written as a visible escape
-    (``\\x1b``, ``\\u202e``) and every byte of a non-UTF-8 path as ``\\xNN``: the result can
-    neither drive the terminal nor fail to encode."""
-    text = value if isinstance(value, str) else str(value)
-    return (_CANDIDATES_KEEP_NEWLINES if keep_newlines else _CANDIDATES).sub(_escaped, text)
-
+from samebits.runs.visible import visible as escape
 
 TABLE_WIDTH = 100  # columns a table may take; a wider cell wraps onto more lines
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], max_width: int | None = TABLE_WIDTH) -> str:
-    """Render rows as a left-aligned text table with a rule under the header; every cell
-    is escaped (`escape`), so a cell can neither break the layout nor drive the terminal.
-    The table fits ``max_width`` columns: the widest columns are narrowed first (never below
-    8 characters or their natural width) and a cell wider than its column wraps onto more
-    lines, at spaces where it can, so nothing is cut.  ``max_width=None``: no limit."""
+    """Rows as a left-aligned text table, every cell escaped, fitting ``max_width`` columns (None:
+    no limit): the widest columns narrow first (`_fit`) and a wider cell wraps, so nothing is cut."""
     cells = [[escape(h) for h in headers]] + [["" if c is None else escape(c) for c in r] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     if max_width is not None:
@@ -80,9 +44,8 @@ def _wrap(text: str, width: int) -> list[str]:
 
 
 def _fit(widths: list[int], budget: int) -> list[int]:
-    """Column widths summing to at most ``budget`` where they can: every column above a
-    common cap is narrowed to it (the largest cap that fits), none below its floor (8, or
-    its natural width if narrower)."""
+    """Column widths within ``budget`` where they can: every column above the largest cap that
+    fits is narrowed to it, none below 8 (or its natural width if narrower)."""
     if sum(widths) <= budget:
         return widths
     floors = [min(w, 8) for w in widths]
@@ -103,10 +66,8 @@ def echo(*parts: Any, file=None, flush: bool = False, sep: str = " ") -> None:
 
 
 def progress_printer(command: str, file=None) -> Callable[[str], None]:
-    """The progress line of long work (verify, bisect, matrix, report), on stderr: each
-    message after the time since the command started, ``[  12.3s] [2/4] run B ...``; the
-    library's messages carry the step counter.  Lines after the first of a message are
-    indented under it."""
+    """Progress on stderr, each message after the time since the command started
+    (``[  12.3s] [2/4] run B ...``), its later lines indented under the first."""
     began = time.perf_counter()
 
     def progress(message: str) -> None:

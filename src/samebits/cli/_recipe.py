@@ -1,7 +1,6 @@
-"""The reference recipe as the runners' program: where the command line composes the recipe's
-command line (`samebits.recipes.commands`) with the runners of `samebits.runs`, which take
-command templates and know no program.  The command line is the only library code that
-imports the recipe (tests/test_architecture.py), and this module is where it does.
+"""The reference recipe as the runners' program: the one library module that imports the recipe
+(tests/test_architecture.py), composing its command line (`samebits.recipes.commands`) with
+the runners of `samebits.runs`, which know no program.
 
     program = recipe_program(2, steps=8, overrides=["seed=3"])   # a runs.program.SelfRecording
     verify(program, out)                                          # samebits.runs.verify
@@ -22,9 +21,8 @@ MatrixProgram = lazy("samebits.runs.matrix", "MatrixProgram")
 
 def recipe_program(nproc: int, *, steps: int, overrides: Sequence[str] = (), nondeterministic: bool = False,
                    recording: Mapping[str, object] | None = None):
-    """The recipe run for ``steps`` steps on ``nproc`` ranks, as a program that records itself
-    (`samebits.runs.program.SelfRecording`); ``recording``: what it records
-    (`samebits.autorecord.recording_variables`' arguments)."""
+    """The recipe run for ``steps`` steps on ``nproc`` ranks, as a `SelfRecording` program;
+    ``recording``: `samebits.autorecord.recording_variables`' arguments."""
     return SelfRecording(**recipe.recipe_roles(nproc, steps=steps, overrides=overrides,
                                                nondeterministic=nondeterministic), recording=dict(recording or {}))
 
@@ -44,12 +42,10 @@ def across_size_layouts(sizes: Sequence[int], *, steps: int, overrides: Sequence
 
 
 def across_layouts(spec: str, *, steps: int, overrides: Sequence[str] = (), controls: bool = True) -> list:
-    """`verify --across` on the recipe: the layouts ``spec`` names (`parse_layouts`: cells or a
-    product of sizes), each with the switches that any of them needs (`across_switches`: the
-    layouts compute one function), its program, and, with ``controls``, its negative control
-    (the same layout without the switches, on one global batch, `CONTROL_STEPS` steps); its
-    ``resume`` continues a checkpoint saved at another layout (``--allow-layout-change``) and
-    saves its final step into ``{out}/ckpt`` (the certificate compares its content)."""
+    """`verify --across` on the recipe: the layouts ``spec`` names, each with the switches any of
+    them needs (so they compute one function), and with ``controls`` its negative control (no
+    switches, one global batch); its ``resume`` continues a checkpoint saved at another layout
+    and saves its final step into ``{out}/ckpt`` for the certificate."""
     cells = parse_layouts(spec)
     switches = recipe.across_switches(cells)
     batch = recipe.control_global_batch(cells)
@@ -84,12 +80,9 @@ replay_config = recipe.recorded_config_overrides
 
 
 def replay_config_at(nproc: int):
-    """`samebits replay --nproc N` on the recipe: a function of the run's recorded config (its
-    stream header's) giving the recipe's words.  At the run's own rank count: its config as
-    recorded.  At another: the layout of N data-parallel ranks (one rank: single) set after
-    it, and ``--allow-layout-change``; the recipe resumes the checkpoint there only where the
-    run's switches make its bits independent of the layout (grad_reduce / tp_reduce=invariant),
-    and refuses, saying which switch, otherwise."""
+    """`samebits replay --nproc N` on the recipe: the recipe's words for a run's recorded config;
+    at another rank count than the run's, N data-parallel ranks and ``--allow-layout-change``
+    (the recipe refuses, naming the switch, where the run's bits depend on the layout)."""
     def words(config: dict) -> list[str]:
         said = replay_config(config)
         mesh = (config.get("parallel") or {}).get("mesh") if isinstance(config.get("parallel"), dict) else None
@@ -106,9 +99,8 @@ def replay_config_at(nproc: int):
 
 def matrix_program(*, overrides: Sequence[str] = (), nondeterministic: bool = False,
                    global_batch: int | None = recipe.DEFAULT_GLOBAL_BATCH, layout_independent: bool = True):
-    """`samebits matrix` on the recipe (`samebits.runs.matrix.MatrixProgram`): cells in the
-    recipe's grammar, each cell's program with its layout, its share of the global batch, the
-    precision, the layout-independent settings and ``overrides``."""
+    """`samebits matrix` on the recipe: cells in its grammar, each cell's program with its layout,
+    the global batch, the precision, the layout-independent settings and ``overrides``."""
     recipe.check_matrix_overrides(overrides, global_batch)
 
     def program(cell: ParallelDims, precision: str, steps: int):
@@ -127,5 +119,4 @@ def matrix_program(*, overrides: Sequence[str] = (), nondeterministic: bool = Fa
 
 
 __all__ = ["recipe_program", "tax_programs", "across_size_layouts", "across_layouts", "across_reductions", "replay_command",
-           "replay_config", "replay_config_at",
-           "matrix_program"]
+           "replay_config", "replay_config_at", "matrix_program"]

@@ -1,17 +1,9 @@
-"""Runs of training commands, launched and judged: the top library layer.
+"""Runs of training commands, launched and judged: the top library layer (docs/architecture.md).
 
-    samebits.runs.verify.verify   the two guarantees (A = B; A = C resumed from A's checkpoint)
-    samebits.runs.bisect.bisect   narrow a divergence to its origin, one tracing rung at a time
-
-(each function is named after its module, so the package does not export it: a submodule
-imported first would take the name).
-
-Both run a `samebits.runs.program.Program` (the reference recipe, which records itself, or
-any command under zero-code recording) as separate processes through one launcher (`_launch`:
-logged, time-bounded, judged by how each process's own code ended), then compare the recorded
-streams with `samebits.compare` and classify with `samebits.trace`.  See docs/architecture.md.
-Importing the package loads no torch (its names load on first use), so the command line can
-check its arguments with `samebits.runs.commands` before it loads the library.
+verify, bisect, matrix, tax and ``verify --across`` each run a `samebits.runs.program.Program`
+through one launcher (`_launch`) and compare what was recorded.  Each function is named after
+its module, so the package exports none (a submodule imported first would take the name), and
+importing it loads no torch: the command line checks arguments with `samebits.runs.commands` first.
 """
 
 from samebits._lazy_exports import lazy_exports

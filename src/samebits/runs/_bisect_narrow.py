@@ -1,9 +1,6 @@
-"""How `samebits bisect` narrows a divergence: the stages it runs, one rung at a time.
-
-`Side` runs one side of the bisection (a `samebits.runs.program.Program` in a role, traced as
-each stage asks); `_Bisector` runs the stages (`samebits.runs.bisect`'s docstring), compares
-their runs and re-runs a step at a finer rung until it has the origin, then leaves the words
-to `samebits.runs._bisect_prose.Conclusions`.
+"""How `samebits bisect` narrows a divergence: `Side` runs one side (a program in a role, traced
+as each stage asks); `_Bisector` runs the stages and re-runs a step at a finer rung until it has
+the origin, leaving the words to `samebits.runs._bisect_prose.Conclusions`.
 """
 
 from __future__ import annotations
@@ -37,13 +34,10 @@ STEPS_ATTEMPTS = 2  # pairs of runs of one command before it is called identical
 
 @dataclass
 class Side:
-    """How to run one side: ``program`` in ``role`` (`samebits.runs.program`), which gives its
-    argv and environment; ``values`` fills its placeholders (``{ckpt}``: the checkpoint a
-    resumed side resumes).  A resumed side (``step_offset`` K) numbers its steps from K and
-    gets ``{step}`` (K) and ``{from}`` (the work folder of the bisect's first run of A);
-    ``from_step``: record only steps >= it.  Every run has its own new, empty work folder, a
-    command's ``{out}`` (a trainer that resumes from the latest checkpoint in its output folder
-    starts clean)."""
+    """How to run one side: ``program`` in ``role``, ``values`` filling its placeholders.  A resumed
+    side (``step_offset`` K) gets ``{step}`` K and ``{from}`` (A's first work folder); every run
+    gets a new, empty work folder as ``{out}``, so a trainer that resumes from its output
+    folder starts clean."""
 
     label: str
     program: Program
@@ -60,9 +54,7 @@ class Side:
     def launch(self, out_dir: Path, config: TraceConfig, log: Path, timeout: float | None = None,
                progress: Callable[[str], None] | None = None, work: Path | None = None,
                resumes: Path | None = None) -> float:
-        """Run once, recording into ``out_dir``, traced as ``config`` says.  ``work``: the run's
-        own work folder (default: OUT_DIR-work beside the streams); ``resumes``: the work folder
-        of the run it resumes, its ``{from}``."""
+        """Run once, recording into ``out_dir``, traced as ``config`` says; ``resumes``: its ``{from}``."""
         values = dict(self.values)
         if self.step_offset is not None:
             values[STEP] = self.step_offset

@@ -114,13 +114,9 @@ class Conclusions:
         return prefix + "; ".join(self._describe(name, finding) for name in finding.state_differs) + "."
 
     def _reconcile(self, origin: Origin) -> Origin:
-        """The conclusion may never contradict an earlier stage's evidence.  A stage that found
-        "phase P of step S: inputs matched, output differs" bounds every later one: a final
-        kind about step S must be about phase P (an op, a probe, a collective, an ordering,
-        different ops, all in P), or about the state the step started from (`resume_state`),
-        or not localised.  A conclusion about another phase of that step (an earlier op whose
-        difference vanished, a resume's leftovers) explains nothing of P's difference: it
-        becomes `not_localised`, saying what the stages found and what was ruled out."""
+        """The conclusion never contradicts an earlier stage: after "phase P of step S: inputs
+        matched, output differs", a final kind about step S is about phase P, about the state the
+        step started from (`resume_state`), or becomes `not_localised` (saying what was ruled out)."""
         if origin.kind in ("resume_state", "not_localised", "replicas"):
             return origin
         anchor = self._anchor(origin.step)

@@ -73,11 +73,9 @@ class Elements(ToDict):
 
 @dataclass(kw_only=True)
 class Origin(OriginFinding):
-    """What the bisection concludes: the finding it rests on (an `OriginFinding`: where, which
-    event, why), plus ``kind`` (op, probe, collective, order, generator, input_batch, replicas,
-    initial_state, resume_state, control_flow, below_dispatcher, not_localised), the sentence
-    for a person and the origin's ``elements``.  Its ``state_differs`` are the census records
-    the conclusion blames; ``state_differs_all`` every one that differs at the step start."""
+    """What the bisection concludes: the `OriginFinding` it rests on, plus ``kind`` (docs/tracing.md
+    "The conclusion"), the sentence for a person and the origin's ``elements``; ``state_differs``
+    the census records it blames, ``state_differs_all`` every one differing at the step start."""
 
     # Bisect's public JSON: the conclusion, then the finding's where, what and why.
     dict_keys = ("kind", "conclusion", "step", "rank", "phase", "module", "op", "id", "category", "classification",
@@ -94,9 +92,7 @@ class Origin(OriginFinding):
     @classmethod
     def of(cls, finding: OriginFinding, elements: Elements | None, kind: str, conclusion: str,
            state_differs: list[str] | None = None) -> "Origin":
-        """The `Origin` that ``finding`` proves: ``kind`` (what the conclusion is about),
-        ``conclusion`` (one sentence for a person), ``state_differs`` (the census records the
-        conclusion blames; default: all that differ at the step start)."""
+        """The `Origin` that ``finding`` proves; ``state_differs`` default: all that differ at the step start."""
         found = {item.name: getattr(finding, item.name) for item in fields(OriginFinding)}
         found["state_differs"] = list(finding.state_differs if state_differs is None else state_differs)
         return cls(**found, kind=kind, conclusion=conclusion, elements=elements,

@@ -88,10 +88,8 @@ def same_bits(a, b) -> bool:
 
 
 def moved_in_step(census: Census, rank: int, step: int, name: str) -> bool | None:
-    """Did generator record ``name`` move during ``step``: between the step's first forward
-    (its census ``state``) and the end of its optimizer step (``state_end``)?  None: not known
-    (a census without ``state_end``, e.g. the recipe's).  Nothing before the first forward
-    counts: a process's model built from it, another run's checkpoint save between steps."""
+    """Did generator record ``name`` move between ``step``'s first forward (``state``) and the end
+    of its optimizer step (``state_end``)?  None: not known (no ``state_end``, e.g. the recipe's)."""
     start, end = census.get(rank, step, STATE), census.get(rank, step, STATE_END)
     if name not in start or name not in end:
         return None
@@ -118,9 +116,8 @@ def made_before(census: Census, rank: int, step: int, name: str) -> bool:
 
 def batch_source(census: Census, rank: int, step: int, name: str) -> bool:
     """Could generator ``name`` have drawn the step's batch: it moved before the step's first
-    forward, or, in the process's first step, it is one the program made (a sampler's: the
-    global generators move before any step for the model's initialisation and imports, the
-    program's own only when the program draws from them)."""
+    forward, or, in the process's first step, it is one the program made (the global
+    generators move before any step anyway, for the model's initialisation)."""
     before = moved_before(census, rank, step, name)
     return before is True or (before is None and CensusName.parse(name).kind == CensusName.USER_RNG)
 

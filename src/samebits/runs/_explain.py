@@ -1,37 +1,10 @@
 """What differs between two runs' training state when they diverge: verify's findings.
 
-The state census (`samebits.checkpoint.state_census`, recorded by every recorder into its
-home, the census stream ``RUN/state``; `census_run` finds it, in an older recipe run's main
-stream too) holds, per step, every RNG, optimizer, LR scheduler, GradScaler and data-loader
-position; zero-code recording adds each step's
-inputs (``inputs``), the generators after the step (``state_end``), a resumed process's
-parameters and optimizer state as it begins (``restored.*``) and a log of restores and draws
-of the global generators (`samebits.autorecord.EVENTS_FILE`).  This module turns differences
-between those records into `Finding`s, each a claim with its evidence, most specific first
-(the order of `_resume_rules._RULES`, where a resumed run's findings are made, one small rule
-per kind; `_census_facts` reads the census):
-
-    off_by_one, script_said, initial_params, model_params, optimizer_state, scheduler, grad_scaler,
-    iteration_counter, data_position, generator_consumed, generator, input_batch, other_state, order
-
-Rules that keep a finding honest:
-
-* a generator is said to be drawn in a step only if the census shows it moved in that step
-  in one of the runs: its ``state`` at the step's first forward differs from its ``state_end``
-  after the optimizer step (an unseeded generator the program never draws from differs between
-  any two processes and explains nothing; one drawn while the model was built, before the
-  first step, or by another run's checkpoint save between steps, explains no step).  One that
-  moved only before the step's first forward (since the step before ended) is named only when
-  the step's input batch differs: the batch is drawn there;
-* parameters that differ as the first step begins are the initial parameters, named as such;
-* a resumed run that trains past the last step of the run it resumes did not restore its
-  step counter, and is named so;
-* a batch that differs is looked up, by digest, among all of A's inputs: found, it is a data
-  position (the step it replays), not an unexplained batch;
-* a record present in one run and absent in the other is itself a finding ("C has no
-  optimizer state at step 4");
-* for a resume, state that also differs between the two independent runs A and B is no
-  evidence about the checkpoint and is left out.
+Differences between the runs' state census records (`_census_facts` reads them) become
+`Finding`s, each a claim with its evidence, most specific first; a resumed run's are made by
+`_resume_rules` (one small rule per kind, in order).  The kinds and the rules that keep a
+finding honest (a generator only if it moved in the step, state that also differs A to B left
+out of a resume, a batch looked up among all of A's) are docs/resume.md's table.
 """
 
 from __future__ import annotations
@@ -94,8 +67,7 @@ def _last_steps(directory: Path) -> dict[int, int]:
 
 
 def _trained_past(dir_a: Path, dir_c: Path, resume_at: int) -> list[Finding]:
-    """A resumed run that records steps after the last step of the run it resumes: its step
-    counter was not restored (it counts its training length again from the resume)."""
+    """A resumed run that records steps past the end of the run it resumes: its step counter was not restored."""
     last_a, last_c = _last_steps(dir_a), _last_steps(dir_c)
     findings = []
     for rank, end_a in sorted(last_a.items()):
@@ -141,13 +113,10 @@ def _main_records(directory: Path, step: int) -> dict[int, dict[str, dict]]:
 
 def census_suspects(names: list[str], dir_a: Path, dir_b: Path, rank: int,
                     step: int) -> tuple[list[str], list[str]]:
-    """(suspects, unused) among the census records ``names`` (a trace's) that differ at
-    ``step``'s start on ``rank``, with every record of the runs' census (`census_run`) that
-    differs there added (the generators the program made, by site; loader positions; the
-    recipe's generators and precision state); ``unused``: the generators neither run drew from
-    in the step, nor before its first forward, where its batch is drawn (no suspects).  A
-    generator whose use is not known (a census without ``state_end``, e.g. the recipe's) stays
-    a suspect.  Each census is read once."""
+    """(suspects, unused) among the census records that differ at ``step``'s start on ``rank``:
+    ``names`` (a trace's) and every census record that differs there; ``unused``: generators
+    neither run drew from in the step or before its first forward (one whose use is not known
+    stays a suspect)."""
     censuses = [read_census(directory, max(0, step - 1), step) for directory in (dir_a, dir_b)]
     if any(census is None for census in censuses):
         return list(names), []
@@ -160,9 +129,8 @@ def census_suspects(names: list[str], dir_a: Path, dir_b: Path, rank: int,
 
 
 def census_names(directory: Path, rank: int, step: int) -> set[str] | None:
-    """Every record name of a run's census at ``step``'s start on ``rank`` (what the program
-    has: its generators, optimizers, LR schedulers, loaders), None when the run has no census
-    there (`describe_state_record` then says what it cannot know)."""
+    """Every record name of a run's census at ``step``'s start on ``rank`` (what the program has),
+    None when it has no census there."""
     census = read_census(directory, step, step)
     if census is None:
         return None
@@ -175,10 +143,9 @@ def census_names(directory: Path, rank: int, step: int) -> set[str] | None:
 
 def explain_independent(dir_a: Path, dir_b: Path, diverged_at: int, order: str | None = None,
                         order_phase: str | None = None, order_rank: int = 0) -> list[Finding]:
-    """Findings for two independent runs that differ from ``diverged_at`` on: generators the
-    step draws from that are in other states, and the input batch.  ``order``: the detail of a
-    divergence of equal records in another order, in phase ``order_phase`` on ``order_rank``
-    (said with whose order it is, `order_says`)."""
+    """Findings for two independent runs that differ from ``diverged_at`` on: generators the step
+    draws from in other states, the input batch, and ``order`` (a divergence of equal records in
+    another order, in ``order_phase`` on ``order_rank``: `order_says`)."""
     census_a = read_census(dir_a, 0, diverged_at + 1)
     census_b = read_census(dir_b, 0, diverged_at + 1)
     findings: list[Finding] = []
@@ -238,9 +205,7 @@ def _zero_code(directory: Path) -> bool:
 
 def order_says(detail: str, phase: str | None, dir_a: Path, step: int, rank: int) -> str:
     """A divergence of the same records in another order, said with whose order it is: zero-code
-    recording writes a step's gradients, parameters and optimizer state (phases ``grads``,
-    ``params``, ``optimizer``; ``optimizer<N>.<phase>`` for another optimizer) in the order the
-    optimizer holds its parameters, so there the order is the optimizer's parameter order."""
+    recording writes the after-step phases in the optimizer's parameter order."""
     said = detail.removeprefix(f"step {step}, rank {rank}, ")  # the finding carries its step and rank
     plain, number = split_optimizer_phase(phase or "")
     if plain not in AFTER_OPTIMIZER_STEP or not _zero_code(dir_a):
@@ -255,8 +220,7 @@ def order_says(detail: str, phase: str | None, dir_a: Path, step: int, rank: int
 
 
 def _initial_params(census_a: Census, census_b: Census, rank: int) -> Finding | None:
-    """The parameters as step 0 begins (a fresh process's ``restored.params``) that differ
-    between two independent runs: the initial weights, before any training op."""
+    """The parameters as step 0 begins (``restored.params``) that differ between independent runs."""
     params_a, params_b = census_a.get(rank, 0, RESTORED_PARAMS), census_b.get(rank, 0, RESTORED_PARAMS)
     wrong = differing_names(params_a, params_b)
     if not wrong:

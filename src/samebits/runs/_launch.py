@@ -1,19 +1,11 @@
 """Running one training command for verify and bisect: logged, bounded, and judged.
 
-A run's output goes to a log file (its first line is the command); a run that hangs past
-its time limit is killed with every process it started; a run that fails says so, with what
-went wrong first (the exception each rank raised, the determinism violations that made it
-refuse) and then the end of its log.
-
-A run is judged by proof, never by how complete its streams look (the recorder's exit
-handler closes them even when the training raised):
-
-* the recipe: its own exit status (0 done, or the live check's stop marker);
-* a zero-code run: exit 0, or the live check's stop marker, or, for a non-zero exit, the
-  outcome file of every recording process (`samebits.autorecord`).  Only a run whose every
-  process's own code ended cleanly, with every stream closed, and whose non-zero exit came
-  from a signal after that (the C++ abort some builds hit at interpreter teardown) keeps its
-  records; it is shown as such in the verdict's table.
+A run's output goes to a log file (its first line is the command); a run past its time limit is
+killed with every process it started; a failed run says what went wrong first, then its log's
+end.  A run is judged by proof, never by how complete its streams look: the recipe by its exit
+status (or the live check's stop marker); a zero-code run also by every recording process's
+outcome file (`samebits.autorecord`): a non-zero exit keeps its records only when every
+process's own code ended cleanly, with every stream closed.
 """
 
 from __future__ import annotations
@@ -58,17 +50,12 @@ def run_logged(argv: list[str], log: Path, *, env: dict | None = None, header: s
                timeout: float | None = DEFAULT_TIMEOUT_S, label: str = "",
                progress: Callable[[str], None] | None = None, streams: Path | None = None,
                steps: int | None = None) -> tuple[int, float]:
-    """Run ``argv`` with its output in ``log``; return (exit code, seconds).
+    """Run ``argv`` with its output in ``log``; return (exit code, seconds).  With ``progress``
+    and ``streams`` its steps are reported live (`samebits.runs.progress`).
 
-    With ``progress`` and ``streams`` (the folder the run records into), the run's steps are
-    reported live as they land (`samebits.runs.progress`; ``steps``: how many it will write),
-    and a run that stops stepping is reported with its log.
-
-    The run is started in a session of its own, and it does not outlive an interrupted call:
-    when it runs past ``timeout``, or samebits is interrupted (Ctrl-C, SIGTERM, SIGHUP: raised
-    here as `Interrupted`) while it waits, every process the run started is ended
-    (`end_process_tree`: torchrun's agent, and its workers, which torchrun starts in sessions of
-    their own).  On Linux the run also gets SIGTERM if samebits itself dies (SIGKILL included)."""
+    The run does not outlive the call: past ``timeout``, or when samebits is interrupted
+    (`Interrupted`), every process it started is ended (`end_process_tree`); on Linux it also
+    gets SIGTERM if samebits itself dies (SIGKILL included)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     # the command line as text: a path that is not UTF-8 (``--out $'o\xff'``) is written as
@@ -100,11 +87,9 @@ def run_logged(argv: list[str], log: Path, *, env: dict | None = None, header: s
 
 def run_attached(argv: list[str], *, env: dict | None = None, progress: Callable[[str], None] | None = None,
                  streams: Path | None = None) -> int:
-    """Run ``argv`` on samebits' own terminal (its output to ours, Ctrl-C reaching it as usual);
-    return its exit code.  With ``progress`` and ``streams``, its steps are reported live as in
-    `run_logged`, as plain lines (the run's own output shares the terminal).  Like `run_logged` it does not outlive samebits: when samebits is
-    told to stop (SIGTERM, SIGHUP, Ctrl-C) while it waits, the run and every process it started
-    are ended, and on Linux the run gets SIGTERM if samebits itself dies."""
+    """Run ``argv`` on samebits' own terminal (Ctrl-C reaching it as usual); return its exit code.
+    Progress comes as plain lines (the run shares the terminal); like `run_logged`, it does not
+    outlive samebits."""
     with _signals_interrupt():
         try:
             process = subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent())
@@ -137,10 +122,9 @@ class Interrupted(KeyboardInterrupt):
 @contextlib.contextmanager
 def _signals_interrupt():
     """While a run is waited for (main thread only): SIGINT, SIGTERM and SIGHUP raise
-    `Interrupted` once, so that the run is ended before samebits exits (their default would end
-    samebits alone and leave the run's processes running); repeats are ignored while the run is
-    ended.  A signal whose handler is not the default (ignored under nohup, or a program's own)
-    is left alone."""
+    `Interrupted` once, so that the run is ended before samebits exits (their default would
+    leave it running).  A signal whose handler is not the default (nohup's, a program's) is
+    left alone."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -185,11 +169,10 @@ def _die_with_parent():
 
 
 def end_process_tree(process: subprocess.Popen, grace: float = END_GRACE_S) -> None:
-    """End a run started in a session of its own, with every process it started: SIGTERM to its
-    process group and to each descendant and the groups they lead (torchrun starts its workers
-    in sessions of their own, out of reach of the group), ``grace`` seconds to end, then SIGKILL
-    to whatever is left.  Descendants are found in /proc (Linux), before the first signal and
-    while the run's first process lives (orphans are re-parented away from it)."""
+    """End a run with every process it started: SIGTERM to its group, each descendant and the
+    groups they lead (torchrun's workers have sessions of their own), ``grace`` seconds, then
+    SIGKILL.  Descendants are found in /proc while the run's first process lives (orphans are
+    re-parented away from it)."""
     tree = _descendants(process.pid)
     _signal_tree(process.pid, tree, signal.SIGTERM)
     _signal_itself(process, signal.SIGTERM)  # a run that leads no group of its own (`run_attached`)
@@ -304,13 +287,6 @@ def failed(label: str, argv: list[str], code: int, log: Path, *, why: str = "",
     return RunFailed("\n".join(message), reason, label)
 
 
-def judge_recipe_run(label: str, argv: list[str], code: int, log: Path, stopped: bool) -> None:
-    """The recipe's runs are judged by their own exit status: raise `RunFailed` unless the run
-    finished (exit 0) or its live check stopped it (its marker; torchrun hides exit code 3)."""
-    if code != 0 and not stopped:
-        raise failed(label, argv, code, log)
-
-
 def judge_recorded_run(label: str, argv: list[str], code: int, run_dir: Path, log: Path) -> str | None:
     """Judge a zero-code run that exited with ``code``: None if it finished (exit 0), a line
     for the verdict's table if a crash after its code ended is tolerated, else `RunFailed`."""
@@ -372,13 +348,12 @@ UNFINISHED = ("the command did not finish: it was killed (SIGKILL, or its machin
               "the runs listed are those that had ended")
 
 
-def write_stopped(out: Path, runs: list, reason: str, name: str = "summary.json") -> Path:
+def write_stopped(out: Path, runs: list, reason: str) -> Path:
     """``out``/summary.json of a command that has not finished: verdict "stopped" (exit 3, never a
-    verdict on the runs), why, and the runs that had ended (``runs``: `RunInfo` objects).  The
-    command's own summary replaces it when it finishes."""
+    verdict on the runs), why, and the `RunInfo` of the runs that had ended."""
     data = {"verdict": STOPPED, "exit_code": 3, "stopped": reason, "out": str(out),
             "runs": [run.to_dict() if hasattr(run, "to_dict") else dict(run) for run in runs]}
-    path = Path(out) / name
+    path = Path(out) / "summary.json"
     tmp = path.with_name(path.name + ".tmp")
     # ensure_ascii: a path that is not UTF-8 is kept as an escape, never an encoding error
     tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
@@ -389,9 +364,8 @@ def write_stopped(out: Path, runs: list, reason: str, name: str = "summary.json"
 @contextlib.contextmanager
 def stopped_marked(out: Path, runs: list):
     """While a command's runs go, ``out``/summary.json says "stopped" with the runs that ended
-    (call the yielded ``mark()`` after each): a samebits killed by SIGKILL leaves that.  An
-    interruption (SIGINT, SIGTERM, SIGHUP: its runs are ended first) or a run that did not
-    finish (a worker killed by SIGKILL, a crash) writes why before it propagates."""
+    (the yielded ``mark()`` after each), which is what a SIGKILL leaves; an interruption or a run
+    that did not finish writes why before it propagates."""
     def mark(reason: str = UNFINISHED) -> None:
         write_stopped(out, runs, reason)
 
@@ -417,5 +391,5 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-__all__ = ["run_logged", "stopped_marked", "write_stopped", "STOPPED", "end_process_tree", "Interrupted", "END_GRACE_S", "failed", "judge_recipe_run", "judge_recorded_run", "RunFailed", "teardown_note",
+__all__ = ["run_logged", "stopped_marked", "write_stopped", "STOPPED", "end_process_tree", "Interrupted", "END_GRACE_S", "failed", "judge_recorded_run", "RunFailed", "teardown_note",
            "DEFAULT_TIMEOUT_S"]

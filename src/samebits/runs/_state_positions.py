@@ -1,20 +1,10 @@
 """Where a resumed run's training state stands against the run it resumed, step by step.
 
-The state census (`samebits.checkpoint.state_census`, in each run's census stream ``RUN/state``)
-holds at every step start the exact bits of each generator, the optimizer's step counts,
-learning rates and group settings, the LR scheduler's position and, under zero-code recording,
-the step's input batch (``inputs``) and the generators after the step (``state_end``).  It holds
-digests, not values, so "C's learning rate at step 4" is not a number here; what is exact is
-which of A's steps holds the same bits.  `state_positions` answers that for every census record
-at every step of B's window: B's state is A's of the same step (restored), of another step (the
-scheduler restarted at 0, a batch drawn again: the position it holds), or of none (a generator
-seeded afresh).  `samebits report` draws it: one line per record that differs, A on the
-diagonal, B where its state is.
-
-Records that cannot be evidence about a checkpoint are left out, with the reason, as verify's
-findings leave them out (`samebits.runs._explain`): one that also differs between the two
-independent runs A and B, and a generator that moved in no compared step of either run (an
-unseeded generator nobody draws from differs between any two processes).
+The census holds digests, not values, so what is exact is which of A's steps holds the same
+bits: `state_positions` says, for every census record at every step of B's window, whether B's
+state is A's of the same step (restored), of another step (the position it holds), or of none.
+`samebits report` draws it.  Records that are no evidence about a checkpoint are left out with
+the reason, as verify's findings leave them out (`samebits.runs._explain`).
 """
 
 from __future__ import annotations
@@ -32,10 +22,9 @@ from samebits.verdicts import ToDict, serialised
 
 @dataclass
 class StateTrack(ToDict):
-    """One census record of run b against run a: per step of b's window, the step of a whose
-    record holds the same bits (``positions``: the step itself when restored and in step, None
-    when no step of a holds it), the steps where only one run has it, and for a generator the
-    steps in which it moved in each run."""
+    """One census record of run b against run a: per step of b's window, the step of a holding
+    the same bits (``positions``; None: no step of a), the steps only one run has it, and for a
+    generator the steps it moved in each run."""
 
     dict_keys = ("record", "title", "differs_at", "positions", "only_in", "drawn_a", "drawn_b")
 
@@ -148,10 +137,8 @@ def _moved(census: dict, name: str) -> list[int]:
 
 def state_positions(dir_a: str | Path, dir_b: str | Path, rank: int, start: int,
                     independent: str | Path | None = None) -> StatePicture | None:
-    """Run b's census against run a's on ``rank`` from step ``start`` on (`StatePicture`); None
-    when either run has no census stream for the rank, or b's holds no step from ``start`` on.
-    ``independent``: run B of a verify, a's independent twin; a record that also differs between
-    a and it is left out."""
+    """Run b's census against run a's on ``rank`` from step ``start`` on; None when either has no
+    census there.  ``independent``: a's independent twin (verify's B), whose differences are left out."""
     census_a, census_b = _read(Path(dir_a), rank), _read(Path(dir_b), rank)
     if not census_a or not census_b:
         return None

@@ -1,35 +1,11 @@
 """`samebits verify --across single,dp2,tp2`: the same training at several parallel layouts must
 give the same bits, and the comparison must be able to tell layouts apart.
 
-Each layout runs once (the reference recipe with the switches that make its reductions
-independent of the layout, e.g. ``grad_reduce=invariant``, ``tp_reduce=invariant``; or any
-command with ``{nproc}`` and ``{out}`` in it, at data-parallel sizes); then every layout is
-compared with the first: every step's parameters by **global digest** (`samebits.diff(...,
-by="global")`: the digest of each full tensor, TP shards joined, so any layouts compare) and
-rank 0's metrics (`compare_replicated`, phase ``metrics``).  A run without global records (a
-command that records only local ones) is compared by rank 0's replicated records instead,
-as before: a record only one layout has (a rank-local shard) is listed, never counted equal.
-
-**Resume across layouts** (``resume_across``): the first layout also saves its checkpoint of
-step K (``--resume-at``, default steps/2); every other layout resumes that checkpoint (the
-recipe's ``--resume-from C --allow-layout-change``) into ``resume-NAME`` and must equal the
-first layout's uninterrupted run bit for bit from step K to the end (global digests of every
-step and rank 0's metrics).  A layout that refuses the resume (a switch missing) is
-INCOMPLETE, saying the program's own words.
-
-**Negative controls** in the same run: the reference layout and each other layout, without
-the switches, on the same global batch, for a few steps; each control must differ from the
-reference's control at step 0 or 1, or the comparison could not tell layouts apart and the
-verdict is FAIL.  ``--no-controls`` skips them, and the certificate says so.
-
-The verdict is proof or nothing: PASS only when every layout finished and compared equal at
-every step, and every control differed; a run that failed is an error (exit 2), a missing
-step INCOMPLETE.  ``certificate.json`` in the output folder holds what was proven: the
-environment, each layout (cell, world size, overrides, command), each step's global root
-(a hash of every global record of the step) per layout, each layout's checkpoint of the final
-step by content (`samebits.checkpoint.content_sha256`: the training state, the same at any
-layout; the verdict is FAIL when they differ, even with equal roots) and by files, the
-invariant reductions, the resume checks and the controls; `samebits report OUT` renders it.
+Every layout is compared with the first by global digest and rank 0's metrics (a run without
+global records: by rank 0's replicated records, `compare_replicated`); with ``resume_across``
+the others resume the first's checkpoint and must match it; negative controls (no switches)
+must differ.  certificate.json holds what was proven.  docs/invariance.md ("Use it", "Resume at
+another layout", "Certificate") tells the whole protocol.
 """
 
 from __future__ import annotations
@@ -79,10 +55,8 @@ def parse_across(spec: str) -> list[int]:
 
 @dataclass(frozen=True)
 class Layout:
-    """One layout of ``verify --across``: its name (a cell, e.g. ``tp2``), its rank count, the
-    program that records it (`samebits.runs.program`), its negative control (the same layout
-    without the switches; None: none), the overrides each was given (what the certificate
-    shows), and ``resume``: the command that resumes a checkpoint saved at another layout
+    """One layout of ``verify --across``: ``control`` is the same layout without the switches
+    (None: none); ``resume`` the command that resumes a checkpoint saved at another layout
     (``{ckpt}``) into ``{out}`` (None: the program's RESUME role)."""
 
     name: str
@@ -94,31 +68,22 @@ class Layout:
     resume: tuple[str, ...] | None = None
 
 
-# Declared name mappings: a wrapper that renames every parameter the same way at one layout
-# (DDP holds the model as ``module``).  A record of the first layout not found by its own name
-# is looked for under these, and the verdict says which mapping matched how many records.
+# Declared name mappings: a wrapper that renames every parameter alike at one layout (DDP's
+# ``module``); a record not found by its own name is looked for under these, said in the notes.
 NAME_MAPPINGS = (("DDP's `module.` prefix", "module."), ("torch.compile's `_orig_mod.` prefix", "_orig_mod."))
 _SHOWN = 6  # names listed in a note or a reason
-# Phases whose records a rank holds by the layout: its own micro-batches' inputs (dp2's rank 0
-# holds micro-batches 0 and 1 of 4, dp4's only 0).  Compared where both layouts hold them; one the
-# other layout's rank does not hold is listed in the notes, never counted missing.
+# Phases whose records a rank holds by the layout (its micro-batches' inputs: dp2's rank 0 holds
+# 0 and 1 of 4, dp4's only 0): one the other layout's rank does not hold is noted, never missing.
 LAYOUT_LOCAL_PHASES = (phases.DATA,)
 
 
 def compare_replicated(a, b, *, rank: int = 0, start_step: int | None = None, stop_step: int | None = None,
                        phases: Iterable[str] | None = None) -> DiffResult:
-    """Compare rank ``rank``'s records of runs ``a`` and ``b`` (of any world sizes) step by step,
-    for start <= step < stop (stop None: to ``a``'s end), with the rule of every verdict
-    (`samebits.compare.record_match`).  Records are matched by identity, or by a declared
-    mapping (`NAME_MAPPINGS`: DDP's ``module.`` prefix, said in the notes); ``phases``
-    restricts to those phases.  Every selected record of ``a`` must be found in ``b`` at each
-    of its steps, and a record counts as compared only with both digests present and equal:
-    a record ``b`` lacks (``missing``), one without a digest (``shape_only``, over
-    ``max_tensor_bytes``) or a step of ``a`` that ``b`` lacks makes the verdict INCOMPLETE
-    naming them (DIVERGED when a record differs).  Records only ``b`` holds are listed in the
-    notes, as are the inputs (`LAYOUT_LOCAL_PHASES`) of micro-batches ``b``'s rank does not hold
-    at its layout (``not_held``).  ``compared`` counts steps, records (compared equal or
-    differing), shape_only, missing and not_held."""
+    """Compare rank ``rank``'s records of runs ``a`` and ``b`` (of any world sizes) step by step
+    in [start, stop), matched by identity or a declared mapping (`NAME_MAPPINGS`).  Every
+    record of ``a`` must be found in ``b`` with a digest: one missing, one without a digest or a
+    step ``b`` lacks makes it INCOMPLETE naming them.  Records only ``b`` holds, and inputs
+    ``b``'s rank does not hold at its layout (`LAYOUT_LOCAL_PHASES`), are listed in the notes."""
     start = 0 if start_step is None else start_step
     wanted = None if phases is None else set(phases)
     run_a, run_b = open_run(a), open_run(b)
@@ -185,9 +150,7 @@ def compare_replicated(a, b, *, rank: int = 0, start_step: int | None = None, st
 
 def _what_was_not_compared(a, b, rank: int, incomplete: list[str], mapped: dict, only_b: set, not_held: set,
                            missing: dict, shape_only: dict) -> tuple[list[str], list[str]]:
-    """`compare_replicated`'s notes (records matched by a declared mapping, held by one run only)
-    and what makes it incomplete (records only ``a`` holds, records without a digest), after
-    ``incomplete``'s missing steps."""
+    """`compare_replicated`'s notes and reasons it is incomplete, after ``incomplete``'s."""
     notes: list[str] = []
     for label, pairs in mapped.items():
         shown = ", ".join(f"{x} -> {y}" for x, y in sorted(pairs.items())[:_SHOWN])
@@ -212,8 +175,7 @@ def _what_was_not_compared(a, b, rank: int, incomplete: list[str], mapped: dict,
 
 
 def _find(key: tuple, records_b: Mapping, mapped: dict) -> tuple | None:
-    """The key of ``b``'s record for ``a``'s record ``key``: the same identity, else the one a
-    declared mapping gives (``b``'s name with the prefix added, or removed), noted in ``mapped``."""
+    """``b``'s key for ``a``'s record ``key``: the same, else by a declared mapping (noted in ``mapped``)."""
     if key in records_b:
         return key
     kind, phase, name, occurrence = key
@@ -244,9 +206,8 @@ def _rank_steps(run, rank: int, start: int, stop: int | None, phases: set | None
 
 @dataclass
 class LayoutCheck(ToDict):
-    """One layout against the reference: ``by`` "global" (every step's global parameter digests,
-    and rank 0's metrics: ``metrics``) or "rank 0's replicated records" (runs without global
-    records); ``first_divergence`` as `samebits diff` gives it."""
+    """One layout against the reference, ``by`` "global" (global digests and rank 0's ``metrics``)
+    or by rank 0's replicated records (runs without global records)."""
 
     layout: str
     verdict: Verdict
@@ -256,8 +217,7 @@ class LayoutCheck(ToDict):
     notes: list[str] = field(default_factory=list)
     incomplete: list[str] = field(default_factory=list)
     metrics: dict | None = None  # rank 0's metrics compared (by "global")
-    # what the verdict rests on: records (global tensors and metrics) compared by digest, compared
-    # by shape only (no digest: never equal), and missing at this layout (never compared)
+    # what the verdict rests on: records compared by digest, by shape only, and missing (`_counts`)
     counts: dict = field(default_factory=lambda: {"compared": 0, "shape_only": 0, "missing": 0})
 
 
@@ -283,11 +243,8 @@ class ControlCheck(ToDict):
 
 @dataclass
 class AcrossResult(ToDict):
-    """What ``verify --across`` found: each layout's run, its comparison with the first, the
-    negative controls (``controls`` None: not run, ``controls_note`` says why), the resume
-    checks (``resume``: layout -> its resume of the first layout's checkpoint of step
-    ``resume_at``, compared from there; None: not asked) and the final checkpoints' content
-    hashes (``checkpoints``; ``checkpoints_equal`` None: not all hashed)."""
+    """What ``verify --across`` found.  ``controls`` None: not run (``controls_note`` says why);
+    ``resume`` None: not asked; ``checkpoints_equal`` None: not every final checkpoint hashed."""
 
     summary_of = "verify --across"  # its summary.json names the command that wrote it
     dict_keys = ("verdict", "out", "layouts", "reference", "checks", "controls", "controls_note", "resume_across",
@@ -339,10 +296,8 @@ def _by_layout(checks: Mapping) -> dict:
 
 
 def command_layouts(sizes: Sequence[int], cmd: Sequence[str]) -> list[Layout]:
-    """``verify --across`` of a command at data-parallel ``sizes``: one layout per size, its
-    program the command with ``{nproc}`` replaced by the size, recording itself into ``{out}``
-    (e.g. ``torchrun --nproc-per-node {nproc} train.py --out {out}``); it has no control and no
-    resume (no switch to turn off, no resume at another layout to run)."""
+    """``verify --across`` of a command at data-parallel ``sizes``: one layout per size (``{nproc}``
+    filled in), with no control and no resume (a command has no switch to turn off)."""
     missing = [p for p in ACROSS_PLACEHOLDERS if not holds(cmd, p)]
     if not cmd or missing:
         raise ConfigError(f"--across with a command: the command must contain {' and '.join(missing)} "
@@ -356,20 +311,13 @@ def verify_across(layouts: Sequence[Layout], out=None, *, rank: int = 0, control
                   reductions: Sequence[dict] = (), run_timeout: float | None = None,
                   progress: Callable[[str], None] | None = None, resume_across: bool = False,
                   resume_at: int | None = None) -> AcrossResult:
-    """Run the training at each layout and compare each with the first; run the negative
-    controls (``controls``, when the layouts have them); write summary.json and
-    certificate.json into ``out``.
+    """Run the training at each layout (and the negative controls, when every layout has one),
+    compare each with the first, and write summary.json and certificate.json into ``out``.
 
-    ``layouts``: `Layout` objects, each with its program (`samebits.runs.program`: the recipe's,
-    `samebits.cli._recipe.across_layouts`; a command's, `command_layouts`).  A layout whose
-    program saves (the recipe's) also saves its checkpoints of step ``steps // 2``
-    (``resume_at`` with ``resume_across``), so that `samebits replay` can re-run a step of it,
-    and of the final step (the certificate's content hash) into its folder's ckpt/.
-    ``reductions``: what the switches make invariant (the certificate's list).
-    ``resume_across``: every layout but the first also resumes the first's checkpoint of step
-    ``resume_at`` (default ``steps // 2``) and must equal its run from there on; a resume
-    that saves its final checkpoint into ``{out}/ckpt`` (the recipe's does) has it hashed with
-    the layouts' (``resume-NAME``), which must be equal too.
+    A layout whose program saves also saves steps ``resume_at`` (default ``steps // 2``: for
+    replay, and where ``resume_across`` resumes the others) and its final step (hashed for the
+    certificate, as is a resume's final checkpoint).  ``reductions``: the certificate's list of
+    what the switches make invariant.
     """
     if not layouts:
         raise ConfigError("verify --across: no layouts to run")
@@ -417,7 +365,7 @@ def verify_across(layouts: Sequence[Layout], out=None, *, rank: int = 0, control
     if note:
         result.notes.append(note)
     write_summary(out, result)
-    write_certificate(out, result, layouts, checkpoints, reductions)
+    write_certificate(out, result, layouts, reductions)
     return result
 
 
@@ -463,9 +411,7 @@ class _Runner:
 
 
 def _run_layout(layout: Layout, run: _Runner, resume_at: int | None) -> dict | None:
-    """Run one layout into out/NAME; its checkpoints ({"steps", "final", "path"}: the root) or
-    None.  A program that saves does so at steps/2 (``resume_at`` when given: where the others
-    resume) for replay and at its final step for the certificate."""
+    """Run one layout into out/NAME; its checkpoints ({"steps", "final", "path"}) or None."""
     program, run_dir = layout.program, run.out / layout.name
     if not program.template(SAVE):  # it saves nothing: it records, in a folder made for it
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -479,9 +425,8 @@ def _run_layout(layout: Layout, run: _Runner, resume_at: int | None) -> dict | N
 
 
 def _resume_layout(layout: Layout, reference: str, saved: Path, step: int, run: _Runner) -> LayoutCheck:
-    """``layout`` resumes ``reference``'s checkpoint ``saved`` (of step ``step``) into
-    out/resume-NAME; its comparison with the reference's run from ``step`` on.  A resume the
-    program refuses (or that fails) is INCOMPLETE with the program's reason."""
+    """``layout`` resumes ``reference``'s checkpoint of ``step`` into out/resume-NAME, compared with
+    the reference from ``step`` on; a resume refused or failed is INCOMPLETE, with the reason."""
     name = RESUME_PREFIX + layout.name
     run_dir = run.out / name
     launch = layout.program.launch(RESUME, run_dir, values={CKPT: saved})
@@ -493,8 +438,7 @@ def _resume_layout(layout: Layout, reference: str, saved: Path, step: int, run: 
         return LayoutCheck(layout.name, Verdict.INCOMPLETE, "resume", None, {"steps": 0},
                            incomplete=[f"{layout.name} could not resume {reference}'s checkpoint of step {step}: "
                                        f"{err.reason} (log: {run.out / 'logs' / (name + '.log')})"])
-    say = run.say
-    say(f"comparing {name} with {reference} from step {step}")
+    run.say(f"comparing {name} with {reference} from step {step}")
     return compare_layouts(run.out / reference, run_dir, layout.name, start_step=step)
 
 
@@ -514,10 +458,8 @@ def _has_global_records(path) -> bool:
 
 
 def compare_layouts(reference, other, name: str, *, rank: int = 0, start_step: int | None = None) -> LayoutCheck:
-    """``other`` against ``reference``, any layouts, from ``start_step`` on (None: 0; a run
-    resumed there): by global digest (every step's global records) and rank ``rank``'s
-    metrics when the reference holds global records; by rank ``rank``'s replicated records
-    otherwise."""
+    """``other`` against ``reference`` from ``start_step`` on: by global digest and rank ``rank``'s
+    metrics when the reference holds global records, else by its replicated records."""
     if not _has_global_records(reference):
         local = compare_replicated(reference, other, rank=rank, start_step=start_step)
         data = local.to_dict()
@@ -542,9 +484,8 @@ def compare_layouts(reference, other, name: str, *, rank: int = 0, start_step: i
 
 
 def _counts(replicated: DiffResult, by_global=None) -> dict:
-    """What a layout's verdict rests on (the certificate's counts): records compared by digest,
-    by shape only (no digest), and missing at the other layout; global tensors counted once
-    each (over the steps), replicated records once per step."""
+    """The certificate's counts: records compared by digest, by shape only, and missing; a global
+    tensor counts once over the steps, a replicated record once per step."""
     counts = {"compared": replicated.compared.get("records", 0), "shape_only": replicated.compared.get("shape_only", 0),
               "missing": replicated.compared.get("missing", 0)}
     for tensor in [] if by_global is None else by_global.tensors:
@@ -566,10 +507,8 @@ def compare_control(reference_control, control, name: str) -> ControlCheck:
 
 
 def global_roots(path) -> dict[int, str]:
-    """Each step's global root of the run at ``path``: the SHA-256 (first 16 hex digits) of every
-    global record of the step (phase, name, occurrence, dtype, global shape, digest), sorted,
-    over all ranks; ``"ranks disagree"`` where two ranks recorded different digests of one
-    tensor.  Equal roots: equal global records."""
+    """Each step's global root: the SHA-256 (16 hex digits) of its global records over all ranks,
+    sorted; ``"ranks disagree"`` where two ranks recorded one tensor differently."""
     entries: dict[int, dict] = {}
     disagree: set[int] = set()
     run = open_run(path)
@@ -600,8 +539,7 @@ def global_roots(path) -> dict[int, str]:
 
 
 def checkpoint_sha256(path: Path) -> dict:
-    """The SHA-256 of a saved checkpoint's files: each file's relative path and content hash,
-    in sorted order, hashed together; and the number of files."""
+    """The SHA-256 of a checkpoint's files (relative paths and content hashes, sorted), and their count."""
     path = Path(path)
     files = sorted(p for p in path.rglob("*") if p.is_file())
     total = hashlib.sha256()
@@ -612,11 +550,9 @@ def checkpoint_sha256(path: Path) -> dict:
 
 
 def final_checkpoints(checkpoints: Mapping[str, dict | None]) -> tuple[dict, bool | None, str]:
-    """Each layout's checkpoint of its final step, hashed by content and by its whole resumable
-    state (`content_sha256`'s ``sha256`` and ``state_sha256``: the same state hashes alike at
-    any layout) and by files: ({layout: hashes}, whether every content hash and every state hash
-    is equal (None: not every layout's could be hashed), a note saying which differ, in which
-    parts of the state, or why one could not be hashed)."""
+    """Each layout's final checkpoint hashed by content, by resumable state (`content_sha256`: alike
+    at any layout) and by files; whether every content and state hash is equal (None: not every
+    one could be hashed); and a note saying which differ, where, or why one was not hashed."""
     hashes, problems = {}, []
     for name, saved in checkpoints.items():
         if saved is None:
@@ -682,8 +618,7 @@ def environment(reference) -> dict:
             "device": config.get("device") if isinstance(config, dict) else None}
 
 
-def certificate(result: AcrossResult, layouts: Sequence[Layout], checkpoints: Mapping[str, dict | None],
-                reductions: Sequence[dict] = ()) -> dict:
+def certificate(result: AcrossResult, layouts: Sequence[Layout], reductions: Sequence[dict] = ()) -> dict:
     """What ``verify --across`` proved, as the dictionary certificate.json holds."""
     commands = {run.name: run.command for run in result.runs}
     roots = result.roots
@@ -712,27 +647,27 @@ def certificate(result: AcrossResult, layouts: Sequence[Layout], checkpoints: Ma
                              "artefact"),
         "resume_across": None if result.resume is None else {
             "step": result.resume_at, "from": layouts[0].name,
-            "checks": {c.layout: {"verdict": Verdict(c.verdict).value, "by": c.by,
-                                  "steps": c.compared.get("steps"), "counts": dict(c.counts),
-                                  "command": commands.get(RESUME_PREFIX + c.layout),
-                                  "first_divergence": c.first_divergence, "incomplete": c.incomplete}
+            "checks": {c.layout: _certified(c, command=commands.get(RESUME_PREFIX + c.layout))
                        for c in result.resume.values()}},
         "invariant_reductions": [dict(r) for r in reductions],
         "controls": None if result.controls is None else [
             {**c.to_dict(), "overrides": next((list(l.control_overrides) for l in layouts if l.name == c.layout), []),
              "command": commands.get(c.run)} for c in result.controls],
         "controls_note": result.controls_note,
-        "checks": {c.layout: {"verdict": Verdict(c.verdict).value, "by": c.by, "steps": c.compared.get("steps"),
-                              "counts": dict(c.counts), "first_divergence": c.first_divergence,
-                              "notes": list(c.notes), "incomplete": list(c.incomplete)}
-                   for c in result.checks.values()},
+        "checks": {c.layout: _certified(c, notes=list(c.notes)) for c in result.checks.values()},
     }
 
 
-def write_certificate(out: Path, result: AcrossResult, layouts: Sequence[Layout],
-                      checkpoints: Mapping[str, dict | None], reductions: Sequence[dict] = ()) -> Path:
+def _certified(check: LayoutCheck, **extra) -> dict:
+    """A layout check as the certificate holds it, ``extra`` before its reasons."""
+    return {"verdict": Verdict(check.verdict).value, "by": check.by, "steps": check.compared.get("steps"),
+            "counts": dict(check.counts), "first_divergence": check.first_divergence, **extra,
+            "incomplete": list(check.incomplete)}
+
+
+def write_certificate(out: Path, result: AcrossResult, layouts: Sequence[Layout], reductions: Sequence[dict] = ()) -> Path:
     path = Path(out) / CERTIFICATE
-    path.write_text(json.dumps(certificate(result, layouts, checkpoints, reductions), indent=2, default=str) + "\n")
+    path.write_text(json.dumps(certificate(result, layouts, reductions), indent=2, default=str) + "\n")
     return path
 
 

@@ -1,22 +1,18 @@
 """Command templates and output folders: what every runner of `samebits.runs` shares.
 
-A runner takes the training command as argv with placeholders and fills them per run, so the
-library never spells a program's own command line (the reference recipe's is built by
-`samebits.recipes.commands`, and the command line composes the two).  Placeholders:
+A runner fills a command's placeholders per run, so the library never spells a program's own
+command line:
 
-    {out}        the folder a run records into (a program that records itself), or its own
-                 work folder (a command under zero-code recording)
+    {out}        the folder a run records into (a self-recording program), or its work folder
     {run}        the run's name (a, b, c, dp2, ...)
-    {step}       a step: where a run saves its checkpoint, or where a resumed run starts
+    {step}       where a run saves its checkpoint, or where a resumed run starts
     {from}       the work folder of the run a resumed command resumes (verify's A)
     {ckpt}       a checkpoint root
     {reference}  a recorded run to check each step against, live
-    {nproc}      the number of ranks (processes) of one run
+    {nproc}      the number of ranks of one run
 
-The programs that fill them are `samebits.runs.program`'s; the checks of a runner's
-arguments that the command line makes before it loads torch are here, so that both make them
-with one definition.  Every runner writes into a new or empty output folder (`prepare_out_dir`, default
-`default_out_dir`) and leaves its result there as summary.json (`write_summary`).
+The argument checks the command line makes before it loads torch live here, so both share one
+definition.  Every runner writes into a new or empty folder and leaves summary.json there.
 """
 
 from __future__ import annotations

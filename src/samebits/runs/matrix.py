@@ -1,27 +1,9 @@
 """`samebits matrix`: the two guarantees on every parallel layout and precision of the recipe.
 
-For every cell (a parallel layout such as ``dp2`` or ``tp2-dp2``) and precision, `verify`
-runs A, B (repeatability) and C (saves at step k, a fresh process resumes), and each cell's run
-A is compared with the baseline cell's run A of the same precision (agreement).  Different
-layouts may legitimately differ in their last bits (another reduction order), so agreement is
-reported, identical or the first differing step with the largest ulp distance there, and
-decides the verdict only with ``require_agreement``.
-
-The verdict is proof or nothing:
-
-* a cell is PASS only when it ran and both guarantees compared identical; a check that
-  diverged makes it FAIL; a run that crashed, a stream that is missing or damaged, or a check
-  that could not decide make it INCOMPLETE, with the reason;
-* a cell that cannot start (a precision or layout the recipe refuses, a dependency that is
-  not installed, more ranks than allowed) is INCOMPLETE with the reason and nothing else runs
-  for it;
-* the matrix is PASS only when every required cell (default: all) is PASS and no cell that
-  ran failed; a required cell that did not run and hold makes it FAIL (exit 1), naming why.
-
-The engine knows no program: `MatrixProgram` tells it how to read a cell name (its world
-size and data-parallel size) and the commands of the program for a cell and precision (the
-reference recipe's come from `samebits.recipes.commands`, composed by the command line; the
-cell grammar is the recipe's, `samebits.recipes.cells`).
+Every (cell, precision) is a `verify` (A, B, and C resumed), and its run A is compared with the
+baseline cell's (agreement: reported, deciding the verdict only with ``require_agreement``).
+The verdict rules are docs/matrix.md's ("The verdict").  The engine knows no program:
+`MatrixProgram` reads a cell name and gives the program's commands for a cell and precision.
 """
 
 from __future__ import annotations
@@ -45,7 +27,6 @@ from samebits.stream import open_run
 from samebits.verdicts import ToDict, Verdict, milliseconds, serialised
 
 
-
 class Layout(Protocol):
     """A cell's parallel layout, as the engine reads it (the recipe's `ParallelDims`)."""
 
@@ -54,9 +35,6 @@ class Layout(Protocol):
 
     @property
     def world_size(self) -> int: ...  # ranks of one run
-
-    @property
-    def dp(self) -> int: ...  # data-parallel ranks (different samples)
 
 
 @dataclass(frozen=True)
@@ -195,13 +173,10 @@ def run_matrix(
     bisect_failures: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> MatrixResult:
-    """Verify ``matrix``'s program on every cell x precision and compare each with the baseline cell.
-
-    ``required``: the cells (``tp2``) or cell:precision pairs (``tp2:fp8_delayed``) that must
-    run and hold (None: all).  ``baseline``: the cell every other one is compared with
-    (default: the first).  ``bisect_failures``: bisect each cell whose independent runs
-    diverged, or, where they held, whose resume diverged (A saves at the resume step, B
-    resumes there)."""
+    """Verify ``matrix``'s program on every cell x precision and compare each with the ``baseline``
+    cell (default: the first).  ``required``: the cells (``tp2``) or cell:precision pairs that must
+    run and hold (None: all).  ``bisect_failures``: bisect each cell whose independent runs, or
+    else whose resume, diverged."""
     say = progress or (lambda message: None)
     parsed = [matrix.parse_cell(name) for name in cells]
     if not parsed or not precisions:
@@ -295,7 +270,8 @@ def _agreement(c: CellResult, base: CellResult | None, metrics: tuple[str, ...])
         return Agreement("not compared", detail="the cell or the baseline did not run")
     a, b = Path(base.out) / "a", Path(c.out) / "a"
     try:
-        by_metrics = _metric_agreement(a, b, metrics)
+        values_a, values_b = _global_metrics(a, metrics), _global_metrics(b, metrics)
+        by_metrics = _metric_agreement(values_a, values_b, metrics)
         found = diff(a, b, by="global")  # every full tensor by its global identity, any layouts
     except SamebitsError as err:
         return Agreement("not compared", detail=f"could not compare: {err}")
@@ -306,16 +282,15 @@ def _agreement(c: CellResult, base: CellResult | None, metrics: tuple[str, ...])
     if found.identical:
         return Agreement("identical", by="global tensor digests")
     step = found.first_step
-    ulp = _metric_ulp(a, b, step, metrics) if step is not None else None
+    ulp = _max_ulp(values_a[step], values_b[step]) if step in values_a and step in values_b else None
     names = [t.name for t in found.differing_at_first_step][:3]
     return Agreement("differs", by="global tensor digests", first_step=step, max_ulp=ulp,
                      detail="first differing: " + ", ".join(names)
                      + (f"; ulp of {'/'.join(metrics)}" if ulp is not None else ""))
 
 
-def _metric_agreement(a: Path, b: Path, metrics: tuple[str, ...]) -> Agreement:
-    """Compare the global metrics (``metrics``) of rank 0, step by step."""
-    values_a, values_b = _global_metrics(a, metrics), _global_metrics(b, metrics)
+def _metric_agreement(values_a: dict, values_b: dict, metrics: tuple[str, ...]) -> Agreement:
+    """Compare rank 0's global metrics (`_global_metrics`), step by step."""
     common = sorted(set(values_a) & set(values_b))
     if not common:
         return Agreement("not compared", by="global metrics", detail="no common step with global metrics")
@@ -329,13 +304,6 @@ def _metric_agreement(a: Path, b: Path, metrics: tuple[str, ...]) -> Agreement:
     detail = "" if len(values_a) == len(values_b) == len(common) else "steps differ between the runs"
     return Agreement("identical" if not detail else "not compared",
                      by=f"global metrics ({', '.join(metrics)})", detail=detail)
-
-
-def _metric_ulp(a: Path, b: Path, step: int, metrics: tuple[str, ...]) -> int | None:
-    values_a, values_b = _global_metrics(a, metrics), _global_metrics(b, metrics)
-    if step not in values_a or step not in values_b:
-        return None
-    return _max_ulp(values_a[step], values_b[step])
 
 
 def _global_metrics(path: Path, metrics: tuple[str, ...]) -> dict[int, dict[str, tuple[str, bytes]]]:
@@ -367,9 +335,8 @@ def _max_ulp(a: dict[str, tuple[str, bytes]], b: dict[str, tuple[str, bytes]]) -
 
 def _bisect_cell(c: CellResult, matrix: MatrixProgram, steps: int, say: Callable[[str], None],
                  resume_at: int | None = None) -> dict:
-    """Bisect the cell's independent runs (the first 4 steps), or with ``resume_at`` its resume
-    (the verified steps: A saves at ``resume_at``, B resumes there), on the cell's own program
-    (its batch, as verified)."""
+    """Bisect the cell's independent runs (the first 4 steps), or with ``resume_at`` its resume, on
+    the cell's own program."""
     try:
         program = matrix.program(matrix.parse_cell(c.cell), c.precision, min(steps, 4) if resume_at is None else steps)
         found = bisect(out=Path(c.out) / "bisect", program=program, resume_at=resume_at,

@@ -1,25 +1,16 @@
 """The program a runner runs: one protocol, two kinds (the counterpart of torchtitan's `TrainSpec`).
 
-verify, bisect, tax and ``verify --across`` are each written once over `Program`: a runner asks
-the program, for a role, for the run to launch (`Launch`: its argv and environment), launches
-it through `samebits.runs._launch`, and asks the program how the run ended (`Program.judge`).
-Roles:
+verify, bisect, tax and ``verify --across`` are each written once over `Program`: for a role
+the program gives the run to launch (`Launch`) and judges how it ended (`Program.judge`).
 
     RECORD     train, recording into the run's stream folder
     SAVE       the same, also saving the checkpoint of step {step} into {ckpt} on the way
     SAVE_ONLY  train to step {step}, save its checkpoint into {ckpt} and exit (records nothing)
     RESUME     resume the checkpoint {ckpt} (a command: its own resume command) and train on
 
-The two kinds:
-
-* `SelfRecording`: a program that records its own streams (the reference recipe: ``--out``,
-  ``--save-at``, ``--resume-from``, ``--reference`` are its flags, not samebits'), as command
-  templates.  Its census of the whole training state is part of verify's verdict
-  (``census_decides``), and it is judged by its exit status.
-* `ZeroCode`: any command under zero-code recording (`samebits.autorecord`); samebits records
-  it through the environment.  Its census is evidence only (an unseeded generator the program
-  never draws from differs between any two processes), and a run is judged by how each of its
-  processes' own code ended (`judge_recorded_run`).
+`SelfRecording` records its own streams (the reference recipe; its census is part of verify's
+verdict, and it is judged by its exit status); `ZeroCode` is any command under zero-code
+recording (its census is evidence only, and it is judged by how each process's own code ended).
 """
 
 from __future__ import annotations
@@ -34,7 +25,7 @@ from typing import Mapping, Protocol, Sequence
 
 from samebits.autorecord import environment_for, read_gaps, recording_variables, summarise_gaps, with_variables
 from samebits.errors import ConfigError, SamebitsError
-from samebits.runs._launch import RunFailed, judge_recipe_run, judge_recorded_run
+from samebits.runs._launch import RunFailed, failed, judge_recorded_run
 from samebits.runs.commands import (CHECK_TIMEOUT_S, FROM, OUT, REFERENCE, RUN, STEP, RecipeRefused,
                                     check_resume_options, check_verify_steps, fill_placeholders, holds)
 
@@ -164,7 +155,9 @@ class SelfRecording:
         return Launch(fill_placeholders(argv, filled), env, streams)
 
     def judge(self, label: str, launch: Launch, code: int, log: Path) -> str | None:
-        judge_recipe_run(label, launch.argv, code, log, stopped=False)
+        """By its own exit status (a run its live check stopped is told apart by the caller, by its marker)."""
+        if code != 0:
+            raise failed(label, launch.argv, code, log)
         return None
 
     def describe(self, launch: Launch) -> str:

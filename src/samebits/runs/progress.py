@@ -1,23 +1,14 @@
 """Live progress of long work: what the run in flight is doing, read from its streams.
 
-verify, bisect, matrix, tax and ``samebits run`` start training runs that may take hours; the
-runs' own output goes to log files.  While a run is in flight, a `StepWatcher` thread follows
-its fingerprint streams (`samebits.stream.follow.StreamTail`: one ``stat`` per file per poll,
-and only the new bytes read when a file grew) and reports each new step::
+A `StepWatcher` thread follows a run's fingerprint streams (`samebits.stream.follow.StreamTail`:
+one ``stat`` per file per poll, only new bytes read) and reports each new step, and once per
+stall a run that writes no step for ``stall_factor`` times its median step time::
 
     [  12.3s] B: step 17 done (18/80)  2.4 steps/s  run 7.5s  last: optimizer/fc.weight.exp_avg
-
-A run that writes no step for ``stall_factor`` times its median step time (and at least
-``min_stall_s``) is reported once per stall, with where to look::
-
     [ 130.2s] B: no step for 95 s (median step 2.1 s): still running, see samebits-out/.../b.log
 
-`Progress` is what the CLI passes to the library as its ``progress`` callback: each message
-after the time since the command started; on a terminal the step line is one status line
-rewritten in place (``\\r``), elsewhere (a log, a pipe, CI) plain lines, at most one per run
-per ``plain_interval_s`` (each step when steps are slower).  ``quiet`` silences the progress
-lines; stall reports still print.  A plain callable given as ``progress`` gets plain step
-lines and stall reports as messages.
+`Progress` is the CLI's ``progress`` callback: one status line rewritten in place on a terminal,
+plain lines at most one per ``plain_interval_s`` elsewhere; ``quiet`` leaves only stall reports.
 """
 
 from __future__ import annotations
@@ -63,11 +54,8 @@ def one_line(name: str) -> str:
 
 class Progress:
     """Progress messages of one command, each after the time since it started, ``[  12.3s]``.
-
-    ``file``: where they go (default: ``sys.stderr`` at the time of writing); ``tty``: whether
-    it is a terminal (default: ask it); ``quiet``: print no progress (stall reports still
-    print); ``clean``: what every message passes through before it is written (the CLI's
-    terminal-safe `escape`); ``stall_factor``, ``min_stall_s``: when a run counts as stalled."""
+    ``file`` default: ``sys.stderr`` when written; ``tty`` default: ask the file; ``clean``: what
+    every message passes through (the CLI's terminal-safe `escape`)."""
 
     def __init__(self, file=None, *, quiet: bool = False, tty: bool | None = None,
                  clean: Callable[[str], str] = _identity, stall_factor: float = STALL_FACTOR,
@@ -189,9 +177,8 @@ class Progress:
 
 def watching(progress: Callable[[str], None] | None, streams: str | os.PathLike | None, label: str, *,
              steps: int | None = None, log: str | os.PathLike | None = None, plain: bool = False):
-    """The context in which a launched run is followed: ``progress.watch`` for a `Progress`; for
-    any other callable, plain step lines and stall reports passed to it as messages; nothing
-    without a callback or without a folder to follow."""
+    """The context in which a launched run is followed: ``progress.watch`` for a `Progress`, plain
+    lines for any other callable, nothing without a callback or a folder."""
     if progress is None or streams is None:
         return contextlib.nullcontext()
     if isinstance(progress, Progress):
@@ -213,12 +200,9 @@ def indented(progress: Callable[[str], None] | None, prefix: str) -> Callable[[s
 class StepWatcher:
     """Follow one run's streams (``rank-*.sbs`` in ``streams``) and report its steps.
 
-    `poll` does one look: new steps become a line for ``show`` (when ``every_change``, each
-    look that saw a step, and at least every ``interval_s``; otherwise at most one line per
-    ``interval_s``, holding back the newest step until then); a run that wrote no step for
-    ``stall_factor`` x its median step time (at least ``min_stall_s``; known after two steps)
-    is reported once to ``warn``, and when it steps again, that too.  `running` polls in a
-    thread while a block runs, and once more at its end."""
+    `poll` does one look: new steps become a line for ``show`` (``every_change``: each look that
+    saw one, and at least every ``interval_s``; else at most one per ``interval_s``); a stall is
+    reported once to ``warn``, and its end too.  `running` polls in a thread while a block runs."""
 
     def __init__(self, streams: str | os.PathLike, label: str, *, show: Callable[[str], None] | None,
                  warn: Callable[[str], None], steps: int | None = None, log: str | os.PathLike | None = None,
@@ -253,10 +237,7 @@ class StepWatcher:
     # -- one look -----------------------------------------------------------------------------
 
     def poll(self) -> None:
-        now = self.clock()
-        seen = self._read_new_steps()
-        if seen:
-            self._take(now, seen)
+        now = self._look()
         if self.unshown and self.show is not None and (
                 self.every_change or self.shown_at is None or now - self.shown_at >= self.interval_s):
             self._show(now)
@@ -264,6 +245,14 @@ class StepWatcher:
                 self.shown_at is not None and now - self.shown_at >= self.interval_s:
             self._show(now)  # the status line's elapsed time moves on
         self._check_stall(now)
+
+    def _look(self) -> float:
+        """Take the steps written since the last look; returns when it looked."""
+        now = self.clock()
+        seen = self._read_new_steps()
+        if seen:
+            self._take(now, seen)
+        return now
 
     def _read_new_steps(self) -> list[tuple[int, StepSeen]]:
         try:
@@ -370,10 +359,7 @@ class StepWatcher:
             self._guarded(self._final_look)
 
     def _final_look(self) -> None:
-        now = self.clock()
-        seen = self._read_new_steps()
-        if seen:
-            self._take(now, seen)
+        now = self._look()
         if self.unshown and self.show is not None:
             self._show(now)
 

@@ -14,12 +14,9 @@ from samebits.runs.commands import check_out_dir
 
 def run_recorded(cmd: list[str], out, *, reference=None, step_offset: int | None = None,
                  progress: Callable[[str], None] | None = None, **what) -> int:
-    """Run ``cmd`` with recording into ``out`` (new or empty); return its exit code.
-
-    ``reference``: check each step live against that run; ``step_offset``: the first step's
-    number; ``progress``: where its steps are reported live (`samebits.runs.progress`);
-    ``what``: what to record (`samebits.autorecord.recording_variables`: steps, ranks, phases,
-    include, exclude, max_tensor_bytes)."""
+    """Run ``cmd`` with recording into ``out`` (new or empty); return its exit code.  ``reference``:
+    check each step live against that run; ``what``: `samebits.autorecord.recording_variables`'
+    arguments."""
     if not cmd:
         raise ConfigError("no command given: write `samebits run --out DIR -- python train.py ...`.")
     if step_offset is not None and step_offset < 0:

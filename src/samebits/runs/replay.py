@@ -1,21 +1,10 @@
 """`samebits replay RUN --step K --nproc N`: re-execute steps K..K+n of a recorded run on N
 ranks, from its checkpoint at K, and compare with what the run recorded.
 
-A run trained with invariant gradient reduction (`samebits.invariant`) has bits that do not
-depend on how many ranks shared the batch, so a step of a run on many ranks can be replayed
-on a few (or one) and must give the same replicated records (parameters, reduced gradients,
-global metrics) as the original.  A run that was not recorded in invariant mode (its stream
-config has no ``grad_reduce: invariant``) is refused: its bits depend on its DP size, so a
-difference would prove nothing.
-
-The command is a template with these placeholders filled: ``{nproc}`` (N), ``{out}`` (the
-replay's record folder), ``{step}`` (K), ``{stop}`` (K + n, the step to stop before), ``{run}``
-(RUN) and ``{ckpt}`` (the checkpoint folder, default RUN/ckpt or RUN/../ckpt).  The reference
-recipe (the command line's default) also gets the run's recorded config, and resumes the
-newest checkpoint at or before K; at another rank count than the run's, with the layout of N
-data-parallel ranks and ``--allow-layout-change`` (`samebits.cli._recipe.replay_config_at`): the
-recipe moves the checkpoint where the run's switches make its bits independent of the layout,
-and refuses, naming the switch, where they do not.
+Only a run recorded with invariant gradient reduction is replayed (its bits do not depend on
+the DP size; any other is refused: a difference would prove nothing).  The command template's
+placeholders: ``{nproc}``, ``{out}``, ``{step}``, ``{stop}`` (K + n), ``{run}`` and ``{ckpt}``
+(default RUN/ckpt or RUN/../ckpt); the reference recipe's is `samebits.cli._recipe.replay_config_at`.
 """
 
 from __future__ import annotations
@@ -79,12 +68,8 @@ def replay(run_dir, *, step: int, cmd: Sequence[str], nproc: int = 1, num_steps:
            recorded_config: Callable[[dict], Sequence[str]] | None = None, ckpt=None, out=None,
            run_timeout: float | None = None, progress: Callable[[str], None] | None = None) -> ReplayResult:
     """Re-run steps [step, step + num_steps) of ``run_dir`` on ``nproc`` ranks and compare.
-
-    ``cmd``: the command template (placeholders ``REPLAY_PLACEHOLDERS``).  ``recorded_config``:
-    for a program that resumes a `samebits.checkpoint` root and takes its config as words
-    (the reference recipe: ``--set KEY=VALUE``), the words for the run's recorded config; they
-    are appended to the command, and ``{ckpt}`` becomes the root's newest checkpoint at or
-    before ``step``."""
+    ``recorded_config``: words for the run's recorded config (the recipe's ``--set KEY=VALUE``),
+    appended to ``cmd``; with them ``{ckpt}`` is the newest checkpoint at or before ``step``."""
     run_dir = Path(run_dir)
     if nproc < 1 or num_steps < 1:
         raise ConfigError(f"--nproc {nproc} and --num-steps {num_steps} must be at least 1")
@@ -138,9 +123,8 @@ def replay(run_dir, *, step: int, cmd: Sequence[str], nproc: int = 1, num_steps:
 
 
 def _checkpoint_at_or_before(root: Path, step: int) -> Path:
-    """The newest checkpoint (``step-J`` folder of a `samebits.checkpoint` root) with J <= ``step``:
-    the replay trains from J and compares from ``step`` on.  A ``step-J`` folder itself is
-    taken as it is."""
+    """The newest ``step-J`` folder of a checkpoint root with J <= ``step`` (a ``step-J`` folder
+    itself as it is): the replay trains from J and compares from ``step`` on."""
     if root.name.startswith("step-") and root.is_dir():
         return root
     if not root.is_dir():

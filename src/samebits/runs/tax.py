@@ -1,35 +1,13 @@
 """The determinism tax: how much slower the deterministic run is, as a ratio with a confidence
-interval, from interleaved paired runs, measured until it decides.  Protocol: docs/tax.md.
+interval, from interleaved paired runs, measured until it decides.  Protocol and statistics
+(paired steps, one trimmed block estimate per pair, pooling only when the F test allows,
+Bonferroni over the looks): docs/tax.md.
 
     result = tax(out="tax-out", programs=..., pairs=4, budget_s=300, gate=1.05)   # samebits.runs.program
     result.ratio, result.ci, result.verdict                       # PASS when ci[1] <= gate
 
-Each pair runs the deterministic command (A) and the baseline (B) back to back, in the order
-A B, then B A, ... so slow drifts of the machine fall on both sides.  Step times come from the
-runs' step-time files (``rank-NNNNN.steptimes``, beside each stream; the comparator never reads
-them).  The first ``warmup`` timed steps of every run are dropped.
-
-The statistics (`estimate`), in logs of seconds:
-
-* **Steps are paired**: step s of A against step s of its pair's B (the same data, the same
-  work, the same distance from start-up), r = log A_s - log B_s.  Work that varies from step to
-  step, and warm-up left after the dropped steps when it is common to both, cancel in r.
-* **Each pair gives one block estimate**: the 20% trimmed mean of its step ratios (a step
-  slowed by another process on one side only is trimmed, not averaged in), with Yuen's
-  standard error from the winsorized variance.  Pairs are independent; steps of one run are
-  not (they share the process, its memory layout and the machine's state).
-* **Steps count as samples only where that is sound**: when the pairs' block estimates agree
-  as closely as their step-to-step noise predicts (an F test, Bancroft's "sometimes pool" rule
-  at 25%), there is no sign of a run-level effect nor of dependence between steps, and the
-  interval uses the pooled variance with the steps' degrees of freedom.  Otherwise the pairs
-  are the samples: the interval is a t interval on the pairs' block estimates (n - 1 degrees
-  of freedom), valid whatever the steps of a run share.
-* **Looks**: `tax` looks after ``pairs`` pairs, then each time the pairs double, until the
-  interval clears the gate or the time budget ends.  The k-th look of an adaptive measurement
-  uses 1 - (1 - confidence) / 2**k, so the chance of a wrong PASS or FAIL over all its looks
-  stays under 1 - confidence (Bonferroni); a fixed measurement (budget 0) looks once.
-* **Advice**: an undecided result estimates, from the spread seen, the pairs that would decide
-  it and their time.
+Step times come from the runs' step-time files (``rank-NNNNN.steptimes``, beside each stream;
+the comparator never reads them); the first ``warmup`` timed steps of every run are dropped.
 """
 
 from __future__ import annotations
@@ -63,14 +41,10 @@ ESTIMATOR = ("geometric mean of paired step-time ratios (step s of the determini
 
 @dataclasses.dataclass(frozen=True)
 class TaxEstimate(ToDict):
-    """One look's statistics (see the module docstring).
-
-    ``unit`` says what the interval counts as independent samples: "steps" (the pairs agree as
-    their step noise predicts: pooled) or "pairs" (block estimates, one per pair).
-    ``typical_step_s``: per label, the geometric mean of the step times kept (the same steps for
-    A and B), so ``ratio`` is exactly their quotient.  ``pair_sd``: the standard deviation of one
-    pair's log ratio under ``unit``, which sizes the advice.  ``pooling_f``/``pooling_p``: the test
-    of run-level effects (None with one pair)."""
+    """One look's statistics (docs/tax.md).  ``unit``: what the interval counts as samples,
+    "steps" (pooled) or "pairs"; ``typical_step_s``: per label, the geometric mean of the steps
+    kept, so ``ratio`` is their quotient; ``pair_sd``: one pair's log-ratio spread under ``unit``
+    (it sizes the advice); ``pooling_f``/``pooling_p``: the pooling test (None with one pair)."""
 
     ratio: float
     ci: tuple[float, float]
@@ -147,10 +121,8 @@ def estimate(deterministic: list[list[float]], baseline: list[list[float]], *,
 
 
 def judge(ci: tuple[float, float], gate: float) -> Verdict:
-    """PASS when the whole interval is at or under the gate, FAIL when it is wholly over it, and
-    INCOMPLETE when it spans the gate: the measurement cannot tell (a busy machine, too few
-    pairs), so it neither passes nor fails the change; `TaxResult.judgement` says how many pairs
-    would decide it."""
+    """PASS when the whole interval is at or under the gate, FAIL when wholly over it, INCOMPLETE
+    when it spans the gate (the measurement cannot tell)."""
     low, high = ci
     if high <= gate:
         return Verdict.PASS
@@ -166,10 +138,8 @@ def look_confidence(confidence: float, look: int, adaptive: bool) -> float:
 
 
 def pairs_to_decide(est: TaxEstimate, gate: float, confidence: float) -> int | None:
-    """About how many pairs in all would make an interval at ``confidence`` clear ``gate``,
-    from the spread ``est`` saw (one pair's standard deviation, `TaxEstimate.pair_sd`) and the
-    distance of its ratio from the gate: n = (z sd / |log ratio - log gate|)^2.  None when no
-    number will do: a ratio on the gate, or no spread measured."""
+    """About how many pairs in all would clear ``gate`` at ``confidence``: n = (z sd / |log ratio -
+    log gate|)^2 from ``est``'s spread; None for a ratio on the gate or no spread measured."""
     margin = abs(math.log(est.ratio) - math.log(gate))
     if not math.isfinite(est.pair_sd) or margin < 1e-4:
         return None
@@ -248,8 +218,7 @@ def _normal_quantile(p: float) -> float:
 
 @dataclasses.dataclass
 class TaxResult(ToDict):
-    """The measured tax: the last look's `TaxEstimate`, and how the measurement went.
-    ``times[label][pair]`` holds the kept per-step seconds of that run."""
+    """The measured tax: the last look's `TaxEstimate`; ``times[label][pair]`` the kept step seconds."""
 
     summary_of = "tax"  # its summary.json names the command that wrote it
     dict_keys = ("verdict", "exit_code", "ratio", "estimator", "judgement", "ci", "confidence", "look_confidence",
@@ -349,9 +318,8 @@ def _round_up_minutes(seconds: float) -> float:
 
 
 def read_step_times(run_dir: str | Path) -> dict[int, float]:
-    """Per-step seconds of a recorded run: the time from a step's first record to the next
-    step's (consecutive steps only), the slowest rank's.  The last step has no successor and
-    no time."""
+    """Per-step seconds of a recorded run, the slowest rank's: from a step's first record to the
+    next step's (consecutive steps only; the last step has no time)."""
     files = sorted(Path(run_dir).glob(f"rank-*{STEP_TIMES_SUFFIX}"))
     if not files:
         raise SamebitsError(f"{run_dir}: no step times (rank-NNNNN{STEP_TIMES_SUFFIX}): the run recorded no "
@@ -379,13 +347,10 @@ def measure(run_pair: Callable[[int], tuple[list[float], list[float]]], *, pairs
             budget_s: float = DEFAULT_BUDGET_S, gate: float = DEFAULT_GATE, confidence: float = 0.95,
             clock: Callable[[], float] = time.monotonic,
             say: Callable[[str], None] = lambda message: None) -> tuple[dict[str, list[list[float]]], TaxEstimate, int, float]:
-    """Run pairs (``run_pair(i)`` returns pair i's kept step seconds, deterministic then
-    baseline) and look at the estimate after ``pairs`` pairs, then each time the pairs double,
-    until the interval clears ``gate`` or another pair at the pace so far would end after
-    ``budget_s`` seconds (the first ``pairs`` always run; that case takes one last look; the
-    first look waits for a second pair while the budget allows).  ``budget_s`` 0: exactly
-    ``pairs`` pairs, one look.  Returns the step times (cut to the
-    shortest run), the last look's estimate, the number of looks and the seconds spent."""
+    """Run pairs (``run_pair(i)``: pair i's kept step seconds, deterministic then baseline), looking
+    after ``pairs`` pairs and each time they double, until the interval clears ``gate`` or another
+    pair would end after ``budget_s`` (0: exactly ``pairs`` pairs, one look).  Returns the times
+    (cut to the shortest run), the last estimate, the number of looks and the seconds spent."""
     adaptive = budget_s > 0
     start = clock()
     times: dict[str, list[list[float]]] = {label: [] for label in _LABELS}
@@ -415,15 +380,7 @@ def tax(out: str | Path | None = None, *, programs: Mapping[str, Program], pairs
         budget_s: float = DEFAULT_BUDGET_S, warmup: int = 2, gate: float = DEFAULT_GATE, confidence: float = 0.95,
         run_timeout: float | None = DEFAULT_TIMEOUT_S, progress: Callable[[str], None] | None = None) -> TaxResult:
     """Measure the determinism tax with interleaved paired runs until it decides (`measure`).
-
-    ``programs``: the program (`samebits.runs.program`) of the "deterministic" run (A) and of
-    the "baseline" (B), each run in its RECORD role: the reference recipe with
-    ``deterministic=true`` and ``false`` (`samebits.recipes.commands`), or commands under
-    zero-code recording (`tax_commands`: one command with ``{deterministic}`` expanded to 1 and
-    0, or two), whose ``{out}`` is the run's own work folder.  The first ``warmup`` timed steps
-    of every run are dropped.  ``pairs``: pairs before the first look; ``budget_s``: no pair is
-    added once another would end after this many seconds (0: exactly ``pairs``).
-    """
+    ``programs``: the "deterministic" and "baseline" programs, each run in its RECORD role."""
     if pairs < 1:
         raise ConfigError(f"--pairs {pairs}: at least 1 pair (4 or more for a useful interval).")
     if not 0 <= budget_s < math.inf:

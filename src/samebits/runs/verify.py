@@ -1,21 +1,10 @@
 """`samebits verify`: check the two guarantees by running the training three times.
 
-* A and B: two independent runs from the same initial state must be bitwise identical
-  at every step (guarantee 1, "independent").
-* C: a fresh process resumes from A's checkpoint at step k and runs to the end; from step
-  k on it must be bitwise identical to A (guarantee 2, "resume").  On the reference recipe
-  A saves at step k and trains on, as a job that checkpoints does, and B never saves, so
-  A = B also shows that saving leaves a run as it was.
-
-B and C check themselves live against A's step roots and stop at the first divergent
-step, so no compute is spent after the answer is known; with ``keep_going`` (``--keep-going``)
-they run to the end, so the whole divergent curves can be seen (`samebits report`).  The same
-check runs on the built-in reference recipe or, through zero-code recording, on any command.
-
-The verdict is proof or nothing: PASS only when every guarantee checked compared identical
-records and every run finished (a run that raised is a failed run, exit 2); the result names
-the guarantees it checked and those it did not.  When a resumed run differs, the state census
-recorded at each step start names the state the checkpoint did not restore.
+A and B, two independent runs, must be bitwise identical ("independent"); C, a fresh process
+resumed from A's checkpoint at step k, must equal A from k on ("resume").  B and C check
+themselves live against A and stop at the first divergent step (``keep_going``: run to the
+end).  PASS only when every checked guarantee compared identical and every run finished; a
+resumed run that differs is explained by the state census (`_explain`).  docs/resume.md.
 """
 
 from __future__ import annotations
@@ -124,18 +113,10 @@ def verify(
     run_timeout: float | None = None,
     keep_going: bool = False,
 ) -> VerifyResult:
-    """Run ``program`` (`samebits.runs.program`: the reference recipe from
-    `samebits.recipes.commands.recipe_roles`, or a command under zero-code recording) as A
-    (saves at ``resume_at`` and trains on, as a job that checkpoints does), B (never saves, so
-    A = B also says that saving leaves the run as it was) and, when the program resumes, C
-    (resumes A's checkpoint of ``resume_at``), and compare.
-
-    ``resume_at``: the recipe's default is ``steps // 2``; a command needs it with its resume
-    command.  ``require_resume``: refuse to start without a resume check.  ``keep_going``: B
-    and C are not checked live against A (and not stopped at their first divergent step): they
-    run to the end.  ``run_timeout``: seconds one run may take before it is reported as a hang.
-    Every run has its own work folder (OUT/work/a|b|c, a command's ``{out}``); C's steps are
-    numbered from ``resume_at``, like A's."""
+    """Run ``program`` as A (saves at ``resume_at`` and trains on), B (never saves, so A = B also
+    says saving leaves a run as it was) and, when it resumes, C (resumes A's checkpoint of
+    ``resume_at``, its steps numbered from there), and compare.  ``keep_going``: B and C are not
+    stopped at their first divergent step.  Each run has its own work folder (OUT/work/a|b|c)."""
     resume_at = program.verify_resume_step(resume_at, require_resume)
     program.refuse_early()  # a config the program refuses is refused before any run (and any folder)
     out = prepare_out_dir(out, "verify")
@@ -187,9 +168,8 @@ def _judged(program: Program, a: Path, b: Path, start_step: int | None, name: st
 
 
 def _diff(a: Path, b: Path, start_step: int | None = None) -> DiffResult:
-    """`diff` of two of verify's runs.  Runs that cannot be compared (other configs, other
-    recorded names) give no verdict (exit 2); the advice then names the command that shows
-    their differences anyway, since verify itself takes no --allow-config-diff (issue 33)."""
+    """`diff` of two of verify's runs; for runs that cannot be compared, the advice names the
+    `samebits diff` that shows their differences anyway (verify takes no --allow-config-diff)."""
     try:
         return diff(a, b, start_step=start_step)
     except IncomparableRunsError as err:
@@ -205,13 +185,9 @@ def _diff(a: Path, b: Path, start_step: int | None = None) -> DiffResult:
 
 def _with_census(check: DiffResult, a: Path, b: Path, start_step: int | None, name: str,
                  notes: list[str]) -> DiffResult:
-    """A program that records itself writes the census of its whole training state (random
-    states, optimizer and scheduler progress: `checkpoint.CENSUS_DIR`), so for it a state that
-    differs is a difference of the runs even while no output differs yet (a generator the
-    resume lost that the run draws from later).  When every output is identical and both runs
-    have a census, the census decides: its divergence is the check's result, said in a note.
-    (Zero-code recording's census is evidence, not part of the verdict: an unseeded generator
-    a program never draws from differs between any two processes.)"""
+    """When every output is identical, a self-recording program's census decides: state that
+    differs (a generator the resume lost, drawn from later) is a difference of the runs, said
+    in a note.  (Zero-code recording's census is evidence only: `Program.census_decides`.)"""
     if Verdict(check.verdict) is not Verdict.IDENTICAL or not ((a / CENSUS_DIR).is_dir() and (b / CENSUS_DIR).is_dir()):
         return check
     census = diff(a / CENSUS_DIR, b / CENSUS_DIR, start_step=start_step)
@@ -228,8 +204,7 @@ _STOPPED_AT = re.compile(r"stopped at (step \S+)")
 
 
 def _curves_cut(runs: list[RunInfo]) -> list[str]:
-    """The note for runs the live check stopped at their first divergent step: their curves
-    end there, so a report shows a point or two of them; ``--keep-going`` records them whole."""
+    """The note for runs the live check stopped at their first divergent step: their curves end there."""
     cut = [run for run in runs if run.ended.startswith("stopped at step")]
     if not cut:
         return []
@@ -244,10 +219,8 @@ _CHECK_RUNS = {"independent": ("a", "b"), "resume": ("a", "c")}
 
 @contextmanager
 def _keeping_earlier_verdicts(out: Path, runs: list[RunInfo]):
-    """A run that fails (`RunFailed`, exit 2) after A and B ran: its error keeps the verdict
-    those runs already give (issue 35).  A B that stopped at its first divergent step is
-    often the root cause of what fails after it (a C resuming from a run that differs from
-    its own twin), and an error that shows only the last run's failure hides it."""
+    """A run that fails after A and B ran keeps, in its error, the verdict they already give
+    (issue 35): their divergence is often the root cause of what fails after it."""
     try:
         yield
     except RunFailed as err:
@@ -258,9 +231,8 @@ def _keeping_earlier_verdicts(out: Path, runs: list[RunInfo]):
 
 
 def _earlier_verdicts(out: Path, runs: list[RunInfo], before: str = "before it") -> list[str]:
-    """What A and B, both ended, already say: whether they are identical (guarantee 1), and
-    where and why they differ when they do, as lines for an error message; [] when they did not
-    both end.  ``before``: the words each first line starts with."""
+    """What A and B, both ended, already say of guarantee 1, as lines for an error message ([]
+    when they did not both end); ``before`` starts the first line."""
     ended = {run.name: run for run in runs}
     if "A" not in ended or "B" not in ended:
         return []
@@ -293,8 +265,7 @@ def _earlier_verdicts(out: Path, runs: list[RunInfo], before: str = "before it")
 
 
 def _add_gaps(result: VerifyResult, run_dirs: dict[str, Path]) -> None:
-    """What samebits could not record in each run (`read_gaps`): the first gapped step of each
-    check whose runs have a gap in the records it compares, and one line in the notes."""
+    """Each check's first step samebits could not record in its runs (`read_gaps`), and a note."""
     gaps = {run: read_gaps(path) for run, path in run_dirs.items()}
     found = [gap for run in gaps.values() for gap in run]
     if not found:

@@ -216,9 +216,8 @@ class Pair:
 
 
 def _pair_summary(pair: Pair) -> dict:
-    """A compared pair in the report's JSON: which runs, from which step and why (the window),
-    the verdict and its sentence, the first divergence, and each rank's first divergent step
-    (in the same window, so rank by rank agrees with the first divergence)."""
+    """A compared pair in the report's JSON; each rank's first divergent step is in the same
+    window as the first divergence, so the two agree."""
     first = pair.result.first_divergence if pair.result is not None else None
     return {"label": pair.label, "a": pair.a, "b": pair.b, "start_step": pair.start_step, "window": pair.window,
             "verdict": pair.verdict.value, "conclusion": pair.conclusion, "error": pair.error,
@@ -314,10 +313,9 @@ def _records_by_step(path: str, rank: int, steps: set[int] | None, stop_after: i
 
 
 def differing_records(a: str | Path, b: str | Path, *, rank: int, step: int) -> list[dict]:
-    """Every record that differs between runs ``a`` and ``b`` at one rank and step (not only
-    the first, which is all `diff` keeps): identity, both sides as recorded, and how they
-    differ (metrics: ulps and relative difference from the exact bits; tensors: digests only,
-    no magnitude is known).  In the step's record order of ``a``, then records only in ``b``."""
+    """Every record that differs between runs ``a`` and ``b`` at one rank and step (`diff` keeps
+    only the first): both sides as recorded and how they differ (metrics: ulps from the exact
+    bits; tensors: digests only), in ``a``'s record order, then records only in ``b``."""
     at_a = _records_by_step(str(a), rank, {step}, step).get(step, {})
     at_b = _records_by_step(str(b), rank, {step}, step).get(step, {})
     rows = []
@@ -436,9 +434,8 @@ class _RankView:
 
 
 def _read_rank(pair: Pair, rank: int) -> _RankView:
-    """One pass over both runs' streams of ``rank``, step by step in step order: each step's
-    records are summarised (`_evidence_of`) and dropped, only the metrics are kept, so a long run
-    with large steps costs the memory of its summaries."""
+    """One pass over both runs' streams of ``rank``: each step summarised (`_evidence_of`) and
+    dropped, only its metrics kept, so memory stays that of the summaries."""
     view = _RankView()
     start = pair.start_step or 0
     run_a, run_b = open_run(pair.a), open_run(pair.b)

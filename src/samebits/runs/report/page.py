@@ -10,40 +10,18 @@ from __future__ import annotations
 import html
 import re
 import time
-import unicodedata
 from dataclasses import dataclass, field
 from typing import Any
 
 from samebits.runs.report.evidence import Pair, _pair_summary
+from samebits.runs.visible import visible
 from samebits.verdicts import EXIT_STOPPED, ToDict, Verdict, serialised
 
 
-# What `_esc` writes visibly (as the terminal output does, `samebits.cli._format.escape`): C0 and
-# C1 controls (Cc), format characters (Cf: bidi marks, embeddings, overrides and isolates such
-# as U+061C, U+202E, U+2066-9; zero-width and tag characters), line and paragraph separators
-# (Zl, Zp) and lone surrogates (Cs: the bytes of a non-UTF-8 path, which UTF-8 cannot encode).
-_UNSAFE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
-_CANDIDATES = re.compile("[^\x20-\x7e]")  # `_visible` keeps the safe ones
-
-
-def _visible(match: re.Match) -> str:
-    char = match.group()
-    code = ord(char)
-    if code < 0x20 or 0x7f <= code <= 0x9f:
-        return f"\\x{code:02x}"
-    if 0xdc80 <= code <= 0xdcff:  # a byte that was not UTF-8 (surrogateescape): shown as that byte
-        return f"\\x{code - 0xdc00:02x}"
-    if unicodedata.category(char) in _UNSAFE_CATEGORIES:
-        return f"\\u{code:04x}" if code <= 0xffff else f"\\U{code:08x}"
-    return char
-
-
 def _esc(value: Any) -> str:
-    """Text for the page: control, format (bidi) and separator characters and the bytes of a
-    non-UTF-8 path written as visible escapes (as the terminal output does), then
-    HTML-escaped, quotes included (safe in attributes too)."""
-    text = value if isinstance(value, str) else str(value)
-    return html.escape(_CANDIDATES.sub(_visible, text), quote=True)
+    """Text for the page: made visible as the terminal shows it (`visible`), then HTML-escaped,
+    quotes included (safe in attributes too)."""
+    return html.escape(visible(value), quote=True)
 
 
 @dataclass

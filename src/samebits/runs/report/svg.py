@@ -137,10 +137,9 @@ def _short_names(pair: Pair) -> tuple[str, str]:
 
 
 def _state_chart(track: StateTrack, picture: StatePicture, pair: Pair, label_a: str, label_b: str) -> str:
-    """One census record of b against a as an inline SVG: x the step, y the step of a whose
-    state the run holds; a on the diagonal (solid), b dashed with a red mark where it is not on
-    the diagonal, a cross in the top band where no step of a holds its state, the generators'
-    draws as ticks under the axis, the steps the live check cut hatched."""
+    """One census record of b against a as an inline SVG: x the step, y the step of a whose state
+    the run holds (a on the diagonal, b dashed; a cross in the top band: no step of a), the
+    generators' draws as ticks, the steps the live check cut hatched."""
     width, left, right, top, band = 540, 74, 14, 40, 22
     plot_h = 150
     draws = 2 if track.is_generator else 0

@@ -27,8 +27,7 @@ try:  # a dependency of samebits, but the census works without it (no rng.numpy 
 except ImportError:  # pragma: no cover - exercised by loading this file with numpy blocked
     _np = None
 
-#: The phase name under which the census is recorded at each step start.
-STATE_PHASE = STATE  # the census phase (samebits.stream.phases), under the name checkpoint exports
+STATE_PHASE = STATE  # the census phase, recorded at each step start (samebits.stream.phases)
 #: The census stream's folder inside a run directory: every recorder writes the census there,
 #: beside the run's main stream and never into it (context, not part of the verdict).
 CENSUS_DIR = "state"

@@ -25,8 +25,7 @@ def _commit(root: Path, complete: Path, final: Path) -> None:
     """
     staged = complete.name.startswith(_STAGED)
     if not final.exists() and not staged:
-        os.rename(complete, final)
-        _fsync_dir(root)
+        _rename(complete, final)
         _set_latest(root, final.name)
         return
     token = uuid.uuid4().hex[:12]

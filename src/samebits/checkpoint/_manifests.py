@@ -1,7 +1,6 @@
-"""The checks of a checkpoint's JSON files: meta.json (format, world size, layout, step, the
-save id, the sha256 of DCP's metadata) and each rank's rank-<r>.json (its plain values and
-tensor manifest), each signed with the sha256 of its content; a field samebits does not
-write, or one of the wrong type, is damage named by file and field."""
+"""The checks of a checkpoint's JSON files, meta.json and each rank-<r>.json, each signed with the
+sha256 of its content: a field samebits does not write, or of the wrong type, is damage named
+by file and field."""
 
 from __future__ import annotations
 

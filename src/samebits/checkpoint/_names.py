@@ -62,9 +62,8 @@ _SUBJECTS = {
 
 @dataclass(frozen=True)
 class CensusName:
-    """One census record's name: its ``kind`` (the constants above), ``key`` (which one: the
-    generator, the component's number, the loader's site; for `OTHER` the whole name) and
-    ``field`` (a component's part: ``step`` of ``optim0.step``).  ``str()`` formats it back."""
+    """One census record's name: ``kind``, ``key`` (which generator, component number or loader
+    site; `OTHER`: the whole name) and ``field`` (``step`` of ``optim0.step``); ``str()`` formats it."""
 
     kind: str
     key: str

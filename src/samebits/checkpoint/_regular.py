@@ -1,6 +1,5 @@
-"""Reading a checkpoint's files safely: only regular files inside the checkpoint directory
-are opened (`O_NOFOLLOW`, `S_ISREG`: no symlink out of it, no FIFO to block the load), each
-read with a size bound (no 3 GiB `latest` to run out of memory on)."""
+"""Reading a checkpoint's files safely: only regular files inside the checkpoint directory, never
+through a symlink or blocking on a FIFO, each with a size bound."""
 
 from __future__ import annotations
 

@@ -56,25 +56,21 @@ def diff(
         return diff_global(a, b, start=start, stop=stop)
     run_a, run_b = open_run(a), open_run(b)
     require_same_digest_version(run_a, run_b)  # before anything is compared: never a verdict across versions
-    try:
-        notes: list[str] = []
-        incomplete = _missing_ranks(run_a, run_b)
-        ranks = [r for r in run_a.ranks if r in run_b.files]
-        resumed = _resumed_start(run_a, run_b, ranks[0]) if ranks else None
-        if resumed is not None and start_step is None:
-            start = resumed[1]
-            notes.append(resumed[2])
-        _check_comparable(run_a, run_b, allow_config_diff, ignore_config_keys, notes, resumed=resumed is not None)
-        if not allow_config_diff and ranks:
-            _check_names(ranks[0], run_a.files[ranks[0]], run_b.files[ranks[0]], start, stop)
-        walked = _walk_ranks(run_a, run_b, ranks, start, stop, verify, jobs, distributed)
-        notes += walked.notes + _environment_notes(run_a, run_b)
-        incomplete += walked.incomplete
-        if walked.counts["records_shape_only"]:
-            incomplete.append(_shape_only_reason(run_a, run_b, walked.counts["records_shape_only"], walked.shape_only))
-    finally:
-        run_a.close()
-        run_b.close()
+    notes: list[str] = []
+    incomplete = _missing_ranks(run_a, run_b)
+    ranks = [r for r in run_a.ranks if r in run_b.files]
+    resumed = _resumed_start(run_a, run_b, ranks[0]) if ranks else None
+    if resumed is not None and start_step is None:
+        start = resumed[1]
+        notes.append(resumed[2])
+    _check_comparable(run_a, run_b, allow_config_diff, ignore_config_keys, notes, resumed=resumed is not None)
+    if not allow_config_diff and ranks:
+        _check_names(ranks[0], run_a.files[ranks[0]], run_b.files[ranks[0]], start, stop)
+    walked = _walk_ranks(run_a, run_b, ranks, start, stop, verify, jobs, distributed)
+    notes += walked.notes + _environment_notes(run_a, run_b)
+    incomplete += walked.incomplete
+    if walked.counts["records_shape_only"]:
+        incomplete.append(_shape_only_reason(run_a, run_b, walked.counts["records_shape_only"], walked.shape_only))
     unresumed = resumed if start_step is None else None  # a resume the window did not choose
     verdict, first, first_ranks = _verdict(walked, unresumed, start, stop, notes, incomplete)
     if walked.divergences and incomplete:
@@ -186,16 +182,10 @@ def divergent_steps(a, b, *, start_step: int | None = None, stop_step: int | Non
     run_a = a if isinstance(a, Run) else open_run(a)
     run_b = b if isinstance(b, Run) else open_run(b)
     require_same_digest_version(run_a, run_b)
-    try:
-        for rank in [r for r in run_a.ranks if r in run_b.files]:
-            found = _Walk(start, stop, False).rank(rank, run_a.stream(rank), run_b.stream(rank))
-            if found is not None:
-                yield found[0]
-    finally:
-        if run_a is not a:
-            run_a.close()
-        if run_b is not b:
-            run_b.close()
+    for rank in [r for r in run_a.ranks if r in run_b.files]:
+        found = _Walk(start, stop, False).rank(rank, run_a.stream(rank), run_b.stream(rank))
+        if found is not None:
+            yield found[0]
 
 
 def _window(start_step, stop_step) -> tuple[int, int | None]:

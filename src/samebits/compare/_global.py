@@ -20,10 +20,8 @@ VALUES_NOT_RECORDED = "values not recorded (streams hold digests only)"
 
 @dataclass
 class GlobalTensorResult(ToDict):
-    """One global tensor across the window: ``status`` is "identical", "differs",
-    "ranks_disagree" (the ranks of one run hold different digests for it, so that run holds a
-    value the other does not: ``detail`` names the run, the notes the ranks), "only_in_a" or
-    "only_in_b"; ``first_step`` the first step it differs (or is missing)."""
+    """One global tensor across the window: ``status`` "identical", "differs", "ranks_disagree"
+    (one run's ranks hold different digests), "only_in_a" or "only_in_b" from ``first_step``."""
 
     phase: str
     name: str
@@ -189,8 +187,6 @@ def diff_global(a: str | os.PathLike, b: str | os.PathLike, *, start: int = 0, s
         for steps in (steps_a, steps_b):
             if steps is not None:
                 steps.close()
-        run_a.close()
-        run_b.close()
     tensors = list(results.values())
     differing = [t for t in tensors if t.status not in ("identical", "shape_only")]
     shape_only = [t for t in tensors if t.status == "shape_only"]

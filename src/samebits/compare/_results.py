@@ -31,9 +31,8 @@ class Divergence(ToDict):
 
 @dataclass
 class RankStep:
-    """One rank's first divergent step: the decoded records of both runs there.  A side
-    whose stream has no such step (ended, or skipped it) has an empty list and is named in
-    ``missing``."""
+    """One rank's first divergent step: the decoded records of both runs there (a side without
+    the step has an empty list and is named in ``missing``)."""
 
     rank: int
     step: int

@@ -8,11 +8,9 @@ EQUAL, DIFFERS, SHAPE_ONLY = "equal", "differs", "shape_only"
 
 
 def record_match(rec_a: Record, rec_b: Record) -> str:
-    """The one comparison rule of every verdict (`diff`, `diff --by global`, `verify --across`):
-    two records of one identity are EQUAL only when both hold their value's digest (or a
-    metric's bits, or both are None) and those agree; a tensor without a digest on either side
-    (over ``max_tensor_bytes`` when recorded) is SHAPE_ONLY when dtype and shape agree, a
-    record that is compared but never counted equal; anything else DIFFERS."""
+    """EQUAL only when both records hold their value's digest (or a metric's bits, or both are
+    None) and those agree; SHAPE_ONLY (compared, never counted equal) when a tensor has no digest
+    on a side but dtype and shape agree; anything else DIFFERS."""
     if rec_a.kind == rec_b.kind == "tensor" and not (rec_a.absent and rec_b.absent) and \
             (rec_a.capped or rec_b.capped or rec_a.digest is None or rec_b.digest is None):
         return SHAPE_ONLY if same_shape(rec_a, rec_b) else DIFFERS

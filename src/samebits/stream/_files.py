@@ -45,9 +45,8 @@ class Continued:
 
 
 class StreamFile:
-    """One rank's stream file, open for writing: locked (``flock``, with a note naming the
-    holder) while open, written only by the process that opened it (a forked child never
-    writes its parent's stream).  Frames are added to `buffer`; `flush` writes them."""
+    """One rank's stream file, open for writing: locked while open, written only by the process
+    that opened it.  Frames are added to `buffer`; `flush` writes them."""
 
     def __init__(self, path: Path, file):
         self.path = path
@@ -74,9 +73,8 @@ class StreamFile:
 
     @classmethod
     def append(cls, path: Path, rank: int, world_size: int) -> tuple["StreamFile", Continued]:
-        """The existing stream at ``path``, positioned after its last complete frame (a torn tail
-        frame is dropped), and what it holds.  It must be of the same rank, world size and
-        digest version."""
+        """The existing stream at ``path`` (same rank, world size and digest version), positioned
+        after its last complete frame, and what it holds."""
         try:
             file = open(path, "r+b", buffering=0)
         except OSError as err:

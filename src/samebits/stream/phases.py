@@ -33,10 +33,8 @@ RESTORED_OPTIMIZER = "restored.optimizer"  # and its optimizer state
 
 @dataclass(frozen=True)
 class Phase:
-    """One plain phase: ``training`` is the training phase it belongs to (`TRAINING_PHASES`,
-    for ordering findings; None: not part of the step's computation), ``group`` what the
-    report calls its tensors (None: not a tensor group of the report) and ``state`` whether it
-    is census state (the program's state at a step boundary) rather than a computed value."""
+    """One plain phase: ``training``, its training phase (`TRAINING_PHASES`; None: outside the
+    step's computation), ``group``, the report's name for its tensors, and ``state``: census state."""
 
     name: str
     training: str | None = None

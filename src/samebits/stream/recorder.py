@@ -146,11 +146,9 @@ class Recorder:
         return self._encoder.add_tensors(self._step(step), step, phase, named_tensors)
 
     def global_tensors(self, step: int, phase: str, named_tensors, group=None) -> None:
-        """Record the digests of the *full* tensors behind sharded ones under the phase
-        ``GLOBAL_PHASE_PREFIX + phase``, for ``samebits diff --by global`` (docs/digest.md,
-        "Global digests").  Collective like `samebits.fingerprint.global_digests`: ranks this
-        recorder leaves out call it too, and write nothing.  No size cap; ``None`` is absent.
-        """
+        """Record the digests of the *full* tensors behind sharded ones under ``global:<phase>``
+        (docs/digest.md).  Collective: ranks this recorder leaves out call it too, and write
+        nothing.  No size cap; ``None`` is absent."""
         self._collective_call(self._global_tensors, step, phase, named_tensors, group, None)
 
     def tensors_and_global(self, step: int, phase: str, named_tensors, group=None) -> None:
@@ -219,10 +217,8 @@ class Recorder:
 
     def optimizer_step(self, step: int, *, grads=None, params=None, optimizer=None, number: int | None = None,
                        whole: Collection[str] = (), group=None) -> None:
-        """The records after an optimizer step, in the one order every writer gives them
-        (`phases.AFTER_OPTIMIZER_STEP`; None: no records).  ``number``: an optimizer that does
-        not end the step (`phases.optimizer_phase`).  Phases in ``whole`` get global records too
-        (`tensors_and_global` over ``group``: collective)."""
+        """The records after an optimizer step, in `phases.AFTER_OPTIMIZER_STEP` order (None: no
+        records); ``number``: `phases.optimizer_phase`; phases in ``whole`` get global records too."""
         for phase, named in zip(AFTER_OPTIMIZER_STEP, (grads, params, optimizer)):
             if named is None:
                 continue

@@ -27,12 +27,10 @@ STATE_PARTS = ("progress", "optimizer", "lr_scheduler", "metadata", "rng")
 
 
 def content_sha256(path: str | os.PathLike) -> dict[str, Any]:
-    """The SHA-256 of the training state the checkpoint ``path`` (a root's latest or a step-K
-    directory) holds, independent of its layout (``sha256``), and of its whole resumable state
-    (``state_sha256``, with each part of `STATE_PARTS` in ``state_parts``), as docs/checkpoint.md
-    defines them.  Returns {"sha256", "state_sha256", "state_parts", "step", "tensors",
-    "elements", "world_size"}.  What has no one global value is a `CheckpointLayoutError`
-    naming it; a damaged or mixed checkpoint a `CheckpointError`.
+    """{"sha256", "state_sha256", "state_parts", "step", "tensors", "elements", "world_size"} of the
+    checkpoint ``path`` names: the hashes of its training state and of its whole resumable state,
+    the same at any layout (docs/checkpoint.md).  What has no one global value is a
+    `CheckpointLayoutError`; a damaged or mixed checkpoint a `CheckpointError`.
     """
     directory = resolve(path)
     real = Path(os.path.realpath(directory))
@@ -92,9 +90,8 @@ def _bytes(value: torch.Tensor) -> bytes:
 
 
 def _same_replicas(saved: list[dict[str, Any]], pieces, tensors: dict[str, torch.Tensor], source: str) -> None:
-    """Every saved piece holds the bytes of the piece `_pieces` keeps for its place (replicas
-    are compared here by value, not by their recorded digests, which a checkpoint of the first
-    format lacks): no saved piece is left out of the hash unread."""
+    """Every saved piece holds the bytes of the piece `_pieces` keeps for its place, compared by
+    value (the first format records no digests): no saved piece is left out of the hash unread."""
     kept = {}
     for base, found in pieces.items():
         for piece in found:

@@ -26,9 +26,8 @@ _SHARD_FILE = re.compile(r"__\d+_\d+\.distcp")  # DCP's FileSystemWriter names: 
 
 
 def _safe_reader(directory: Path, metadata):
-    """DCP's reader, handed the metadata that `_read_dcp_metadata` already unpickled safely
-    (DCP swallows errors raised inside `read_metadata`, so the check runs before it), opening
-    shards only as regular files of `directory` itself."""
+    """DCP's reader with the metadata `_read_dcp_metadata` unpickled safely (DCP swallows errors
+    inside `read_metadata`), opening shards only as regular files of `directory` itself."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.filesystem import FileSystem
     from torch.distributed.checkpoint.metadata import StorageMeta

@@ -91,8 +91,7 @@ def _body_sum_fn(device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]
 
 
 def body_sums_of_checked(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """`body_sums` without the per-tensor checks, for tensors known to pass them, all on
-    ``device`` (`body_sums`, the Recorder's call plans): int64 tensor [n] on ``device``."""
+    """`body_sums` of tensors known to pass its checks, all on ``device`` (the Recorder's call plans)."""
     if device.type == "cpu" and _native.available():
         return _native.body_sums([_row_major(t) for t in tensors])  # one native call for all
     if device.type == "cpu":

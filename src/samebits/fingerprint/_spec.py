@@ -27,24 +27,15 @@ MASK32 = (1 << 32) - 1
 
 
 DTYPE_CODES: types.MappingProxyType[torch.dtype, int] = types.MappingProxyType(
-    {
-        getattr(torch, name): code
-        for name, code in _DTYPE_CODE_BY_NAME.items()
-        if isinstance(getattr(torch, name, None), torch.dtype)
-    }
-)
+    {getattr(torch, name): code for name, code in _DTYPE_CODE_BY_NAME.items()
+     if isinstance(getattr(torch, name, None), torch.dtype)})
 
 # Quantized tensors are refused: their value also depends on scale/zero point, which are not
 # in their bytes, so a digest of the bytes alone would call different tensors equal.
-_QUANTIZED = {
-    getattr(torch, name)
-    for name in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
-    if hasattr(torch, name)
-}
-_QUANTIZED_HINT = (
-    "quantized tensors keep their scale and zero point outside their bytes; digest "
-    "t.int_repr() and the quantization parameters instead"
-)
+_QUANTIZED = {getattr(torch, name) for name in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
+              if hasattr(torch, name)}
+_QUANTIZED_HINT = ("quantized tensors keep their scale and zero point outside their bytes; digest "
+                   "t.int_repr() and the quantization parameters instead")
 
 
 def dtype_code(dtype: torch.dtype) -> int:

@@ -1,10 +1,9 @@
 """The stream encoder: records into bytes, one STEP frame per step (docs/stream.md).
 
-Two shortcuts make a repeated step cheap without changing a byte (tests/test_stream_encoding.py
-and tests/test_stream_golden.py hold them to the record-by-record path): a *call plan* per phase
-(a repeated `tensors` call reuses its records and only queues new digests) and a *step
-template* (a step with the last step's records reuses its encoding, payloads put in).
-Digests are computed when recorded and fetched at step end, one device-to-host copy per device.
+A repeated `tensors` call reuses its *call plan* (records made, only new digests queued) and a
+step with the last step's records its *step template* (payloads put in); tests/test_stream_encoding.py
+and tests/test_stream_golden.py hold both to the record-by-record bytes.  Digests are computed
+when recorded and fetched at step end, one device-to-host copy per device.
 """
 
 from __future__ import annotations
@@ -72,10 +71,9 @@ class PendingStep:
 
 @dataclass
 class _CallPlan:
-    """The records of one `tensors` call, made again without per-record work while the next
-    call of its phase, at the same point of its step (first of that phase, the same number of
-    digests queued before it), passes the same names and the same kinds of tensors.  Every
-    decision of a record (name filters, size cap, head, occurrence) follows from those."""
+    """The records of one `tensors` call, reused while the next call of its phase, at the same
+    point of its step, passes the same names and kinds of tensors (every decision of a record
+    follows from those)."""
 
     names: list  # str only
     metas: list  # per tensor: (class, dtype, shape, device, layout), None for None

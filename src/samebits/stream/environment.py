@@ -14,17 +14,9 @@ import torch
 
 # Variables that decide (or explain) run-to-run bits.  Prefix entries end with "_".
 _ENV_PREFIXES = ("NCCL_", "NVTE_", "SAMEBITS_", "TORCH_", "CUDA_", "CUBLAS_", "CUDNN_", "TRITON_")
-_ENV_NAMES = (
-    "PYTHONHASHSEED",
-    "OMP_NUM_THREADS",
-    "MKL_NUM_THREADS",
-    "OPENBLAS_NUM_THREADS",
-    "FLASH_ATTENTION_DETERMINISTIC",
-    "MAMBA_DETERMINISTIC",
-    "CAUSAL_CONV1D_DETERMINISTIC",
-    "KMP_AFFINITY",
-    "OMP_PROC_BIND",
-)
+_ENV_NAMES = ("PYTHONHASHSEED", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+              "FLASH_ATTENTION_DETERMINISTIC", "MAMBA_DETERMINISTIC", "CAUSAL_CONV1D_DETERMINISTIC", "KMP_AFFINITY",
+              "OMP_PROC_BIND")
 
 
 def environment_fingerprint() -> dict:

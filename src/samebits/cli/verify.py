@@ -148,7 +148,7 @@ def render_across(across) -> str:
     rows = []
     for check in across.checks.values():
         rows.append([f"{reference} = {check.layout}", Verdict(check.verdict).value.upper(), check.by,
-                     f"{check.compared.get('steps', 0)} steps", _first_divergence(check)])
+                     f"{check.compared.get('steps', 0)} steps", check.where()])
     lines += [table(["layouts", "verdict", "compared by", "window", "first divergence"], rows)]
     lines += ["records: " + "; ".join(f"{check.layout} {check.counts.get('compared', 0)} compared by digest, "
                                       f"{check.counts.get('shape_only', 0)} by shape only, "
@@ -158,7 +158,7 @@ def render_across(across) -> str:
         rows = []
         for check in across.resume.values():
             rows.append([f"{reference} step {across.resume_at} -> {check.layout}", Verdict(check.verdict).value.upper(),
-                         f"{check.compared.get('steps', 0)} steps", _first_divergence(check)])
+                         f"{check.compared.get('steps', 0)} steps", check.where()])
         lines += [table(["resumed at another layout", "verdict", "window", "first divergence"], rows), ""]
     if across.checkpoints:
         equal = {True: "all equal", False: "DIFFER", None: "not compared"}[across.checkpoints_equal]
@@ -176,15 +176,6 @@ def render_across(across) -> str:
     lines.append("wall time: " + ", ".join(f"{k} {v:.1f} s" for k, v in across.timings.items()))
     lines.append(f"streams, logs, summary.json and certificate.json in {across.out} (samebits report {across.out})")
     return "\n".join(lines)
-
-
-def _first_divergence(check) -> str:
-    """Where an --across check first differs (its first reason when INCOMPLETE), else "-"."""
-    first = check.first_divergence or {}
-    where = "-" if not first else f"step {first.get('step')}: {first.get('phase')}/{first.get('name')}"
-    if Verdict(check.verdict) is Verdict.INCOMPLETE:
-        where = "; ".join(check.incomplete[:1]) or where
-    return where
 
 
 _LABELS = {"independent": "1. independent runs: A = B", "resume": "2. resume: A = C"}

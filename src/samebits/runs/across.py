@@ -220,6 +220,14 @@ class LayoutCheck(ToDict):
     # what the verdict rests on: records compared by digest, by shape only, and missing (`_counts`)
     counts: dict = field(default_factory=lambda: {"compared": 0, "shape_only": 0, "missing": 0})
 
+    def where(self) -> str:
+        """Where it first differs (its first reason when INCOMPLETE), else "-"."""
+        first = self.first_divergence or {}
+        where = "-" if not first else f"step {first.get('step')}: {first.get('phase')}/{first.get('name')}"
+        if Verdict(self.verdict) is Verdict.INCOMPLETE:
+            where = "; ".join(self.incomplete[:1]) or where
+        return where
+
 
 @dataclass
 class ControlCheck(ToDict):

@@ -150,7 +150,7 @@ def _across_report(path: Path, found: Summary, say) -> Report:
                           "rank by rank: no heatmap or environment comparison is drawn for them")
         return page.finish([str(path)], [], notes=list(summary.get("notes") or []))
     page.conclusion = conclusion(found.result)
-    across_summary(page, summary)
+    across_summary(page, found.result)
     if certificate is None:
         page.notes.append(f"no certificate.json in {path}: the roots, checkpoints and reductions are not shown")
     else:

@@ -4,20 +4,11 @@ layouts and certificate, bisect's stages and origin, matrix's cells.
 
 from __future__ import annotations
 
+from samebits.runs.across import AcrossResult
 from samebits.runs.bisect import BisectResult, Origin
 from samebits.runs.report.evidence import Pair
 from samebits.runs.report.page import Page, _esc, _table
 from samebits.verdicts import Verdict
-
-
-def _layout_check_where(check: dict) -> str:
-    """Where a `verify --across` check (a layout's, or a resume's) first differs, or why it
-    could not decide; "-" for neither."""
-    first = check.get("first_divergence") or {}
-    where = "-" if not first else f"step {first.get('step')}: {first.get('phase')}/{first.get('name')}"
-    if check.get("verdict") == Verdict.INCOMPLETE.value:
-        where = "; ".join((check.get("incomplete") or [])[:1]) or where
-    return where
 
 
 def verify_summary(page: Page, summary: dict, pairs: list[Pair]) -> None:
@@ -50,40 +41,32 @@ def verify_summary(page: Page, summary: dict, pairs: list[Pair]) -> None:
             page.add(f"<p>to find the origin: <code>{_esc(summary[key])}</code></p>")
 
 
-def across_summary(page: Page, summary: dict) -> None:
+def across_summary(page: Page, result: AcrossResult) -> None:
     page.h2("Verdicts", "verdicts")
-    reference = summary.get("reference")
-    rows = []
-    for name, check in (summary.get("checks") or {}).items():
-        rows.append([f"{reference} = {name}", check.get("verdict"), check.get("by"),
-                     (check.get("compared") or {}).get("steps"), _layout_check_where(check)])
+    reference = result.layouts[0] if result.layouts else None
+    rows = [[f"{reference} = {check.layout}", check.verdict, check.by, check.compared.get("steps"), check.where()]
+            for check in result.checks.values()]
     page.add(_table(["layouts", "verdict", "compared by", "steps", "first divergence"], rows, verdict_column=1))
-    resumed = summary.get("resume_across")
-    if resumed:
+    if result.resume:
         page.h2("Resume across layouts", "resume-across")
-        rows = []
-        for name, check in (resumed.get("checks") or {}).items():
-            rows.append([f"resume-{name}", check.get("verdict"), (check.get("compared") or {}).get("steps"),
-                         _layout_check_where(check)])
-        page.add(f"<p>{_esc(resumed.get('from'))} saved its checkpoint of step {_esc(resumed.get('step'))}; each "
+        rows = [[f"resume-{check.layout}", check.verdict, check.compared.get("steps"), check.where()]
+                for check in result.resume.values()]
+        page.add(f"<p>{_esc(reference)} saved its checkpoint of step {_esc(result.resume_at)}; each "
                  "other layout resumed it (--allow-layout-change) and must equal its uninterrupted run bit for "
                  "bit from there to the end (global digests at every step, rank 0's metrics).</p>"
                  + _table(["run", "verdict", "steps", "first divergence"], rows, verdict_column=1))
-    controls = summary.get("controls")
     page.h2("Negative controls", "controls")
-    if controls is None:
-        page.add(f"<p>{_esc(summary.get('controls_note') or 'not run')}</p>")
+    if result.controls is None:
+        page.add(f"<p>{_esc(result.controls_note or 'not run')}</p>")
     else:
         page.add("<p>each layout without the switches, against the reference without them, on the same global "
                  "batch: each must differ at step 0 or 1, or the comparison cannot tell layouts apart.</p>"
                  + _table(["control", "differs", "first step", "verdict", "detail"],
-                          [[c.get("run"), "yes" if c.get("differs") else "NO", c.get("first_step"),
-                            c.get("verdict"), c.get("detail")] for c in controls], verdict_column=3))
-    runs = summary.get("runs") or []
-    if runs:
+                          [[c.run, "yes" if c.differs else "NO", c.first_step, c.verdict, c.detail]
+                           for c in result.controls], verdict_column=3))
+    if result.runs:
         page.add("<h3>Runs</h3>" + _table(["run", "exit", "seconds", "command"],
-                                         [[r.get("name"), r.get("exit_code"), r.get("seconds"), r.get("command")]
-                                          for r in runs]))
+                                         [[r.name, r.exit_code, r.seconds, r.command] for r in result.runs]))
 
 
 def across_certificate(page: Page, cert: dict) -> None:

@@ -51,25 +51,4 @@ __getattr__, __dir__ = lazy_exports(__name__, _HOME, globals(), load_first="same
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "digest",
-    "digest_many",
-    "global_digests",
-    "Recorder",
-    "RecordingSpec",
-    "open_run",
-    "diff",
-    "DiffResult",
-    "check_replicas",
-    "ReplicaCheck",
-    "Verdict",
-    "GradientAccumulator",
-    "deterministic_mode",
-    "check",
-    "probe",
-    "SamebitsError",
-    "ConfigError",
-    "StreamError",
-    "IncomparableRunsError",
-    "DeterminismError",
-]
+__all__ = list(_HOME)

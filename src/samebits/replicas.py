@@ -51,8 +51,7 @@ class ReplicaMismatch(ToDict):
 
 @dataclass
 class ReplicaReport(ToDict):
-    """What `check_replicas` found.  ``verdict`` is PASS (every replicated tensor equal on
-    every replica), FAIL (``mismatches`` lists the differences) or INCOMPLETE (nothing was
+    """What `check_replicas` found: PASS, FAIL (see ``mismatches``) or INCOMPLETE (nothing was
     replicated, so nothing was compared)."""
 
     dict_keys = ("verdict", "exit_code", "step", "num_tensors", "num_groups", "mismatches", "not_replicated")

@@ -139,9 +139,8 @@ class _FlipMode(TorchDispatchMode):
 
 
 class StepValidator:
-    """Keeps each step re-executable and classifies the steps it validates (module
-    docstring).  ``model`` and ``optimizer`` are what the step changes; ``stateful`` are more
-    objects with ``state_dict``/``load_state_dict`` (LR schedulers, grad scalers)."""
+    """Keeps each step re-executable and classifies the steps it validates; ``stateful``: more
+    objects the step changes, with ``state_dict``/``load_state_dict`` (LR schedulers, scalers)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                  every: int | None = None, check: Callable[[int, Any], bool] | None = None,

@@ -120,8 +120,7 @@ def _declare(*settings: Setting) -> dict[str, Setting]:
     return {s.name: s for s in settings}
 
 
-# ---------------------------------------------------------------------------------------------
-# What to record: one declaration for the Recorder's keywords, the variables and the options
+# -- what to record: one declaration for the Recorder's keywords, the variables and the options --
 
 
 def _steps(value, source: str) -> tuple[int, int | None]:

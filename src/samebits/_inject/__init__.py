@@ -1,10 +1,6 @@
-"""Code injection into every Python process a user's command starts.
-
-`samebits run`, `verify -- CMD`, `bisect -- CMD` and `probe -- CMD` run the command as the
-user wrote it (its own interpreter, launchers such as torchrun, every rank) with this
-folder first on ``PYTHONPATH``: its ``sitecustomize`` runs the environment's own
-sitecustomize it shadows, then starts whichever samebits feature the environment asks for
-(``SAMEBITS_AUTORECORD=1``: zero-code recording; ``SAMEBITS_PROBE_DIR``: the probe).
+"""Code injection into every Python process a user's command starts: this folder first on
+``PYTHONPATH``, whose ``sitecustomize`` runs the one it shadows, then zero-code recording
+(``SAMEBITS_AUTORECORD=1``) or the probe (``SAMEBITS_PROBE_DIR``).
 """
 
 from __future__ import annotations

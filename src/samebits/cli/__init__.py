@@ -77,12 +77,9 @@ def unknown_command(argv: list[str], commands: list[str]) -> str | None:
 
 
 def forgotten_separator(argv: list[str], parser: argparse.ArgumentParser) -> str | None:
-    """The error for a command of the user's given without ``--`` before it (``samebits verify
-    python train.py --out x``): argparse would take the options samebits knows (``--out x``) as
-    samebits' own and leave the program without them, to fail later in its own words.  Every
-    command that runs a program (a positional ``cmd``) wants ``--`` first; the error shows the
-    command line with it.  None when ``--`` comes first, the command takes no program, or an
-    option is not one samebits knows (argparse's own error names it)."""
+    """The error for a program given without ``--`` before it (``samebits verify python train.py
+    --out x``), which argparse would rob of the options samebits knows; it shows the fixed line.
+    None when ``--`` comes first, the command takes no program, or an option is unknown."""
     index = next((i for i, arg in enumerate(argv) if not arg.startswith("-")), None)
     commands = parser._subparsers._group_actions[0].choices
     if index is None or argv[index] not in commands:
@@ -207,9 +204,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _safe_output() -> None:
-    """A character the terminal's encoding cannot show is written as a backslash escape, never
-    raised as UnicodeEncodeError (`escape` already makes every character of a file name or a
-    record name visible and encodable as UTF-8; this covers a terminal that is not UTF-8)."""
+    """A character a non-UTF-8 terminal cannot show is written as a backslash escape, never
+    raised as UnicodeEncodeError."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.reconfigure(errors="backslashreplace")

@@ -44,12 +44,9 @@ def int_range(low: int, high: int, example: int) -> Callable[[str], int]:
     return check
 
 
-positive_int = int_range(1, MAX_COUNT, 2)
-positive_int.__doc__ = "argparse ``type``: a count: an integer from 1 to `MAX_COUNT` (argparse names the option)."
-step_number = int_range(0, MAX_COUNT, 3)
-step_number.__doc__ = "argparse ``type``: a step (or rank, or offset): an integer from 0 to `MAX_COUNT`."
-rank_count = int_range(1, MAX_NPROC, 2)
-rank_count.__doc__ = "argparse ``type``: processes of one run: an integer from 1 to `MAX_NPROC`."
+positive_int = int_range(1, MAX_COUNT, 2)  # a count
+step_number = int_range(0, MAX_COUNT, 3)  # a step, a rank or an offset
+rank_count = int_range(1, MAX_NPROC, 2)  # processes of one run
 
 
 def float_between(low: float, high: float, wanted: str, example: str) -> Callable[[str], float]:
@@ -66,14 +63,11 @@ def float_between(low: float, high: float, wanted: str, example: str) -> Callabl
     return check
 
 
-positive_float = float_between(0, math.inf, "a positive number", "600")
-positive_float.__doc__ = "argparse ``type``: a finite number > 0 (argparse names the option in the error)."
-open_unit_interval = float_between(0, 1, "a number strictly between 0 and 1", "0.95")
-open_unit_interval.__doc__ = "argparse ``type``: a number strictly between 0 and 1 (a confidence, a coverage)."
+positive_float = float_between(0, math.inf, "a positive number", "600")  # timeouts, ratios
+open_unit_interval = float_between(0, 1, "a number strictly between 0 and 1", "0.95")  # a confidence, a coverage
 
 
-# ---------------------------------------------------------------------------------------------
-# inputs: what a command reads must be a regular file
+# -- inputs: what a command reads must be a regular file -------------------------------------------
 
 _KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
@@ -237,8 +231,7 @@ def recording_options(args: argparse.Namespace) -> dict:
     return {"spec": RecordingSpec.from_args(args)}
 
 
-# ---------------------------------------------------------------------------------------------
-# live progress: -q, --stall-factor (verify, bisect, matrix, tax, run)
+# -- live progress: -q, --stall-factor (verify, bisect, matrix, tax, run) ---------------------------
 
 STALL_FACTOR_HELP = "10"  # samebits.runs.progress.STALL_FACTOR, written here so that --help loads no library
 MIN_STALL_HELP = "30"  # samebits.runs.progress.MIN_STALL_S

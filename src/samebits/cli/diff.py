@@ -124,9 +124,8 @@ _SHOWN = 10  # divergent ranks (and reasons) listed by name; a run of thousands 
 
 def _headline(result: DiffResult | GlobalDiffResult, title: str, counts: str, *, identical: str,
               searched: str, said: str | None = None) -> list[str]:
-    """The title line and, unless the runs diverged, the whole verdict: IDENTICAL with the
-    counts, or INCOMPLETE with its first reasons and the counts (both ways of comparing).
-    ``said``: the verdict's sentence when it is already made (`diff_conclusion`)."""
+    """The title line and, unless the runs diverged, the whole verdict (IDENTICAL, or INCOMPLETE
+    with its first reasons) with the counts; ``said``: the verdict's sentence, when made."""
     lines = [escape(title)]
     if result.verdict is Verdict.IDENTICAL:
         lines.append(escape(said) if said else f"IDENTICAL: {identical}. {counts}")

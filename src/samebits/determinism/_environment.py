@@ -180,9 +180,8 @@ ENV_BY_NAME = {s.name: s for s in ENV_SETTINGS}
 
 
 def interpreter_hash_randomized() -> bool:
-    """True when this interpreter's str hashes are randomized (PYTHONHASHSEED unset/random
-    when it started).  Reads the start-up environment, not os.environ, which may have
-    been changed since."""
+    """True when this interpreter's str hashes are randomized, from its start-up environment
+    (os.environ may have been changed since)."""
     if not sys.flags.hash_randomization:
         return False  # PYTHONHASHSEED=0 at start-up
     start_value = startup_environ().get("PYTHONHASHSEED")

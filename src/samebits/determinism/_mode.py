@@ -1,11 +1,6 @@
 """`deterministic_mode`: set, validate and record everything that decides run-to-run bits.
-
-Order of work: check the arguments, then find every violation (bad environment values
-the user set, CUDA already started without a valid cuBLAS workspace, a randomized hash
-seed when child processes are expected, recipe options) and raise them together before
-changing anything; only then apply flags, environment, thread count and seeds, and
-publish the record.  Restoring undoes flags, environment and thread count in reverse
-order; RNG states are not rewound (seeding is an action, not a setting).
+Every violation is found and raised before anything changes; restoring undoes flags,
+environment and thread count in reverse order (docs/determinism.md, "`deterministic_mode`").
 """
 
 from __future__ import annotations

@@ -17,16 +17,8 @@ FLAG_STATES = ("repeatable", "raises", "n/a")
 
 @dataclass(frozen=True)
 class OpEntry(ToDict):
-    """One catalog row: an op under one condition (`when`).
-
-    cpu / cuda: behaviour with default settings, one of ``varies`` (differs run to run),
-    ``may-vary`` (documented as nondeterministic, not observed here), ``repeatable`` or
-    ``n/a``.  cpu_flag / cuda_flag: behaviour under ``torch.use_deterministic_algorithms
-    (True)``: ``repeatable``, ``raises`` (no deterministic kernel) or ``n/a``.
-    thread_count_changes_bits: True when repeatable at a fixed thread count but the bits
-    change with the count; None when it does not apply (the op varies anyway) or depends on
-    the CPU (the kernel a library picks for its instruction set).
-    """
+    """One catalog row: an op under one condition (`when`); the fields' values are listed in
+    docs/determinism.md, "Op catalog"."""
 
     id: str
     op: str
@@ -90,10 +82,6 @@ def normalize_op_name(op: Any) -> str:
 
 
 def lookup_op(op: Any) -> tuple[OpEntry, ...]:
-    """The catalog rows for an op (one per condition), empty when the op is not listed.
-
-    Accepts ``"aten::index_put_"``, ``"aten.index_put_.default"``, ``"index_put_"`` or a
-    ``torch.ops.aten.index_put_.default`` overload; aliases (the functional or
-    implementation variants, e.g. ``aten::index_put``) find the same rows.
-    """
+    """The catalog rows for an op (one per condition; empty when not listed), by any spelling
+    (`normalize_op_name`); aliases (``aten::index_put``) find the same rows."""
     return _catalog()[1].get(normalize_op_name(op), ())

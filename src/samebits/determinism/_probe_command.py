@@ -152,12 +152,8 @@ def probe_command(command: list[str], *, steps: int | None = None,
                   namespaces: tuple[str, ...] | None = None,
                   comparisons: int = DEFAULT_COMPARISONS,
                   stdout: Any = None) -> CommandProbeResult:
-    """Run `command` with the probe in each of its Python processes and collect the findings.
-
-    comparisons: comparisons per op signature (`Probe`).  stdout: where the command's
-    standard output goes (None: inherited).  Raises SamebitsError when the command cannot
-    be started at all, ValueError for comparisons below 2.
-    """
+    """Run `command` with the probe in each of its Python processes and collect the findings;
+    ``stdout``: where the command's output goes (None: inherited)."""
     if not command:
         raise SamebitsError("no command to probe: write it after '--', e.g. "
                             "samebits probe -- python train.py --steps 1")

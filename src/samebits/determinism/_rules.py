@@ -1,14 +1,8 @@
 """The rule catalog: rule and violation types, the registry, and `check` / `validate`.
 
-A rule checks one thing that decides run-to-run bits (an environment variable, a torch
-flag, a config option), says why it matters and how to fix it.  Rules never change
-anything: `check` lists every violation at once and `validate` raises them together in
-one `DeterminismError` (fail closed).  Built-in rules live in `_builtin_rules`; users
-add their own with `@rule(...)` or `register_rule(Rule(...))`.
-
-A finding that cannot change the bits of runs on this machine as they are (an unset
-OMP_NUM_THREADS: every run here uses the same default) is `Advice`, kept apart from the
-violations: `check` and `validate` ignore it, `samebits check` prints it and exits 0.
+Rules never change anything: `check` lists every violation at once and `validate` raises them
+together in one `DeterminismError` (fail closed).  A finding that cannot change this machine's
+bits as they are is `Advice`, which `check` and `validate` ignore (docs/determinism.md).
 """
 
 from __future__ import annotations
@@ -201,15 +195,8 @@ def unregister_rule(rule_id: str) -> None:
 
 def rule(id: str, *, category: str, setting: str, checks: str, why: str, fix: str,
          keys: Iterable[str] = (), requires: Iterable[str] = ()) -> Callable:
-    """Decorator form of `register_rule`: the decorated function becomes the rule's check.
-
-    >>> @rule("team-no-foo", category="config", setting="foo", checks="foo is off",
-    ...       why="foo reduces with atomics", fix="set foo = false")
-    ... def _no_foo(ctx):
-    ...     for path, value in ctx.config.find("foo"):
-    ...         if value:
-    ...             yield RuleFinding(path, value)
-    """
+    """Decorator form of `register_rule`: the decorated function becomes the rule's check
+    (docs/determinism.md, "Adding a rule")."""
     def decorate(func):
         register_rule(Rule(id=id, category=category, setting=setting, checks=checks,
                            why=why, fix=fix, func=func, keys=tuple(keys), requires=tuple(requires)))

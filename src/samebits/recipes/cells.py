@@ -63,9 +63,8 @@ def mesh_axes() -> list[Axis]:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Resolved sizes, one per axis of `AXES`: world size = the product of the mesh axes
-    (pp * dp_replicate * dp_shard * tp); ep is 1 or dp_replicate (experts sharded over the
-    replicas)."""
+    """Resolved sizes, one per axis of `AXES`: world size = the product of the mesh axes; ep is 1
+    or dp_replicate (experts sharded over the replicas)."""
 
     pp: int = 1
     dp_replicate: int = 1
@@ -156,12 +155,9 @@ class ParallelDims:
 
 
 def parse_cell(name: str) -> dict[str, int]:
-    """Config overrides of a cell name such as "tp2-dp2", "fsdp2-tp2", "pp2", "ep2", "dp4"
-    ("single": every size 1): dpN = plain data parallel (experts replicated, ep=1), fsdpN =
-    FSDP2 sharding, tpN, ppN, epN = expert parallel over N data-parallel replicas (implies
-    dpN).  Every size not named is 1, so a cell fixes the whole layout.
-
-    A bad name is a ConfigError saying which part is wrong and what the grammar allows."""
+    """Config overrides of a cell name ("tp2-dp2", "fsdp2-tp2", "ep2": expert parallel over dp2;
+    "single": every size 1); every size not named is 1, so a cell fixes the whole layout.  A bad
+    name is a ConfigError saying which part is wrong and what the grammar allows."""
     text = name.strip().lower()
     by_word = {axis.word: axis for axis in AXES}
     part_re = re.compile(f"({'|'.join(by_word)})([1-9]\\d*)")
@@ -223,9 +219,8 @@ def parse_layouts(spec: str) -> list[ParallelDims]:
 
 
 def cell_name(sizes: ParallelDims | Mapping[str, int]) -> str:
-    """The canonical name of a layout ("single" for one rank): its split axes in their
-    `name_order` (pp, tp, fsdp, then ep or dp), an axis that another one runs over left out
-    (ep2 is ep2 over dp2)."""
+    """The canonical name of a layout ("single" for one rank): its split axes in `name_order`,
+    an axis that another one runs over left out (ep2 is ep2 over dp2)."""
     if isinstance(sizes, ParallelDims):
         sizes = sizes.sizes()
     split = {axis.field: int(sizes.get(axis.field, 1)) for axis in AXES if int(sizes.get(axis.field, 1)) > 1}

@@ -65,9 +65,8 @@ def recipe_command(nproc: int = 1, *, steps: int | str | None = None, preset: st
 
 def recipe_roles(nproc: int, *, steps: int, overrides: Sequence[str] = (),
                  nondeterministic: bool = False) -> dict:
-    """Every template a runner of a self-recording program needs, for the recipe run for
-    ``steps`` steps on ``nproc`` ranks (the keyword arguments of
-    `samebits.runs.program.SelfRecording`)."""
+    """Every template a runner needs for the recipe on ``nproc`` ranks (the keyword arguments
+    of `samebits.runs.program.SelfRecording`)."""
     base = {"steps": steps, "overrides": list(overrides),
             "preset": NONDETERMINISTIC_PRESET if nondeterministic else None}
     words = ["samebits", "bisect", "--steps", str(steps), "--nproc", str(nproc)]
@@ -108,9 +107,8 @@ def invariant_overrides(dims: ParallelDims) -> list[str]:
 
 
 def across_switches(cells: Sequence[ParallelDims]) -> list[str]:
-    """The switches every layout of a `verify --across` run gets: those any of ``cells`` needs.
-    The layouts must compute the same function, so the reference (one rank, say) runs with the
-    switches that the others need too."""
+    """The switches every layout of a `verify --across` run gets: those any of ``cells`` needs
+    (the layouts must compute the same function)."""
     return list(dict.fromkeys(s for dims in cells for s in invariant_overrides(dims)))
 
 
@@ -144,9 +142,8 @@ def across_cell_overrides(dims: ParallelDims, switches: Sequence[str], overrides
 
 
 def recorded_config_overrides(config: dict) -> list[str]:
-    """A recorded run's config (its stream header's ``config``) as the recipe's words,
-    ``--set KEY=VALUE`` per field.  Values that are not scalars are annotations the recipe
-    adds to its record (e.g. the resolved mesh), not settings."""
+    """A recorded run's config as ``--set KEY=VALUE`` words; values that are not scalars are
+    annotations of the record (the resolved mesh), not settings."""
     return [word for key, value in sorted(config.items()) if value is None or isinstance(value, (str, int, float))
             for word in ("--set", f"{key}={'none' if value is None else value}")]
 

@@ -290,9 +290,7 @@ class RecipeConfig:
         need(problem is None, problem or "")
 
     def _check_grad_reduce(self, need) -> None:
-        """grad_reduce='invariant': the layouts it covers today (docs/invariance.md): plain DP,
-        FSDP2, PP and EP at any size, DP and FSDP2 with TP when tp_reduce='invariant'; not PP
-        or EP with TP."""
+        """grad_reduce='invariant': the layouts it covers today (docs/invariance.md)."""
         if self.grad_reduce != "invariant":
             return
         need(self.ep == 1 or (self.tp == 1 and self.moe_grouped_gemm == "torch"),

@@ -367,12 +367,9 @@ class _Run:
         return rec.end_step(step)
 
     def _invariant_step(self, rec, start: float, keep) -> tuple[dict[str, float], bool | None]:
-        """A step whose bits do not depend on the layout (DP, FSDP2, PP; TP with
-        tp_reduce=invariant): this DP rank's micro-batches of the global batch, each block's
-        dropout and router jitter keyed by (step, micro-batch, block) and each micro-batch's
-        loss divided by the number of micro-batches (all hold the same token count: a global
-        normalisation), gradients summed in int64 fixed point (`samebits.invariant`) over the DP
-        ranks: by the accumulator, or under FSDP2 by its reduce-scatter."""
+        """A step whose bits do not depend on the layout: this DP rank's micro-batches, draws keyed
+        by (step, micro-batch, block), each loss divided by the global micro-batch count, gradients
+        summed in int64 fixed point (by the accumulator, or FSDP2's reduce-scatter)."""
         cfg, step, model, acc = self.cfg, self.step, self.model, self.accumulator
         fsdp = self.layout.dims.dp_shard > 1  # InvariantReduceScatter sums in each backward
         size, count, first = cfg.micro_batch_size, cfg.num_micro_batches, self.data.consumed_samples
@@ -439,9 +436,8 @@ class _Run:
         self.layout.pipeline.broadcast_from_last(parts)
 
     def _pipeline_step(self, tokens: torch.Tensor):
-        """Forward and backward of every micro-batch through the pipeline.  Returns the
-        losses (the mean over micro-batches, computed on the last stage and sent to every
-        stage) and the last stage's logits (None on the others)."""
+        """Forward and backward of every micro-batch through the pipeline: the mean losses (sent
+        from the last stage to every stage) and the last stage's logits (None on the others)."""
         parts, logits = [], []
         count = self.cfg.pp_microbatches
 

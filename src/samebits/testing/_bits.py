@@ -1,11 +1,6 @@
-"""Bit-for-bit comparison of nested structures of tensors, and the message that explains a miss.
-
-Leaves are compared by their exact bytes: dtype and shape must match, strides do not matter
-(the logical row-major contents are compared), a -0.0 differs from a 0.0 and two NaNs with
-different payloads differ.  Python floats are compared as their float64 bits.  A difference
-is described by its pytree path (``output['logits']``, ``grad of input[0]``), the first
-differing indices, both values with their bit patterns, and the distance in units in the
-last place.
+"""Bit-for-bit comparison of nested structures of tensors, and the message that explains a miss:
+exact bytes (strides ignored, -0.0 differs from 0.0, NaN payloads count), the value's pytree
+path, the first differing indices with both bit patterns, and the distance in ulps.
 """
 
 from __future__ import annotations

@@ -63,16 +63,13 @@ def attach(model, recorder, config: TraceConfig | None = None) -> "Tracer | _Off
 
 
 def attach_from_env(model, recorder) -> "Tracer | _Off":
-    """`attach` with the configuration of the ``SAMEBITS_TRACE*`` variables (off when unset,
-    or when `recorder` is None).  The rank comes from the recorder; collectives name their
-    process group themselves."""
+    """`attach` with the ``SAMEBITS_TRACE*`` variables' configuration (off when unset)."""
     return attach(model, recorder, TraceConfig.from_env())
 
 
 def install_zero_code(recorder_source, step: int) -> "Tracer | None":
-    """For `samebits.autorecord` (internal, stable): trace with the environment's
-    configuration into the recorder ``recorder_source()`` creates lazily; the caller drives
-    `Tracer.begin_step` / `optimizer_post` / `finish_step` / `after_end_step`."""
+    """For `samebits.autorecord`: trace into the recorder ``recorder_source()`` creates lazily;
+    the caller drives `Tracer.begin_step` / `optimizer_post` / `finish_step` / `after_end_step`."""
     config = TraceConfig.from_env()
     if not config.enabled or active() is not None:
         return None
@@ -83,27 +80,8 @@ def install_zero_code(recorder_source, step: int) -> "Tracer | None":
     return tracer
 
 
-__all__ = [
-    "TraceConfig",
-    "EventSpec",
-    "Tracer",
-    "attach",
-    "attach_from_env",
-    "TraceProbe",
-    "StepState",
-    "find_origins",
-    "OriginReport",
-    "OriginFinding",
-    "compare_elements",
-    "same_values",
-    "active",
-    # for the runs layer (bisect): the settings it launches runs with, the records it reads
-    "ENV_VARS",
-    "LEVEL_NAMES",
-    "parent_scope",
-    "parse_record",
-    "describe_record",
-    "dump_filename",
-    "find_replica_mismatch",
-    "ReplicaMismatch",
-]
+__all__ = ["TraceConfig", "EventSpec", "Tracer", "attach", "attach_from_env", "TraceProbe", "StepState",
+           "find_origins", "OriginReport", "OriginFinding", "compare_elements", "same_values", "active",
+           # for the runs layer (bisect): the settings it launches runs with, the records it reads
+           "ENV_VARS", "LEVEL_NAMES", "parent_scope", "parse_record", "describe_record", "dump_filename",
+           "find_replica_mismatch", "ReplicaMismatch"]

@@ -562,11 +562,9 @@ class ReplicaMismatch(ToDict):
 
 
 def find_replica_mismatch(run: str | os.PathLike) -> ReplicaMismatch | None:
-    """Within one traced run: the parameters whose gradient at the first traced optimizer
-    step is bitwise equal on every rank (so it was reduced over them: they are data-parallel
-    replicas) while their values before that step differ between ranks.  Parameters that are
-    not replicated (tensor- or expert-parallel shards) get different gradients per rank and
-    are never reported."""
+    """Within one traced run: the parameters whose gradient at the first traced optimizer step
+    is equal on every rank (data-parallel replicas; shards get different gradients) while their
+    values before that step differ between ranks."""
     opened = open_run(run)
     try:
         return _replica_mismatch(opened)

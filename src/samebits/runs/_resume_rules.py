@@ -440,28 +440,16 @@ def _matching_step(census: Census, rank: int, phase: str, name: str, record, aro
     return None
 
 
-def _matching_inputs(census: Census, rank: int, inputs: dict, around: int) -> int | None:
-    """The step of A whose inputs (the first top-level forward's) equal ``inputs``."""
-    if not inputs:
-        return None
-    for (r, step), phases in sorted(census.steps.items()):
-        mine = phases.get(INPUTS, {})
-        if r == rank and step != around and mine and all(n in mine and same_bits(mine[n], inputs[n]) for n in inputs):
-            return step
-    return None
-
-
-
-
 def _batch_replayed(census: Census, rank: int, inputs: dict, changed: list[str], around: int) -> int | None:
     """The step of A whose batch C's batch of step ``around`` is: every input equal, else the
     first input that differs found by its digest among all of A's inputs (any forward of a
     step, any name: a batch a resumed run draws again)."""
     if not changed:
         return None
-    whole = _matching_inputs(census, rank, inputs, around)
-    if whole is not None:
-        return whole
+    for (r, step), phases in sorted(census.steps.items()):  # every input (the first forward's) equal
+        mine = phases.get(INPUTS, {})
+        if r == rank and step != around and mine and all(n in mine and same_bits(mine[n], inputs[n]) for n in inputs):
+            return step
     record = inputs[changed[0]]
     if record.digest is None:
         return None

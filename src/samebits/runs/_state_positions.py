@@ -19,7 +19,6 @@ from samebits.stream.phases import INPUTS, STATE, STATE_END
 from samebits.verdicts import ToDict, serialised
 
 
-
 @dataclass
 class StateTrack(ToDict):
     """One census record of run b against run a: per step of b's window, the step of a holding

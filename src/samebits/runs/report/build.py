@@ -117,11 +117,8 @@ def _verify_report(path: Path, found: Summary, say) -> Report:
 
 
 def _across_report(path: Path, found: Summary, say) -> Report:
-    """`verify --across`: layouts of different world sizes, compared with the first by global
-    digest (or, for runs without global records, rank 0's replicated records), not rank by
-    rank, so the verdicts are shown as verify found them; then its certificate.json (the
-    environment, each step's global root per layout, the checkpoints, the invariant reductions,
-    the negative controls)."""
+    """`verify --across`: layouts of different world sizes are not compared rank by rank here, so
+    the verdicts are shown as verify found them (held to their checks), then its certificate.json."""
     summary, file = found.data, path / "summary.json"
     notes: list[str] = []
     claimed = _verdict(summary.get("verdict"), file)

@@ -59,11 +59,9 @@ class Summary:
 
 
 def _summary(path: Path) -> Summary | None:
-    """The ``summary.json`` in ``path``, read into its command's result (`RESULTS`; the few
-    entries no field types checked as the page reads them) or, for an older file, checked field
-    by field (`_SIZES_SUMMARY`): None when there is none; `ConfigError` naming the file and the
-    field when it is not a regular file, not JSON, or a field is unknown, missing or of the wrong
-    type (a page is never built from a summary it would misread)."""
+    """The ``summary.json`` in ``path`` read into its command's result (`RESULTS`; an older file
+    checked field by field), None when there is none; `ConfigError` naming the file and the field
+    when it is not a regular file, not JSON, or a field is unknown, missing or mistyped."""
     file = path / "summary.json"
     data = _json_file(file, "the summary.json a samebits command wrote")
     if data is None:

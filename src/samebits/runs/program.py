@@ -42,11 +42,9 @@ class Launch:
 
 
 class Program(Protocol):
-    """What every runner needs of the training it runs (see the module docstring).
-
-    ``steps``: the steps one run trains (None: a command's own, unknown to samebits);
-    ``nproc``: its ranks (None: unknown); ``census_decides``: whether its state census is part
-    of a verdict; ``resumes``: whether it has a RESUME role."""
+    """What every runner needs of the training it runs (see the module docstring).  ``steps`` and
+    ``nproc`` None: a command's own, unknown to samebits; ``census_decides``: whether its state
+    census is part of a verdict; ``resumes``: whether it has a RESUME role."""
 
     steps: int | None
     nproc: int | None
@@ -89,12 +87,9 @@ class Program(Protocol):
 
 @dataclass(frozen=True)
 class SelfRecording:
-    """A training program that records its own fingerprint streams, as command templates.
-
-    Each template is argv with placeholders (`samebits.runs.commands`); ``{out}`` is the run's
-    stream folder.  ``steps`` and ``nproc`` say what one run is (None: a command with ``{out}``
-    whose steps samebits does not know, as ``verify --across`` runs one).  ``recording``: what
-    to record (`recording_variables`' arguments), the same for every run."""
+    """A training program that records its own fingerprint streams, as command templates whose
+    ``{out}`` is the run's stream folder.  ``steps``/``nproc`` None: a command whose steps samebits
+    does not know (``verify --across`` runs one); ``recording``: `recording_variables`' arguments."""
 
     steps: int | None
     nproc: int | None
@@ -178,12 +173,9 @@ class SelfRecording:
 @dataclass(frozen=True)
 class ZeroCode:
     """A command under zero-code recording: ``argv`` (RECORD, and SAVE: it saves where it saves
-    itself) and ``resume`` (RESUME: the command that resumes its checkpoint; None: none).
-
-    Placeholders, filled per run so that no two runs share a folder: ``{out}`` (the run's own
-    work folder, new and empty), ``{run}`` (its name) and, in a resumed run (``step_offset``
-    K), ``{step}`` (K) and ``{from}`` (the work folder of the run it resumes).  ``recording``:
-    what to record (`recording_variables`' arguments, ``spec`` among them)."""
+    itself) and ``resume`` (RESUME; None: none).  Filled per run, so no two runs share a folder:
+    ``{out}`` (its own new work folder), ``{run}``, and in a resumed run (``step_offset`` K)
+    ``{step}`` (K) and ``{from}`` (the resumed run's work folder)."""
 
     argv: tuple[str, ...]
     resume: tuple[str, ...] | None = None
@@ -255,13 +247,9 @@ class ZeroCode:
 
 def resume_bisect_command(cmd: Sequence[str], resume_with: Sequence[str], resume_at: int,
                           record: Mapping | None = None) -> str:
-    """The `samebits bisect` command that locates the origin of a resume divergence: A is the
-    command, B the resume command, numbered from ``resume_at``.  The placeholders stay in it:
-    bisect fills them per run as verify does, every run in a new work folder of its own
-    (``{out}``: a trainer that resumes from the latest checkpoint in its output folder starts
-    clean), every B resuming the checkpoints of the bisect's first A (``{from}``, ``{step}``).
-    ``record``: verify's choice of what to record (``--exclude`` ...), given to bisect as the
-    variables it reads."""
+    """The `samebits bisect` command that locates the origin of a resume divergence: A the command,
+    B the resume command numbered from ``resume_at``, placeholders left for bisect to fill per
+    run as verify does; ``record``: verify's choice of what to record, as the variables bisect reads."""
     return _recording_prefix(record) + shlex.join(["samebits", "bisect", "--a", _join(cmd), "--b", _join(resume_with),
                                                    "--b-step-offset", str(resume_at)])
 

@@ -13,9 +13,8 @@ names no command and is read in its dictionary form (``DiffResult.to_dict()``).
     diff     DIVERGED at step 3, rank 1: grads/layer2.weight
              DIVERGED at step 5, rank 0: params/fc.weight (compared from step 4, where b starts: b resumed a run)
 
-A diff of a resumed run chooses its own window (its streams start later: `samebits.compare.diff`
-compares from there and says so, in its ``resumed`` field); `diff_window` reads that choice, so the
-sentence, the report's tables and its JSON all name the same window.
+A diff of a resumed run compares from where the resumed run starts (its ``resumed`` field);
+`diff_window` reads that choice, so the sentence, the report's tables and its JSON name one window.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""What the page shows, re-derived rather than copied: verdicts held to their checks, and the
-runs compared again.
-
-A summary (or certificate) whose verdict word contradicts its own checks was edited or damaged:
-it is refused (exit 2), never shown.  A verdict more cautious than its checks (INCOMPLETE where
-the checks alone give PASS: verify's gaps, say) stands, said in the notes.  Two runs are compared
-with `samebits.compare` (every frame checked, every root recomputed), and their streams read
-once per rank for the drawings (`Pair`).
+"""What the page shows, re-derived rather than copied: verdicts held to their checks (a summary
+or certificate whose verdict contradicts them is refused; a more cautious one stands, said in
+the notes), and the runs compared again, their streams read once per rank for the drawings.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from samebits.cli.verify import render as render_verify
 from samebits.compare import DiffResult
 from samebits.runs.bisect import BisectResult, Elements, Origin, Stage
 from samebits.runs.matrix import CellResult, MatrixResult
-from samebits.runs.conclusion import bisect_conclusion, verify_conclusion
+from samebits.runs.conclusion import bisect_conclusion, conclusion, verify_conclusion
 from samebits.runs.report import build_report, differing_records
 from samebits.runs.program import ZeroCode
 from samebits.runs.verify import VerifyResult, verify
@@ -672,3 +672,17 @@ def test_conclusions_say_what_held_and_what_could_not_be_decided():
         "INCOMPLETE: the independent runs (A against B) could not be decided (rank-00001.sbs is cut short).")
     assert bisect_conclusion(BisectResult(Verdict.DIVERGED, None, [], "out", "a vs b")) == (
         "DIVERGED: no origin was localised (see the stages)")
+
+
+def test_the_sentence_is_chosen_by_the_command_the_typed_result_names():
+    """`conclusion` reads typed results and picks the sentence by the command each names
+    (``summary_of``), not by which keys a dictionary holds; a diff, which names none, is read
+    in its dictionary form."""
+    compared = {"ranks": 1, "steps": 2, "records": 3, "steps_identical_by_root": 2}
+    same = DiffResult("a", "b", Verdict.IDENTICAL, None, [], {}, compared)
+    verified = VerifyResult("out", {"independent": same, "resume": None}, {}, None)
+    assert conclusion(verified) == verify_conclusion(verified) == (
+        "PASS: the independent runs (A against B): bit-identical; not checked: the resume (A against C).")
+    assert conclusion(BisectResult(Verdict.IDENTICAL, None, [], "out", "a vs a")) == "IDENTICAL: the runs are identical"
+    assert conclusion(same.to_dict()) == ("IDENTICAL: bit for bit. 1 rank(s) x 2 step(s), 3 records compared "
+                                          "(2 step(s) equal by root)")

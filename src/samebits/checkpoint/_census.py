@@ -54,10 +54,8 @@ def _census(optimizers, schedulers, user, scalers, include_cuda: bool) -> list[t
     def named(kind: str, index: int, field: str = "") -> str:
         return str(CensusName.component(kind, index, field))
 
-    records: list[tuple[str, torch.Tensor]] = [(str(CensusName.rng("python")), _python_state())]
-    if _np is not None:
-        records.append((str(CensusName.rng("numpy")), _numpy_global_state()))
-    records.append((str(CensusName.rng("torch_cpu")), torch.get_rng_state()))
+    records: list[tuple[str, torch.Tensor]] = [(str(CensusName.rng(name)), state())
+                                               for name, state in _GLOBAL_STATES.items()]
     if include_cuda and torch.cuda.is_initialized():  # is_available() alone would not do:
         for index in range(torch.cuda.device_count()):  # reading a state must not init CUDA
             records.append((str(CensusName.cuda_rng(index)), torch.cuda.get_rng_state(index)))
@@ -98,13 +96,9 @@ def census_run(run_dir: str | os.PathLike) -> Path | None:
 def global_rng_record(generator: str) -> torch.Tensor:
     """The census tensor of one global generator, ``python``, ``numpy`` or ``torch_cpu``
     (the bits of record ``rng.<generator>``), e.g. to compare a restored state with a census."""
-    with outside_dispatch_modes():
-        if generator == "python":
-            return _python_state()
-        if generator == "numpy" and _np is not None:
-            return _numpy_global_state()
-        if generator == "torch_cpu":
-            return torch.get_rng_state()
+    if generator in _GLOBAL_STATES:
+        with outside_dispatch_modes():
+            return _GLOBAL_STATES[generator]()
     raise ConfigError(f"global_rng_record({generator!r}): not a global generator; use 'python', 'numpy' "
                       "or 'torch_cpu'")
 
@@ -134,6 +128,11 @@ def _numpy_global_state() -> torch.Tensor:
     values[:-3] = key
     values[-3:] = (pos, has_gauss, _float_bits(cached))
     return torch.from_numpy(values)
+
+
+# The global generators' records, in census order (no rng.numpy without NumPy).
+_GLOBAL_STATES = {"python": _python_state, **({"numpy": _numpy_global_state} if _np is not None else {}),
+                  "torch_cpu": torch.get_rng_state}
 
 
 def _generator_state(generator: Any) -> torch.Tensor:

@@ -5,6 +5,7 @@ step from the same walk.
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -12,7 +13,7 @@ from typing import Iterator
 from samebits.compare import _parallel
 from samebits.compare._commands import output_paths_only
 from samebits.compare._global import GlobalDiffResult, diff_global
-from samebits.compare._results import DiffResult, Divergence, RankStep, ResumedWindow
+from samebits.compare._results import DiffResult, Divergence, RankStep, ResumedWindow, resumed_note, resumed_unjudged
 from samebits.compare._walk import _SHAPE_ONLY_SHOWN, _Bound, _Walk, _windows_excluding
 from samebits.errors import ConfigError, IncomparableRunsError, StreamError
 from samebits.stream import Run, StreamReader, open_run
@@ -148,10 +149,7 @@ def _verdict(walked: _Walked, resumed, start: int, stop: int | None, notes: list
         incomplete.append(f"nothing to compare: the {walked.steps_compared} step(s) in the window hold no records "
                           "(was everything left out by the recording choices? see samebits show RUN)")
     elif resumed is not None:  # the steps before K are in one run only: said, never called identical
-        label, resumed_at, _ = resumed
-        incomplete.append(f"no divergence from step {resumed_at} on, where {label} starts ({label} resumed a run?); "
-                          f"the earlier steps are in the other run only. To judge the resume, compare the steps both "
-                          f"hold: --from-step {resumed_at}")
+        incomplete.append(resumed_unjudged(resumed[0], resumed[1]))
     else:
         return Verdict.IDENTICAL, None, []
     return Verdict.INCOMPLETE, None, []
@@ -220,12 +218,8 @@ def _missing_ranks(run_a: Run, run_b: Run) -> list[str]:
         num_neither = len(neither)
     else:
         num_neither = world - len(recorded)
-        neither = []
-        rank = 0
-        while len(neither) < 8 and rank < world and len(neither) < num_neither:
-            if rank not in recorded:
-                neither.append(rank)
-            rank += 1
+        unrecorded = (r for r in range(world) if r not in recorded)  # stops at the 8th, never walks the world
+        neither = list(itertools.islice(unrecorded, max(0, min(8, num_neither))))
     if num_neither > 0:
         shown = ", ".join(map(str, neither[:8])) + (" ..." if num_neither > 8 else "")
         reasons.append(f"neither run has a stream for {num_neither} rank(s) of world size {world} ({shown}): "
@@ -256,8 +250,7 @@ def _resumed_start(run_a: Run, run_b: Run, rank: int) -> tuple[str, int, str] | 
         ("a", first_a, first_b, reader_a)
     if _windows_excluding(reader, other) is not None:
         return None  # a recording window, not a resume: the walk reports the steps left out
-    return label, first, (f"{label} starts at step {first} and {'a' if label == 'b' else 'b'} at step {other} "
-                          f"({label} resumed a run?): compared from step {first} on")
+    return label, first, resumed_note(label, first, other)
 
 
 def _check_comparable(run_a: Run, run_b: Run, allow: bool, ignore_keys, notes: list[str], *,

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from samebits.compare._results import ResumedWindow
+from samebits.compare._results import ResumedWindow, resumed_note, resumed_unjudged
 from samebits.compare._rule import record_match
 from samebits.stream.reader import Run, open_run, require_same_digest_version
 from samebits.stream import GLOBAL_PHASE_PREFIX
@@ -159,8 +159,7 @@ def diff_global(a: str | os.PathLike, b: str | os.PathLike, *, start: int = 0, s
             earlier = steps_a if label == "b" else steps_b
             while earlier.next_step() is not None and earlier.next_step() < first:
                 earlier.take(earlier.next_step())
-            notes.append(f"{label} starts at step {first} and {'a' if label == 'b' else 'b'} at step {other} "
-                         f"({label} resumed a run?): compared from step {first} on")
+            notes.append(resumed_note(label, first, other))
         while True:
             step_a, step_b = steps_a.next_step(), steps_b.next_step()
             if step_a is None and step_b is None:
@@ -210,10 +209,7 @@ def diff_global(a: str | os.PathLike, b: str | os.PathLike, *, start: int = 0, s
                               f"{', '.join(t.phase + '/' + t.name for t in shape_only[:5])}. To compare their values, "
                               "record both runs without the cap or with a cap above the largest tensor")
         if resumed is not None and not incomplete:
-            label, first, _ = resumed
-            incomplete.append(f"no divergence from step {first} on, where {label} starts ({label} resumed a run?); "
-                              f"the earlier steps are in the other run only. To judge the resume, compare the steps "
-                              f"both hold: --from-step {first}")
+            incomplete.append(resumed_unjudged(resumed[0], resumed[1]))
         verdict = Verdict.INCOMPLETE if incomplete else Verdict.IDENTICAL
     return GlobalDiffResult(a=str(a), b=str(b), verdict=verdict, first_step=first_step, tensors=tensors,
                             compared=compared, notes=notes, incomplete=incomplete,

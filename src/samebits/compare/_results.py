@@ -51,6 +51,18 @@ class ResumedWindow(ToDict):
     step: int
 
 
+def resumed_note(label: str, first: int, other_first: int) -> str:
+    """The note of a comparison that starts at run ``label``'s first step, where it resumed."""
+    return (f"{label} starts at step {first} and {'a' if label == 'b' else 'b'} at step {other_first} "
+            f"({label} resumed a run?): compared from step {first} on")
+
+
+def resumed_unjudged(label: str, first: int) -> str:
+    """Why no divergence after a resume is no verdict: the earlier steps are in one run only."""
+    return (f"no divergence from step {first} on, where {label} starts ({label} resumed a run?); the earlier "
+            f"steps are in the other run only. To judge the resume, compare the steps both hold: --from-step {first}")
+
+
 @dataclass
 class DiffResult(ToDict):
     """What `diff` found.  ``verdict`` is a `Verdict`: IDENTICAL, DIVERGED or INCOMPLETE

@@ -15,8 +15,11 @@ elements span 9 decades (1e-7..1e2), where the encoding loses low bits of the sm
 
 comm (torchrun, gloo): a flat fp32 gradient of --elements reduced over --nproc ranks by a plain
 fp32 all-reduce and by `reduce_blocks` (int8 MAX exponents, int64 reduce-scatter, fp32
-all-gather), alternating, --rounds each; median times and their ratio, and bytes per rank under
-the ring cost model (all-reduce 2(W-1)/W of the buffer, reduce-scatter/all-gather (W-1)/W).
+all-gather), side by side: each of --rounds rounds times both (alternating which goes first),
+a round's time being its slowest rank's; the median of the per-round ratios with a 95% bootstrap
+interval and the min-max, the median times, the 1-minute load average before and after (the
+machine may be shared), and bytes per rank under the ring cost model (all-reduce 2(W-1)/W of
+the buffer, reduce-scatter/all-gather (W-1)/W).
 
 loop (torchrun): the small training loop of tests/scripts_invariant/train_dp.py, whole-step time
 with --grad-reduce invariant versus mean, alternating runs; median step time ratio.
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -46,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from samebits.invariant import (DEFAULT_BLOCK_SIZE, ReduceStats, block_exponents, decode, encode, fraction_bits,
-                                reduce_blocks)
+                                native_description, reduce_blocks)
 
 HERE = Path(__file__).resolve().parent
 TRAIN = HERE.parent / "tests" / "scripts_invariant" / "train_dp.py"
@@ -120,30 +124,48 @@ def _comm_worker(elements: int, rounds: int) -> None:
     grad = (torch.randn(blocks, DEFAULT_BLOCK_SIZE, generator=gen) * 1e-3).float()
     plain, inv = [], []
     stats = ReduceStats()
-    for r in range(rounds + 2):
-        dist.barrier()
-        t = time.perf_counter()
-        flat = grad.reshape(-1).clone()
-        dist.all_reduce(flat)
-        plain.append(time.perf_counter() - t)
-        dist.barrier()
-        t = time.perf_counter()
-        reduce_blocks([grad], num_micro_batches=world, stats=stats if r == 0 else None)
-        inv.append(time.perf_counter() - t)
+    for r in range(rounds + 2):  # side by side: each round times both, in alternating order
+        for mode in (("plain", "invariant") if r % 2 else ("invariant", "plain")):
+            dist.barrier()
+            t = time.perf_counter()
+            if mode == "plain":
+                flat = grad.reshape(-1).clone()
+                dist.all_reduce(flat)
+                plain.append(time.perf_counter() - t)
+            else:
+                reduce_blocks([grad], num_micro_batches=world, stats=stats if r == 0 else None)
+                inv.append(time.perf_counter() - t)
+    times = torch.tensor([plain[2:], inv[2:]], dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a round lasts as long as its slowest rank
     if rank == 0:
-        p, i = statistics.median(plain[2:]), statistics.median(inv[2:])
-        print(json.dumps({"nproc": world, "elements": blocks * DEFAULT_BLOCK_SIZE, "plain_allreduce_s": p,
-                          "invariant_s": i, "time_ratio": i / p, "bytes_per_rank_invariant": stats.bytes_sent,
+        plain_s, inv_s = times[0].tolist(), times[1].tolist()
+        ratios = [i / p for p, i in zip(plain_s, inv_s)]
+        print(json.dumps({"nproc": world, "elements": blocks * DEFAULT_BLOCK_SIZE, "rounds": rounds,
+                          "plain_allreduce_s": statistics.median(plain_s), "invariant_s": statistics.median(inv_s),
+                          "time_ratio": statistics.median(ratios),
+                          "time_ratio_95ci": _bootstrap_median_interval(ratios),
+                          "time_ratio_min_max": [min(ratios), max(ratios)],
+                          "bytes_per_rank_invariant": stats.bytes_sent,
                           "bytes_per_rank_fp32_allreduce": stats.fp32_allreduce_bytes,
                           "bytes_ratio": stats.bytes_sent / stats.fp32_allreduce_bytes}))
     dist.destroy_process_group()
 
 
+def _bootstrap_median_interval(values: list[float], resamples: int = 2000) -> list[float]:
+    """A 95% bootstrap interval of the median of ``values`` (resampled with replacement)."""
+    gen = torch.Generator().manual_seed(0)
+    picks = torch.randint(0, len(values), (resamples, len(values)), generator=gen)
+    medians = torch.tensor(values, dtype=torch.float64)[picks].median(dim=1).values.sort().values
+    return [float(medians[int(0.025 * resamples)]), float(medians[int(0.975 * resamples) - 1])]
+
+
 def comm(nproc: int, elements: int, rounds: int) -> dict:
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
             __file__, "_comm_worker", "--elements", str(elements), "--rounds", str(rounds)]
+    load_before = os.getloadavg()[0]
     done = subprocess.run(argv, capture_output=True, text=True, check=True)
-    return json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
+    result = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
+    return {**result, "native": native_description(), "load_1min_before_after": [load_before, os.getloadavg()[0]]}
 
 
 def loop(nproc: int, steps: int, rounds: int) -> dict:

@@ -78,13 +78,14 @@ def test_native_path_has_the_reference_bits(block_size, num_buffers, num_micro_b
 
 
 @needs_library
-@pytest.mark.parametrize("num_micro_batches", [1, 4, 1 << 32])
-def test_native_decode_rounds_like_the_reference(num_micro_batches):
+@pytest.mark.parametrize("num_micro_batches,block_size", [(1, 16), (4, 16), (1 << 32, 16), (8, 1), (2, 5000)])
+def test_native_decode_rounds_like_the_reference(num_micro_batches, block_size):
     """Sums of every magnitude under exponents of every kind: the int64 -> fp32 rounding, the
-    scale, the subnormal grid (half-way cases on it included) and the nan blocks."""
+    scale, the subnormal grid (half-way cases on it included) and the nan blocks; with partial
+    sums added in the decode's pass (blocks longer than its 4096-element pieces included)."""
     bits = fraction_bits(num_micro_batches)
     gen = torch.Generator().manual_seed(num_micro_batches)
-    num_blocks, block_size = 3000, 16
+    num_blocks = 48000 // block_size + 3
     exps = torch.randint(-128, 128, (num_blocks,), generator=gen, dtype=torch.int64).to(torch.int8)
     magnitude = torch.randint(0, 63, (num_blocks, block_size), generator=gen)
     sums = torch.randint(-(1 << 62), 1 << 62, (num_blocks, block_size), generator=gen) >> (62 - magnitude)
@@ -93,6 +94,9 @@ def test_native_decode_rounds_like_the_reference(num_micro_batches):
     sums = torch.where(torch.rand(sums.shape, generator=gen) < 0.3, halfway, sums).contiguous()
     expected = decode_into(sums, exps, bits, backend="torch")
     assert _bits_equal(decode_into(sums, exps, bits, backend="native"), expected)
+    parts = [torch.randint(-(1 << 62), 1 << 62, sums.shape, generator=gen) for _ in range(3)]  # received partial sums
+    assert _bits_equal(decode_into(sums - parts[0] - parts[1] - parts[2], exps, bits, addends=parts,  # wraps: exact
+                                   backend="native"), expected)
     assert (expected != 0).any() and (expected.abs() < 2.0 ** -126).logical_and(expected != 0).any()
 
 

@@ -20,6 +20,8 @@ way, so tp=1, 2, 4 ... give the same bits.
 """
 
 from samebits.invariant._fixed import DEFAULT_BLOCK_SIZE, block_exponents, decode, encode, fraction_bits
+# Internal but stable, not in __all__: which CPU path the reduction runs (for benchmarks).
+from samebits.invariant._fixed_native import describe as native_description  # noqa: F401
 from samebits.invariant._matmul import (TP_BLOCK_SIZE, column_parallel_linear, invariant_matmul, invariant_sum,
                                        row_parallel_linear, scale_columns)
 from samebits.invariant._norm import clip_sharded_grad_norm_, sharded_grad_norm

@@ -26,6 +26,7 @@ import torch
 
 from samebits.errors import ConfigError
 from samebits.invariant import _fixed_native
+from samebits.kernels import fixed_point_decode, fixed_point_encode_sum, fixed_point_runs_on
 
 DEFAULT_BLOCK_SIZE = 256
 EXPONENT_MIN = -128  # int8 exponents: blocks smaller than 2**-128 encode exactly anyway (P >= 21)
@@ -141,17 +142,26 @@ def _decode_wide(sums: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     return (values.to(torch.float64) * pow2(-shift.flatten())[:, None]).to(torch.float32)  # exact scale
 
 
-BACKENDS = ("auto", "torch", "native")
+BACKENDS = ("auto", "torch", "native", "triton")
 
 
 def _pick(backend: str, tensors: list[torch.Tensor], dtypes: list[torch.dtype], function: str,
           exponents: torch.Tensor | None = None) -> str:
-    """"native" (the C library: CPU, fp32, contiguous, loaded) or "torch" (the definition above)."""
+    """"native" (the C library: CPU, fp32, contiguous, loaded), "triton" (CUDA tensors, Triton
+    installed; "auto" picks it there) or "torch" (the definition above)."""
     if backend not in BACKENDS:
         raise ConfigError(f"{function}: backend={backend!r} is not one of {BACKENDS}; 'torch' is the reference "
-                          "(the definition), 'native' the C library (CPU fp32 only), 'auto' picks")
+                          "(the definition), 'native' the C library (CPU fp32 only), 'triton' the GPU kernels, "
+                          "'auto' picks")
     if backend == "torch":
         return "torch"
+    if backend == "triton" or (backend == "auto" and tensors[0].device.type == "cuda"):
+        fits = (exponents is not None and fixed_point_runs_on(tensors[0].device) and exponents.dtype == torch.int8
+                and [t.dtype for t in tensors] == dtypes and all(t.is_contiguous() for t in [*tensors, exponents]))
+        if backend == "triton" and not fits:
+            raise ConfigError(f"{function}: backend='triton' needs Triton on this device (CUDA, or "
+                              "TRITON_INTERPRET=1) and contiguous tensors with int8 exponents")
+        return "triton" if fits else "torch"
     native = (_fixed_native.runs_on(tensors) and [t.dtype for t in tensors] == dtypes
               and (exponents is None or (exponents.dtype == torch.int8 and exponents.device.type == "cpu"
                                          and exponents.shape == (tensors[0].shape[0],))))
@@ -164,7 +174,9 @@ def _pick(backend: str, tensors: list[torch.Tensor], dtypes: list[torch.dtype], 
 
 def max_block_exponents(buffers: list[torch.Tensor], *, backend: str = "auto") -> torch.Tensor:
     """The MAX of `block_exponents` over ``buffers`` (a rank's micro-batches, each (num_blocks,
-    block_size) fp32): one pass over all of them on the native path."""
+    block_size) fp32): one pass over all of them on the native path (torch ops on a GPU)."""
+    if backend == "triton":  # no kernel of its own: a few torch ops over the GPU's memory
+        backend = "torch"
     if _pick(backend, buffers, [torch.float32] * len(buffers), "max_block_exponents") == "native":
         return _fixed_native.exponents(buffers)
     exps = block_exponents(buffers[0])
@@ -177,11 +189,14 @@ def encode_sum(buffers: list[torch.Tensor], exponents: torch.Tensor, bits: int, 
                backend: str = "auto") -> tuple[torch.Tensor, int]:
     """The sum of `encode` over ``buffers`` (int64, written to ``out`` when given) and the total
     inexact count; the native path encodes and adds in one pass with no temporaries."""
-    if _pick(backend, [*buffers, *([] if out is None else [out])],
-             [torch.float32] * len(buffers) + ([] if out is None else [torch.int64]), "encode_sum", exponents) == "native":
-        if out is None:
-            out = torch.empty(buffers[0].shape, dtype=torch.int64)
+    picked = _pick(backend, [*buffers, *([] if out is None else [out])],
+                   [torch.float32] * len(buffers) + ([] if out is None else [torch.int64]), "encode_sum", exponents)
+    if picked != "torch" and out is None:
+        out = torch.empty(buffers[0].shape, dtype=torch.int64, device=buffers[0].device)
+    if picked == "native":
         return out, _fixed_native.encode_sum(buffers, exponents.contiguous(), bits, out)
+    if picked == "triton":
+        return out, int(fixed_point_encode_sum(buffers, exponents, bits, out))
     total, inexact = encode(buffers[0], exponents, bits)
     for blocks in buffers[1:]:
         encoded, lost = encode(blocks, exponents, bits)
@@ -194,14 +209,25 @@ def encode_sum(buffers: list[torch.Tensor], exponents: torch.Tensor, bits: int, 
 
 
 def decode_into(sums: torch.Tensor, exponents: torch.Tensor, bits: int, *, out: torch.Tensor | None = None,
-                backend: str = "auto") -> torch.Tensor:
-    """`decode`, written to ``out`` (fp32, the shape of ``sums``) when given."""
-    if _pick(backend, [sums, *([] if out is None else [out])],
-             [torch.int64] + ([] if out is None else [torch.float32]), "decode_into", exponents) == "native":
-        if out is None:
-            out = torch.empty(sums.shape, dtype=torch.float32)
-        _fixed_native.decode(sums, exponents.contiguous(), bits, out)
+                addends: list[torch.Tensor] = (), backend: str = "auto") -> torch.Tensor:
+    """`decode` of ``sums`` plus every one of ``addends`` (int64, the same shape: the partial sums
+    a reduce-scatter received, added in the same pass on the native path), written to ``out``
+    (fp32) when given."""
+    extra = list(addends)
+    picked = _pick(backend, [sums, *extra, *([] if out is None else [out])],
+                   [torch.int64] * (1 + len(extra)) + ([] if out is None else [torch.float32]), "decode_into",
+                   exponents)
+    if picked != "torch" and out is None:
+        out = torch.empty(sums.shape, dtype=torch.float32, device=sums.device)
+    if picked == "native":
+        _fixed_native.decode(sums, exponents.contiguous(), bits, out, extra)
         return out
+    if picked == "triton":
+        for addend in extra:
+            sums = sums + addend  # int64: exact, any order
+        return fixed_point_decode(sums, exponents, bits, out)
+    for addend in extra:
+        sums = sums + addend  # int64: exact, any order
     values = decode(sums, exponents, bits)
     if out is None:
         return values

@@ -18,7 +18,7 @@ from array import array
 
 import torch
 
-_ABI_VERSION = 1  # SAMEBITS_FIXED_ABI_VERSION in csrc/fixed.c
+_ABI_VERSION = 2  # SAMEBITS_FIXED_ABI_VERSION in csrc/fixed.c
 
 
 def _load() -> ctypes.CDLL | None:
@@ -36,6 +36,7 @@ def _load() -> ctypes.CDLL | None:
         warnings.warn(f"samebits: {spec.origin} is from another samebits version; the invariant reduction uses "
                       "its torch path (same bits, slower); rebuild with `pip install -e .`", stacklevel=2)
         return None
+    lib.samebits_fixed_has_openmp.restype = ctypes.c_int
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     lib.samebits_fixed_exponents.restype = None
     lib.samebits_fixed_exponents.argtypes = [ctypes.c_uint64, pointer, size, size, pointer, ctypes.c_int]
@@ -43,7 +44,8 @@ def _load() -> ctypes.CDLL | None:
     lib.samebits_fixed_encode_sum.argtypes = [ctypes.c_uint64, pointer, size, size, pointer, ctypes.c_int, pointer,
                                               ctypes.c_int]
     lib.samebits_fixed_decode.restype = None
-    lib.samebits_fixed_decode.argtypes = [pointer, size, size, pointer, ctypes.c_int, pointer, ctypes.c_int]
+    lib.samebits_fixed_decode.argtypes = [pointer, ctypes.c_uint64, pointer, size, size, pointer, ctypes.c_int, pointer,
+                                          ctypes.c_int]
     return lib
 
 
@@ -60,6 +62,17 @@ def _mark_forked_child() -> None:
 
 
 os.register_at_fork(after_in_child=_mark_forked_child)
+
+
+def describe() -> str:
+    """One line for benchmarks and bug reports: whether the CPU passes run natively."""
+    if LIB is None:
+        return "not built (torch path)"
+    return f"native ({'OpenMP' if _has_openmp() else 'no OpenMP'}, {torch.get_num_threads()} threads)"
+
+
+def _has_openmp() -> bool:
+    return bool(LIB.samebits_fixed_has_openmp())
 
 
 def _threads() -> int:
@@ -96,8 +109,10 @@ def encode_sum(buffers: list[torch.Tensor], exps: torch.Tensor, bits: int, out: 
                                          exps.data_ptr(), bits, out.data_ptr(), _threads())
 
 
-def decode(sums: torch.Tensor, exps: torch.Tensor, bits: int, out: torch.Tensor) -> None:
-    """out = `_fixed.decode` of int64 ``sums`` (fp32, written)."""
+def decode(sums: torch.Tensor, exps: torch.Tensor, bits: int, out: torch.Tensor,
+           addends: list[torch.Tensor] = ()) -> None:
+    """out = `_fixed.decode` of int64 ``sums`` + every addend (added in the same pass) (fp32, written)."""
     num_blocks, block_size = sums.shape
-    LIB.samebits_fixed_decode(sums.data_ptr(), num_blocks, block_size, exps.data_ptr(), bits, out.data_ptr(),
-                              _threads())
+    addresses = _addresses(list(addends))
+    LIB.samebits_fixed_decode(sums.data_ptr(), len(addresses), addresses.buffer_info()[0], num_blocks, block_size,
+                              exps.data_ptr(), bits, out.data_ptr(), _threads())

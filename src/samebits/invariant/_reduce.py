@@ -32,8 +32,8 @@ from torch.distributed.tensor import DTensor
 
 from samebits._torchutil import group_rank_and_world_size
 from samebits.errors import ConfigError, SamebitsError
-from samebits.invariant._fixed import (DEFAULT_BLOCK_SIZE, EXPONENT_NONFINITE, block_exponents, decode, encode,
-                                       fraction_bits)
+from samebits.invariant._fixed import (DEFAULT_BLOCK_SIZE, EXPONENT_NONFINITE, decode_into, encode_sum, fraction_bits,
+                                       max_block_exponents)
 from samebits.invariant._preconditions import Preconditions, micro_batch_seed
 from samebits.verdicts import ToDict
 
@@ -102,6 +102,7 @@ def reduce_blocks(micro_batches: list[torch.Tensor], *, num_micro_batches: int, 
     the fraction bits, so it must be the same at every DP size).  Returns the reduced fp32
     blocks, the same bits on every rank and at every DP size; ``scatter_only``: only this
     rank's share, rows [rank * n / W, (rank + 1) * n / W) (a reduce-scatter, no all-gather).
+    On the CPU the passes are the C library's (`_fixed.encode_sum` and friends: one pass each).
     """
     rank, world_size = group_rank_and_world_size(group)
     if not micro_batches:
@@ -109,47 +110,137 @@ def reduce_blocks(micro_batches: list[torch.Tensor], *, num_micro_batches: int, 
                           "each micro-batch's backward)")
     bits = fraction_bits(num_micro_batches)
     num_blocks, block_size = micro_batches[0].shape
-    exps = block_exponents(micro_batches[0])
-    for blocks in micro_batches[1:]:
-        exps = torch.maximum(exps, block_exponents(blocks))
-    if world_size > 1:
-        dist.all_reduce(exps, op=dist.ReduceOp.MAX, group=group)  # exact: a max of integers
-    total, inexact = encode(micro_batches[0], exps, bits)
-    for blocks in micro_batches[1:]:
-        encoded, lost = encode(blocks, exps, bits)
-        total += encoded  # int64: exact, any order
-        inexact += lost
-    device = micro_batches[0].device  # NCCL needs the collectives' tensors on the GPU
-    counts = torch.tensor([inexact], dtype=torch.int64, device=device)
     if world_size > 1 and num_blocks % world_size:
         raise ConfigError(f"rank {rank}: {num_blocks} blocks do not split over {world_size} ranks; pad the "
                           "buffer to a multiple of the group size")
+    device = micro_batches[0].device  # NCCL needs the collectives' tensors on the GPU
+    # gloo has no reduce-scatter of its own (it all-reduces the whole buffer: twice the bytes)
+    # and runs its collectives in several rounds: it gets one round of sends and receives each.
+    gloo = world_size > 1 and dist.get_backend(group) == "gloo"
+    exps = max_block_exponents(micro_batches)
+    if gloo:
+        exps = _exchange_max(exps, rank, world_size, group)
+    elif world_size > 1:
+        dist.all_reduce(exps, op=dist.ReduceOp.MAX, group=group)  # exact: a max of integers
+    shard_blocks = num_blocks // world_size
+    mine = slice(rank * shard_blocks, (rank + 1) * shard_blocks)
+    reduced = torch.empty(num_blocks if not scatter_only else shard_blocks, block_size, dtype=torch.float32,
+                          device=device)
+    decoded = reduced if scatter_only or world_size == 1 else reduced[mine]
     if world_size == 1:
-        reduced = decode(total, exps, bits)
+        total, inexact = encode_sum(micro_batches, exps, bits)
+        decode_into(total, exps, bits, out=decoded)
+    elif gloo:
+        inexact = _exchange_reduce_scatter(micro_batches, exps, bits, rank, world_size, group, decoded)
+        if not scatter_only:
+            _exchange_all_gather(reduced, rank, world_size, group)
     else:
-        shard_blocks = num_blocks // world_size
+        total, inexact = encode_sum(micro_batches, exps, bits, out=_workspace("total", (num_blocks, block_size), device))
+        counts = torch.tensor([inexact], dtype=torch.int64, device=device)
+        counted = dist.all_reduce(counts, group=group, async_op=True)  # overlaps the rest
         shard = torch.empty(shard_blocks, block_size, dtype=torch.int64, device=device)
         dist.reduce_scatter_tensor(shard, total, group=group)  # int64 SUM: exact and associative
-        mine = slice(rank * shard_blocks, (rank + 1) * shard_blocks)
-        decoded = decode(shard, exps[mine], bits)
-        if scatter_only:
-            reduced = decoded
-        else:
-            reduced = torch.empty(num_blocks, block_size, dtype=torch.float32, device=device)
+        decode_into(shard, exps[mine], bits, out=decoded)
+        if not scatter_only:  # the input is the output's own slice: no copy
             dist.all_gather_into_tensor(reduced, decoded, group=group)
-        dist.all_reduce(counts, group=group)
+        counted.wait()
+        inexact = int(counts[0]) if stats is not None else 0
     if stats is not None:
         element_bytes = num_blocks * block_size
         stats.num_elements += element_bytes
         stats.num_blocks += num_blocks
         stats.fraction_bits = bits
-        stats.inexact_elements += int(counts[0])
+        stats.inexact_elements += inexact
         stats.nonfinite_blocks += int((exps == EXPONENT_NONFINITE).sum())
         stats.bytes_sent += (ring_bytes("all_reduce", num_blocks, world_size)  # int8 exponents
                              + ring_bytes("reduce_scatter", 8 * element_bytes, world_size)
                              + (0 if scatter_only else ring_bytes("all_gather", 4 * element_bytes, world_size)))
         stats.fp32_allreduce_bytes += ring_bytes("all_reduce", 4 * element_bytes, world_size)
     return reduced
+
+
+_WORKSPACES: dict[tuple, torch.Tensor] = {}
+_MAX_WORKSPACES = 16  # one pair per DDP bucket / FSDP group shape; more distinct shapes start over
+
+
+def _workspace(name: str, shape, device: torch.device) -> torch.Tensor:
+    """An int64 buffer kept between steps (contents undefined): a fresh one costs its page
+    faults on every call, about as long as the encode pass itself on the CPU."""
+    key = (name, tuple(shape), str(device))
+    buffer = _WORKSPACES.get(key)
+    if buffer is None:
+        if len(_WORKSPACES) >= _MAX_WORKSPACES:
+            _WORKSPACES.clear()
+        buffer = _WORKSPACES[key] = torch.empty(tuple(shape), dtype=torch.int64, device=device)
+    return buffer
+
+
+def _peers(rank: int, world_size: int) -> list[int]:
+    """The other ranks, starting after this one (so that no rank is everybody's first)."""
+    return [(rank + i) % world_size for i in range(1, world_size)]
+
+
+def _exchange_max(exps: torch.Tensor, rank: int, world_size: int, group) -> torch.Tensor:
+    """The MAX of every rank's int8 block exponents: each rank sends its own to every other (one
+    round); past 1 MiB of exponents at more than 2 ranks (block_size 1 on a large model), where
+    that sends more bytes than a ring, gloo's all-reduce instead."""
+    if world_size > 2 and exps.numel() > 1 << 20:
+        dist.all_reduce(exps, op=dist.ReduceOp.MAX, group=group)
+        return exps
+    peers = _peers(rank, world_size)
+    theirs = torch.empty(len(peers), *exps.shape, dtype=exps.dtype, device=exps.device)
+    works = [dist.irecv(theirs[i], group=group, group_src=peer) for i, peer in enumerate(peers)]
+    works += [dist.isend(exps, group=group, group_dst=peer) for peer in peers]
+    for work in works:
+        work.wait()
+    return torch.maximum(exps, theirs.amax(dim=0))  # exact: a max of integers, any order
+
+
+def _exchange_reduce_scatter(micro_batches: list[torch.Tensor], exps: torch.Tensor, bits: int, rank: int,
+                             world_size: int, group, out: torch.Tensor) -> int:
+    """The int64 reduce-scatter for gloo, whose own all-reduces the whole buffer and keeps a
+    slice (twice the bytes): each rank encodes rank p's chunk and sends it to p straight away
+    (so the encode overlaps the transfers), receives its own chunk's partial sums from every
+    rank, and decodes their sum into ``out`` in one pass.  The bytes a rank sends are a ring's,
+    (W - 1) / W of the buffer, in one round instead of W - 1.  Returns the global inexact count
+    (each rank's count travels with its chunks)."""
+    rows = micro_batches[0].shape[0] // world_size
+    total = _workspace("total", micro_batches[0].shape, micro_batches[0].device)
+    received = _workspace("received", (world_size - 1, rows, total.shape[1]), total.device)
+
+    def chunk(c: int) -> slice:
+        return slice(c * rows, (c + 1) * rows)
+
+    def encode_chunk(c: int) -> int:
+        return encode_sum([blocks[chunk(c)] for blocks in micro_batches], exps[chunk(c)], bits, out=total[chunk(c)])[1]
+
+    peers = _peers(rank, world_size)
+    receiving = [dist.irecv(received[i], group=group, group_src=peer) for i, peer in enumerate(peers)]
+    sending, inexact = [], 0
+    for peer in reversed(peers):  # the rank just before this one gets its chunk first: it is everyone's last
+        inexact += encode_chunk(peer)
+        sending.append(dist.isend(total[chunk(peer)], group=group, group_dst=peer))
+    inexact += encode_chunk(rank)
+    counts = torch.tensor([inexact] * world_size, dtype=torch.int64)  # [0]: this rank's, [1:]: the peers'
+    receiving += [dist.irecv(counts[i + 1:i + 2], group=group, group_src=peer) for i, peer in enumerate(peers)]
+    sending += [dist.isend(counts[:1], group=group, group_dst=peer) for peer in peers]
+    for work in receiving:
+        work.wait()
+    decode_into(total[chunk(rank)], exps[chunk(rank)], bits, out=out, addends=list(received))
+    for work in sending:
+        work.wait()
+    return int(counts.sum())
+
+
+def _exchange_all_gather(reduced: torch.Tensor, rank: int, world_size: int, group) -> None:
+    """All-gather of this rank's rows of ``reduced`` into everyone's, for gloo: straight sends
+    and receives into the slices (one round, no staging copy)."""
+    rows = reduced.shape[0] // world_size
+    peers = _peers(rank, world_size)
+    works = [dist.irecv(reduced[peer * rows:(peer + 1) * rows], group=group, group_src=peer) for peer in peers]
+    works += [dist.isend(reduced[rank * rows:(rank + 1) * rows], group=group, group_dst=peer) for peer in peers]
+    for work in works:
+        work.wait()
 
 
 class GradientAccumulator:
@@ -302,8 +393,10 @@ class InvariantReduceScatter:
         if input_tensor.dtype != torch.float32:
             raise ConfigError(f"InvariantReduceScatter takes fp32 gradients, got {input_tensor.dtype}: keep "
                               "FSDP2's reduce_dtype fp32 (MixedPrecisionPolicy(reduce_dtype=torch.float32))")
-        self._pending.append(input_tensor.detach().reshape(-1, 1).clone())
-        if len(self._pending) < self.num_local_micro_batches:
+        flat = input_tensor.detach().reshape(-1, 1)
+        last = len(self._pending) + 1 == self.num_local_micro_batches
+        self._pending.append(flat if last else flat.clone())  # FSDP2's buffer outlives this call only
+        if not last:
             output_tensor.zero_()
             return None
         stats = ReduceStats()
@@ -372,8 +465,10 @@ def invariant_comm_hook(state: InvariantHookState, bucket) -> torch.futures.Futu
     # Kept per parameter: DDP rebuilds its buckets after the first iteration (other members,
     # other order), and the Python objects of bucket.parameters() are new on every call.
     keys = [(p.data_ptr(), p.numel()) for p in bucket.parameters()]
+    # The last micro-batch's gradients are read (by `gather`) before the hook returns: no copy.
+    last = len(state._pending.get(keys[0], [])) + 1 >= state.num_local_micro_batches
     for key, grad in zip(keys, grads):
-        state._pending.setdefault(key, []).append(grad.detach().reshape(-1).clone())
+        state._pending.setdefault(key, []).append(grad.detach().reshape(-1) if last else grad.detach().reshape(-1).clone())
     buffer = bucket.buffer()
     future = torch.futures.Future()
     if len(state._pending[keys[0]]) < state.num_local_micro_batches:

@@ -10,6 +10,9 @@ the slots in a fixed order.
 - `moe_combine`: the MoE unpermute out[t] = sum_k prob[t, k] * expert_out[slot[t, k]].
 - `digest_body`: the body of the samebits tensor digest, one fused pass over the bytes.
 
+And the block fixed point of samebits.invariant's reduction on the GPU (`fixed_point_encode_sum`,
+`fixed_point_decode`, elementwise: one variant, bit for bit the torch definition).
+
 Triton is optional.  `available()` says whether the kernels run here (CUDA, or the CPU
 interpreter with TRITON_INTERPRET=1); otherwise every function falls back to its torch
 reference (`reference_*`), with a warning for the kernel variants.  See docs/kernels.md.
@@ -18,6 +21,7 @@ reference (`reference_*`), with a warning for the kernel variants.  See docs/ker
 from samebits.kernels._backend import available
 from samebits.kernels._combine import moe_combine
 from samebits.kernels._digest import digest_body, digest_body_many
+from samebits.kernels._fixed import fixed_point_decode, fixed_point_encode_sum, fixed_point_runs_on
 from samebits.kernels._gemm import grouped_gemm_dprob
 from samebits.kernels._reference import reference_grouped_gemm_dprob, reference_moe_combine
 from samebits.fingerprint import register_body_sum_backend
@@ -31,6 +35,9 @@ __all__ = [
     "moe_combine",
     "digest_body",
     "digest_body_many",
+    "fixed_point_encode_sum",
+    "fixed_point_decode",
+    "fixed_point_runs_on",
     "reference_grouped_gemm_dprob",
     "reference_moe_combine",
 ]

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from samebits.checkpoint._bundle import empty_tensors
+from samebits.checkpoint._bundle import _TENSOR, empty_tensors
 from samebits.checkpoint._errors import CheckpointError, CheckpointLayoutError
 from samebits.checkpoint._layout import _cut, _pieces, _renamed, _same_on_every_rank, base_key
 from samebits.checkpoint._commit import resolve
@@ -137,7 +137,7 @@ def _state_parts(saved: list[dict[str, Any]], tensors: dict[str, torch.Tensor], 
             for name in group.get("params", []):
                 per_param[name] = {"settings": rest}
         for name, entry in (optimizer.get("state") or {}).items():
-            plain_state = {k: v for k, v in entry.items() if not (isinstance(v, dict) and "__tensor__" in v)}
+            plain_state = {k: v for k, v in entry.items() if not (isinstance(v, dict) and _TENSOR in v)}
             per_param.setdefault(name, {})["state"] = plain_state
         for name, value in per_param.items():
             if name in settings and settings[name] != value:

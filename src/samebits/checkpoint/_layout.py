@@ -14,11 +14,10 @@ from typing import Any
 
 import torch
 
-from samebits.checkpoint._bundle import StateBundle, collect
+from samebits.checkpoint._bundle import _TENSOR, StateBundle, collect
 from samebits.checkpoint._errors import CheckpointLayoutError
 
 _RANK_SUFFIX = re.compile(r"@rank\d+")
-_TENSOR = "__tensor__"
 _PLAIN_FIELDS = ("progress", "metadata", "lr_scheduler", "optimizer")
 
 

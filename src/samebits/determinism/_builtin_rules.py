@@ -41,9 +41,8 @@ def _unset_advice(setting: EnvSetting) -> str:
 
 
 def _default_threads() -> str:
-    """torch's default intra-op thread count on this machine, when torch is already imported
-    (importing it only for a number would cost the CLI seconds); else ``<n>``.  In the
-    `samebits check` process the count is untouched, so it is what a fresh run here gets."""
+    """torch's default thread count here, when torch is already imported (importing it for a
+    number would cost the CLI seconds); else ``<n>``."""
     torch = sys.modules.get("torch")
     return str(torch.get_num_threads()) if torch is not None else "<n>"
 

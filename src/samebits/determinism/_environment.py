@@ -14,10 +14,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 CUBLAS_WORKSPACE_CONFIGS = (":4096:8", ":16:8")
-# Algorithms whose reduction order is fixed by the topology: a ring always sums in ring
-# order, CollNet (SHARP) chains/direct are fixed trees.  Tree's shape depends on the
-# tuner and node count, NVLS / NVLSTree reduce inside the NVSwitch in arrival order, PAT
-# is an all-gather/reduce-scatter algorithm whose order changes with scale.
+# Algorithms whose reduction order the topology fixes (a ring, CollNet's fixed trees); Tree's
+# shape follows the tuner and node count, NVLS reduces in arrival order, PAT's order changes with scale.
 NCCL_ALGOS_DETERMINISTIC = ("Ring", "CollnetDirect", "CollnetChain")
 NCCL_ALGOS_REJECTED = ("Tree", "NVLS", "NVLSTree", "PAT")
 NCCL_PROTOS = ("Simple", "LL", "LL128")
@@ -119,14 +117,16 @@ ENV_SETTINGS: tuple[EnvSetting, ...] = (
             "NCCL version and tuner plugins.",
         fix="export NCCL_PROTO=Simple"),
     EnvSetting(
-        name="NVTE_ALLOW_NONDETERMINISTIC_ALGO", requires=("cuda", "gpu", "transformer_engine"), rule_id="env-nvte-nondeterministic",
+        name="NVTE_ALLOW_NONDETERMINISTIC_ALGO", requires=("cuda", "gpu", "transformer_engine"),
+        rule_id="env-nvte-nondeterministic",
         default="0", validate=_is_0,
         checks="NVTE_ALLOW_NONDETERMINISTIC_ALGO is 0",
         why="Transformer Engine otherwise picks fused-attention backward kernels that "
             "accumulate with atomics.",
         fix="export NVTE_ALLOW_NONDETERMINISTIC_ALGO=0"),
     EnvSetting(
-        name="FLASH_ATTENTION_DETERMINISTIC", requires=("cuda", "gpu", "flash_attn"), rule_id="env-flash-attention", default="1",
+        name="FLASH_ATTENTION_DETERMINISTIC", requires=("cuda", "gpu", "flash_attn"), rule_id="env-flash-attention",
+        default="1",
         validate=_starts_with_1,
         checks="FLASH_ATTENTION_DETERMINISTIC is 1",
         why="flash-attention's backward accumulates dQ with atomicAdd unless called with "
@@ -140,7 +140,8 @@ ENV_SETTINGS: tuple[EnvSetting, ...] = (
         why="mamba-ssm's backward kernels use atomics unless this is set (Megatron requires it).",
         fix="export MAMBA_DETERMINISTIC=1"),
     EnvSetting(
-        name="CAUSAL_CONV1D_DETERMINISTIC", requires=("cuda", "gpu", "causal_conv1d"), rule_id="env-causal-conv1d", default="1",
+        name="CAUSAL_CONV1D_DETERMINISTIC", requires=("cuda", "gpu", "causal_conv1d"), rule_id="env-causal-conv1d",
+        default="1",
         validate=_starts_with_1,
         checks="CAUSAL_CONV1D_DETERMINISTIC is 1",
         why="causal-conv1d's weight-gradient kernel uses atomics unless this is set "

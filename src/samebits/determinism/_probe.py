@@ -27,9 +27,8 @@ from samebits.determinism._ops import lookup_op
 from samebits.verdicts import ToDict, serialised
 
 DEFAULT_NAMESPACES = ("aten", "prims", "samebits")
-# Comparisons per op signature: a race in >= 26% of executions is found with >= 95%
-# probability; measured on a 4-layer encoder step, the first step costs 5.2x unprobed
-# (one comparison per call: 2.6x), later steps 2.65x.  `samebits probe --comparisons N`.
+# Comparisons per op signature: a race in >= 26% of executions is found with >= 95% probability;
+# measured on a 4-layer encoder step: first step 5.2x unprobed (2.6x at one), later steps 2.65x.
 DEFAULT_COMPARISONS = 10
 MIN_COMPARISONS = 2  # one comparison is one coin toss, not a verdict
 _FLUSH_EVERY = 512  # pending comparisons read back per host sync

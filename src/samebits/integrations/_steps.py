@@ -87,9 +87,8 @@ class StepRecorder:
 
 
 def say(owner: str, message: str, *, finding: bool = False, step: int | None = None) -> None:
-    """One line on stderr from rank 0 (every rank would repeat it).  A ``finding`` (something
-    that makes the run differ) is also left in the recorded run, where `samebits verify`
-    shows it with its verdict (`samebits.autorecord.note`)."""
+    """One line on stderr from rank 0; a ``finding`` (it makes the run differ) is also left in the
+    recorded run for `samebits verify` (`samebits.autorecord.note`)."""
     if os.environ.get("RANK", "0") == "0":
         print(f"samebits ({owner}): {message}", file=sys.stderr, flush=True)
         if finding:

@@ -113,9 +113,8 @@ def across_switches(cells: Sequence[ParallelDims]) -> list[str]:
 
 
 def invariant_reductions(switches: Sequence[str], layouts: Sequence[ParallelDims] | None = None) -> list[dict]:
-    """What ``switches`` make invariant, one entry per axis of `cells.AXES` whose switch is
-    among them; with ``layouts``, only the axes some layout splits (> 1), so that a
-    certificate lists what its layouts exercised, not every axis the switch would cover."""
+    """What ``switches`` make invariant, one entry per axis of `cells.AXES` whose switch is among
+    them; with ``layouts``, only the axes some layout splits (what a certificate exercised)."""
     return [{"switch": axis.switch, "size": axis.field, "covers": axis.covers} for axis in cells.AXES
             if axis.switch in switches and (layouts is None or any(dims.size(axis) > 1 for dims in layouts))]
 

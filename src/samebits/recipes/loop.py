@@ -275,9 +275,8 @@ class _Run:
         return result
 
     def record_census(self, census, tracer) -> None:
-        """The state census at the step start (every RNG, step counts, learning rates, the
-        precision's state) into its own stream: a resumed run that differs there names the
-        state its checkpoint did not restore.  samebits' own work: never traced."""
+        """The state census at the step start into its own stream (names the state a resume did
+        not restore); samebits' own work: never traced."""
         step = self.step
         if census is None or not _wanted_phases(census, step)(phases.STATE):
             return
@@ -488,8 +487,7 @@ def _shard_places(model: torch.nn.Module) -> dict[str, checkpoint.TensorShard]:
 
 def _wanted_phases(rec, step: int):
     """phase -> whether ``rec`` keeps that phase's records at ``step``, so records it would drop
-    (a step or phase filtered out, a rank not recorded) are never built: no census, no
-    activation hooks, no parameter lists.  A duck-typed recorder without ``wants`` keeps all."""
+    are never built; a duck-typed recorder without ``wants`` keeps all."""
     if rec is None:
         return lambda phase: False
     wants = getattr(rec, "wants", None)

@@ -18,10 +18,8 @@ from samebits.testing import _options
 from samebits.testing._options import OPTIONS, add_to_pytest
 from samebits.testing.coverage import check_coverage, render_coverage  # parses sources: no torch
 
-# The plugin loads in every pytest run of an environment where samebits is installed, also
-# in projects that never use it: it imports nothing that imports torch until a test uses a
-# marker or fixture of its own (the two function-level imports below, of the modules that
-# import torch; docs/architecture.md).  tests/test_testing.py checks it.
+# The plugin loads in every pytest run where samebits is installed: it imports torch only when a
+# test uses its marker or fixture (the two function-level imports below); tests/test_testing.py.
 
 _MARKER = ("bitwise(runs=None, threads=None, grads=True, contention=None, seed=0): run the test several "
            "times (at each thread count) and compare everything it returns, and the gradients, bit for bit")

@@ -44,9 +44,7 @@ class _OpInfo:
 
 class OpMode(TorchDispatchMode):
     """The tracer's dispatch mode; pushed only for the steps rung 3 (or a test hook) needs.
-    Samebits' own torch work passes straight through: the Recorder's and the tracer's run
-    inside `Tracer.suspended()`, a state census outside every dispatch mode
-    (`samebits._torchutil.outside_dispatch_modes`).  The mode never asks who called an op."""
+    samebits' own torch work passes straight through (`Tracer.suspended()`)."""
 
     def __init__(self, tracer):
         super().__init__()

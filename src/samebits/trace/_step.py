@@ -112,9 +112,8 @@ class StepState:
         self._seen[id(t)] = (version, weakref.ref(t), source, None)
 
     def mark_view(self, t: torch.Tensor, viewed: torch.Tensor, source: str | None) -> None:
-        """``t`` is a view op's output of the seen tensor ``viewed``: seen while ``viewed`` is.
-        (Inside the dispatch mode a view's version counter is not yet its base's, so its own
-        version then says nothing; `detach` outputs have no ``_base`` to follow.)"""
+        """``t`` is a view op's output of the seen tensor ``viewed``: seen while ``viewed`` is (in
+        the dispatch mode its own version counter says nothing yet)."""
         if version_of(t) is None:
             return
         self._seen[id(t)] = (version_of(viewed), weakref.ref(t), source, weakref.ref(viewed))

@@ -309,10 +309,8 @@ class Tracer:
                 yield self.param_names.get(id(param), "?"), param
 
     def _record_census(self) -> None:
-        """Rung 1, every traced step: the state census (every RNG state, optimizer step counts
-        and learning rates) at the step's first top-level forward, the state the model's RNG ops
-        start from.  Context, not an event: `find_origins`
-        never calls it an origin, but names the generator that differs when an RNG op is one."""
+        """Rung 1, every traced step: the state census at the step's first top-level forward.
+        Context, not an event: never an origin, but it names the generator behind an RNG op."""
         try:
             with self.suspended():
                 pairs = state_census(optimizers=self.optimizers())
@@ -442,10 +440,8 @@ class Tracer:
         # torch hands a global pre-hook the step's args with the optimizer first: step(self, closure)
         closure = kwargs.get("closure") if "closure" in kwargs else (args[1] if len(args) > 1 else None)
         if callable(closure):
-            # ``step(closure)`` (Lightning's training_step, LBFGS): the closure runs the step's
-            # forward and backward inside step(); they are phases of their own, and the
-            # gradients the update reduces are the closure's, so the optimizer phase begins
-            # when the closure returns.
+            # ``step(closure)`` (Lightning, LBFGS): the closure runs the step's forward and backward
+            # inside step(), so the optimizer phase begins when the closure returns.
             def traced_closure(*closure_args, **closure_kwargs):
                 if self.now is state and state.stage == "optimizer":
                     state.enter_stage("post")  # a root forward inside the closure begins a new forward
@@ -620,10 +616,9 @@ def _patch_autograd() -> None:
 
 
 def _unpatch_autograd() -> None:
-    """Put back each function this module replaced, if it is still the one there.  One that
-    somebody wrapped since (zero-code recording's backward-root wrapper) stays: restoring the
-    original under it would drop their wrapper, and ours passes straight through with no
-    tracer active.  It is then reused, not wrapped again, if tracing starts anew."""
+    """Put back each function this module replaced, if it is still the one there.  One wrapped
+    since (zero-code recording's backward-root wrapper) stays, passing straight through, and is
+    reused if tracing starts anew."""
     for name in ("backward", "grad"):
         if name in _autograd_patches and getattr(torch.autograd, name) is _autograd_patches[name]:
             setattr(torch.autograd, name, _autograd_originals.pop(name))
@@ -639,9 +634,8 @@ _OWN_DIRS = (TRACE_DIR, os.path.join(os.path.dirname(TRACE_DIR), "autorecord") +
 
 
 def _patch_optimizer_init() -> None:
-    """Zero-code: a process that builds an optimizer is a training worker, so step 0 is traced
-    from there (code between it and the first forward, e.g. a penalty over the parameters,
-    is traced too).  Launchers and data-loader workers build none and stay unarmed."""
+    """Zero-code: a process that builds an optimizer is a training worker, traced from there;
+    launchers and data-loader workers build none and stay unarmed."""
     if _optimizer_init:
         return
     original = torch.optim.Optimizer.__init__

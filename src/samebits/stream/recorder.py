@@ -24,7 +24,7 @@ from samebits.stream._files import (RUN_ID_FILE, STEP_TIMES_SUFFIX, StepTimes, S
                                     sibling_run_id, stream_header)
 from samebits.stream.phases import AFTER_OPTIMIZER_STEP, GLOBAL_PHASE_PREFIX, METRICS, optimizer_phase
 from samebits.stream.reader import open_run
-from samebits.stream.settings import RecorderSettings
+from samebits.stream._recorder_settings import RecorderSettings
 
 __all__ = ["Recorder", "RecorderHook", "RecordingSpec", "GLOBAL_PHASE_PREFIX", "STEP_TIMES_SUFFIX", "RUN_ID_FILE"]
 

@@ -19,8 +19,10 @@ product rounded to fp32, and the largest error relative to the bound sum_k |a_mk
 recipe: the reference recipe (ep=1), whole-step time with tp_reduce=invariant versus plain at
 the same layout, alternating runs; each round's ratio is the median of its invariant steps
 over the median of its plain steps (the first 3 steps of each run left out); printed: the
-median over rounds and its range.  --cell single (one process, in-process runs) also times
-mode "exact"; --cell tp2 runs each as one torchrun of 2 ranks (gloo, OMP_NUM_THREADS=1).
+median over rounds and its range.  Beside it the CPU time a step costs (a run of --steps
+minus a run of 3, over the steps between; both ranks' under tp2): on a shared machine the
+wall time also counts waiting for a core.  --cell single (one process, in-process runs) also
+times mode "exact"; --cell tp2 runs each as one torchrun of 2 ranks (gloo, OMP_NUM_THREADS=1).
 Every line carries the load average (`uptime`) at its start and end: the machine is shared.
 """
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -107,39 +110,57 @@ def accuracy(args) -> None:
                   f"p99 {ulps.quantile(0.99):.0f} ulp, max error / bound {rel:.2e}")
 
 
-def _in_process(name: str, steps: int) -> list[float]:
+def _in_process(name: str, steps: int) -> tuple[list[float], float]:
+    """(step wall times after the first 3, CPU seconds of the process over the run)."""
     from samebits.recipes import RecipeConfig, parallelize
     from samebits.recipes.loop import train
 
     parallelize.TP_MATMUL_MODE = "exact" if name == "exact" else "gemm"
+    start = time.process_time()
     try:
         result = train(RecipeConfig(ep=1, tp_reduce="plain" if name == "plain" else "invariant"), steps=steps)
     finally:
         parallelize.TP_MATMUL_MODE = "gemm"
-    return [m["step_time_s"] for m in result.metrics[3:]]
+    return [m["step_time_s"] for m in result.metrics[3:]], time.process_time() - start
 
 
-def _torchrun(name: str, steps: int) -> list[float]:
+def _torchrun(name: str, steps: int) -> tuple[list[float], float]:
+    """(step wall times after the first 3, CPU seconds of both ranks and the launcher)."""
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
             "-m", "samebits.recipes", "--cell", "tp2", "--steps", str(steps), "--set", "ep=1",
             "--set", f"tp_reduce={'plain' if name == 'plain' else 'invariant'}"]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run(argv, capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     lines = [x for x in done.stdout.splitlines() if x.startswith("step ")]
-    return [float(x.rsplit("|", 1)[1].split()[0]) / 1000 for x in lines[3:]]
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return [float(x.rsplit("|", 1)[1].split()[0]) / 1000 for x in lines[3:]], cpu
 
 
 def recipe(args) -> None:
+    """Wall: each round's median step.  CPU: a run of --steps minus a run of 3 steps (start-up,
+    warm-up), divided by the steps between: what the step costs the cores, less moved by the
+    other jobs of a shared machine than the wall time (waiting for a core is not counted)."""
     names = ("plain", "gemm", "exact") if args.cell == "single" else ("plain", "gemm")
+    run = _in_process if args.cell == "single" else _torchrun
+    if args.steps <= 3:
+        raise SystemExit("recipe: --steps must be above 3 (the first 3 steps of each run are left out)")
+    run("plain", 3)  # one-time costs (imports, first allocations) out of the first timed run
     start_load = _load()
-    per_round: dict[str, list[float]] = {name: [] for name in names}
+    wall: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(args.rounds):
         for name in names:
-            times = (_in_process if args.cell == "single" else _torchrun)(name, args.steps)
-            per_round[name].append(statistics.median(times))
+            times, cpu_long = run(name, args.steps)
+            _, cpu_short = run(name, 3)
+            wall[name].append(statistics.median(times))
+            cpu[name].append((cpu_long - cpu_short) / (args.steps - 3))
     where = "one rank" if args.cell == "single" else "tp2 (2 ranks, gloo, 1 thread each)"
-    print(f"recipe at {where} (defaults, ep=1), {args.steps} steps x {args.rounds} rounds: plain "
-          f"{1000 * statistics.median(per_round['plain']):.1f} ms a step; tp_reduce=invariant "
-          + "; ".join(_ratios(per_round, name) for name in names[1:]) + f" [{start_load} -> {_load()}]")
+    print(f"recipe at {where} (defaults, ep=1), {args.steps} steps x {args.rounds} rounds: wall: plain "
+          f"{1000 * statistics.median(wall['plain']):.1f} ms a step; tp_reduce=invariant "
+          + "; ".join(_ratios(wall, name) for name in names[1:])
+          + f" | CPU: plain {1000 * statistics.median(cpu['plain']):.1f} ms a step; "
+          + "; ".join(_ratios(cpu, name) for name in names[1:]) + f" [{start_load} -> {_load()}]")
 
 
 def main() -> None:

@@ -38,14 +38,8 @@ from samebits._torchutil import optimizer_params, outside_dispatch_modes, proces
 from samebits._inject import with_injection
 from samebits.stream.gaps import guard, inject, read_gaps, record_gap, summarise_gaps
 from samebits.autorecord._tracking import Tracking, install_tracking
-from samebits.autorecord._outcome import (
-    STOPPED_MARKER,
-    TRACEBACK_LINES,
-    read_outcomes,
-    read_stop,
-    write_outcome,
-    write_stop,
-)
+from samebits.autorecord._outcome import (STOPPED_MARKER, TRACEBACK_LINES, read_outcomes, read_stop, write_outcome,
+                                          write_stop)
 from samebits.checkpoint import CENSUS_DIR, census_recorder, state_census
 from samebits.errors import ConfigError
 from samebits.settings import RecordingSpec
@@ -93,17 +87,15 @@ class _AutoRecorder:
         return self.recorder
 
     def _ours(self):
-        """Torch work of zero-code recording itself (census, detach, digests): the tracer, if
-        any, must neither trace nor count it, and no other dispatch mode in force (selective
-        activation checkpointing's caching mode, a user's mode) may see it."""
+        """Our own torch work (census, detach, digests): untraced, and unseen by any other
+        dispatch mode in force (selective activation checkpointing's, a user's)."""
         return self.tracer.suspended() if self.tracer is not None else outside_dispatch_modes()
 
     def _tracked(self, live) -> list:
         return [obj for obj, _ in live.alive()]
 
     def record_census(self) -> None:
-        """The state census at the start of ``self.step`` (once per step); the census step
-        stays open for the step's inputs and its ``state_end``."""
+        """The state census at the start of ``self.step`` (once), left open for the step's inputs."""
         if self.census_step == self.step:
             return
         self.census_step = self.step
@@ -130,8 +122,7 @@ class _AutoRecorder:
         self.census_open = self.step
 
     def _record_restored(self, optimizers) -> None:
-        """A resumed process's parameters and optimizer state as its first step begins, named
-        as the main stream names them after each step (`after_optimizer_step`)."""
+        """Parameters and optimizer state as the process's first step begins, named as the main stream's."""
         params, state = _params_and_state(optimizers, self.param_names)
         params = [(name, _local(param.detach())) for name, param in params]
         state = [(name, _local(value)) for name, value in state]
@@ -307,8 +298,7 @@ class _AutoRecorder:
             self._end_step()
 
     def _after_optimizer_step(self, optimizer) -> bool:
-        """Record the step's parameters, gradients and optimizer state; True if ``optimizer``
-        is the one whose step ends a training step (the first one that stepped)."""
+        """Record the step's params, grads and optimizer state; True if ``optimizer``'s step ends it."""
         if self.first_optimizer is None:
             self.first_optimizer = optimizer
         if not any(seen is optimizer for seen in self.optimizers):
@@ -327,8 +317,7 @@ class _AutoRecorder:
         return optimizer is self.first_optimizer
 
     def _optimizer_number(self, optimizer) -> int:
-        """A name for an optimizer that does not end the step, stable across processes: its
-        place in construction order (never its ``id()``), else in the order of first steps."""
+        """A stable number for an optimizer that does not end the step: its construction order, else first step's."""
         for number, made in enumerate(self._tracked(self.tracking.optimizers)):
             if made is optimizer:
                 return number
@@ -388,9 +377,8 @@ def install() -> bool:
 
 
 def note(owner: str, message: str, step: int | None = None) -> bool:
-    """Leave a finding of a callback or library in the run being recorded (``SAMEBITS_DIR``):
-    `samebits verify` shows it with the run's verdict, not only in the run's log.  False when
-    this process records no run."""
+    """Leave a finding of a callback or library in the recorded run, shown by `samebits verify`
+    with its verdict; False when this process records no run."""
     directory = settings.read("SAMEBITS_DIR")
     if not directory:
         return False
@@ -410,10 +398,8 @@ _compiling = torch.compiler.is_compiling  # dynamo answers True while it traces:
 
 
 def _observable(in_backward_too: bool = False) -> bool:
-    """Whether a module call (or a backward root) now is the program's own eager training
-    step: not a recompute during backward (activation checkpointing), not inside a functorch
-    transform (vmap, grad), a dynamo trace, an export or a fake-tensor mode.  Outside those,
-    samebits' hooks record; inside them they do nothing at all."""
+    """Whether a module call (or backward root) now is the program's own eager training step:
+    not a recompute in backward, a functorch transform, a dynamo trace, an export or fake mode."""
     try:
         if not in_backward_too and torch._C._current_graph_task_id() != -1:
             return False  # the engine is running a backward: a forward now is a recompute
@@ -428,8 +414,7 @@ def _observable(in_backward_too: bool = False) -> bool:
 
 
 def _on_meta(module, args) -> bool:
-    """A module whose parameters, or whose first tensor argument, live on the meta device (a
-    parameterless submodule of a meta model is given meta tensors): a shape-only forward."""
+    """A shape-only forward: the module's parameters (or first tensor argument) are on meta."""
     try:
         first = next(module.parameters(), None)
         if first is None:
@@ -440,8 +425,7 @@ def _on_meta(module, args) -> bool:
 
 
 def _recordable(tensor) -> bool:
-    """A tensor with real data samebits can digest: a plain tensor or parameter, or a DTensor
-    (its local shard); not a functorch wrapper, a fake or meta tensor, or another subclass."""
+    """A plain tensor, parameter or DTensor with real data; no functorch wrapper, fake, meta or other subclass."""
     if not isinstance(tensor, torch.Tensor):
         return False
     if _is_dtensor(tensor):
@@ -460,8 +444,7 @@ def _is_dtensor(tensor) -> bool:
 
 
 def _inner_optimizers(optimizer) -> list:
-    """The optimizers a container optimizer steps (torchtitan's ``OptimizersContainer.optimizers``,
-    accelerate's ``AcceleratedOptimizer.optimizer``); [] for an ordinary optimizer."""
+    """The optimizers a container steps (torchtitan's ``.optimizers``, accelerate's ``.optimizer``)."""
     found = []
     for attribute in ("optimizers", "optimizer"):
         value = optimizer.__dict__.get(attribute) if hasattr(optimizer, "__dict__") else None
@@ -471,8 +454,7 @@ def _inner_optimizers(optimizer) -> list:
 
 
 def _effective(optimizer) -> list:
-    """The optimizers whose parameters and state ``optimizer``'s step updates: a container's
-    inner ones (recursively), else ``optimizer`` itself."""
+    """The optimizers ``optimizer``'s step updates: a container's inner ones, recursively, else itself."""
     inner = _inner_optimizers(optimizer)
     if not inner:
         return [optimizer]
@@ -519,8 +501,7 @@ def _is_state_init_step(optimizer) -> bool:
 
 
 def _params_and_state(optimizers, param_names) -> tuple[list, list]:
-    """Each parameter the optimizers step, once, as (name, parameter), and its optimizer state
-    tensors as (``NAME.KEY``, tensor), in the optimizers' order."""
+    """(name, parameter) once each, and its state tensors as (``NAME.KEY``, tensor), in order."""
     params, state, seen = [], [], set()
     for optimizer in optimizers:
         for name, param in optimizer_params(optimizer, param_names):
@@ -539,8 +520,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _wrap_backward(state: _AutoRecorder) -> None:
-    """Record every ``backward()`` root, then run the backward that was there (the tracer's
-    wrapper, if tracing is on, or torch's own)."""
+    """Record every ``backward()`` root, then run the backward that was there (the tracer's or torch's)."""
     previous = torch.autograd.backward
 
     def backward(tensors, *args, **kwargs):
@@ -556,11 +536,9 @@ _TRACE_VARIABLES = ("SAMEBITS_TRACE", "SAMEBITS_TEST_PERTURB", "SAMEBITS_TRACE_D
 
 
 def recording_variables(*, spec: RecordingSpec | None = None, **what) -> dict[str, str | None]:
-    """What to record, as the ``SAMEBITS_*`` variables every Recorder reads (None: unset): the
-    `RecordingSpec` ``spec`` (default: record everything), with the fields given in ``what``
-    (``steps``, ``ranks``, ``phases``, ``include``, ``exclude``, ``max_tensor_bytes``: text as
-    the variables hold it, or Python values; None: not given) in place of its own.  A bad value
-    is refused here, naming its variable, before any process starts."""
+    """What to record, as the ``SAMEBITS_*`` variables every Recorder reads (None: unset): ``spec``
+    (default: everything) with the `RecordingSpec` fields in ``what`` in place of its own.  A bad
+    value is refused here, naming its variable, before any process starts."""
     options = RecordingSpec.options()
     unknown = sorted(set(what) - set(options))
     if unknown:
@@ -584,8 +562,7 @@ def with_variables(env, variables: dict[str, str | None]) -> dict[str, str]:
 
 def environment_for(out_dir, *, reference=None, step_offset=None, append=False, command="",
                     **what) -> dict[str, str]:
-    """The environment variables that make every Python process of a command record; ``what``
-    chooses what is recorded (`recording_variables`)."""
+    """The environment that makes every Python process of a command record (`recording_variables`)."""
     env = with_injection(os.environ)
     env[ENV_ENABLE] = "1"
     # Absolute: a program that changes its working folder (Lightning's demo, a launcher) must

@@ -43,9 +43,7 @@ _TRACKED = "_samebits_tracking"  # marks samebits' own wrappers (on the wrapper,
 
 
 class _Held:
-    """A strong stand-in for ``weakref.ref`` (called, it gives the object), for an object that
-    cannot be held weakly but must be tracked: NumPy's ``Generator``.  `_Live.prune` lets it go
-    once the program holds it no more, at the end of a step."""
+    """A strong ``weakref.ref`` stand-in for NumPy's ``Generator``; `_Live.prune` lets it go."""
 
     __slots__ = ("obj",)
 
@@ -57,19 +55,16 @@ class _Held:
 
 
 class _Live:
-    """Objects in creation order, held weakly, each with its site and what tracking notes
-    about it (a dict), kept here rather than on the object: ``vars(obj)``, pickling and
-    ``deepcopy`` see nothing.  Keyed by ``id`` (a user's class may define ``__hash__`` or
-    ``__eq__``); an entry goes when its object dies.  With ``strong=True`` an object that
-    cannot be held weakly (NumPy's Generator) is held until `prune` finds only tracking holds it."""
+    """Objects in creation order, held weakly, with their site and notes kept here, not on the
+    object (``vars``, pickling and ``deepcopy`` see nothing); keyed by ``id`` (a class may define
+    ``__eq__``).  ``strong=True`` holds the unweakreferenceable until `prune`."""
 
     def __init__(self, strong: bool = False):
         self._entries: dict[int, tuple[weakref.ref | _Held, str | None, dict]] = {}
         self._strong = strong
 
     def prune(self) -> None:
-        """Let go of each strongly held object the program no longer holds (the newest
-        `MAX_HELD` at most are kept: a program may make one per sample)."""
+        """Let go of strongly held objects the program no longer holds (at most `MAX_HELD` kept)."""
         held = [key for key, (ref, _, _) in self._entries.items() if isinstance(ref, _Held)]
         for number, key in enumerate(held):
             ref = self._entries[key][0]
@@ -115,9 +110,7 @@ class _Live:
 
 
 class _DrawWatch(TorchDispatchMode):
-    """Between a restore of the torch CPU generator and the first step: the first op that draws
-    from the global generator (an op tagged ``nondeterministic_seeded``, no generator of its
-    own, on the CPU), logged as a draw with the user's line that made it."""
+    """Logs the first draw from the global generator between its restore and the first step."""
 
     def __init__(self, tracking: "Tracking"):
         super().__init__()
@@ -163,61 +156,45 @@ class Tracking:
         self.iterators = _Live()  # data-loader iterators; notes: "first_done"
         self.events: list[dict] = []
         self.written = 0  # events already handed to `new_events`
-        # Generators made since the step began, held until its census has read them (`release`):
-        # one made, seeded, drawn from and dropped between two censuses (a dataset's clock-seeded
-        # reshuffle, made in the data fetch and gone by the step's first forward) is otherwise
-        # never seen, and the batch it shuffled is blamed on nothing.  Only a generator's lifetime
-        # changes, by at most a step; a generator has no finaliser the program could observe.
+        # Generators made since the step began, held until its census has read them: one made,
+        # used and dropped between two censuses (a dataset's clock-seeded reshuffle) is otherwise
+        # never seen.  Only its lifetime changes, by at most a step (no observable finaliser).
         self.held: list[Any] = []
 
     # --- what the census reads ---------------------------------------------------------
     def named_generators(self) -> dict[str, Any]:
-        """Every live generator the program made, named by creation site (``#2`` for the
-        second alive one made at the same line)."""
+        """Every live generator the program made, by creation site (``#2``: the second from one line)."""
         named: dict[str, Any] = {}
         for generator, site in self.generators.alive():
-            name = site or "unknown"
-            number = 1
-            while name in named:
-                number += 1
-                name = f"{site or 'unknown'}#{number}"
-            named[name] = generator
+            named[_numbered(site, named)] = generator
         return named
 
     def census_records(self) -> list[tuple[str, torch.Tensor]]:
-        """The census records of the state tracking found that `state_census`'s arguments do not
-        cover, so the census takes a new kind of tracked state with no other change
-        (docs/architecture.md).  Today the data loaders' positions: ``data.<site>``: int64[1],
-        the batches its newest iterator yielded (-1: none yet), for each live DataLoader: the
-        position in the epoch, which a resume must restore (how many iterators a process made is
-        its own history, not state).  A stateful loader's iterator
-        starts from the position its ``load_state_dict`` restored."""
+        """The census records of tracked state `state_census`'s arguments do not cover, so a new
+        kind of tracked state needs no other change (docs/architecture.md).  Today each live
+        DataLoader's position in the epoch, ``data.<site>``: the batches its newest iterator
+        yielded (-1: none yet), and a stateful loader's ``state_dict`` digest."""
         records, seen = [], set()
         for loader, site in self.loaders.alive():
-            name, number = str(CensusName.loader(site or "unknown")), 1
-            while name in seen:
-                number += 1
-                name = str(CensusName.loader(f"{site or 'unknown'}#{number}"))
-            seen.add(name)
+            numbered = _numbered(site, seen)
+            seen.add(numbered)
+            name = str(CensusName.loader(numbered))
             ref = (self.loaders.notes(loader) or {}).get("iterator")
             iterator = ref() if ref is not None else None
             yielded = int(getattr(iterator, "_num_yielded", -1)) if iterator is not None else -1
             records.append((name, torch.tensor([yielded], dtype=torch.int64)))
-            # A stateful loader's state_dict makes its iterator if it has none (torchdata's),
-            # drawing the epoch's shuffle: asked only once the program has iterated it.
+            # A stateful loader saves more than the count (its dataset's position: torchtitan's
+            # sample_idx).  Its state_dict makes an iterator if it has none (drawing the epoch's
+            # shuffle), so it is asked only once the program has iterated it.
             made = getattr(loader, "_iterator", iterator)
             if callable(getattr(type(loader), "state_dict", None)) and made is not None:
-                # A stateful loader (torchdata's StatefulDataLoader) saves more than the count:
-                # its dataset's own position (torchtitan's sample_idx, buffers).  Its state_dict
-                # is what a checkpoint saves, read as a checkpoint reads it.
                 with guard("tracking.dataloader_state", step=self.step(), records=f"{name}'s state_dict"):
                     records.append((str(CensusName.parse(name).loader_state()),
                                     torch.tensor(list(_state_digest(loader.state_dict())), dtype=torch.uint8)))
         return records
 
     def watch_draws_after_restore(self) -> None:
-        """The torch CPU generator was restored before the first step: log the first draw from
-        it until the step begins (`begin`)."""
+        """The torch CPU generator was restored before the first step: log its first draw."""
         if self.watch_draws and not self.begun and self._watch is None:
             watch = _DrawWatch(self)
             watch.__enter__()
@@ -256,16 +233,25 @@ class Tracking:
                                 "site": site, **extra})
 
 
+def _numbered(site: str | None, taken) -> str:
+    """``site`` (or "unknown"), with ``#N`` for the N-th of ``taken`` made at that line."""
+    name, number = site or "unknown", 1
+    while name in taken:
+        number += 1
+        name = f"{site or 'unknown'}#{number}"
+    return name
+
+
 def _package_dir(name: str) -> str | None:
+
     """The folder of package ``name`` if the program has imported it (never imports it)."""
     module = sys.modules.get(name)
     path = getattr(module, "__file__", None)
     return os.path.dirname(path) if path else None
 
 
-#: Frames that are never the user's line: torch's (always skipped by `call_site`), samebits',
-#: NumPy's, generated code, and the standard library's copying (``deepcopy`` of a generator
-#: makes one: its site is the line that copied).
+#: Frames that are never the user's line (besides torch's): samebits', NumPy's, generated code,
+#: and ``copy``'s (a ``deepcopy`` of a generator is sited at the line that copied).
 _NUMPY_DIR = os.path.dirname(_np.__file__) if _np is not None else "\0"
 _SKIPPED = ("<", SAMEBITS_DIR, _NUMPY_DIR, copy.__file__, copyreg.__file__)
 
@@ -276,12 +262,9 @@ def _skipped() -> tuple[str, ...]:
 
 
 def _state_digest(value: Any) -> bytes:
-    """SHA-256 of a state dict's exact contents (nested dicts by sorted key, lists, numbers by
-    their bits, strings, tensors and arrays by dtype, shape and bytes), for the census.  A
-    generator's state inside it (torchdata's sampler keeps its generator's state at the epoch's
-    start under ``generator``) is left out: the generator has its own census record, and a
-    loader whose position is right but whose generator is not is a generator finding, not a
-    data position."""
+    """SHA-256 of a state dict's exact contents, for the census.  A generator's state inside it
+    (torchdata's sampler's ``generator``) is left out: the generator has its own census record,
+    so a wrong generator is a generator finding, not a data position."""
     import hashlib  # noqa: PLC0415 - only stateful loaders need it
     import struct  # noqa: PLC0415
 
@@ -324,8 +307,7 @@ def _state_digest(value: Any) -> bytes:
 
 
 def _site() -> str | None:
-    """The user's ``file:line`` that made the call (torch's and samebits' own frames skipped),
-    the file as its base name."""
+    """The user's ``file:line`` (base name) that made the call."""
     site = call_site(2, skip=_skipped(), with_function=False)
     if site is None:
         return None
@@ -334,9 +316,7 @@ def _site() -> str | None:
 
 
 def _in_a_library() -> bool:
-    """Whether the caller (past torch's and samebits' frames) is an installed library's code
-    (site-packages), not the program's own: e.g. Lightning's `isolate_rng` restoring a state
-    it saved itself a moment before."""
+    """Whether the caller is an installed library (site-packages), e.g. Lightning's `isolate_rng`."""
     site = call_site(2, skip=_skipped(), with_function=False) or ""
     return any(part in site for part in ("site-packages", "dist-packages"))
 
@@ -400,12 +380,9 @@ def _track_generators(tracking: Tracking) -> None:
 
 
 def _watch_generator_calls(meta: type, base: type, made: Callable[[Any], None]) -> None:
-    """torch >= 2.13 gives ``torch.Generator`` a metaclass written in Python
-    (``torch._opaque_base.OpaqueBaseMeta``): its ``__call__`` is the one place that sees every
-    ``torch.Generator(...)``, a user's subclass and an unpickled copy included, while
-    ``torch.Generator`` stays torch's own class (``type(g) is torch.Generator``, isinstance,
-    pickling and ``torch.compile`` as without samebits).  Other classes of that metaclass
-    (opaque objects) pass straight through."""
+    """torch >= 2.13: ``torch.Generator``'s Python metaclass ``__call__`` sees every generator
+    made (subclasses and unpickled copies too), while ``torch.Generator`` stays torch's own class
+    (``type(g)``, isinstance, pickling, ``torch.compile`` unchanged)."""
     original = meta.__call__  # type.__call__ unless torch gives the metaclass its own
     if getattr(original, _TRACKED, False):
         return
@@ -422,10 +399,9 @@ def _watch_generator_calls(meta: type, base: type, made: Callable[[Any], None]) 
 
 
 def _generator_factory(base: type, made: Callable[[Any], None]) -> type:
-    """Where ``torch.Generator``'s metaclass is ``type`` (torch < 2.13): ``torch.Generator``
-    becomes a stand-in whose ``torch.Generator(...)`` returns a genuine ``torch._C.Generator``
-    (noted), and which every generator is an instance of (``torch.default_generator``
-    included).  ``type(g) is torch.Generator`` is False there: the one difference left."""
+    """torch < 2.13: ``torch.Generator`` becomes a stand-in that returns a genuine
+    ``torch._C.Generator`` (noted) and that every generator is an instance of; only
+    ``type(g) is torch.Generator`` is False there."""
 
     class _GeneratorType(type(base)):
         def __instancecheck__(cls, instance):
@@ -448,8 +424,7 @@ def _generator_factory(base: type, made: Callable[[Any], None]) -> type:
 
 
 def _track_default_rng(made: Callable[[Any], None]) -> None:
-    """``numpy.random.default_rng`` notes each generator it makes; replaced where NumPy
-    defines it too, so that the function pickles by name as before."""
+    """``numpy.random.default_rng`` notes each generator it makes (replaced where NumPy defines it)."""
     original = _np.random.default_rng
     if getattr(original, _TRACKED, False):
         return
@@ -467,11 +442,9 @@ def _track_default_rng(made: Callable[[Any], None]) -> None:
 # --- data loaders --------------------------------------------------------------------------
 
 def _track_loaders(tracking: Tracking) -> None:
-    """A DataLoader of any class is noted as it is made (``DataLoader.__new__``: its
-    subclasses need not call ``DataLoader.__init__``, and the site is the line that made it,
-    not a subclass's ``super().__init__``); each iterator, as it is made, becomes its loader's
-    newest (``_BaseDataLoaderIter.__init__``, which a stateful loader's iterators call before
-    restoring their position)."""
+    """A DataLoader of any class is noted in ``DataLoader.__new__`` (subclasses need not call
+    ``__init__``; the site is the line that made it); each iterator becomes its loader's newest
+    in ``_BaseDataLoaderIter.__init__`` (before a stateful one restores its position)."""
     from torch.utils.data import DataLoader  # noqa: PLC0415 - torch's, loaded with torch.utils.data
     from torch.utils.data.dataloader import _BaseDataLoaderIter  # noqa: PLC0415
 
@@ -576,10 +549,9 @@ def _track_restores(tracking: Tracking) -> None:
 
 
 def _replace(owner, attribute: str, original: Any, wrapper: Callable) -> None:
-    """Put ``wrapper`` in ``original``'s place as ``owner.attribute``, and where the original
-    lives under its own name (``torch.manual_seed`` is ``torch.random.manual_seed``: one
-    wrapper for both, still the same object), so that pickling a function by name finds the
-    wrapper there.  A bound method (``random.seed``) is named after the attribute it sits in."""
+    """Put ``wrapper`` in ``original``'s place as ``owner.attribute`` and under the original's
+    own name (``torch.random.manual_seed``), so pickling by name finds it; a bound method
+    (``random.seed``) is named after its attribute."""
     home = sys.modules.get(getattr(original, "__module__", None) or "")
     name = getattr(original, "__qualname__", None) or ""
     if home is not None and home is not owner and getattr(home, name, None) is original:

@@ -131,11 +131,8 @@ def _reduction_flag(label: str, matmul: Any, name: str, target: bool) -> _Flag:
 
 
 class DeterministicMode:
-    """What `deterministic_mode()` returns: the settings are already applied.
-
-    `record` is the JSON-serialisable record.  Use it as a context manager (or call
-    `restore()`) to put back the previous flags, environment variables and thread count.
-    """
+    """What `deterministic_mode()` returns, settings applied: its JSON-ready `record`, and a context
+    manager (or `restore()`) that puts back the previous flags, environment and thread count."""
 
     def __init__(self, record: dict, undo: list[Callable[[], None]]):
         self.record = record

@@ -1,13 +1,10 @@
 """Rerun-based fault classification: is a suspicious step a hardware fault, nondeterminism, or
 simply what the code computes?  (docs/rerun.md)
 
-`StepValidator` keeps what a step needs to run again (parameters, gradients, buffers, optimizer
-state, every random state, ``stateful`` objects, the batch); after a step that looks suspicious
-(NaN/inf loss, a spike, ``check``, or every ``every`` steps) it restores, reruns and compares
-digests: equal is REPRODUCIBLE, a third run equal to one of two is TRANSIENT_FAULT, else
-NONDETERMINISTIC.  Under torch.distributed every rank calls `run` every step: the decisions are
-agreed over the group (one 8-byte all-reduce per step), so ranks rerun together.
-Test hook: ``SAMEBITS_TEST_FLIP`` (`FaultSpec`) flips one bit of one op's output.
+`StepValidator` keeps what a step needs to run again; after a suspicious step (NaN/inf loss, a
+spike, ``check``, or every ``every`` steps) it restores, reruns and compares digests:
+REPRODUCIBLE, TRANSIENT_FAULT (a third run equals one of two) or NONDETERMINISTIC.  Under
+torch.distributed every rank calls `run` every step: the decisions are agreed over the group.
 """
 
 from __future__ import annotations

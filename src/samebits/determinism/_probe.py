@@ -1,12 +1,10 @@
 """The empirical probe: run every op several times and report the ops whose outputs differ
 (docs/determinism.md, "The probe": the miss bound, what it cannot see).
 
-Under `Probe`, a `TorchDispatchMode` runs each op as trials and once for real, comparing bits
-(integer views: NaN equals itself, -0.0 differs from 0.0) until each input signature has been
-compared `comparisons` times.  Written inputs are cloned per trial, random ops replay the same
-generator states, and the real execution runs last on the program's tensors, so the program
-sees exactly one execution and its RNG advances as without the probe.  Differences are counted
-on the device and read back in batches.
+Under `Probe` each op runs as trials and once for real, its bits compared (integer views)
+until each input signature has been compared `comparisons` times.  Written inputs are cloned
+per trial, random ops replay the same generator states, and the real execution runs last on
+the program's tensors, so the program sees one execution and its RNG advances as without it.
 """
 
 from __future__ import annotations

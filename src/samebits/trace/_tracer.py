@@ -1,12 +1,10 @@
 """`Tracer`: the per-process state behind every tracing rung, and its step lifecycle.
 
-One tracer per process (`active()`), writing into the run's ordinary Recorder, so traced
-records sit in the rank's stream in execution order.  What one open step knows lives in a
-`StepState` (made by `begin_step`, dropped by `finish_step`); the rungs change it only through
-its methods and the tracer's.  A selected step's hooks are installed by `begin_step` and
-removed by `finish_step`, just before the recorder writes the step (``Recorder.on_end_step``);
-outside one only the rung-1 patches stay, at one attribute check each.  samebits' own torch
-work inside a traced step runs in `Tracer.suspended()`, unseen by the dispatch mode.
+One tracer per process (`active()`), writing into the run's Recorder, so traced records sit in
+the rank's stream in execution order.  A selected step's hooks (its `StepState`) are installed by
+`begin_step` and removed by `finish_step`, just before the recorder writes the step; outside one
+only the rung-1 patches stay, at one attribute check each.  samebits' own torch work inside a
+traced step runs in `Tracer.suspended()`, unseen by the dispatch mode.
 """
 
 from __future__ import annotations

@@ -114,9 +114,8 @@ def _option_action(parser: argparse.ArgumentParser, word: str) -> argparse.Actio
 
 
 def _first_positional(parser: argparse.ArgumentParser, words: list[str]) -> int | None:
-    """The index in ``words`` of the first word argparse would read as a positional (the
-    program's first word), skipping options and their values as argparse does; None when
-    ``--`` comes first, when there is none, or at an option ``parser`` does not know."""
+    """The index in ``words`` of the first positional (the program's first word), skipping options
+    and their values as argparse does; None at ``--``, at an unknown option, or when none."""
     i = 0
     while i < len(words):
         word = words[i]

@@ -226,9 +226,8 @@ def deterministic_mode(*, seed: int | None = 0, num_threads: int | None = None,
 
 def _process_violations(env_to_set: dict[str, str], expect_child_processes: bool,
                         violations: list[Violation]) -> tuple[bool, bool]:
-    """What this process already did that no setting can undo: CUDA started before cuBLAS got
-    its workspace variable, a randomized str hash where child processes will run.  Appends
-    the violations; returns (CUDA initialized, hash randomized) for the record."""
+    """Appends what this process did that no setting can undo (CUDA started before cuBLAS's
+    variable, a random str hash with child processes); returns (CUDA up, hash random)."""
     import torch
 
     cuda_initialized = torch.cuda.is_initialized()

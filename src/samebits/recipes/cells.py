@@ -134,9 +134,8 @@ class ParallelDims:
         return [f"{key}={value}" for key, value in self.sizes().items()]
 
     def coords(self, rank: int) -> dict[str, int]:
-        """`rank`'s index on each axis by config field (row-major over the mesh; an axis run
-        over another's ranks has that one's index where it splits, else 0), plus its
-        `coordinates`."""
+        """`rank`'s index on each axis by config field (row-major over the mesh; an axis run over
+        another's ranks has that one's index where it splits, else 0), plus its `coordinates`."""
         index: dict[str, int] = {}
         for axis in reversed(mesh_axes()):
             rank, index[axis.field] = divmod(rank, self.size(axis))

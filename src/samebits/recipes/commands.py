@@ -90,9 +90,8 @@ def across_overrides(overrides: Sequence[str] = ()) -> list[str]:
 
 
 def invariant_overrides(dims: ParallelDims) -> list[str]:
-    """The switches that make cell ``dims``'s reductions independent of its layout (each split
-    axis's, `cells.AXES`), in the table's order; [] for one rank.  An axis with a refusal,
-    or with neither a switch nor a refusal, is a ConfigError naming the cell and the axis."""
+    """The switches that make cell ``dims``'s reductions independent of its layout, in `cells.AXES`
+    order; a split axis with a refusal, or with neither, is a ConfigError naming it."""
     switches = []
     for axis in cells.AXES:
         if dims.size(axis) == 1:

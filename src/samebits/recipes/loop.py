@@ -474,9 +474,8 @@ def _full_layout(layout: dict[str, int]) -> dict[str, int]:
 
 
 def _shard_places(model: torch.nn.Module) -> dict[str, checkpoint.TensorShard]:
-    """Each DTensor parameter's place in its global tensor (its local chunk's offsets), for
-    the placements whose chunk is one box (Shard, Replicate); FSDP2's strided shards under
-    TP have none and cannot move to another layout."""
+    """Each DTensor parameter's place in its global tensor, for Shard and Replicate placements
+    (FSDP2's strided shards under TP have none and cannot move to another layout)."""
     places = {}
     for name, param in model.named_parameters():
         if isinstance(param, DTensor) and all(type(p) in (Shard, Replicate) for p in param.placements):

@@ -39,9 +39,8 @@ HISTORY_ROLES = ("input", "weight", "grad_output")
 # --- choosing the path --------------------------------------------------------------------
 
 def resolve_gemm(precision: str, device: str, chosen: str | None = None) -> str:
-    """The GEMM path ``precision`` runs on ``device``: ``chosen`` where it is one a low
-    precision can choose, else the best one here.  fp32 and bf16 always run "native"; a low
-    precision given "native" (a config copied from an fp32 one) resolves again."""
+    """The GEMM path ``precision`` runs on ``device``: ``chosen`` if a low precision may choose it,
+    else the best one here (fp32 and bf16: "native"; a low precision given "native" resolves again)."""
     if precision in ("fp32", "bf16", "bf16_params"):
         return "native"
     if chosen not in (None, "native"):

@@ -315,9 +315,8 @@ def assert_bitwise_repeatable(fn: Callable, *inputs: Any, runs: int | None = Non
 def expect_nondeterministic(fn: Callable, *inputs: Any, runs: int = 10, grads: bool = True,
                             threads: int | Iterable[int] | None = None, contention: bool | None = None,
                             seed: int = 0) -> BitwiseReport:
-    """A negative control: pass only if the harness *does* see two runs of ``fn`` differ
-    within ``runs`` runs (stopping at the first difference).  A harness, a thread setting or
-    a machine that cannot show the race is caught this way instead of passing silently."""
+    """A negative control: pass only if two of ``runs`` runs of ``fn`` differ, so a harness,
+    thread setting or machine that cannot show the race is caught instead of passing silently."""
     _check_runs(runs, 2, "a negative control")
     contention = DEFAULTS["contention"] if contention is None else contention
     report = repeat(_producer(fn, inputs, grads), name=_name_of(fn), runs=runs, grads=grads,

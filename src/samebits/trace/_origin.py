@@ -353,8 +353,7 @@ def _label_of(record: Record) -> str:
 
 def _reordered(rank: int, step: int, records_a: list[Record], records_b: list[Record]) -> OriginFinding:
     """The same records with the same values, in another order: where the order first differs,
-    and what holds them (an event's tensors, e.g. the gradients the optimizer step is given in
-    its parameter order, or a phase of ordinary records), with both orders of its labels."""
+    and what holds them (an event's tensors, or a phase), with both orders of its labels."""
     position = next(p for p, (ra, rb) in enumerate(zip(records_a, records_b)) if ra.key != rb.key)
     first = records_a[position]
     finding = _fields(rank, step, "order", position, first)
@@ -426,9 +425,8 @@ def _check_list_provenance(finding: OriginFinding, first: Record, records_a: lis
 
 def _check_permuted_collectives(finding: OriginFinding, first: Record, records_a: list[Record],
                                 records_b: list[Record]) -> None:
-    """A collective whose input differs, while the group's collective inputs of the step hold
-    the same tensors in both runs, only in another order: the calls are issued in an order
-    that changes between runs (a Python set, PYTHONHASHSEED)."""
+    """A collective whose input differs while its group's inputs in the step are the same tensors
+    in another order: the calls are issued in an order that changes (a Python set)."""
     group = (finding.event_id or "").partition("/")[0]
 
     def inputs(records):

@@ -409,12 +409,7 @@ def _check_compared(dirs: dict[str, Path]) -> None:
     for label, directory in dirs.items():
         run = open_run(directory)
         for rank in run.ranks:
-            reader = run.stream(rank)
-            try:
-                has_step = next(iter(reader.steps()), None) is not None
-            finally:
-                reader.close()
-            if not has_step:
+            if next(run.steps(rank), None) is None:
                 raise SamebitsError(f"run {label} recorded no step on rank {rank} ({directory}): nothing to compare. "
                                     "Does the command reach optimizer.step()? Its log is under logs/.")
 

@@ -43,7 +43,7 @@ class Census:
         run = open_run(path)
         self.ranks = list(run.ranks)
         for rank in run.ranks:
-            for block in run.stream(rank).steps():
+            for block in run.steps(rank):
                 if block.step < first:
                     continue
                 if block.step > last:

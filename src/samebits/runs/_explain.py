@@ -55,12 +55,8 @@ def _last_steps(directory: Path) -> dict[int, int]:
     try:
         run = open_run(directory)
         for rank in run.ranks:
-            reader = run.stream(rank)
-            try:
-                for block in reader.steps():
-                    last[rank] = block.step
-            finally:
-                reader.close()
+            for block in run.steps(rank):
+                last[rank] = block.step
     except StreamError:
         return last
     return last
@@ -94,7 +90,7 @@ def _main_records(directory: Path, step: int) -> dict[int, dict[str, dict]]:
     out: dict[int, dict[str, dict]] = {}
     for rank in run.ranks:
         try:
-            for block in run.stream(rank).steps():
+            for block in run.steps(rank):
                 if block.step > step:
                     break
                 if block.step == step:
@@ -192,12 +188,7 @@ def _zero_code(directory: Path) -> bool:
     """Was the run recorded by zero-code recording (its stream's environment says so)?"""
     try:
         run = open_run(directory)
-        try:
-            reader = run.stream(run.ranks[0])
-            env = reader.header.environment.get("env") or {}
-            reader.close()
-        finally:
-            run.close()
+        env = run.headers[run.ranks[0]].environment.get("env") or {}
     except (StreamError, IndexError, OSError, AttributeError):
         return False
     return env.get("SAMEBITS_AUTORECORD") == "1"

@@ -311,7 +311,6 @@ def judge_recorded_run(label: str, argv: list[str], code: int, run_dir: Path, lo
         run = open_run(run_dir)
         closed = run.closed_cleanly()
         ranks = set(run.ranks)
-        run.close()
     except StreamError as err:
         raise failed(label, argv, code, log, why=f"killed by {killed_by} and its streams are unusable ({err})")
     ended = {o.get("rank") for o in outcomes}

@@ -93,33 +93,27 @@ def _read(directory: Path, rank: int) -> dict[int, dict[str, dict[str, _Signatur
         run = open_run(where)
     except (StreamError, OSError):
         return None
+    if rank not in run.files:
+        return None
+    steps: dict[int, dict[str, dict[str, _Signature]]] = {}
     try:
-        if rank not in run.files:
-            return None
-        steps: dict[int, dict[str, dict[str, _Signature]]] = {}
-        reader = run.stream(rank)
-        try:
-            for block in reader.steps():
-                state, end, inputs = {}, {}, []
-                for record in block.records():
-                    name = record.name if record.occurrence == 0 else f"{record.name}#{record.occurrence}"
-                    bits = (record.dtype, tuple(record.shape or ()), record.flags, record.digest, record.raw)
-                    if record.phase == STATE:
-                        state[name] = bits
-                    elif record.phase == STATE_END:
-                        end[name] = bits
-                    elif record.phase == INPUTS:
-                        inputs.append((name, bits))
-                if inputs:
-                    state[INPUTS] = tuple(sorted(inputs))
-                steps[block.step] = {STATE: state, STATE_END: end}
-        finally:
-            reader.close()
-        return steps
+        for block in run.steps(rank):
+            state, end, inputs = {}, {}, []
+            for record in block.records():
+                name = record.name if record.occurrence == 0 else f"{record.name}#{record.occurrence}"
+                bits = (record.dtype, tuple(record.shape or ()), record.flags, record.digest, record.raw)
+                if record.phase == STATE:
+                    state[name] = bits
+                elif record.phase == STATE_END:
+                    end[name] = bits
+                elif record.phase == INPUTS:
+                    inputs.append((name, bits))
+            if inputs:
+                state[INPUTS] = tuple(sorted(inputs))
+            steps[block.step] = {STATE: state, STATE_END: end}
     except StreamError:
         return None
-    finally:
-        run.close()
+    return steps
 
 
 def _moved(census: dict, name: str) -> list[int]:

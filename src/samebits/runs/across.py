@@ -87,13 +87,9 @@ def compare_replicated(a, b, *, rank: int = 0, start_step: int | None = None, st
     start = 0 if start_step is None else start_step
     wanted = None if phases is None else set(phases)
     run_a, run_b = open_run(a), open_run(b)
-    try:
-        require_same_digest_version(run_a, run_b)  # digests of two versions never compare
-        steps_a = _rank_steps(run_a, rank, start, stop_step, wanted)
-        steps_b = _rank_steps(run_b, rank, start, stop_step, wanted)
-    finally:
-        run_a.close()
-        run_b.close()
+    require_same_digest_version(run_a, run_b)  # digests of two versions never compare
+    steps_a = _rank_steps(run_a, rank, start, stop_step, wanted)
+    steps_b = _rank_steps(run_b, rank, start, stop_step, wanted)
     compared = {"ranks": 1, "steps": 0, "records": 0, "shape_only": 0, "missing": 0, "not_held": 0, "rank": rank,
                 "world_size_a": run_a.world_size, "world_size_b": run_b.world_size}
     incomplete, only_b, not_held = [], set(), set()
@@ -197,7 +193,7 @@ def _names(names, steps: bool = False) -> str:
 def _rank_steps(run, rank: int, start: int, stop: int | None, phases: set | None) -> dict[int, dict]:
     """{step: {record key: record}} of one rank in [start, stop), phases filtered."""
     out = {}
-    for block in run.stream(rank).steps():
+    for block in run.steps(rank):
         if block.step < start or (stop is not None and block.step >= stop):
             continue
         out[block.step] = {r.key: r for r in block.records() if phases is None or r.phase in phases}
@@ -453,15 +449,8 @@ def _resume_layout(layout: Layout, reference: str, saved: Path, step: int, run: 
 def _has_global_records(path) -> bool:
     """Whether rank 0 of the run at ``path`` records global tensors (`Recorder.global_tensors`)."""
     run = open_run(path)
-    try:
-        reader = run.stream(run.ranks[0])
-        try:
-            for block in reader.steps():
-                return any(r.phase.startswith(GLOBAL_PHASE_PREFIX) for r in block.records())
-        finally:
-            reader.close()
-    finally:
-        run.close()
+    for block in run.steps(run.ranks[0]):
+        return any(r.phase.startswith(GLOBAL_PHASE_PREFIX) for r in block.records())
     return False
 
 
@@ -520,23 +509,16 @@ def global_roots(path) -> dict[int, str]:
     entries: dict[int, dict] = {}
     disagree: set[int] = set()
     run = open_run(path)
-    try:
-        for rank in run.ranks:
-            reader = run.stream(rank)
-            try:
-                for block in reader.steps():
-                    step = entries.setdefault(block.step, {})
-                    for r in block.records():
-                        if r.kind != "tensor" or not r.phase.startswith(GLOBAL_PHASE_PREFIX):
-                            continue
-                        key = (r.phase, r.name, r.occurrence)
-                        value = (r.dtype, list(r.shape or ()), None if r.digest is None else f"{r.digest:016x}")
-                        if step.setdefault(key, value) != value:
-                            disagree.add(block.step)
-            finally:
-                reader.close()
-    finally:
-        run.close()
+    for rank in run.ranks:
+        for block in run.steps(rank):
+            step = entries.setdefault(block.step, {})
+            for r in block.records():
+                if r.kind != "tensor" or not r.phase.startswith(GLOBAL_PHASE_PREFIX):
+                    continue
+                key = (r.phase, r.name, r.occurrence)
+                value = (r.dtype, list(r.shape or ()), None if r.digest is None else f"{r.digest:016x}")
+                if step.setdefault(key, value) != value:
+                    disagree.add(block.step)
     roots = {}
     for step, records in sorted(entries.items()):
         if not records:
@@ -616,11 +598,7 @@ def environment(reference) -> dict:
                 break
     except OSError:
         pass
-    run = open_run(reference)
-    try:
-        config = run.header.config
-    finally:
-        run.close()
+    config = open_run(reference).header.config
     return {"samebits": version("samebits"), "torch": version("torch"), "python": platform.python_version(),
             "platform": platform.platform(), "host": platform.node(), "cpu": cpu,
             "device": config.get("device") if isinstance(config, dict) else None}

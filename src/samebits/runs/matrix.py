@@ -309,14 +309,11 @@ def _metric_agreement(values_a: dict, values_b: dict, metrics: tuple[str, ...]) 
 def _global_metrics(path: Path, metrics: tuple[str, ...]) -> dict[int, dict[str, tuple[str, bytes]]]:
     """Rank 0's global metrics per step: {step: {name: (dtype, raw bits)}}."""
     run = open_run(path)
-    try:
-        found = {}
-        for block in run.stream(run.ranks[0]).steps():
-            found[block.step] = {r.name: (r.dtype, r.raw) for r in block.records()
-                                 if r.kind == "metric" and r.name in metrics and r.raw is not None}
-        return found
-    finally:
-        run.close()
+    found = {}
+    for block in run.steps(run.ranks[0]):
+        found[block.step] = {r.name: (r.dtype, r.raw) for r in block.records()
+                             if r.kind == "metric" and r.name in metrics and r.raw is not None}
+    return found
 
 
 def _max_ulp(a: dict[str, tuple[str, bytes]], b: dict[str, tuple[str, bytes]]) -> int | None:

@@ -57,11 +57,7 @@ class ReplayResult(ToDict):
 
 def recorded_steps(run_dir, rank: int = 0) -> list[int]:
     """The steps rank ``rank`` of a run recorded, in order."""
-    run = open_run(run_dir)
-    try:
-        return [block.step for block in run.stream(rank).steps()]
-    finally:
-        run.close()
+    return [block.step for block in open_run(run_dir).steps(rank)]
 
 
 def replay(run_dir, *, step: int, cmd: Sequence[str], nproc: int = 1, num_steps: int = 1,
@@ -77,7 +73,6 @@ def replay(run_dir, *, step: int, cmd: Sequence[str], nproc: int = 1, num_steps:
         raise ConfigError("replay: no command to replay with; give --with 'CMD' (docs/invariance.md)")
     run = open_run(run_dir)
     header, world_size = run.header, run.world_size
-    run.close()
     config = header.config
     if config.get(INVARIANT_KEY) != INVARIANT_VALUE:
         raise ConfigError(

@@ -420,6 +420,15 @@ class Run:
             raise StreamError(f"{self.path}: no stream for rank {rank} (recorded ranks: {self.ranks}).")
         return StreamReader(self.files[rank])
 
+    def steps(self, rank: int) -> Iterator[StepBlock]:
+        """Rank ``rank``'s steps in order (`StreamReader.steps`), its stream closed when the
+        walk ends or is left."""
+        reader = self.stream(rank)
+        try:
+            yield from reader.steps()
+        finally:
+            reader.close()
+
     def closed_cleanly(self) -> bool:
         """True when every rank of the world wrote its stream and closed it cleanly."""
         if len(self.ranks) != self.world_size:
@@ -427,7 +436,7 @@ class Run:
         return all(self.stream(rank).step_index() is not None for rank in self.ranks)
 
     def close(self) -> None:
-        """Nothing to release: a Run keeps no stream open (kept for callers that close it)."""
+        """Nothing to release: a Run keeps no stream open (`steps` closes what it opens)."""
 
 
 # Run id sources (docs/stream.md, "The header") shared by every rank of a run, so different ids

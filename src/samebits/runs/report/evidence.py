@@ -261,9 +261,6 @@ def _compare(label: str, a: Path, b: Path, start_step: int | None, allow_config_
                 pair.first_by_rank[found.rank] = (found.step, found.missing)
     except StreamError as err:
         pair.notes.append(f"the streams could not be read for the drawings: {err}")
-    finally:
-        run_a.close()
-        run_b.close()
     say(f"      {pair.verdict.value} ({time.perf_counter() - began:.1f} s)")
     return pair
 
@@ -290,20 +287,13 @@ def _records_by_step(path: str, rank: int, steps: set[int] | None, stop_after: i
     """Decoded records of one rank at the given steps (all steps when None)."""
     run = open_run(path)
     found: dict[int, dict[tuple, Record]] = {}
-    try:
-        if rank not in run.files:
-            return found
-        reader = run.stream(rank)
-        try:
-            for block in reader.steps():
-                if stop_after is not None and block.step > stop_after:
-                    break
-                if steps is None or block.step in steps:
-                    found[block.step] = {r.key: r for r in block.records()}
-        finally:
-            reader.close()
-    finally:
-        run.close()
+    if rank not in run.files:
+        return found
+    for block in run.steps(rank):
+        if stop_after is not None and block.step > stop_after:
+            break
+        if steps is None or block.step in steps:
+            found[block.step] = {r.key: r for r in block.records()}
     return found
 
 
@@ -348,10 +338,7 @@ def _later_start(a: Path, b: Path) -> int | None:
     firsts = []
     for path in (a, b):
         run = open_run(path)
-        try:
-            steps = _steps(run, run.ranks[0])
-        finally:
-            run.close()
+        steps = _steps(run, run.ranks[0])
         firsts.append(steps[0] if steps else 0)
     return max(firsts) if firsts[0] != firsts[1] else None
 
@@ -457,8 +444,6 @@ def _read_rank(pair: Pair, rank: int) -> _RankView:
     finally:
         for reader in readers:
             reader.close()
-        run_a.close()
-        run_b.close()
     return view
 
 

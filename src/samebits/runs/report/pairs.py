@@ -17,7 +17,7 @@ from samebits.runs.report.evidence import (MAX_READ_RANKS, Pair, _GroupStep, _ce
                                            _key_label, _metric_sort, _metric_title, _records_by_step)
 from samebits.runs.report.page import Page, _esc, _table
 from samebits.runs.report.svg import COLOUR_A, COLOUR_B, _DASHED, _chart, _short_names, _state_chart, _ulp_plot
-from samebits.stream import Record, phases
+from samebits.stream import phases
 from samebits.verdicts import Verdict
 
 

@@ -24,7 +24,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "samebits"
 # Low to high.  A component may import components of its own layer (as long as no cycle
 # forms) and of the layers below it, never above.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("foundation", {"errors", "verdicts", "settings", "defaults", "_torchutil", "_lazy_exports"}),
+    ("foundation", {"errors", "verdicts", "visible", "settings", "defaults", "_torchutil", "_lazy_exports"}),
     ("digest", {"fingerprint"}),
     ("bottom", {"kernels", "stream", "determinism", "checkpoint", "invariant", "replicas", "rerun",
                 "_inject"}),

@@ -13,7 +13,7 @@ import textwrap
 import time
 from typing import Any, Callable, Iterable, Sequence
 
-from samebits.runs.visible import visible as escape
+from samebits.visible import visible as escape
 
 TABLE_WIDTH = 100  # columns a table may take; a wider cell wraps onto more lines
 

@@ -19,7 +19,7 @@ from samebits.fingerprint._codes import DIGEST_VERSION, DTYPE_CODE_BY_NAME, ITEM
 _LAZY = {
     "digest": "_digest", "digest_many": "_digest", "global_digests": "_global",
     # Internal but stable: the Recorder records global digests through these.
-    "GlobalSums": "_global", "GlobalTensor": "_global", "global_body_sums": "_global", "global_tensors": "_global",
+    "GlobalSums": "_global", "global_body_sums": "_global",
     # Internal but stable, not in __all__: the Recorder and the tracer build on them.
     "body_sums": "_digest", "DTYPE_CODES": "_spec", "finalize": "_spec", "finalize_packed": "_spec", "header": "_spec",
     # Internal but stable, not in __all__: the stream encoder's fast paths (each documented where defined).

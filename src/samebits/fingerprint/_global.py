@@ -47,16 +47,6 @@ _WORDS_PER_BATCH = 1 << 22
 
 
 @dataclass(frozen=True)
-class GlobalTensor:
-    """What a global digest is of: the full tensor's dtype and shape, and its digest."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    digest: int
-
-
-@dataclass
 class GlobalSums:
     """`global_body_sums`' answer: body sums S (int64 ``[n]``, still on the device), global
     dtypes and shapes, and a 0-dim bool, False when a group's ranks passed different lists."""
@@ -476,18 +466,6 @@ def _assemble(vector: torch.Tensor, plans: list[_Plan], check: int, num_ranks: i
     return body, ok
 
 
-def global_tensors(named_tensors, *, group=None) -> list[GlobalTensor]:
-    """Like `global_digests`, with each full tensor's dtype and shape: list of `GlobalTensor`."""
-    names, result = global_body_sums(named_tensors, group=group)
-    if not bool(result.consistent):
-        raise ConfigError(
-            "global digests: the ranks of a process group passed different tensors (names, dtypes or global "
-            f"shapes; this rank passed {len(names)}: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}). "
-            "Every rank must pass the same names in the same order, each with its own shard.")
-    digests = finalize(result.sums, result.headers())
-    return [GlobalTensor(n, d, s, x) for n, d, s, x in zip(names, result.dtypes, result.shapes, digests)]
-
-
 def global_digests(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], *,
                    group=None) -> dict[str, int]:
     """``{name: digest of the full tensor}`` for ``(name, tensor)`` pairs or a mapping of DTensors,
@@ -495,4 +473,10 @@ def global_digests(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[s
     `digest(full)`, with no gather.  Collective: every rank of each group passes the same names
     in the same order (else a `ConfigError`); one int64 all-reduce per group.
     """
-    return {g.name: g.digest for g in global_tensors(named_tensors, group=group)}
+    names, result = global_body_sums(named_tensors, group=group)
+    if not bool(result.consistent):
+        raise ConfigError(
+            "global digests: the ranks of a process group passed different tensors (names, dtypes or global "
+            f"shapes; this rank passed {len(names)}: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}). "
+            "Every rank must pass the same names in the same order, each with its own shard.")
+    return dict(zip(names, finalize(result.sums, result.headers())))

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from samebits.runs.report.evidence import Pair, _pair_summary
-from samebits.runs.visible import visible
+from samebits.visible import visible
 from samebits.verdicts import EXIT_STOPPED, ToDict, Verdict, serialised
 
 

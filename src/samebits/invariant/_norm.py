@@ -57,26 +57,27 @@ def sharded_grad_norm(grads: Sequence[torch.Tensor], *, full_numels: Sequence[in
         raise ConfigError(f"sharded_grad_norm: gradient {split[0]} is a shard ({grads[split[0]].numel()} of "
                           f"{full[split[0]]} elements) but no group of ranks holds the rest; pass the "
                           "group it is split over")
-    squares = [g.detach().reshape(-1).to(device=device, dtype=torch.float64).square() for g in grads]
-    exps = []
-    for sq in squares:
-        peak = sq.max() if sq.numel() else sq.new_zeros(())
-        _, exp = torch.frexp(peak)  # peak < 2**exp
-        exp = torch.where(peak > 0, exp.to(torch.int64), torch.tensor(_ZERO_EXP, device=device))
-        exps.append(torch.where(torch.isfinite(peak), exp, torch.tensor(_NONFINITE_EXP, device=device)))
-    exps = torch.stack(exps)
+    flat = [g.detach().reshape(-1).to(device) for g in grads]
+    # Each tensor's largest square, (max |g|)**2: exact in fp64 (a 24-bit significand squared
+    # is 48 bits), and nan/inf where the tensor holds one; one vector of exponents for all.
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    peak = torch.stack([g.abs().amax() if g.numel() else zero for g in flat]).to(torch.float64).square()
+    _, exps = torch.frexp(peak)  # peak < 2**exp
+    exps = torch.where(peak > 0, exps.to(torch.int64), torch.full_like(exps, _ZERO_EXP, dtype=torch.int64))
+    exps = torch.where(torch.isfinite(peak), exps, torch.full_like(exps, _NONFINITE_EXP))
     if world_size > 1:
         dist.all_reduce(exps, op=dist.ReduceOp.MAX, group=group)  # exact
     bits = torch.tensor([_SUM_BITS - (math.ceil(math.log2(n)) if n > 1 else 0) for n in full],
                         dtype=torch.int64, device=device)
+    scales = pow2_clamped(bits - exps)  # exact powers of two
     sums = []
-    for i, sq in enumerate(squares):
+    for i, g in enumerate(flat):
         if whole[i] and rank != 0:  # replicated: counted once, from rank 0
             sums.append(torch.zeros((), dtype=torch.int64, device=device))
             continue
-        # An exact power of two; inf/nan (the result is nan then) made 0 before the conversion.
-        scaled = (sq * pow2_clamped(bits[i] - exps[i])).nan_to_num(0.0, 0.0, 0.0)
-        sums.append(torch.round(scaled).to(torch.int64).sum())  # |sum| <= full numel * 2**P <= 2**62
+        # In place on one fp64 copy; inf/nan (the result is nan then) made 0 before the conversion.
+        scaled = g.to(torch.float64).square_().mul_(scales[i]).nan_to_num_(0.0, 0.0, 0.0).round_()
+        sums.append(scaled.to(torch.int64).sum())  # |sum| <= full numel * 2**P <= 2**62
     sums = torch.stack(sums)
     if world_size > 1:
         dist.all_reduce(sums, group=group)  # int64 SUM: exact, any order

@@ -1,7 +1,7 @@
 """Invariant gradient reduction (samebits.invariant): accuracy, bytes on the wire, time.
 
     python benchmarks/bench_invariant.py accuracy [--elements 1048576] [--ranks 8]
-    python benchmarks/bench_invariant.py comm [--nproc 2] [--elements 4194304] [--rounds 20]
+    python benchmarks/bench_invariant.py comm [--nproc 2] [--elements 4194304] [--rounds 20] [--local-micro-batches 1]
     python benchmarks/bench_invariant.py loop [--nproc 2] [--steps 30]
     python benchmarks/bench_invariant.py recipe [--nproc 2] [--steps 12] [--rounds 2] [--cell dp2|fsdp2|tp2-dp2|pp2|ep2]
 
@@ -19,7 +19,10 @@ all-gather), side by side: each of --rounds rounds times both (alternating which
 a round's time being its slowest rank's; the median of the per-round ratios with a 95% bootstrap
 interval and the min-max, the median times, the 1-minute load average before and after (the
 machine may be shared), and bytes per rank under the ring cost model (all-reduce 2(W-1)/W of
-the buffer, reduce-scatter/all-gather (W-1)/W).
+the buffer, reduce-scatter/all-gather (W-1)/W).  --local-micro-batches K: each rank reduces K
+micro-batch gradients (the plain all-reduce still one buffer: plain training adds micro-batches
+up in backward); with K <= 2 under gloo the fp32 rows travel to their owner, with more the int64
+sums.
 
 loop (torchrun): the small training loop of tests/scripts_invariant/train_dp.py, whole-step time
 with --grad-reduce invariant versus mean, alternating runs; median step time ratio.
@@ -114,14 +117,16 @@ def accuracy(elements: int, ranks: int, orders: int = 24, spread_decades: float 
     return out
 
 
-def _comm_worker(elements: int, rounds: int) -> None:
+def _comm_worker(elements: int, rounds: int, local_micro_batches: int = 1) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(rank)
     blocks = -(-elements // DEFAULT_BLOCK_SIZE)
     blocks = -(-blocks // world) * world
-    grad = (torch.randn(blocks, DEFAULT_BLOCK_SIZE, generator=gen) * 1e-3).float()
+    grads = [(torch.randn(blocks, DEFAULT_BLOCK_SIZE, generator=gen) * 1e-3).float()
+             for _ in range(local_micro_batches)]
+    grad = grads[0]  # plain training adds micro-batches up in backward: it all-reduces one buffer
     plain, inv = [], []
     stats = ReduceStats()
     for r in range(rounds + 2):  # side by side: each round times both, in alternating order
@@ -133,7 +138,7 @@ def _comm_worker(elements: int, rounds: int) -> None:
                 dist.all_reduce(flat)
                 plain.append(time.perf_counter() - t)
             else:
-                reduce_blocks([grad], num_micro_batches=world, stats=stats if r == 0 else None)
+                reduce_blocks(grads, num_micro_batches=world * local_micro_batches, stats=stats if r == 0 else None)
                 inv.append(time.perf_counter() - t)
     times = torch.tensor([plain[2:], inv[2:]], dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a round lasts as long as its slowest rank
@@ -141,6 +146,7 @@ def _comm_worker(elements: int, rounds: int) -> None:
         plain_s, inv_s = times[0].tolist(), times[1].tolist()
         ratios = [i / p for p, i in zip(plain_s, inv_s)]
         print(json.dumps({"nproc": world, "elements": blocks * DEFAULT_BLOCK_SIZE, "rounds": rounds,
+                          "local_micro_batches": local_micro_batches,
                           "plain_allreduce_s": statistics.median(plain_s), "invariant_s": statistics.median(inv_s),
                           "time_ratio": statistics.median(ratios),
                           "time_ratio_95ci": _bootstrap_median_interval(ratios),
@@ -159,9 +165,10 @@ def _bootstrap_median_interval(values: list[float], resamples: int = 2000) -> li
     return [float(medians[int(0.025 * resamples)]), float(medians[int(0.975 * resamples) - 1])]
 
 
-def comm(nproc: int, elements: int, rounds: int) -> dict:
+def comm(nproc: int, elements: int, rounds: int, local_micro_batches: int = 1) -> dict:
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-            __file__, "_comm_worker", "--elements", str(elements), "--rounds", str(rounds)]
+            __file__, "_comm_worker", "--elements", str(elements), "--rounds", str(rounds),
+            "--local-micro-batches", str(local_micro_batches)]
     load_before = os.getloadavg()[0]
     done = subprocess.run(argv, capture_output=True, text=True, check=True)
     result = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
@@ -221,15 +228,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--cell", choices=("dp2", "fsdp2", "tp2-dp2", "pp2", "ep2"), default="dp2")
+    parser.add_argument("--local-micro-batches", type=int, default=1,
+                        help="comm: micro-batch gradients each rank reduces (1-2: their fp32 rows go to their owner; "
+                             "3 and more: int64 sums)")
     args = parser.parse_args()
     if args.what == "_comm_worker":
-        _comm_worker(args.elements, args.rounds)
+        _comm_worker(args.elements, args.rounds, args.local_micro_batches)
         return
     torch.set_num_threads(1)
     if args.what == "accuracy":
         result = accuracy(args.elements, args.ranks)
     elif args.what == "comm":
-        result = comm(args.nproc, args.elements, args.rounds)
+        result = comm(args.nproc, args.elements, args.rounds, args.local_micro_batches)
     elif args.what == "recipe":
         result = recipe(args.nproc, args.steps, args.rounds, args.cell)
     else:

@@ -114,46 +114,46 @@ def reduce_blocks(micro_batches: list[torch.Tensor], *, num_micro_batches: int, 
         raise ConfigError(f"rank {rank}: {num_blocks} blocks do not split over {world_size} ranks; pad the "
                           "buffer to a multiple of the group size")
     device = micro_batches[0].device  # NCCL needs the collectives' tensors on the GPU
-    # gloo has no reduce-scatter of its own (it all-reduces the whole buffer: twice the bytes)
-    # and runs its collectives in several rounds: it gets one round of sends and receives each.
-    gloo = world_size > 1 and dist.get_backend(group) == "gloo"
-    exps = max_block_exponents(micro_batches)
-    if gloo:
-        exps = _exchange_max(exps, rank, world_size, group)
-    elif world_size > 1:
-        dist.all_reduce(exps, op=dist.ReduceOp.MAX, group=group)  # exact: a max of integers
     shard_blocks = num_blocks // world_size
     mine = slice(rank * shard_blocks, (rank + 1) * shard_blocks)
     reduced = torch.empty(num_blocks if not scatter_only else shard_blocks, block_size, dtype=torch.float32,
                           device=device)
     decoded = reduced if scatter_only or world_size == 1 else reduced[mine]
-    if world_size == 1:
-        total, inexact = encode_sum(micro_batches, exps, bits)
-        decode_into(total, exps, bits, out=decoded)
-    elif gloo:
-        inexact = _exchange_reduce_scatter(micro_batches, exps, bits, rank, world_size, group, decoded)
-        if not scatter_only:
-            _exchange_all_gather(reduced, rank, world_size, group)
+    # gloo has no reduce-scatter of its own (it all-reduces the whole buffer: twice the bytes)
+    # and runs each collective in several rounds: here it gets one round of direct sends each.
+    gloo = world_size > 1 and dist.get_backend(group) == "gloo"
+    raw = gloo and len(micro_batches) <= 2  # fp32 inputs to their owner: no more bytes than int64 sums
+    if raw:
+        counts = _owner_reduce_scatter(micro_batches, bits, rank, world_size, group, decoded)
     else:
-        total, inexact = encode_sum(micro_batches, exps, bits, out=_workspace("total", (num_blocks, block_size), device))
-        counts = torch.tensor([inexact], dtype=torch.int64, device=device)
-        counted = dist.all_reduce(counts, group=group, async_op=True)  # overlaps the rest
-        shard = torch.empty(shard_blocks, block_size, dtype=torch.int64, device=device)
-        dist.reduce_scatter_tensor(shard, total, group=group)  # int64 SUM: exact and associative
-        decode_into(shard, exps[mine], bits, out=decoded)
-        if not scatter_only:  # the input is the output's own slice: no copy
-            dist.all_gather_into_tensor(reduced, decoded, group=group)
-        counted.wait()
-        inexact = int(counts[0]) if stats is not None else 0
+        exps = max_block_exponents(micro_batches)
+        if gloo:
+            exps = _exchange_max(exps, rank, world_size, group)
+        elif world_size > 1:
+            dist.all_reduce(exps, op=dist.ReduceOp.MAX, group=group)  # exact: a max of integers
+        if world_size == 1:
+            total, inexact = encode_sum(micro_batches, exps, bits)
+            decode_into(total, exps, bits, out=decoded)
+        elif gloo:  # the counts of this rank's rows: summed over the ranks below
+            counts = (_exchange_reduce_scatter(micro_batches, exps, bits, rank, world_size, group, decoded),
+                      int((exps[mine] == EXPONENT_NONFINITE).sum()))
+        else:
+            inexact = _nccl_reduce_scatter(micro_batches, exps, bits, group, decoded, mine, stats is not None)
+        nonfinite = int((exps == EXPONENT_NONFINITE).sum()) if stats is not None else 0
+    if gloo:  # the all-gather and the counts' sum in one round
+        inexact, nonfinite = _exchange_all_gather(None if scatter_only else reduced, counts, rank, world_size, group)
+    elif world_size > 1 and not scatter_only:  # the input is the output's own slice: no copy
+        dist.all_gather_into_tensor(reduced, decoded, group=group)
     if stats is not None:
         element_bytes = num_blocks * block_size
         stats.num_elements += element_bytes
         stats.num_blocks += num_blocks
         stats.fraction_bits = bits
         stats.inexact_elements += inexact
-        stats.nonfinite_blocks += int((exps == EXPONENT_NONFINITE).sum())
-        stats.bytes_sent += (ring_bytes("all_reduce", num_blocks, world_size)  # int8 exponents
-                             + ring_bytes("reduce_scatter", 8 * element_bytes, world_size)
+        stats.nonfinite_blocks += nonfinite
+        stats.bytes_sent += ((ring_bytes("reduce_scatter", 4 * len(micro_batches) * element_bytes, world_size) if raw
+                              else ring_bytes("all_reduce", num_blocks, world_size)  # int8 exponents
+                              + ring_bytes("reduce_scatter", 8 * element_bytes, world_size))
                              + (0 if scatter_only else ring_bytes("all_gather", 4 * element_bytes, world_size)))
         stats.fp32_allreduce_bytes += ring_bytes("all_reduce", 4 * element_bytes, world_size)
     return reduced
@@ -163,21 +163,65 @@ _WORKSPACES: dict[tuple, torch.Tensor] = {}
 _MAX_WORKSPACES = 16  # one pair per DDP bucket / FSDP group shape; more distinct shapes start over
 
 
-def _workspace(name: str, shape, device: torch.device) -> torch.Tensor:
-    """An int64 buffer kept between steps (contents undefined): a fresh one costs its page
-    faults on every call, about as long as the encode pass itself on the CPU."""
-    key = (name, tuple(shape), str(device))
+def _workspace(name: str, shape, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A buffer kept between steps (contents undefined): a fresh one costs its page faults on
+    every call, about as long as the encode pass itself on the CPU."""
+    key = (name, tuple(shape), str(device), dtype)
     buffer = _WORKSPACES.get(key)
     if buffer is None:
         if len(_WORKSPACES) >= _MAX_WORKSPACES:
             _WORKSPACES.clear()
-        buffer = _WORKSPACES[key] = torch.empty(tuple(shape), dtype=torch.int64, device=device)
+        buffer = _WORKSPACES[key] = torch.empty(tuple(shape), dtype=dtype, device=device)
     return buffer
 
 
 def _peers(rank: int, world_size: int) -> list[int]:
     """The other ranks, starting after this one (so that no rank is everybody's first)."""
     return [(rank + i) % world_size for i in range(1, world_size)]
+
+
+def _nccl_reduce_scatter(micro_batches: list[torch.Tensor], exps: torch.Tensor, bits: int, group,
+                         out: torch.Tensor, mine: slice, count: bool) -> int:
+    """Encode, the backend's int64 reduce-scatter, decode this rank's rows into ``out``; the
+    global inexact count when ``count`` (a host sync), else 0."""
+    shape = micro_batches[0].shape
+    total, inexact = encode_sum(micro_batches, exps, bits, out=_workspace("total", shape, out.device))
+    counts = torch.tensor([inexact], dtype=torch.int64, device=out.device)
+    counted = dist.all_reduce(counts, group=group, async_op=True)  # overlaps the rest
+    shard = torch.empty(out.shape, dtype=torch.int64, device=out.device)
+    dist.reduce_scatter_tensor(shard, total, group=group)  # int64 SUM: exact and associative
+    decode_into(shard, exps[mine], bits, out=out)
+    counted.wait()
+    return int(counts[0]) if count else 0
+
+
+def _owner_reduce_scatter(micro_batches: list[torch.Tensor], bits: int, rank: int, world_size: int, group,
+                          out: torch.Tensor) -> tuple[int, int]:
+    """The reduce-scatter for gloo with one or two micro-batches a rank: each rank sends the
+    fp32 rows of every micro-batch straight to the rank that owns them (4 or 8 bytes an element,
+    no more than the int64 sums, and no exponent round before), and the owner computes what the
+    other path computes, on its rows of all M micro-batches: the block exponents (the same MAX),
+    the int64 encodings and their sum, the decode into ``out``.  Every bit is the same: an
+    exponent is a MAX over the same inputs, an encoding depends on its element and exponent
+    only, and int64 sums do not depend on the order.  Returns (inexact elements, non-finite
+    blocks) of this rank's rows (`_exchange_all_gather` sums them over the ranks)."""
+    rows, k = micro_batches[0].shape[0] // world_size, len(micro_batches)
+    block_size, device = micro_batches[0].shape[1], micro_batches[0].device
+    received = _workspace("raw", (world_size - 1, k, rows, block_size), device, torch.float32)
+
+    def chunk(c: int) -> slice:
+        return slice(c * rows, (c + 1) * rows)
+
+    peers = _peers(rank, world_size)
+    works = [dist.irecv(received[i, j], group=group, group_src=peer) for i, peer in enumerate(peers) for j in range(k)]
+    works += [dist.isend(blocks[chunk(peer)], group=group, group_dst=peer) for peer in peers for blocks in micro_batches]
+    for work in works:
+        work.wait()
+    mine = [blocks[chunk(rank)] for blocks in micro_batches] + [part for parts in received for part in parts]
+    exps = max_block_exponents(mine)
+    total, inexact = encode_sum(mine, exps, bits, out=_workspace("total", (rows, block_size), device))
+    decode_into(total, exps, bits, out=out)
+    return inexact, int((exps == EXPONENT_NONFINITE).sum())
 
 
 def _exchange_max(exps: torch.Tensor, rank: int, world_size: int, group) -> torch.Tensor:
@@ -202,8 +246,8 @@ def _exchange_reduce_scatter(micro_batches: list[torch.Tensor], exps: torch.Tens
     slice (twice the bytes): each rank encodes rank p's chunk and sends it to p straight away
     (so the encode overlaps the transfers), receives its own chunk's partial sums from every
     rank, and decodes their sum into ``out`` in one pass.  The bytes a rank sends are a ring's,
-    (W - 1) / W of the buffer, in one round instead of W - 1.  Returns the global inexact count
-    (each rank's count travels with its chunks)."""
+    (W - 1) / W of the buffer, in one round instead of W - 1.  Returns this rank's inexact count
+    (the global one is the sum over ranks)."""
     rows = micro_batches[0].shape[0] // world_size
     total = _workspace("total", micro_batches[0].shape, micro_batches[0].device)
     received = _workspace("received", (world_size - 1, rows, total.shape[1]), total.device)
@@ -221,26 +265,32 @@ def _exchange_reduce_scatter(micro_batches: list[torch.Tensor], exps: torch.Tens
         inexact += encode_chunk(peer)
         sending.append(dist.isend(total[chunk(peer)], group=group, group_dst=peer))
     inexact += encode_chunk(rank)
-    counts = torch.tensor([inexact] * world_size, dtype=torch.int64)  # [0]: this rank's, [1:]: the peers'
-    receiving += [dist.irecv(counts[i + 1:i + 2], group=group, group_src=peer) for i, peer in enumerate(peers)]
-    sending += [dist.isend(counts[:1], group=group, group_dst=peer) for peer in peers]
     for work in receiving:
         work.wait()
     decode_into(total[chunk(rank)], exps[chunk(rank)], bits, out=out, addends=list(received))
     for work in sending:
         work.wait()
-    return int(counts.sum())
+    return inexact
 
 
-def _exchange_all_gather(reduced: torch.Tensor, rank: int, world_size: int, group) -> None:
-    """All-gather of this rank's rows of ``reduced`` into everyone's, for gloo: straight sends
-    and receives into the slices (one round, no staging copy)."""
-    rows = reduced.shape[0] // world_size
+def _exchange_all_gather(reduced: torch.Tensor | None, counts: tuple[int, int], rank: int, world_size: int,
+                         group) -> tuple[int, int]:
+    """All-gather of this rank's rows of ``reduced`` into everyone's (None: none, a reduce-scatter
+    only), for gloo: straight sends and receives into the slices (one round, no staging copy),
+    with every rank's ``counts`` (inexact elements, non-finite blocks) in the same round;
+    returns their sums."""
     peers = _peers(rank, world_size)
-    works = [dist.irecv(reduced[peer * rows:(peer + 1) * rows], group=group, group_src=peer) for peer in peers]
-    works += [dist.isend(reduced[rank * rows:(rank + 1) * rows], group=group, group_dst=peer) for peer in peers]
+    table = torch.tensor([counts] * world_size, dtype=torch.int64)  # [0]: this rank's, [1:]: the peers'
+    works = [dist.irecv(table[i + 1], group=group, group_src=peer) for i, peer in enumerate(peers)]
+    works += [dist.isend(table[0], group=group, group_dst=peer) for peer in peers]
+    if reduced is not None:
+        rows = reduced.shape[0] // world_size
+        works += [dist.irecv(reduced[peer * rows:(peer + 1) * rows], group=group, group_src=peer) for peer in peers]
+        works += [dist.isend(reduced[rank * rows:(rank + 1) * rows], group=group, group_dst=peer) for peer in peers]
     for work in works:
         work.wait()
+    inexact, nonfinite = table.sum(dim=0).tolist()
+    return inexact, nonfinite
 
 
 class GradientAccumulator:

@@ -1,6 +1,6 @@
-"""Torch helpers that tracing, zero-code recording and the probe share, each defined once.
+"""Torch helpers that tracing, zero-code recording, the probe and the digest share, each defined once.
 
-Foundation layer: imports torch and nothing of samebits, so every package may use it.
+Foundation layer: imports torch and, of samebits, only `errors`, so every package may use it.
 """
 
 from __future__ import annotations
@@ -81,6 +81,22 @@ def op_tensor_outputs(out: Any) -> list[tuple[str, torch.Tensor]]:
     if isinstance(out, (list, tuple)):
         return [(str(j), o) for j, o in enumerate(out) if isinstance(o, torch.Tensor)]
     return []
+
+
+# -- bits ------------------------------------------------------------------------------------
+
+#: The integer dtype of each element size.  A tensor viewed as it keeps its bits: a copy is a plain
+#: bit copy (also for dtypes without a copy kernel of their own, torch.uint4 and other shell dtypes)
+#: and equality is bitwise (-0.0 differs from 0.0, a NaN equals its own bits).
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def int_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as the integer dtype of its element size (uint8, int16, int32, int64), or ``t``
+    itself where there is none (complex128).  The digest's non-contiguous path calls it: keep it a
+    lookup and a view."""
+    int_dtype = _INT_OF_SIZE.get(t.dtype.itemsize)
+    return t if int_dtype is None else t.view(int_dtype)
 
 
 # -- call sites ------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from samebits import settings
-from samebits._torchutil import group_rank_and_world_size
+from samebits._torchutil import group_rank_and_world_size, int_view
 from samebits.checkpoint import capture_rng_state, restore_rng_state
 from samebits.errors import ConfigError
 from samebits.fingerprint import digest_many
@@ -127,8 +127,7 @@ class _FlipMode(TorchDispatchMode):
         if self.calls == self.spec.call:
             first = next((t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)), None)
             if first is not None and first.is_floating_point() and first.numel():
-                bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[first.element_size()]
-                word = first.detach().reshape(-1)[:1].view(bits)
+                word = int_view(first.detach().reshape(-1)[:1])
                 word.bitwise_xor_(1 << min(self.spec.bit, 8 * first.element_size() - 2))
                 self.flipped = True
         self.calls += 1

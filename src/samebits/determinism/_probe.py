@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from samebits._torchutil import SAMEBITS_DIR, AutogradScopes, call_site, is_uninitialized_op
+from samebits._torchutil import SAMEBITS_DIR, AutogradScopes, call_site, int_view, is_uninitialized_op
 from samebits.determinism._ops import lookup_op
 from samebits.verdicts import ToDict, serialised
 
@@ -500,18 +500,9 @@ def _restore_rng(state: dict) -> None:
         state["generator"][0].set_state(state["generator"][1])
 
 
-_BITS_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    """An integer view of the tensor's bits: NaN-safe, and -0.0 differs from 0.0."""
-    if t.is_complex():
-        t = torch.view_as_real(t)
-    if t.dtype == torch.bool:
-        return t.view(torch.uint8)
-    if t.is_floating_point():
-        return t.view(_BITS_DTYPES[t.element_size()])
-    return t
+    """An integer view of the tensor's bits (a complex one's parts): NaN-safe, and -0.0 differs from 0.0."""
+    return int_view(torch.view_as_real(t) if t.is_complex() else t)
 
 
 def _count_differences(trial: Any, real: Any) -> tuple[torch.Tensor | int, int]:

@@ -11,13 +11,10 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from samebits._torchutil import int_view
+from samebits.errors import ConfigError
 from samebits.fingerprint import _native, _reference
 from samebits.fingerprint._spec import finalize, header
-from samebits.errors import ConfigError
-
-# Reinterpreting as an integer dtype of the same size makes .contiguous() a plain bit copy,
-# and works for dtypes whose own copy kernel is missing (torch.uint4 and other shell dtypes).
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _check(t: object) -> None:
@@ -47,11 +44,9 @@ def _row_major(t: torch.Tensor) -> torch.Tensor:
         t = t.resolve_neg()
     if t.is_contiguous():
         return t
-    t = t.detach()  # copying for autograd would only cost time
-    int_dtype = _INT_OF_SIZE.get(t.dtype.itemsize)
-    if int_dtype is not None:
-        t = t.view(int_dtype)
-    return t.contiguous()
+    # detach: copying for autograd would only cost time; the integer view makes the copy a plain
+    # bit copy, also for dtypes without a copy kernel (torch.uint4 and other shell dtypes)
+    return int_view(t.detach()).contiguous()
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

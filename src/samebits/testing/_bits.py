@@ -12,11 +12,10 @@ from typing import Any
 
 import torch
 
+from samebits._torchutil import int_view
+
 _MAX_INDICES = 4  # differing elements shown per leaf
 _MAX_LEAVES = 8  # differing leaves listed in one message
-
-# Integer views of each width, for bit patterns and ulp distances.
-_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,11 +85,8 @@ def tensor_leaf(tensor: torch.Tensor, path: str) -> Leaf:
         raise TypeError(f"{path}: a {t.layout} tensor; samebits.testing compares dense tensors "
                         "(compare t.to_dense() or its components)")
     t = t.resolve_conj().resolve_neg()
-    size = t.element_size()
-    same_width = _INT_OF_SIZE.get(size)
-    if same_width is not None and t.dtype != same_width:
-        t = t.view(same_width)  # a plain bit copy below, also for dtypes without a copy kernel
-    data = t.cpu().contiguous().reshape(-1).view(torch.uint8).view(-1, size).clone()
+    # the integer view: a plain bit copy below, also for dtypes without a copy kernel
+    data = int_view(t).cpu().contiguous().reshape(-1).view(torch.uint8).view(-1, t.element_size()).clone()
     return Leaf(path, tensor.dtype, tuple(tensor.shape), data)
 
 

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import torch
 
-_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+from samebits._torchutil import int_view
 
 
 def _ordered(t: torch.Tensor) -> torch.Tensor:
     """Floats as int64 in value order (one step per ulp); integers and bools as int64."""
     if t.is_floating_point():
-        bits = t.contiguous().view(_INT_OF_SIZE[t.element_size()]).to(torch.int64)
+        bits = int_view(t).to(torch.int64)
         magnitude = bits & ((1 << (8 * t.element_size() - 1)) - 1)
-        return torch.where(bits < 0, -magnitude, magnitude)
+        return torch.where(bits != magnitude, -magnitude, magnitude)  # the sign bit set (uint8: not sign-extended)
     return t.to(torch.int64)
 
 
@@ -26,8 +26,7 @@ def _bitwise_unequal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         a, b = torch.view_as_real(a), torch.view_as_real(b)
         return _bitwise_unequal(a, b).any(dim=-1)
     if a.is_floating_point():
-        width = _INT_OF_SIZE[a.element_size()]
-        return a.contiguous().view(width) != b.contiguous().view(width)
+        return int_view(a) != int_view(b)
     return a != b
 
 
@@ -85,6 +84,5 @@ def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype is torch.bool:
         a, b = a.to(torch.int8), b.to(torch.int8)
     if a.is_floating_point():  # sort bit patterns, so -0/+0 and NaN payloads count as distinct values
-        width = _INT_OF_SIZE[a.element_size()]
-        a, b = a.contiguous().view(width), b.contiguous().view(width)
+        a, b = int_view(a), int_view(b)
     return torch.equal(torch.sort(a).values, torch.sort(b).values)

@@ -8,6 +8,8 @@ import os
 
 import torch
 
+from samebits._torchutil import int_view
+
 TRACE_DIR = os.path.dirname(os.path.abspath(__file__))  # call sites skip the tracer's own frames
 
 
@@ -33,17 +35,16 @@ def geometry(t: torch.Tensor) -> str:
 
 
 def nudge(t: torch.Tensor) -> None:
-    """Move the first element of ``t`` by one ulp (integers by one, booleans flipped), in place."""
+    """Move the first element of ``t`` by one ulp (a complex one's real part; integers by one,
+    booleans flipped), in place."""
     if t.numel() == 0:
         return
+    if t.is_complex():
+        t = torch.view_as_real(t)
     index = (0,) * t.dim()
     if t.dtype is torch.bool:
         t[index] = ~t[index]
-    elif t.is_floating_point() or t.is_complex():
-        width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-        if t.is_complex():
-            t = torch.view_as_real(t)
-            index = (0,) * t.dim()
-        t.view(width)[index] += 1
+    elif t.is_floating_point():
+        int_view(t)[index] += 1
     else:
         t[index] += 1

@@ -401,18 +401,6 @@ def test_bisect_output_shows_origin_call_site_and_elements(tmp_path):
     assert report.pairs[0].first_by_rank == {0: (5, None), 1: (3, None)}
 
 
-def test_verify_across_output_shows_its_verdicts_without_a_rank_by_rank_comparison(tmp_path):
-    a, b = write_runs(tmp_path / "runs")
-    check = samebits.diff(a, b)  # a real DiffResult, as compare_replicated returns
-    data = check.to_dict()
-    summary = {"verdict": "fail", "sizes": [1, 2], "reference": "dp=1", "checks": {"dp=2": data}}  # before 2026-12
-    (tmp_path / "across").mkdir()
-    (tmp_path / "across" / "summary.json").write_text(json.dumps(summary, default=str))
-    report = build_report([tmp_path / "across"])
-    assert report.kind == "verify --across" and report.verdict is Verdict.FAIL and report.pairs == []
-    assert "dp=2" in report.html and "not rank by rank" in report.html
-
-
 def test_report_json_and_exit_code_follow_the_verdict(tmp_path, capsys):
     a, b = write_runs(tmp_path, plant=False)
     code = main(["report", str(a), str(b), "-o", str(tmp_path / "r.html"), "--json"])

@@ -14,7 +14,6 @@ import pytest
 
 from samebits.errors import ConfigError
 from samebits.runs.bisect import BisectResult, Origin, Stage
-from samebits.runs.report.summaries import command_of
 from samebits.runs.report import build_report
 from samebits.verdicts import ToDict, Verdict, serialised
 
@@ -130,11 +129,11 @@ def test_a_renamed_or_retyped_field_is_an_error_naming_the_file_and_the_field(tm
     assert str(file) in str(caught.value) and repr(field) in str(caught.value), caught.value
 
 
-def test_every_summary_names_its_command_and_a_file_from_before_is_told_by_its_fields(tmp_path):
-    assert command_of({"command": "matrix", "checks": {}}) == "matrix"
-    assert [command_of(old) for old in ({"cells": []}, {"stages": []}, {"checks": {}, "layouts": []},
-                                        {"checks": {}, "sizes": [1, 2]}, {"checks": {}}, {"verdict": "identical"})] == [
-        "matrix", "bisect", "verify --across", "verify --across", "verify", None]
+def test_a_summary_is_read_by_the_command_it_names_and_one_naming_none_is_refused(tmp_path):
     file = _bisect_summary(tmp_path / "bisect")
-    _edit(file, lambda data: data.update(command="bisect"))  # as a summary that names its command is written
-    assert build_report([file.parent]).kind == "bisect"
+    assert build_report([file.parent]).kind == "bisect"  # every summary names its command (`summary_of`)
+    _edit(file, lambda data: data.pop("command"))  # as samebits before 2026-12 wrote it: no guessing by its keys
+    with pytest.raises(ConfigError) as caught:
+        build_report([file.parent])
+    assert str(file) in str(caught.value) and "'command' is None" in str(caught.value) and \
+        "run the command again" in str(caught.value), caught.value

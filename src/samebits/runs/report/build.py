@@ -70,8 +70,9 @@ def build_report(inputs: list[str | Path], *, start_step: int | None = None, all
             "verify --across": _across_report, "verify": _verify_report}.get(summary.command)
     if page is not None:
         return page(path, summary, say)
-    raise ConfigError(f"{path / 'summary.json'}: not a summary of samebits verify, bisect or matrix (no 'checks', "
-                      "'stages' or 'cells'); give the output directory of one of those commands.")
+    raise ConfigError(f"{path / 'summary.json'}: not a summary of samebits verify, bisect or matrix (its 'command' is "
+                      f"{summary.command!r}; samebits before 2026-12 wrote none: run the command again); give the "
+                      "output directory of one of those commands.")
 
 
 def _settled_page(command: str, path: Path, summary: dict, file: Path, derive) -> Page:
@@ -124,7 +125,7 @@ def _across_report(path: Path, found: Summary, say) -> Report:
     claimed = _verdict(summary.get("verdict"), file)
     derived, why = _across_verdict(summary, file)
     verdict = _settle(claimed, derived, file, why, notes)
-    certificate = _certificate(path) if "layouts" in summary else None
+    certificate = _certificate(path)
     if certificate is not None:
         cert_file = path / "certificate.json"
         cert_derived, cert_why = _across_verdict(certificate, cert_file)
@@ -140,12 +141,6 @@ def _across_report(path: Path, found: Summary, say) -> Report:
                                                 f"{recorded!r} in summary.json")
     page = Page("verify --across", f"samebits verify --across: {path}", verdict)
     page.notes.extend(notes)
-    if "layouts" not in summary:  # written before 2026-12: dp sizes, rank 0's replicated records
-        verify_summary(page, summary, [])
-        page.notes.append(f"runs of different data-parallel sizes ({', '.join(map(str, summary.get('sizes') or []))}) "
-                          f"are compared by the replicated records of rank 0 against {summary.get('reference')}, not "
-                          "rank by rank: no heatmap or environment comparison is drawn for them")
-        return page.finish([str(path)], [], notes=list(summary.get("notes") or []))
     page.conclusion = conclusion(found.result)
     across_summary(page, found.result)
     if certificate is None:

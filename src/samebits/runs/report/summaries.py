@@ -31,26 +31,10 @@ RESULTS: dict[str, type[ToDict]] = {result.summary_of: result for result in (Bis
                                                                              AcrossResult, MatrixResult)}
 
 
-def command_of(summary: dict) -> str | None:
-    """The command whose result ``summary`` is: the ``command`` it names (every summary writes
-    it, `samebits.verdicts.ToDict.summary_of`), or, for a file written before that field (until
-    2026-12), the one whose fields it holds: ``cells`` matrix, ``stages`` bisect, ``checks``
-    with ``layouts`` or ``sizes`` verify --across, ``checks`` verify; None for none of them (a
-    diff's result, which names no command)."""
-    if summary.get("command") is not None:
-        return str(summary["command"])
-    if "cells" in summary:
-        return "matrix"
-    if "stages" in summary:
-        return "bisect"
-    if "checks" in summary:
-        return "verify --across" if "layouts" in summary or "sizes" in summary else "verify"
-    return None
-
-
 @dataclass(frozen=True)
 class Summary:
-    """A ``summary.json`` as read: the command that wrote it (`command_of`), its typed result
+    """A ``summary.json`` as read: the command that wrote it (the ``command`` every summary
+    names, `samebits.verdicts.ToDict.summary_of`), its typed result
     where that command's result type reads back (`RESULTS`; None otherwise), and its dictionary."""
 
     command: str | None
@@ -66,15 +50,13 @@ def _summary(path: Path) -> Summary | None:
     data = _json_file(file, "the summary.json a samebits command wrote")
     if data is None:
         return None
-    command = "stopped" if data.get("verdict") == STOPPED else command_of(data)  # (`write_stopped`)
-    if command in RESULTS and not (command == "verify --across" and "layouts" not in data):  # dp sizes: before 2026-12
+    command = "stopped" if data.get("verdict") == STOPPED else data.get("command")  # (`write_stopped`)
+    if command in RESULTS:
         result = RESULTS[command].from_dict(data, source=file)
         if command == "bisect" and data.get("origin") and data["origin"].get("elements"):
             _check_fields(data["origin"]["elements"], _ELEMENTS_DETAIL, file, "origin.elements")
         return Summary(command, data, result)
-    if command == "verify --across":  # (an object of none of them is refused by `build_report`)
-        _check_fields(data, _SIZES_SUMMARY, file, "")
-    return Summary(command, data)
+    return Summary(command, data)  # (a command without a page is refused by `build_report`)
 
 
 def _json_file(file: Path, expected: str) -> dict | None:
@@ -147,9 +129,6 @@ _CONTROL = {"verdict": str, "differs": bool, "first_step": int, "layout": str, "
 # The entries of a bisect origin's elements that no field types (`Elements.detail`, compare_elements'
 # dict, written flattened), as the page reads them
 _ELEMENTS_DETAIL = {"values": [dict], "first_indices": list}
-# A `verify --across` summary of dp sizes (written before 2026-12, not an AcrossResult), as the page reads it
-_SIZES_SUMMARY = {"verdict": _Required(str), "checks": _Each(_CHECK, null=True), "sizes": list, "reference": str,
-                  "notes": list}
 
 
 # certificate.json (`samebits.runs.across.certificate`), as the page reads it

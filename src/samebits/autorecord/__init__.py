@@ -44,6 +44,7 @@ from samebits.checkpoint import CENSUS_DIR, census_recorder, state_census
 from samebits.errors import ConfigError
 from samebits.settings import RecordingSpec
 from samebits.stream import Recorder
+from samebits.stream.optimizer_state import state_tensors
 from samebits.stream.phases import (AFTER_OPTIMIZER_STEP, BACKWARD, FORWARD, INPUTS, RESTORED_OPTIMIZER,
                                     RESTORED_PARAMS, STATE, STATE_END)
 from samebits.trace import install_zero_code
@@ -508,8 +509,7 @@ def _params_and_state(optimizers, param_names) -> tuple[list, list]:
             if id(param) not in seen:
                 seen.add(id(param))
                 params.append((name, param))
-                state += [(f"{name}.{key}", value) for key, value in sorted(optimizer.state.get(param, {}).items())
-                          if isinstance(value, torch.Tensor)]
+                state += state_tensors(optimizer, name, param)
     return params, state
 
 

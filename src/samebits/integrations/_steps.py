@@ -15,6 +15,7 @@ import torch
 
 from samebits import ConfigError, Recorder, settings
 from samebits.autorecord import note
+from samebits.stream.optimizer_state import state_tensors
 from samebits.stream.phases import LOSS
 
 
@@ -72,8 +73,7 @@ class StepRecorder:
             if isinstance(lr, (int, float)):
                 metrics["lr" if g == 0 else f"lr.group{g}"] = float(lr)
         rec.metrics(step, **metrics)
-        state = [(f"{n}.{key}", value) for n, p in named for key, value in sorted(optimizer.state.get(p, {}).items())
-                 if isinstance(value, torch.Tensor)] if self.optimizer_state else None
+        state = [pair for n, p in named for pair in state_tensors(optimizer, n, p)] if self.optimizer_state else None
         rec.optimizer_step(step, grads=[(n, p.grad) for n, p in named] if self.grads else None,
                            params=[(n, p.detach()) for n, p in named] if self.params else None, optimizer=state)
         rec.end_step(step)

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from samebits._torchutil import call_site, optimizer_params, process_rank, tensor_leaves
 from samebits.checkpoint import state_census
+from samebits.stream.optimizer_state import state_tensors
 from samebits.trace import _checkpointing, _collectives
 from samebits.trace._config import (CENSUS_EVENT, CENSUS_PHASE, PRE_PHASE, TraceConfig, record_name, record_phase,
                                     source_prefix)
@@ -474,9 +475,7 @@ class Tracer:
             n = state.next_number("phase", "optimizer")
             pairs = []
             for name, param in optimizer_params(optimizer, self.param_names):
-                pairs += [(name, param)] + [(f"{name}.{key}", value) for key, value in
-                                            sorted(optimizer.state.get(param, {}).items())
-                                            if isinstance(value, torch.Tensor)]
+                pairs += [(name, param), *state_tensors(optimizer, name, param)]
             self.record("phase", f"optimizer:{n}", "out", pairs, "optimizer")
         state.enter_stage("post")
 

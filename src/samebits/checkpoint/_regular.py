@@ -8,6 +8,7 @@ import stat
 from pathlib import Path
 
 from samebits.checkpoint._errors import CheckpointError
+from samebits.stream.file_kind import file_kind
 
 
 def _open_regular(path: Path, what: str, shown: Path | None = None):
@@ -32,7 +33,7 @@ def _open_regular(path: Path, what: str, shown: Path | None = None):
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        raise CheckpointError(f"{shown} is not a regular file ({_file_kind(mode)}); {what} is "
+        raise CheckpointError(f"{shown} is not a regular file ({file_kind(mode)}); {what} is "
                               "read only from a regular file inside the checkpoint directory: "
                               "load an older step-K directory")
     if flags & getattr(os, "O_NONBLOCK", 0):
@@ -63,16 +64,8 @@ def _regular_size(path: Path, shown_from: Path) -> int:
                               "read only as a regular file inside the checkpoint directory: "
                               "replace the link by the file, or load an older step-K directory")
     if not stat.S_ISREG(info.st_mode):
-        raise CheckpointError(f"{path} is not a regular file ({_file_kind(info.st_mode)}); a shard "
+        raise CheckpointError(f"{path} is not a regular file ({file_kind(info.st_mode)}); a shard "
                               "is read only from a regular file inside the checkpoint directory: "
                               "load an older step-K directory")
     return info.st_size
 
-
-def _file_kind(mode: int) -> str:
-    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"),
-                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
-        if test(mode):
-            return name
-    return "not a regular file"

@@ -16,17 +16,10 @@ import numpy as np
 
 from samebits.errors import StreamError
 from samebits.stream import _format as fmt
+from samebits.stream.file_kind import file_kind
 
 _CORRUPT_HINT = ("Every frame before that byte is intact: compare up to the step before it "
                  "(--to-step), or re-record the run.")
-
-
-def _file_type(mode: int) -> str:
-    for check, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                        (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
-        if check(mode):
-            return name
-    return "not a regular file"
 
 
 class FrameFile:
@@ -46,7 +39,7 @@ class FrameFile:
             with open(descriptor, "rb") as file:
                 status = os.fstat(file.fileno())
                 if not stat.S_ISREG(status.st_mode):
-                    raise StreamError(f"{self.path}: not a regular file ({_file_type(status.st_mode)}); a "
+                    raise StreamError(f"{self.path}: not a regular file ({file_kind(status.st_mode)}); a "
                                       "fingerprint stream is a regular rank-NNNNN.sbs file written by samebits.")
                 if status.st_size:
                     self._data = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)

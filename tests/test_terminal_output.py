@@ -50,7 +50,7 @@ def test_narrow_tables_are_unchanged_and_control_characters_stay_escaped_when_wr
 
 
 def test_progress_lines_carry_elapsed_time_and_indent_continuations(capsys):
-    progress = progress_printer("verify")
+    progress = progress_printer()
     progress("[1/3] run A ...")
     progress("samebits bisect: a = x\n b = y\x1b[31m")
     err = capsys.readouterr().err.splitlines()

@@ -65,7 +65,7 @@ def echo(*parts: Any, file=None, flush: bool = False, sep: str = " ") -> None:
     print(escape(text, keep_newlines=True), file=file if file is not None else sys.stdout, flush=flush)
 
 
-def progress_printer(command: str, file=None) -> Callable[[str], None]:
+def progress_printer() -> Callable[[str], None]:
     """Progress on stderr, each message after the time since the command started
     (``[  12.3s] [2/4] run B ...``), its later lines indented under the first."""
     began = time.perf_counter()
@@ -73,7 +73,7 @@ def progress_printer(command: str, file=None) -> Callable[[str], None]:
     def progress(message: str) -> None:
         stamp = f"[{time.perf_counter() - began:6.1f}s] "
         text = str(message).replace("\n", "\n" + " " * len(stamp))
-        echo(stamp + text, file=file if file is not None else sys.stderr, flush=True)
+        echo(stamp + text, file=sys.stderr, flush=True)
 
     return progress
 

@@ -77,7 +77,7 @@ def run(args) -> int:
     check = check_output_directory if len(args.inputs) == 1 else check_input_directory
     for path in args.inputs:
         check(path)
-    progress = progress_printer("report")
+    progress = progress_printer()
     progress(f"samebits report: {' '.join(args.inputs)} -> {args.out}")
     report = write_report(args.inputs, args.out, start_step=args.from_step,
                           allow_config_diff=args.allow_config_diff, progress=progress)

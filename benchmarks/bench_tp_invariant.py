@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from samebits.invariant import column_parallel_linear, invariant_matmul, row_parallel_linear
-from samebits.invariant._matmul import tree_matmul
+from samebits.invariant import tree_matmul
 
 
 def _load() -> str:

@@ -27,7 +27,7 @@ import platform
 import torch
 import torch.nn.functional as F
 
-from samebits.invariant._matmul import gemm_matmul
+from samebits.invariant import gemm_matmul
 
 SIZES = (1, 2, 3, 4, 5, 7, 8, 9, 11, 12, 16, 24, 64, 512, 1024)
 BIG = 1024

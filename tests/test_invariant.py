@@ -22,7 +22,7 @@ from samebits.invariant import (DEFAULT_BLOCK_SIZE, TP_BLOCK_SIZE, GradientAccum
                                 canonical_grad_norm, column_parallel_linear, decode, encode, fraction_bits,
                                 invariant_matmul, invariant_sum, micro_batch_seed, row_parallel_linear, scale_columns,
                                 sharded_grad_norm)
-from samebits.invariant._matmul import gemm_matmul, tree_matmul  # not exported yet (invariant/__init__.py is E1's)
+from samebits.invariant import gemm_matmul, tree_matmul
 from samebits.runs._launch import run_logged
 from samebits.cli._recipe import across_size_layouts
 from samebits.runs.across import command_layouts, compare_replicated, verify_across

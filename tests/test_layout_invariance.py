@@ -26,7 +26,7 @@ from samebits.errors import ConfigError
 from samebits.invariant import (InvariantReduceScatter, block_exponents, column_parallel_linear, decode, encode,
                                 fraction_bits, invariant_matmul, invariant_sum, row_parallel_linear, scale_columns,
                                 sharded_grad_norm)
-from samebits.invariant._matmul import tree_matmul  # not exported yet (invariant/__init__.py is E1's)
+from samebits.invariant import tree_matmul
 from samebits.recipes import RecipeConfig
 from samebits.recipes.cells import ParallelDims
 from samebits.runs.across import compare_replicated

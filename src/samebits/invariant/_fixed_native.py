@@ -18,7 +18,7 @@ from array import array
 
 import torch
 
-_ABI_VERSION = 2  # SAMEBITS_FIXED_ABI_VERSION in csrc/fixed.c
+_ABI_VERSION = 2  # the ABI version fixed.c reports (samebits_fixed_abi_version)
 
 
 def _load() -> ctypes.CDLL | None:

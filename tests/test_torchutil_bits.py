@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from samebits._torchutil import int_view
+from samebits._torchutil import int_view, ordered_bits
 from samebits.rerun import FaultSpec, _FlipMode
 from samebits.trace._tensors import nudge
 
@@ -15,6 +15,7 @@ DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.i
           torch.complex64, torch.complex128]
 
 
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_int_view_is_the_integer_of_the_element_size_with_the_same_bits(dtype):
     raw = torch.arange(96, dtype=torch.uint8) % (2 if dtype is torch.bool else 251)  # a bool byte is 0 or 1
@@ -43,3 +44,20 @@ def test_the_flip_fault_flips_a_float8_output():
         y = x.clone()
     assert mode.flipped
     assert (y.view(torch.uint8) ^ x.view(torch.uint8)).tolist() == [4, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.float16, torch.bfloat16], ids=str)
+def test_ordered_bits_counts_every_representable_value_once_in_value_order(dtype):
+    width = 8 * dtype.itemsize
+    unsigned = torch.arange(1 << width, dtype=torch.int64)  # every bit pattern
+    patterns = unsigned.to(torch.int8 if width == 8 else torch.int16)  # the same bits, read signed
+    values = patterns.view(dtype).to(torch.float64)
+    order = ordered_bits(unsigned, width)
+    assert torch.equal(order, ordered_bits(patterns.to(torch.int64), width))  # sign-extended reads the same
+    assert [ordered_bits(int(b), width) for b in unsigned[:: 1 << (width - 6)]] == order[:: 1 << (width - 6)].tolist()
+    finite = values.isfinite()
+    by_value = order[finite][values[finite].argsort(stable=True)]
+    assert (by_value.diff() >= 0).all()  # monotonic in value
+    assert by_value.unique().tolist() == list(range(int(by_value.min()), int(by_value.max()) + 1))  # one step per value
+    zeros = order[values == 0]
+    assert zeros.tolist() == [0, 0]  # +0 and -0

@@ -99,6 +99,17 @@ def int_view(t: torch.Tensor) -> torch.Tensor:
     return t if int_dtype is None else t.view(int_dtype)
 
 
+def ordered_bits(bits, width: int):
+    """A float's ``width``-bit pattern as an integer that counts representable values from zero,
+    one per ulp (-0.0 and +0.0 are both 0, the smallest subnormals -1 and 1): two floats' distance
+    in ulps is the difference.  ``bits``: a Python int or an int64 tensor, the pattern read signed
+    or unsigned (any bit above the magnitude is the sign)."""
+    magnitude = bits & ((1 << (width - 1)) - 1)
+    if isinstance(bits, torch.Tensor):
+        return torch.where(bits != magnitude, -magnitude, magnitude)
+    return -magnitude if bits != magnitude else magnitude
+
+
 # -- call sites ------------------------------------------------------------------------------
 
 

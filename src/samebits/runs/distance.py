@@ -7,18 +7,11 @@ from __future__ import annotations
 import math
 import struct
 
+from samebits._torchutil import ordered_bits
 from samebits.stream import Record
 
 FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")  # the dtypes an ulp count is defined for
 _FLOAT_FORMATS = {"float64": "<d", "float32": "<f", "float16": "<e"}
-
-
-def ordered(raw: bytes) -> int:
-    """A float's bits (little-endian) as an integer counting representable values from zero
-    (ulp steps): -0.0 and +0.0 are both 0, the smallest subnormals either side -1 and 1."""
-    bits = int.from_bytes(raw, "little")
-    sign = 1 << (8 * len(raw) - 1)
-    return -(bits & (sign - 1)) if bits & sign else bits
 
 
 def ulp_distance(dtype: str, raw_a: bytes, raw_b: bytes) -> int | None:
@@ -26,7 +19,8 @@ def ulp_distance(dtype: str, raw_a: bytes, raw_b: bytes) -> int | None:
     that means nothing (not a float dtype, bits of different widths)."""
     if dtype not in FLOAT_DTYPES or len(raw_a) != len(raw_b):
         return None
-    return abs(ordered(raw_a) - ordered(raw_b))
+    a, b = (ordered_bits(int.from_bytes(raw, "little"), 8 * len(raw)) for raw in (raw_a, raw_b))
+    return abs(a - b)
 
 
 def float_value(record: Record) -> float | None:
@@ -54,4 +48,4 @@ def metric_distance(a: Record, b: Record) -> tuple[int | None, float | None]:
     return ulp, relative
 
 
-__all__ = ["FLOAT_DTYPES", "ordered", "ulp_distance", "float_value", "metric_distance"]
+__all__ = ["FLOAT_DTYPES", "ulp_distance", "float_value", "metric_distance"]

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from samebits._torchutil import int_view
+from samebits._torchutil import int_view, ordered_bits
 
 _MAX_INDICES = 4  # differing elements shown per leaf
 _MAX_LEAVES = 8  # differing leaves listed in one message
@@ -183,13 +183,7 @@ def _ulp_note(dtype: torch.dtype, a: int, b: int, value_a: str, value_b: str) ->
     if "nan" in (value_a, value_b):
         return " (one is NaN)"
     width = dtype.itemsize * 8
-    return f" ({abs(_ordered(a, width) - _ordered(b, width))} ulp)"
-
-
-def _ordered(bits: int, width: int) -> int:
-    """Map a float's bit pattern onto integers that count representable values in order."""
-    sign = 1 << (width - 1)
-    return -(bits & (sign - 1)) if bits & sign else bits
+    return f" ({abs(ordered_bits(a, width) - ordered_bits(b, width))} ulp)"
 
 
 def render(mismatches: list[Mismatch], *, header: str) -> str:

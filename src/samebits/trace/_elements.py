@@ -1,23 +1,18 @@
-"""Element detail of a divergence: which elements of two tensors differ, and by how many ulps.
-
-The distance in ulps between two floats of one dtype is the number of representable values
-between them: their bit patterns mapped to a monotonic integer order (negative floats
-reflected), subtracted.  +0 and -0 are 0 ulps apart; NaN payloads compare by bits.
+"""Element detail of a divergence: which elements of two tensors differ (NaN payloads by their
+bits), and by how many ulps (`samebits._torchutil.ordered_bits`: +0 and -0 are 0 ulps apart).
 """
 
 from __future__ import annotations
 
 import torch
 
-from samebits._torchutil import int_view
+from samebits._torchutil import int_view, ordered_bits
 
 
 def _ordered(t: torch.Tensor) -> torch.Tensor:
     """Floats as int64 in value order (one step per ulp); integers and bools as int64."""
     if t.is_floating_point():
-        bits = int_view(t).to(torch.int64)
-        magnitude = bits & ((1 << (8 * t.element_size() - 1)) - 1)
-        return torch.where(bits != magnitude, -magnitude, magnitude)  # the sign bit set (uint8: not sign-extended)
+        return ordered_bits(int_view(t).to(torch.int64), 8 * t.element_size())
     return t.to(torch.int64)
 
 

@@ -46,6 +46,15 @@ def test_the_flip_fault_flips_a_float8_output():
     assert (y.view(torch.uint8) ^ x.view(torch.uint8)).tolist() == [4, 0]
 
 
+def test_the_flip_fault_flips_a_non_contiguous_output_itself():
+    # the old fault flipped reshape(-1)'s copy of a strided output and still said it had flipped
+    x = torch.ones(3, 4).t()
+    with _FlipMode(FaultSpec(step=0, rank=0, op="clone", bit=2)) as mode:
+        y = x.clone()  # a new tensor with x's transposed strides
+    assert mode.flipped and not y.is_contiguous()
+    assert (y.view(torch.int32) ^ x.view(torch.int32)).flatten().tolist() == [4] + [0] * 11
+
+
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.float16, torch.bfloat16], ids=str)
 def test_ordered_bits_counts_every_representable_value_once_in_value_order(dtype):
     width = 8 * dtype.itemsize

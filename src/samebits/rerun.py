@@ -127,7 +127,7 @@ class _FlipMode(TorchDispatchMode):
         if self.calls == self.spec.call:
             first = next((t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)), None)
             if first is not None and first.is_floating_point() and first.numel():
-                word = int_view(first.detach().reshape(-1)[:1])
+                word = int_view(first.detach()[(0,) * first.dim()])  # a view: reshape copies a strided output
                 word.bitwise_xor_(1 << min(self.spec.bit, 8 * first.element_size() - 2))
                 self.flipped = True
         self.calls += 1

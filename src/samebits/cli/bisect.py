@@ -105,12 +105,9 @@ def render(result) -> str:
             lines.append(f"  op         {origin.op}   (id {origin.event_id})")
         elif origin.event_id:
             lines.append(f"  event      {origin.event_id} ({origin.category})")
-        if origin.call_site:
-            lines.append(f"  call site  {origin.call_site}")
-        if origin.detail:
-            lines.append(f"  why        {origin.detail}")
-        if origin.state_differs:
-            lines.append(f"  state      differs at step start: {', '.join(origin.state_differs)}")
+        state = origin.state_differs and f"differs at step start: {', '.join(origin.state_differs)}"
+        lines += [f"  {label:<10} {value}" for label, value in
+                  (("call site", origin.call_site), ("why", origin.detail), ("state", state)) if value]
         elements = origin.elements
         if elements:
             lines.append(f"  elements   {elements.differing} of {elements.total} differ in output "

@@ -3,7 +3,7 @@
     python benchmarks/bench_invariant.py accuracy [--elements 1048576] [--ranks 8]
     python benchmarks/bench_invariant.py comm [--nproc 2] [--elements 4194304] [--rounds 20] [--local-micro-batches 1]
     python benchmarks/bench_invariant.py loop [--nproc 2] [--steps 30]
-    python benchmarks/bench_invariant.py recipe [--nproc 2] [--steps 12] [--rounds 2] [--cell dp2|fsdp2|tp2-dp2|pp2|ep2]
+    python benchmarks/bench_invariant.py recipe [--nproc 2] [--steps 12] [--rounds 5] [--cell dp2|fsdp2|tp2-dp2|pp2|ep2]
 
 accuracy (one process): 8 "ranks" x 1M fp32 gradient elements of mixed scales (each block of
 256 its own magnitude, 1e-6..1e2), summed (a) by the invariant reduction and (b) in fp32 in 24
@@ -27,15 +27,20 @@ sums.
 loop (torchrun): the small training loop of tests/scripts_invariant/train_dp.py, whole-step time
 with --grad-reduce invariant versus mean, alternating runs; median step time ratio.
 
-recipe (torchrun): the reference recipe (ep=1) with grad_reduce=invariant (4 micro-batches of 4
-samples per step: 2 per rank at DP=2) versus grad_reduce=mean with micro_batch_size 8 per rank
-(the same 16 samples per step, one forward per rank), alternating runs; median of the step times
-the recipe prints, first 3 steps of each run left out.  --cell fsdp2 does the same under FSDP2
-(`InvariantReduceScatter` versus FSDP2's own reduce-scatter); --cell tp2-dp2 (4 ranks) adds
-tp_reduce=invariant to the invariant mode and runs a third, "tp_only" (tp_reduce=invariant,
-grad_reduce=mean), so the DP part's cost under TP shows apart from the TP layers'; --cell pp2
-runs the 16 samples as 4 pipeline micro-batches of 4 in both modes (1F1B); --cell ep2 keeps the
-experts sharded (no ep=1) in both modes.
+recipe (torchrun): the reference recipe (ep=1), 16 samples a step, side by side: each of
+--rounds rounds runs every mode once (one torchrun each, the order rotating), and each ratio is
+the median over rounds of the round's ratio of median step times (the recipe's own timer, the
+first 3 steps of a run left out), with a 95% bootstrap interval, the min-max and the 1-minute
+load average after each round.  Modes: "mean" (plain: one forward and backward of 8 samples a
+DP rank), "invariant" as configured (grad_reduce=invariant, 4 micro-batches of 4: 2 forwards of
+4 a rank at DP=2) and "invariant_same" (one micro-batch of 8 a rank, num_micro_batches = the DP
+size: the same micro-batching as plain, so its ratio is the invariant reduction's and the keyed
+draws' price alone).  --cell fsdp2 does the same under FSDP2 (`InvariantReduceScatter` versus
+FSDP2's own reduce-scatter; as configured FSDP2 also all-gathers twice); --cell tp2-dp2 (4
+ranks) adds tp_reduce=invariant to the invariant modes and runs "tp_only" (tp_reduce=invariant,
+grad_reduce=mean), whose ratio to the invariant mode is the DP part's cost under TP; --cell pp2
+runs the 16 samples as 4 pipeline micro-batches of 4 in both modes (1F1B: the same
+micro-batching); --cell ep2 keeps the experts sharded (no ep=1).
 """
 
 from __future__ import annotations
@@ -190,32 +195,66 @@ def loop(nproc: int, steps: int, rounds: int) -> dict:
             "time_ratio": inv / mean}
 
 
+def _recipe_modes(cell: str) -> dict[str, list[str]]:
+    """The modes one round of ``recipe`` runs for ``cell``: each a list of ``--set`` overrides.
+
+    The step is 16 samples in every mode.  "mean": plain (fp32 all-reduce, or FSDP2's own
+    reduce-scatter), one forward and backward of 8 samples a DP rank.  "invariant": as the
+    recipe is configured for invariance, 4 micro-batches of 4 (2 forwards of 4 a rank at DP=2;
+    FSDP2 then all-gathers its parameters twice).  "invariant_same": the same micro-batching
+    as plain, one micro-batch of 8 a rank (num_micro_batches = the DP size), so its ratio to
+    "mean" is the price of the invariant reduction and keyed draws alone.
+    """
+    mean = ["--set", "micro_batch_size=8"]
+    configured = ["--set", "grad_reduce=invariant", "--set", "num_micro_batches=4", "--set", "micro_batch_size=4"]
+    same = ["--set", "grad_reduce=invariant", "--set", "num_micro_batches=2", "--set", "micro_batch_size=8"]
+    if cell == "pp2":  # one DP rank: the 16 samples in 4 pipeline micro-batches of 4 either way
+        return {"invariant": configured,
+                "mean": ["--set", "micro_batch_size=16", "--set", "pp_microbatches=4"]}
+    if cell == "tp2-dp2":  # "tp_only": the TP layers' price alone, so the DP part's shows apart
+        tp = ["--set", "tp_reduce=invariant"]
+        return {"invariant": [*configured, *tp], "invariant_same": [*same, *tp], "tp_only": [*mean, *tp],
+                "mean": mean}
+    return {"invariant": configured, "invariant_same": same, "mean": mean}
+
+
 def recipe(nproc: int, steps: int, rounds: int, cell: str = "dp2") -> dict:
-    invariant = ["--set", "grad_reduce=invariant", "--set", "num_micro_batches=4", "--set", "micro_batch_size=4"]
-    modes = {"invariant": invariant, "mean": ["--set", "micro_batch_size=8"]}
+    """Each round runs every mode once (one torchrun each, the order rotating from round to
+    round); a round's ratio is the ratio of its runs' median step times (the recipe's own
+    timer, the first 3 steps of each run left out).  The median of the rounds' ratios with a
+    95% bootstrap interval and the min-max, so the load of a moment moves one round."""
+    modes = _recipe_modes(cell)
     layout: list[str] = []
     if cell != "dp2":
         nproc = {"fsdp2": 2, "tp2-dp2": 4, "pp2": 2, "ep2": 2}[cell]
         layout = ["--cell", cell]
-    if cell == "pp2":  # one DP rank: the 16 samples in 4 pipeline micro-batches of 4 either way
-        modes["mean"] = ["--set", "micro_batch_size=16", "--set", "pp_microbatches=4"]
-    if cell == "tp2-dp2":
-        modes = {"invariant": [*invariant, "--set", "tp_reduce=invariant"],
-                 "tp_only": ["--set", "micro_batch_size=8", "--set", "tp_reduce=invariant"], **{"mean": modes["mean"]}}
-    times = {mode: [] for mode in modes}
-    for _ in range(rounds):
-        for mode, extra in modes.items():
+    per_round: dict[str, list[float]] = {mode: [] for mode in modes}
+    loads = [os.getloadavg()[0]]
+    for r in range(rounds):
+        order = list(modes)[r % len(modes):] + list(modes)[:r % len(modes)]
+        for mode in order:
             argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                     "-m", "samebits.recipes", *layout, "--steps", str(steps),
-                    *(["--set", "ep=1"] if cell != "ep2" else []), *extra]
+                    *(["--set", "ep=1"] if cell != "ep2" else []), *modes[mode]]
             done = subprocess.run(argv, capture_output=True, text=True, check=True)
             lines = [x for x in done.stdout.splitlines() if x.startswith("step ")]
-            times[mode] += [float(x.rsplit("|", 1)[1].split()[0]) / 1000 for x in lines[3:]]
-    medians = {f"{mode}_step_s": statistics.median(values) for mode, values in times.items()}
-    result = {"cell": cell, "nproc": nproc, "steps": steps, "rounds": rounds, **medians,
-              "time_ratio": medians["invariant_step_s"] / medians["mean_step_s"]}
-    if "tp_only" in modes:
-        result["dp_part_ratio"] = medians["invariant_step_s"] / medians["tp_only_step_s"]
+            per_round[mode].append(statistics.median(
+                float(x.rsplit("|", 1)[1].split()[0]) / 1000 for x in lines[3:]))
+        loads.append(os.getloadavg()[0])
+    result: dict = {"cell": cell, "nproc": nproc, "steps": steps, "rounds": rounds,
+                    **{f"{mode}_step_s": statistics.median(values) for mode, values in per_round.items()}}
+    baselines = {"invariant": "mean", "invariant_same": "mean", "tp_only": "mean"}
+    if "tp_only" in modes:  # the DP part under TP: invariant over tp_reduce=invariant alone
+        baselines["dp_part"] = "tp_only"
+    for name, baseline in baselines.items():
+        mode = "invariant" if name == "dp_part" else name
+        if mode not in modes:
+            continue
+        ratios = [a / b for a, b in zip(per_round[mode], per_round[baseline])]
+        result[f"{name}_ratio"] = statistics.median(ratios)
+        result[f"{name}_ratio_95ci"] = _bootstrap_median_interval(ratios)
+        result[f"{name}_ratio_min_max"] = [min(ratios), max(ratios)]
+    result["load_1min_per_round"] = loads  # before the first round, then after each
     return result
 
 
@@ -225,7 +264,7 @@ def main() -> None:
     parser.add_argument("--elements", type=int, default=1 << 20)
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=None, help="default: 20 (comm), 3 (loop), 5 (recipe)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--cell", choices=("dp2", "fsdp2", "tp2-dp2", "pp2", "ep2"), default="dp2")
     parser.add_argument("--local-micro-batches", type=int, default=1,
@@ -235,6 +274,8 @@ def main() -> None:
     if args.what == "_comm_worker":
         _comm_worker(args.elements, args.rounds, args.local_micro_batches)
         return
+    if args.rounds is None:
+        args.rounds = {"recipe": 5, "loop": 3}.get(args.what, 20)
     torch.set_num_threads(1)
     if args.what == "accuracy":
         result = accuracy(args.elements, args.ranks)

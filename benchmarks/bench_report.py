@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import samebits
-from samebits.runs.report import build_report
+from samebits.runners.report import build_report
 
 
 def write(root: Path, label: str, ranks: int, steps: int, tensors: int, plant_step: int) -> Path:

@@ -25,10 +25,10 @@ from samebits.errors import ConfigError
 from samebits.recipes import cells
 from samebits.recipes import commands as recipe
 from samebits.recipes.cells import ParallelDims, parse_layouts
-from samebits.runs.across import CERTIFICATE, AcrossResult, Layout, verify_across
-from samebits.runs.program import SelfRecording
-from samebits.runs.conclusion import across_conclusion, diff_conclusion
-from samebits.runs.report import build_report
+from samebits.runners.across import CERTIFICATE, AcrossResult, Layout, verify_across
+from samebits.runners.program import SelfRecording
+from samebits.runners.conclusion import across_conclusion, diff_conclusion
+from samebits.runners.report import build_report
 from samebits.verdicts import Verdict
 
 FAKE = Path(__file__).parent / "scripts_across" / "fake_layout.py"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from samebits.runs.across import CERTIFICATE, command_layouts, compare_layouts, compare_replicated, verify_across
+from samebits.runners.across import CERTIFICATE, command_layouts, compare_layouts, compare_replicated, verify_across
 from samebits.verdicts import Verdict
 
 SCRIPT = Path(__file__).parent / "scripts_across" / "fake_replicas.py"

@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("comparison", {"compare"}),
     ("middle", {"trace"}),
     ("recording", {"autorecord"}),
-    ("runs", {"runs", "testing"}),
+    ("runners", {"runners", "testing"}),
     ("entry points", {"cli", "__main__", "_inject.sitecustomize", "samebits"}),
 ]
 CLIENTS = {"recipes", "integrations"}  # use the public API like a user's script; nothing in the library imports them
@@ -244,7 +244,7 @@ def test_only_the_cli_imports_the_recipe():
     assert "recipes" in graph["cli"]  # the rule is live: the command line does import it
 
 
-@pytest.mark.parametrize("source", ["runs", "cli"])
+@pytest.mark.parametrize("source", ["runners", "cli"])
 def test_the_recipe_rule_catches_a_library_import(source, monkeypatch):
     real = _graph()
     planted = {**real, source: {**real.get(source, {}), "recipes": ["planted.py:1"]}}
@@ -253,9 +253,9 @@ def test_the_recipe_rule_catches_a_library_import(source, monkeypatch):
         test_only_the_cli_imports_the_recipe()
         test_layers_only_point_down()
     else:
-        with pytest.raises(AssertionError, match="runs -> recipes: planted"):
+        with pytest.raises(AssertionError, match="runners -> recipes: planted"):
             test_only_the_cli_imports_the_recipe()
-        with pytest.raises(AssertionError, match="runs -> recipes"):
+        with pytest.raises(AssertionError, match="runners -> recipes"):
             test_layers_only_point_down()
 
 
@@ -310,11 +310,11 @@ def test_no_cross_package_private_imports():
 
 
 def test_the_private_import_check_sees_modules_and_names(tmp_path, monkeypatch):
-    planted = tmp_path / "samebits" / "runs" / "planted.py"
+    planted = tmp_path / "samebits" / "runners" / "planted.py"
     planted.parent.mkdir(parents=True)
-    planted.write_text("from samebits.trace._origin import find_origins\nfrom samebits.runs.verify import RunInfo\n"
+    planted.write_text("from samebits.trace._origin import find_origins\nfrom samebits.runners.verify import RunInfo\n"
                        "from samebits.stream import _format\nfrom samebits.compare import _private_name\n"
-                       "from samebits._torchutil import rank_and_world_size\nfrom samebits.runs import _launch\n")
+                       "from samebits._torchutil import rank_and_world_size\nfrom samebits.runners import _launch\n")
     monkeypatch.setitem(globals(), "SRC", tmp_path / "samebits")
     found = {what for _, what in _private_imports()}
     assert found == {"samebits.trace._origin", "samebits.stream._format", "samebits.compare._private_name"}, found

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from samebits.runs._bisect_narrow import Side, _Bisector
-from samebits.runs.bisect import Elements, bisect
-from samebits.runs.program import ZeroCode
+from samebits.runners._bisect_narrow import Side, _Bisector
+from samebits.runners.bisect import Elements, bisect
+from samebits.runners.program import ZeroCode
 from samebits.trace import OriginFinding, OriginReport
 from samebits.verdicts import Verdict
 
-bisect_module = importlib.import_module("samebits.runs._bisect_narrow")  # where bisect narrows
+bisect_module = importlib.import_module("samebits.runners._bisect_narrow")  # where bisect narrows
 OPTIMIZER_ORIGIN = dict(classification="origin", category="phase", phase="optimizer", event_id="optimizer:0",
                         role="out", label="w", detail="all inputs of optimizer:0 matched; its output w differs")
 LEFTOVERS = dict(classification="control_flow", category="op", phase="forward", module="",

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from samebits.runs.bisect import bisect
+from samebits.runners.bisect import bisect
 
 pytestmark = pytest.mark.slow  # end-to-end bisects of a nanoGPT-shaped trainer (1-3 min in all)
 

@@ -12,7 +12,7 @@ import pytest
 
 from samebits.cli import main
 from samebits.errors import ConfigError
-from samebits.runs.bisect import bisect
+from samebits.runners.bisect import bisect
 
 SCRIPT = Path(__file__).parent / "scripts_bisect" / "resume_rng.py"
 K = 3

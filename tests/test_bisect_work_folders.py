@@ -17,8 +17,8 @@ import pytest
 from samebits import open_run
 from samebits.cli import main
 from samebits.errors import ConfigError
-from samebits.runs.bisect import bisect
-from samebits.runs.program import resume_bisect_command
+from samebits.runners.bisect import bisect
+from samebits.runners.program import resume_bisect_command
 
 SCRIPT = Path(__file__).parent / "scripts_bisect" / "auto_resume.py"
 K = 2

@@ -294,7 +294,7 @@ def _record_run(directory, jitter: int, *, old_layout: bool, steps=range(3)):
 
 @pytest.mark.parametrize("old_layout", [False, True], ids=["census stream", "main stream (before 2026-12)"])
 def test_verify_reads_the_census_from_its_home_and_from_old_runs(tmp_path, old_layout):
-    from samebits.runs._explain import explain_resume
+    from samebits.runners._explain import explain_resume
 
     a = _record_run(tmp_path / "a", 0, old_layout=old_layout)
     c = _record_run(tmp_path / "c", 7, old_layout=old_layout)
@@ -322,7 +322,7 @@ def test_census_home_lookup_and_recorder(tmp_path):
 def test_bisect_suspects_every_census_record_that_differs(tmp_path):
     """What bisect adds to a trace's census: every record of the runs' census that differs at
     the step start (here a generator the trace does not see), in either layout."""
-    from samebits.runs._explain import census_suspects
+    from samebits.runners._explain import census_suspects
 
     for old_layout in (False, True):
         a = _record_run(tmp_path / f"a{old_layout}", 0, old_layout=old_layout)
@@ -366,7 +366,7 @@ def test_a_census_that_differs_fails_a_self_recording_run_whose_outputs_agree(tm
     no output has shown yet: the outputs agree, the census does not, and verify's check says
     DIVERGED at the census record (with a note), never IDENTICAL; equal censuses change nothing."""
     from samebits.compare import diff
-    from samebits.runs.verify import _with_census
+    from samebits.runners.verify import _with_census
 
     _recorded(tmp_path / "a", 0.0)
     _recorded(tmp_path / "c", 0.5 if differs else 0.0, steps=range(2, 4))

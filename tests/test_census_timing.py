@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from samebits import diff
-from samebits.runs._explain import census_suspects, explain_independent
+from samebits.runners._explain import census_suspects, explain_independent
 
 SCRIPT = Path(__file__).parent / "scripts_census_timing" / "reshuffle.py"
 RESHUFFLE_LINE = 17  # the line that makes the clock-seeded generator
@@ -53,7 +53,7 @@ def test_the_census_is_taken_at_the_training_forward_not_an_evaluation_before_it
     """A loop that evaluates (no grad) before it sets the step's LR and trains (litgpt's): the
     census of a step was taken at the evaluation, before the LR was set, so a resume that forgot
     its iteration counter showed the same LR as A and was blamed on something else."""
-    from samebits.runs._explain import explain_resume
+    from samebits.runners._explain import explain_resume
 
     ckpt = tmp_path / "ckpt.pt"
     a = tmp_path / "a"

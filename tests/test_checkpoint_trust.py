@@ -320,7 +320,7 @@ def test_the_state_hash_is_the_same_at_any_layout_and_names_what_differs(saves, 
 def test_the_certificate_fails_checkpoints_whose_resumable_states_differ(saves, tmp_path):
     """`final_checkpoints` (verify --across's certificate): equal contents but another learning
     rate is not equal (the old code said checkpoints_equal: true)."""
-    from samebits.runs.across import final_checkpoints
+    from samebits.runners.across import final_checkpoints
 
     _seed_all()
     checkpoint.save(tmp_path / "lr", rows_bundle(0, 1, edit=lambda b: b.optimizer.param_groups[0].update(lr=0.2)))

@@ -26,7 +26,7 @@ for argv in [["--help"]] + [[name, "--help"] for name in {COMMANDS!r}]:
         main(argv)
     except SystemExit:
         pass
-print(json.dumps(sorted(m for m in ("torch", "numpy", "samebits.stream", "samebits.runs") if m in sys.modules)))
+print(json.dumps(sorted(m for m in ("torch", "numpy", "samebits.stream", "samebits.runners") if m in sys.modules)))
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert json.loads(done.stdout.splitlines()[-1]) == []

@@ -27,9 +27,9 @@ import pytest
 from conftest import write_run
 from samebits.cli import main
 from samebits.compare import DiffResult, Divergence
-from samebits.runs.bisect import BisectResult, Elements, Origin, Stage
-from samebits.runs.matrix import CellResult, MatrixResult
-from samebits.runs.verify import VerifyResult
+from samebits.runners.bisect import BisectResult, Elements, Origin, Stage
+from samebits.runners.matrix import CellResult, MatrixResult
+from samebits.runners.verify import VerifyResult
 from samebits.verdicts import Verdict
 
 
@@ -399,7 +399,7 @@ pytestmark_linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reas
 @pytestmark_linux
 def test_a_timed_out_run_ends_with_every_process_it_started(tmp_path):
     from samebits.errors import SamebitsError
-    from samebits.runs._launch import run_logged
+    from samebits.runners._launch import run_logged
 
     script, pids_file = tmp_path / "tree.py", tmp_path / "pids"
     script.write_text(_TREE)
@@ -414,7 +414,7 @@ def test_a_timed_out_run_ends_with_every_process_it_started(tmp_path):
 
 @pytestmark_linux
 def test_ctrl_c_while_a_run_goes_ends_its_processes(tmp_path):
-    from samebits.runs._launch import run_logged
+    from samebits.runners._launch import run_logged
 
     script, pids_file = tmp_path / "tree.py", tmp_path / "pids"
     script.write_text(_TREE)

@@ -11,7 +11,7 @@ from samebits.cli import build_parser, main
 from samebits.cli._format import print_result
 from samebits.cli.diff import _SHOWN, render, render_global
 from samebits.compare import DiffResult, GlobalDiffResult
-from samebits.runs._launch import DEFAULT_TIMEOUT_S
+from samebits.runners._launch import DEFAULT_TIMEOUT_S
 from samebits.verdicts import Verdict
 
 # The commands that take each shared option (cli/matrix.py adds the recipe group too).

@@ -1,5 +1,5 @@
 """Command templates: the recipe's one argv builder (`samebits.recipes.commands`), the runners'
-shared placeholders and output folders (`samebits.runs.commands`), and the commands that fill
+shared placeholders and output folders (`samebits.runners.commands`), and the commands that fill
 them per run: `bisect -- CMD` gives each run its own {out} as verify does; a `verify --across`
 run of the recipe leaves the checkpoint `replay` resumes, and replay says how to make one."""
 
@@ -17,10 +17,10 @@ from samebits.cli import main
 from samebits.cli._recipe import recipe_program, replay_command, replay_config
 from samebits.errors import ConfigError
 from samebits.recipes.commands import recipe_command, recipe_roles, recorded_config_overrides
-from samebits.runs.bisect import bisect
-from samebits.runs.commands import RecipeRefused, default_out_dir, fill_placeholders, holds, prepare_out_dir
-from samebits.runs.program import RECORD, RESUME, SAVE, SelfRecording, ZeroCode
-from samebits.runs.replay import replay
+from samebits.runners.bisect import bisect
+from samebits.runners.commands import RecipeRefused, default_out_dir, fill_placeholders, holds, prepare_out_dir
+from samebits.runners.program import RECORD, RESUME, SAVE, SelfRecording, ZeroCode
+from samebits.runners.replay import replay
 from samebits.verdicts import Verdict
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node"]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from samebits.compare import diff
-from samebits.runs._explain import explain_independent, explain_resume, ordered
+from samebits.runners._explain import explain_independent, explain_resume, ordered
 
 pytestmark = pytest.mark.slow  # six zero-code runs
 

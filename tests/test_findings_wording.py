@@ -22,16 +22,16 @@ import torch
 import samebits
 from samebits.compare import diff
 from samebits.checkpoint import describe_state_record
-from samebits.runs._explain import explain_resume, ordered
-from samebits.runs._launch import RunFailed
-from samebits.runs._bisect_narrow import Side, _Bisector, _Evidence
-from samebits.runs.bisect import Elements, bisect
-from samebits.runs.program import ZeroCode
-from samebits.runs.verify import RunInfo, _curves_cut, _keeping_earlier_verdicts
+from samebits.runners._explain import explain_resume, ordered
+from samebits.runners._launch import RunFailed
+from samebits.runners._bisect_narrow import Side, _Bisector, _Evidence
+from samebits.runners.bisect import Elements, bisect
+from samebits.runners.program import ZeroCode
+from samebits.runners.verify import RunInfo, _curves_cut, _keeping_earlier_verdicts
 from samebits.trace import OriginFinding, OriginReport
 from samebits.verdicts import Verdict
 
-bisect_module = importlib.import_module("samebits.runs._bisect_narrow")  # where bisect narrows
+bisect_module = importlib.import_module("samebits.runners._bisect_narrow")  # where bisect narrows
 RESUME = Path(__file__).parent / "scripts_resume"
 BISECT = Path(__file__).parent / "scripts_bisect"
 MINIGPT = RESUME / "minigpt.py"

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 import samebits
-from samebits.runs.progress import StepWatcher
+from samebits.runners.progress import StepWatcher
 from samebits.stream import _format as fmt
 from samebits.stream.follow import MAX_FRAME_BYTES, StreamTail
 

@@ -170,8 +170,8 @@ def test_verify_with_resume_on_a_lightning_script(tmp_path, callback):
     import sys
     from pathlib import Path
 
-    from samebits.runs.program import ZeroCode
-    from samebits.runs.verify import verify
+    from samebits.runners.program import ZeroCode
+    from samebits.runners.verify import verify
 
     script = str(Path(__file__).parent / "scripts_integrations" / "lightning_train.py")
     extra = [] if callback else ["--no-callback"]
@@ -199,8 +199,8 @@ def test_verify_shows_the_lightning_callbacks_own_finding(tmp_path):
     import sys
     from pathlib import Path
 
-    from samebits.runs.program import ZeroCode
-    from samebits.runs.verify import verify
+    from samebits.runners.program import ZeroCode
+    from samebits.runners.verify import verify
 
     script = str(Path(__file__).parent / "scripts_integrations" / "lightning_train.py")
     cmd = [sys.executable, script, "--workdir", "{out}", "--steps", "8", "--save-every", "5"]

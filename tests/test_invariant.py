@@ -23,9 +23,9 @@ from samebits.invariant import (DEFAULT_BLOCK_SIZE, TP_BLOCK_SIZE, GradientAccum
                                 invariant_matmul, invariant_sum, micro_batch_seed, row_parallel_linear, scale_columns,
                                 sharded_grad_norm)
 from samebits.invariant import gemm_matmul, tree_matmul
-from samebits.runs._launch import run_logged
+from samebits.runners._launch import run_logged
 from samebits.cli._recipe import across_size_layouts
-from samebits.runs.across import command_layouts, compare_replicated, verify_across
+from samebits.runners.across import command_layouts, compare_replicated, verify_across
 from samebits.verdicts import Verdict
 
 SCRIPT = Path(__file__).parent / "scripts_invariant" / "train_dp.py"

@@ -29,7 +29,7 @@ from samebits.invariant import (InvariantReduceScatter, block_exponents, column_
 from samebits.invariant import tree_matmul
 from samebits.recipes import RecipeConfig
 from samebits.recipes.cells import ParallelDims
-from samebits.runs.across import compare_replicated
+from samebits.runners.across import compare_replicated
 from samebits.verdicts import Verdict
 
 TINY = ["num_layers=2", "seq_len=32", "micro_batch_size=2"]

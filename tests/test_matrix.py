@@ -17,9 +17,9 @@ from samebits.cli.matrix import render
 from samebits.errors import ConfigError
 from samebits.recipes.cells import ParallelDims, cell_name
 from samebits.recipes.commands import cell_overrides
-from samebits.runs import distance
-from samebits.runs import matrix as M
-from samebits.runs.verify import VerifyResult
+from samebits.runners import distance
+from samebits.runners import matrix as M
+from samebits.runners.verify import VerifyResult
 from samebits.verdicts import Verdict
 
 TINY = ["num_layers=2", "seq_len=32", "vocab_size=256"]

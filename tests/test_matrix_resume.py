@@ -12,9 +12,9 @@ from samebits.cli import main
 from samebits.cli._recipe import matrix_program, recipe_program
 from samebits.cli.matrix import render
 from samebits.errors import ConfigError
-from samebits.runs.bisect import bisect
-from samebits.runs import matrix as M
-from samebits.runs.verify import VerifyResult
+from samebits.runners.bisect import bisect
+from samebits.runners import matrix as M
+from samebits.runners.verify import VerifyResult
 from samebits.verdicts import Verdict
 
 TINY = ["num_layers=2", "seq_len=32", "vocab_size=256"]

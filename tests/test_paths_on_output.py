@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 
-from samebits.runs._launch import run_logged
+from samebits.runners._launch import run_logged
 
 
 def test_a_log_header_with_a_path_that_is_not_utf8_is_escaped(tmp_path):

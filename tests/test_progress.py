@@ -27,8 +27,8 @@ import samebits
 from samebits.cli import main
 from samebits.cli import verify as cli_verify
 from samebits.errors import ConfigError
-from samebits.runs._launch import run_logged
-from samebits.runs.progress import MIN_STALL_S, STALL_FACTOR, Progress, StepWatcher, indented, watching
+from samebits.runners._launch import run_logged
+from samebits.runners.progress import MIN_STALL_S, STALL_FACTOR, Progress, StepWatcher, indented, watching
 from samebits.stream import StreamReader
 from samebits.stream.follow import StreamTail
 from samebits.verdicts import EXIT_CANNOT_RUN

@@ -15,8 +15,8 @@ import samebits
 from samebits.cli import main
 from samebits.cli._recipe import replay_config_at
 from samebits.errors import ConfigError
-from samebits.runs.across import compare_replicated
-from samebits.runs.replay import replay
+from samebits.runners.across import compare_replicated
+from samebits.runners.replay import replay
 from samebits.verdicts import Verdict
 from test_invariant import invariant_runs  # noqa: F401  (the shared DP=1/2/4 runs)
 

@@ -32,12 +32,12 @@ from samebits.cli.diff import render as render_diff
 from samebits.cli.matrix import render as render_matrix
 from samebits.cli.verify import render as render_verify
 from samebits.compare import DiffResult
-from samebits.runs.bisect import BisectResult, Elements, Origin, Stage
-from samebits.runs.matrix import CellResult, MatrixResult
-from samebits.runs.conclusion import bisect_conclusion, conclusion, verify_conclusion
-from samebits.runs.report import build_report, differing_records
-from samebits.runs.program import ZeroCode
-from samebits.runs.verify import VerifyResult, verify
+from samebits.runners.bisect import BisectResult, Elements, Origin, Stage
+from samebits.runners.matrix import CellResult, MatrixResult
+from samebits.runners.conclusion import bisect_conclusion, conclusion, verify_conclusion
+from samebits.runners.report import build_report, differing_records
+from samebits.runners.program import ZeroCode
+from samebits.runners.verify import VerifyResult, verify
 from samebits.trace import compare_elements
 from samebits.verdicts import EXIT_BAD_VERDICT, EXIT_CANNOT_RUN, EXIT_OK, Verdict
 

@@ -20,9 +20,9 @@ import torch
 import samebits
 from samebits.checkpoint import CENSUS_DIR
 from samebits.cli import main
-from samebits.runs.conclusion import diff_conclusion, diff_window
-from samebits.runs.report import build_report
-from samebits.runs.verify import VerifyResult
+from samebits.runners.conclusion import diff_conclusion, diff_window
+from samebits.runners.report import build_report
+from samebits.runners.verify import VerifyResult
 from samebits.verdicts import EXIT_BAD_VERDICT
 
 STEPS, RESUME_AT = 8, 4

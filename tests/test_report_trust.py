@@ -19,10 +19,10 @@ import pytest
 from samebits.cli import main
 from samebits.compare import DiffResult, Divergence
 from samebits.errors import ConfigError
-from samebits.runs.across import CERTIFICATE, command_layouts, verify_across
-from samebits.runs.matrix import CellResult, MatrixResult
-from samebits.runs.report import build_report
-from samebits.runs.verify import VerifyResult
+from samebits.runners.across import CERTIFICATE, command_layouts, verify_across
+from samebits.runners.matrix import CellResult, MatrixResult
+from samebits.runners.report import build_report
+from samebits.runners.verify import VerifyResult
 from samebits.verdicts import Verdict
 
 SCRIPT = Path(__file__).parent / "scripts_across" / "fake_replicas.py"

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from samebits.compare import diff
-from samebits.runs._explain import census_suspects, explain_independent, explain_resume, ordered
+from samebits.runners._explain import census_suspects, explain_independent, explain_resume, ordered
 
 SCRIPT = Path(__file__).parent / "scripts_resume" / "minigpt.py"
 CKPT_AT = 3

@@ -30,7 +30,7 @@ from samebits import checkpoint
 from samebits.checkpoint import CheckpointLayoutError, StateBundle
 from samebits.errors import ConfigError
 from samebits.recipes import RecipeConfig, train
-from samebits.runs.across import compare_replicated
+from samebits.runners.across import compare_replicated
 from samebits.stream import open_run
 from samebits.verdicts import Verdict
 

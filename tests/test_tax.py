@@ -24,7 +24,7 @@ import samebits
 from samebits.cli import main
 from samebits.errors import ConfigError, SamebitsError
 from samebits.cli._recipe import tax_programs
-from samebits.runs.tax import (POOL_ALPHA, TaxResult, estimate, f_sf, judge, look_confidence, measure, pairs_to_decide,
+from samebits.runners.tax import (POOL_ALPHA, TaxResult, estimate, f_sf, judge, look_confidence, measure, pairs_to_decide,
                                 read_step_times, t_quantile, tax)
 from samebits.verdicts import EXIT_BAD_VERDICT, EXIT_CANNOT_RUN, EXIT_OK, Verdict
 

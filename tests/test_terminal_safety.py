@@ -41,7 +41,7 @@ UNSAFE = ["\u061c", "\u200e", "\u200f", "\u202a", "\u202e", "\u2066", "\u2067", 
 @pytest.mark.parametrize("char", UNSAFE)
 def test_format_and_bidi_characters_are_escaped_for_the_terminal_and_the_page(char):
     from samebits.cli._format import escape
-    from samebits.runs.report.page import _esc
+    from samebits.runners.report.page import _esc
 
     code = ord(char)
     shown = f"\\x{code:02x}" if code < 0xa0 else f"\\u{code:04x}" if code <= 0xffff else f"\\U{code:08x}"
@@ -52,7 +52,7 @@ def test_format_and_bidi_characters_are_escaped_for_the_terminal_and_the_page(ch
 
 def test_printable_text_is_left_alone():
     from samebits.cli._format import escape
-    from samebits.runs.report.page import _esc
+    from samebits.runners.report.page import _esc
 
     text = "layer0.weight → grads/é ü 漢字 \u00a0 ok"
     assert escape(text) == text and _esc(text) == text
@@ -69,7 +69,7 @@ def test_check_escapes_an_arabic_letter_mark_in_a_key(tmp_path, capsys):
 
 def test_the_page_escapes_format_characters_from_the_runs(tmp_path):
     import samebits
-    from samebits.runs.report import build_report
+    from samebits.runners.report import build_report
 
     for name, value in (("a", "x\u061cy"), ("b", "x\u202ey\u2066")):
         with samebits.Recorder(tmp_path / name, rank=0, world_size=1, config={"note": value}) as rec:

@@ -16,7 +16,7 @@ import pytest
 from samebits.compare import DiffResult, Divergence
 from samebits.determinism._probe import ProbeFinding, ProbeReport
 from samebits.determinism._rules import Violation
-from samebits.runs.bisect import BisectResult, ControlFlow, Elements, Origin, Stage
+from samebits.runners.bisect import BisectResult, ControlFlow, Elements, Origin, Stage
 from samebits.trace import OriginFinding
 from samebits.verdicts import ToDict, Verdict, plain, serialised
 

@@ -616,7 +616,7 @@ def test_old_names_are_gone():
 
 
 def test_bisect_origin_serialises_to_the_documented_shape():
-    from samebits.runs.bisect import ControlFlow, Origin
+    from samebits.runners.bisect import ControlFlow, Origin
 
     origin = Origin(kind="op", conclusion="origin: ...", step=0, rank=1, phase="backward", module="",
                     op="aten::index_put", event_id="/aten::index_put:0", category="op", classification="origin",

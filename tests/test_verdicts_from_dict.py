@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from samebits.errors import ConfigError
-from samebits.runs.bisect import BisectResult, Origin, Stage
-from samebits.runs.report import build_report
+from samebits.runners.bisect import BisectResult, Origin, Stage
+from samebits.runners.report import build_report
 from samebits.verdicts import ToDict, Verdict, serialised
 
 

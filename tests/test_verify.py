@@ -19,7 +19,7 @@ from samebits.compare import DiffResult
 from samebits.errors import SamebitsError
 from samebits.verdicts import Verdict
 from samebits.cli._recipe import recipe_program
-from samebits.runs.verify import VerifyResult, verify
+from samebits.runners.verify import VerifyResult, verify
 
 pytestmark = pytest.mark.slow
 

@@ -17,9 +17,9 @@ import time
 import pytest
 
 from samebits.cli import main
-from samebits.runs._launch import RunFailed
-from samebits.runs.program import ZeroCode
-from samebits.runs.verify import verify
+from samebits.runners._launch import RunFailed
+from samebits.runners.program import ZeroCode
+from samebits.runners.verify import verify
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
 

@@ -17,7 +17,7 @@ import torch
 
 import samebits
 from samebits.checkpoint import CensusName, _names
-from samebits.runs._explain import explain_resume, ordered
+from samebits.runners._explain import explain_resume, ordered
 
 ROOT = Path(__file__).resolve().parent.parent
 CHANGES = ("Add a command.", "Add a parallel axis", "Record a new kind of state")

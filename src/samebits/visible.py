@@ -1,5 +1,5 @@
 """Text from files and runs made visible and inert: what the terminal (`samebits.cli._format`)
-and the page (`samebits.runs.report.page`) both show of names, paths and values.
+and the page (`samebits.runners.report.page`) both show of names, paths and values.
 
 A control, format (bidi) or separator character, or a byte of a path that is not UTF-8, is
 written as a visible escape (``\\x1b``, ``\\u202e``, ``\\xff``): such text can neither drive a

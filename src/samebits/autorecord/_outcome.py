@@ -3,7 +3,7 @@
 An exit code cannot tell "raised at step 3" from "finished, then crashed in teardown", and
 both leave complete-looking streams.  So each process that recorded writes
 ``outcome-rank<R>-pid<P>.json`` atomically as its code ends: ``clean``, ``exception`` (with
-the traceback tail) or ``stopped`` (the live check).  `samebits.runs._launch` keeps a run's
+the traceback tail) or ``stopped`` (the live check).  `samebits.runners._launch` keeps a run's
 records only when every process ended ``clean`` with its streams closed.
 """
 

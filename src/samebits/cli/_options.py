@@ -19,7 +19,7 @@ from samebits.errors import ConfigError
 from samebits.defaults import DEFAULT_TIMEOUT_S
 from samebits.settings import RecordingSpec
 
-Progress = lazy("samebits.runs.progress", "Progress")
+Progress = lazy("samebits.runners.progress", "Progress")
 
 MAX_COUNT = 10**9  # steps, pairs, ...: a count above this is a typo, not a run
 MAX_NPROC = 1024  # processes of one run on one machine (--nproc, a matrix cell's world size)
@@ -145,7 +145,7 @@ def _holds_streams(path: Path) -> bool:
 
 def check_out_directory(out: str | os.PathLike | None, option: str = "--out") -> None:
     """Refuse an output folder that is a file or not empty (samebits never writes over runs),
-    without importing torch; `samebits.runs.commands.check_out_dir` checks again later."""
+    without importing torch; `samebits.runners.commands.check_out_dir` checks again later."""
     if out is None:
         return
     out = Path(out)
@@ -233,8 +233,8 @@ def recording_options(args: argparse.Namespace) -> dict:
 
 # -- live progress: -q, --stall-factor (verify, bisect, matrix, tax, run) ---------------------------
 
-STALL_FACTOR_HELP = "10"  # samebits.runs.progress.STALL_FACTOR, written here so that --help loads no library
-MIN_STALL_HELP = "30"  # samebits.runs.progress.MIN_STALL_S
+STALL_FACTOR_HELP = "10"  # samebits.runners.progress.STALL_FACTOR, written here so that --help loads no library
+MIN_STALL_HELP = "30"  # samebits.runners.progress.MIN_STALL_S
 
 
 def add_progress_options(parser: argparse.ArgumentParser) -> None:
@@ -249,6 +249,6 @@ def add_progress_options(parser: argparse.ArgumentParser) -> None:
 
 
 def progress_for(args: argparse.Namespace):
-    """The `samebits.runs.progress.Progress` for `add_progress_options`' options, terminal-safe."""
+    """The `samebits.runners.progress.Progress` for `add_progress_options`' options, terminal-safe."""
     options = {} if args.stall_factor is None else {"stall_factor": args.stall_factor}
     return Progress(quiet=args.quiet, clean=lambda text: escape(text, keep_newlines=True), **options)

@@ -1,9 +1,9 @@
 """The reference recipe as the runners' program: the one library module that imports the recipe
 (tests/test_architecture.py), composing its command line (`samebits.recipes.commands`) with
-the runners of `samebits.runs`, which know no program.
+the runners of `samebits.runners`, which know no program.
 
     program = recipe_program(2, steps=8, overrides=["seed=3"])   # a runs.program.SelfRecording
-    verify(program, out)                                          # samebits.runs.verify
+    verify(program, out)                                          # samebits.runners.verify
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from samebits.cli._lazy import lazy
 from samebits.recipes import commands as recipe
 from samebits.recipes.cells import ParallelDims, parse_layouts
 
-SelfRecording = lazy("samebits.runs.program", "SelfRecording")
-Layout, CONTROL_STEPS = lazy("samebits.runs.across", "Layout", "CONTROL_STEPS")
-MatrixProgram = lazy("samebits.runs.matrix", "MatrixProgram")
+SelfRecording = lazy("samebits.runners.program", "SelfRecording")
+Layout, CONTROL_STEPS = lazy("samebits.runners.across", "Layout", "CONTROL_STEPS")
+MatrixProgram = lazy("samebits.runners.matrix", "MatrixProgram")
 
 
 def recipe_program(nproc: int, *, steps: int, overrides: Sequence[str] = (), nondeterministic: bool = False,

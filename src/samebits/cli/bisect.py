@@ -12,10 +12,10 @@ from samebits.cli._lazy import lazy
 from samebits.cli._recipe import recipe_program
 from samebits.errors import ConfigError
 
-bisect = lazy("samebits.runs.bisect", "bisect")
-bisect_conclusion = lazy("samebits.runs.conclusion", "bisect_conclusion")
+bisect = lazy("samebits.runners.bisect", "bisect")
+bisect_conclusion = lazy("samebits.runners.conclusion", "bisect_conclusion")
 # torch-free: the library's own argument checks, made before the library is loaded
-check_bisect_arguments = lazy("samebits.runs.commands", "check_bisect_arguments")
+check_bisect_arguments = lazy("samebits.runners.commands", "check_bisect_arguments")
 
 
 EXAMPLES = """\

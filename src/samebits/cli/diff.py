@@ -12,8 +12,8 @@ from samebits.verdicts import EXIT_CANNOT_RUN, Verdict
 
 process_rank = lazy("samebits._torchutil", "process_rank")
 DiffResult, GlobalDiffResult, diff = lazy("samebits.compare", "DiffResult", "GlobalDiffResult", "diff")
-differing_records = lazy("samebits.runs.report", "differing_records")
-compared_counts, diff_conclusion = lazy("samebits.runs.conclusion", "compared_counts", "diff_conclusion")
+differing_records = lazy("samebits.runners.report", "differing_records")
+compared_counts, diff_conclusion = lazy("samebits.runners.conclusion", "compared_counts", "diff_conclusion")
 
 
 EXAMPLES = """\

@@ -13,8 +13,8 @@ from samebits.recipes.cells import ParallelDims
 from samebits.recipes.commands import (DEFAULT_CELLS, DEFAULT_GLOBAL_BATCH, DEFAULT_PRECISIONS, LAYOUT_INDEPENDENT,
                                        PRECISIONS, check_precisions)
 
-MatrixResult, run_matrix, split_list = lazy("samebits.runs.matrix", "MatrixResult", "run_matrix", "split_list")
-matrix_conclusion = lazy("samebits.runs.conclusion", "matrix_conclusion")
+MatrixResult, run_matrix, split_list = lazy("samebits.runners.matrix", "MatrixResult", "run_matrix", "split_list")
+matrix_conclusion = lazy("samebits.runners.conclusion", "matrix_conclusion")
 
 
 EXAMPLES = """\
@@ -80,7 +80,7 @@ def run(args) -> int:
 
 def check(args) -> None:
     """Refuse, before the library (and torch) is loaded, a cell, baseline or precision the recipe
-    does not have, and an output folder in use: the checks `samebits.runs.matrix` makes again,
+    does not have, and an output folder in use: the checks `samebits.runners.matrix` makes again,
     with the recipe's own parsers (`ParallelDims.parse`, `check_precisions`, torch-free)."""
     check_precisions(_items(args.precisions))
     cells = [ParallelDims.parse(name).name for name in _items(args.cells)]
@@ -93,7 +93,7 @@ def check(args) -> None:
 
 
 def _items(text: str | None) -> list[str]:
-    """The items of a comma-separated option (`samebits.runs.matrix.split_list` says what is wrong
+    """The items of a comma-separated option (`samebits.runners.matrix.split_list` says what is wrong
     with an empty one)."""
     return [part.strip() for part in (text or "").split(",") if part.strip()]
 

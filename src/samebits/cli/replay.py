@@ -13,7 +13,7 @@ from samebits.cli._options import (add_out_option, add_run_timeout_option, check
 from samebits.verdicts import Verdict
 
 DiffResult = lazy("samebits.compare", "DiffResult")
-ReplayResult, replay = lazy("samebits.runs.replay", "ReplayResult", "replay")
+ReplayResult, replay = lazy("samebits.runners.replay", "ReplayResult", "replay")
 
 
 EXAMPLES = """\

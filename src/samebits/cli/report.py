@@ -11,7 +11,7 @@ from samebits.cli._format import echo, print_json, progress_printer, table
 from samebits.cli._options import check_input_directory, check_input_file
 from samebits.cli._lazy import lazy
 
-write_report = lazy("samebits.runs.report", "write_report")
+write_report = lazy("samebits.runners.report", "write_report")
 MAX_STATE_LINES = 4  # census lines printed under the table
 _STREAM = re.compile(r"^rank-\d{5,}\.sbs$")  # a rank's stream (samebits.stream.reader's name)
 

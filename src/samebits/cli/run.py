@@ -14,7 +14,7 @@ from samebits.verdicts import EXIT_CANNOT_RUN, EXIT_STOPPED
 read_gaps, read_outcomes, read_stop, summarise_gaps = lazy("samebits.autorecord", "read_gaps", "read_outcomes",
                                                           "read_stop", "summarise_gaps")
 diff = lazy("samebits.compare", "diff")
-run_recorded = lazy("samebits.runs.record", "run_recorded")
+run_recorded = lazy("samebits.runners.record", "run_recorded")
 summarise = lazy("samebits.stream", "summarise")
 
 

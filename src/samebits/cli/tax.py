@@ -14,10 +14,10 @@ from samebits.cli._recipe import tax_programs
 from samebits.defaults import DEFAULT_GATE
 from samebits.errors import ConfigError
 
-TaxResult, tax = lazy("samebits.runs.tax", "TaxResult", "tax")
-ZeroCode = lazy("samebits.runs.program", "ZeroCode")
+TaxResult, tax = lazy("samebits.runners.tax", "TaxResult", "tax")
+ZeroCode = lazy("samebits.runners.program", "ZeroCode")
 
-# Restated from samebits.runs.tax (importing it would load numpy and torch before parsing).
+# Restated from samebits.runners.tax (importing it would load numpy and torch before parsing).
 DEFAULT_PAIRS = 4
 DEFAULT_BUDGET_S = 300
 # A run of the recipe is mostly start-up (about 4 s here) and a step about 40 ms: 30 steps give each pair
@@ -25,7 +25,7 @@ DEFAULT_BUDGET_S = 300
 DEFAULT_RECIPE_STEPS = 30
 MAX_BUDGET_S = 7 * 24 * 3600
 # torch-free: the library's own argument checks, made before the library is loaded
-tax_commands = lazy("samebits.runs.commands", "tax_commands")
+tax_commands = lazy("samebits.runners.commands", "tax_commands")
 
 
 EXAMPLES = """\

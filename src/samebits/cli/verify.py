@@ -15,13 +15,13 @@ from samebits.errors import ConfigError
 from samebits.recipes.cells import parse_layouts
 from samebits.verdicts import Verdict
 
-command_layouts, parse_across, verify_across = lazy("samebits.runs.across", "command_layouts", "parse_across",
+command_layouts, parse_across, verify_across = lazy("samebits.runners.across", "command_layouts", "parse_across",
                                                     "verify_across")
-VerifyResult, verify = lazy("samebits.runs.verify", "VerifyResult", "verify")
-ZeroCode = lazy("samebits.runs.program", "ZeroCode")
-verify_conclusion, across_conclusion = lazy("samebits.runs.conclusion", "verify_conclusion", "across_conclusion")
+VerifyResult, verify = lazy("samebits.runners.verify", "VerifyResult", "verify")
+ZeroCode = lazy("samebits.runners.program", "ZeroCode")
+verify_conclusion, across_conclusion = lazy("samebits.runners.conclusion", "verify_conclusion", "across_conclusion")
 # torch-free: the library's own argument checks, made before the library is loaded
-check_resume_options, check_verify_steps = lazy("samebits.runs.commands", "check_resume_options", "check_verify_steps")
+check_resume_options, check_verify_steps = lazy("samebits.runners.commands", "check_resume_options", "check_verify_steps")
 
 
 EXAMPLES = """\
@@ -98,7 +98,7 @@ def run(args) -> int:
 
 def check(args) -> None:
     """Refuse, before the library (and torch) is loaded, options that cannot go together and an
-    output folder that is in use, with the library's own checks (`samebits.runs.commands`), so
+    output folder that is in use, with the library's own checks (`samebits.runners.commands`), so
     that a mistake costs no second of start-up."""
     if args.resume_across and args.across is None:
         raise ConfigError("--resume-across needs --across LAYOUTS (the layouts that resume the first one's "

@@ -1,6 +1,6 @@
 """The reference recipe's command line, for the runners that launch it: the one place that
 spells ``python -m samebits.recipes`` and its flags (`recipe_command`, `recipe_roles`), with
-placeholders (``{out}``, ``{step}``, ``{ckpt}``, ``{reference}``) for `samebits.runs.commands`
+placeholders (``{out}``, ``{step}``, ``{ckpt}``, ``{reference}``) for `samebits.runners.commands`
 to fill, and what `samebits matrix` needs of the recipe (precisions, cells, global metrics,
 layout-invariant settings, `cell_overrides`).  No torch is loaded.
 """
@@ -66,7 +66,7 @@ def recipe_command(nproc: int = 1, *, steps: int | str | None = None, preset: st
 def recipe_roles(nproc: int, *, steps: int, overrides: Sequence[str] = (),
                  nondeterministic: bool = False) -> dict:
     """Every template a runner needs for the recipe on ``nproc`` ranks (the keyword arguments
-    of `samebits.runs.program.SelfRecording`)."""
+    of `samebits.runners.program.SelfRecording`)."""
     base = {"steps": steps, "overrides": list(overrides),
             "preset": NONDETERMINISTIC_PRESET if nondeterministic else None}
     words = ["samebits", "bisect", "--steps", str(steps), "--nproc", str(nproc)]

@@ -1,5 +1,5 @@
 """Following a stream while its writer is still writing it: the steps as they land, for a live
-view (`samebits.runs.progress`).  Nothing is verified: `StreamReader` judges the stream.
+view (`samebits.runners.progress`).  Nothing is verified: `StreamReader` judges the stream.
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from samebits.checkpoint import CENSUS_DIR, CensusName
 from samebits.errors import StreamError
-from samebits.runs._census_facts import (Census, Finding, batch_source, differing_names, moved_in_step, read_census,
+from samebits.runners._census_facts import (Census, Finding, batch_source, differing_names, moved_in_step, read_census,
                                          script_notes, why_drawn)
-from samebits.runs._resume_rules import ordered, resume_step
+from samebits.runners._resume_rules import ordered, resume_step
 from samebits.stream import open_run
 from samebits.stream.phases import AFTER_OPTIMIZER_STEP, INPUTS, PARAMS, RESTORED_PARAMS, STATE, split_optimizer_phase
 from samebits.stream.phases import OPTIMIZER as OPTIMIZER_PHASE

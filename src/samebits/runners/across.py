@@ -23,11 +23,11 @@ from typing import Callable, Iterable, Mapping, Sequence
 from samebits.checkpoint import content_sha256
 from samebits.compare import DIFFERS, SHAPE_ONLY, DiffResult, Divergence, diff, record_match
 from samebits.errors import ConfigError, SamebitsError
-from samebits.runs._launch import RunFailed, run_logged, stopped_marked, UNFINISHED, write_stopped
-from samebits.runs.commands import (CKPT, NPROC, OUT, RUN, STEP, RecipeRefused, fill_placeholders, holds,
+from samebits.runners._launch import RunFailed, run_logged, stopped_marked, UNFINISHED, write_stopped
+from samebits.runners.commands import (CKPT, NPROC, OUT, RUN, STEP, RecipeRefused, fill_placeholders, holds,
                                     prepare_out_dir, write_summary)
-from samebits.runs.program import RECORD, RESUME, SAVE, Launch, Program, SelfRecording
-from samebits.runs.verify import RunInfo
+from samebits.runners.program import RECORD, RESUME, SAVE, Launch, Program, SelfRecording
+from samebits.runners.verify import RunInfo
 from samebits.stream import GLOBAL_PHASE_PREFIX, open_run, phases
 from samebits.stream.reader import require_same_digest_version
 from samebits.verdicts import ToDict, Verdict, milliseconds, serialised

@@ -23,10 +23,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from samebits.compare import Divergence
-from samebits.runs._bisect_result import BisectResult
-from samebits.runs.across import AcrossResult, LayoutCheck
-from samebits.runs.matrix import MatrixResult
-from samebits.runs.verify import VerifyResult
+from samebits.runners._bisect_result import BisectResult
+from samebits.runners.across import AcrossResult, LayoutCheck
+from samebits.runners.matrix import MatrixResult
+from samebits.runners.verify import VerifyResult
 from samebits.verdicts import ToDict, Verdict
 
 MAX_FAILURES = 3  # a matrix names this many failing cells in its sentence, then counts the rest

@@ -12,11 +12,11 @@ from typing import Any
 
 from samebits.compare import DiffResult
 from samebits.errors import StreamError
-from samebits.runs._state_positions import state_positions
-from samebits.runs.report.evidence import (MAX_READ_RANKS, Pair, _GroupStep, _cell, _focus_rank, _group_sort,
+from samebits.runners._state_positions import state_positions
+from samebits.runners.report.evidence import (MAX_READ_RANKS, Pair, _GroupStep, _cell, _focus_rank, _group_sort,
                                            _key_label, _metric_sort, _metric_title, _records_by_step)
-from samebits.runs.report.page import Page, _esc, _table
-from samebits.runs.report.svg import COLOUR_A, COLOUR_B, _DASHED, _chart, _short_names, _state_chart, _ulp_plot
+from samebits.runners.report.page import Page, _esc, _table
+from samebits.runners.report.svg import COLOUR_A, COLOUR_B, _DASHED, _chart, _short_names, _state_chart, _ulp_plot
 from samebits.stream import phases
 from samebits.verdicts import Verdict
 

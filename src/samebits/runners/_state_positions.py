@@ -4,7 +4,7 @@ The census holds digests, not values, so what is exact is which of A's steps hol
 bits: `state_positions` says, for every census record at every step of B's window, whether B's
 state is A's of the same step (restored), of another step (the position it holds), or of none.
 `samebits report` draws it.  Records that are no evidence about a checkpoint are left out with
-the reason, as verify's findings leave them out (`samebits.runs._explain`).
+the reason, as verify's findings leave them out (`samebits.runners._explain`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What `samebits bisect` returns: its stages, the origin it concludes, and the element detail
-of the origin's dumped outputs (`samebits.runs.bisect`'s results, written by its narrowing,
-`samebits.runs._bisect_narrow`, and its sentences, `samebits.runs._bisect_prose`)."""
+of the origin's dumped outputs (`samebits.runners.bisect`'s results, written by its narrowing,
+`samebits.runners._bisect_narrow`, and its sentences, `samebits.runners._bisect_prose`)."""
 
 from __future__ import annotations
 

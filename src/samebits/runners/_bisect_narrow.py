@@ -1,6 +1,6 @@
 """How `samebits bisect` narrows a divergence: `Side` runs one side (a program in a role, traced
 as each stage asks); `_Bisector` runs the stages and re-runs a step at a finer rung until it has
-the origin, leaving the words to `samebits.runs._bisect_prose.Conclusions`.
+the origin, leaving the words to `samebits.runners._bisect_prose.Conclusions`.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import torch
 
 from samebits import settings
 from samebits.errors import SamebitsError
-from samebits.runs._bisect_prose import MAX_RERUNS, Conclusions, _control_flow, _Evidence
-from samebits.runs._bisect_result import BisectResult, Elements, Origin, Stage
-from samebits.runs._explain import census_names, census_suspects
-from samebits.runs._launch import failed, run_logged, teardown_note
-from samebits.runs.commands import FROM, STEP
-from samebits.runs.program import RECORD, Program
+from samebits.runners._bisect_prose import MAX_RERUNS, Conclusions, _control_flow, _Evidence
+from samebits.runners._bisect_result import BisectResult, Elements, Origin, Stage
+from samebits.runners._explain import census_names, census_suspects
+from samebits.runners._launch import failed, run_logged, teardown_note
+from samebits.runners.commands import FROM, STEP
+from samebits.runners.program import RECORD, Program
 from samebits.stream.reader import open_run
 from samebits.trace import (ENV_VARS, LEVEL_NAMES, EventSpec, OriginFinding, OriginReport, TraceConfig,
                             compare_elements, dump_filename, find_origins, find_replica_mismatch, parent_scope,
@@ -92,7 +92,7 @@ class _Bisector(Conclusions):
         self.side_a, self.side_b = side_a, side_b
         self.out = out
         self.say = progress or (lambda message: None)
-        self.progress = progress  # also follows each run's steps live (`samebits.runs.progress`)
+        self.progress = progress  # also follows each run's steps live (`samebits.runners.progress`)
         self.stop_after = stop_after
         self.same_command = same_command
         self.stages: list[Stage] = []

@@ -16,13 +16,13 @@ from typing import Callable, Protocol
 from samebits.compare import diff
 from samebits.defaults import DEFAULT_MAX_WORLD_SIZE
 from samebits.errors import ConfigError, SamebitsError, StreamError
-from samebits.runs._launch import RunFailed
-from samebits.runs.bisect import bisect
-from samebits.runs.commands import RecipeRefused, prepare_out_dir, write_summary
-from samebits.runs.distance import ulp_distance
-from samebits.runs.progress import indented
-from samebits.runs.program import Program
-from samebits.runs.verify import VerifyResult, verify
+from samebits.runners._launch import RunFailed
+from samebits.runners.bisect import bisect
+from samebits.runners.commands import RecipeRefused, prepare_out_dir, write_summary
+from samebits.runners.distance import ulp_distance
+from samebits.runners.progress import indented
+from samebits.runners.program import Program
+from samebits.runners.verify import VerifyResult, verify
 from samebits.stream import open_run
 from samebits.verdicts import ToDict, Verdict, milliseconds, serialised
 

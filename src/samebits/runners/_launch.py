@@ -27,7 +27,7 @@ from typing import Callable
 from samebits.autorecord import read_outcomes
 from samebits.defaults import DEFAULT_TIMEOUT_S
 from samebits.errors import SamebitsError, StreamError
-from samebits.runs.progress import watching
+from samebits.runners.progress import watching
 from samebits.stream import open_run
 
 _TAIL_LINES = 15
@@ -51,7 +51,7 @@ def run_logged(argv: list[str], log: Path, *, env: dict | None = None, header: s
                progress: Callable[[str], None] | None = None, streams: Path | None = None,
                steps: int | None = None) -> tuple[int, float]:
     """Run ``argv`` with its output in ``log``; return (exit code, seconds).  With ``progress``
-    and ``streams`` its steps are reported live (`samebits.runs.progress`).
+    and ``streams`` its steps are reported live (`samebits.runners.progress`).
 
     The run does not outlive the call: past ``timeout``, or when samebits is interrupted
     (`Interrupted`), every process it started is ended (`end_process_tree`); on Linux it also

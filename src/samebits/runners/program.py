@@ -25,8 +25,8 @@ from typing import Mapping, Protocol, Sequence
 
 from samebits.autorecord import environment_for, read_gaps, recording_variables, summarise_gaps, with_variables
 from samebits.errors import ConfigError, SamebitsError
-from samebits.runs._launch import RunFailed, failed, judge_recorded_run
-from samebits.runs.commands import (CHECK_TIMEOUT_S, FROM, OUT, REFERENCE, RUN, STEP, RecipeRefused,
+from samebits.runners._launch import RunFailed, failed, judge_recorded_run
+from samebits.runners.commands import (CHECK_TIMEOUT_S, FROM, OUT, REFERENCE, RUN, STEP, RecipeRefused,
                                     check_resume_options, check_verify_steps, fill_placeholders, holds)
 
 RECORD, SAVE, SAVE_ONLY, RESUME = "record", "save", "save_only", "resume"

@@ -4,10 +4,10 @@ layouts and certificate, bisect's stages and origin, matrix's cells.
 
 from __future__ import annotations
 
-from samebits.runs.across import AcrossResult
-from samebits.runs.bisect import BisectResult, Origin
-from samebits.runs.report.evidence import Pair
-from samebits.runs.report.page import Page, _esc, _table
+from samebits.runners.across import AcrossResult
+from samebits.runners.bisect import BisectResult, Origin
+from samebits.runners.report.evidence import Pair
+from samebits.runners.report.page import Page, _esc, _table
 from samebits.verdicts import Verdict
 
 

@@ -13,10 +13,10 @@ from pathlib import Path
 from samebits.autorecord import read_stop
 from samebits.compare import DiffResult, diff, divergent_steps
 from samebits.errors import ConfigError, IncomparableRunsError, StreamError
-from samebits.runs.across import CONTROL_STEPS
-from samebits.runs.conclusion import diff_conclusion, diff_window, window_words
-from samebits.runs.distance import metric_distance
-from samebits.runs.report.summaries import _verdict
+from samebits.runners.across import CONTROL_STEPS
+from samebits.runners.conclusion import diff_conclusion, diff_window, window_words
+from samebits.runners.distance import metric_distance
+from samebits.runners.report.summaries import _verdict
 from samebits.stream import Record, StreamHeader, open_run, phases
 from samebits.verdicts import Verdict
 
@@ -66,7 +66,7 @@ def _settle(claimed: Verdict, derived: Verdict, file: Path, why: str, notes: lis
 
 
 def _verify_verdict(summary: dict, file: Path) -> tuple[Verdict, str]:
-    """verify's verdict from its checks (`samebits.runs.verify.VerifyResult.verdict`)."""
+    """verify's verdict from its checks (`samebits.runners.verify.VerifyResult.verdict`)."""
     verdicts = {name: _check_verdict(check, file, f"check {name!r}")
                 for name, check in (summary.get("checks") or {}).items() if check is not None}
     why = ", ".join(f"{name}: {v.value}" for name, v in verdicts.items()) or "no check"
@@ -94,7 +94,7 @@ def _checkpoints_equal(checkpoints: dict | None) -> bool | None:
 
 def _across_verdict(data: dict, file: Path) -> tuple[Verdict, str]:
     """`verify --across`'s verdict from its checks, resumes, controls and final checkpoints
-    (`samebits.runs.across.AcrossResult.verdict`), for a summary or a certificate alike."""
+    (`samebits.runners.across.AcrossResult.verdict`), for a summary or a certificate alike."""
     checks = {f"layout {name!r}": check for name, check in (data.get("checks") or {}).items() if check is not None}
     resumed = (data.get("resume_across") or {}).get("checks") or {}
     checks.update({f"resume {name!r}": check for name, check in resumed.items() if check is not None})
@@ -126,7 +126,7 @@ def _across_verdict(data: dict, file: Path) -> tuple[Verdict, str]:
 
 
 def _matrix_verdict(summary: dict, file: Path) -> tuple[Verdict, str]:
-    """matrix's verdict from its cells and failures (`samebits.runs.matrix.MatrixResult.verdict`),
+    """matrix's verdict from its cells and failures (`samebits.runners.matrix.MatrixResult.verdict`),
     each cell's verdict held to its checks (PASS: none diverged or undecided; FAIL: one diverged)."""
     cells = summary.get("cells") or []
     verdicts = []

@@ -8,8 +8,8 @@ from typing import Callable
 
 from samebits.autorecord import environment_for
 from samebits.errors import ConfigError
-from samebits.runs._launch import run_attached
-from samebits.runs.commands import check_out_dir
+from samebits.runners._launch import run_attached
+from samebits.runners.commands import check_out_dir
 
 
 def run_recorded(cmd: list[str], out, *, reference=None, step_offset: int | None = None,

@@ -16,10 +16,10 @@ from typing import Callable, Sequence
 
 from samebits.compare import DiffResult
 from samebits.errors import ConfigError, StreamError
-from samebits.runs._launch import failed, run_logged
-from samebits.runs.across import compare_replicated
-from samebits.runs.commands import CKPT, NPROC, OUT, RUN, STEP, fill_placeholders, prepare_out_dir, write_summary
-from samebits.runs.verify import RunInfo
+from samebits.runners._launch import failed, run_logged
+from samebits.runners.across import compare_replicated
+from samebits.runners.commands import CKPT, NPROC, OUT, RUN, STEP, fill_placeholders, prepare_out_dir, write_summary
+from samebits.runners.verify import RunInfo
 from samebits.stream import open_run
 from samebits.verdicts import ToDict, Verdict, milliseconds, serialised
 

@@ -20,10 +20,10 @@ from samebits.autorecord import read_gaps, read_stop, summarise_gaps
 from samebits.checkpoint import CENSUS_DIR
 from samebits.compare import DiffResult, diff
 from samebits.errors import IncomparableRunsError
-from samebits.runs._explain import Finding, explain_independent, explain_resume, ordered
-from samebits.runs._launch import RunFailed, run_logged, stopped_marked
-from samebits.runs.commands import CKPT, FROM, STEP, prepare_out_dir, write_summary
-from samebits.runs.program import RECORD, RESUME, SAVE, Program
+from samebits.runners._explain import Finding, explain_independent, explain_resume, ordered
+from samebits.runners._launch import RunFailed, run_logged, stopped_marked
+from samebits.runners.commands import CKPT, FROM, STEP, prepare_out_dir, write_summary
+from samebits.runners.program import RECORD, RESUME, SAVE, Program
 from samebits.verdicts import ToDict, Verdict, milliseconds, serialised
 
 GUARANTEES = ("independent", "resume")
@@ -284,7 +284,7 @@ def _add_gaps(result: VerifyResult, run_dirs: dict[str, Path]) -> None:
 
 def _explain(result: VerifyResult, run_a: Path, run_b: Path, run_c: Path) -> None:
     """Fill ``result.findings`` and ``result.explanations``: for each check that diverged, what
-    differs in the state census at the step start (`samebits.runs._explain`)."""
+    differs in the state census at the step start (`samebits.runners._explain`)."""
     findings: list[Finding] = []
     independent = result.checks.get("independent")
     if independent is not None and independent.first_divergence is not None and not independent.identical:

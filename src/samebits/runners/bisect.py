@@ -22,12 +22,12 @@ from typing import Callable
 
 from samebits import settings
 from samebits.errors import ConfigError, SamebitsError
-from samebits.runs._bisect_narrow import Side, _Bisector
-from samebits.runs._bisect_result import BisectResult, ControlFlow, DifferingElement, Elements, Origin, Stage
-from samebits.runs._launch import failed, run_logged
-from samebits.runs.commands import (CKPT, STEP, check_bisect_arguments, check_out_dir, default_out_dir,
+from samebits.runners._bisect_narrow import Side, _Bisector
+from samebits.runners._bisect_result import BisectResult, ControlFlow, DifferingElement, Elements, Origin, Stage
+from samebits.runners._launch import failed, run_logged
+from samebits.runners.commands import (CKPT, STEP, check_bisect_arguments, check_out_dir, default_out_dir,
                                     fill_placeholders, write_summary)
-from samebits.runs.program import RESUME, SAVE_ONLY, Program, ZeroCode
+from samebits.runners.program import RESUME, SAVE_ONLY, Program, ZeroCode
 from samebits.trace import ENV_VARS
 
 

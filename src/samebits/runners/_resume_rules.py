@@ -15,7 +15,7 @@ from functools import cached_property
 from typing import NamedTuple
 
 from samebits.checkpoint import CensusName, describe_state_record, has_scheduler
-from samebits.runs._census_facts import Census, Finding, differing_names, moved_in_step, same_bits, why_drawn
+from samebits.runners._census_facts import Census, Finding, differing_names, moved_in_step, same_bits, why_drawn
 from samebits.stream.phases import INPUTS, PARAMS, RESTORED_OPTIMIZER, RESTORED_PARAMS, STATE
 from samebits.stream.phases import OPTIMIZER as OPTIMIZER_PHASE
 

@@ -1,9 +1,9 @@
 """Runs of training commands, launched and judged: the top library layer (docs/architecture.md).
 
-verify, bisect, matrix, tax and ``verify --across`` each run a `samebits.runs.program.Program`
+verify, bisect, matrix, tax and ``verify --across`` each run a `samebits.runners.program.Program`
 through one launcher (`_launch`) and compare what was recorded.  Each function is named after
 its module, so the package exports none (a submodule imported first would take the name), and
-importing it loads no torch: the command line checks arguments with `samebits.runs.commands` first.
+importing it loads no torch: the command line checks arguments with `samebits.runners.commands` first.
 """
 
 from samebits._lazy_exports import lazy_exports

@@ -1,4 +1,4 @@
-"""Command templates and output folders: what every runner of `samebits.runs` shares.
+"""Command templates and output folders: what every runner of `samebits.runners` shares.
 
 A runner fills a command's placeholders per run, so the library never spells a program's own
 command line:

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from samebits.runs.report.evidence import Pair, _pair_summary
+from samebits.runners.report.evidence import Pair, _pair_summary
 from samebits.visible import visible
 from samebits.verdicts import EXIT_STOPPED, ToDict, Verdict, serialised
 
@@ -82,7 +82,7 @@ class Page:
 
     def __init__(self, kind: str, title: str, verdict: Verdict):
         self.kind, self.title, self.verdict = kind, title, verdict
-        self.conclusion = ""  # the sentence the terminal printed (`samebits.runs.conclusion`): the page leads with it
+        self.conclusion = ""  # the sentence the terminal printed (`samebits.runners.conclusion`): the page leads with it
         self.parts: list[str] = []
         self.sections: list[str] = []
         self.notes: list[str] = []

@@ -1,7 +1,7 @@
 """The census as verify's explanation reads it: `Finding`, one run's census records per rank
 and step (`Census`), and the facts about generators the findings rest on (did one move in a
 step, before its first forward, was it made there).  The findings themselves are made by
-`samebits.runs._resume_rules` (a resumed run) and `samebits.runs._explain` (independent runs).
+`samebits.runners._resume_rules` (a resumed run) and `samebits.runners._explain` (independent runs).
 """
 
 from __future__ import annotations

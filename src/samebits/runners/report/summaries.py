@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from samebits.errors import ConfigError
-from samebits.runs._launch import STOPPED
-from samebits.runs.across import AcrossResult
-from samebits.runs.bisect import BisectResult
-from samebits.runs.matrix import MatrixResult
-from samebits.runs.verify import VerifyResult
+from samebits.runners._launch import STOPPED
+from samebits.runners.across import AcrossResult
+from samebits.runners.bisect import BisectResult
+from samebits.runners.matrix import MatrixResult
+from samebits.runners.verify import VerifyResult
 from samebits.verdicts import ToDict, Verdict, json_type
 
 
@@ -131,7 +131,7 @@ _CONTROL = {"verdict": str, "differs": bool, "first_step": int, "layout": str, "
 _ELEMENTS_DETAIL = {"values": [dict], "first_indices": list}
 
 
-# certificate.json (`samebits.runs.across.certificate`), as the page reads it
+# certificate.json (`samebits.runners.across.certificate`), as the page reads it
 _CERT_CHECK = {"verdict": _Required(str), "by": str, "steps": int, "counts": _Each(int), "notes": [str],
                "incomplete": [str], "command": str, "first_divergence": dict}
 _CERTIFICATE = {

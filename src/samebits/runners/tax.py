@@ -3,7 +3,7 @@ interval, from interleaved paired runs, measured until it decides.  Protocol and
 (paired steps, one trimmed block estimate per pair, pooling only when the F test allows,
 Bonferroni over the looks): docs/tax.md.
 
-    result = tax(out="tax-out", programs=..., pairs=4, budget_s=300, gate=1.05)   # samebits.runs.program
+    result = tax(out="tax-out", programs=..., pairs=4, budget_s=300, gate=1.05)   # samebits.runners.program
     result.ratio, result.ci, result.verdict                       # PASS when ci[1] <= gate
 
 Step times come from the runs' step-time files (``rank-NNNNN.steptimes``, beside each stream;
@@ -23,9 +23,9 @@ import numpy as np
 
 from samebits.defaults import DEFAULT_GATE
 from samebits.errors import ConfigError, SamebitsError
-from samebits.runs._launch import DEFAULT_TIMEOUT_S, run_logged
-from samebits.runs.commands import check_out_dir, default_out_dir, write_summary
-from samebits.runs.program import RECORD, Program
+from samebits.runners._launch import DEFAULT_TIMEOUT_S, run_logged
+from samebits.runners.commands import check_out_dir, default_out_dir, write_summary
+from samebits.runners.program import RECORD, Program
 from samebits.stream import STEP_TIMES_SUFFIX
 from samebits.verdicts import ToDict, Verdict, serialised
 

@@ -8,15 +8,15 @@ from pathlib import Path
 from typing import Callable
 
 from samebits.errors import ConfigError
-from samebits.runs.bisect import BisectResult
-from samebits.runs.conclusion import conclusion, diff_conclusion
-from samebits.runs.report.commands import (across_certificate, across_summary, bisect_summary, matrix_summary,
+from samebits.runners.bisect import BisectResult
+from samebits.runners.conclusion import conclusion, diff_conclusion
+from samebits.runners.report.commands import (across_certificate, across_summary, bisect_summary, matrix_summary,
                                            verify_summary)
-from samebits.runs.report.evidence import (_across_verdict, _compare, _contradiction, _first_stage_pair,
+from samebits.runners.report.evidence import (_across_verdict, _compare, _contradiction, _first_stage_pair,
                                            _later_start, _matrix_verdict, _settle, _verify_verdict)
-from samebits.runs.report.page import Page, Report, _table
-from samebits.runs.report.pairs import pair_sections
-from samebits.runs.report.summaries import Summary, _Required, _certificate, _check_fields, _summary, _verdict
+from samebits.runners.report.page import Page, Report, _table
+from samebits.runners.report.pairs import pair_sections
+from samebits.runners.report.summaries import Summary, _Required, _certificate, _check_fields, _summary, _verdict
 from samebits.verdicts import Verdict
 
 
@@ -153,7 +153,7 @@ def _across_report(path: Path, found: Summary, say) -> Report:
 
 
 def _stopped_report(path: Path, found: Summary, say) -> Report:
-    """A command that did not finish (`samebits.runs._launch.write_stopped`): what stopped it and
+    """A command that did not finish (`samebits.runners._launch.write_stopped`): what stopped it and
     the runs that had ended; no verdict on the runs (exit 3)."""
     summary, file = found.data, path / "summary.json"
     _check_fields(summary, {"stopped": _Required(str), "runs": [{"name": str, "command": str, "ended": str}]},

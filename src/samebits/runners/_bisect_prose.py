@@ -1,6 +1,6 @@
 """The sentences of `samebits bisect`: what each kind of finding concludes, in words.
 
-`Conclusions` is the half of the bisector (`samebits.runs._bisect_narrow._Bisector`) that
+`Conclusions` is the half of the bisector (`samebits.runners._bisect_narrow._Bisector`) that
 turns what its narrowing established into an `Origin` and its one-sentence conclusion; it
 reads the bisector's stages, notes and census, and asks it for more evidence through
 ``_dump`` (the origin's inputs and outputs, element by element) and ``_event_site`` /
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from samebits.checkpoint import CensusName, describe_state_record
 from samebits.stream.phases import AFTER_OPTIMIZER_STEP
-from samebits.runs._bisect_result import BisectResult, ControlFlow, Elements, Origin
+from samebits.runners._bisect_result import BisectResult, ControlFlow, Elements, Origin
 from samebits.trace import OriginFinding, describe_record
 
 MAX_RERUNS = 3  # pairs of runs a narrowing stage may take to see its divergence again

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import math
 
-from samebits.runs._state_positions import StatePicture, StateTrack
-from samebits.runs.distance import float_value, metric_distance
-from samebits.runs.report.evidence import Pair, _GroupStep, _group_sort, _metric_title
-from samebits.runs.report.page import _esc
+from samebits.runners._state_positions import StatePicture, StateTrack
+from samebits.runners.distance import float_value, metric_distance
+from samebits.runners.report.evidence import Pair, _GroupStep, _group_sort, _metric_title
+from samebits.runners.report.page import _esc
 from samebits.stream import Record
 
 

@@ -13,6 +13,7 @@ replica's tokens (the all_to_all's backward brings them home), so it only takes 
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 from dataclasses import dataclass
 
@@ -119,50 +120,55 @@ class ExpertParallelDispatcher:
 
 class InvariantExpertGradients:
     """grad_reduce=invariant under EP: the owner of an expert adds, in one backward, the rows
-    of every EP rank's current micro-batch.  Each (expert, source rank) segment is its own
-    GEMM (`GroupedExperts.take_grad`), so its weight gradient is the one that micro-batch
-    gives on one rank; kept apart (W per backward, M in the step, all on the owner), they
-    are summed as the accumulator sums micro-batches: each element its own block, exponent
-    the max over the M, int64, decoded once; no DP reduction (no other rank holds them)."""
+    of every EP rank's current micro-batch.  `GroupedExperts` computes each (expert, source
+    rank) segment's weight gradients apart (the ones that micro-batch gives on one rank) and
+    hands them here, into one flat fp32 buffer per source (every expert weight of this rank,
+    layer after layer); W buffers per backward, M in the step, all on the owner, reduced as
+    the accumulator reduces micro-batches (each element its own block, exponent the max over
+    the M, int64, decoded once) by `invariant.reduce_blocks` over this rank alone (the native
+    passes: one for the exponents, one to encode and add, one to decode): no DP reduction,
+    since no other rank holds these experts."""
 
     def __init__(self, model: nn.Module, num_micro_batches: int, ep: int):
         self.num_micro_batches, self.ep = num_micro_batches, ep
-        self.params: dict[str, nn.Parameter] = {}
-        for name, module in model.named_modules():
+        self.params: list[nn.Parameter] = []
+        for module in model.modules():
             if isinstance(module, MoE):
-                prefix = f"{name}.experts"
-                module.experts.take_grad = lambda source, which, expert, grad, prefix=prefix: self._take(
-                    f"{prefix}.{which}", source, expert, grad)
-                self.params[f"{prefix}.w1"], self.params[f"{prefix}.w2"] = module.experts.w1, module.experts.w2
-        self._current: dict[tuple[str, int], torch.Tensor] = {}
-        self._pending: dict[str, list[torch.Tensor]] = {name: [] for name in self.params}
+                index = len(self.params)
+                module.experts.take_grad = functools.partial(self._take, index)
+                self.params += [module.experts.w1, module.experts.w2]
+        self.numels = [p.numel() for p in self.params]
+        # The reduction runs over this rank alone: a group of one (only its members create it).
+        self.own_group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+        self._current: dict[int, torch.Tensor] = {}  # source -> its flat buffer in this backward
+        self._pending: list[torch.Tensor] = []
 
-    def _take(self, name: str, source: int, expert: int, grad: torch.Tensor) -> None:
-        buffer = self._current.get((name, source))
-        if buffer is None:
-            buffer = self._current[(name, source)] = torch.zeros_like(self.params[name], requires_grad=False)
-        buffer[expert] += grad  # one segment per (expert, source): 0 + g
+    def _take(self, index: int, source: int, expert: int, grad_w1: torch.Tensor, grad_w2: torch.Tensor) -> None:
+        flat = self._current.get(source)
+        if flat is None:  # this source's first segment in this backward: zeros for the experts it misses
+            flat = self._current[source] = self._zeros()
+        views = [part.view_as(p) for part, p in zip(flat.split(self.numels), self.params)]
+        views[index][expert].copy_(grad_w1)
+        views[index + 1][expert].copy_(grad_w2)
+
+    def _zeros(self) -> torch.Tensor:
+        return torch.zeros(sum(self.numels), dtype=torch.float32, device=self.params[0].device)
 
     def micro_batch_done(self) -> None:
-        """After each backward: every source's gradients, one contribution each (zeros for a
+        """After each backward: every source's buffer, one contribution each (zeros for a
         source whose rows reached none of these experts)."""
-        for name, param in self.params.items():
-            for source in range(self.ep):
-                part = self._current.pop((name, source), None)
-                self._pending[name].append(torch.zeros_like(param, requires_grad=False) if part is None else part)
+        for source in range(self.ep):
+            flat = self._current.pop(source, None)
+            self._pending.append(self._zeros() if flat is None else flat)
 
     def reduce(self) -> None:
-        bits = invariant.fraction_bits(self.num_micro_batches)
-        for name, param in self.params.items():
-            parts = [g.reshape(-1, 1) for g in self._pending[name]]
-            if len(parts) != self.num_micro_batches:
-                raise AssertionError(f"{name}: {len(parts)} expert gradient parts, expected {self.num_micro_batches}")
-            exps = invariant.block_exponents(parts[0])
-            for part in parts[1:]:
-                exps = torch.maximum(exps, invariant.block_exponents(part))
-            total = sum(invariant.encode(part, exps, bits)[0] for part in parts)
-            param.grad = invariant.decode(total, exps, bits).view_as(param)
-            self._pending[name] = []
+        if len(self._pending) != self.num_micro_batches:
+            raise AssertionError(f"{len(self._pending)} expert gradient parts, expected {self.num_micro_batches}")
+        reduced = invariant.reduce_blocks([part.view(-1, 1) for part in self._pending],
+                                          num_micro_batches=self.num_micro_batches, group=self.own_group)
+        for param, grad in zip(self.params, reduced.view(-1).split(self.numels)):
+            param.grad = grad.view_as(param)
+        self._pending = []
 
 
 def reduce_gradients(model: nn.Module, layout) -> None:

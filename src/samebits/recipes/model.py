@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import samebits.kernels as kernels
+from samebits import invariant
 from samebits.errors import ConfigError
 from samebits.recipes.config import RecipeConfig
 
@@ -105,28 +106,19 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))
-        # take(source, name, expert, grad), set by the training loop (grad_reduce=invariant
-        # under EP): each (expert, source rank) segment is its own GEMM, and its weight
-        # gradients go to `take` instead of the parameters' .grad.
+        # grad_reduce=invariant (set by parallelize.py, on every layout): `_InvariantExperts`.
+        self.invariant = False
+        # take(source, expert, grad_w1, grad_w2), set by the training loop under EP: each
+        # (expert, source rank) segment's weight gradients go there instead of to .grad.
         self.take_grad = None
 
     def forward(self, rows, tokens_per_expert, row_prob, gemm: str, source_counts=None) -> torch.Tensor:
         """Rows (M, D) grouped by expert -> (M, D), scaled by row_prob when the grouped GEMM
         is a `samebits.kernels` one (it fuses the scaling and computes dprob itself).
         ``source_counts`` (E, W): each expert's rows per source rank, in that order."""
-        if gemm == "torch" and self.take_grad is not None:
+        if gemm == "torch" and self.invariant:
             counts = (source_counts if source_counts is not None else tokens_per_expert[:, None]).tolist()
-            outs, offset = [], 0
-            for e, per_source in enumerate(counts):
-                for source, num_rows in enumerate(per_source):
-                    if num_rows == 0:
-                        continue
-                    xe = rows[offset:offset + num_rows]
-                    offset += num_rows
-                    w1 = _TakeGrad.apply(self.w1[e], self.take_grad, (source, "w1", e))
-                    w2 = _TakeGrad.apply(self.w2[e], self.take_grad, (source, "w2", e))
-                    outs.append(squared_relu(xe @ w1) @ w2)
-            return torch.cat(outs) if outs else rows.new_zeros(rows.shape)
+            return _InvariantExperts.apply(rows, self.w1, self.w2, counts, self.take_grad)
         if gemm == "torch":
             counts = tokens_per_expert.tolist()  # host sync: split sizes
             outs = [squared_relu(xe @ self.w1[e]) @ self.w2[e]
@@ -140,19 +132,62 @@ class GroupedExperts(nn.Module):
         return grouped_gemm_dprob(hidden, self.w2, tokens_per_expert, row_prob, variant=variant)
 
 
-class _TakeGrad(torch.autograd.Function):
-    """The identity on an expert's weight whose backward hands the gradient to ``take`` (one
-    segment's, kept apart) and none to the parameter."""
+class _InvariantExperts(torch.autograd.Function):
+    """The experts with the same bits at every EP size (grad_reduce=invariant).
+
+    Forward and input gradient: one GEMM per expert over the rows of every source rank
+    (`invariant.gemm_matmul`: a row's bits are its own, whatever else is in the GEMM), so an
+    expert costs two GEMMs a pass however many ranks send it rows.  Weight gradients sum over
+    rows, and each source's rows are one micro-batch, which the step adds in int64 with the
+    others: one GEMM per (expert, source) segment, of that micro-batch's rows alone (the
+    product one rank computes for it), handed to ``take(source, expert, grad_w1, grad_w2)``
+    under EP, or the parameters' gradients where a rank holds every source (one).
+    ``counts``: (E, W) nested lists, each expert's rows per source, rows grouped so."""
 
     @staticmethod
-    def forward(ctx, weight, take, key):
-        ctx.take, ctx.key = take, key
-        return weight.clone()
+    def forward(ctx, rows, w1, w2, counts, take):
+        with torch.autocast(rows.device.type, enabled=False):  # the experts keep the parameters' dtype
+            hidden, outs, offset = [], [], 0
+            for e, per_source in enumerate(counts):
+                x = rows[offset:offset + sum(per_source)]
+                offset += x.shape[0]
+                h = invariant.gemm_matmul(x, w1[e]) if x.shape[0] else x.new_zeros(0, w1.shape[2])
+                hidden.append(h)
+                outs.append(invariant.gemm_matmul(squared_relu(h), w2[e]) if x.shape[0] else x)
+        ctx.save_for_backward(rows, w1, w2, torch.cat(hidden))
+        ctx.counts, ctx.take = counts, take
+        return torch.cat(outs)
 
     @staticmethod
-    def backward(ctx, grad):
-        ctx.take(*ctx.key, grad)
-        return None, None, None
+    def backward(ctx, grad_out):
+        rows, w1, w2, hidden = ctx.saved_tensors
+        take, matmul = ctx.take, invariant.gemm_matmul
+        grad_w1 = torch.zeros_like(w1) if take is None else None
+        grad_w2 = torch.zeros_like(w2) if take is None else None
+        grad_rows, offset = [], 0
+        for e, per_source in enumerate(ctx.counts):
+            n = sum(per_source)
+            x, h, dy = rows[offset:offset + n], hidden[offset:offset + n], grad_out[offset:offset + n]
+            offset += n
+            if n == 0:
+                grad_rows.append(x)
+                continue
+            relu = F.relu(h)
+            dh = matmul(dy, w2[e].t()) * (2 * relu)  # d(relu(h)^2)/dh = 2 relu(h)
+            grad_rows.append(matmul(dh, w1[e].t()))
+            start = 0
+            for source, num_rows in enumerate(per_source):
+                if num_rows == 0:
+                    continue
+                seg = slice(start, start + num_rows)
+                start += num_rows
+                gw1, gw2 = matmul(x[seg].t(), dh[seg]), matmul(relu[seg].square().t(), dy[seg])
+                if take is not None:
+                    take(source, e, gw1, gw2)
+                else:
+                    assert len(per_source) == 1, "several sources need take_grad (InvariantExpertGradients)"
+                    grad_w1[e], grad_w2[e] = gw1, gw2  # one source: a rank's own micro-batch
+        return torch.cat(grad_rows), grad_w1, grad_w2, None, None
 
 
 def _kernel(name: str, option: str, value: str):

@@ -129,6 +129,8 @@ def parallelize(model: Transformer, cfg: RecipeConfig, rank: int, world_size: in
         _enter_blocks_through_one_node(model)
     if layout.grad_invariant:
         layout.block_keys = BlockKeys(model, cfg.seed)
+        for moe in model.moe_layers():  # on every layout: the expert GEMMs EP needs (model.py)
+            moe.experts.invariant = True
     if dims.pp > 1:
         layout.full_params = tuple((n, p.numel()) for n, p in model.named_parameters())
     if world_size == 1:

@@ -54,7 +54,7 @@ class RecipeReduction:
 
 
 NOT_SPLIT = "not split by any layout"
-_LINEAR_OPS = ("aten.mm", "aten.bmm", "aten.addmm", "aten.sum")  # invariant_matmul: fp64 block products
+_LINEAR_OPS = ("aten.mm", "aten.bmm", "aten.addmm", "aten.sum")  # gemm_matmul, tree_matmul; exact: fp64 block products
 _TP_LINEARS = ("layers.*.attn.qkv", "layers.*.attn.out", "layers.*.ffn.up", "layers.*.ffn.down",
                "mtp.*.block.attn.qkv", "mtp.*.block.attn.out", "mtp.*.block.ffn.up", "mtp.*.block.ffn.down")
 _BLOCK_NORMS = ("layers.*.attn_norm", "layers.*.ffn_norm", "mtp.*.block.attn_norm", "mtp.*.block.ffn_norm")
@@ -68,21 +68,22 @@ _COLLECTIVES = ("c10d.allreduce_", "c10d.reduce_scatter_", "c10d._reduce_scatter
 RECIPE_REDUCTIONS: tuple[RecipeReduction, ...] = (
     RecipeReduction(
         "attention output and MLP down projections (K = d_model, ffn_hidden_size)", "row-parallel forward",
-        "tp (K split)", "`invariant_matmul`: exact block products, int64 all-reduce", "done",
+        "tp (K split)", "`tree_matmul`: leaves in one fixed tree, fp32 all-gather of the partials (`exact`: exact "
+        "block products, int64 all-reduce)", "done",
         _TP_LINEARS, _LINEAR_OPS),
     RecipeReduction(
         "QKV and MLP up projections (K = d_model)", "column-parallel forward",
-        "tp (local N: kernel choice)", "`invariant_matmul` (each element exact)", "done",
+        "tp (local N: kernel choice)", "`gemm_matmul` (bits of an element from its row and column only)", "done",
         _TP_LINEARS, _LINEAR_OPS),
     RecipeReduction(
         "input gradient of QKV and MLP up (over N)", "column-parallel backward", "tp (N split)",
-        "`invariant_matmul`, int64 all-reduce", "done", _TP_LINEARS, _LINEAR_OPS),
+        "`tree_matmul`", "done", _TP_LINEARS, _LINEAR_OPS),
     RecipeReduction(
         "input gradient of attention output and MLP down (over N)", "row-parallel backward",
-        "tp (local K: kernel choice)", "`invariant_matmul`", "done", _TP_LINEARS, _LINEAR_OPS),
+        "tp (local K: kernel choice)", "`gemm_matmul`", "done", _TP_LINEARS, _LINEAR_OPS),
     RecipeReduction(
         "weight gradients of the TP linears (over tokens)", "backward", "tp (local shapes); DP (tokens split)",
-        "`invariant_matmul` (tokens padded to blocks); DP: `grad_reduce=invariant`", "done for TP; DP separately",
+        "`gemm_matmul`; DP: `grad_reduce=invariant`", "done for TP; DP separately",
         _TP_LINEARS, _LINEAR_OPS),
     RecipeReduction(
         "attention scores and values (over head_dim, keys)", "SDPA per head", "tp (heads per rank)",

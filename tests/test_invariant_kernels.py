@@ -11,8 +11,9 @@ src/samebits/kernels/kernel-coverage.toml, so `samebits coverage` judges them):
 * `recipes.parallelize._SliceSequence` / `_GatherSequence` (the SP stream's entry and exit):
   on a one-rank gloo group each is the identity and its backward the reverse (the 2- and 4-rank
   splits are checked against one rank in tests/test_layout_invariance.py);
-* `recipes.model._TakeGrad` (an expert weight's gradient kept apart under EP): the identity
-  forward, and the backward hands the exact gradient to its taker and none to the parameter.
+* `recipes.model._InvariantExperts` (the experts under grad_reduce=invariant): output, input and
+  weight gradients repeat bit for bit at 1 and 2 threads (that each source's rows are those it
+  gives alone: tests/test_expert_invariance.py).
 
 Each would fail if its Function changed its bits between runs or threads, or stopped being
 what the layouts rely on.
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from samebits.invariant import column_parallel_linear, invariant_sum, row_parallel_linear, scale_columns
-from samebits.recipes.model import _TakeGrad
+from samebits.recipes.model import GroupedExperts
 from samebits.recipes.parallelize import _GatherSequence, _SliceSequence
 from samebits.testing import assert_same_bits
 
@@ -115,14 +116,14 @@ def test_sequence_entry_and_exit_are_the_identity_at_one_rank(one_rank_group, fu
     return out, stream  # the output; the gradient through the reverse collective
 
 
-def test_take_grad_hands_the_gradient_to_its_taker_and_none_to_the_weight():
-    weight = torch.randn(5, 3, generator=torch.Generator().manual_seed(5)).requires_grad_(True)
-    taken = {}
-    out = _TakeGrad.apply(weight, lambda source, name, expert, grad: taken.update({(source, name, expert): grad.clone()}),
-                          (1, "w1", 0))  # as the MoE layer keys it: (source rank, weight, expert)
-    assert_same_bits(out.detach(), weight.detach())
-    grad = torch.randn(5, 3, generator=torch.Generator().manual_seed(6))
-    out.backward(grad)
-    assert weight.grad is None
-    assert list(taken) == [(1, "w1", 0)]
-    assert_same_bits(taken[(1, "w1", 0)], grad)
+@pytest.mark.bitwise(runs=2, threads=[1, 2])
+def test_invariant_experts_repeat():
+    gen = torch.Generator().manual_seed(5)
+    experts = GroupedExperts(3, 32, 48)
+    with torch.no_grad():
+        experts.w1.normal_(0.0, 0.2, generator=gen)
+        experts.w2.normal_(0.0, 0.2, generator=gen)
+    experts.invariant = True
+    counts = torch.tensor([3, 40, 9])  # one expert below the 4 rows a GEMM needs for a row's bits to be its own
+    rows = torch.randn(int(counts.sum()), 32, generator=gen).requires_grad_(True)
+    return experts(rows, counts, None, "torch"), rows, experts.w1, experts.w2

@@ -384,7 +384,9 @@ class _Run:
         if self.layout.pipeline is not None:
             self._invariant_pipeline(batches, parts)
         else:
-            for index, tokens in batches.items():
+            for position, (index, tokens) in enumerate(batches.items()):
+                if fsdp:  # FSDP2 keeps the gathered parameters for the rank's next micro-batch's forward
+                    model.set_reshard_after_backward(position == len(batches) - 1)
                 with acc.micro_batch(step, index, generators=[self.jitter]), keys.micro_batch(step, index), \
                         self.precision.autocast(device.type):
                     losses = _losses(model(tokens[:, :-1]), tokens, cfg)

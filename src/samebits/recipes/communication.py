@@ -140,16 +140,17 @@ class InvariantExpertGradients:
         self.numels = [p.numel() for p in self.params]
         # The reduction runs over this rank alone: a group of one (only its members create it).
         self.own_group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
-        self._current: dict[int, torch.Tensor] = {}  # source -> its flat buffer in this backward
+        self._current: dict[int, list[torch.Tensor]] = {}  # source -> [its flat buffer, a view per weight]
         self._pending: list[torch.Tensor] = []
 
     def _take(self, index: int, source: int, expert: int, grad_w1: torch.Tensor, grad_w2: torch.Tensor) -> None:
-        flat = self._current.get(source)
-        if flat is None:  # this source's first segment in this backward: zeros for the experts it misses
-            flat = self._current[source] = self._zeros()
-        views = [part.view_as(p) for part, p in zip(flat.split(self.numels), self.params)]
-        views[index][expert].copy_(grad_w1)
-        views[index + 1][expert].copy_(grad_w2)
+        views = self._current.get(source)
+        if views is None:  # this source's first segment in this backward: zeros for the experts it misses
+            flat = self._zeros()
+            views = self._current[source] = [flat, *(part.view_as(p) for part, p in zip(flat.split(self.numels),
+                                                                                        self.params))]
+        views[index + 1][expert].copy_(grad_w1)
+        views[index + 2][expert].copy_(grad_w2)
 
     def _zeros(self) -> torch.Tensor:
         return torch.zeros(sum(self.numels), dtype=torch.float32, device=self.params[0].device)
@@ -158,8 +159,8 @@ class InvariantExpertGradients:
         """After each backward: every source's buffer, one contribution each (zeros for a
         source whose rows reached none of these experts)."""
         for source in range(self.ep):
-            flat = self._current.pop(source, None)
-            self._pending.append(self._zeros() if flat is None else flat)
+            views = self._current.pop(source, None)
+            self._pending.append(self._zeros() if views is None else views[0])
 
     def reduce(self) -> None:
         if len(self._pending) != self.num_micro_batches:

@@ -110,8 +110,9 @@ RECIPE_REDUCTIONS: tuple[RecipeReduction, ...] = (
     RecipeReduction(
         "router, experts, combine (`index_add`)", "MoE layers",
         "EP (tokens of every DP rank in one expert GEMM, all_to_all order)",
-        "each (expert, source rank) segment its own GEMM, its weight gradient one micro-batch's, summed on the "
-        "owner in int64 (`InvariantExpertGradients`); the combine is one rank's already",
+        "forward and input gradient one `gemm_matmul` per expert over every source's rows (a row's bits its "
+        "own); weight gradients one GEMM per (expert, source rank) segment, one micro-batch's, summed on the "
+        "owner in int64 (`InvariantExpertGradients`, one native pass each); the combine is one rank's already",
         "done (ep2 = one rank: tested; ep4 by hand)", ("layers.*.ffn", "layers.*.ffn.router", "layers.*.ffn.experts"),
         ("aten.mm", "aten.index_add", "aten.index_add_", "aten.sum", *_COLLECTIVES)),
     RecipeReduction(

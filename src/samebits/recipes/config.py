@@ -295,7 +295,7 @@ class RecipeConfig:
             return
         need(self.ep == 1 or (self.tp == 1 and self.moe_grouped_gemm == "torch"),
              f"grad_reduce='invariant' with ep={self.ep} covers tp=1 and moe_grouped_gemm='torch' only "
-             f"(each expert's rows per source rank as their own GEMM), not tp={self.tp}, moe_grouped_gemm="
+             f"(the experts' invariant GEMMs), not tp={self.tp}, moe_grouped_gemm="
              f"{self.moe_grouped_gemm!r} (docs/invariance.md). Set ep=1, or tp=1 and moe_grouped_gemm=torch.")
         need(self.pp == 1 or self.tp == 1,
              f"grad_reduce='invariant' with pp={self.pp} covers tp=1 only, not tp={self.tp} yet (the "

@@ -162,6 +162,24 @@ def test_an_uncaught_exception_is_written_to_the_outcome_file(tmp_path):
     assert outcome["traceback_tail"][-1] == "AssertionError: planted"
 
 
+def test_a_program_that_ends_with_os_exit_still_closes_its_streams(tmp_path):
+    # os._exit skips atexit (the reference recipe ends so): before, the streams stayed open, the
+    # step times empty and no outcome was written. A forked child that ends with os._exit (as a
+    # DataLoader worker does) must not close its parent's streams: the parent records on.
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.replace("opt.zero_grad()", "if step == 1 and os.fork() == 0:\n        os._exit(0)\n"
+                                     "    opt.zero_grad()").replace("import sys, torch", "import os, sys, torch")
+                      + "\nsys.stdout.flush()\nos._exit(0)\n")
+    done = _samebits_run("--out", tmp_path / "a", "--", sys.executable, script, 4)
+    assert done.returncode == 0, done.stderr
+    run = samebits.open_run(tmp_path / "a")
+    assert run.closed_cleanly() and [b.step for b in run.steps(0)] == [0, 1, 2, 3]
+    assert not list((tmp_path / "a").rglob("*.lock"))
+    assert (tmp_path / "a" / "rank-00000.steptimes").read_text().count("\n") >= 4
+    (outcome,) = read_outcomes(tmp_path / "a")
+    assert outcome["ended"] == "clean" and outcome["streams_closed"] is True
+
+
 def test_zero_code_recordings_own_work_is_never_traced(tmp_path):
     """At rung 3 the dispatch mode sees every op of a traced step; zero-code recording's own
     work (the state census at the first forward, detach and digests in its hooks) runs inside

@@ -61,6 +61,7 @@ _state = None
 class _AutoRecorder:
     def __init__(self):
         self.recorder = None
+        self.ended = False  # the exit work ran (atexit, or an os._exit the program called)
         self.step = settings.read("SAMEBITS_STEP_OFFSET")
         self.first_optimizer = None
         self.param_names: dict[int, str] = {}
@@ -160,6 +161,9 @@ class _AutoRecorder:
             self.exception_tail = lines[-TRACEBACK_LINES:]
 
     def at_exit(self) -> None:
+        if self.ended:
+            return
+        self.ended = True
         with guard("exit", step=self.step, records="the streams' close and the outcome file"):
             self._at_exit()
 
@@ -201,6 +205,7 @@ class _AutoRecorder:
                 recorder.close()
         write_stop(rec.settings.directory, step=step, rank=rec.rank, reference=reference)
         write_outcome(rec.settings.directory, rank=rec.rank, ended="stopped", streams_closed=True, step=step)
+        self.ended = True
         sys.stdout.flush()
         # Not SystemExit: the script's own handlers would run on into collectives and hang.
         os._exit(EXIT_STOPPED)
@@ -374,6 +379,7 @@ def install() -> bool:
     register_optimizer_step_pre_hook(_state.before_optimizer_step)
     register_optimizer_step_post_hook(_state.after_optimizer_step)
     _wrap_backward(_state)
+    _wrap_exit(_state)
     return True
 
 
@@ -530,6 +536,24 @@ def _wrap_backward(state: _AutoRecorder) -> None:
     backward.__wrapped__ = previous
     backward.__doc__ = previous.__doc__
     torch.autograd.backward = backward
+
+
+def _wrap_exit(state: _AutoRecorder) -> None:
+    """A program that ends with ``os._exit`` skips atexit (the reference recipe does, to skip C++
+    static destructors): samebits' exit work (closing the streams, the outcome file) runs first,
+    then the real ``os._exit``.  Only in the process that installed the hooks: a forked child (a
+    DataLoader or multiprocessing worker) ends with ``os._exit`` too and must leave its parent's
+    streams alone."""
+    real_exit, pid = os._exit, os.getpid()
+
+    def _exit(status):
+        if os.getpid() == pid:
+            state.at_exit()  # fail-safe: its own guard; runs once
+        real_exit(status)
+
+    _exit.__wrapped__ = real_exit
+    _exit.__doc__ = real_exit.__doc__
+    os._exit = _exit
 
 
 _TRACE_VARIABLES = ("SAMEBITS_TRACE", "SAMEBITS_TEST_PERTURB", "SAMEBITS_TRACE_DUMP_OP", "SAMEBITS_TRACE_STOP_AFTER")

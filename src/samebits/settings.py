@@ -313,6 +313,11 @@ REGISTRY: dict[str, Setting] = _declare(
             area="tracing"),
     Setting("SAMEBITS_TRACE_STOP_AFTER", "int", "end the process (exit code 0) once step S is written",
             area="tracing"),
+    # layout invariance in a user's trainer (samebits.integrations.torchtitan)
+    Setting("SAMEBITS_LAYOUT", "text", "set by `samebits verify --across CELLS -- CMD`: the layout cell a run "
+            "trains at (`single`, `fsdp2`, ...), read by samebits' torchtitan config", "", area="invariance"),
+    Setting("SAMEBITS_INVARIANT", "bool", "`0` keeps samebits' torchtitan config to the layout, without the "
+            "invariant step (`verify --across` sets it for the negative controls)", True, area="invariance"),
     # the probe
     Setting("SAMEBITS_PROBE_DIR", "path", "set by `samebits probe -- CMD`: where each process writes its "
             "findings", area="probe"),

@@ -86,3 +86,16 @@ def tiny_exclude_train_state() -> object:
     config = tiny()
     config.checkpoint.exclude_from_loading = ["train_state"]  # PLANTED
     return config
+
+
+def tiny_invariant() -> object:
+    """`tiny` with samebits' config: the same bits at any FSDP2 degree (SAMEBITS_LAYOUT sets the
+    layout, SAMEBITS_INVARIANT=off keeps torchtitan's own step).  A global batch of 8 (2
+    micro-batches of 4 on one rank, 1 a rank on 2), 20 steps, a checkpoint every 10."""
+    from samebits.integrations.torchtitan import invariant
+
+    config = tiny()
+    config.training.global_batch_size = 8
+    config.training.steps = 20
+    config.checkpoint.interval = 10
+    return invariant(config)

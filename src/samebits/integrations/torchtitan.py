@@ -1,0 +1,282 @@
+"""torchtitan 0.3.0: the same bits at any data-parallel layout, as a config (docs/integrations.md).
+
+    from samebits.integrations.torchtitan import invariant
+
+    def my_model_invariant():            # --module my_configs --config my_model_invariant
+        return invariant(my_model())     # my_model(): any torchtitan Trainer.Config
+
+`invariant` returns the same config whose trainer (`InvariantTrainer`, a torchtitan `Trainer`,
+through its own `Config.build`) makes the step independent of how the data-parallel ranks
+split it: every rank reads the one global stream of micro-batches and trains its share of it;
+each FSDP2 unit's gradient reduction is the invariant int64 fixed point (`InvariantReduceScatter`
+on 2+ ranks, the same sum as FSDP2's post-reduce hook on one); the clipping norm is the sharded
+invariant norm; the initial weights are made whole, once, from ``debug.seed``, and each rank
+keeps its slice; any draw is keyed by (step, micro-batch).  What it does not cover (tensor,
+pipeline, context and expert parallelism; HSDP's replicas; float8; FlexAttention on a CPU) it
+refuses at start, naming the reason.
+
+``SAMEBITS_LAYOUT`` (a cell: ``single``, ``fsdp2``, ``fsdp4``...) sets the parallel degrees and
+``SAMEBITS_INVARIANT=off`` keeps only the layout: `samebits verify --across` sets both, for the
+layouts and their negative controls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torchtitan.components.dataloader import DataloaderExhaustedError
+from torchtitan.trainer import Trainer
+
+from samebits import settings
+from samebits.errors import ConfigError
+from samebits.invariant import clip_sharded_grad_norm_, micro_batch_seed, reduce_blocks
+
+LAYOUT_VARIABLE = "SAMEBITS_LAYOUT"
+INVARIANT_VARIABLE = "SAMEBITS_INVARIANT"
+_OWNER = "samebits.integrations.torchtitan"
+_WRAPPERS = re.compile(r"(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)\.")
+
+
+def invariant(config: Trainer.Config, *, layout: str | None = None) -> Trainer.Config:
+    """``config`` (torchtitan's `Trainer.Config`) at ``layout`` (None: ``SAMEBITS_LAYOUT``, or as
+    it is), trained by `InvariantTrainer` unless ``SAMEBITS_INVARIANT`` is ``off`` (the control)."""
+    layout = layout if layout is not None else settings.read(LAYOUT_VARIABLE)
+    if layout:
+        set_layout(config, layout)
+    if not settings.read(INVARIANT_VARIABLE):
+        return config
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    return InvariantTrainer.Config(**values)
+
+
+def set_layout(config: Trainer.Config, cell: str) -> None:
+    """Set torchtitan's parallel degrees from a cell: ``single``, or parts joined by ``-`` of
+    ``fsdpN`` (FSDP2 over N ranks), ``dpN`` (replicas), ``tpN``, ``ppN``, ``cpN``."""
+    degrees = {"fsdp": 1, "dp": 1, "tp": 1, "pp": 1, "cp": 1}
+    if cell != "single":
+        for part in cell.split("-"):
+            match = re.fullmatch(r"(fsdp|dp|tp|pp|cp)([1-9][0-9]*)", part)
+            if match is None:
+                raise ConfigError(f"{_OWNER}: layout {cell!r}: {part!r} is not one of fsdpN, dpN, tpN, ppN, cpN "
+                                  "(e.g. single, fsdp2, fsdp2-tp2)")
+            degrees[match.group(1)] = int(match.group(2))
+    p = config.parallelism
+    p.data_parallel_shard_degree = degrees["fsdp"]
+    p.data_parallel_replicate_degree = degrees["dp"]
+    p.tensor_parallel_degree = degrees["tp"]
+    p.pipeline_parallel_degree = degrees["pp"]
+    p.context_parallel_degree = degrees["cp"]
+
+
+def refusals(config: Trainer.Config) -> list[str]:
+    """What in ``config`` the invariant trainer does not cover, one reason each (empty: none)."""
+    p, t = config.parallelism, config.training
+    reasons = []
+    for degree, what in ((p.tensor_parallel_degree, "tensor parallelism (parallelism.tensor_parallel_degree): its "
+                          "row-parallel sums are torchtitan's DTensor all-reduces; the invariant TP layers are "
+                          "the reference recipe's only (samebits run --set tp_reduce=invariant)"),
+                         (p.pipeline_parallel_degree, "pipeline parallelism (parallelism.pipeline_parallel_degree)"),
+                         (p.context_parallel_degree, "context parallelism (parallelism.context_parallel_degree): "
+                          "ring attention adds the chunks' partial results in an order set by the ring"),
+                         (p.expert_parallel_degree, "expert parallelism (parallelism.expert_parallel_degree)"),
+                         (p.data_parallel_replicate_degree, "HSDP's replicas (parallelism.data_parallel_replicate_"
+                          "degree): FSDP2 all-reduces them with its own fp32 all-reduce and no hook before it; "
+                          "use parallelism.data_parallel_shard_degree (FSDP2) for the same ranks")):
+        if degree > 1:
+            reasons.append(f"{what} is {degree}, not covered")
+    if t.global_batch_size <= 0:
+        reasons.append("training.global_batch_size is not set: torchtitan then makes the global batch local_batch_size "
+                       "x the data-parallel degree, so each layout trains on a different batch; set "
+                       "--training.global_batch_size N (a multiple of local_batch_size x every DP degree you run)")
+    if config.debug.seed is None:
+        reasons.append("debug.seed is not set: the initial weights are drawn from it; set --debug.seed N")
+    for name, dtype in (("mixed_precision_param", t.mixed_precision_param),
+                        ("mixed_precision_reduce", t.mixed_precision_reduce)):
+        if dtype != "float32":
+            reasons.append(f"training.{name} is {dtype}: the invariant reduction adds float32 gradients; "
+                           f"set --training.{name} float32")
+    spec = config.model_spec
+    if spec is not None:
+        from torchtitan.components.quantization.utils import has_quantization
+        from torchtitan.models.common.attention import FlexAttention
+
+        if has_quantization(spec.model):
+            reasons.append("a quantized (float8/MX) model: its scaled matmuls are not covered")
+        if any(spec.model.traverse(FlexAttention.Config)) and not torch.cuda.is_available():
+            reasons.append("FlexAttention on a CPU (it has no CPU backward): use ScaledDotProductAttention")
+    return reasons
+
+
+class _UnitSum:
+    """One FSDP2 unit's gradient reduction over the step's M micro-batches, in int64 fixed point
+    (`reduce_blocks`, every element its own block): FSDP2's custom reduce-scatter on a shard group
+    of 2+ ranks, its post-reduce hook on one (where it calls no reduce-scatter).  Until this
+    rank's last micro-batch it keeps each gradient and hands back zeros (FSDP2 adds them: exact).
+    A unit of several modules (torchtitan's [norm, lm_head]) reduces in several calls per
+    backward: each call of a micro-batch is kept apart by its place in that backward."""
+
+    def __init__(self, trainer: "InvariantTrainer"):
+        self.trainer = trainer
+        self._pending: dict[int, list[torch.Tensor]] = {}
+        self._micro_batch = -1
+        self._call = 0
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor | None = None, group=None,
+                 op=None, async_op: bool = False):
+        """As FSDP2's ReduceScatter (``input_tensor`` given) or its post-reduce hook (``output_tensor`` only)."""
+        if op is not None and op == torch.distributed.ReduceOp.AVG:
+            raise ConfigError(f"{_OWNER}: FSDP2 asked for an average; the invariant reduction sums (its "
+                              "gradient divide factor must stay 1.0, torchtitan's own setting)")
+        source = output_tensor if input_tensor is None else input_tensor
+        if source.dtype != torch.float32:
+            raise ConfigError(f"{_OWNER}: FSDP2 reduces {source.dtype} gradients; the invariant reduction adds "
+                              "float32 ones (set --training.mixed_precision_reduce float32)")
+        trainer = self.trainer
+        if trainer._local_micro_batch != self._micro_batch:
+            self._micro_batch, self._call = trainer._local_micro_batch, 0
+        pending = self._pending.setdefault(self._call, [])
+        self._call += 1
+        flat = source.detach().reshape(-1, 1)
+        if pending and pending[0].shape != flat.shape:
+            raise ConfigError(f"{_OWNER}: an FSDP2 unit reduced {pending[0].numel()} gradient elements in one "
+                              f"micro-batch and {flat.numel()} in the same place of the next (step {trainer.step}); "
+                              "report this with the config")
+        if trainer._local_micro_batch + 1 < trainer.gradient_accumulation_steps:
+            pending.append(flat.clone())  # FSDP2's buffer outlives this call only
+            output_tensor.zero_()
+            return None
+        pending.append(flat)
+        summed = reduce_blocks(pending, num_micro_batches=trainer._num_micro_batches, group=group,
+                               scatter_only=input_tensor is not None)
+        pending.clear()
+        output_tensor.copy_(summed.reshape(output_tensor.shape))
+        return None
+
+
+class InvariantTrainer(Trainer):
+    """torchtitan's `Trainer`, whose step has the same bits at any FSDP2 degree (module docstring)."""
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        pass
+
+    def __init__(self, config: Config):
+        reasons = refusals(config)
+        if reasons:
+            raise ConfigError(f"{_OWNER}: this config cannot train with the same bits at any layout:\n  - " +
+                              "\n  - ".join(reasons) + "\nRemove the samebits config to train it as it is.")
+        super().__init__(config)
+        self._max_norm = config.training.max_norm
+        config.training.max_norm = math.inf  # torchtitan's own clip: a factor of exactly 1.0
+        dims = self.parallel_dims
+        self._dp_degree = dims.dp_shard
+        self._dp_rank = dims.get_mesh("fsdp").get_local_rank() if dims.dp_shard > 1 else 0
+        self._group = dims.get_mesh("fsdp").get_group() if dims.dp_shard > 1 else None
+        self._num_micro_batches = self.gradient_accumulation_steps * self._dp_degree
+        self._local_micro_batch = -1  # this rank's micro-batch of the step now in backward
+        self._seen_step = -1
+        self._whole_initial_weights()
+        self._global_dataloader()
+        self._invariant_reductions()
+        self.optimizers.register_step_pre_hook(self._clip)
+
+    # --- the initial weights: whole, from the seed, the same at any layout ------------------
+    def _whole_initial_weights(self) -> None:
+        from torchtitan.config import TORCH_DTYPE_MAP
+        from torchtitan.tools import utils
+
+        with torch.device("meta"), utils.set_default_dtype(TORCH_DTYPE_MAP[self.config.training.dtype]):
+            whole = self.model_config.build()
+        whole.to_empty(device="cpu")
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(self.config.debug.seed)
+            whole.init_weights(buffer_device=None)
+        source = dict(whole.named_parameters())
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        with torch.no_grad():
+            for part in self.model_parts:
+                for name, param in part.named_parameters():
+                    full = source.get(_WRAPPERS.sub("", name))
+                    if full is None or tuple(full.shape) != tuple(param.shape):
+                        raise ConfigError(f"{_OWNER}: parameter {name!r} has no counterpart of its shape in the "
+                                          "whole model built from the same config; report this with the config")
+                    if isinstance(param, DTensor):
+                        local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+                        param.to_local().copy_(local.to_local())
+                    else:
+                        param.copy_(full)
+
+    # --- the data: one global stream, each rank its share -----------------------------------
+    def _global_dataloader(self) -> None:
+        config = self.config
+        self.dataloader = config.dataloader.build(
+            dp_world_size=1, dp_rank=0, tokenizer=self.tokenizer, seq_len=config.training.seq_len,
+            local_batch_size=config.training.local_batch_size,
+            snapshot_every_n_steps=(config.checkpoint.interval * self._num_micro_batches
+                                    if config.checkpoint.enable else None))
+        self.checkpointer.states["dataloader"] = self.dataloader
+
+    def batch_generator(self, data_iterable: Iterable) -> Iterator:
+        """The global stream in groups of one micro-batch per rank: this rank's of each group."""
+        iterator = iter(data_iterable)
+        while True:
+            start = time.perf_counter()
+            try:
+                group = [next(iterator) for _ in range(self._dp_degree)]
+            except StopIteration as ex:
+                raise DataloaderExhaustedError() from ex
+            input_dict, labels = group[self._dp_rank]
+            self.metrics_processor.ntokens_since_last_log += labels.numel()
+            self.metrics_processor.data_loading_times.append(time.perf_counter() - start)
+            yield input_dict, labels
+
+    def forward_backward_step(self, **kwargs: Any) -> torch.Tensor:
+        """Draws keyed by (step, global micro-batch index), never by rank."""
+        if self._seen_step != self.step:
+            self._seen_step, self._local_micro_batch = self.step, -1
+        self._local_micro_batch += 1
+        index = self._local_micro_batch * self._dp_degree + self._dp_rank
+        torch.manual_seed(micro_batch_seed(self.config.debug.seed, self.step, index))
+        return super().forward_backward_step(**kwargs)
+
+    # --- the gradient reduction and the clipping norm --------------------------------------
+    def _invariant_reductions(self) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [m for part in self.model_parts for m in part.modules() if isinstance(m, FSDPModule)]
+        if not units:
+            raise ConfigError(f"{_OWNER}: the model has no FSDP2 unit (torchtitan's apply_fsdp_to_decoder "
+                              "wraps every decoder at any degree): the reduction cannot be made invariant")
+        for unit in units:
+            unit.set_gradient_divide_factor(1.0)  # a SUM; torchtitan divides the loss by the global count
+            if self._dp_degree > 1:
+                unit.set_custom_reduce_scatter(_UnitSum(self))
+            else:
+                unit.set_all_reduce_hook(_UnitSum(self))
+
+    def _clip(self, optimizer, args, kwargs) -> None:
+        """Clip by the sharded invariant norm before the optimizer steps (torchtitan's clip is 1.0)."""
+        if not self._max_norm or self._max_norm <= 0:
+            return
+        params = [p for part in self.model_parts for p in part.parameters() if p.grad is not None]
+        grads = [_local(p.grad) for p in params]
+        clip_sharded_grad_norm_(grads, self._max_norm, full_numels=[p.numel() for p in params], group=self._group,
+                                replicated=[False] * len(params))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+__all__ = ["invariant", "set_layout", "refusals", "InvariantTrainer", "LAYOUT_VARIABLE", "INVARIANT_VARIABLE"]

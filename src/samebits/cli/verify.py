@@ -15,7 +15,7 @@ from samebits.errors import ConfigError
 from samebits.recipes.cells import parse_layouts
 from samebits.verdicts import Verdict
 
-command_layouts, parse_across, verify_across = lazy("samebits.runners.across", "command_layouts", "parse_across",
+command_layouts, verify_across = lazy("samebits.runners.across", "command_layouts",
                                                     "verify_across")
 VerifyResult, verify = lazy("samebits.runners.verify", "VerifyResult", "verify")
 ZeroCode = lazy("samebits.runners.program", "ZeroCode")
@@ -50,7 +50,8 @@ def register(sub) -> None:
                              "--across --resume-across: where the other layouts resume the first's checkpoint")
     parser.add_argument("--resume-with", default=None, metavar="'CMD'",
                         help="with a command: how to resume it from A's checkpoint; {from} is A's work folder "
-                             "(the {out} A ran with), {step} the --resume-at step, {out} C's own work folder")
+                             "(the {out} A ran with), {step} the --resume-at step, {out} C's own work folder; with "
+                             "--across CELLS --resume-across: how each layout resumes the first one's checkpoint")
     parser.add_argument("--require-resume", action="store_true",
                         help="exit 2 unless the resume guarantee is checked too (for CI)")
     parser.add_argument("--keep-going", action="store_true",
@@ -61,8 +62,9 @@ def register(sub) -> None:
                         help="run the recipe at each layout (cells: single,dp2,tp2; or a product of sizes: dp=1,2 "
                              "tp=1,2) with the switches that make its reductions layout-invariant, compare every "
                              "step's parameters by global digest with the first layout, run the negative controls, "
-                             "and write certificate.json; a command takes dp=N,N,... ({nproc} and {out} filled "
-                             "in; docs/invariance.md)")
+                             "and write certificate.json; a command takes dp=N,N,... (it records itself into {out}) "
+                             "or cells such as single,fsdp2 (it reads SAMEBITS_LAYOUT, as samebits' torchtitan "
+                             "config does; {nproc} and {out} filled in; docs/invariance.md)")
     parser.add_argument("--resume-across", action="store_true",
                         help="with --across: the first layout also saves its checkpoint of step --resume-at (default "
                              "steps/2), every other layout resumes it (--allow-layout-change) and must equal the "
@@ -126,11 +128,13 @@ def run_across(args, progress, start: float) -> int:
     """`--across LAYOUTS`: one run per layout, each compared with the first, and the controls."""
     spec = " ".join(args.across)
     if args.cmd:
-        sizes = parse_across(spec)
-        if max(sizes) > MAX_NPROC:
-            raise ConfigError(f"--across {spec}: a data-parallel size is at most {MAX_NPROC} (ranks of one run "
-                              "on this machine)")
-        layouts, reductions = command_layouts(sizes, args.cmd), ()
+        layouts = command_layouts(spec, args.cmd, resume=None if args.resume_with is None else
+                                  shlex.split(args.resume_with), recording=recording_options(args))
+        largest = max(layouts, key=lambda layout: layout.nproc)
+        if largest.nproc > MAX_NPROC:
+            raise ConfigError(f"--across {spec}: {largest.name} needs {largest.nproc} ranks; a run is at most "
+                              f"{MAX_NPROC} ranks on this machine")
+        reductions = ()
     else:
         layouts = across_layouts(spec, steps=args.steps, overrides=args.overrides, controls=not args.no_controls)
         reductions = across_reductions(spec)

@@ -24,9 +24,9 @@ from samebits.checkpoint import content_sha256
 from samebits.compare import DIFFERS, SHAPE_ONLY, DiffResult, Divergence, diff, record_match
 from samebits.errors import ConfigError, SamebitsError
 from samebits.runners._launch import RunFailed, run_logged, stopped_marked, UNFINISHED, write_stopped
-from samebits.runners.commands import (CKPT, NPROC, OUT, RUN, STEP, RecipeRefused, fill_placeholders, holds,
+from samebits.runners.commands import (CKPT, FROM, NPROC, OUT, RUN, STEP, RecipeRefused, fill_placeholders, holds,
                                     prepare_out_dir, write_summary)
-from samebits.runners.program import RECORD, RESUME, SAVE, Launch, Program, SelfRecording
+from samebits.runners.program import RECORD, RESUME, SAVE, Launch, Program, SelfRecording, ZeroCode
 from samebits.runners.verify import RunInfo
 from samebits.stream import GLOBAL_PHASE_PREFIX, open_run, phases
 from samebits.stream.reader import require_same_digest_version
@@ -40,17 +40,39 @@ RESUME_PREFIX = "resume-"
 _SPEC = re.compile(r"^\s*dp\s*=\s*(\d+(?:\s*,\s*\d+)*)\s*$")
 
 
-def parse_across(spec: str) -> list[int]:
-    """``"dp=1,2,4"`` -> [1, 2, 4] (distinct sizes, at least two, in the order given): the form a
-    command takes (its layouts are data-parallel sizes, ``{nproc}``)."""
+_CELL_PART = re.compile(r"(fsdp|dp|tp|pp|cp)([1-9][0-9]*)")
+LAYOUT_VARIABLE, INVARIANT_VARIABLE = "SAMEBITS_LAYOUT", "SAMEBITS_INVARIANT"  # what a command's layout reads
+
+
+def parse_across(spec: str) -> list[int] | list[tuple[str, int]]:
+    """A command's layouts: ``"dp=1,2,4"`` -> [1, 2, 4] (data-parallel sizes, ``{nproc}``), or cells
+    ``"single,fsdp2,fsdp2-tp2"`` -> [(cell, ranks)] (a program that reads ``SAMEBITS_LAYOUT``,
+    such as samebits' torchtitan config).  Distinct, at least two, in the order given."""
     match = _SPEC.match(spec or "")
     if not match:
-        raise ConfigError(f"--across {spec!r} with a command: expected dp=N,N,... (e.g. dp=1,2,4): the data-parallel "
-                          "sizes to run the command at ({nproc}); cells such as tp2 are the recipe's")
+        cells = [cell.strip() for cell in (spec or "").replace(" ", ",").split(",") if cell.strip()]
+        parsed = [(cell, _cell_ranks(cell, spec)) for cell in cells]
+        if len(parsed) < 2 or len(set(cells)) != len(cells):
+            raise ConfigError(f"--across {spec!r}: give at least two distinct layouts")
+        return parsed
     sizes = [int(n) for n in match.group(1).split(",")]
     if len(sizes) < 2 or len(set(sizes)) != len(sizes) or min(sizes) < 1:
         raise ConfigError(f"--across {spec!r}: give at least two distinct positive data-parallel sizes")
     return sizes
+
+
+def _cell_ranks(cell: str, spec: str) -> int:
+    """The ranks a command's cell takes: ``single`` 1, else the product of its parts' degrees."""
+    if cell == "single":
+        return 1
+    ranks = 1
+    for part in cell.split("-"):
+        match = _CELL_PART.fullmatch(part)
+        if match is None:
+            raise ConfigError(f"--across {spec!r} with a command: layout {cell!r} is neither dp=N,N,... (data-parallel "
+                              "sizes) nor a cell: single, or fsdpN, dpN, tpN, ppN, cpN joined by - (e.g. fsdp2-tp2)")
+        ranks *= int(match.group(2))
+    return ranks
 
 
 @dataclass(frozen=True)
@@ -299,16 +321,33 @@ def _by_layout(checks: Mapping) -> dict:
     return {check.layout: check.to_dict() for check in checks.values()}
 
 
-def command_layouts(sizes: Sequence[int], cmd: Sequence[str]) -> list[Layout]:
-    """``verify --across`` of a command at data-parallel ``sizes``: one layout per size (``{nproc}``
-    filled in), with no control and no resume (a command has no switch to turn off)."""
+def command_layouts(spec: str | Sequence[int], cmd: Sequence[str], *, resume: Sequence[str] | None = None,
+                    recording: Mapping[str, object] = {}) -> list[Layout]:
+    """``verify --across`` of a command.  At data-parallel sizes (``dp=1,2``) the command records
+    itself into ``{out}``, with no control and no resume.  At cells (``single,fsdp2``) it runs
+    under zero-code recording with ``SAMEBITS_LAYOUT`` set to the cell (``{out}``: its work
+    folder), its control is the same with ``SAMEBITS_INVARIANT=0``, and ``resume`` (``{from}``,
+    ``{step}``, ``{out}``, ``{nproc}``) resumes the first layout's checkpoint."""
     missing = [p for p in ACROSS_PLACEHOLDERS if not holds(cmd, p)]
     if not cmd or missing:
         raise ConfigError(f"--across with a command: the command must contain {' and '.join(missing)} "
-                          "({nproc}: the data-parallel size of each run; {out}: the folder it records "
-                          "into), e.g. -- torchrun --nproc-per-node {nproc} train.py --out {out}")
-    return [Layout(f"dp{size}", size, SelfRecording(None, size, tuple(fill_placeholders(cmd, {NPROC: size}))))
-            for size in sizes]
+                          "({nproc}: the ranks of each run; {out}: its folder), "
+                          "e.g. -- torchrun --nproc-per-node {nproc} train.py --out {out}")
+    layouts = parse_across(spec) if isinstance(spec, str) else list(spec)
+    if isinstance(layouts[0], int):
+        return [Layout(f"dp{size}", size, SelfRecording(None, size, tuple(fill_placeholders(cmd, {NPROC: size}))))
+                for size in layouts]
+    result = []
+    for cell, ranks in layouts:
+        def program(invariant: bool) -> ZeroCode:
+            return ZeroCode(tuple(fill_placeholders(cmd, {NPROC: ranks})),
+                            None if resume is None else tuple(fill_placeholders(resume, {NPROC: ranks})),
+                            recording=recording,
+                            variables={LAYOUT_VARIABLE: cell, INVARIANT_VARIABLE: "1" if invariant else "0"})
+        result.append(Layout(cell, ranks, program(True), control=program(False),
+                             overrides=(f"{LAYOUT_VARIABLE}={cell}",),
+                             control_overrides=(f"{LAYOUT_VARIABLE}={cell}", f"{INVARIANT_VARIABLE}=0")))
+    return result
 
 
 def verify_across(layouts: Sequence[Layout], out=None, *, rank: int = 0, controls: bool = True,
@@ -341,7 +380,8 @@ def verify_across(layouts: Sequence[Layout], out=None, *, rank: int = 0, control
             checkpoints[layout.name] = _run_layout(layout, run, resume_at)
         if resume_across:
             result.resume, result.resume_at = {}, resume_at
-            saved = checkpoints[layouts[0].name]["path"] / f"step-{resume_at}"
+            first = checkpoints[layouts[0].name]  # None: a command, which saves where it saves itself
+            saved = out / (layouts[0].name + "-work") if first is None else first["path"] / f"step-{resume_at}"
             for layout in layouts[1:]:
                 result.resume[layout.name] = _resume_layout(layout, layouts[0].name, saved, resume_at, run)
                 resumed_ckpt = out / (RESUME_PREFIX + layout.name) / "ckpt"
@@ -381,9 +421,14 @@ def _resume_step(layouts: Sequence[Layout], resume_across: bool, resume_at: int 
             raise ConfigError("--resume-at with --across needs --resume-across (where the other layouts resume)")
         return None
     steps = layouts[0].program.steps
-    if steps is None or any(layout.resume is None and not layout.program.resumes for layout in layouts[1:]):
-        raise ConfigError("--resume-across needs the recipe (a command has no resume at another layout to "
-                          "run); drop the command or --resume-across")
+    if any(layout.resume is None and not layout.program.resumes for layout in layouts[1:]):
+        raise ConfigError("--resume-across with a command: give --resume-with 'CMD' (how a layout resumes the "
+                          "first one's checkpoint: {from} its work folder, {step}, {out}, {nproc}) and --resume-at K")
+    if steps is None:
+        if resume_at is None or resume_at < 1:
+            raise ConfigError("--resume-across with a command: give --resume-at K (the step whose checkpoint the "
+                              "first layout saves, as its own checkpointing names it)")
+        return resume_at
     resume_at = steps // 2 if resume_at is None else resume_at
     if not 0 < resume_at < steps:
         raise ConfigError(f"--resume-at {resume_at}: the resume step must lie inside the run, between 1 and "
@@ -417,7 +462,7 @@ class _Runner:
 def _run_layout(layout: Layout, run: _Runner, resume_at: int | None) -> dict | None:
     """Run one layout into out/NAME; its checkpoints ({"steps", "final", "path"}) or None."""
     program, run_dir = layout.program, run.out / layout.name
-    if not program.template(SAVE):  # it saves nothing: it records, in a folder made for it
+    if not program.template(SAVE) or program.steps is None:  # it saves nothing, or where it saves itself
         run_dir.mkdir(parents=True, exist_ok=True)
         run(layout.name, program.launch(RECORD, run_dir), program)
         return None
@@ -433,11 +478,16 @@ def _resume_layout(layout: Layout, reference: str, saved: Path, step: int, run: 
     the reference from ``step`` on; a resume refused or failed is INCOMPLETE, with the reason."""
     name = RESUME_PREFIX + layout.name
     run_dir = run.out / name
-    launch = layout.program.launch(RESUME, run_dir, values={CKPT: saved})
+    program = layout.program
+    if program.steps is None:  # a command: its --resume-with, {from} the first layout's work folder
+        run_dir.mkdir(parents=True, exist_ok=True)
+        launch = program.launch(RESUME, run_dir, values={STEP: step, FROM: saved}, step_offset=step)
+    else:
+        launch = program.launch(RESUME, run_dir, values={CKPT: saved})
     if layout.resume is not None:  # its own resume template (at another layout: --allow-layout-change)
         launch = Launch(fill_placeholders(layout.resume, {OUT: run_dir, CKPT: saved, RUN: name}), launch.env, run_dir)
     try:
-        run(name, launch, layout.program, layout.program.steps - step)
+        run(name, launch, program, None if program.steps is None else program.steps - step)
     except RunFailed as err:
         return LayoutCheck(layout.name, Verdict.INCOMPLETE, "resume", None, {"steps": 0},
                            incomplete=[f"{layout.name} could not resume {reference}'s checkpoint of step {step}: "
@@ -448,9 +498,14 @@ def _resume_layout(layout: Layout, reference: str, saved: Path, step: int, run: 
 
 def _has_global_records(path) -> bool:
     """Whether rank 0 of the run at ``path`` records global tensors (`Recorder.global_tensors`)."""
+    return _first_step_holds(path, lambda phase: phase.startswith(GLOBAL_PHASE_PREFIX))
+
+
+def _first_step_holds(path, wanted: Callable[[str], bool]) -> bool:
+    """Whether rank 0's first recorded step at ``path`` holds a record of a phase ``wanted`` accepts."""
     run = open_run(path)
     for block in run.steps(run.ranks[0]):
-        return any(r.phase.startswith(GLOBAL_PHASE_PREFIX) for r in block.records())
+        return any(wanted(r.phase) for r in block.records())
     return False
 
 
@@ -464,6 +519,12 @@ def compare_layouts(reference, other, name: str, *, rank: int = 0, start_step: i
                            data.get("first_divergence"), local.compared, list(local.notes), list(local.incomplete),
                            counts=_counts(local))
     by_global = diff(reference, other, by="global", start_step=start_step)
+    if not _first_step_holds(reference, lambda phase: phase == phases.METRICS):  # zero-code recording: no metrics
+        data = by_global.to_dict()
+        return LayoutCheck(name, Verdict(by_global.verdict), "global", data.get("first_divergence"),
+                           dict(by_global.compared), [n for n in by_global.notes if not n.startswith(("world size:",
+                                                                                                       "config "))],
+                           list(by_global.incomplete), counts=_counts(None, by_global))
     metrics = compare_replicated(reference, other, rank=rank, phases=[phases.METRICS], start_step=start_step)
     data, metric_data = by_global.to_dict(), metrics.to_dict()
     verdicts = (Verdict(by_global.verdict), Verdict(metrics.verdict))
@@ -480,11 +541,12 @@ def compare_layouts(reference, other, name: str, *, rank: int = 0, start_step: i
                        counts=_counts(metrics, by_global))
 
 
-def _counts(replicated: DiffResult, by_global=None) -> dict:
+def _counts(replicated: DiffResult | None, by_global=None) -> dict:
     """The certificate's counts: records compared by digest, by shape only, and missing; a global
     tensor counts once over the steps, a replicated record once per step."""
-    counts = {"compared": replicated.compared.get("records", 0), "shape_only": replicated.compared.get("shape_only", 0),
-              "missing": replicated.compared.get("missing", 0)}
+    done = {} if replicated is None else replicated.compared
+    counts = {"compared": done.get("records", 0), "shape_only": done.get("shape_only", 0),
+              "missing": done.get("missing", 0)}
     for tensor in [] if by_global is None else by_global.tensors:
         if tensor.status != "only_in_b":  # held by the other layout only: nothing of the first's left out
             counts[{"shape_only": "shape_only", "only_in_a": "missing"}.get(tensor.status, "compared")] += 1

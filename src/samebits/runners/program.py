@@ -180,6 +180,7 @@ class ZeroCode:
     argv: tuple[str, ...]
     resume: tuple[str, ...] | None = None
     recording: Mapping[str, object] = field(default_factory=dict)
+    variables: Mapping[str, str] = field(default_factory=dict)  # set in its environment (verify --across's layout)
     steps = None
     nproc = None
     census_decides = False
@@ -210,6 +211,7 @@ class ZeroCode:
             what["steps"] = f"{from_step}:"
         env = environment_for(streams, command=shlex.join(self.argv), reference=reference, step_offset=step_offset,
                               **what)
+        env.update(self.variables)
         return Launch(fill_placeholders(self.template(role), filled), env, streams)
 
     def judge(self, label: str, launch: Launch, code: int, log: Path) -> str | None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import time
 from collections.abc import Iterable, Iterator
@@ -85,11 +86,19 @@ def refusals(config: Trainer.Config) -> list[str]:
                          (p.context_parallel_degree, "context parallelism (parallelism.context_parallel_degree): "
                           "ring attention adds the chunks' partial results in an order set by the ring"),
                          (p.expert_parallel_degree, "expert parallelism (parallelism.expert_parallel_degree)"),
-                         (p.data_parallel_replicate_degree, "HSDP's replicas (parallelism.data_parallel_replicate_"
-                          "degree): FSDP2 all-reduces them with its own fp32 all-reduce and no hook before it; "
-                          "use parallelism.data_parallel_shard_degree (FSDP2) for the same ranks")):
+                         ):
         if degree > 1:
             reasons.append(f"{what} is {degree}, not covered")
+    shards = p.data_parallel_shard_degree
+    if shards < 0:  # what the other degrees leave of the ranks, as torchtitan resolves it
+        shards = int(os.environ.get("WORLD_SIZE", "1")) // max(1, p.data_parallel_replicate_degree *
+                                                             p.context_parallel_degree * p.tensor_parallel_degree *
+                                                             p.pipeline_parallel_degree)
+    if p.data_parallel_replicate_degree > 1 and shards > 1:
+        reasons.append(f"HSDP with both replicas ({p.data_parallel_replicate_degree}) and shards "
+                       f"({shards}) is not covered: the "
+                       "shards' sums would be added over the replicas in fp32; set "
+                       "parallelism.data_parallel_shard_degree 1 (replicas) or data_parallel_replicate_degree 1 (FSDP2)")
     if t.global_batch_size <= 0:
         reasons.append("training.global_batch_size is not set: torchtitan then makes the global batch local_batch_size "
                        "x the data-parallel degree, so each layout trains on a different batch; set "
@@ -115,20 +124,31 @@ def refusals(config: Trainer.Config) -> list[str]:
 
 class _UnitSum:
     """One FSDP2 unit's gradient reduction over the step's M micro-batches, in int64 fixed point
-    (`reduce_blocks`, every element its own block): FSDP2's custom reduce-scatter on a shard group
-    of 2+ ranks, its post-reduce hook on one (where it calls no reduce-scatter).  Until this
-    rank's last micro-batch it keeps each gradient and hands back zeros (FSDP2 adds them: exact).
-    A unit of several modules (torchtitan's [norm, lm_head]) reduces in several calls per
-    backward: each call of a micro-batch is kept apart by its place in that backward."""
+    (`reduce_blocks`, every element its own block), wherever FSDP2 lets it in:
 
-    def __init__(self, trainer: "InvariantTrainer"):
+    * FSDP2 over 2+ ranks: its custom reduce-scatter (``input_tensor`` given);
+    * one rank: its post-reduce hook (FSDP2 calls no reduce-scatter there);
+    * replicas (HSDP with one shard): the post-reduce hook too, which reads this rank's own
+      gradient from the buffer FSDP2 took from ``allocate`` (its first of each reduction) and
+      overwrites FSDP2's fp32 all-reduce of the replicas with the invariant sum over them.
+
+    Until this rank's last micro-batch it keeps each gradient and hands back zeros (FSDP2 adds
+    them: exact).  A unit of several modules (torchtitan's [norm, lm_head]) reduces in several
+    calls per backward: each call of a micro-batch is kept apart by its place in that backward."""
+
+    def __init__(self, trainer: "InvariantTrainer", replica_group=None):
         self.trainer = trainer
+        self.replica_group = replica_group
         self._pending: dict[int, list[torch.Tensor]] = {}
         self._micro_batch = -1
         self._call = 0
+        self._buffers: list[torch.Tensor] = []  # replicas: this reduction's allocations, input first
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(size, dtype=dtype, device=device)
+        buffer = torch.empty(size, dtype=dtype, device=device)
+        if self.replica_group is not None:
+            self._buffers = (self._buffers + [buffer])[-2:]
+        return buffer
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor | None = None, group=None,
                  op=None, async_op: bool = False):
@@ -137,6 +157,8 @@ class _UnitSum:
             raise ConfigError(f"{_OWNER}: FSDP2 asked for an average; the invariant reduction sums (its "
                               "gradient divide factor must stay 1.0, torchtitan's own setting)")
         source = output_tensor if input_tensor is None else input_tensor
+        if input_tensor is None and self.replica_group is not None:
+            source, group = self._local_gradient(output_tensor), self.replica_group
         if source.dtype != torch.float32:
             raise ConfigError(f"{_OWNER}: FSDP2 reduces {source.dtype} gradients; the invariant reduction adds "
                               "float32 ones (set --training.mixed_precision_reduce float32)")
@@ -161,6 +183,15 @@ class _UnitSum:
         output_tensor.copy_(summed.reshape(output_tensor.shape))
         return None
 
+    def _local_gradient(self, output: torch.Tensor) -> torch.Tensor:
+        """Replicas: this rank's gradient, still in the reduction's input buffer (FSDP2 copied it
+        into ``output`` and all-reduced that in place)."""
+        if len(self._buffers) != 2 or self._buffers[1] is not output or self._buffers[0].shape != output.shape:
+            raise ConfigError(f"{_OWNER}: FSDP2's replica reduction did not allocate its buffers as expected "
+                              f"(torch {torch.__version__}); HSDP replicas cannot be made invariant with this "
+                              "torch: use parallelism.data_parallel_shard_degree (FSDP2) instead")
+        return self._buffers[0]
+
 
 class InvariantTrainer(Trainer):
     """torchtitan's `Trainer`, whose step has the same bits at any FSDP2 degree (module docstring)."""
@@ -178,9 +209,12 @@ class InvariantTrainer(Trainer):
         self._max_norm = config.training.max_norm
         config.training.max_norm = math.inf  # torchtitan's own clip: a factor of exactly 1.0
         dims = self.parallel_dims
-        self._dp_degree = dims.dp_shard
-        self._dp_rank = dims.get_mesh("fsdp").get_local_rank() if dims.dp_shard > 1 else 0
-        self._group = dims.get_mesh("fsdp").get_group() if dims.dp_shard > 1 else None
+        batch = dims.get_mesh("batch") if dims.dp_enabled else None
+        self._dp_degree = 1 if batch is None else batch.size()
+        self._dp_rank = 0 if batch is None else batch.get_local_rank()
+        # the clipping norm's group: the FSDP2 shards' (each element on one rank); replicas hold all
+        self._shard_group = dims.get_mesh("fsdp").get_group() if dims.dp_shard > 1 else None
+        self._replica_group = dims.get_mesh("dp_replicate").get_group() if dims.dp_replicate > 1 else None
         self._num_micro_batches = self.gradient_accumulation_steps * self._dp_degree
         self._local_micro_batch = -1  # this rank's micro-batch of the step now in backward
         self._seen_step = -1
@@ -259,10 +293,13 @@ class InvariantTrainer(Trainer):
                               "wraps every decoder at any degree): the reduction cannot be made invariant")
         for unit in units:
             unit.set_gradient_divide_factor(1.0)  # a SUM; torchtitan divides the loss by the global count
-            if self._dp_degree > 1:
-                unit.set_custom_reduce_scatter(_UnitSum(self))
-            else:
-                unit.set_all_reduce_hook(_UnitSum(self))
+            reduction = _UnitSum(self, replica_group=self._replica_group)
+            if self.parallel_dims.dp_shard > 1:
+                unit.set_custom_reduce_scatter(reduction)
+            else:  # no reduce-scatter to replace: the hook after it (and after the replicas' all-reduce)
+                if self._replica_group is not None:
+                    unit.set_custom_reduce_scatter(reduction)  # only its allocate(): the local gradient's buffer
+                unit.set_all_reduce_hook(reduction)
 
     def _clip(self, optimizer, args, kwargs) -> None:
         """Clip by the sharded invariant norm before the optimizer steps (torchtitan's clip is 1.0)."""
@@ -270,7 +307,7 @@ class InvariantTrainer(Trainer):
             return
         params = [p for part in self.model_parts for p in part.parameters() if p.grad is not None]
         grads = [_local(p.grad) for p in params]
-        clip_sharded_grad_norm_(grads, self._max_norm, full_numels=[p.numel() for p in params], group=self._group,
+        clip_sharded_grad_norm_(grads, self._max_norm, full_numels=[p.numel() for p in params], group=self._shard_group,
                                 replicated=[False] * len(params))
 
 

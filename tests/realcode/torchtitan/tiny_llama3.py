@@ -90,11 +90,12 @@ def tiny_exclude_train_state() -> object:
 
 def tiny_invariant() -> object:
     """`tiny` with samebits' config: the same bits at any FSDP2 degree (SAMEBITS_LAYOUT sets the
-    layout, SAMEBITS_INVARIANT=off keeps torchtitan's own step).  A global batch of 8 (2
-    micro-batches of 4 on one rank, 1 a rank on 2), 20 steps, a checkpoint every 10."""
+    layout, SAMEBITS_INVARIANT=0 keeps torchtitan's own step).  A global batch of 8 in
+    micro-batches of 2 (4 on one rank, 2 a rank on 2, 1 on 4), 20 steps, a checkpoint every 10."""
     from samebits.integrations.torchtitan import invariant
 
     config = tiny()
+    config.training.local_batch_size = 2
     config.training.global_batch_size = 8
     config.training.steps = 20
     config.checkpoint.interval = 10

@@ -116,3 +116,14 @@ def test_torchtitan_gives_the_same_bits_at_fsdp2_and_one_rank_and_resumes_across
     assert resumed["verdict"] == "identical" and resumed["compared"]["steps"] == STEPS - CHECKPOINT
     controls = result["controls"]
     assert controls and all(c["differs"] and c["first_step"] == 0 for c in controls)  # the comparison can tell
+
+
+@pytest.mark.slow
+def test_a_run_without_checkpointing_trains_with_the_config(tmp_path):
+    pytest.importorskip("torchtitan", reason="pip install -e '.[realcode]' (CI installs it for the slow set)")
+    argv = [sys.executable, str(LAUNCH), "--module", "tiny_llama3", "--config", "tiny_invariant", "--dump_folder",
+            str(tmp_path / "run"), "--training.steps", "2", "--checkpoint.no-enable"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "SAMEBITS_LAYOUT": "single", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step:  2" in proc.stdout + proc.stderr

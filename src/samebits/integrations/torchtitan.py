@@ -258,7 +258,9 @@ class InvariantTrainer(Trainer):
             local_batch_size=config.training.local_batch_size,
             snapshot_every_n_steps=(config.checkpoint.interval * self._num_micro_batches
                                     if config.checkpoint.enable else None))
-        self.checkpointer.states["dataloader"] = self.dataloader
+        states = getattr(self.checkpointer, "states", None)  # none when checkpointing is off
+        if states is not None:
+            states["dataloader"] = self.dataloader
 
     def batch_generator(self, data_iterable: Iterable) -> Iterator:
         """The global stream in groups of one micro-batch per rank: this rank's of each group."""

@@ -8,16 +8,16 @@
 `invariant` returns the same config whose trainer (`InvariantTrainer`, a torchtitan `Trainer`,
 through its own `Config.build`) makes the step independent of how the data-parallel ranks
 split it: every rank reads the one global stream of micro-batches and trains its share of it;
-each FSDP2 unit's gradient reduction is the invariant int64 fixed point (`InvariantReduceScatter`
-on 2+ ranks, the same sum as FSDP2's post-reduce hook on one); the clipping norm is the sharded
-invariant norm; the initial weights are made whole, once, from ``debug.seed``, and each rank
-keeps its slice; any draw is keyed by (step, micro-batch).  What it does not cover (tensor,
-pipeline, context and expert parallelism; HSDP's replicas; float8; FlexAttention on a CPU) it
-refuses at start, naming the reason.
+each FSDP2 unit's gradient reduction is the invariant int64 fixed point (`_UnitSum`: FSDP2's
+custom reduce-scatter on 2+ shards, its post-reduce hook on one rank and for HSDP replicas);
+the clipping norm is the sharded invariant norm; the initial weights are made whole, once,
+from ``debug.seed``, and each rank keeps its slice; any draw is keyed by (step, micro-batch).
+What it does not cover (tensor, pipeline, context and expert parallelism; HSDP with both
+replicas and shards; float8; FlexAttention on a CPU) it refuses at start, naming the reason.
 
-``SAMEBITS_LAYOUT`` (a cell: ``single``, ``fsdp2``, ``fsdp4``...) sets the parallel degrees and
-``SAMEBITS_INVARIANT=off`` keeps only the layout: `samebits verify --across` sets both, for the
-layouts and their negative controls.
+``SAMEBITS_LAYOUT`` (a cell: ``single``, ``fsdp2``, ``dp2``...) sets the parallel degrees and
+``SAMEBITS_INVARIANT=0`` keeps only the layout: `samebits verify --across` sets both, for the
+layouts and their negative controls (docs/integrations.md).
 """
 
 from __future__ import annotations
@@ -31,7 +31,13 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.components.dataloader import DataloaderExhaustedError
+from torchtitan.components.quantization.utils import has_quantization
+from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.models.common.attention import FlexAttention
+from torchtitan.tools.utils import set_default_dtype
 from torchtitan.trainer import Trainer
 
 from samebits import settings
@@ -46,7 +52,7 @@ _WRAPPERS = re.compile(r"(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_mod
 
 def invariant(config: Trainer.Config, *, layout: str | None = None) -> Trainer.Config:
     """``config`` (torchtitan's `Trainer.Config`) at ``layout`` (None: ``SAMEBITS_LAYOUT``, or as
-    it is), trained by `InvariantTrainer` unless ``SAMEBITS_INVARIANT`` is ``off`` (the control)."""
+    it is), trained by `InvariantTrainer` unless ``SAMEBITS_INVARIANT`` is 0 (the control)."""
     layout = layout if layout is not None else settings.read(LAYOUT_VARIABLE)
     if layout:
         set_layout(config, layout)
@@ -112,9 +118,6 @@ def refusals(config: Trainer.Config) -> list[str]:
                            f"set --training.{name} float32")
     spec = config.model_spec
     if spec is not None:
-        from torchtitan.components.quantization.utils import has_quantization
-        from torchtitan.models.common.attention import FlexAttention
-
         if has_quantization(spec.model):
             reasons.append("a quantized (float8/MX) model: its scaled matmuls are not covered")
         if any(spec.model.traverse(FlexAttention.Config)) and not torch.cuda.is_available():
@@ -194,7 +197,7 @@ class _UnitSum:
 
 
 class InvariantTrainer(Trainer):
-    """torchtitan's `Trainer`, whose step has the same bits at any FSDP2 degree (module docstring)."""
+    """torchtitan's `Trainer`, whose step has the same bits at any data-parallel layout (module docstring)."""
 
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
@@ -225,18 +228,13 @@ class InvariantTrainer(Trainer):
 
     # --- the initial weights: whole, from the seed, the same at any layout ------------------
     def _whole_initial_weights(self) -> None:
-        from torchtitan.config import TORCH_DTYPE_MAP
-        from torchtitan.tools import utils
-
-        with torch.device("meta"), utils.set_default_dtype(TORCH_DTYPE_MAP[self.config.training.dtype]):
+        with torch.device("meta"), set_default_dtype(TORCH_DTYPE_MAP[self.config.training.dtype]):
             whole = self.model_config.build()
         whole.to_empty(device="cpu")
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            torch.manual_seed(self.config.debug.seed)
+        with torch.random.fork_rng(devices=[]), torch.no_grad():  # the CPU generator alone, restored after
+            torch.default_generator.manual_seed(self.config.debug.seed)
             whole.init_weights(buffer_device=None)
         source = dict(whole.named_parameters())
-        from torch.distributed.tensor import DTensor, distribute_tensor
-
         with torch.no_grad():
             for part in self.model_parts:
                 for name, param in part.named_parameters():
@@ -287,8 +285,6 @@ class InvariantTrainer(Trainer):
 
     # --- the gradient reduction and the clipping norm --------------------------------------
     def _invariant_reductions(self) -> None:
-        from torch.distributed.fsdp import FSDPModule
-
         units = [m for part in self.model_parts for m in part.modules() if isinstance(m, FSDPModule)]
         if not units:
             raise ConfigError(f"{_OWNER}: the model has no FSDP2 unit (torchtitan's apply_fsdp_to_decoder "

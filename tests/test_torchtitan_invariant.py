@@ -58,6 +58,13 @@ def test_a_command_resumes_across_only_with_its_resume_command_and_step(tmp_path
     with pytest.raises(ConfigError, match="--resume-at K"):
         verify_across(command_layouts("single,fsdp2", TRAIN, resume=RESUME), tmp_path / "b", resume_across=True)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # refused before any run or folder
+    with pytest.raises(ConfigError, match="records itself has no resume"):
+        command_layouts("dp=1,2", TRAIN, resume=RESUME)
+    proc = subprocess.run([sys.executable, "-m", "samebits", "verify", "--across", "single,fsdp2", "--resume-with",
+                           " ".join(RESUME), "--out", str(tmp_path / "c"), "--", *TRAIN],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "add --resume-across --resume-at K" in proc.stderr
+    assert not (tmp_path / "c").exists()
 
 
 # --- torchtitan itself (the realcode extra; the slow set) --------------------------------------

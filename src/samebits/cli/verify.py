@@ -105,6 +105,9 @@ def check(args) -> None:
     if args.resume_across and args.across is None:
         raise ConfigError("--resume-across needs --across LAYOUTS (the layouts that resume the first one's "
                           "checkpoint); to check a resume at one layout, drop it (verify checks resume itself)")
+    if args.across is not None and args.resume_with is not None and not args.resume_across:
+        raise ConfigError("--resume-with with --across is how the other layouts resume the first one's checkpoint: "
+                          "add --resume-across --resume-at K, or drop --resume-with")
     if args.across is not None and args.keep_going:
         raise ConfigError("--keep-going applies to the A, B, C runs of verify; --across runs each size once "
                           "with no live check, so drop --keep-going there.")

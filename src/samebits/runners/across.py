@@ -335,6 +335,10 @@ def command_layouts(spec: str | Sequence[int], cmd: Sequence[str], *, resume: Se
                           "e.g. -- torchrun --nproc-per-node {nproc} train.py --out {out}")
     layouts = parse_across(spec) if isinstance(spec, str) else list(spec)
     if isinstance(layouts[0], int):
+        if resume is not None:
+            raise ConfigError("--resume-with with --across dp=N,...: a command that records itself has no resume "
+                              "across; give cells (e.g. --across fsdp2,single) for a command that reads "
+                              "SAMEBITS_LAYOUT, or drop --resume-with")
         return [Layout(f"dp{size}", size, SelfRecording(None, size, tuple(fill_placeholders(cmd, {NPROC: size}))))
                 for size in layouts]
     result = []

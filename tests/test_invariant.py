@@ -170,6 +170,17 @@ def test_micro_batch_rng_depends_on_step_and_micro_batch_only():
     assert micro_batch_seed(5, 3, 2) != micro_batch_seed(5, 2, 3)
 
 
+def test_the_cheap_manual_seed_leaves_the_same_generator_state_as_torchs():
+    from samebits.invariant import manual_seed
+
+    for seed in (0, 7, micro_batch_seed(5, 3, 2), 2**63 - 1):
+        torch.manual_seed(seed)
+        expected = torch.get_rng_state()
+        torch.rand(5)  # move it on
+        manual_seed(seed)
+        assert torch.equal(torch.get_rng_state(), expected)
+
+
 def test_canonical_norm_is_order_fixed():
     grads = [g[0] for g in _mixed_scales(1, seed=4)[0].split(1)]
     norm = canonical_grad_norm(grads)

@@ -42,7 +42,7 @@ from torchtitan.trainer import Trainer
 
 from samebits import settings
 from samebits.errors import ConfigError
-from samebits.invariant import clip_sharded_grad_norm_, micro_batch_seed, reduce_blocks
+from samebits.invariant import clip_sharded_grad_norm_, manual_seed, micro_batch_seed, reduce_blocks
 
 LAYOUT_VARIABLE = "SAMEBITS_LAYOUT"
 INVARIANT_VARIABLE = "SAMEBITS_INVARIANT"
@@ -111,11 +111,10 @@ def refusals(config: Trainer.Config) -> list[str]:
                        "--training.global_batch_size N (a multiple of local_batch_size x every DP degree you run)")
     if config.debug.seed is None:
         reasons.append("debug.seed is not set: the initial weights are drawn from it; set --debug.seed N")
-    for name, dtype in (("mixed_precision_param", t.mixed_precision_param),
-                        ("mixed_precision_reduce", t.mixed_precision_reduce)):
-        if dtype != "float32":
-            reasons.append(f"training.{name} is {dtype}: the invariant reduction adds float32 gradients; "
-                           f"set --training.{name} float32")
+    if t.mixed_precision_reduce != "float32":
+        reasons.append(f"training.mixed_precision_reduce is {t.mixed_precision_reduce}: the invariant reduction adds "
+                       "float32 gradients (the parameters may compute in bfloat16); set "
+                       "--training.mixed_precision_reduce float32")
     spec = config.model_spec
     if spec is not None:
         if has_quantization(spec.model):
@@ -280,7 +279,7 @@ class InvariantTrainer(Trainer):
             self._seen_step, self._local_micro_batch = self.step, -1
         self._local_micro_batch += 1
         index = self._local_micro_batch * self._dp_degree + self._dp_rank
-        torch.manual_seed(micro_batch_seed(self.config.debug.seed, self.step, index))
+        manual_seed(micro_batch_seed(self.config.debug.seed, self.step, index))
         return super().forward_backward_step(**kwargs)
 
     # --- the gradient reduction and the clipping norm --------------------------------------

@@ -5,6 +5,7 @@
     InvariantReduceScatter                                    FSDP2 (set_custom_reduce_scatter)
     Preconditions(...).check()                                refuse what breaks invariance
     micro_batch_seed(seed, step, m)                           RNG keyed by (step, micro-batch)
+    manual_seed(seed)                                         torch.manual_seed's effect, cheap on a CPU-only host
     canonical_grad_norm / clip_grad_norm_                     the clipping norm in a fixed order
     tree_matmul(a, b, group=...)                              platform GEMM leaves added in one fixed tree: a
                                                               product whose K split over ranks keeps its bits
@@ -31,7 +32,7 @@ from samebits.invariant._matmul import (MAX_LEAVES, TP_BLOCK_SIZE, TP_MATMUL_MOD
                                        tree_matmul)
 from samebits.invariant._norm import clip_sharded_grad_norm_, sharded_grad_norm
 from samebits.invariant._preconditions import (LOSS_NORMALIZATIONS, RNG_KEYS, Preconditions, check_micro_batch_size,
-                                               micro_batch_seed)
+                                               manual_seed, micro_batch_seed)
 from samebits.invariant._reduce import (GradientAccumulator, InvariantHookState, InvariantReduceScatter, ReduceStats,
                                         canonical_grad_norm, clip_grad_norm_, invariant_comm_hook, reduce_blocks,
                                         ring_bytes)
@@ -46,6 +47,7 @@ __all__ = [
     "Preconditions",
     "check_micro_batch_size",
     "micro_batch_seed",
+    "manual_seed",
     "canonical_grad_norm",
     "clip_grad_norm_",
     "fraction_bits",

@@ -14,9 +14,12 @@ That takes, for every step:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from dataclasses import dataclass
+
+import torch
 
 from samebits.errors import ConfigError
 
@@ -105,6 +108,22 @@ def micro_batch_seed(seed: int, step: int, micro_batch: int) -> int:
             raise ConfigError(f"{name} must be a non-negative int, got {value!r}")
     digest = hashlib.sha256(f"{_SEED_RULE}|{seed}|{step}|{micro_batch}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
+
+
+def manual_seed(seed: int) -> None:
+    """`torch.manual_seed(seed)`'s effect, at a hundredth of its cost on a host with no
+    accelerator: there it seeds the CPU generator alone (torch's lazy seeds of absent devices
+    never take effect, but each records a stack); with any accelerator it is `torch.manual_seed`."""
+    if _accelerator_present():
+        torch.manual_seed(seed)
+    else:
+        torch.default_generator.manual_seed(int(seed))
+
+
+@functools.lru_cache(maxsize=1)
+def _accelerator_present() -> bool:
+    return bool(torch.cuda.is_available() or torch.backends.mps.is_available() or torch.xpu.is_available() or
+                torch.mtia.is_available() or torch._C._get_privateuse1_backend_name() != "privateuseone")
 
 
 def _lcm_hint(m: int, w: int) -> int:

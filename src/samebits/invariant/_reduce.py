@@ -34,7 +34,7 @@ from samebits._torchutil import group_rank_and_world_size
 from samebits.errors import ConfigError, SamebitsError
 from samebits.invariant._fixed import (DEFAULT_BLOCK_SIZE, EXPONENT_NONFINITE, decode_into, encode_sum, fraction_bits,
                                        max_block_exponents)
-from samebits.invariant._preconditions import Preconditions, micro_batch_seed
+from samebits.invariant._preconditions import Preconditions, manual_seed, micro_batch_seed
 from samebits.verdicts import ToDict
 
 
@@ -352,7 +352,7 @@ class GradientAccumulator:
             # torch.manual_seed seeds the CPU and every CUDA generator; fork the CUDA one in use too.
             devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
             with torch.random.fork_rng(devices=devices):
-                torch.manual_seed(seed)
+                manual_seed(seed)
                 for offset, generator in enumerate(generators, start=1):
                     generator.manual_seed(micro_batch_seed(self.seed + offset, step, index))
                 yield seed

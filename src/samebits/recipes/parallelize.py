@@ -38,8 +38,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
-from samebits.invariant import (InvariantReduceScatter, column_parallel_linear, micro_batch_seed, row_parallel_linear,
-                                scale_columns)
+from samebits.invariant import (InvariantReduceScatter, column_parallel_linear, manual_seed, micro_batch_seed,
+                                row_parallel_linear, scale_columns)
 from samebits.recipes.cells import AXES, ParallelDims, mesh_axes
 from samebits.recipes.config import RecipeConfig
 from samebits.recipes.model import MLP, MoE, Block, Transformer
@@ -311,7 +311,7 @@ class BlockKeys:
         if self.current is None:
             return
         key = micro_batch_seed(self.seed, *self.current)
-        torch.manual_seed(micro_batch_seed(key, ordinal, 0))
+        manual_seed(micro_batch_seed(key, ordinal, 0))
         if isinstance(block.ffn, MoE) and block.ffn.jitter_generator is not None:
             block.ffn.jitter_generator.manual_seed(micro_batch_seed(key, ordinal, 1))
 

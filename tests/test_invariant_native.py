@@ -121,3 +121,21 @@ def test_native_backend_refuses_what_it_cannot_take():
         max_block_exponents([torch.zeros(4, 8)], backend="fast")
     strided = torch.zeros(8, 8)[:, ::2]
     assert torch.equal(max_block_exponents([strided]), max_block_exponents([strided], backend="torch"))
+
+
+@pytest.mark.parametrize("exponent", [-4096, -200, -60, 0, 5, 60, 61, 62, 63, 64, 130, 4096])
+def test_native_square_sums_are_the_clipping_norms_integers(exponent):
+    """The clipping norm's one pass a tensor (`_norm`): the same int64 sums as its torch
+    definition, ties to even included (0.5**2 * 2 is 0.5), inf and nan as 0, any size."""
+    from samebits.invariant._fixed import pow2_clamped
+    from samebits.invariant._norm import _square_sum
+
+    gen = torch.Generator().manual_seed(exponent & 0xFFFF)
+    tensors = [torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen) * 8) for n in (0, 1, 7, 300_000)]
+    tensors.append(torch.tensor([0.0, -0.0, 1e-45, -1e-45, 3.4e38, float("inf"), float("-inf"), float("nan"),
+                                 0.5, 1.5, -2.5, 1e-20, 2.0 ** -75, 2.0 ** 30]))
+    scales = pow2_clamped(torch.full((len(tensors),), 62 - exponent))
+    native = _fixed_native.square_sums(tensors, scales)
+    assert native is not None
+    assert torch.equal(native, torch.stack([_square_sum(t, scales[i]) for i, t in enumerate(tensors)]))
+    assert _fixed_native.square_sums([tensors[3][::2]], scales[:1]) is None  # not contiguous: the torch path

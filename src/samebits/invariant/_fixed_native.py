@@ -18,7 +18,7 @@ from array import array
 
 import torch
 
-_ABI_VERSION = 2  # the ABI version fixed.c reports (samebits_fixed_abi_version)
+_ABI_VERSION = 3  # the ABI version fixed.c reports (samebits_fixed_abi_version)
 
 
 def _load() -> ctypes.CDLL | None:
@@ -46,6 +46,8 @@ def _load() -> ctypes.CDLL | None:
     lib.samebits_fixed_decode.restype = None
     lib.samebits_fixed_decode.argtypes = [pointer, ctypes.c_uint64, pointer, size, size, pointer, ctypes.c_int, pointer,
                                           ctypes.c_int]
+    lib.samebits_fixed_square_sums.restype = None
+    lib.samebits_fixed_square_sums.argtypes = [ctypes.c_uint64, pointer, pointer, pointer, pointer, ctypes.c_int]
     return lib
 
 
@@ -116,3 +118,18 @@ def decode(sums: torch.Tensor, exps: torch.Tensor, bits: int, out: torch.Tensor,
     addresses = _addresses(list(addends))
     LIB.samebits_fixed_decode(sums.data_ptr(), len(addresses), addresses.buffer_info()[0], num_blocks, block_size,
                               exps.data_ptr(), bits, out.data_ptr(), _threads())
+
+
+def square_sums(tensors: list[torch.Tensor], scales: torch.Tensor) -> torch.Tensor | None:
+    """`_norm`'s int64 sums of round(x * x * scale) per tensor (inf and nan as 0), or None where
+    the library is not loaded or a tensor is not contiguous fp32 on the CPU (the torch path then)."""
+    if LIB is None or any(t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous()
+                          for t in tensors):
+        return None
+    scales = scales.to(device="cpu", dtype=torch.float64).contiguous()
+    numels = torch.tensor([t.numel() for t in tensors], dtype=torch.int64)
+    out = torch.empty(len(tensors), dtype=torch.int64)
+    addresses = _addresses(tensors)
+    LIB.samebits_fixed_square_sums(len(tensors), addresses.buffer_info()[0], numels.data_ptr(), scales.data_ptr(),
+                                   out.data_ptr(), _threads())
+    return out

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from samebits._torchutil import group_rank_and_world_size
 from samebits.errors import ConfigError
 from samebits.invariant._fixed import pow2_clamped
+from samebits.invariant._fixed_native import square_sums
 
 _SUM_BITS = 62
 _ZERO_EXP = -4096  # a tensor of zeros
@@ -70,21 +71,22 @@ def sharded_grad_norm(grads: Sequence[torch.Tensor], *, full_numels: Sequence[in
     bits = torch.tensor([_SUM_BITS - (math.ceil(math.log2(n)) if n > 1 else 0) for n in full],
                         dtype=torch.int64, device=device)
     scales = pow2_clamped(bits - exps)  # exact powers of two
-    sums = []
-    for i, g in enumerate(flat):
-        if whole[i] and rank != 0:  # replicated: counted once, from rank 0
-            sums.append(torch.zeros((), dtype=torch.int64, device=device))
-            continue
-        # In place on one fp64 copy; inf/nan (the result is nan then) made 0 before the conversion.
-        scaled = g.to(torch.float64).square_().mul_(scales[i]).nan_to_num_(0.0, 0.0, 0.0).round_()
-        sums.append(scaled.to(torch.int64).sum())  # |sum| <= full numel * 2**P <= 2**62
-    sums = torch.stack(sums)
+    counted = [g if not (whole[i] and rank != 0) else g[:0] for i, g in enumerate(flat)]  # replicated: from rank 0
+    sums = square_sums(counted, scales)  # the C library's one pass a tensor: the same integers
+    if sums is None:
+        sums = torch.stack([_square_sum(g, scales[i]) for i, g in enumerate(counted)])
     if world_size > 1:
         dist.all_reduce(sums, group=group)  # int64 SUM: exact, any order
     values = sums.to(torch.float64) * pow2_clamped(exps - bits)
     total = torch.cumsum(values, dim=0)[-1]  # sequential, in the given order
     total = torch.where((exps == _NONFINITE_EXP).any(), torch.full_like(total, float("nan")), total)
     return total.sqrt().to(torch.float32)
+
+
+def _square_sum(g: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The definition: sum of round(g**2 * scale) in int64; inf/nan (the norm is nan then) as 0."""
+    scaled = g.to(torch.float64).square_().mul_(scale).nan_to_num_(0.0, 0.0, 0.0).round_()
+    return scaled.to(torch.int64).sum()  # |sum| <= full numel * 2**P <= 2**62
 
 
 def clip_sharded_grad_norm_(grads: Sequence[torch.Tensor], max_norm: float, *,

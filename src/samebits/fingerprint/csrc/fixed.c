@@ -6,7 +6,9 @@
  *   samebits_fixed_encode_sum: encode k buffers and add them into one int64 buffer (plus the
  *                              number of elements that did not encode exactly);
  *   samebits_fixed_decode:     int64 sums (plus the partial sums a reduce-scatter received) to fp32,
- *                              rounded once (the subnormal path included).
+ *                              rounded once (the subnormal path included);
+ *   samebits_fixed_square_sums: the clipping norm's int64 sums of scaled squares per tensor
+ *                              (samebits.invariant._norm, one pass a tensor).
  * Each buffer is (num_blocks, block_size) row-major.  Loaded with ctypes (no Python API), built
  * by setup.py as its own library (samebits.invariant._libfixed), so that adding it never
  * changes the digest library's interface.
@@ -29,7 +31,7 @@
 #include "native.h"
 
 /* The interface _fixed_native.py expects (a library of another version is refused there). */
-#define SAMEBITS_FIXED_ABI_VERSION 2 /* 2: samebits_fixed_decode adds received partial sums */
+#define SAMEBITS_FIXED_ABI_VERSION 3 /* 2: decode adds received partial sums; 3: square sums */
 
 #define EXPONENT_MIN (-128)
 #define EXPONENT_NONFINITE 127
@@ -359,5 +361,28 @@ SAMEBITS_EXPORT void samebits_fixed_decode(const int64_t *sums, uint64_t num_add
             }
             decode_block(values, n, exponents[b], bits, out + offset);
         }
+    }
+}
+
+/* _norm.sharded_grad_norm's per-tensor sums: for tensor t (numels[t] fp32 elements at
+ * tensor_ptrs[t]), the int64 sum of round-half-even(x * x * scales[t]) in float64 (x * x is exact,
+ * scales are powers of two), inf and nan taken as 0, as the torch path computes it (square,
+ * multiply, nan_to_num, round, int64, sum).  The sum is exact, so threads change no bit. */
+SAMEBITS_EXPORT CLONES void samebits_fixed_square_sums(uint64_t num_tensors, const uint64_t *tensor_ptrs,
+                                                       const int64_t *numels, const double *scales, int64_t *out,
+                                                       int num_threads)
+{
+    for (uint64_t t = 0; t < num_tensors; t++) {
+        const float *x = (const float *)(uintptr_t)tensor_ptrs[t];
+        const int64_t n = numels[t];
+        const double scale = scales[t];
+        int64_t sum = 0;
+        int threads = threads_for(n, num_threads);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1) reduction(+ : sum)
+        for (int64_t i = 0; i < n; i++) {
+            double v = (double)x[i] * (double)x[i] * scale;
+            sum += isfinite(v) ? (int64_t)nearbyint(v) : 0;
+        }
+        out[t] = sum;
     }
 }

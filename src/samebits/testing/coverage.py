@@ -13,7 +13,10 @@ import hashlib
 import importlib.util
 import os
 import textwrap
-import tomllib
+try:  # Python 3.11+; on 3.10 the manifest cannot be read (said when it is asked for)
+    import tomllib
+except ImportError:  # pragma: no cover - 3.10
+    tomllib = None
 from pathlib import Path
 
 from samebits.errors import ConfigError
@@ -210,6 +213,8 @@ class Manifest:
     @classmethod
     def read(cls, path: str | Path) -> "Manifest":
         path = Path(path)
+        if tomllib is None:
+            raise ConfigError(f"{path}: the kernel manifest is TOML, which needs Python 3.11+ (tomllib)")
         try:
             data = tomllib.loads(path.read_text())
         except FileNotFoundError:

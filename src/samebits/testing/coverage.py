@@ -13,11 +13,12 @@ import hashlib
 import importlib.util
 import os
 import textwrap
+from pathlib import Path
+
 try:  # Python 3.11+; on 3.10 the manifest cannot be read (said when it is asked for)
     import tomllib
 except ImportError:  # pragma: no cover - 3.10
     tomllib = None
-from pathlib import Path
 
 from samebits.errors import ConfigError
 from samebits.verdicts import ToDict, Verdict, serialised

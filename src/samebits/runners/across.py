@@ -26,7 +26,7 @@ from samebits.errors import ConfigError, SamebitsError
 from samebits.runners._launch import RunFailed, run_logged, stopped_marked, UNFINISHED, write_stopped
 from samebits.runners.commands import (CKPT, FROM, NPROC, OUT, RUN, STEP, RecipeRefused, fill_placeholders, holds,
                                     prepare_out_dir, write_summary)
-from samebits.runners.program import RECORD, RESUME, SAVE, Launch, Program, SelfRecording, ZeroCode
+from samebits.runners.program import RECORD, RESUME, SAVE, Launch, Program, SelfRecording, ZeroCode, work_folder
 from samebits.runners.verify import RunInfo
 from samebits.stream import GLOBAL_PHASE_PREFIX, open_run, phases
 from samebits.stream.reader import require_same_digest_version
@@ -385,7 +385,7 @@ def verify_across(layouts: Sequence[Layout], out=None, *, rank: int = 0, control
         if resume_across:
             result.resume, result.resume_at = {}, resume_at
             first = checkpoints[layouts[0].name]  # None: a command, which saves where it saves itself
-            saved = out / (layouts[0].name + "-work") if first is None else first["path"] / f"step-{resume_at}"
+            saved = work_folder(out / layouts[0].name) if first is None else first["path"] / f"step-{resume_at}"
             for layout in layouts[1:]:
                 result.resume[layout.name] = _resume_layout(layout, layouts[0].name, saved, resume_at, run)
                 resumed_ckpt = out / (RESUME_PREFIX + layout.name) / "ckpt"

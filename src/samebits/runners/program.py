@@ -170,6 +170,11 @@ class SelfRecording:
         return []
 
 
+def work_folder(streams: Path) -> Path:
+    """A command's own folder (its ``{out}``) beside the stream folder samebits records it into."""
+    return streams.with_name(streams.name + "-work")
+
+
 @dataclass(frozen=True)
 class ZeroCode:
     """A command under zero-code recording: ``argv`` (RECORD, and SAVE: it saves where it saves
@@ -201,7 +206,7 @@ class ZeroCode:
     def launch(self, role: str, streams: Path, *, work: Path | None = None, values: Mapping[str, object] = {},
                reference: Path | None = None, step_offset: int | None = None,
                from_step: int | None = None) -> Launch:
-        work = work if work is not None else streams.with_name(streams.name + "-work")
+        work = work if work is not None else work_folder(streams)
         work.mkdir(parents=True, exist_ok=True)
         filled: dict[str, object] = {OUT: work, RUN: streams.name}
         if step_offset is not None:  # {step} and {from} belong to a resumed command only
@@ -270,5 +275,5 @@ def _recording_prefix(record: Mapping | None) -> str:
     return "".join(shlex.quote(f"{name}={value}") + " " for name, value in chosen)
 
 
-__all__ = ["Program", "SelfRecording", "ZeroCode", "Launch", "resume_bisect_command", "RECORD", "SAVE", "SAVE_ONLY",
+__all__ = ["Program", "SelfRecording", "ZeroCode", "Launch", "work_folder", "resume_bisect_command", "RECORD", "SAVE", "SAVE_ONLY",
            "RESUME"]

@@ -104,7 +104,8 @@ def refusals(config: Trainer.Config) -> list[str]:
         reasons.append(f"HSDP with both replicas ({p.data_parallel_replicate_degree}) and shards "
                        f"({shards}) is not covered: the "
                        "shards' sums would be added over the replicas in fp32; set "
-                       "parallelism.data_parallel_shard_degree 1 (replicas) or data_parallel_replicate_degree 1 (FSDP2)")
+                       "parallelism.data_parallel_shard_degree 1 (replicas) or data_parallel_replicate_degree 1 "
+                       "(FSDP2)")
     if t.global_batch_size <= 0:
         reasons.append("training.global_batch_size is not set: torchtitan then makes the global batch local_batch_size "
                        "x the data-parallel degree, so each layout trains on a different batch; set "

@@ -275,5 +275,5 @@ def _recording_prefix(record: Mapping | None) -> str:
     return "".join(shlex.quote(f"{name}={value}") + " " for name, value in chosen)
 
 
-__all__ = ["Program", "SelfRecording", "ZeroCode", "Launch", "work_folder", "resume_bisect_command", "RECORD", "SAVE", "SAVE_ONLY",
-           "RESUME"]
+__all__ = ["Program", "SelfRecording", "ZeroCode", "Launch", "work_folder", "resume_bisect_command", "RECORD", "SAVE",
+           "SAVE_ONLY", "RESUME"]

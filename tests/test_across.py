@@ -110,9 +110,11 @@ def test_the_command_line_refuses_a_layout_that_is_not_invariant_before_any_run(
         assert main(["verify", "--across", "single,ep2", "--out", str(out)]) == 2
         assert "ep2: expert parallelism is not layout-invariant yet" in capsys.readouterr().err
     assert not out.exists()
-    assert main(["verify", "--across", "single,dp2", "--out", str(out), "--", "python", "t.py", "{nproc}",
+    # a command takes cells too (it reads SAMEBITS_LAYOUT), but not a word that is no cell
+    assert main(["verify", "--across", "single,dp2x", "--out", str(out), "--", "python", "t.py", "{nproc}",
                  "{out}"]) == 2
-    assert "with a command: expected dp=N,N" in capsys.readouterr().err
+    assert "layout 'dp2x' is neither dp=N,N,... (data-parallel sizes) nor a cell" in capsys.readouterr().err
+    assert not out.exists()
     assert main(["verify", "--across", "single,dp2048", "--out", str(out)]) == 2
     assert "dp2048 needs 2048 ranks" in capsys.readouterr().err
 
@@ -264,7 +266,7 @@ def test_resume_across_options_are_checked_before_any_run(tmp_path, capsys):
     assert not (tmp_path / "a").exists()
     assert main(["verify", "--across", "dp=1,2", "--resume-across", "--out", str(tmp_path / "b"), "--", "python",
                  "t.py", "{nproc}", "{out}"]) == 2
-    assert "--resume-across needs the recipe" in capsys.readouterr().err
+    assert "--resume-across with a command: give --resume-with 'CMD'" in capsys.readouterr().err
     assert main(["verify", "--resume-across", "--out", str(tmp_path / "c")]) == 2
     assert "--resume-across needs --across" in capsys.readouterr().err
     single, dp2 = across_layouts("single,dp2", steps=4, controls=False)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -26,18 +27,15 @@ import tempfile
 from datetime import datetime
 from pathlib import Path
 
+from samebits.runners.commands import cell_degrees
+
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "tests" / "realcode" / "torchtitan" / "launch.py"
 _STEP = re.compile(r"^\[titan\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*?step:\s+(\d+)\s")
 
 
 def ranks(cell: str) -> int:
-    if cell == "single":
-        return 1
-    total = 1
-    for part in cell.split("-"):
-        total *= int(re.sub(r"^[a-z]+", "", part))
-    return total
+    return math.prod(cell_degrees(cell).values())
 
 
 def train_seconds(cell: str, invariant: bool, steps: int, work: Path) -> float:

@@ -15,8 +15,7 @@ from samebits.errors import ConfigError
 from samebits.recipes.cells import parse_layouts
 from samebits.verdicts import Verdict
 
-command_layouts, verify_across = lazy("samebits.runners.across", "command_layouts",
-                                                    "verify_across")
+command_layouts, verify_across = lazy("samebits.runners.across", "command_layouts", "verify_across")
 VerifyResult, verify = lazy("samebits.runners.verify", "VerifyResult", "verify")
 ZeroCode = lazy("samebits.runners.program", "ZeroCode")
 verify_conclusion, across_conclusion = lazy("samebits.runners.conclusion", "verify_conclusion", "across_conclusion")

@@ -43,9 +43,8 @@ from torchtitan.trainer import Trainer
 from samebits import settings
 from samebits.errors import ConfigError
 from samebits.invariant import clip_sharded_grad_norm_, manual_seed, micro_batch_seed, reduce_blocks
+from samebits.runners.commands import INVARIANT_VARIABLE, LAYOUT_VARIABLE, cell_degrees
 
-LAYOUT_VARIABLE = "SAMEBITS_LAYOUT"
-INVARIANT_VARIABLE = "SAMEBITS_INVARIANT"
 _OWNER = "samebits.integrations.torchtitan"
 _WRAPPERS = re.compile(r"(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)\.")
 
@@ -65,14 +64,10 @@ def invariant(config: Trainer.Config, *, layout: str | None = None) -> Trainer.C
 def set_layout(config: Trainer.Config, cell: str) -> None:
     """Set torchtitan's parallel degrees from a cell: ``single``, or parts joined by ``-`` of
     ``fsdpN`` (FSDP2 over N ranks), ``dpN`` (replicas), ``tpN``, ``ppN``, ``cpN``."""
-    degrees = {"fsdp": 1, "dp": 1, "tp": 1, "pp": 1, "cp": 1}
-    if cell != "single":
-        for part in cell.split("-"):
-            match = re.fullmatch(r"(fsdp|dp|tp|pp|cp)([1-9][0-9]*)", part)
-            if match is None:
-                raise ConfigError(f"{_OWNER}: layout {cell!r}: {part!r} is not one of fsdpN, dpN, tpN, ppN, cpN "
-                                  "(e.g. single, fsdp2, fsdp2-tp2)")
-            degrees[match.group(1)] = int(match.group(2))
+    try:
+        degrees = cell_degrees(cell)
+    except ConfigError as err:
+        raise ConfigError(f"{_OWNER}: {err}") from None
     p = config.parallelism
     p.data_parallel_shard_degree = degrees["fsdp"]
     p.data_parallel_replicate_degree = degrees["dp"]
@@ -314,4 +309,4 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else tensor
 
 
-__all__ = ["invariant", "set_layout", "refusals", "InvariantTrainer", "LAYOUT_VARIABLE", "INVARIANT_VARIABLE"]
+__all__ = ["invariant", "set_layout", "refusals", "InvariantTrainer"]

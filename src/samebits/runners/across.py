@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import math
 import platform
 import re
 import shlex
@@ -24,8 +25,9 @@ from samebits.checkpoint import content_sha256
 from samebits.compare import DIFFERS, SHAPE_ONLY, DiffResult, Divergence, diff, record_match
 from samebits.errors import ConfigError, SamebitsError
 from samebits.runners._launch import RunFailed, run_logged, stopped_marked, UNFINISHED, write_stopped
-from samebits.runners.commands import (CKPT, FROM, NPROC, OUT, RUN, STEP, RecipeRefused, fill_placeholders, holds,
-                                    prepare_out_dir, write_summary)
+from samebits.runners.commands import (CKPT, FROM, INVARIANT_VARIABLE, LAYOUT_VARIABLE, NPROC, OUT, RUN, STEP,
+                                    RecipeRefused, cell_degrees, fill_placeholders, holds, prepare_out_dir,
+                                    write_summary)
 from samebits.runners.program import RECORD, RESUME, SAVE, Launch, Program, SelfRecording, ZeroCode, work_folder
 from samebits.runners.verify import RunInfo
 from samebits.stream import GLOBAL_PHASE_PREFIX, open_run, phases
@@ -38,10 +40,6 @@ CONTROL_STEPS = 2  # a control must differ at step 0 or 1: two steps show it
 CONTROL_PREFIX = "control-"
 RESUME_PREFIX = "resume-"
 _SPEC = re.compile(r"^\s*dp\s*=\s*(\d+(?:\s*,\s*\d+)*)\s*$")
-
-
-_CELL_PART = re.compile(r"(fsdp|dp|tp|pp|cp)([1-9][0-9]*)")
-LAYOUT_VARIABLE, INVARIANT_VARIABLE = "SAMEBITS_LAYOUT", "SAMEBITS_INVARIANT"  # what a command's layout reads
 
 
 def parse_across(spec: str) -> list[int] | list[tuple[str, int]]:
@@ -62,17 +60,13 @@ def parse_across(spec: str) -> list[int] | list[tuple[str, int]]:
 
 
 def _cell_ranks(cell: str, spec: str) -> int:
-    """The ranks a command's cell takes: ``single`` 1, else the product of its parts' degrees."""
-    if cell == "single":
-        return 1
-    ranks = 1
-    for part in cell.split("-"):
-        match = _CELL_PART.fullmatch(part)
-        if match is None:
-            raise ConfigError(f"--across {spec!r} with a command: layout {cell!r} is neither dp=N,N,... (data-parallel "
-                              "sizes) nor a cell: single, or fsdpN, dpN, tpN, ppN, cpN joined by - (e.g. fsdp2-tp2)")
-        ranks *= int(match.group(2))
-    return ranks
+    """The ranks a command's cell takes: the product of its degrees."""
+    try:
+        return math.prod(cell_degrees(cell).values())
+    except ConfigError:
+        raise ConfigError(f"--across {spec!r} with a command: layout {cell!r} is neither dp=N,N,... (data-parallel "
+                          "sizes) nor a cell: single, or fsdpN, dpN, tpN, ppN, cpN joined by - (e.g. fsdp2-tp2)") \
+            from None
 
 
 @dataclass(frozen=True)
@@ -500,37 +494,38 @@ def _resume_layout(layout: Layout, reference: str, saved: Path, step: int, run: 
     return compare_layouts(run.out / reference, run_dir, layout.name, start_step=step)
 
 
-def _has_global_records(path) -> bool:
-    """Whether rank 0 of the run at ``path`` records global tensors (`Recorder.global_tensors`)."""
-    return _first_step_holds(path, lambda phase: phase.startswith(GLOBAL_PHASE_PREFIX))
+def _has_global_records(path, held: set[str] | None = None) -> bool:
+    """Whether rank 0 of the run at ``path`` records global tensors (`Recorder.global_tensors`);
+    ``held``: its first step's phases, when read already."""
+    return any(phase.startswith(GLOBAL_PHASE_PREFIX) for phase in (_first_step_phases(path) if held is None else held))
 
 
-def _first_step_holds(path, wanted: Callable[[str], bool]) -> bool:
-    """Whether rank 0's first recorded step at ``path`` holds a record of a phase ``wanted`` accepts."""
+def _first_step_phases(path) -> set[str]:
+    """The phases of rank 0's first recorded step at ``path``."""
     run = open_run(path)
     for block in run.steps(run.ranks[0]):
-        return any(wanted(r.phase) for r in block.records())
-    return False
+        return {r.phase for r in block.records()}
+    return set()
 
 
 def compare_layouts(reference, other, name: str, *, rank: int = 0, start_step: int | None = None) -> LayoutCheck:
     """``other`` against ``reference`` from ``start_step`` on: by global digest and rank ``rank``'s
     metrics when the reference holds global records, else by its replicated records."""
-    if not _has_global_records(reference):
+    held = _first_step_phases(reference)
+    if not _has_global_records(reference, held):
         local = compare_replicated(reference, other, rank=rank, start_step=start_step)
         data = local.to_dict()
         return LayoutCheck(name, Verdict(local.verdict), f"rank {rank}'s replicated records",
                            data.get("first_divergence"), local.compared, list(local.notes), list(local.incomplete),
                            counts=_counts(local))
     by_global = diff(reference, other, by="global", start_step=start_step)
-    if not _first_step_holds(reference, lambda phase: phase == phases.METRICS):  # zero-code recording: no metrics
-        data = by_global.to_dict()
+    data = by_global.to_dict()
+    notes = [n for n in by_global.notes if not n.startswith(("world size:", "config "))]
+    if phases.METRICS not in held:  # zero-code recording records no metrics: by global digest alone
         return LayoutCheck(name, Verdict(by_global.verdict), "global", data.get("first_divergence"),
-                           dict(by_global.compared), [n for n in by_global.notes if not n.startswith(("world size:",
-                                                                                                       "config "))],
-                           list(by_global.incomplete), counts=_counts(None, by_global))
+                           dict(by_global.compared), notes, list(by_global.incomplete), counts=_counts(None, by_global))
     metrics = compare_replicated(reference, other, rank=rank, phases=[phases.METRICS], start_step=start_step)
-    data, metric_data = by_global.to_dict(), metrics.to_dict()
+    metric_data = metrics.to_dict()
     verdicts = (Verdict(by_global.verdict), Verdict(metrics.verdict))
     verdict = Verdict.DIVERGED if Verdict.DIVERGED in verdicts else \
         Verdict.IDENTICAL if verdicts == (Verdict.IDENTICAL, Verdict.IDENTICAL) else Verdict.INCOMPLETE
@@ -538,8 +533,7 @@ def compare_layouts(reference, other, name: str, *, rank: int = 0, start_step: i
     if first is None or (metric_data.get("first_divergence") and
                          metric_data["first_divergence"]["step"] < first["step"]):
         first = metric_data.get("first_divergence") or first
-    notes = [n for n in by_global.notes if not n.startswith(("world size:", "config "))] + list(metrics.notes)
-    return LayoutCheck(name, verdict, "global", first, dict(by_global.compared), notes,
+    return LayoutCheck(name, verdict, "global", first, dict(by_global.compared), notes + list(metrics.notes),
                        list(by_global.incomplete) + [f"metrics: {line}" for line in metrics.incomplete],
                        metrics={"verdict": metric_data["verdict"], "compared": metrics.compared},
                        counts=_counts(metrics, by_global))

@@ -18,6 +18,7 @@ definition.  Every runner writes into a new or empty folder and leaves summary.j
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import time
 from pathlib import Path
@@ -27,6 +28,26 @@ from samebits.errors import ConfigError
 
 OUT, RUN, STEP, FROM, CKPT, REFERENCE, NPROC = "{out}", "{run}", "{step}", "{from}", "{ckpt}", "{reference}", "{nproc}"
 PLACEHOLDERS = (OUT, RUN, STEP, FROM, CKPT, REFERENCE, NPROC)
+# A command's layout cells for `verify --across` (a program that reads SAMEBITS_LAYOUT, such as
+# samebits' torchtitan config, sets its degrees from them; SAMEBITS_INVARIANT=0 is its control).
+LAYOUT_VARIABLE, INVARIANT_VARIABLE = "SAMEBITS_LAYOUT", "SAMEBITS_INVARIANT"
+CELL_AXES = ("fsdp", "dp", "tp", "pp", "cp")  # FSDP2 shards, replicas, tensor, pipeline, context parallel
+_CELL_PART = re.compile(r"(fsdp|dp|tp|pp|cp)([1-9][0-9]*)")
+
+
+def cell_degrees(cell: str) -> dict[str, int]:
+    """``single`` or parts ``fsdpN``, ``dpN``, ``tpN``, ``ppN``, ``cpN`` joined by ``-`` -> the degree
+    of every axis of `CELL_AXES` (1 where the cell names none)."""
+    degrees = dict.fromkeys(CELL_AXES, 1)
+    for part in [] if cell == "single" else cell.split("-"):
+        match = _CELL_PART.fullmatch(part)
+        if match is None:
+            raise ConfigError(f"layout {cell!r}: {part!r} is not one of single, fsdpN, dpN, tpN, ppN, cpN "
+                              "(parts joined by -, e.g. fsdp2-tp2)")
+        degrees[match.group(1)] = int(match.group(2))
+    return degrees
+
+
 CHECK_TIMEOUT_S = 300.0  # a program's own option check trains nothing: minutes mean something hangs
 
 
@@ -172,4 +193,4 @@ def write_summary(out: Path, result, name: str = "summary.json") -> Path:
 
 __all__ = ["RecipeRefused", "check_verify_steps", "check_resume_options", "check_bisect_arguments", "tax_commands", "fill_placeholders", "holds", "default_out_dir", "check_out_dir",
            "prepare_out_dir", "write_summary", "PLACEHOLDERS", "OUT", "RUN", "STEP", "FROM", "CKPT", "REFERENCE",
-           "NPROC"]
+           "NPROC", "cell_degrees", "CELL_AXES", "LAYOUT_VARIABLE", "INVARIANT_VARIABLE"]

@@ -32,17 +32,22 @@ from typing import Any
 
 import torch
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, distribute_tensor
+import spmd_types as spmd
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torchtitan.components.dataloader import DataloaderExhaustedError
 from torchtitan.components.quantization.utils import has_quantization
 from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.distributed.parallel_dims import MeshAxisName, SpmdLayout
 from torchtitan.models.common.attention import FlexAttention
+from torchtitan.models.common.linear import Linear
+from torchtitan.models.common.nn_modules import RMSNorm
 from torchtitan.tools.utils import set_default_dtype
 from torchtitan.trainer import Trainer
 
 from samebits import settings
 from samebits.errors import ConfigError
-from samebits.invariant import clip_sharded_grad_norm_, manual_seed, micro_batch_seed, reduce_blocks
+from samebits.invariant import (MAX_LEAVES, TP_BLOCK_SIZE, column_parallel_linear, manual_seed, micro_batch_seed,
+                                reduce_blocks, row_parallel_linear, scale_columns, sharded_grad_norm)
 from samebits.runners.commands import INVARIANT_VARIABLE, LAYOUT_VARIABLE, cell_degrees
 
 _OWNER = "samebits.integrations.torchtitan"
@@ -57,6 +62,8 @@ def invariant(config: Trainer.Config, *, layout: str | None = None) -> Trainer.C
         set_layout(config, layout)
     if not settings.read(INVARIANT_VARIABLE):
         return config
+    if config.model_spec is not None:
+        _invariant_layers(config.model_spec.model)
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
     return InvariantTrainer.Config(**values)
 
@@ -76,14 +83,149 @@ def set_layout(config: Trainer.Config, cell: str) -> None:
     p.context_parallel_degree = degrees["cp"]
 
 
+# --- tensor and sequence parallelism: the layers, given to torchtitan by its model config ----
+
+def _tp_group(mesh):
+    """The tensor-parallel process group of a DTensor's mesh (None: one rank, no collective)."""
+    names = mesh.mesh_dim_names or ()
+    sub = mesh["tp"] if "tp" in names and len(names) > 1 else mesh
+    return sub.get_group() if sub.size() > 1 else None
+
+
+def _tp_placement(sharding_config) -> Any:
+    """The TP placement a module's sharding config gives its weight (None: not declared)."""
+    layout = None if sharding_config is None else (sharding_config.state_shardings or {}).get("weight")
+    return None if layout is None else layout.per_axis_spmd_types().get(MeshAxisName.TP)
+
+
+class _GatherColumns(torch.autograd.Function):
+    """The TP ranks' column blocks joined along the last dimension (exact); every rank computes
+    the same loss from them, so a rank's gradient is its own block of the (replicated) gradient."""
+
+    @staticmethod
+    def forward(ctx, local, group):
+        ctx.group = group
+        parts = [torch.empty_like(local) for _ in range(torch.distributed.get_world_size(group))]
+        torch.distributed.all_gather(parts, local.contiguous(), group=group)
+        ctx.width, ctx.rank = local.shape[-1], torch.distributed.get_rank(group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        start = ctx.rank * ctx.width
+        return grad[..., start:start + ctx.width].contiguous(), None
+
+
+class InvariantLinear(Linear):
+    """torchtitan's `Linear` (no bias) with the same bits at any TP degree: a weight its sharding
+    config splits by rows (ColwiseParallel) is `column_parallel_linear`, by columns (RowwiseParallel)
+    `row_parallel_linear`, at every layout, one rank included (the products over a split
+    dimension are the same fixed tree there).  The row layer's sum is whole on every rank, so its
+    output is Replicate (the framework's reduce-scatter becomes a local slice: exact), and
+    ``gather_output`` (the LM head) joins the vocabulary blocks so the loss is computed whole."""
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(Linear.Config):
+        gather_output: bool = False
+
+    def __init__(self, config: Config):
+        if config.bias:
+            raise ConfigError(f"{_OWNER}: a linear layer with a bias ({config.in_features} -> "
+                              f"{config.out_features}) is not covered by the TP-invariant layers")
+        super().__init__(config)
+        self.gather_output = config.gather_output
+
+    def _role(self) -> str:
+        """"column", "row" or "whole" (a weight no TP plan splits), from the sharding config."""
+        dim = getattr(_tp_placement(self._sharding_config), "dim", None)
+        return {None: "whole", 0: "column", 1: "row"}[dim]
+
+    def parallelize(self, parallel_dims) -> None:
+        role, tp = self._role(), parallel_dims.tp
+        split = self.out_features if role == "column" else self.in_features
+        if role != "whole" and tp > 1 and (split % (TP_BLOCK_SIZE * tp) or
+                                             math.gcd(split // TP_BLOCK_SIZE, MAX_LEAVES) % tp):
+            raise ConfigError(f"{_OWNER}: a {role}-parallel linear ({self.in_features} -> {self.out_features}) "
+                              f"cannot split its {split} {'outputs' if role == 'column' else 'inputs'} over "
+                              f"{tp} TP ranks as whole subtrees of its fixed tree (blocks of {TP_BLOCK_SIZE}, "
+                              f"at most {MAX_LEAVES} leaves): use a TP degree that divides "
+                              f"{math.gcd(split // TP_BLOCK_SIZE, MAX_LEAVES)}")
+        if role == "row" and self._sharding_config.out_src_shardings is not None:
+            partial = self._sharding_config.out_src_shardings
+            whole = SpmdLayout({**partial.axis_types, MeshAxisName.TP: spmd.R}, partition_spec=partial.partition_spec)
+            self._sharding_config = dataclasses.replace(self._sharding_config, out_src_shardings=whole)
+        super().parallelize(parallel_dims)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        role = self._role()
+        weight, x, mesh, group = self.weight, input, None, None
+        if isinstance(weight, DTensor):
+            mesh, group = weight.device_mesh, _tp_group(weight.device_mesh)
+            weight = weight.to_local()
+        if isinstance(x, DTensor):
+            mesh, x = x.device_mesh, x.to_local()  # the gradient: as the input's placements say
+        dtype = x.dtype
+        x, weight = x.float(), weight.float()  # bf16 parameters: fp32 products, rounded once
+        if role == "row":
+            out = row_parallel_linear(x, weight, group).to(dtype)
+            return out if mesh is None else DTensor.from_local(out, mesh, [Replicate()], run_check=False)
+        out = column_parallel_linear(x, weight, group if role == "column" else None).to(dtype)
+        if mesh is None or role == "whole":
+            return out if mesh is None else DTensor.from_local(out, mesh, [Replicate()], run_check=False)
+        if self.gather_output:
+            return out if group is None else _GatherColumns.apply(out, group)
+        return DTensor.from_local(out, mesh, [Shard(out.dim() - 1)], run_check=False)
+
+
+class InvariantRMSNorm(RMSNorm):
+    """torchtitan's `RMSNorm` whose weight gradient is `scale_columns`'s invariant sum over the
+    tokens, the TP ranks' tokens included under sequence parallelism: the same at any split."""
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(RMSNorm.Config):
+        pass
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        weight, x, mesh, group = self.weight, input, None, None
+        if isinstance(x, DTensor):
+            mesh, placements = x.device_mesh, x.placements
+            if any(isinstance(p, Shard) for p in placements):  # sequence parallel: tokens split
+                group = _tp_group(mesh)
+            x = x.to_local()
+        if isinstance(weight, DTensor):
+            weight = weight.to_local()
+        # rms_norm's backward reaches its input by two paths: a view first adds them together, so
+        # the input's gradient is one term at every layout (under TP, to_local's node does the same),
+        # never the residual's gradient plus one, then the other
+        normed = torch.nn.functional.rms_norm(x.float().view_as(x), self.normalized_shape, None, self.eps)
+        out = scale_columns(normed, weight.float(), group).to(x.dtype)
+        return out if mesh is None else DTensor.from_local(out, mesh, placements, run_check=False)
+
+
+def _invariant_layers(model) -> None:
+    """The model config's linears and RMSNorms as their TP-invariant counterparts, in place."""
+    for kind, target in ((Linear.Config, InvariantLinear.Config), (RMSNorm.Config, InvariantRMSNorm.Config)):
+        for fqn, cfg, parent, attr in list(model.traverse(kind)):
+            if type(cfg) is target:
+                continue
+            if type(cfg) is not kind or parent is None:
+                raise ConfigError(f"{_OWNER}: {fqn} is a {type(cfg).__qualname__}, which the TP-invariant "
+                                  "layers do not cover; build it from torchtitan's Linear/RMSNorm")
+            values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+            if target is InvariantLinear.Config:
+                values["gather_output"] = fqn == "lm_head"
+            new = target(**values)
+            if isinstance(attr, int):
+                parent[attr] = new
+            else:
+                setattr(parent, attr, new)
+
+
 def refusals(config: Trainer.Config) -> list[str]:
     """What in ``config`` the invariant trainer does not cover, one reason each (empty: none)."""
     p, t = config.parallelism, config.training
     reasons = []
-    for degree, what in ((p.tensor_parallel_degree, "tensor parallelism (parallelism.tensor_parallel_degree): its "
-                          "row-parallel sums are torchtitan's DTensor all-reduces; the invariant TP layers are "
-                          "the reference recipe's only (samebits run --set tp_reduce=invariant)"),
-                         (p.pipeline_parallel_degree, "pipeline parallelism (parallelism.pipeline_parallel_degree)"),
+    for degree, what in ((p.pipeline_parallel_degree, "pipeline parallelism (parallelism.pipeline_parallel_degree)"),
                          (p.context_parallel_degree, "context parallelism (parallelism.context_parallel_degree): "
                           "ring attention adds the chunks' partial results in an order set by the ring"),
                          (p.expert_parallel_degree, "expert parallelism (parallelism.expert_parallel_degree)"),
@@ -101,6 +243,19 @@ def refusals(config: Trainer.Config) -> list[str]:
                        "shards' sums would be added over the replicas in fp32; set "
                        "parallelism.data_parallel_shard_degree 1 (replicas) or data_parallel_replicate_degree 1 "
                        "(FSDP2)")
+    if p.tensor_parallel_degree > 1:
+        if p.spmd_backend != "partial_dtensor":
+            reasons.append(f"tensor parallelism under parallelism.spmd_backend {p.spmd_backend!r}: the invariant TP "
+                           "layers read the DTensor placements of the partial_dtensor backend; set "
+                           "--parallelism.spmd_backend partial_dtensor")
+        if p.data_parallel_replicate_degree > 1:
+            reasons.append("tensor parallelism with HSDP replicas (parallelism.data_parallel_replicate_degree) is not "
+                           "covered; use parallelism.data_parallel_shard_degree (FSDP2) with TP")
+        if config.compile.enable_async_tensor_parallel:
+            reasons.append("async tensor parallelism (compile.enable_async_tensor_parallel) fuses the TP collectives "
+                           "into torchtitan's own matmuls; turn it off")
+        if config.model_spec is not None and getattr(config.model_spec.model, "enable_weight_tying", False):
+            reasons.append("tied embedding and LM-head weights with tensor parallelism are not covered")
     if t.global_batch_size <= 0:
         reasons.append("training.global_batch_size is not set: torchtitan then makes the global batch local_batch_size "
                        "x the data-parallel degree, so each layout trains on a different batch; set "
@@ -155,8 +310,9 @@ class _UnitSum:
             raise ConfigError(f"{_OWNER}: FSDP2 asked for an average; the invariant reduction sums (its "
                               "gradient divide factor must stay 1.0, torchtitan's own setting)")
         source = output_tensor if input_tensor is None else input_tensor
-        if input_tensor is None and self.replica_group is not None:
-            source, group = self._local_gradient(output_tensor), self.replica_group
+        if input_tensor is None:  # the hook: the replicas' sum, or this rank's alone
+            source, group = ((self._local_gradient(output_tensor), self.replica_group)
+                             if self.replica_group is not None else (source, self.trainer._alone))
         if source.dtype != torch.float32:
             raise ConfigError(f"{_OWNER}: FSDP2 reduces {source.dtype} gradients; the invariant reduction adds "
                               "float32 ones (set --training.mixed_precision_reduce float32)")
@@ -210,9 +366,14 @@ class InvariantTrainer(Trainer):
         batch = dims.get_mesh("batch") if dims.dp_enabled else None
         self._dp_degree = 1 if batch is None else batch.size()
         self._dp_rank = 0 if batch is None else batch.get_local_rank()
-        # the clipping norm's group: the FSDP2 shards' (each element on one rank); replicas hold all
-        self._shard_group = dims.get_mesh("fsdp").get_group() if dims.dp_shard > 1 else None
+        # the clipping norm's group: every rank, each element counted once (`_counts_here`)
+        self._norm_group = torch.distributed.group.WORLD if dims.world_size > 1 else None
+        self._tp_rank = dims.get_mesh("tp").get_local_rank() if dims.tp_enabled else 0
+        self._replica_rank = dims.get_mesh("dp_replicate").get_local_rank() if dims.dp_replicate > 1 else 0
         self._replica_group = dims.get_mesh("dp_replicate").get_group() if dims.dp_replicate > 1 else None
+        # a group of this rank alone (torch.distributed's None is every rank): one-rank reductions
+        lone = dims.world_size > 1 and dims.dp_shard == 1 and dims.dp_replicate == 1
+        self._alone = torch.distributed.new_subgroups(1)[0] if lone else None
         self._num_micro_batches = self.gradient_accumulation_steps * self._dp_degree
         self._local_micro_batch = -1  # this rank's micro-batch of the step now in backward
         self._seen_step = -1
@@ -300,8 +461,22 @@ class InvariantTrainer(Trainer):
             return
         params = [p for part in self.model_parts for p in part.parameters() if p.grad is not None]
         grads = [_local(p.grad) for p in params]
-        clip_sharded_grad_norm_(grads, self._max_norm, full_numels=[p.numel() for p in params], group=self._shard_group,
-                                replicated=[False] * len(params))
+        counted = [g if self._counts_here(p) else g.reshape(-1)[:0] for p, g in zip(params, grads)]
+        norm = sharded_grad_norm(counted, full_numels=[p.numel() for p in params], group=self._norm_group,
+                                 replicated=[False] * len(params))
+        coeff = torch.clamp(self._max_norm / (norm + 1e-6), max=1.0)  # clip_sharded_grad_norm_'s
+        for grad in grads:
+            grad.mul_(coeff.to(grad.device))
+
+    def _counts_here(self, param: torch.Tensor) -> bool:
+        """Whether this rank's part of ``param`` enters the norm: every element once, from the
+        first rank of each axis that holds copies of it (the replicas; TP for a norm's weight)."""
+        if self._replica_rank:
+            return False
+        if not self._tp_rank or not isinstance(param, DTensor):
+            return True
+        names = param.device_mesh.mesh_dim_names or ()
+        return "tp" not in names or not isinstance(param.placements[names.index("tp")], Replicate)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,8 @@
-"""torchtitan's llama3 with samebits' config: the same bits at any data-parallel layout (issue 38).
+"""torchtitan's llama3 with samebits' config: the same bits at any data- and tensor-parallel layout (issue 38).
 
 The fast tests hold `verify --across CELLS -- CMD`'s side (cells, the layout variables, the
 controls, the resume refusals); the slow ones run torchtitan 0.3.0's own, unmodified entry point
-(tests/realcode/torchtitan/launch.py) at two layouts and resume one's checkpoint at the other.
+(tests/realcode/torchtitan/launch.py) at three layouts and resume one's checkpoint at the others.
 """
 
 from __future__ import annotations
@@ -91,38 +91,67 @@ def test_what_the_config_does_not_cover_is_refused_with_its_reason(tmp_path, mon
     monkeypatch.setenv("SAMEBITS_INVARIANT", "0")
     assert not isinstance(invariant(config, layout="single"), InvariantTrainer.Config)  # the control: layout only
     set_layout(config, "fsdp2-tp2")
+    assert refusals(config) == []  # tensor parallelism is covered (on the partial_dtensor backend)
     config.training.global_batch_size = -1
     config.debug.seed = None
     config.training.mixed_precision_reduce = "bfloat16"
+    config.parallelism.spmd_backend = "spmd_types"
+    config.compile.enable_async_tensor_parallel = True
     reasons = "\n".join(refusals(config))
-    for named in ("tensor parallelism", "training.global_batch_size", "debug.seed", "mixed_precision_reduce"):
+    for named in ("training.global_batch_size", "debug.seed", "mixed_precision_reduce", "spmd_backend 'spmd_types'",
+                  "async tensor parallelism"):
         assert named in reasons
     set_layout(config, "dp2-fsdp2")
     assert "HSDP with both replicas (2) and shards (2)" in "\n".join(refusals(config))
+    set_layout(config, "dp2-tp2")
+    assert "tensor parallelism with HSDP replicas" in "\n".join(refusals(config))
     with pytest.raises(ConfigError, match="layout 'fsdp2-ep2'"):
         set_layout(config, "fsdp2-ep2")
 
 
 @pytest.mark.slow
-def test_torchtitan_gives_the_same_bits_at_fsdp2_and_one_rank_and_resumes_across_them(tmp_path):
+def test_the_config_gives_the_model_its_tensor_parallel_invariant_layers(tmp_path, monkeypatch):
+    from torchtitan.models.common.linear import Linear, ScaledBiasRowwiseLinear
+
+    from samebits.integrations.torchtitan import InvariantLinear, InvariantRMSNorm, invariant
+
+    config = _tiny_config(tmp_path, monkeypatch)
+    model = invariant(config).model_spec.model
+    linears = {fqn: cfg for fqn, cfg, _, _ in model.traverse(Linear.Config)}
+    assert len(linears) == 2 * 5 + 1 and all(type(cfg) is InvariantLinear.Config for cfg in linears.values())
+    assert [fqn for fqn, cfg in linears.items() if cfg.gather_output] == ["lm_head"]  # the loss sees every logit
+    norms = [type(cfg) for _, cfg, _, _ in model.traverse(InvariantRMSNorm.Config)]
+    assert len(norms) == 2 * 2 + 1
+    assert type(invariant(config).model_spec.model.lm_head) is InvariantLinear.Config  # a second call: unchanged
+    planted = _tiny_config(tmp_path, monkeypatch)
+    w2 = planted.model_spec.model.layers[0].feed_forward.w2
+    planted.model_spec.model.layers[0].feed_forward.w2 = ScaledBiasRowwiseLinear.Config(
+        in_features=w2.in_features, out_features=w2.out_features)
+    with pytest.raises(ConfigError, match="layers.0.feed_forward.w2 is a ScaledBiasRowwiseLinear.Config"):
+        invariant(planted)
+
+
+@pytest.mark.slow
+def test_torchtitan_gives_the_same_bits_at_fsdp2_one_rank_and_tp2_and_resumes_across_them(tmp_path):
     pytest.importorskip("torchtitan", reason="pip install -e '.[realcode]' (CI installs it for the slow set)")
     out = tmp_path / "across"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "samebits", "verify", "--across", "fsdp2,single", "--resume-across",
+    proc = subprocess.run([sys.executable, "-m", "samebits", "verify", "--across", "fsdp2,single,tp2", "--resume-across",
                            "--resume-at", str(CHECKPOINT), "--out", str(out), "--json",
                            "--resume-with", " ".join(RESUME), "--", *TRAIN],
                           capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert result["verdict"] == "pass"
-    check = result["checks"]["single"]
-    assert check["verdict"] == "identical" and check["by"] == "global" and check["compared"]["steps"] == STEPS
-    assert check["counts"]["compared"] > 20 and check["counts"]["missing"] == 0  # params, grads, optimizer state
     assert result["resume_across"]["step"] == CHECKPOINT and result["resume_across"]["from"] == "fsdp2"
-    resumed = result["resume_across"]["checks"]["single"]
-    assert resumed["verdict"] == "identical" and resumed["compared"]["steps"] == STEPS - CHECKPOINT
+    for layout in ("single", "tp2"):
+        check = result["checks"][layout]
+        assert check["verdict"] == "identical" and check["by"] == "global" and check["compared"]["steps"] == STEPS
+        assert check["counts"]["compared"] > 20 and check["counts"]["missing"] == 0  # params, grads, optimizer state
+        resumed = result["resume_across"]["checks"][layout]
+        assert resumed["verdict"] == "identical" and resumed["compared"]["steps"] == STEPS - CHECKPOINT
     controls = result["controls"]
-    assert controls and all(c["differs"] and c["first_step"] == 0 for c in controls)  # the comparison can tell
+    assert len(controls) >= 2 and all(c["differs"] and c["first_step"] == 0 for c in controls)  # the comparison can tell
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""torchtitan 0.3.0: the same bits at any data-parallel layout, as a config (docs/integrations.md).
+"""torchtitan 0.3.0: the same bits at any data- and tensor-parallel layout, as a config (docs/integrations.md).
 
     from samebits.integrations.torchtitan import invariant
 
@@ -6,14 +6,17 @@
         return invariant(my_model())     # my_model(): any torchtitan Trainer.Config
 
 `invariant` returns the same config whose trainer (`InvariantTrainer`, a torchtitan `Trainer`,
-through its own `Config.build`) makes the step independent of how the data-parallel ranks
-split it: every rank reads the one global stream of micro-batches and trains its share of it;
+through its own `Config.build`) makes the step independent of how the ranks split it: every
+rank reads the one global stream of micro-batches and trains its data-parallel share of it;
 each FSDP2 unit's gradient reduction is the invariant int64 fixed point (`_UnitSum`: FSDP2's
 custom reduce-scatter on 2+ shards, its post-reduce hook on one rank and for HSDP replicas);
-the clipping norm is the sharded invariant norm; the initial weights are made whole, once,
-from ``debug.seed``, and each rank keeps its slice; any draw is keyed by (step, micro-batch).
-What it does not cover (tensor, pipeline, context and expert parallelism; HSDP with both
-replicas and shards; float8; FlexAttention on a CPU) it refuses at start, naming the reason.
+the model config's linears and RMSNorms become `InvariantLinear` and `InvariantRMSNorm`, whose
+products and sums have the same bits at any tensor-parallel degree, sequence parallelism
+included; the clipping norm is the sharded invariant norm; the initial weights are made whole,
+once, from ``debug.seed``, and each rank keeps its slice; any draw is keyed by (step,
+micro-batch).  What it does not cover (pipeline, context and expert parallelism; TP off the
+partial_dtensor backend or with replicas; HSDP with both replicas and shards; float8;
+FlexAttention on a CPU) it refuses at start, naming the reason.
 
 ``SAMEBITS_LAYOUT`` (a cell: ``single``, ``fsdp2``, ``dp2``...) sets the parallel degrees and
 ``SAMEBITS_INVARIANT=0`` keeps only the layout: `samebits verify --across` sets both, for the
@@ -348,7 +351,7 @@ class _UnitSum:
 
 
 class InvariantTrainer(Trainer):
-    """torchtitan's `Trainer`, whose step has the same bits at any data-parallel layout (module docstring)."""
+    """torchtitan's `Trainer`, whose step has the same bits at any layout it covers (module docstring)."""
 
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):

@@ -1,9 +1,11 @@
 """What samebits' torchtitan config costs: the same torchtitan command with and without it, per layout.
 
-    python benchmarks/bench_torchtitan_invariant.py [--layouts single,fsdp2,dp2] [--steps 20] [--rounds 3] [--json]
+    python benchmarks/bench_torchtitan_invariant.py [--layouts single,fsdp2,dp2,tp2,fsdp2-tp2] [--steps 20] [--rounds 3]
+        [--config tiny_invariant] [--json]
 
 Each layout runs torchtitan 0.3.0's llama3 debug model (2 layers, SDPA, CPU, gloo; the
-`tiny_invariant` config of tests/realcode/torchtitan) through its own entry point, once with
+`tiny_invariant` config of tests/realcode/torchtitan, or `tiny_invariant_dp`: torchtitan's own
+layers, data-parallel invariance only) through its own entry point, once with
 samebits' config (`SAMEBITS_INVARIANT=1`) and once without (`=0`: torchtitan's own step at the
 same layout, global batch and data), the order alternating per round, nothing recorded and no
 checkpoint.  A run's time is its training loop's: from torchtitan's log line of step 2 to that of
@@ -38,10 +40,10 @@ def ranks(cell: str) -> int:
     return math.prod(cell_degrees(cell).values())
 
 
-def train_seconds(cell: str, invariant: bool, steps: int, work: Path) -> float:
+def train_seconds(cell: str, invariant: bool, steps: int, work: Path, config: str = "tiny_invariant") -> float:
     """One run's training loop: seconds from torchtitan's step-2 log line to its last step's."""
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks(cell)),
-            str(LAUNCH), "--module", "tiny_llama3", "--config", "tiny_invariant", "--dump_folder", str(work),
+            str(LAUNCH), "--module", "tiny_llama3", "--config", config, "--dump_folder", str(work),
             "--training.steps", str(steps), "--checkpoint.no-enable", "--metrics.log_freq", "1"]
     env = {**os.environ, "SAMEBITS_LAYOUT": cell, "SAMEBITS_INVARIANT": "1" if invariant else "0",
            "OMP_NUM_THREADS": "1"}
@@ -61,7 +63,8 @@ def train_seconds(cell: str, invariant: bool, steps: int, work: Path) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layouts", default="single,fsdp2,dp2")
+    parser.add_argument("--layouts", default="single,fsdp2,dp2,tp2,fsdp2-tp2")
+    parser.add_argument("--config", default="tiny_invariant", choices=("tiny_invariant", "tiny_invariant_dp"))
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", action="store_true")
@@ -76,7 +79,7 @@ def main() -> None:
                 times = {}
                 for invariant in order:
                     times[invariant] = train_seconds(cell, invariant, args.steps,
-                                                     Path(tmp) / f"{cell}-{round_}-{int(invariant)}")
+                                                     Path(tmp) / f"{cell}-{round_}-{int(invariant)}", args.config)
                 ratios.append(times[True] / times[False])
                 with_s.append(times[True] / (args.steps - 2))
                 without_s.append(times[False] / (args.steps - 2))
@@ -86,9 +89,10 @@ def main() -> None:
                              "ratios": ratios, "step_s_with": statistics.median(with_s),
                              "step_s_without": statistics.median(without_s), "load_1min_after_rounds": loads}
     if args.json:
-        print(json.dumps({"steps": args.steps, "rounds": args.rounds, "layouts": results}, indent=2))
+        print(json.dumps({"config": args.config, "steps": args.steps, "rounds": args.rounds, "layouts": results},
+                         indent=2))
         return
-    print(f"samebits' torchtitan config vs the same command without it ({args.steps} steps, step 2 to "
+    print(f"samebits' torchtitan config ({args.config}) vs the same command without it ({args.steps} steps, step 2 to "
           f"{args.steps} timed, {args.rounds} rounds)")
     print(f"{'layout':<8} {'ratio (median)':>14} {'min-max':>15} {'s/step with':>12} {'s/step without':>15}  load")
     for cell, r in results.items():

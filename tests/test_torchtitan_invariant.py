@@ -113,7 +113,7 @@ def test_what_the_config_does_not_cover_is_refused_with_its_reason(tmp_path, mon
 def test_the_config_gives_the_model_its_tensor_parallel_invariant_layers(tmp_path, monkeypatch):
     from torchtitan.models.common.linear import Linear, ScaledBiasRowwiseLinear
 
-    from samebits.integrations.torchtitan import InvariantLinear, InvariantRMSNorm, invariant
+    from samebits.integrations.torchtitan import InvariantLinear, InvariantRMSNorm, invariant, refusals
 
     config = _tiny_config(tmp_path, monkeypatch)
     model = invariant(config).model_spec.model
@@ -129,6 +129,9 @@ def test_the_config_gives_the_model_its_tensor_parallel_invariant_layers(tmp_pat
         in_features=w2.in_features, out_features=w2.out_features)
     with pytest.raises(ConfigError, match="layers.0.feed_forward.w2 is a ScaledBiasRowwiseLinear.Config"):
         invariant(planted)
+    plain = invariant(_tiny_config(tmp_path, monkeypatch), layout="tp2", tensor_parallel=False)  # DP only
+    assert not any(plain.model_spec.model.traverse(InvariantLinear.Config))
+    assert "tensor parallelism without samebits' invariant layers" in "\n".join(refusals(plain))
 
 
 @pytest.mark.slow
@@ -136,8 +139,8 @@ def test_torchtitan_gives_the_same_bits_at_fsdp2_one_rank_and_tp2_and_resumes_ac
     pytest.importorskip("torchtitan", reason="pip install -e '.[realcode]' (CI installs it for the slow set)")
     out = tmp_path / "across"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "samebits", "verify", "--across", "fsdp2,single,tp2", "--resume-across",
-                           "--resume-at", str(CHECKPOINT), "--out", str(out), "--json",
+    proc = subprocess.run([sys.executable, "-m", "samebits", "verify", "--across", "fsdp2,single,tp2",
+                           "--resume-across",                           "--resume-at", str(CHECKPOINT), "--out", str(out), "--json",
                            "--resume-with", " ".join(RESUME), "--", *TRAIN],
                           capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -151,7 +154,7 @@ def test_torchtitan_gives_the_same_bits_at_fsdp2_one_rank_and_tp2_and_resumes_ac
         resumed = result["resume_across"]["checks"][layout]
         assert resumed["verdict"] == "identical" and resumed["compared"]["steps"] == STEPS - CHECKPOINT
     controls = result["controls"]
-    assert len(controls) >= 2 and all(c["differs"] and c["first_step"] == 0 for c in controls)  # the comparison can tell
+    assert len(controls) >= 2 and all(c["differs"] and c["first_step"] == 0 for c in controls)  # it can tell
 
 
 @pytest.mark.slow

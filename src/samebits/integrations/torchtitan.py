@@ -57,15 +57,17 @@ _OWNER = "samebits.integrations.torchtitan"
 _WRAPPERS = re.compile(r"(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)\.")
 
 
-def invariant(config: Trainer.Config, *, layout: str | None = None) -> Trainer.Config:
+def invariant(config: Trainer.Config, *, layout: str | None = None, tensor_parallel: bool = True) -> Trainer.Config:
     """``config`` (torchtitan's `Trainer.Config`) at ``layout`` (None: ``SAMEBITS_LAYOUT``, or as
-    it is), trained by `InvariantTrainer` unless ``SAMEBITS_INVARIANT`` is 0 (the control)."""
+    it is), trained by `InvariantTrainer` unless ``SAMEBITS_INVARIANT`` is 0 (the control).
+    ``tensor_parallel=False`` keeps torchtitan's own layers: the same bits at any data-parallel
+    layout only, for less (tensor parallelism is then refused)."""
     layout = layout if layout is not None else settings.read(LAYOUT_VARIABLE)
     if layout:
         set_layout(config, layout)
     if not settings.read(INVARIANT_VARIABLE):
         return config
-    if config.model_spec is not None:
+    if tensor_parallel and config.model_spec is not None:
         _invariant_layers(config.model_spec.model)
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
     return InvariantTrainer.Config(**values)
@@ -257,6 +259,9 @@ def refusals(config: Trainer.Config) -> list[str]:
         if config.compile.enable_async_tensor_parallel:
             reasons.append("async tensor parallelism (compile.enable_async_tensor_parallel) fuses the TP collectives "
                            "into torchtitan's own matmuls; turn it off")
+        if config.model_spec is not None and not any(config.model_spec.model.traverse(InvariantLinear.Config)):
+            reasons.append("tensor parallelism without samebits' invariant layers (invariant(config, "
+                           "tensor_parallel=False) keeps torchtitan's): drop tensor_parallel=False")
         if config.model_spec is not None and getattr(config.model_spec.model, "enable_weight_tying", False):
             reasons.append("tied embedding and LM-head weights with tensor parallelism are not covered")
     if t.global_batch_size <= 0:

@@ -100,3 +100,16 @@ def tiny_invariant() -> object:
     config.training.steps = 20
     config.checkpoint.interval = 10
     return invariant(config)
+
+
+def tiny_invariant_dp() -> object:
+    """`tiny_invariant` with torchtitan's own layers (``tensor_parallel=False``): the same bits at
+    any data-parallel layout only, for less; tensor parallelism is refused."""
+    from samebits.integrations.torchtitan import invariant
+
+    config = tiny()
+    config.training.local_batch_size = 2
+    config.training.global_batch_size = 8
+    config.training.steps = 20
+    config.checkpoint.interval = 10
+    return invariant(config, tensor_parallel=False)

@@ -11,6 +11,9 @@ src/samebits/kernels/kernel-coverage.toml, so `samebits coverage` judges them):
 * `recipes.parallelize._SliceSequence` / `_GatherSequence` (the SP stream's entry and exit):
   on a one-rank gloo group each is the identity and its backward the reverse (the 2- and 4-rank
   splits are checked against one rank in tests/test_layout_invariance.py);
+* `invariant._matmul._GatherColumns` (the torchtitan LM head's logits, joined): on a one-rank
+  group it is the identity and its gradient the block's (tp2 and fsdp2-tp2 against one rank:
+  the slow tests/test_torchtitan_invariant.py);
 * `recipes.model._InvariantExperts` (the experts under grad_reduce=invariant): output, input and
   weight gradients repeat bit for bit at 1 and 2 threads (that each source's rows are those it
   gives alone: tests/test_expert_invariance.py).
@@ -25,7 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from samebits.invariant import column_parallel_linear, invariant_sum, row_parallel_linear, scale_columns
+from samebits.invariant import column_parallel_linear, gather_columns, invariant_sum, row_parallel_linear, scale_columns
 from samebits.recipes.model import GroupedExperts
 from samebits.recipes.parallelize import _GatherSequence, _SliceSequence
 from samebits.testing import assert_same_bits
@@ -114,6 +117,15 @@ def test_sequence_entry_and_exit_are_the_identity_at_one_rank(one_rank_group, fu
     out = function.apply(stream * 1.5, one_rank_group)
     assert_same_bits(out.detach(), stream.detach() * 1.5)  # one rank holds every position
     return out, stream  # the output; the gradient through the reverse collective
+
+
+@pytest.mark.bitwise(runs=2)
+def test_gathered_columns_are_the_block_at_one_rank_and_the_gradient_its_block(one_rank_group):
+    block = torch.arange(2 * 3 * 8, dtype=torch.float32).view(2, 3, 8).requires_grad_(True)
+    out = gather_columns(block * 0.5, one_rank_group)
+    assert_same_bits(out.detach(), block.detach() * 0.5)  # one rank holds every column
+    assert gather_columns(block, None) is block  # no group: the columns are all here
+    return out, block  # the output; the gradient through the block's slice
 
 
 @pytest.mark.bitwise(runs=2, threads=[1, 2])

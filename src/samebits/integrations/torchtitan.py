@@ -49,8 +49,8 @@ from torchtitan.trainer import Trainer
 
 from samebits import settings
 from samebits.errors import ConfigError
-from samebits.invariant import (MAX_LEAVES, TP_BLOCK_SIZE, column_parallel_linear, manual_seed, micro_batch_seed,
-                                reduce_blocks, row_parallel_linear, scale_columns, sharded_grad_norm)
+from samebits.invariant import (MAX_LEAVES, TP_BLOCK_SIZE, column_parallel_linear, gather_columns, manual_seed,
+                                micro_batch_seed, reduce_blocks, row_parallel_linear, scale_columns, sharded_grad_norm)
 from samebits.runners.commands import INVARIANT_VARIABLE, LAYOUT_VARIABLE, cell_degrees
 
 _OWNER = "samebits.integrations.torchtitan"
@@ -101,24 +101,6 @@ def _tp_placement(sharding_config) -> Any:
     """The TP placement a module's sharding config gives its weight (None: not declared)."""
     layout = None if sharding_config is None else (sharding_config.state_shardings or {}).get("weight")
     return None if layout is None else layout.per_axis_spmd_types().get(MeshAxisName.TP)
-
-
-class _GatherColumns(torch.autograd.Function):
-    """The TP ranks' column blocks joined along the last dimension (exact); every rank computes
-    the same loss from them, so a rank's gradient is its own block of the (replicated) gradient."""
-
-    @staticmethod
-    def forward(ctx, local, group):
-        ctx.group = group
-        parts = [torch.empty_like(local) for _ in range(torch.distributed.get_world_size(group))]
-        torch.distributed.all_gather(parts, local.contiguous(), group=group)
-        ctx.width, ctx.rank = local.shape[-1], torch.distributed.get_rank(group)
-        return torch.cat(parts, dim=-1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        start = ctx.rank * ctx.width
-        return grad[..., start:start + ctx.width].contiguous(), None
 
 
 class InvariantLinear(Linear):
@@ -178,7 +160,7 @@ class InvariantLinear(Linear):
         if mesh is None or role == "whole":
             return out if mesh is None else DTensor.from_local(out, mesh, [Replicate()], run_check=False)
         if self.gather_output:
-            return out if group is None else _GatherColumns.apply(out, group)
+            return gather_columns(out, group)
         return DTensor.from_local(out, mesh, [Shard(out.dim() - 1)], run_check=False)
 
 

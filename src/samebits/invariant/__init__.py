@@ -12,6 +12,7 @@
     gemm_matmul(a, b)                                         one GEMM whose bits depend on its row and column only
     invariant_matmul(a, b, group=...)                         the same with exact block products (mode="exact")
     column_parallel_linear / row_parallel_linear              TP linears built on them (forward, backward)
+    gather_columns(x, group=...)                              a column layer's blocks joined (the loss whole)
     invariant_sum / scale_columns                             sums over rows split over ranks (SP norm weights)
     sharded_grad_norm / clip_sharded_grad_norm_               the clipping norm of TP shards, same at any split
 
@@ -28,8 +29,8 @@ from samebits.invariant._fixed import DEFAULT_BLOCK_SIZE, block_exponents, decod
 # Internal but stable, not in __all__: which CPU path the reduction runs (for benchmarks).
 from samebits.invariant._fixed_native import describe as native_description  # noqa: F401
 from samebits.invariant._matmul import (MAX_LEAVES, TP_BLOCK_SIZE, TP_MATMUL_MODES, column_parallel_linear,
-                                       gemm_matmul, invariant_matmul, invariant_sum, row_parallel_linear, scale_columns,
-                                       tree_matmul)
+                                       gather_columns, gemm_matmul, invariant_matmul, invariant_sum, row_parallel_linear,
+                                       scale_columns, tree_matmul)
 from samebits.invariant._norm import clip_sharded_grad_norm_, sharded_grad_norm
 from samebits.invariant._preconditions import (LOSS_NORMALIZATIONS, RNG_KEYS, Preconditions, check_micro_batch_size,
                                                manual_seed, micro_batch_seed)
@@ -62,6 +63,7 @@ __all__ = [
     "MAX_LEAVES",
     "column_parallel_linear",
     "row_parallel_linear",
+    "gather_columns",
     "invariant_sum",
     "scale_columns",
     "sharded_grad_norm",

@@ -6,6 +6,7 @@ the tensor-parallel linear layers of docs/invariance.md.
     invariant_matmul(a, b, group=None)        the same contract as tree_matmul, exact block products
     invariant_sum(x, group=None)              x (..., D) summed over its rows and every rank's rows
     scale_columns(y, weight, group=None)      y * weight; the weight gradient is an invariant_sum (SP norms)
+    gather_columns(x, group=None)             the ranks' column blocks joined (an LM head's logits, loss whole)
     column_parallel_linear(x, w_shard, group, mode="gemm")     y_r = x @ w_r.T (N split; backward sums over N)
     row_parallel_linear(x_shard, w_shard, group, mode="gemm")  y = sum_r x_r @ w_r.T (K split)
 
@@ -349,6 +350,32 @@ def scale_columns(y: torch.Tensor, weight: torch.Tensor, group=None) -> torch.Te
     return _ScaleColumns.apply(y, weight, group)
 
 
+class _GatherColumns(torch.autograd.Function):
+    """Every rank's column block joined along the last dimension, in rank order (exact)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        rank, world_size = group_rank_and_world_size(group)
+        parts = [torch.empty_like(x) for _ in range(world_size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        ctx.block = (rank * x.shape[-1], (rank + 1) * x.shape[-1])
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        start, end = ctx.block
+        return grad[..., start:end].contiguous(), None
+
+
+def gather_columns(x: torch.Tensor, group=None) -> torch.Tensor:
+    """``x`` (..., N_r), this rank's block of the columns (a column-parallel layer's output), joined
+    with every rank's of ``group`` into (..., N), the same bits on every rank.  The gradient of
+    a rank's block is its block of the output's gradient: for what every rank then computes
+    whole and alike (an LM head's logits, the loss computed from all of them rather than by
+    loss-parallel partial sums).  ``group=None``: ``x`` is every column."""
+    return x if group is None else _GatherColumns.apply(x, group)
+
+
 def _check_mode(mode: str) -> None:
     if mode not in TP_MATMUL_MODES:
         raise ConfigError(f"mode={mode!r}: the TP-invariant linears take one of {', '.join(TP_MATMUL_MODES)} "
@@ -377,4 +404,4 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, group=None, *,
 
 
 __all__ = ["TP_BLOCK_SIZE", "TP_MATMUL_MODES", "MAX_LEAVES", "invariant_matmul", "tree_matmul", "gemm_matmul",
-           "column_parallel_linear", "row_parallel_linear", "invariant_sum", "scale_columns"]
+           "column_parallel_linear", "row_parallel_linear", "gather_columns", "invariant_sum", "scale_columns"]

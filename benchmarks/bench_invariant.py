@@ -175,7 +175,7 @@ def comm(nproc: int, elements: int, rounds: int, local_micro_batches: int = 1) -
             __file__, "_comm_worker", "--elements", str(elements), "--rounds", str(rounds),
             "--local-micro-batches", str(local_micro_batches)]
     load_before = os.getloadavg()[0]
-    done = subprocess.run(argv, capture_output=True, text=True, check=True)
+    done = _run(argv)
     result = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
     return {**result, "native": native_description(), "load_1min_before_after": [load_before, os.getloadavg()[0]]}
 
@@ -187,7 +187,7 @@ def loop(nproc: int, steps: int, rounds: int) -> dict:
             argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                     str(TRAIN), "--steps", str(steps), "--grad-reduce", mode, "--num-micro-batches", "8",
                     "--micro-batch-size", "64", "--print-step-times"]
-            done = subprocess.run(argv, capture_output=True, text=True, check=True)
+            done = _run(argv)
             line = [x for x in done.stdout.splitlines() if x.startswith("step_times ")][-1]
             times[mode] += json.loads(line.split(" ", 1)[1])[3:]
     inv, mean = statistics.median(times["invariant"]), statistics.median(times["mean"])
@@ -236,7 +236,7 @@ def recipe(nproc: int, steps: int, rounds: int, cell: str = "dp2") -> dict:
             argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                     "-m", "samebits.recipes", *layout, "--steps", str(steps),
                     *(["--set", "ep=1"] if cell != "ep2" else []), *modes[mode]]
-            done = subprocess.run(argv, capture_output=True, text=True, check=True)
+            done = _run(argv)
             lines = [x for x in done.stdout.splitlines() if x.startswith("step ")]
             per_round[mode].append(statistics.median(
                 float(x.rsplit("|", 1)[1].split()[0]) / 1000 for x in lines[3:]))
@@ -256,6 +256,14 @@ def recipe(nproc: int, steps: int, rounds: int, cell: str = "dp2") -> dict:
         result[f"{name}_ratio_min_max"] = [min(ratios), max(ratios)]
     result["load_1min_per_round"] = loads  # before the first round, then after each
     return result
+
+
+def _run(argv: list[str]) -> subprocess.CompletedProcess:
+    """One training run; a failure stops the benchmark with the run's own error, not a bare exit code."""
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(argv)}\nfailed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return done
 
 
 def main() -> None:

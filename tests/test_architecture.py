@@ -24,7 +24,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "samebits"
 # Low to high.  A component may import components of its own layer (as long as no cycle
 # forms) and of the layers below it, never above.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("foundation", {"errors", "verdicts", "visible", "settings", "defaults", "_torchutil", "_lazy_exports"}),
+    ("foundation", {"errors", "verdicts", "visible", "settings", "defaults", "_torchutil", "_lazy_exports", "_cdll"}),
     ("digest", {"fingerprint"}),
     ("bottom", {"kernels", "stream", "determinism", "checkpoint", "invariant", "replicas", "rerun",
                 "_inject"}),
@@ -40,7 +40,7 @@ CLIENTS = {"recipes", "integrations"}  # use the public API like a user's script
 CLIENT_USERS = {"recipes": {"cli"}}
 # Components whose own name starts with "_": the foundation's torch helpers and the
 # PYTHONPATH helper, imported by name like any module.
-UNDERSCORED_COMPONENTS = {"_torchutil", "_lazy_exports", "_inject"}
+UNDERSCORED_COMPONENTS = {"_torchutil", "_lazy_exports", "_cdll", "_inject"}
 LAYER_OF = {component: index for index, (_, members) in enumerate(LAYERS) for component in members}
 
 # Modules a function may import lazily: they import an optional heavy dependency (Triton) at

@@ -25,6 +25,17 @@ def test_native_library_is_built_beside_the_digest_library():
         "`pip install -e .`")
 
 
+def test_a_library_not_built_or_of_another_version_is_not_used():
+    from samebits._cdll import load_library
+
+    assert load_library("samebits.invariant._libfixed_not_built", "samebits_fixed_abi_version", 3, "-") is None
+    if _fixed_native.LIB is None:
+        pytest.skip("the fixed-point library is not built (pip install -e .)")
+    with pytest.warns(UserWarning, match="from another samebits version; the torch path runs"):
+        assert load_library("samebits.invariant._libfixed", "samebits_fixed_abi_version", 999,
+                            "the torch path runs") is None
+
+
 def _blocks(num_blocks: int, block_size: int, seed: int, nonfinite: bool = True) -> torch.Tensor:
     """fp32 blocks, each of its own kind (the same in every micro-batch: the kinds come from
     ``block_size`` alone): normal at a random scale 2**-140..2**120 (some spanning 40 binary

@@ -129,6 +129,10 @@ def test_the_config_gives_the_model_its_tensor_parallel_invariant_layers(tmp_pat
         in_features=w2.in_features, out_features=w2.out_features)
     with pytest.raises(ConfigError, match="layers.0.feed_forward.w2 is a ScaledBiasRowwiseLinear.Config"):
         invariant(planted)
+    biased = _tiny_config(tmp_path, monkeypatch)
+    biased.model_spec.model.lm_head.bias = True
+    with pytest.raises(ConfigError, match="lm_head is a Linear with a bias"):
+        invariant(biased)
     plain = invariant(_tiny_config(tmp_path, monkeypatch), layout="tp2", tensor_parallel=False)  # DP only
     assert not any(plain.model_spec.model.traverse(InvariantLinear.Config))
     assert "tensor parallelism without samebits' invariant layers" in "\n".join(refusals(plain))
@@ -140,7 +144,7 @@ def test_torchtitan_gives_the_same_bits_at_fsdp2_one_rank_and_tp2_and_resumes_ac
     out = tmp_path / "across"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "samebits", "verify", "--across", "fsdp2,single,tp2",
-                           "--resume-across",                           "--resume-at", str(CHECKPOINT), "--out", str(out), "--json",
+                           "--resume-across", "--resume-at", str(CHECKPOINT), "--out", str(out), "--json",
                            "--resume-with", " ".join(RESUME), "--", *TRAIN],
                           capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -9,7 +9,6 @@ already loaded the dynamic loader reuses it, so the process has a single OpenMP 
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
 import warnings
 from array import array
@@ -18,6 +17,7 @@ import numpy as np
 
 import torch  # noqa: F401  (loads torch's libgomp before ours; see the module docstring)
 
+from samebits._cdll import load_library
 from samebits.errors import ConfigError
 
 _ABI_VERSION = 4  # the ABI version in csrc/digest.c (3: digest version 2, samebits_body_sum_with; 4: step frames)
@@ -25,20 +25,8 @@ _BUILD_HINT = "build it with `pip install -e .` (or `pip install .`) from the sa
 
 
 def _load() -> ctypes.CDLL | None:
-    spec = importlib.util.find_spec("samebits.fingerprint._libdigest")
-    if spec is None or not spec.origin:
-        return None
-    try:
-        lib = ctypes.CDLL(spec.origin)
-    except OSError as err:
-        warnings.warn(f"samebits: cannot load {spec.origin} ({err}); {_BUILD_HINT}", stacklevel=2)
-        return None
-    lib.samebits_digest_abi_version.restype = ctypes.c_int
-    if lib.samebits_digest_abi_version() != _ABI_VERSION:
-        warnings.warn(
-            f"samebits: {spec.origin} is from another samebits version; {_BUILD_HINT}",
-            stacklevel=2,
-        )
+    lib = load_library("samebits.fingerprint._libdigest", "samebits_digest_abi_version", _ABI_VERSION, _BUILD_HINT)
+    if lib is None:
         return None
     lib.samebits_digest_isa.restype = ctypes.c_char_p
     lib.samebits_digest_has_openmp.restype = ctypes.c_int

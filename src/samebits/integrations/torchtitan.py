@@ -116,15 +116,15 @@ class InvariantLinear(Linear):
         gather_output: bool = False
 
     def __init__(self, config: Config):
-        if config.bias:
-            raise ConfigError(f"{_OWNER}: a linear layer with a bias ({config.in_features} -> "
-                              f"{config.out_features}) is not covered by the TP-invariant layers")
         super().__init__(config)
         self.gather_output = config.gather_output
 
     def _role(self) -> str:
         """"column", "row" or "whole" (a weight no TP plan splits), from the sharding config."""
         dim = getattr(_tp_placement(self._sharding_config), "dim", None)
+        if dim not in (None, 0, 1):
+            raise ConfigError(f"{_OWNER}: a linear layer ({self.in_features} -> {self.out_features}) whose TP plan "
+                              f"shards its weight on dimension {dim} is neither column- nor row-parallel: not covered")
         return {None: "whole", 0: "column", 1: "row"}[dim]
 
     def parallelize(self, parallel_dims) -> None:
@@ -185,7 +185,7 @@ class InvariantRMSNorm(RMSNorm):
         # the input's gradient is one term at every layout (under TP, to_local's node does the same),
         # never the residual's gradient plus one, then the other
         normed = torch.nn.functional.rms_norm(x.float().view_as(x), self.normalized_shape, None, self.eps)
-        out = scale_columns(normed, weight.float(), group).to(x.dtype)
+        out = (normed if weight is None else scale_columns(normed, weight.float(), group)).to(x.dtype)
         return out if mesh is None else DTensor.from_local(out, mesh, placements, run_check=False)
 
 
@@ -195,9 +195,12 @@ def _invariant_layers(model) -> None:
         for fqn, cfg, parent, attr in list(model.traverse(kind)):
             if type(cfg) is target:
                 continue
-            if type(cfg) is not kind or parent is None:
-                raise ConfigError(f"{_OWNER}: {fqn} is a {type(cfg).__qualname__}, which the TP-invariant "
-                                  "layers do not cover; build it from torchtitan's Linear/RMSNorm")
+            if type(cfg) is not kind or parent is None or getattr(cfg, "bias", False):
+                what = "a Linear with a bias" if type(cfg) is kind and parent is not None else \
+                    f"a {type(cfg).__qualname__}"
+                raise ConfigError(f"{_OWNER}: {fqn} is {what}, which the TP-invariant layers do not cover; build "
+                                  "it from torchtitan's Linear (no bias) or RMSNorm, or keep torchtitan's layers "
+                                  "with invariant(config, tensor_parallel=False) (data-parallel invariance only)")
             values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
             if target is InvariantLinear.Config:
                 values["gather_output"] = fqn == "lm_head"

@@ -11,30 +11,21 @@ the one the process then uses (a single OpenMP runtime).
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
-import warnings
 from array import array
 
 import torch
+
+from samebits._cdll import load_library
 
 _ABI_VERSION = 3  # the ABI version fixed.c reports (samebits_fixed_abi_version)
 
 
 def _load() -> ctypes.CDLL | None:
-    spec = importlib.util.find_spec("samebits.invariant._libfixed")
-    if spec is None or not spec.origin:
-        return None
-    try:
-        lib = ctypes.CDLL(spec.origin)
-    except OSError as err:
-        warnings.warn(f"samebits: cannot load {spec.origin} ({err}); the invariant reduction uses its torch path "
-                      "(same bits, slower); rebuild with `pip install -e .`", stacklevel=2)
-        return None
-    lib.samebits_fixed_abi_version.restype = ctypes.c_int
-    if lib.samebits_fixed_abi_version() != _ABI_VERSION:
-        warnings.warn(f"samebits: {spec.origin} is from another samebits version; the invariant reduction uses "
-                      "its torch path (same bits, slower); rebuild with `pip install -e .`", stacklevel=2)
+    lib = load_library("samebits.invariant._libfixed", "samebits_fixed_abi_version", _ABI_VERSION,
+                       "the invariant reduction uses its torch path (same bits, slower); rebuild with "
+                       "`pip install -e .`")
+    if lib is None:
         return None
     lib.samebits_fixed_has_openmp.restype = ctypes.c_int
     pointer, size = ctypes.c_void_p, ctypes.c_int64

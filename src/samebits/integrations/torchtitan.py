@@ -15,8 +15,8 @@ products and sums have the same bits at any tensor-parallel degree, sequence par
 included; the clipping norm is the sharded invariant norm; the initial weights are made whole,
 once, from ``debug.seed``, and each rank keeps its slice; any draw is keyed by (step,
 micro-batch).  What it does not cover (pipeline, context and expert parallelism; TP off the
-partial_dtensor backend or with replicas; HSDP with both replicas and shards; float8;
-FlexAttention on a CPU) it refuses at start, naming the reason.
+partial_dtensor backend; HSDP with both replicas and shards; float8; FlexAttention on a CPU)
+it refuses at start, naming the reason.
 
 ``SAMEBITS_LAYOUT`` (a cell: ``single``, ``fsdp2``, ``dp2``...) sets the parallel degrees and
 ``SAMEBITS_INVARIANT=0`` keeps only the layout: `samebits verify --across` sets both, for the
@@ -238,9 +238,6 @@ def refusals(config: Trainer.Config) -> list[str]:
             reasons.append(f"tensor parallelism under parallelism.spmd_backend {p.spmd_backend!r}: the invariant TP "
                            "layers read the DTensor placements of the partial_dtensor backend; set "
                            "--parallelism.spmd_backend partial_dtensor")
-        if p.data_parallel_replicate_degree > 1:
-            reasons.append("tensor parallelism with HSDP replicas (parallelism.data_parallel_replicate_degree) is not "
-                           "covered; use parallelism.data_parallel_shard_degree (FSDP2) with TP")
         if config.compile.enable_async_tensor_parallel:
             reasons.append("async tensor parallelism (compile.enable_async_tensor_parallel) fuses the TP collectives "
                            "into torchtitan's own matmuls; turn it off")

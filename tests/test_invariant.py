@@ -457,6 +457,10 @@ def test_sharded_norm_is_accurate_and_does_not_depend_on_element_order():
     with pytest.raises(ConfigError, match="gradient 0 holds 300 elements, more than .* 10"):
         sharded_grad_norm(grads, full_numels=[10, 63, 5])
     assert sharded_grad_norm([torch.tensor([1.0, float("nan")])]).isnan()
+    # a part another rank counts (counted False) is left out: the norm of the rest, the same bits
+    assert torch.equal(sharded_grad_norm(grads, counted=[True, False, True]), sharded_grad_norm([grads[0], grads[2]]))
+    with pytest.raises(ConfigError, match="3 gradients but 2 counted flags"):
+        sharded_grad_norm(grads, counted=[True, False])
 
 
 def test_invariant_sum_over_rows_is_correctly_rounded_in_any_row_order():

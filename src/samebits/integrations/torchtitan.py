@@ -49,8 +49,9 @@ from torchtitan.trainer import Trainer
 
 from samebits import settings
 from samebits.errors import ConfigError
-from samebits.invariant import (MAX_LEAVES, TP_BLOCK_SIZE, column_parallel_linear, gather_columns, manual_seed,
-                                micro_batch_seed, reduce_blocks, row_parallel_linear, scale_columns, sharded_grad_norm)
+from samebits.invariant import (MAX_LEAVES, TP_BLOCK_SIZE, clip_sharded_grad_norm_, column_parallel_linear,
+                                gather_columns, manual_seed, micro_batch_seed, reduce_blocks, row_parallel_linear,
+                                scale_columns)
 from samebits.runners.commands import INVARIANT_VARIABLE, LAYOUT_VARIABLE, cell_degrees
 
 _OWNER = "samebits.integrations.torchtitan"
@@ -154,14 +155,13 @@ class InvariantLinear(Linear):
         dtype = x.dtype
         x, weight = x.float(), weight.float()  # bf16 parameters: fp32 products, rounded once
         if role == "row":
-            out = row_parallel_linear(x, weight, group).to(dtype)
-            return out if mesh is None else DTensor.from_local(out, mesh, [Replicate()], run_check=False)
-        out = column_parallel_linear(x, weight, group if role == "column" else None).to(dtype)
-        if mesh is None or role == "whole":
-            return out if mesh is None else DTensor.from_local(out, mesh, [Replicate()], run_check=False)
-        if self.gather_output:
-            return gather_columns(out, group)
-        return DTensor.from_local(out, mesh, [Shard(out.dim() - 1)], run_check=False)
+            out, placement = row_parallel_linear(x, weight, group).to(dtype), Replicate()
+        else:
+            out = column_parallel_linear(x, weight, group if role == "column" else None).to(dtype)
+            if role == "column" and self.gather_output:
+                return gather_columns(out, group)
+            placement = Shard(out.dim() - 1) if role == "column" else Replicate()
+        return out if mesh is None else DTensor.from_local(out, mesh, [placement], run_check=False)
 
 
 class InvariantRMSNorm(RMSNorm):
@@ -451,12 +451,8 @@ class InvariantTrainer(Trainer):
             return
         params = [p for part in self.model_parts for p in part.parameters() if p.grad is not None]
         grads = [_local(p.grad) for p in params]
-        counted = [g if self._counts_here(p) else g.reshape(-1)[:0] for p, g in zip(params, grads)]
-        norm = sharded_grad_norm(counted, full_numels=[p.numel() for p in params], group=self._norm_group,
-                                 replicated=[False] * len(params))
-        coeff = torch.clamp(self._max_norm / (norm + 1e-6), max=1.0)  # clip_sharded_grad_norm_'s
-        for grad in grads:
-            grad.mul_(coeff.to(grad.device))
+        clip_sharded_grad_norm_(grads, self._max_norm, full_numels=[p.numel() for p in params], group=self._norm_group,
+                                replicated=[False] * len(params), counted=[self._counts_here(p) for p in params])
 
     def _counts_here(self, param: torch.Tensor) -> bool:
         """Whether this rank's part of ``param`` enters the norm: every element once, from the

@@ -30,14 +30,17 @@ _NONFINITE_EXP = 4096  # a tensor holding inf or nan on some rank: the norm is n
 
 
 def sharded_grad_norm(grads: Sequence[torch.Tensor], *, full_numels: Sequence[int] | None = None,
-                      group=None, replicated: Sequence[bool] | None = None) -> torch.Tensor:
+                      group=None, replicated: Sequence[bool] | None = None,
+                      counted: Sequence[bool] | None = None) -> torch.Tensor:
     """The L2 norm (fp32, 0-dim, the same on every rank of ``group``) of tensors that are
     each either this rank's shard of a tensor of ``full_numels[i]`` elements split over
     ``group`` (``full_numels[i]`` > the local numel) or whole and the same on every rank of
     ``group`` (``full_numels[i]`` equal to it, or ``full_numels`` None).  The same bits
     however the tensors are split, at any group size (``group=None``: this rank alone).
     ``replicated[i]`` False says tensor i is split even where one rank holds it whole (a
-    pipeline stage's tensor, empty on the other stages): every rank's part is summed."""
+    pipeline stage's tensor, empty on the other stages): every rank's part is summed.
+    ``counted[i]`` False: this rank's part of tensor i is a copy another rank of ``group``
+    counts (a TP copy of a norm weight, a replica's shard) and is left out of the sum."""
     grads = list(grads)
     full = [g.numel() for g in grads] if full_numels is None else [int(n) for n in full_numels]
     if len(full) != len(grads):
@@ -58,7 +61,11 @@ def sharded_grad_norm(grads: Sequence[torch.Tensor], *, full_numels: Sequence[in
         raise ConfigError(f"sharded_grad_norm: gradient {split[0]} is a shard ({grads[split[0]].numel()} of "
                           f"{full[split[0]]} elements) but no group of ranks holds the rest; pass the "
                           "group it is split over")
+    if counted is not None and len(counted) != len(grads):
+        raise ConfigError(f"sharded_grad_norm: {len(grads)} gradients but {len(counted)} counted flags")
     flat = [g.detach().reshape(-1).to(device) for g in grads]
+    if counted is not None:
+        flat = [g if keep else g[:0] for g, keep in zip(flat, counted)]
     # Each tensor's largest square, (max |g|)**2: exact in fp64 (a 24-bit significand squared
     # is 48 bits), and nan/inf where the tensor holds one; one vector of exponents for all.
     zero = torch.zeros((), dtype=torch.float32, device=device)
@@ -91,11 +98,12 @@ def _square_sum(g: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def clip_sharded_grad_norm_(grads: Sequence[torch.Tensor], max_norm: float, *,
                             full_numels: Sequence[int] | None = None, group=None,
-                            replicated: Sequence[bool] | None = None) -> torch.Tensor:
+                            replicated: Sequence[bool] | None = None,
+                            counted: Sequence[bool] | None = None) -> torch.Tensor:
     """Scale ``grads`` in place by min(1, max_norm / (norm + 1e-6)) of their `sharded_grad_norm`
     (max_norm 0: report only).  Returns the fp32 norm."""
     grads = list(grads)
-    norm = sharded_grad_norm(grads, full_numels=full_numels, group=group, replicated=replicated)
+    norm = sharded_grad_norm(grads, full_numels=full_numels, group=group, replicated=replicated, counted=counted)
     if max_norm > 0:
         coeff = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for grad in grads:

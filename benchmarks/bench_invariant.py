@@ -218,12 +218,17 @@ def _recipe_modes(cell: str) -> dict[str, list[str]]:
     return {"invariant": configured, "invariant_same": same, "mean": mean}
 
 
-def recipe(nproc: int, steps: int, rounds: int, cell: str = "dp2") -> dict:
+def recipe(nproc: int, steps: int, rounds: int, cell: str = "dp2", only: list[str] | None = None) -> dict:
     """Each round runs every mode once (one torchrun each, the order rotating from round to
     round); a round's ratio is the ratio of its runs' median step times (the recipe's own
     timer, the first 3 steps of each run left out).  The median of the rounds' ratios with a
     95% bootstrap interval and the min-max, so the load of a moment moves one round."""
     modes = _recipe_modes(cell)
+    if only:  # "mean" always: every ratio is against it
+        unknown = sorted(set(only) - set(modes))
+        if unknown:
+            raise SystemExit(f"--modes: {', '.join(unknown)} not among {', '.join(modes)} for {cell}")
+        modes = {mode: argv for mode, argv in modes.items() if mode in only or mode == "mean"}
     layout: list[str] = []
     if cell != "dp2":
         nproc = {"fsdp2": 2, "tp2-dp2": 4, "pp2": 2, "ep2": 2}[cell]
@@ -248,7 +253,7 @@ def recipe(nproc: int, steps: int, rounds: int, cell: str = "dp2") -> dict:
         baselines["dp_part"] = "tp_only"
     for name, baseline in baselines.items():
         mode = "invariant" if name == "dp_part" else name
-        if mode not in modes:
+        if mode not in modes or baseline not in modes:
             continue
         ratios = [a / b for a, b in zip(per_round[mode], per_round[baseline])]
         result[f"{name}_ratio"] = statistics.median(ratios)
@@ -275,6 +280,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None, help="default: 20 (comm), 3 (loop), 5 (recipe)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--cell", choices=("dp2", "fsdp2", "tp2-dp2", "pp2", "ep2"), default="dp2")
+    parser.add_argument("--modes", default=None,
+                        help="recipe: a comma-separated subset of the modes to run (e.g. invariant_same; "
+                             "\"mean\", the baseline, always runs)")
     parser.add_argument("--local-micro-batches", type=int, default=1,
                         help="comm: micro-batch gradients each rank reduces (1-2: their fp32 rows go to their owner; "
                              "3 and more: int64 sums)")
@@ -290,7 +298,8 @@ def main() -> None:
     elif args.what == "comm":
         result = comm(args.nproc, args.elements, args.rounds, args.local_micro_batches)
     elif args.what == "recipe":
-        result = recipe(args.nproc, args.steps, args.rounds, args.cell)
+        result = recipe(args.nproc, args.steps, args.rounds, args.cell,
+                        args.modes.split(",") if args.modes else None)
     else:
         result = loop(args.nproc, args.steps, args.rounds)
     print(json.dumps(result, indent=2))

@@ -2,7 +2,7 @@
 functions of samebits.invariant._fixed: the same exponents, int64 sums, inexact counts and fp32
 bits on data built to reach every branch (mixed scales, zeros, subnormals, inf/nan blocks,
 tiny blocks on the float64 path, the subnormal grid of the decode, block sizes 1 and 256,
-1 to 5 micro-batches, fraction bits from 62 down to 30)."""
+1 to 5 micro-batches, fraction bits from 62 down to 30), for the three passes and the fused one."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from samebits.errors import ConfigError
 from samebits.fingerprint import native_available
 from samebits.invariant import _fixed, _fixed_native
 from samebits.invariant._fixed import (EXPONENT_NONFINITE, decode_into, encode_sum, fraction_bits,
-                                       max_block_exponents)
+                                       max_block_exponents, reduce_here)
 
 needs_library = pytest.mark.skipif(_fixed_native.LIB is None, reason="the native fixed-point library is not built")
 
@@ -85,7 +85,16 @@ def test_native_path_has_the_reference_bits(block_size, num_buffers, num_micro_b
     assert torch.equal(native_total, total)
     assert native_inexact == inexact and inexact > 0
 
-    assert _bits_equal(decode_into(total, exps, bits, backend="native"), decode_into(total, exps, bits, backend="torch"))
+    decoded = decode_into(total, exps, bits, backend="torch")
+    assert _bits_equal(decode_into(total, exps, bits, backend="native"), decoded)
+
+    # The fused pass (one rank, or the owner of its rows): the same bits and counts as the three.
+    fused = torch.full_like(decoded, 7.0)
+    counts = reduce_here(buffers, bits, out=fused, backend="native")
+    assert _bits_equal(fused, decoded)
+    assert counts == (inexact, int((exps == EXPONENT_NONFINITE).sum()))
+    reference = torch.empty_like(decoded)
+    assert reduce_here(buffers, bits, out=reference, backend="torch") == counts and _bits_equal(reference, decoded)
 
 
 @needs_library
@@ -150,3 +159,19 @@ def test_native_square_sums_are_the_clipping_norms_integers(exponent):
     assert native is not None
     assert torch.equal(native, torch.stack([_square_sum(t, scales[i]) for i, t in enumerate(tensors)]))
     assert _fixed_native.square_sums([tensors[3][::2]], scales[:1]) is None  # not contiguous: the torch path
+
+
+@needs_library
+def test_native_peaks_are_the_clipping_norms_largest_magnitudes():
+    """The clipping norm's other pass (`_norm`): each tensor's largest |x| as torch's
+    abs().amax() gives it, 0 for an empty tensor, nan where one holds nan (whatever else), inf
+    where one holds inf and no nan; a strided tensor goes to the torch path."""
+    gen = torch.Generator().manual_seed(7)
+    tensors = [torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen) * 8) for n in (0, 1, 7, 300_000)]
+    tensors += [torch.tensor([0.0, -0.0]), torch.tensor([-1e-45, 1e-45, -3.0]), torch.tensor([1.0, float("-inf"), 2.0]),
+                torch.tensor([float("inf"), float("nan"), -1.0]), torch.tensor([-0.0])]
+    native = _fixed_native.peaks(tensors)
+    expected = torch.stack([t.abs().amax() if t.numel() else torch.zeros(()) for t in tensors])
+    assert torch.equal(native.isnan(), expected.isnan()) and expected.isnan().sum() == 1
+    assert _bits_equal(native[~native.isnan()], expected[~expected.isnan()])
+    assert _fixed_native.peaks([tensors[3][::2]]) is None

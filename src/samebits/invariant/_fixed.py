@@ -236,3 +236,17 @@ def decode_into(sums: torch.Tensor, exponents: torch.Tensor, bits: int, *, out: 
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "fraction_bits", "block_exponents", "encode", "decode", "pow2", "pow2_clamped",
            "EXPONENT_MIN", "EXPONENT_NONFINITE", "BACKENDS", "max_block_exponents", "encode_sum", "decode_into"]
+
+
+def reduce_here(buffers: list[torch.Tensor], bits: int, *, out: torch.Tensor, backend: str = "auto") -> tuple[int, int]:
+    """The reduction where every contribution is on this rank (one rank, or the owner of its
+    rows): `max_block_exponents`, `encode_sum` and `decode_into` in turn, written to ``out``
+    (fp32).  Returns (inexact elements, non-finite blocks).  The native path does the three in
+    one pass, with no exponent or int64 buffer."""
+    if backend in ("auto", "native") and _pick(backend, [*buffers, out], [torch.float32] * (len(buffers) + 1),
+                                               "reduce_here") == "native":
+        return _fixed_native.reduce(buffers, bits, out)
+    exps = max_block_exponents(buffers, backend=backend)
+    total, inexact = encode_sum(buffers, exps, bits, backend=backend)
+    decode_into(total, exps, bits, out=out, backend=backend)
+    return inexact, int((exps == EXPONENT_NONFINITE).sum())

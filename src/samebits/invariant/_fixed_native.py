@@ -18,7 +18,7 @@ import torch
 
 from samebits._cdll import load_library
 
-_ABI_VERSION = 3  # the ABI version fixed.c reports (samebits_fixed_abi_version)
+_ABI_VERSION = 4  # the ABI version fixed.c reports (samebits_fixed_abi_version)
 
 
 def _load() -> ctypes.CDLL | None:
@@ -37,6 +37,11 @@ def _load() -> ctypes.CDLL | None:
     lib.samebits_fixed_decode.restype = None
     lib.samebits_fixed_decode.argtypes = [pointer, ctypes.c_uint64, pointer, size, size, pointer, ctypes.c_int, pointer,
                                           ctypes.c_int]
+    lib.samebits_fixed_reduce.restype = ctypes.c_int64
+    lib.samebits_fixed_reduce.argtypes = [ctypes.c_uint64, pointer, size, size, ctypes.c_int, pointer, pointer,
+                                          ctypes.c_int]
+    lib.samebits_fixed_peaks.restype = None
+    lib.samebits_fixed_peaks.argtypes = [ctypes.c_uint64, pointer, pointer, pointer]
     lib.samebits_fixed_square_sums.restype = None
     lib.samebits_fixed_square_sums.argtypes = [ctypes.c_uint64, pointer, pointer, pointer, pointer, ctypes.c_int]
     return lib
@@ -111,11 +116,39 @@ def decode(sums: torch.Tensor, exps: torch.Tensor, bits: int, out: torch.Tensor,
                               exps.data_ptr(), bits, out.data_ptr(), _threads())
 
 
+def reduce(buffers: list[torch.Tensor], bits: int, out: torch.Tensor) -> tuple[int, int]:
+    """out = `decode` of `encode_sum` at the `exponents` of ``buffers``, in one pass (fp32,
+    written); returns (inexact elements, non-finite blocks)."""
+    num_blocks, block_size = buffers[0].shape
+    addresses = _addresses(buffers)
+    nonfinite = ctypes.c_int64(0)
+    inexact = LIB.samebits_fixed_reduce(len(buffers), addresses.buffer_info()[0], num_blocks, block_size, bits,
+                                        out.data_ptr(), ctypes.addressof(nonfinite), _threads())
+    return inexact, nonfinite.value
+
+
+def _takes_flat(tensors: list[torch.Tensor]) -> bool:
+    """Whether the library is loaded and every tensor is contiguous fp32 on the CPU."""
+    return LIB is not None and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+                                   for t in tensors)
+
+
+def peaks(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """`_norm`'s largest |x| per tensor (fp32; 0 for an empty one, nan where one is), or None
+    where `_takes_flat` does not hold (the torch path then)."""
+    if not _takes_flat(tensors):
+        return None
+    numels = torch.tensor([t.numel() for t in tensors], dtype=torch.int64)
+    out = torch.empty(len(tensors), dtype=torch.int32)
+    addresses = _addresses(tensors)
+    LIB.samebits_fixed_peaks(len(tensors), addresses.buffer_info()[0], numels.data_ptr(), out.data_ptr())
+    return out.view(torch.float32)
+
+
 def square_sums(tensors: list[torch.Tensor], scales: torch.Tensor) -> torch.Tensor | None:
     """`_norm`'s int64 sums of round(x * x * scale) per tensor (inf and nan as 0), or None where
-    the library is not loaded or a tensor is not contiguous fp32 on the CPU (the torch path then)."""
-    if LIB is None or any(t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous()
-                          for t in tensors):
+    `_takes_flat` does not hold (the torch path then)."""
+    if not _takes_flat(tensors):
         return None
     scales = scales.to(device="cpu", dtype=torch.float64).contiguous()
     numels = torch.tensor([t.numel() for t in tensors], dtype=torch.int64)

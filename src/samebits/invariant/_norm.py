@@ -22,7 +22,7 @@ import torch.distributed as dist
 from samebits._torchutil import group_rank_and_world_size
 from samebits.errors import ConfigError
 from samebits.invariant._fixed import pow2_clamped
-from samebits.invariant._fixed_native import square_sums
+from samebits.invariant._fixed_native import peaks, square_sums
 
 _SUM_BITS = 62
 _ZERO_EXP = -4096  # a tensor of zeros
@@ -68,8 +68,11 @@ def sharded_grad_norm(grads: Sequence[torch.Tensor], *, full_numels: Sequence[in
         flat = [g if keep else g[:0] for g, keep in zip(flat, counted)]
     # Each tensor's largest square, (max |g|)**2: exact in fp64 (a 24-bit significand squared
     # is 48 bits), and nan/inf where the tensor holds one; one vector of exponents for all.
-    zero = torch.zeros((), dtype=torch.float32, device=device)
-    peak = torch.stack([g.abs().amax() if g.numel() else zero for g in flat]).to(torch.float64).square()
+    peak = peaks(flat)  # the C library's one pass a tensor, or:
+    if peak is None:
+        zero = torch.zeros((), dtype=torch.float32, device=device)
+        peak = torch.stack([g.abs().amax() if g.numel() else zero for g in flat])
+    peak = peak.to(torch.float64).square()
     _, exps = torch.frexp(peak)  # peak < 2**exp
     exps = torch.where(peak > 0, exps.to(torch.int64), torch.full_like(exps, _ZERO_EXP, dtype=torch.int64))
     exps = torch.where(torch.isfinite(peak), exps, torch.full_like(exps, _NONFINITE_EXP))
@@ -106,8 +109,11 @@ def clip_sharded_grad_norm_(grads: Sequence[torch.Tensor], max_norm: float, *,
     norm = sharded_grad_norm(grads, full_numels=full_numels, group=group, replicated=replicated, counted=counted)
     if max_norm > 0:
         coeff = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for grad in grads:
-            grad.mul_(coeff.to(grad.device))
+        if len({g.device for g in grads}) == 1:
+            torch._foreach_mul_(grads, coeff.to(grads[0].device))  # the same products, one call
+        else:
+            for grad in grads:
+                grad.mul_(coeff.to(grad.device))
     return norm
 
 

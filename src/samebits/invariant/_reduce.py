@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from samebits._torchutil import group_rank_and_world_size
 from samebits.errors import ConfigError, SamebitsError
 from samebits.invariant._fixed import (DEFAULT_BLOCK_SIZE, EXPONENT_NONFINITE, decode_into, encode_sum, fraction_bits,
-                                       max_block_exponents)
+                                       max_block_exponents, reduce_here)
 from samebits.invariant._preconditions import Preconditions, manual_seed, micro_batch_seed
 from samebits.verdicts import ToDict
 
@@ -72,37 +72,48 @@ class _Blocks:
         self.num_blocks = -(-max(self.num_real_blocks, 1) // world_size) * world_size
 
     def gather(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
-        """(num_blocks, block_size) fp32 copy of the gradients (None counts as zeros)."""
+        """(num_blocks, block_size) fp32 copy of the gradients (None counts as zeros): each
+        element written once, the padding zeroed, no pass over the whole buffer first."""
         device = next((g.device for g in grads if g is not None), torch.device("cpu"))
-        out = torch.zeros(self.num_blocks, self.block_size, dtype=torch.float32, device=device)
+        out = torch.empty(self.num_blocks, self.block_size, dtype=torch.float32, device=device)
         row = 0
         for grad, numel, nblocks in zip(grads, self.numels, self.param_blocks):
-            if grad is not None:
+            flat = out[row:row + nblocks].view(-1)
+            if grad is None:
+                flat.zero_()
+            else:
                 if grad.dtype != torch.float32:
                     raise ConfigError(f"invariant reduction takes fp32 gradients, got {grad.dtype}: keep "
                                       "fp32 master gradients (reduce before casting)")
-                out[row:row + nblocks].view(-1)[:numel].copy_(grad.detach().reshape(-1))
+                flat[:numel].copy_(grad.detach().reshape(-1))
+                if numel < flat.numel():
+                    flat[numel:].zero_()
             row += nblocks
+        out[row:].zero_()
         return out
 
     def scatter(self, blocks: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Per-parameter tensors (shaped like ``like``) from (num_blocks, block_size) values."""
+        """Per-parameter views (shaped like ``like``, contiguous) into (num_blocks, block_size)
+        values: no copy, the caller hands over ``blocks``."""
         out, row = [], 0
         for ref, numel, nblocks in zip(like, self.numels, self.param_blocks):
-            out.append(blocks[row:row + nblocks].reshape(-1)[:numel].reshape(ref.shape).clone())
+            out.append(blocks[row:row + nblocks].view(-1)[:numel].view(ref.shape))
             row += nblocks
         return out
 
 
 def reduce_blocks(micro_batches: list[torch.Tensor], *, num_micro_batches: int, group=None,
-                  stats: ReduceStats | None = None, scatter_only: bool = False) -> torch.Tensor:
+                  stats: ReduceStats | None = None, scatter_only: bool = False,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """The invariant SUM over every rank's micro-batches of (num_blocks, block_size) fp32 blocks.
 
     ``micro_batches`` are this rank's; ``num_micro_batches`` is M, the global count (it sets
     the fraction bits, so it must be the same at every DP size).  Returns the reduced fp32
     blocks, the same bits on every rank and at every DP size; ``scatter_only``: only this
     rank's share, rows [rank * n / W, (rank + 1) * n / W) (a reduce-scatter, no all-gather).
-    On the CPU the passes are the C library's (`_fixed.encode_sum` and friends: one pass each).
+    ``out``: where to write that result (fp32, contiguous, its shape), else a new tensor.
+    On the CPU the passes are the C library's (`_fixed.encode_sum` and friends: one pass each;
+    `_fixed.reduce_here`'s one fused pass where a rank holds every contribution to its rows).
     """
     rank, world_size = group_rank_and_world_size(group)
     if not micro_batches:
@@ -116,8 +127,11 @@ def reduce_blocks(micro_batches: list[torch.Tensor], *, num_micro_batches: int, 
     device = micro_batches[0].device  # NCCL needs the collectives' tensors on the GPU
     shard_blocks = num_blocks // world_size
     mine = slice(rank * shard_blocks, (rank + 1) * shard_blocks)
-    reduced = torch.empty(num_blocks if not scatter_only else shard_blocks, block_size, dtype=torch.float32,
-                          device=device)
+    shape = (num_blocks if not scatter_only else shard_blocks, block_size)
+    if out is not None and (out.shape != shape or out.dtype != torch.float32 or not out.is_contiguous()):
+        raise ConfigError(f"reduce_blocks: out must be a contiguous fp32 tensor of shape {shape}, got "
+                          f"{out.dtype} {tuple(out.shape)}")
+    reduced = torch.empty(shape, dtype=torch.float32, device=device) if out is None else out
     decoded = reduced if scatter_only or world_size == 1 else reduced[mine]
     # gloo has no reduce-scatter of its own (it all-reduces the whole buffer: twice the bytes)
     # and runs each collective in several rounds: here it gets one round of direct sends each.
@@ -125,19 +139,16 @@ def reduce_blocks(micro_batches: list[torch.Tensor], *, num_micro_batches: int, 
     raw = gloo and len(micro_batches) <= 2  # fp32 inputs to their owner: no more bytes than int64 sums
     if raw:
         counts = _owner_reduce_scatter(micro_batches, bits, rank, world_size, group, decoded)
+    elif world_size == 1:
+        inexact, nonfinite = reduce_here(micro_batches, bits, out=decoded)
     else:
         exps = max_block_exponents(micro_batches)
-        if gloo:
+        if gloo:  # the counts of this rank's rows: summed over the ranks below
             exps = _exchange_max(exps, rank, world_size, group)
-        elif world_size > 1:
-            dist.all_reduce(exps, op=dist.ReduceOp.MAX, group=group)  # exact: a max of integers
-        if world_size == 1:
-            total, inexact = encode_sum(micro_batches, exps, bits)
-            decode_into(total, exps, bits, out=decoded)
-        elif gloo:  # the counts of this rank's rows: summed over the ranks below
             counts = (_exchange_reduce_scatter(micro_batches, exps, bits, rank, world_size, group, decoded),
                       int((exps[mine] == EXPONENT_NONFINITE).sum()))
         else:
+            dist.all_reduce(exps, op=dist.ReduceOp.MAX, group=group)  # exact: a max of integers
             inexact = _nccl_reduce_scatter(micro_batches, exps, bits, group, decoded, mine, stats is not None)
         nonfinite = int((exps == EXPONENT_NONFINITE).sum()) if stats is not None else 0
     if gloo:  # the all-gather and the counts' sum in one round
@@ -218,10 +229,7 @@ def _owner_reduce_scatter(micro_batches: list[torch.Tensor], bits: int, rank: in
     for work in works:
         work.wait()
     mine = [blocks[chunk(rank)] for blocks in micro_batches] + [part for parts in received for part in parts]
-    exps = max_block_exponents(mine)
-    total, inexact = encode_sum(mine, exps, bits, out=_workspace("total", (rows, block_size), device))
-    decode_into(total, exps, bits, out=out)
-    return inexact, int((exps == EXPONENT_NONFINITE).sum())
+    return reduce_here(mine, bits, out=out)
 
 
 def _exchange_max(exps: torch.Tensor, rank: int, world_size: int, group) -> torch.Tensor:
@@ -450,11 +458,13 @@ class InvariantReduceScatter:
             output_tensor.zero_()
             return None
         stats = ReduceStats()
+        direct = output_tensor.dtype == torch.float32 and output_tensor.is_contiguous()
         shard = reduce_blocks(self._pending, num_micro_batches=self.num_micro_batches, group=group,
-                              stats=stats, scatter_only=True)
+                              stats=stats, scatter_only=True, out=output_tensor.view(-1, 1) if direct else None)
         self._pending = []
         self.last_stats = stats
-        output_tensor.copy_(shard.reshape(-1))
+        if not direct:
+            output_tensor.copy_(shard.reshape(-1))
         return None
 
 

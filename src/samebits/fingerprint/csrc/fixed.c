@@ -7,8 +7,12 @@
  *                              number of elements that did not encode exactly);
  *   samebits_fixed_decode:     int64 sums (plus the partial sums a reduce-scatter received) to fp32,
  *                              rounded once (the subnormal path included);
- *   samebits_fixed_square_sums: the clipping norm's int64 sums of scaled squares per tensor
- *                              (samebits.invariant._norm, one pass a tensor).
+ *   samebits_fixed_reduce:     the three above fused, where every contribution is here (one
+ *                              rank, or the owner of its rows): one read of the k buffers, one
+ *                              write of fp32, the int64 sums kept in a piece on the stack;
+ *   samebits_fixed_peaks,
+ *   samebits_fixed_square_sums: the clipping norm's largest |x| and int64 sums of scaled squares
+ *                              per tensor (samebits.invariant._norm, one pass a tensor each).
  * Each buffer is (num_blocks, block_size) row-major.  Loaded with ctypes (no Python API), built
  * by setup.py as its own library (samebits.invariant._libfixed), so that adding it never
  * changes the digest library's interface.
@@ -31,7 +35,7 @@
 #include "native.h"
 
 /* The interface _fixed_native.py expects (a library of another version is refused there). */
-#define SAMEBITS_FIXED_ABI_VERSION 3 /* 2: decode adds received partial sums; 3: square sums */
+#define SAMEBITS_FIXED_ABI_VERSION 4 /* 2: decode adds received partial sums; 3: square sums; 4: reduce, peaks */
 
 #define EXPONENT_MIN (-128)
 #define EXPONENT_NONFINITE 127
@@ -362,6 +366,124 @@ SAMEBITS_EXPORT void samebits_fixed_decode(const int64_t *sums, uint64_t num_add
             decode_block(values, n, exponents[b], bits, out + offset);
         }
     }
+}
+
+/* block_size 1, elements [begin, end) a strip at a time (its values on the stack): loops over
+ * the elements without a branch, which the compiler vectorizes; the rare elements (inf or nan,
+ * or a nonzero peak below the fp32 scale's range, subnormal peaks among them) are redone
+ * after, one by one, by the blocks' own paths.  A zero peak takes the fp32 path at the
+ * clamped scale: the same +0.0 and no inexact count as the float64 path gives it. */
+#define STRIP 512
+
+typedef union {
+    uint32_t bits;
+    float value;
+} f32_bits;
+
+CLONES static int64_t reduce_flat(uint64_t num_buffers, const float *const *buffers, int64_t begin, int64_t end,
+                                  int bits, float *out, int64_t *nonfinite)
+{
+    int64_t inexact = 0;
+    for (int64_t first = begin; first < end; first += STRIP) {
+        const int64_t n = first + STRIP < end ? STRIP : end - first;
+        uint32_t peak[STRIP];
+        int32_t rare[STRIP];
+        f32_bits scale[STRIP], unscale[STRIP];
+        int64_t q[STRIP];
+        for (int64_t i = 0; i < n; i++)
+            peak[i] = 0;
+        for (uint64_t j = 0; j < num_buffers; j++) {
+            const uint32_t *x = (const uint32_t *)(const void *)(buffers[j] + first);
+            for (int64_t i = 0; i < n; i++) {
+                uint32_t a = x[i] & 0x7fffffffu;
+                peak[i] = a > peak[i] ? a : peak[i];
+            }
+        }
+        int32_t num_rare = 0;
+        for (int64_t i = 0; i < n; i++) { /* exponent_of_bits for normal peaks; the rest is rare or zero */
+            uint32_t p = peak[i];
+            int32_t e = (int32_t)(p >> 23) - 126;
+            e = e > EXPONENT_NONFINITE - 1 ? EXPONENT_NONFINITE - 1 : e;
+            int32_t shift = bits - e;
+            int32_t is_rare = (p != 0) & ((p >= 0x7f800000u) | (p < 0x00800000u) | (shift > SCALE_MAX));
+            shift = (p == 0) | (shift > SCALE_MAX) ? SCALE_MAX : shift;
+            rare[i] = is_rare;
+            num_rare += is_rare;
+            scale[i].bits = (uint32_t)(shift + 127) << 23;
+            unscale[i].bits = (uint32_t)(127 - shift) << 23;
+            q[i] = 0;
+        }
+        for (uint64_t j = 0; j < num_buffers; j++) {
+            const float *x = buffers[j] + first;
+            for (int64_t i = 0; i < n; i++) {
+                float v = rare[i] ? 0.0f : x[i]; /* a rare element's value waits for its own path */
+                float s = v * scale[i].value, r = nearbyintf(s);
+                inexact += r != s;
+                q[i] += (int64_t)r;
+            }
+        }
+        for (int64_t i = 0; i < n; i++)
+            out[first + i] = (float)q[i] * unscale[i].value;
+        for (int64_t i = 0; num_rare && i < n; i++) {
+            if (!rare[i])
+                continue;
+            int e = exponent_of_bits(peak[i]);
+            int64_t sum = 0;
+            *nonfinite += e == EXPONENT_NONFINITE;
+            inexact += encode_block(num_buffers, buffers, first + i, 1, e, bits, &sum);
+            decode_block(&sum, 1, e, bits, out + first + i);
+        }
+    }
+    return inexact;
+}
+
+/* out = the decoded sum of the k buffers' encodings at their MAX block exponents: what
+ * samebits_fixed_exponents, samebits_fixed_encode_sum and samebits_fixed_decode give in turn,
+ * bit for bit, in one pass.  Returns the inexact count; *nonfinite_blocks gets the number of
+ * blocks holding inf or nan. */
+SAMEBITS_EXPORT int64_t samebits_fixed_reduce(uint64_t num_buffers, const uint64_t *data_ptrs, int64_t num_blocks,
+                                              int64_t block_size, int bits, float *out, int64_t *nonfinite_blocks,
+                                              int num_threads)
+{
+    const float *buffers[num_buffers ? num_buffers : 1];
+    for (uint64_t j = 0; j < num_buffers; j++)
+        buffers[j] = (const float *)(uintptr_t)data_ptrs[j];
+    int threads = threads_for(num_blocks * block_size * (int64_t)num_buffers, num_threads);
+    int64_t inexact = 0, nonfinite = 0;
+    if (block_size == 1) {
+        const int64_t chunk = 1 << 14;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1) reduction(+ : inexact, nonfinite)
+        for (int64_t begin = 0; begin < num_blocks; begin += chunk)
+            inexact += reduce_flat(num_buffers, buffers, begin, begin + chunk < num_blocks ? begin + chunk : num_blocks,
+                                   bits, out, &nonfinite);
+        *nonfinite_blocks = nonfinite;
+        return inexact;
+    }
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1) reduction(+ : inexact, nonfinite)
+    for (int64_t b = 0; b < num_blocks; b++) {
+        uint32_t peak = 0;
+        for (uint64_t j = 0; j < num_buffers; j++)
+            peak = peak_bits((const uint32_t *)(const void *)(buffers[j] + b * block_size), block_size, peak);
+        int e = exponent_of_bits(peak);
+        nonfinite += e == EXPONENT_NONFINITE;
+        for (int64_t begin = 0; begin < block_size; begin += PIECE) { /* elementwise once the exponent is known */
+            int64_t n = begin + PIECE < block_size ? PIECE : block_size - begin, tmp[PIECE];
+            int64_t offset = b * block_size + begin;
+            inexact += encode_block(num_buffers, buffers, offset, n, e, bits, tmp);
+            decode_block(tmp, n, e, bits, out + offset);
+        }
+    }
+    *nonfinite_blocks = nonfinite;
+    return inexact;
+}
+
+/* _norm.sharded_grad_norm's per-tensor peaks: out[t] = the largest |x| of tensor t as fp32 bits
+ * (x & 0x7fffffff; nan above inf, as its bits are), 0 for an empty tensor: the MAX is exact. */
+SAMEBITS_EXPORT CLONES void samebits_fixed_peaks(uint64_t num_tensors, const uint64_t *tensor_ptrs, const int64_t *numels,
+                                                 uint32_t *out)
+{
+    for (uint64_t t = 0; t < num_tensors; t++)
+        out[t] = peak_bits((const uint32_t *)(uintptr_t)tensor_ptrs[t], numels[t], 0);
 }
 
 /* _norm.sharded_grad_norm's per-tensor sums: for tensor t (numels[t] fp32 elements at

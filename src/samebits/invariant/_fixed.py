@@ -234,10 +234,6 @@ def decode_into(sums: torch.Tensor, exponents: torch.Tensor, bits: int, *, out: 
     return out.copy_(values)
 
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "fraction_bits", "block_exponents", "encode", "decode", "pow2", "pow2_clamped",
-           "EXPONENT_MIN", "EXPONENT_NONFINITE", "BACKENDS", "max_block_exponents", "encode_sum", "decode_into"]
-
-
 def reduce_here(buffers: list[torch.Tensor], bits: int, *, out: torch.Tensor, backend: str = "auto") -> tuple[int, int]:
     """The reduction where every contribution is on this rank (one rank, or the owner of its
     rows): `max_block_exponents`, `encode_sum` and `decode_into` in turn, written to ``out``
@@ -250,3 +246,8 @@ def reduce_here(buffers: list[torch.Tensor], bits: int, *, out: torch.Tensor, ba
     total, inexact = encode_sum(buffers, exps, bits, backend=backend)
     decode_into(total, exps, bits, out=out, backend=backend)
     return inexact, int((exps == EXPONENT_NONFINITE).sum())
+
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "fraction_bits", "block_exponents", "encode", "decode", "pow2", "pow2_clamped",
+           "EXPONENT_MIN", "EXPONENT_NONFINITE", "BACKENDS", "max_block_exponents", "encode_sum", "decode_into",
+           "reduce_here"]

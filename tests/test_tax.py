@@ -312,10 +312,12 @@ def test_bad_options_exit_2(argv, message, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_recipe_tax_smoke(tmp_path):
-    """CI: the recipe with deterministic mode on and off, one pair of 3 steps, a loose gate."""
-    result = tax(tmp_path / "out", programs=tax_programs(1, steps=3), pairs=1, budget_s=0, warmup=0,
+    """CI: the recipe with deterministic mode on and off, one pair of 9 steps, a loose gate.
+    Eight timed steps, not two: with two, the interval's t quantile has 1 degree of freedom
+    (12.7), and one step slowed by a loaded CI host spanned even a 100x gate (INCOMPLETE)."""
+    result = tax(tmp_path / "out", programs=tax_programs(1, steps=9), pairs=1, budget_s=0, warmup=0,
                  gate=100.0)
     assert result.verdict is Verdict.PASS and result.verdict.exit_code == EXIT_OK
-    assert 0.2 < result.ratio < 5 and len(result.times["deterministic"][0]) == 2
+    assert 0.2 < result.ratio < 5 and len(result.times["deterministic"][0]) == 8
     assert "deterministic=true" in result.commands["deterministic"]
     assert "deterministic=false" in result.commands["baseline"]
